@@ -1,0 +1,23 @@
+/* Decode attention over one layer's compressed KV cache: the packed blocks are read directly
+ * (dequantized inside the inner loop, never into a copy of the cache), then the fp16 tail,
+ * with one softmax over all positions and grouped-query mapping q_head -> q_head / (n_q / n_kv).
+ */
+#ifndef STRATA_KERNELS_KV_ATTENTION_H
+#define STRATA_KERNELS_KV_ATTENTION_H
+
+#include <stddef.h>
+
+#include "kvstore/error.h"
+#include "kvstore/kv_cache.h"
+
+/* Bytes of scratch kern_kv_attention needs for a view of n_tokens positions. */
+size_t kern_kv_attention_scratch(const kv_layer_view *view, int n_q_heads);
+
+/* q: fp32 [n_q_heads][head_dim], already RoPE'd. out: fp32 [n_q_heads][head_dim].
+ * Scores are scaled by 1/sqrt(head_dim). n_q_heads must be a multiple of view->n_kv_heads.
+ * scratch: at least kern_kv_attention_scratch() bytes, 64-byte aligned.
+ * Fails with STRATA_EFORMAT if a block does not parse, STRATA_EINVAL on bad shapes. */
+int kern_kv_attention(const kv_layer_view *view, const float *q, int n_q_heads, float *out,
+                      void *scratch, strata_error *err);
+
+#endif
