@@ -25,9 +25,16 @@ int strata_error_prefix(strata_error *err, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(prefix, sizeof prefix, fmt, ap);
     va_end(ap);
-    char old[sizeof err->msg];
-    memcpy(old, err->msg, sizeof old);
-    snprintf(err->msg, sizeof err->msg, "%s: %s", prefix, old);
+    /* Shift the old message right and put "prefix: " in front, truncating at the end. */
+    size_t plen = strlen(prefix), olen = strnlen(err->msg, sizeof err->msg - 1);
+    if (plen + 2 >= sizeof err->msg)
+        plen = sizeof err->msg - 3;
+    size_t keep = olen < sizeof err->msg - plen - 3 ? olen : sizeof err->msg - plen - 3;
+    memmove(err->msg + plen + 2, err->msg, keep);
+    memcpy(err->msg, prefix, plen);
+    err->msg[plen] = ':';
+    err->msg[plen + 1] = ' ';
+    err->msg[plen + 2 + keep] = '\0';
     return err->code;
 }
 

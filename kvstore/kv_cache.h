@@ -69,6 +69,13 @@ kv_seq *kv_seq_create(kv_pool *pool, size_t max_tokens, strata_error *err);
 /* Returns every block of the sequence to its pool. */
 void kv_seq_destroy(kv_seq *seq);
 
+/* A sequence's id for messages (EFULL names it): numbered by its pool from 1 on creation,
+ * replaceable by the caller's own (e.g. the request id). */
+uint64_t kv_seq_id(const kv_seq *seq);
+/* The pool a sequence draws from (its geometry and codec). */
+const kv_pool *kv_seq_pool(const kv_seq *seq);
+void kv_seq_set_id(kv_seq *seq, uint64_t id);
+
 /* Appends n_tokens tokens to one layer. k and v are fp32, [n_tokens][n_kv_heads][head_dim].
  * Compresses completed blocks. On STRATA_EFULL (pool exhausted) or STRATA_EINVAL (would exceed
  * max_tokens) nothing of this call is kept: the layer is left as before the call. */
@@ -80,8 +87,10 @@ size_t kv_seq_length(const kv_seq *seq, int layer);
 
 /* What attention reads for one layer, valid until the next append to that layer. */
 typedef struct kv_layer_view {
+    int layer;
     int n_kv_heads;
     int head_dim;
+    int block_tokens;              /* tokens in each block; block i holds positions from i*block_tokens */
     size_t n_blocks;
     const uint8_t *const *blocks;  /* n_blocks complete blocks in position order */
     size_t block_bytes;            /* size of each block */

@@ -1,0 +1,24 @@
+/* Subcommands of the `strata` command line and small shared helpers. */
+#ifndef STRATA_CLI_H
+#define STRATA_CLI_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+int cmd_generate(int argc, char **argv);
+int cmd_inspect(int argc, char **argv);
+
+/* Exit codes: 0 success, 1 runtime failure, 2 bad usage. */
+enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
+
+/* Strict number parsing for flags: the whole string must be a number in [min, max].
+ * On failure prints "strata: --flag: ..." and returns false. */
+bool cli_parse_long(const char *flag, const char *s, long min, long max, long *out);
+bool cli_parse_u64(const char *flag, const char *s, uint64_t *out);
+bool cli_parse_float(const char *flag, const char *s, double min, double max, float *out);
+
+/* The model used when --model is not given: $STRATA_MODEL, else the file the setup script
+ * installs. */
+const char *cli_default_model(void);
+
+#endif

@@ -1,0 +1,426 @@
+/* strata generate: load a model, tokenize a prompt, generate through the compressed KV cache. */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "coordinator/cli/cli.h"
+#include "kernels/ops.h"
+#include "kvstore/blockfile.h"
+#include "kvstore/kv_cache.h"
+#include "worker/generate.h"
+#include "worker/model.h"
+
+#define MAX_STOP 16
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "usage: strata generate --prompt TEXT [options]\n"
+            "\n"
+            "Generates a continuation of TEXT on the CPU, streaming it to stdout as it is produced.\n"
+            "The KV cache is kept compressed in blocks (fp16, or KIVI at 4 or 2 bits).\n"
+            "\n"
+            "input:\n"
+            "  -m, --model PATH        GGUF model (default: $STRATA_MODEL or\n"
+            "                          %s)\n"
+            "  -p, --prompt TEXT       the prompt (required; '-' reads it from stdin)\n"
+            "      --chat              wrap the prompt in the model's chat template as a user turn\n"
+            "      --system TEXT       system message for --chat (default: the template's own)\n"
+            "sampling:\n"
+            "  -n, --max-tokens N      tokens to generate at most (default 128)\n"
+            "  -t, --temperature T     0 = greedy (default 0)\n"
+            "      --top-k K           keep the K most likely tokens, 0 = off (default 0)\n"
+            "      --top-p P           nucleus sampling threshold in (0, 1] (default 1)\n"
+            "  -s, --seed S            random seed for sampling (default 42)\n"
+            "      --stop STR          stop before STR (repeatable, up to %d)\n"
+            "      --ignore-eos        do not stop at end-of-generation tokens\n"
+            "KV cache:\n"
+            "      --kv CODEC          fp16 | kivi4 | kivi2 (default kivi4)\n"
+            "      --kv-group G        quantization group G, tokens/channels (default 32)\n"
+            "      --kv-residual R     fp16 residual window in tokens (default 128; fp16: 0)\n"
+            "      --block-tokens N    tokens per KV block (default 64)\n"
+            "      --ctx N             context length: prompt + generated tokens (default: the\n"
+            "                          model's training context, at most 8192)\n"
+            "      --kv-pool-mib N     KV block pool size in MiB (default: room for --ctx tokens);\n"
+            "                          a sequence that outgrows it fails with a clear error\n"
+            "      --save-kv FILE      after generating, write the sequence's KV blocks to FILE\n"
+            "                          (read it with strata inspect)\n"
+            "output:\n"
+            "      --stats             print timing (prefill and decode tokens/s) and KV bytes per\n"
+            "                          token to stderr\n"
+            "      --no-echo           print only the generated text (plain prompts are echoed\n"
+            "                          first by default; --chat prompts never are)\n"
+            "  -q, --quiet             no progress messages on stderr\n"
+            "      --threads N         BLAS threads (default: OpenBLAS's choice)\n"
+            "  -h, --help              show this help\n",
+            STRATA_DEFAULT_MODEL, MAX_STOP);
+}
+
+typedef struct gen_opts {
+    const char *model_path;
+    const char *prompt;
+    const char *system;
+    bool chat;
+    int max_tokens;
+    sampler_params sampling;
+    const char *stop[MAX_STOP];
+    size_t n_stop;
+    bool ignore_eos;
+    const char *kv;
+    long kv_group, kv_residual;   /* -1: codec default */
+    int block_tokens;
+    long ctx;                     /* 0: model default */
+    long pool_mib;                /* 0: sized from ctx */
+    const char *save_kv;
+    bool stats, quiet, no_echo;
+    int threads;
+} gen_opts;
+
+enum {
+    OPT_CHAT = 1000, OPT_SYSTEM, OPT_TOP_K, OPT_TOP_P, OPT_STOP, OPT_IGNORE_EOS, OPT_KV, OPT_KV_GROUP,
+    OPT_KV_RESIDUAL, OPT_BLOCK_TOKENS, OPT_CTX, OPT_POOL, OPT_SAVE_KV, OPT_STATS, OPT_THREADS, OPT_NO_ECHO,
+};
+
+static int parse_opts(int argc, char **argv, gen_opts *o)
+{
+    static const struct option opts[] = {
+        {"model", required_argument, NULL, 'm'},
+        {"prompt", required_argument, NULL, 'p'},
+        {"chat", no_argument, NULL, OPT_CHAT},
+        {"system", required_argument, NULL, OPT_SYSTEM},
+        {"max-tokens", required_argument, NULL, 'n'},
+        {"temperature", required_argument, NULL, 't'},
+        {"top-k", required_argument, NULL, OPT_TOP_K},
+        {"top-p", required_argument, NULL, OPT_TOP_P},
+        {"seed", required_argument, NULL, 's'},
+        {"stop", required_argument, NULL, OPT_STOP},
+        {"ignore-eos", no_argument, NULL, OPT_IGNORE_EOS},
+        {"kv", required_argument, NULL, OPT_KV},
+        {"kv-group", required_argument, NULL, OPT_KV_GROUP},
+        {"kv-residual", required_argument, NULL, OPT_KV_RESIDUAL},
+        {"block-tokens", required_argument, NULL, OPT_BLOCK_TOKENS},
+        {"ctx", required_argument, NULL, OPT_CTX},
+        {"kv-pool-mib", required_argument, NULL, OPT_POOL},
+        {"save-kv", required_argument, NULL, OPT_SAVE_KV},
+        {"stats", no_argument, NULL, OPT_STATS},
+        {"quiet", no_argument, NULL, 'q'},
+        {"no-echo", no_argument, NULL, OPT_NO_ECHO},
+        {"threads", required_argument, NULL, OPT_THREADS},
+        {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
+    };
+    *o = (gen_opts){.model_path = cli_default_model(), .max_tokens = 128,
+                    .sampling = {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .seed = 42},
+                    .kv = "kivi4", .kv_group = -1, .kv_residual = -1, .block_tokens = 64};
+    long v;
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "m:p:n:t:s:qh", opts, NULL)) != -1) {
+        switch (c) {
+        case 'm': o->model_path = optarg; break;
+        case 'p': o->prompt = optarg; break;
+        case OPT_CHAT: o->chat = true; break;
+        case OPT_SYSTEM: o->system = optarg; break;
+        case 'n':
+            if (!cli_parse_long("--max-tokens", optarg, 1, 1 << 20, &v)) return EXIT_USAGE;
+            o->max_tokens = (int)v;
+            break;
+        case 't':
+            if (!cli_parse_float("--temperature", optarg, 0.0, 100.0, &o->sampling.temperature)) return EXIT_USAGE;
+            break;
+        case OPT_TOP_K:
+            if (!cli_parse_long("--top-k", optarg, 0, 1 << 24, &v)) return EXIT_USAGE;
+            o->sampling.top_k = (int)v;
+            break;
+        case OPT_TOP_P:
+            if (!cli_parse_float("--top-p", optarg, 0.0, 1.0, &o->sampling.top_p)) return EXIT_USAGE;
+            if (o->sampling.top_p <= 0.0f) {
+                fprintf(stderr, "strata: --top-p must be greater than 0\n");
+                return EXIT_USAGE;
+            }
+            break;
+        case 's':
+            if (!cli_parse_u64("--seed", optarg, &o->sampling.seed)) return EXIT_USAGE;
+            break;
+        case OPT_STOP:
+            if (o->n_stop == MAX_STOP) {
+                fprintf(stderr, "strata: at most %d --stop strings\n", MAX_STOP);
+                return EXIT_USAGE;
+            }
+            if (!*optarg) {
+                fprintf(stderr, "strata: --stop needs a non-empty string\n");
+                return EXIT_USAGE;
+            }
+            o->stop[o->n_stop++] = optarg;
+            break;
+        case OPT_IGNORE_EOS: o->ignore_eos = true; break;
+        case OPT_KV: o->kv = optarg; break;
+        case OPT_KV_GROUP:
+            if (!cli_parse_long("--kv-group", optarg, 1, 4096, &o->kv_group)) return EXIT_USAGE;
+            break;
+        case OPT_KV_RESIDUAL:
+            if (!cli_parse_long("--kv-residual", optarg, 0, 1 << 20, &o->kv_residual)) return EXIT_USAGE;
+            break;
+        case OPT_BLOCK_TOKENS:
+            if (!cli_parse_long("--block-tokens", optarg, 1, 4096, &v)) return EXIT_USAGE;
+            o->block_tokens = (int)v;
+            break;
+        case OPT_CTX:
+            if (!cli_parse_long("--ctx", optarg, 2, 1 << 22, &o->ctx)) return EXIT_USAGE;
+            break;
+        case OPT_POOL:
+            if (!cli_parse_long("--kv-pool-mib", optarg, 1, 1 << 24, &o->pool_mib)) return EXIT_USAGE;
+            break;
+        case OPT_SAVE_KV: o->save_kv = optarg; break;
+        case OPT_STATS: o->stats = true; break;
+        case 'q': o->quiet = true; break;
+        case OPT_NO_ECHO: o->no_echo = true; break;
+        case OPT_THREADS:
+            if (!cli_parse_long("--threads", optarg, 1, 1024, &v)) return EXIT_USAGE;
+            o->threads = (int)v;
+            break;
+        case 'h': usage(stdout); return -1;
+        default: usage(stderr); return EXIT_USAGE;
+        }
+    }
+    if (optind != argc) {
+        fprintf(stderr, "strata generate: unexpected argument '%s' (the prompt goes after --prompt)\n", argv[optind]);
+        return EXIT_USAGE;
+    }
+    if (!o->prompt) {
+        fprintf(stderr, "strata generate: --prompt is required (try --help)\n");
+        return EXIT_USAGE;
+    }
+    if (!*o->prompt) {
+        fprintf(stderr, "strata generate: the prompt is empty\n");
+        return EXIT_USAGE;
+    }
+    if (o->system && !o->chat) {
+        fprintf(stderr, "strata generate: --system only applies with --chat\n");
+        return EXIT_USAGE;
+    }
+    return 0;
+}
+
+static double now_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static char *read_stdin(void)
+{
+    size_t cap = 4096, len = 0;
+    char *buf = malloc(cap);
+    while (buf) {
+        size_t got = fread(buf + len, 1, cap - len - 1, stdin);
+        len += got;
+        if (got == 0)
+            break;
+        if (len + 1 == cap) {
+            char *grown = realloc(buf, cap * 2);
+            if (!grown) {
+                free(buf);
+                return NULL;
+            }
+            buf = grown;
+            cap *= 2;
+        }
+    }
+    if (buf)
+        buf[len] = '\0';
+    return buf;
+}
+
+static int print_text(void *user, const char *text, size_t len)
+{
+    (void)user;
+    fwrite(text, 1, len, stdout);
+    fflush(stdout);
+    return ferror(stdout) ? 1 : 0;   /* a closed pipe ends generation */
+}
+
+static void print_stats(const model *m, const kv_seq *seq, const kv_pool *pool, const generate_result *r)
+{
+    const model_config *cfg = model_get_config(m);
+    kv_seq_stats st;
+    kv_seq_get_stats(seq, &st);
+    char codec[32];
+    kv_codec_name(kv_pool_codec(pool), codec, sizeof codec);
+    const double per_layer_tokens = st.tokens ? (double)st.tokens / cfg->n_layers : 0.0;
+    const double block_tokens = st.block_tokens ? (double)st.block_tokens / cfg->n_layers : 0.0;
+    const double fp16_per_token = 2.0 * 2.0 * cfg->n_kv_heads * cfg->head_dim * cfg->n_layers;
+    fprintf(stderr, "\n--- stats ---\n");
+    fprintf(stderr, "prefill: %zu tokens in %.3f s (%.1f tokens/s)\n", r->prompt_tokens, r->prefill_seconds,
+            r->prefill_seconds > 0 ? (double)r->prompt_tokens / r->prefill_seconds : 0.0);
+    fprintf(stderr, "decode:  %zu tokens in %.3f s (%.2f tokens/s)\n", r->decode_steps, r->decode_seconds,
+            r->decode_seconds > 0 ? (double)r->decode_steps / r->decode_seconds : 0.0);
+    fprintf(stderr, "finish:  %s after %zu tokens\n", finish_reason_name(r->finish), r->completion_tokens);
+    fprintf(stderr, "kv cache (%s, %d layers): %.0f tokens, %zu blocks holding %.0f tokens/layer, "
+                    "fp16 tail %.0f tokens/layer\n",
+            codec, cfg->n_layers, per_layer_tokens, st.blocks, block_tokens,
+            per_layer_tokens - block_tokens);
+    if (block_tokens > 0)
+        fprintf(stderr, "kv bytes/token in blocks: %.1f (fp16 would be %.0f: %.3fx, %.2fx smaller)\n",
+                (double)st.block_bytes / block_tokens, fp16_per_token,
+                (double)st.block_bytes / block_tokens / fp16_per_token,
+                fp16_per_token / ((double)st.block_bytes / block_tokens));
+    else
+        fprintf(stderr, "kv bytes/token in blocks: n/a (the sequence is shorter than the residual window + one block)\n");
+    if (per_layer_tokens > 0)
+        fprintf(stderr, "kv bytes/token incl. fp16 tail: %.1f (total %.2f MiB; pool %zu of %zu slots free)\n",
+                (double)(st.block_bytes + st.tail_bytes) / per_layer_tokens,
+                (double)(st.block_bytes + st.tail_bytes) / 1048576.0, kv_pool_free(pool), kv_pool_capacity(pool));
+}
+
+int cmd_generate(int argc, char **argv)
+{
+    gen_opts o;
+    int rc = parse_opts(argc, argv, &o);
+    if (rc != 0)
+        return rc < 0 ? 0 : rc;
+    if (o.threads)
+        kern_set_threads(o.threads);
+
+    strata_error err = {0};
+    kv_codec_params codec;
+    if (kv_codec_parse(o.kv, &codec, &err) != STRATA_OK) {
+        fprintf(stderr, "strata generate: --kv: %s\n", err.msg);
+        return EXIT_USAGE;
+    }
+    if (o.kv_group >= 0)
+        codec.group = (int)o.kv_group;
+    if (o.kv_residual >= 0)
+        codec.residual = (int)o.kv_residual;
+
+    char *stdin_prompt = NULL;
+    if (!strcmp(o.prompt, "-")) {
+        stdin_prompt = read_stdin();
+        if (!stdin_prompt) {
+            fprintf(stderr, "strata generate: out of memory reading the prompt from stdin\n");
+            return EXIT_RUNTIME;
+        }
+        o.prompt = stdin_prompt;
+    }
+
+    double t0 = now_seconds();
+    if (!o.quiet)
+        fprintf(stderr, "strata: loading %s\n", o.model_path);
+    model *m = model_load(o.model_path, 0, -1, &err);
+    if (!m) {
+        fprintf(stderr, "strata generate: %s\n", err.msg);
+        if (err.code == STRATA_EIO && !getenv("STRATA_MODEL"))
+            fprintf(stderr, "strata generate: run scripts/setup.sh to download the default model, or pass --model\n");
+        free(stdin_prompt);
+        return EXIT_RUNTIME;
+    }
+    const model_config *cfg = model_get_config(m);
+    const tokenizer *tok = model_get_tokenizer(m);
+    if (!o.quiet)
+        fprintf(stderr, "strata: %s, %d layers, %d heads (%d KV), %.0f MiB of fp32 weights, loaded in %.2f s\n",
+                cfg->name[0] ? cfg->name : cfg->arch, cfg->n_layers, cfg->n_heads, cfg->n_kv_heads,
+                (double)model_weight_bytes(m) / 1048576.0, now_seconds() - t0);
+
+    int exit_code = EXIT_RUNTIME;
+    kv_pool *pool = NULL;
+    kv_seq *seq = NULL;
+    char *chat_text = NULL;
+    int32_t *ids = NULL, *prompt = NULL;
+    size_t n_ids = 0;
+    generate_result result = {0};
+
+    kv_geometry geo = model_kv_geometry(m, o.block_tokens);
+    if (kv_codec_validate(&codec, &geo, &err) != STRATA_OK) {
+        fprintf(stderr, "strata generate: --kv %s: %s\n", o.kv, err.msg);
+        exit_code = EXIT_USAGE;
+        goto done;
+    }
+    const char *text = o.prompt;
+    if (o.chat) {
+        if (tokenizer_apply_chat(tok, o.system, o.prompt, &chat_text, &err) != STRATA_OK) {
+            fprintf(stderr, "strata generate: --chat: %s\n", err.msg);
+            goto done;
+        }
+        text = chat_text;
+    }
+    if (tokenizer_encode(tok, text, strlen(text), o.chat, &ids, &n_ids, &err) != STRATA_OK) {
+        fprintf(stderr, "strata generate: tokenizing the prompt: %s\n", err.msg);
+        goto done;
+    }
+    const bool bos = tokenizer_add_bos(tok);
+    size_t n_prompt = n_ids + (bos ? 1 : 0);
+    prompt = malloc((n_prompt ? n_prompt : 1) * sizeof *prompt);
+    if (!prompt) {
+        fprintf(stderr, "strata generate: out of memory\n");
+        goto done;
+    }
+    if (bos)
+        prompt[0] = tokenizer_bos(tok);
+    if (n_ids)
+        memcpy(prompt + (bos ? 1 : 0), ids, n_ids * sizeof *ids);
+    if (n_prompt == 0) {
+        fprintf(stderr, "strata generate: the prompt is empty\n");
+        exit_code = EXIT_USAGE;
+        goto done;
+    }
+
+    size_t ctx = o.ctx ? (size_t)o.ctx : (size_t)(cfg->n_ctx_train < 8192 ? cfg->n_ctx_train : 8192);
+    if (n_prompt >= ctx) {
+        fprintf(stderr, "strata generate: the prompt has %zu tokens but the context holds %zu (raise --ctx)\n",
+                n_prompt, ctx);
+        exit_code = EXIT_USAGE;
+        goto done;
+    }
+    size_t slots_needed = (ctx + (size_t)o.block_tokens - 1) / (size_t)o.block_tokens * (size_t)cfg->n_layers;
+    size_t slot_bytes = kv_block_size(&codec, &geo);
+    size_t slots = o.pool_mib ? ((size_t)o.pool_mib << 20) / slot_bytes : slots_needed;
+    if (slots == 0) {
+        fprintf(stderr, "strata generate: --kv-pool-mib %ld holds no block of %zu bytes\n", o.pool_mib, slot_bytes);
+        exit_code = EXIT_USAGE;
+        goto done;
+    }
+    pool = kv_pool_create(&geo, &codec, slots, &err);
+    if (!pool || !(seq = kv_seq_create(pool, ctx, &err))) {
+        fprintf(stderr, "strata generate: %s\n", err.msg);
+        goto done;
+    }
+    if (!o.quiet)
+        fprintf(stderr, "strata: prompt %zu tokens, context %zu, KV %s in %zu blocks of %zu bytes (%.1f MiB pool)\n",
+                n_prompt, ctx, o.kv, slots, slot_bytes, (double)(slots * slot_bytes) / 1048576.0);
+
+    generate_params gp = {.sampling = o.sampling, .max_tokens = o.max_tokens, .stop = o.stop,
+                          .n_stop = o.n_stop, .ignore_eos = o.ignore_eos};
+    if (!o.chat && !o.no_echo)
+        print_text(NULL, o.prompt, strlen(o.prompt));
+    rc = generate_run(m, seq, ctx, prompt, n_prompt, &gp, print_text, NULL, &result, &err);
+    printf("\n");
+    fflush(stdout);
+    if (rc != STRATA_OK) {
+        fprintf(stderr, "strata generate: %s\n", err.msg);
+        goto done;
+    }
+    if (o.stats)
+        print_stats(m, seq, pool, &result);
+    if (o.save_kv) {
+        if (kv_blockfile_save(seq, o.save_kv, &err) != STRATA_OK) {
+            fprintf(stderr, "strata generate: --save-kv: %s\n", err.msg);
+            goto done;
+        }
+        if (!o.quiet)
+            fprintf(stderr, "strata: KV blocks written to %s\n", o.save_kv);
+    }
+    exit_code = 0;
+done:
+    generate_result_free(&result);
+    free(prompt);
+    free(ids);
+    free(chat_text);
+    kv_seq_destroy(seq);
+    kv_pool_destroy(pool);
+    model_free(m);
+    free(stdin_prompt);
+    return exit_code;
+}

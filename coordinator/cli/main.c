@@ -1,0 +1,95 @@
+/* strata: command-line entry point. */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "coordinator/cli/cli.h"
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "strata %s: LLM inference with a compressed (2-4 bit) KV cache\n"
+            "\n"
+            "usage: strata <command> [options]\n"
+            "\n"
+            "commands:\n"
+            "  generate   generate text from a prompt with the default or a given GGUF model (CPU)\n"
+            "  inspect    print and verify the KV blocks in a block file (see generate --save-kv)\n"
+            "\n"
+            "options:\n"
+            "  -h, --help     show this help (each command has its own: strata generate --help)\n"
+            "  --version      print the version\n"
+            "\n"
+            "default model: %s\n",
+            STRATA_VERSION, cli_default_model());
+}
+
+const char *cli_default_model(void)
+{
+    const char *env = getenv("STRATA_MODEL");
+    return env && *env ? env : STRATA_DEFAULT_MODEL;
+}
+
+bool cli_parse_long(const char *flag, const char *s, long min, long max, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end != '\0' || v < min || v > max) {
+        fprintf(stderr, "strata: %s: '%s' is not an integer in [%ld, %ld]\n", flag, s, min, max);
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
+bool cli_parse_u64(const char *flag, const char *s, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 10);
+    if (errno || end == s || *end != '\0' || s[0] == '-') {
+        fprintf(stderr, "strata: %s: '%s' is not a non-negative integer\n", flag, s);
+        return false;
+    }
+    *out = (uint64_t)v;
+    return true;
+}
+
+bool cli_parse_float(const char *flag, const char *s, double min, double max, float *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end != '\0' || !isfinite(v) || v < min || v > max) {
+        fprintf(stderr, "strata: %s: '%s' is not a number in [%g, %g]\n", flag, s, min, max);
+        return false;
+    }
+    *out = (float)v;
+    return true;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage(stderr);
+        return EXIT_USAGE;
+    }
+    const char *cmd = argv[1];
+    if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
+        usage(stdout);
+        return 0;
+    }
+    if (!strcmp(cmd, "--version")) {
+        printf("strata %s\n", STRATA_VERSION);
+        return 0;
+    }
+    if (!strcmp(cmd, "generate"))
+        return cmd_generate(argc - 1, argv + 1);
+    if (!strcmp(cmd, "inspect"))
+        return cmd_inspect(argc - 1, argv + 1);
+    fprintf(stderr, "strata: unknown command '%s' (try strata --help)\n", cmd);
+    return EXIT_USAGE;
+}

@@ -1,0 +1,37 @@
+/* Dense numeric ops of the forward pass (CPU reference backend). Row-major fp32 throughout.
+ * Weights follow GGUF's layout: a [out][in] matrix with the input dimension contiguous. */
+#ifndef STRATA_KERNELS_OPS_H
+#define STRATA_KERNELS_OPS_H
+
+#include <stddef.h>
+
+/* y[n][out] = x[n][in] * W^T, W [out][in]. Goes through BLAS (sgemv for n == 1). */
+void kern_matmul(const float *x, size_t n, size_t in, const float *w, size_t out, float *y);
+
+/* out = x / sqrt(mean(x^2) + eps) * weight, for each of n rows of dim elements. out may be x. */
+void kern_rmsnorm(const float *x, const float *weight, size_t n, size_t dim, float eps, float *out);
+
+/* Rotary embedding in place on n_heads vectors of head_dim at position pos: adjacent pairs
+ * (x[2i], x[2i+1]) rotate by pos * theta^(-2i/head_dim) (GGUF's llama layout). */
+void kern_rope(float *x, size_t n_heads, size_t head_dim, size_t pos, float theta);
+
+/* out[i] = silu(gate[i]) * up[i]. out may alias gate. */
+void kern_swiglu(const float *gate, const float *up, size_t n, float *out);
+
+/* y[i] += x[i] */
+void kern_add(float *y, const float *x, size_t n);
+
+/* In-place softmax over n values (max-subtracted). */
+void kern_softmax(float *x, size_t n);
+
+/* Exact causal attention for a whole prompt (prefill): q [n][n_q_heads][head_dim],
+ * k and v [n][n_kv_heads][head_dim], out [n][n_q_heads][head_dim]. Query i attends to keys
+ * 0..i. scratch: n floats. */
+void kern_attention_causal(const float *q, const float *k, const float *v, size_t n,
+                           size_t n_q_heads, size_t n_kv_heads, size_t head_dim, float *out,
+                           float *scratch);
+
+/* Number of threads BLAS may use (0: leave the library's default). */
+void kern_set_threads(int n);
+
+#endif

@@ -1,0 +1,155 @@
+/* Sampler: greedy is argmax, a seed reproduces its tokens, and sampled frequencies follow the
+ * top-k / temperature / top-p distribution computed here in double precision. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include <cmocka.h>
+
+#include "worker/sampler.h"
+
+enum { V = 12 };
+static const float logits[V] = {1.0f, 3.0f, 0.5f, 2.5f, -1.0f, 2.9f, 0.0f, -3.0f, 1.5f, 2.0f, -0.5f, 0.2f};
+
+static sampler *make(float temp, int top_k, float top_p, uint64_t seed)
+{
+    sampler_params p = {.temperature = temp, .top_k = top_k, .top_p = top_p, .seed = seed};
+    strata_error err = {0};
+    sampler *s = sampler_create(&p, V, &err);
+    assert_non_null(s);
+    return s;
+}
+
+static void test_greedy_is_argmax(void **state)
+{
+    (void)state;
+    sampler *s = make(0.0f, 0, 1.0f, 1);
+    for (int i = 0; i < 10; i++)
+        assert_int_equal(sampler_sample(s, logits), 1);
+    sampler_free(s);
+    s = make(5.0f, 1, 1.0f, 1); /* top-k 1 is greedy at any temperature */
+    assert_int_equal(sampler_sample(s, logits), 1);
+    sampler_free(s);
+}
+
+static void test_same_seed_same_tokens(void **state)
+{
+    (void)state;
+    sampler *a = make(1.0f, 0, 1.0f, 1234), *b = make(1.0f, 0, 1.0f, 1234), *c = make(1.0f, 0, 1.0f, 99);
+    int same_ab = 0, same_ac = 0;
+    for (int i = 0; i < 200; i++) {
+        int32_t x = sampler_sample(a, logits), y = sampler_sample(b, logits), z = sampler_sample(c, logits);
+        same_ab += x == y;
+        same_ac += x == z;
+    }
+    assert_int_equal(same_ab, 200);
+    assert_true(same_ac < 200); /* a different seed gives a different stream */
+    sampler_free(a);
+    sampler_free(b);
+    sampler_free(c);
+}
+
+/* Expected probabilities: keep the top_k largest logits, softmax at temperature, then keep the
+ * smallest prefix (by probability) reaching top_p, renormalized. */
+static void expected_distribution(float temp, int top_k, float top_p, double *p)
+{
+    int order[V];
+    for (int i = 0; i < V; i++)
+        order[i] = i;
+    for (int i = 0; i < V; i++)
+        for (int j = i + 1; j < V; j++)
+            if (logits[order[j]] > logits[order[i]]) {
+                int t = order[i];
+                order[i] = order[j];
+                order[j] = t;
+            }
+    int n = top_k > 0 && top_k < V ? top_k : V;
+    double sum = 0;
+    for (int i = 0; i < V; i++)
+        p[i] = 0;
+    for (int i = 0; i < n; i++)
+        sum += p[order[i]] = exp((double)logits[order[i]] / temp);
+    double cum = 0;
+    int keep = n;
+    for (int i = 0; i < n; i++) {
+        cum += p[order[i]] / sum;
+        if (cum >= top_p) {
+            keep = i + 1;
+            break;
+        }
+    }
+    double kept = 0;
+    for (int i = 0; i < V; i++) {
+        int rank = 0;
+        while (order[rank] != i)
+            rank++;
+        if (rank >= keep)
+            p[i] = 0;
+        kept += p[i];
+    }
+    for (int i = 0; i < V; i++)
+        p[i] /= kept;
+}
+
+static void check_frequencies(float temp, int top_k, float top_p)
+{
+    enum { DRAWS = 200000 };
+    double want[V];
+    expected_distribution(temp, top_k, top_p, want);
+    sampler *s = make(temp, top_k, top_p, 7);
+    long count[V] = {0};
+    for (int i = 0; i < DRAWS; i++)
+        count[sampler_sample(s, logits)]++;
+    sampler_free(s);
+    for (int i = 0; i < V; i++) {
+        double got = (double)count[i] / DRAWS;
+        /* 5 standard deviations of a binomial proportion, plus a hair */
+        double tol = 5.0 * sqrt(want[i] * (1.0 - want[i]) / DRAWS) + 1e-4;
+        if (fabs(got - want[i]) > tol)
+            fail_msg("T=%g k=%d p=%g: token %d drawn %.5f of the time, expected %.5f (tol %.5f)",
+                     (double)temp, top_k, (double)top_p, i, got, want[i], tol);
+        if (want[i] == 0.0 && count[i] != 0)
+            fail_msg("token %d is outside top-k/top-p but was drawn %ld times", i, count[i]);
+    }
+}
+
+static void test_distributions(void **state)
+{
+    (void)state;
+    check_frequencies(1.0f, 0, 1.0f);
+    check_frequencies(0.5f, 0, 1.0f);
+    check_frequencies(2.0f, 4, 1.0f);
+    check_frequencies(1.0f, 0, 0.6f);
+    check_frequencies(0.8f, 6, 0.9f);
+}
+
+static void test_rejects_bad_params(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    sampler_params bad[] = {
+        {.temperature = -0.1f, .top_p = 1.0f},
+        {.temperature = NAN, .top_p = 1.0f},
+        {.temperature = 1.0f, .top_k = -1, .top_p = 1.0f},
+        {.temperature = 1.0f, .top_p = 0.0f},
+        {.temperature = 1.0f, .top_p = 1.5f},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_null(sampler_create(&bad[i], V, &err));
+        assert_int_equal(err.code, STRATA_EINVAL);
+    }
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_greedy_is_argmax),
+        cmocka_unit_test(test_same_seed_same_tokens),
+        cmocka_unit_test(test_distributions),
+        cmocka_unit_test(test_rejects_bad_params),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

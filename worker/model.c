@@ -1,0 +1,398 @@
+#include "worker/model.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/kv_attention.h"
+#include "kernels/ops.h"
+#include "kvstore/half.h"
+#include "worker/gguf.h"
+
+typedef struct layer_weights {
+    float *attn_norm, *wq, *wk, *wv, *wo;
+    float *ffn_norm, *w_gate, *w_up, *w_down;
+} layer_weights;
+
+struct model {
+    model_config cfg;
+    int layer_begin, layer_end;
+    layer_weights *layers;   /* layer_end - layer_begin entries */
+    float *tok_embd;         /* [n_vocab][n_embd], present on the first stage or when tied */
+    float *output_norm;      /* last stage only */
+    float *output;           /* [n_vocab][n_embd]; aliases tok_embd when tied */
+    tokenizer *tok;
+    size_t weight_bytes;
+};
+
+static int read_u32_key(gguf_file *f, const char *arch, const char *suffix, int *out, strata_error *err)
+{
+    char key[128];
+    uint32_t v;
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    int rc = gguf_get_u32(f, key, &v, err);
+    if (rc == STRATA_OK) {
+        if (v == 0 || v > (1u << 24))
+            return strata_fail(err, STRATA_EFORMAT, "model metadata %s = %u is out of range", key, v);
+        *out = (int)v;
+    }
+    return rc;
+}
+
+static int read_config(gguf_file *f, model_config *c, strata_error *err)
+{
+    gguf_str s;
+    int rc = gguf_get_str(f, "general.architecture", &s, err);
+    if (rc != STRATA_OK)
+        return rc;
+    snprintf(c->arch, sizeof c->arch, "%.*s", (int)(s.len < 31 ? s.len : 31), s.ptr);
+    if (strcmp(c->arch, "llama") != 0)
+        return strata_fail(err, STRATA_EUNSUPPORTED,
+                           "model architecture '%s' is not supported (strata runs the llama family)", c->arch);
+    if (gguf_get_str(f, "general.name", &s, NULL) == STRATA_OK)
+        snprintf(c->name, sizeof c->name, "%.*s", (int)(s.len < 127 ? s.len : 127), s.ptr);
+    if ((rc = read_u32_key(f, c->arch, "block_count", &c->n_layers, err)) ||
+        (rc = read_u32_key(f, c->arch, "embedding_length", &c->n_embd, err)) ||
+        (rc = read_u32_key(f, c->arch, "attention.head_count", &c->n_heads, err)) ||
+        (rc = read_u32_key(f, c->arch, "feed_forward_length", &c->n_ff, err)) ||
+        (rc = read_u32_key(f, c->arch, "context_length", &c->n_ctx_train, err)))
+        return rc;
+    c->n_kv_heads = c->n_heads;
+    char key[128];
+    snprintf(key, sizeof key, "%s.attention.head_count_kv", c->arch);
+    if (gguf_has_key(f, key) && (rc = read_u32_key(f, c->arch, "attention.head_count_kv", &c->n_kv_heads, err)))
+        return rc;
+    c->rope_theta = 10000.0f;
+    snprintf(key, sizeof key, "%s.rope.freq_base", c->arch);
+    if (gguf_has_key(f, key) && (rc = gguf_get_f32(f, key, &c->rope_theta, err)))
+        return rc;
+    snprintf(key, sizeof key, "%s.attention.layer_norm_rms_epsilon", c->arch);
+    if ((rc = gguf_get_f32(f, key, &c->rms_eps, err)))
+        return rc;
+    if (c->n_embd % c->n_heads != 0 || c->n_heads % c->n_kv_heads != 0)
+        return strata_fail(err, STRATA_EFORMAT,
+                           "model shape is inconsistent: %d embedding dims, %d heads, %d KV heads",
+                           c->n_embd, c->n_heads, c->n_kv_heads);
+    c->head_dim = c->n_embd / c->n_heads;
+    if (c->head_dim % 2 != 0)
+        return strata_fail(err, STRATA_EFORMAT, "head dimension %d is odd: RoPE needs pairs", c->head_dim);
+    if (!(c->rope_theta > 0.0f) || !(c->rms_eps > 0.0f))
+        return strata_fail(err, STRATA_EFORMAT, "model metadata: rope theta %g and rms epsilon %g must be positive",
+                           (double)c->rope_theta, (double)c->rms_eps);
+    return STRATA_OK;
+}
+
+/* Dequantizes the named tensor after checking its shape is exactly [ne1][ne0]. */
+static float *load_tensor(model *m, gguf_file *f, const char *name, uint64_t ne0, uint64_t ne1,
+                          strata_error *err)
+{
+    const gguf_tensor *t = gguf_find_tensor(f, name);
+    if (!t) {
+        strata_fail(err, STRATA_EFORMAT, "model is missing tensor '%s'", name);
+        return NULL;
+    }
+    uint64_t want_dims = ne1 > 1 ? 2 : 1;
+    if (t->ne[0] != ne0 || t->ne[1] != ne1 || t->ne[2] != 1 || t->ne[3] != 1 ||
+        (uint64_t)t->n_dims < want_dims) {
+        strata_fail(err, STRATA_EFORMAT, "tensor '%s' has shape [%llu, %llu, %llu, %llu], expected [%llu, %llu]",
+                    name, (unsigned long long)t->ne[0], (unsigned long long)t->ne[1],
+                    (unsigned long long)t->ne[2], (unsigned long long)t->ne[3],
+                    (unsigned long long)ne0, (unsigned long long)ne1);
+        return NULL;
+    }
+    float *out = malloc((size_t)t->n_elements * sizeof *out);
+    if (!out) {
+        strata_fail(err, STRATA_ENOMEM, "out of memory loading tensor '%s' (%llu elements)", name,
+                    (unsigned long long)t->n_elements);
+        return NULL;
+    }
+    if (gguf_tensor_to_f32(t, out, err) != STRATA_OK) {
+        free(out);
+        return NULL;
+    }
+    for (uint64_t i = 0; i < t->n_elements; i++) {
+        if (!isfinite(out[i])) {
+            strata_fail(err, STRATA_EFORMAT, "tensor '%s' holds a non-finite value at element %llu", name,
+                        (unsigned long long)i);
+            free(out);
+            return NULL;
+        }
+    }
+    m->weight_bytes += (size_t)t->n_elements * sizeof *out;
+    return out;
+}
+
+static int load_layer(model *m, gguf_file *f, int il, layer_weights *L, strata_error *err)
+{
+    const model_config *c = &m->cfg;
+    const uint64_t e = (uint64_t)c->n_embd, kvd = (uint64_t)c->n_kv_heads * (uint64_t)c->head_dim;
+    struct { float **dst; const char *suffix; uint64_t ne0, ne1; } want[] = {
+        {&L->attn_norm, "attn_norm", e, 1},
+        {&L->wq, "attn_q", e, e},
+        {&L->wk, "attn_k", e, kvd},
+        {&L->wv, "attn_v", e, kvd},
+        {&L->wo, "attn_output", e, e},
+        {&L->ffn_norm, "ffn_norm", e, 1},
+        {&L->w_gate, "ffn_gate", e, (uint64_t)c->n_ff},
+        {&L->w_up, "ffn_up", e, (uint64_t)c->n_ff},
+        {&L->w_down, "ffn_down", (uint64_t)c->n_ff, e},
+    };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        char name[96];
+        snprintf(name, sizeof name, "blk.%d.%s.weight", il, want[i].suffix);
+        *want[i].dst = load_tensor(m, f, name, want[i].ne0, want[i].ne1, err);
+        if (!*want[i].dst)
+            return err ? err->code : STRATA_EFORMAT;
+    }
+    return STRATA_OK;
+}
+
+model *model_load(const char *path, int layer_begin, int layer_end, strata_error *err)
+{
+    gguf_file *f = gguf_open(path, err);
+    if (!f)
+        return NULL;
+    model *m = calloc(1, sizeof *m);
+    if (!m) {
+        strata_fail(err, STRATA_ENOMEM, "out of memory");
+        gguf_close(f);
+        return NULL;
+    }
+    int rc = read_config(f, &m->cfg, err);
+    if (rc == STRATA_OK) {
+        if (layer_end < 0)
+            layer_end = m->cfg.n_layers;
+        if (layer_begin < 0 || layer_begin >= layer_end || layer_end > m->cfg.n_layers)
+            rc = strata_fail(err, STRATA_EINVAL, "layer range [%d, %d) is outside the model's %d layers",
+                             layer_begin, layer_end, m->cfg.n_layers);
+    }
+    if (rc == STRATA_OK) {
+        m->layer_begin = layer_begin;
+        m->layer_end = layer_end;
+        m->tok = tokenizer_from_gguf(f, err);
+        if (!m->tok)
+            rc = err ? err->code : STRATA_EFORMAT;
+    }
+    if (rc == STRATA_OK && tokenizer_n_vocab(m->tok) <= 0)
+        rc = strata_fail(err, STRATA_EFORMAT, "model has an empty vocabulary");
+    if (rc == STRATA_OK) {
+        m->cfg.n_vocab = tokenizer_n_vocab(m->tok);
+        m->cfg.tied_output = gguf_find_tensor(f, "output.weight") == NULL;
+        bool first = layer_begin == 0, last = layer_end == m->cfg.n_layers;
+        const uint64_t e = (uint64_t)m->cfg.n_embd, nv = (uint64_t)m->cfg.n_vocab;
+        if (first || (last && m->cfg.tied_output)) {
+            m->tok_embd = load_tensor(m, f, "token_embd.weight", e, nv, err);
+            if (!m->tok_embd)
+                rc = err ? err->code : STRATA_EFORMAT;
+        }
+        if (rc == STRATA_OK && last) {
+            m->output_norm = load_tensor(m, f, "output_norm.weight", e, 1, err);
+            if (!m->output_norm)
+                rc = err ? err->code : STRATA_EFORMAT;
+            else if (m->cfg.tied_output)
+                m->output = m->tok_embd;
+            else if (!(m->output = load_tensor(m, f, "output.weight", e, nv, err)))
+                rc = err ? err->code : STRATA_EFORMAT;
+        }
+    }
+    if (rc == STRATA_OK) {
+        m->layers = calloc((size_t)(layer_end - layer_begin), sizeof *m->layers);
+        if (!m->layers)
+            rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
+        for (int il = layer_begin; rc == STRATA_OK && il < layer_end; il++)
+            rc = load_layer(m, f, il, &m->layers[il - layer_begin], err);
+    }
+    gguf_close(f);
+    if (rc != STRATA_OK) {
+        if (err)
+            strata_error_prefix(err, "loading model '%s'", path);
+        model_free(m);
+        return NULL;
+    }
+    return m;
+}
+
+void model_free(model *m)
+{
+    if (!m)
+        return;
+    if (m->layers) {
+        for (int i = 0; i < m->layer_end - m->layer_begin; i++) {
+            layer_weights *L = &m->layers[i];
+            float *all[] = {L->attn_norm, L->wq, L->wk, L->wv, L->wo, L->ffn_norm, L->w_gate, L->w_up, L->w_down};
+            for (size_t j = 0; j < sizeof all / sizeof all[0]; j++)
+                free(all[j]);
+        }
+        free(m->layers);
+    }
+    if (m->output != m->tok_embd)
+        free(m->output);
+    free(m->tok_embd);
+    free(m->output_norm);
+    tokenizer_free(m->tok);
+    free(m);
+}
+
+const model_config *model_get_config(const model *m) { return &m->cfg; }
+const tokenizer *model_get_tokenizer(const model *m) { return m->tok; }
+int model_layer_begin(const model *m) { return m->layer_begin; }
+int model_layer_end(const model *m) { return m->layer_end; }
+size_t model_weight_bytes(const model *m) { return m->weight_bytes; }
+
+kv_geometry model_kv_geometry(const model *m, int block_tokens)
+{
+    return (kv_geometry){.n_layers = m->cfg.n_layers, .n_kv_heads = m->cfg.n_kv_heads,
+                         .head_dim = m->cfg.head_dim, .block_tokens = block_tokens};
+}
+
+/* Activations of one forward call over n tokens. */
+typedef struct workspace {
+    float *x, *xn, *q, *k, *v, *attn, *proj, *gate, *up;
+    float *att_scratch;   /* causal prefill: n floats */
+    void *kv_scratch;     /* decode attention over the cache, grown on demand */
+    size_t kv_scratch_bytes;
+} workspace;
+
+static void workspace_free(workspace *w)
+{
+    float *all[] = {w->x, w->xn, w->q, w->k, w->v, w->attn, w->proj, w->gate, w->up, w->att_scratch};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
+        free(all[i]);
+    free(w->kv_scratch);
+}
+
+static int workspace_alloc(workspace *w, const model_config *c, size_t n, strata_error *err)
+{
+    memset(w, 0, sizeof *w);
+    const size_t e = (size_t)c->n_embd, kvd = (size_t)c->n_kv_heads * (size_t)c->head_dim;
+    w->x = malloc(n * e * sizeof(float));
+    w->xn = malloc(n * e * sizeof(float));
+    w->q = malloc(n * e * sizeof(float));
+    w->k = malloc(n * kvd * sizeof(float));
+    w->v = malloc(n * kvd * sizeof(float));
+    w->attn = malloc(n * e * sizeof(float));
+    w->proj = malloc(n * e * sizeof(float));
+    w->gate = malloc(n * (size_t)c->n_ff * sizeof(float));
+    w->up = malloc(n * (size_t)c->n_ff * sizeof(float));
+    w->att_scratch = malloc(n * sizeof(float));
+    if (!w->x || !w->xn || !w->q || !w->k || !w->v || !w->attn || !w->proj || !w->gate || !w->up ||
+        !w->att_scratch) {
+        workspace_free(w);
+        return strata_fail(err, STRATA_ENOMEM, "out of memory for activations of %zu tokens", n);
+    }
+    return STRATA_OK;
+}
+
+static int ensure_kv_scratch(workspace *w, size_t bytes, strata_error *err)
+{
+    if (bytes <= w->kv_scratch_bytes)
+        return STRATA_OK;
+    size_t rounded = (bytes + 63) / 64 * 64;
+    free(w->kv_scratch);
+    w->kv_scratch = aligned_alloc(64, rounded);
+    if (!w->kv_scratch) {
+        w->kv_scratch_bytes = 0;
+        return strata_fail(err, STRATA_ENOMEM, "out of memory for attention scratch (%zu bytes)", rounded);
+    }
+    w->kv_scratch_bytes = rounded;
+    return STRATA_OK;
+}
+
+/* One transformer layer over n tokens at positions pos0.. . prefill: exact causal attention
+ * over the n tokens themselves (the cache must be empty for this layer); otherwise n == 1 and
+ * attention reads the compressed cache. */
+static int run_layer(model *m, kv_seq *seq, int il, workspace *w, size_t n, size_t pos0, bool prefill,
+                     strata_error *err)
+{
+    const model_config *c = &m->cfg;
+    const layer_weights *L = &m->layers[il - m->layer_begin];
+    const size_t e = (size_t)c->n_embd, hd = (size_t)c->head_dim;
+    const size_t kvd = (size_t)c->n_kv_heads * hd;
+
+    kern_rmsnorm(w->x, L->attn_norm, n, e, c->rms_eps, w->xn);
+    kern_matmul(w->xn, n, e, L->wq, e, w->q);
+    kern_matmul(w->xn, n, e, L->wk, kvd, w->k);
+    kern_matmul(w->xn, n, e, L->wv, kvd, w->v);
+    for (size_t i = 0; i < n; i++) {
+        kern_rope(w->q + i * e, (size_t)c->n_heads, hd, pos0 + i, c->rope_theta);
+        kern_rope(w->k + i * kvd, (size_t)c->n_kv_heads, hd, pos0 + i, c->rope_theta);
+    }
+    int rc = kv_seq_append(seq, il, w->k, w->v, n, err);
+    if (rc != STRATA_OK)
+        return strata_error_prefix(err, "layer %d", il);
+    if (prefill) {
+        /* Exact attention at the precision the cache keeps recent tokens in (fp16). */
+        for (size_t i = 0; i < n * kvd; i++) {
+            w->k[i] = strata_round_half(w->k[i]);
+            w->v[i] = strata_round_half(w->v[i]);
+        }
+        kern_attention_causal(w->q, w->k, w->v, n, (size_t)c->n_heads, (size_t)c->n_kv_heads, hd,
+                              w->attn, w->att_scratch);
+    } else {
+        kv_layer_view view;
+        kv_seq_layer_view(seq, il, &view);
+        rc = ensure_kv_scratch(w, kern_kv_attention_scratch(&view, c->n_heads), err);
+        if (rc == STRATA_OK)
+            rc = kern_kv_attention(&view, w->q, c->n_heads, w->attn, w->kv_scratch, err);
+        if (rc != STRATA_OK)
+            return strata_error_prefix(err, "attention in layer %d", il);
+    }
+    kern_matmul(w->attn, n, e, L->wo, e, w->proj);
+    kern_add(w->x, w->proj, n * e);
+
+    kern_rmsnorm(w->x, L->ffn_norm, n, e, c->rms_eps, w->xn);
+    kern_matmul(w->xn, n, e, L->w_gate, (size_t)c->n_ff, w->gate);
+    kern_matmul(w->xn, n, e, L->w_up, (size_t)c->n_ff, w->up);
+    kern_swiglu(w->gate, w->up, n * (size_t)c->n_ff, w->gate);
+    kern_matmul(w->gate, n, (size_t)c->n_ff, L->w_down, e, w->proj);
+    kern_add(w->x, w->proj, n * e);
+    return STRATA_OK;
+}
+
+static void run_head(const model *m, const float *x, size_t n, float *xn, float *logits)
+{
+    const model_config *c = &m->cfg;
+    kern_rmsnorm(x, m->output_norm, n, (size_t)c->n_embd, c->rms_eps, xn);
+    kern_matmul(xn, n, (size_t)c->n_embd, m->output, (size_t)c->n_vocab, logits);
+}
+
+int model_forward(model *m, kv_seq *seq, const int32_t *tokens, size_t n, size_t pos0, float *logits,
+                  bool all_logits, strata_error *err)
+{
+    const model_config *c = &m->cfg;
+    if (m->layer_begin != 0 || m->layer_end != c->n_layers)
+        return strata_fail(err, STRATA_EINVAL, "model_forward needs every layer; this model holds [%d, %d)",
+                           m->layer_begin, m->layer_end);
+    if (n == 0)
+        return strata_fail(err, STRATA_EINVAL, "no tokens to run");
+    for (size_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= c->n_vocab)
+            return strata_fail(err, STRATA_EINVAL, "token id %d at index %zu is outside the vocabulary (%d)",
+                               tokens[i], i, c->n_vocab);
+    if (kv_seq_length(seq, 0) != pos0)
+        return strata_fail(err, STRATA_EINVAL, "position %zu does not follow the cache's %zu tokens", pos0,
+                           kv_seq_length(seq, 0));
+
+    const bool prefill = pos0 == 0 && n > 1;
+    const size_t rows = prefill ? n : 1;
+    const size_t e = (size_t)c->n_embd;
+    workspace w;
+    int rc = workspace_alloc(&w, c, rows, err);
+    if (rc != STRATA_OK)
+        return rc;
+    for (size_t start = 0; start < n && rc == STRATA_OK; start += rows) {
+        for (size_t i = 0; i < rows; i++)
+            memcpy(w.x + i * e, m->tok_embd + (size_t)tokens[start + i] * e, e * sizeof(float));
+        for (int il = 0; il < c->n_layers && rc == STRATA_OK; il++)
+            rc = run_layer(m, seq, il, &w, rows, pos0 + start, prefill, err);
+        if (rc != STRATA_OK || !logits)
+            continue;
+        if (all_logits)
+            run_head(m, w.x, rows, w.xn, logits + start * (size_t)c->n_vocab);
+        else if (start + rows == n)
+            run_head(m, w.x + (rows - 1) * e, 1, w.xn, logits);
+    }
+    workspace_free(&w);
+    return rc;
+}

@@ -1,0 +1,27 @@
+/* Next-token sampling: greedy, or top-k -> temperature -> top-p (nucleus) with a seeded PRNG,
+ * so the same seed and logits give the same tokens on every machine. */
+#ifndef STRATA_WORKER_SAMPLER_H
+#define STRATA_WORKER_SAMPLER_H
+
+#include <stdint.h>
+
+#include "kvstore/error.h"
+
+typedef struct sampler_params {
+    float temperature;  /* 0: greedy (argmax); > 0: sample */
+    int top_k;          /* keep the k most likely tokens; 0: all */
+    float top_p;        /* keep the smallest set whose probability reaches top_p; 1: all */
+    uint64_t seed;
+} sampler_params;
+
+/* Rejects temperature < 0 or non-finite, top_k < 0, top_p outside (0, 1]. */
+int sampler_params_validate(const sampler_params *p, strata_error *err);
+
+typedef struct sampler sampler;
+
+sampler *sampler_create(const sampler_params *p, int n_vocab, strata_error *err);
+void sampler_free(sampler *s);
+/* Picks the next token from n_vocab logits (not modified). */
+int32_t sampler_sample(sampler *s, const float *logits);
+
+#endif
