@@ -1,6 +1,7 @@
 #include "kvstore/quant.h"
 
 #include <math.h>
+#include <string.h>
 
 #include "kvstore/bytes.h"
 #include "kvstore/half.h"
@@ -100,9 +101,31 @@ uint32_t kv_packed_code(const uint8_t *src, size_t i, int bits)
     return (word >> ((i % per) * (size_t)bits)) & ((1u << bits) - 1u);
 }
 
+/* Byte -> codes as floats, built by the preprocessor so the tables are constant data: the
+ * unpacking sits in attention's inner loop and a table lookup beats shifting code by code. Bytes
+ * are taken in little-endian word order, which keeps the LSB-first code order. */
+#define KV_B2(b) {(float)((b) & 3), (float)(((b) >> 2) & 3), (float)(((b) >> 4) & 3), (float)(((b) >> 6) & 3)}
+#define KV_B4(b) {(float)((b) & 15), (float)(((b) >> 4) & 15)}
+#define KV_X4(M, n) M(n), M((n) + 1), M((n) + 2), M((n) + 3)
+#define KV_X16(M, n) KV_X4(M, n), KV_X4(M, (n) + 4), KV_X4(M, (n) + 8), KV_X4(M, (n) + 12)
+#define KV_X64(M, n) KV_X16(M, n), KV_X16(M, (n) + 16), KV_X16(M, (n) + 32), KV_X16(M, (n) + 48)
+#define KV_X256(M) KV_X64(M, 0), KV_X64(M, 64), KV_X64(M, 128), KV_X64(M, 192)
+static const float codes2_of_byte[256][4] = {KV_X256(KV_B2)};
+static const float codes4_of_byte[256][2] = {KV_X256(KV_B4)};
+
 void kv_unpack_codes_f32(const uint8_t *src, size_t n, int bits, float *out)
 {
     const size_t per = 32u / (unsigned)bits;
+    if (bits == 2) {
+        for (size_t i = 0; i < n / 4; i++)
+            memcpy(out + 4 * i, codes2_of_byte[src[i]], sizeof codes2_of_byte[0]);
+        return;
+    }
+    if (bits == 4) {
+        for (size_t i = 0; i < n / 2; i++)
+            memcpy(out + 2 * i, codes4_of_byte[src[i]], sizeof codes4_of_byte[0]);
+        return;
+    }
     const uint32_t mask = (1u << bits) - 1u;
     for (size_t w = 0; w < n / per; w++) {
         uint32_t word = kv_ld32(src + 4 * w);
