@@ -191,6 +191,8 @@ static void test_golden_block(void **state)
     assert_memory_equal(b + 768, vscales, sizeof vscales);
 
     assert_int_equal(rd32(b + 56), crc_bitwise(0, b + 128, 896 - 128));
+    assert_int_equal(rd32(b + 56), 0x075ceddeu);   /* pinned, as in docs/format.md */
+    assert_int_equal(rd32(b + 60), 0x68d17bffu);
     uint8_t h[128];
     memcpy(h, b, 128);
     wr32(h + 60, 0);

@@ -21,7 +21,8 @@
 #include "kvstore/half.h"
 #include "kvstore/quant.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/* GCC's __builtin_cpu_supports knows "f16c"; older clang does not, and gets the portable path. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
 #define KV_ATTN_HAVE_F16C 1
 #endif
