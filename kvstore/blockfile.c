@@ -180,14 +180,12 @@ __attribute__((format(printf, 4, 5))) static int keep_first(int rc, strata_error
 {
     if (rc)
         return rc;
-    if (err) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err->msg, sizeof err->msg, fmt, ap);
-        va_end(ap);
-        err->code = code;
-    }
-    return code;
+    char msg[sizeof err->msg];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    return strata_fail(err, code, "%s", msg);
 }
 
 static void print_values(const kv_block *b, FILE *out, strata_error *err)
