@@ -31,6 +31,11 @@ void kv_block_desc_init(kv_block_desc *d, const kv_codec_params *p, const kv_geo
         d->k_group = d->v_group = p->group;
         d->residual = p->residual;
     }
+    if (p->codec == KV_CODEC_GEAR) {
+        d->rank = p->rank_decode;
+        d->k_sparse = kv_gear_outliers(p->sparse_pct, g->block_tokens);
+        d->v_sparse = kv_gear_outliers(p->sparse_pct, g->head_dim);
+    }
     d->layer = layer;
     d->first_pos = first_pos;
     d->n_tokens = g->block_tokens > 0 ? (uint32_t)g->block_tokens : 0;
@@ -54,6 +59,10 @@ int kv_block_desc_check(const kv_block_desc *d, strata_error *err)
                            d->k_group, d->v_group);
     if (d->residual < 0 || d->residual > UINT16_MAX)
         return strata_fail(err, STRATA_EFORMAT, "residual %d out of range 0..65535", d->residual);
+    if (d->rank < 0 || d->rank > UINT8_MAX || d->k_sparse < 0 || d->k_sparse > UINT16_MAX || d->v_sparse < 0 ||
+        d->v_sparse > UINT16_MAX || d->ott_tokens < 0 || d->ott_tokens > UINT16_MAX)
+        return strata_fail(err, STRATA_EFORMAT, "rank %d / outliers %d, %d / ott entries %d out of range", d->rank,
+                           d->k_sparse, d->v_sparse, d->ott_tokens);
     if (d->first_pos > UINT64_MAX - d->n_tokens)
         return strata_fail(err, STRATA_EFORMAT, "first position %" PRIu64 " overflows", d->first_pos);
     uint64_t elems = (uint64_t)d->n_tokens * (uint64_t)d->n_kv_heads;  /* < 2^48: no overflow */
@@ -113,6 +122,12 @@ static void stamp_crcs(uint8_t *b, uint32_t header_bytes, uint32_t block_bytes)
 int kv_block_encode(const kv_block_desc *d, const float *k, const float *v, uint8_t *dst,
                     size_t cap, size_t *written, strata_error *err)
 {
+    return kv_block_encode_ex(d, k, v, NULL, dst, cap, written, err);
+}
+
+int kv_block_encode_ex(const kv_block_desc *d, const float *k, const float *v, const kv_block_extra *extra,
+                       uint8_t *dst, size_t cap, size_t *written, strata_error *err)
+{
     block_layout L;
     if (block_layout_of(d, &L, err) != STRATA_OK) {
         if (err)
@@ -141,6 +156,10 @@ int kv_block_encode(const kv_block_desc *d, const float *k, const float *v, uint
     kv_st16(dst + KV_HDR_K_GROUP, (uint16_t)d->k_group);
     kv_st16(dst + KV_HDR_V_GROUP, (uint16_t)d->v_group);
     kv_st16(dst + KV_HDR_RESIDUAL, (uint16_t)d->residual);
+    dst[KV_HDR_RANK] = (uint8_t)d->rank;
+    kv_st16(dst + KV_HDR_K_SPARSE, (uint16_t)d->k_sparse);
+    kv_st16(dst + KV_HDR_V_SPARSE, (uint16_t)d->v_sparse);
+    kv_st16(dst + KV_HDR_OTT_TOKENS, (uint16_t)d->ott_tokens);
     uint8_t *sec[KV_BLOCK_MAX_SECTIONS];
     for (int i = 0; i < L.n; i++) {
         uint8_t *e = dst + KV_BLOCK_FIXED_BYTES + (size_t)i * KV_BLOCK_SECTION_ENTRY_BYTES;
@@ -150,7 +169,7 @@ int kv_block_encode(const kv_block_desc *d, const float *k, const float *v, uint
         kv_st32(e + 8, (uint32_t)L.spec[i].length);
         sec[i] = dst + L.offset[i];
     }
-    int rc = kv_codec_ops_for((unsigned)d->codec)->encode(d, k, v, sec, err);
+    int rc = kv_codec_ops_for((unsigned)d->codec)->encode(d, k, v, extra, sec, err);
     if (rc)
         return rc;
     stamp_crcs(dst, L.header_bytes, (uint32_t)L.block_bytes);
@@ -203,7 +222,7 @@ int kv_block_parse(const uint8_t *buf, size_t len, kv_block *out, strata_error *
     unsigned flags = kv_ld16(buf + KV_HDR_FLAGS);
     if (flags)
         return strata_fail(err, STRATA_EFORMAT, "unknown header flags 0x%04x", flags);
-    if (!all_zero(buf + KV_HDR_RESERVED, 12))
+    if (buf[KV_HDR_RESERVED1] || !all_zero(buf + KV_HDR_RESERVED, 4))
         return strata_fail(err, STRATA_EFORMAT, "reserved header bytes are not zero");
     uint32_t table_end = KV_BLOCK_FIXED_BYTES + n_sections * KV_BLOCK_SECTION_ENTRY_BYTES;
     if (!all_zero(buf + table_end, header_bytes - table_end))
@@ -221,6 +240,10 @@ int kv_block_parse(const uint8_t *buf, size_t len, kv_block *out, strata_error *
     d->k_group = kv_ld16(buf + KV_HDR_K_GROUP);
     d->v_group = kv_ld16(buf + KV_HDR_V_GROUP);
     d->residual = kv_ld16(buf + KV_HDR_RESIDUAL);
+    d->rank = buf[KV_HDR_RANK];
+    d->k_sparse = kv_ld16(buf + KV_HDR_K_SPARSE);
+    d->v_sparse = kv_ld16(buf + KV_HDR_V_SPARSE);
+    d->ott_tokens = kv_ld16(buf + KV_HDR_OTT_TOKENS);
     block_layout L;
     int rc = block_layout_of(d, &L, err);
     if (rc) {
@@ -340,13 +363,13 @@ const char *kv_section_name(uint16_t id)
     case KV_SEC_V_SCALES: return "V_SCALES";
     case KV_SEC_K_FP16: return "K_FP16";
     case KV_SEC_V_FP16: return "V_FP16";
-    case KV_SEC_GEAR_K_SPARSE: return "GEAR_K_SPARSE (reserved)";
-    case KV_SEC_GEAR_V_SPARSE: return "GEAR_V_SPARSE (reserved)";
-    case KV_SEC_GEAR_K_LOWRANK: return "GEAR_K_LOWRANK (reserved)";
-    case KV_SEC_GEAR_V_LOWRANK: return "GEAR_V_LOWRANK (reserved)";
-    case KV_SEC_OTT_TOKENS: return "OTT_TOKENS (reserved)";
-    case KV_SEC_TADA_K_MEAN: return "TADA_K_MEAN (reserved)";
-    case KV_SEC_TADA_V_MEAN: return "TADA_V_MEAN (reserved)";
+    case KV_SEC_GEAR_K_SPARSE: return "GEAR_K_SPARSE";
+    case KV_SEC_GEAR_V_SPARSE: return "GEAR_V_SPARSE";
+    case KV_SEC_GEAR_K_LOWRANK: return "GEAR_K_LOWRANK";
+    case KV_SEC_GEAR_V_LOWRANK: return "GEAR_V_LOWRANK";
+    case KV_SEC_OTT_TOKENS: return "OTT_TOKENS";
+    case KV_SEC_TADA_K_MEAN: return "TADA_K_MEAN";
+    case KV_SEC_TADA_V_MEAN: return "TADA_V_MEAN";
     default: return "unknown";
     }
 }
@@ -356,9 +379,9 @@ const char *kv_codec_id_name(unsigned id)
     switch (id) {
     case KV_CODEC_FP16: return "fp16";
     case KV_CODEC_KIVI: return "kivi";
-    case 3: return "gear (reserved)";
-    case 4: return "ott (reserved)";
-    case 5: return "tada (reserved)";
+    case KV_CODEC_GEAR: return "gear";
+    case KV_CODEC_OTT: return "ott";
+    case KV_CODEC_TADA: return "tada";
     default: return "unknown";
     }
 }
@@ -376,6 +399,11 @@ void kv_block_print(const kv_block *b, FILE *out, int indent)
         fprintf(out, "%*scodec %s (id %u), K %d-bit, V %d-bit, key group %d tokens, value group %d channels, residual %d\n",
                 w, "", kv_codec_id_name((unsigned)d->codec), (unsigned)d->codec, d->k_bits, d->v_bits,
                 d->k_group, d->v_group, d->residual);
+    if (d->codec == KV_CODEC_GEAR)
+        fprintf(out, "%*slow rank %d per head, outliers per key vector %d, per value vector %d\n", w, "", d->rank,
+                d->k_sparse, d->v_sparse);
+    if (d->codec == KV_CODEC_OTT)
+        fprintf(out, "%*soutlier tokens held: %d (head, token) entries\n", w, "", d->ott_tokens);
     fprintf(out, "%*slayer %" PRIu32 ", positions %" PRIu64 "..%" PRIu64 " (%" PRIu32 " tokens), %d kv heads x %d dims\n",
             w, "", d->layer, d->first_pos, d->first_pos + d->n_tokens - 1, d->n_tokens, d->n_kv_heads,
             d->head_dim);

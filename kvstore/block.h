@@ -43,7 +43,12 @@ enum {
     KV_HDR_V_GROUP = 38,      /* u16: channels per value group (0 for fp16) */
     KV_HDR_RESIDUAL = 40,     /* u16: the writer's residual window R (informational) */
     KV_HDR_FLAGS = 42,        /* u16: 0 in version 1 */
-    KV_HDR_RESERVED = 44,     /* 12 bytes, zero */
+    KV_HDR_RANK = 44,         /* u8: gear low rank per head (0 for other codecs) */
+    KV_HDR_RESERVED1 = 45,    /* u8, zero */
+    KV_HDR_K_SPARSE = 46,     /* u16: gear outliers per key vector (0 for other codecs) */
+    KV_HDR_V_SPARSE = 48,     /* u16: gear outliers per value vector */
+    KV_HDR_OTT_TOKENS = 50,   /* u16: ott pooled (head, token) entries in this block */
+    KV_HDR_RESERVED = 52,     /* 4 bytes, zero */
     KV_HDR_PAYLOAD_CRC = 56,  /* u32: CRC32C of bytes [header_bytes, block_bytes) */
     KV_HDR_HEADER_CRC = 60,   /* u32: CRC32C of bytes [0, header_bytes) with this field as zero */
 };
@@ -57,13 +62,13 @@ enum kv_section_id {
     KV_SEC_V_SCALES = 4,        /* value (scale, zero) fp16 pairs */
     KV_SEC_K_FP16 = 5,          /* keys as fp16 [token][head][dim] */
     KV_SEC_V_FP16 = 6,          /* values as fp16 [token][head][dim] */
-    KV_SEC_GEAR_K_SPARSE = 16,  /* reserved: GEAR sparse key outliers */
-    KV_SEC_GEAR_V_SPARSE = 17,  /* reserved: GEAR sparse value outliers */
-    KV_SEC_GEAR_K_LOWRANK = 18, /* reserved: GEAR low-rank key factors */
-    KV_SEC_GEAR_V_LOWRANK = 19, /* reserved: GEAR low-rank value factors */
-    KV_SEC_OTT_TOKENS = 20,     /* reserved: OTT outlier tokens */
-    KV_SEC_TADA_K_MEAN = 21,    /* reserved: TaDA per-token key head means */
-    KV_SEC_TADA_V_MEAN = 22,    /* reserved: TaDA per-token value head means */
+    KV_SEC_GEAR_K_SPARSE = 16,  /* GEAR key outliers: per key vector (u16 token, f16 value) */
+    KV_SEC_GEAR_V_SPARSE = 17,  /* GEAR value outliers: per value vector (u16 channel, f16 value) */
+    KV_SEC_GEAR_K_LOWRANK = 18, /* GEAR key residual factors: per head A [token][rank], B [dim][rank] f16 */
+    KV_SEC_GEAR_V_LOWRANK = 19, /* GEAR value residual factors, same layout */
+    KV_SEC_OTT_TOKENS = 20,     /* OTT pooled tokens: (u16 head, u16 token) entries, then f16 K and V rows */
+    KV_SEC_TADA_K_MEAN = 21,    /* TaDA per-token key mean across heads, f16 [token][dim] */
+    KV_SEC_TADA_V_MEAN = 22,    /* TaDA per-token value mean across heads, f16 [token][dim] */
 };
 
 /* Section flag: a reader that does not know the section may skip it (the block still decodes
@@ -74,10 +79,14 @@ enum kv_section_id {
 /* The header fields that describe a block, independent of its bytes. */
 typedef struct kv_block_desc {
     kv_codec_id codec;
-    int k_bits, v_bits;    /* 16 and 16 for fp16; 2 or 4 each for kivi */
-    int k_group;           /* tokens per key group (kivi), 0 for fp16 */
-    int v_group;           /* channels per value group (kivi), 0 for fp16 */
+    int k_bits, v_bits;    /* 16 and 16 for fp16; 2 or 4 each for kivi, gear, ott; 2, 4, 8 for tada */
+    int k_group;           /* tokens per key group (quantized codecs), 0 for fp16 */
+    int v_group;           /* channels per value group (quantized codecs), 0 for fp16 */
     int residual;          /* writer's residual window, informational */
+    int rank;              /* gear: low rank per head */
+    int k_sparse;          /* gear: outliers per key vector (one channel of one head, n_tokens long) */
+    int v_sparse;          /* gear: outliers per value vector (one token of one head, head_dim long) */
+    int ott_tokens;        /* ott: pooled (head, token) entries held by this block */
     uint32_t layer;
     uint64_t first_pos;    /* position of the block's first token */
     uint32_t n_tokens;
@@ -105,9 +114,22 @@ typedef struct kv_block {
     kv_block_section sections[KV_BLOCK_MAX_SECTIONS];
 } kv_block;
 
-/* The desc of a full block of a pool's codec and geometry (n_tokens = block_tokens). */
+/* The desc of a full block of a pool's codec and geometry (n_tokens = block_tokens), with the
+ * gear decode rank and no ott entries; the writer adjusts rank / ott_tokens per block. */
 void kv_block_desc_init(kv_block_desc *d, const kv_codec_params *p, const kv_geometry *g,
                         uint32_t layer, uint64_t first_pos);
+
+/* An OTT pool entry: the token (index within the block) of one KV head kept in fp16. */
+typedef struct kv_ott_entry {
+    uint16_t head;
+    uint16_t token;
+} kv_ott_entry;
+
+/* What a block's encoder needs beyond the rows: the ott entries (d->ott_tokens of them, sorted
+ * by token then head, each pair at most once). NULL when the codec needs nothing. */
+typedef struct kv_block_extra {
+    const kv_ott_entry *ott;
+} kv_block_extra;
 
 /* Checks that a desc is a block this version can hold (codec, bits, groups, sizes). */
 int kv_block_desc_check(const kv_block_desc *d, strata_error *err);
@@ -119,6 +141,9 @@ size_t kv_block_bytes(const kv_block_desc *d);
  * must have room for kv_block_bytes(d) bytes; *written gets that size (may be NULL). */
 int kv_block_encode(const kv_block_desc *d, const float *k, const float *v, uint8_t *dst,
                     size_t cap, size_t *written, strata_error *err);
+/* The same with the codec's extra input (may be NULL). */
+int kv_block_encode_ex(const kv_block_desc *d, const float *k, const float *v, const kv_block_extra *extra,
+                       uint8_t *dst, size_t cap, size_t *written, strata_error *err);
 
 /* Parses and validates the header and section table of the block at buf. len may exceed the
  * block (a pool slot, a file tail); the block's own size is out->block_bytes. Does not read

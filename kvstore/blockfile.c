@@ -40,7 +40,7 @@ static void tail_free(tail_buffers *t)
 static void tail_desc(const kv_seq *seq, int layer, const kv_layer_view *view, kv_block_desc *d)
 {
     const kv_pool *pool = kv_seq_pool(seq);
-    kv_codec_params fp16 = {KV_CODEC_FP16, 16, 0, 0};
+    kv_codec_params fp16 = {.codec = KV_CODEC_FP16, .bits = 16};
     kv_block_desc_init(d, &fp16, kv_pool_geometry(pool), (uint32_t)layer,
                        (uint64_t)view->n_blocks * (uint64_t)view->block_tokens);
     d->n_tokens = (uint32_t)view->tail_tokens;
@@ -62,7 +62,8 @@ static int save_to(const kv_seq *seq, FILE *f, const char *path, strata_error *e
         kv_layer_view view;
         kv_seq_layer_view(seq, l, &view);
         n_blocks += view.n_blocks;
-        bytes += (uint64_t)view.n_blocks * view.block_bytes;
+        for (size_t b = 0; b < view.n_blocks; b++)
+            bytes += kv_ld32(view.blocks[b] + KV_HDR_BLOCK_BYTES);   /* each block's own size */
         if (view.tail_tokens) {
             kv_block_desc d;
             tail_desc(seq, l, &view, &d);
@@ -106,7 +107,7 @@ static int save_to(const kv_seq *seq, FILE *f, const char *path, strata_error *e
         kv_layer_view view;
         kv_seq_layer_view(seq, l, &view);
         for (size_t b = 0; b < view.n_blocks && rc == STRATA_OK; b++)
-            rc = write_all(f, view.blocks[b], view.block_bytes, path, err);
+            rc = write_all(f, view.blocks[b], kv_ld32(view.blocks[b] + KV_HDR_BLOCK_BYTES), path, err);
         if (rc || !view.tail_tokens)
             continue;
         for (size_t i = 0; i < view.tail_tokens * row; i++) {

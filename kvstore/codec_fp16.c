@@ -14,7 +14,7 @@ static int fp16_check(const kv_block_desc *d, strata_error *err)
     if (d->k_group != 0 || d->v_group != 0 || d->residual != 0)
         return strata_fail(err, STRATA_EFORMAT, "fp16 block with groups %d/%d and residual %d (must be 0)",
                            d->k_group, d->v_group, d->residual);
-    return STRATA_OK;
+    return kv_check_no_extras(d, "fp16", err);
 }
 
 static int fp16_sections(const kv_block_desc *d, kv_section_spec *out)
@@ -25,10 +25,11 @@ static int fp16_sections(const kv_block_desc *d, kv_section_spec *out)
     return 2;
 }
 
-static int fp16_encode(const kv_block_desc *d, const float *k, const float *v, uint8_t *const *sec,
-                       strata_error *err)
+static int fp16_encode(const kv_block_desc *d, const float *k, const float *v, const kv_block_extra *extra,
+                       uint8_t *const *sec, strata_error *err)
 {
     (void)err;
+    (void)extra;
     size_t n = (size_t)d->n_tokens * (size_t)d->n_kv_heads * (size_t)d->head_dim;
     for (size_t i = 0; i < n; i++) {
         kv_st16(sec[0] + 2 * i, strata_float_to_half(k[i]));

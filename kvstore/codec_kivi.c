@@ -3,33 +3,51 @@
  * at k_bits / v_bits. Section layouts (docs/format.md):
  *   K_CODES  [head][channel] rows of n_tokens codes      K_SCALES [head][channel][token group]
  *   V_CODES  [token][head]   rows of head_dim codes      V_SCALES [token][head][channel group]
- * each (scale, zero) entry being two fp16 numbers, scale first. */
+ * each (scale, zero) entry being two fp16 numbers, scale first. GEAR, OTT and TaDA reuse these
+ * four sections as their backbone (the kv_kivi_* functions of codec.h). */
 #include "kvstore/bytes.h"
 #include "kvstore/codec.h"
 #include "kvstore/half.h"
 #include "kvstore/quant.h"
 
-static int kivi_check(const kv_block_desc *d, strata_error *err)
+int kv_check_no_extras(const kv_block_desc *d, const char *name, strata_error *err)
 {
-    if ((d->k_bits != 2 && d->k_bits != 4) || (d->v_bits != 2 && d->v_bits != 4))
-        return strata_fail(err, STRATA_EFORMAT, "kivi block with K/V bits %d/%d (each must be 2 or 4)",
-                           d->k_bits, d->v_bits);
+    if (d->rank || d->k_sparse || d->v_sparse || d->ott_tokens)
+        return strata_fail(err, STRATA_EFORMAT,
+                           "%s block with gear/ott fields set (rank %d, outliers %d/%d, ott entries %d; must be 0)",
+                           name, d->rank, d->k_sparse, d->v_sparse, d->ott_tokens);
+    return STRATA_OK;
+}
+
+int kv_kivi_check_backbone(const kv_block_desc *d, unsigned allowed_bits, const char *name, strata_error *err)
+{
+    bool k_ok = d->k_bits >= 1 && d->k_bits <= 8 && (allowed_bits >> d->k_bits & 1u);
+    bool v_ok = d->v_bits >= 1 && d->v_bits <= 8 && (allowed_bits >> d->v_bits & 1u);
+    if (!k_ok || !v_ok)
+        return strata_fail(err, STRATA_EFORMAT, "%s block with K/V bits %d/%d (not supported by %s)", name,
+                           d->k_bits, d->v_bits, name);
     if (d->k_group < 1 || d->n_tokens % (uint32_t)d->k_group)
-        return strata_fail(err, STRATA_EFORMAT, "kivi key group %d does not divide the %u tokens",
+        return strata_fail(err, STRATA_EFORMAT, "%s key group %d does not divide the %u tokens", name,
                            d->k_group, (unsigned)d->n_tokens);
     if (d->v_group < 1 || d->head_dim % d->v_group)
-        return strata_fail(err, STRATA_EFORMAT, "kivi value group %d does not divide head_dim %d",
+        return strata_fail(err, STRATA_EFORMAT, "%s value group %d does not divide head_dim %d", name,
                            d->v_group, d->head_dim);
     if (d->n_tokens % (32u / (unsigned)d->k_bits))
-        return strata_fail(err, STRATA_EFORMAT, "kivi key rows of %u tokens do not fill whole 32-bit words",
+        return strata_fail(err, STRATA_EFORMAT, "%s key rows of %u tokens do not fill whole 32-bit words", name,
                            (unsigned)d->n_tokens);
     if (d->head_dim % (32 / d->v_bits))
-        return strata_fail(err, STRATA_EFORMAT, "kivi value rows of %d channels do not fill whole 32-bit words",
+        return strata_fail(err, STRATA_EFORMAT, "%s value rows of %d channels do not fill whole 32-bit words", name,
                            d->head_dim);
     if (d->residual % d->k_group)
-        return strata_fail(err, STRATA_EFORMAT, "kivi residual %d is not a multiple of the key group %d",
+        return strata_fail(err, STRATA_EFORMAT, "%s residual %d is not a multiple of the key group %d", name,
                            d->residual, d->k_group);
     return STRATA_OK;
+}
+
+static int kivi_check(const kv_block_desc *d, strata_error *err)
+{
+    int rc = kv_kivi_check_backbone(d, (1u << 2) | (1u << 4), "kivi", err);
+    return rc ? rc : kv_check_no_extras(d, "kivi", err);
 }
 
 typedef struct kivi_dims {
@@ -51,7 +69,7 @@ static kivi_dims dims_of(const kv_block_desc *d)
     return m;
 }
 
-static int kivi_sections(const kv_block_desc *d, kv_section_spec *out)
+int kv_kivi_sections(const kv_block_desc *d, kv_section_spec *out)
 {
     kivi_dims m = dims_of(d);
     out[0] = (kv_section_spec){KV_SEC_K_CODES, (uint64_t)m.H * m.D * m.k_row};
@@ -84,10 +102,8 @@ static void quantize_row(const float *x, size_t n, size_t stride, size_t g, int 
     }
 }
 
-static int kivi_encode(const kv_block_desc *d, const float *k, const float *v, uint8_t *const *sec,
-                       strata_error *err)
+void kv_kivi_encode_sections(const kv_block_desc *d, const float *k, const float *v, uint8_t *const *sec)
 {
-    (void)err;
     kivi_dims m = dims_of(d);
     for (size_t h = 0; h < m.H; h++)
         for (size_t c = 0; c < m.D; c++) {
@@ -101,10 +117,9 @@ static int kivi_encode(const kv_block_desc *d, const float *k, const float *v, u
             quantize_row(v + r * m.D, m.D, 1, (size_t)d->v_group, d->v_bits, sec[2] + r * m.v_row,
                          sec[3] + r * m.v_groups * 4);
         }
-    return STRATA_OK;
 }
 
-static int kivi_decode(const kv_block *b, float *k, float *v, strata_error *err)
+int kv_kivi_decode_sections(const kv_block *b, float *k, float *v, strata_error *err)
 {
     const kv_block_desc *d = &b->desc;
     const uint8_t *kc = kv_block_section_data(b, KV_SEC_K_CODES, NULL);
@@ -112,7 +127,8 @@ static int kivi_decode(const kv_block *b, float *k, float *v, strata_error *err)
     const uint8_t *vc = kv_block_section_data(b, KV_SEC_V_CODES, NULL);
     const uint8_t *vs = kv_block_section_data(b, KV_SEC_V_SCALES, NULL);
     if (!kc || !ks || !vc || !vs)
-        return strata_fail(err, STRATA_EFORMAT, "kivi block without its four sections");
+        return strata_fail(err, STRATA_EFORMAT, "%s block without its four quantized sections",
+                           kv_codec_id_name((unsigned)d->codec));
     kivi_dims m = dims_of(d);
     size_t kg = (size_t)d->k_group, vg = (size_t)d->v_group;
     for (size_t h = 0; h < m.H; h++)
@@ -136,11 +152,20 @@ static int kivi_decode(const kv_block *b, float *k, float *v, strata_error *err)
     return STRATA_OK;
 }
 
+static int kivi_encode(const kv_block_desc *d, const float *k, const float *v, const kv_block_extra *extra,
+                       uint8_t *const *sec, strata_error *err)
+{
+    (void)err;
+    (void)extra;
+    kv_kivi_encode_sections(d, k, v, sec);
+    return STRATA_OK;
+}
+
 const kv_codec_ops kv_codec_kivi = {
     .id = KV_CODEC_KIVI,
     .name = "kivi",
     .check = kivi_check,
-    .sections = kivi_sections,
+    .sections = kv_kivi_sections,
     .encode = kivi_encode,
-    .decode = kivi_decode,
+    .decode = kv_kivi_decode_sections,
 };

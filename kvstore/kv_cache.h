@@ -19,21 +19,45 @@
 typedef enum kv_codec_id {
     KV_CODEC_FP16 = 1,  /* baseline: K and V as IEEE half */
     KV_CODEC_KIVI = 2,  /* KIVI: keys per channel, values per token, asymmetric B-bit */
+    KV_CODEC_GEAR = 3,  /* GEAR: KIVI backbone + sparse outliers + per-head low-rank residual */
+    KV_CODEC_OTT = 4,   /* outlier-token tracing: KIVI + a pool of fp16 low-key-norm tokens */
+    KV_CODEC_TADA = 5,  /* TaDA: per-token mean across KV heads in fp16 + quantized deviations */
 } kv_codec_id;
 
+/* One layer's codec. Names (kv_codec_parse) and defaults:
+ *   fp16                      bits 16, residual 0
+ *   kivi2 kivi4               group 32, residual 128
+ *   gear2 gear4               group 64, residual 128, sparse 2 %, ranks 4 (prompt) / 2 (decode),
+ *                             3 power iterations; gearl2 gearl4: the same with sparse 0
+ *   ott2 ott4                 group 32, residual 128, pool 3 tokens, auxiliary pool 32
+ *   tada2 tada4 tada8         group 32, residual 128
+ * Optional suffixes override: -g<group> -r<residual> (all but fp16), -p<prompt rank>
+ * -d<decode rank> -s<sparse percent> -i<power iterations> (gear), -n<pool> -a<aux pool> (ott).
+ * Unused fields are 0. */
 typedef struct kv_codec_params {
     kv_codec_id codec;
-    int bits;      /* 16 for fp16; 2 or 4 for kivi */
-    int group;     /* G: tokens per key group and channels per value group (kivi; default 32) */
-    int residual;  /* R: fp16 residual window in tokens (kivi default 128; fp16: 0) */
+    int bits;         /* 16 for fp16; 2 or 4 (kivi, gear, ott); 2, 4 or 8 (tada) */
+    int group;        /* G: tokens per key group and channels per value group */
+    int residual;     /* R: fp16 residual window in tokens (a multiple of G; fp16: 0) */
+    int rank_prompt;  /* gear: low rank of blocks made while prefilling a prompt */
+    int rank_decode;  /* gear: low rank of blocks made while decoding */
+    int power_iters;  /* gear: power iterations of the low-rank fit */
+    double sparse_pct;/* gear: percent of each vector kept exactly as outliers (0 for gearl) */
+    int pool_tokens;  /* ott: N, outlier pool per KV head (0 reproduces KIVI) */
+    int aux_tokens;   /* ott: auxiliary pool; when it is full, tracing stops */
 } kv_codec_params;
 
-/* Parses a codec name ("fp16", "kivi2", "kivi4") into params with the defaults above.
- * Unknown names fail with STRATA_EINVAL and a message listing the accepted names. */
+/* Parses a codec name (table above) into params. Unknown names and malformed suffixes fail
+ * with STRATA_EINVAL and a message listing the accepted names. Use kv_plan_parse (plan.h) for
+ * per-layer plans and for "tada" without bits. */
 int kv_codec_parse(const char *name, kv_codec_params *out, strata_error *err);
 
-/* Writes the canonical name of p ("kivi2", ...) into buf. */
+/* Writes the canonical name of p ("kivi2", "gear2-s1", ...) into buf; parsing it gives p. */
 void kv_codec_name(const kv_codec_params *p, char *buf, size_t cap);
+
+/* Outliers kept per vector of n values for a GEAR sparse percentage: an even number (half the
+ * largest, half the smallest), at least 2 when pct > 0, 0 when pct == 0. */
+int kv_gear_outliers(double pct, int n);
 
 typedef struct kv_geometry {
     int n_layers;
@@ -46,22 +70,34 @@ typedef struct kv_geometry {
  * residual a multiple of group, ...). Fails with STRATA_EINVAL naming the parameter. */
 int kv_codec_validate(const kv_codec_params *p, const kv_geometry *g, strata_error *err);
 
-/* Exact size in bytes of one block of this codec and geometry (header and sections). */
+/* Size in bytes of the largest block of this codec and geometry (header and sections): the
+ * pool slot size. GEAR decode blocks (lower rank) and OTT blocks (fewer pooled tokens than the
+ * maximum) are smaller; a block's own size is in its header. 0 if p does not validate. */
 size_t kv_block_size(const kv_codec_params *p, const kv_geometry *g);
 
 typedef struct kv_pool kv_pool;
 typedef struct kv_seq kv_seq;
 
 /* A pool of n_slots fixed-size block slots, each kv_block_size(codec, geometry) bytes,
- * allocated once. */
+ * allocated once; every layer uses codec. */
 kv_pool *kv_pool_create(const kv_geometry *g, const kv_codec_params *codec, size_t n_slots,
                         strata_error *err);
+/* A pool for a bit plan: layer l uses codecs[l] (g->n_layers entries). Layers whose blocks have
+ * the same slot size share slots; blocks_per_layer slots are provided for every layer. */
+kv_pool *kv_pool_create_plan(const kv_geometry *g, const kv_codec_params *codecs, size_t blocks_per_layer,
+                             strata_error *err);
+/* Bytes of one block slot per layer summed over the layers of a plan (what one block of every
+ * layer costs); 0 if a codec does not validate. Divide a memory budget by it for blocks_per_layer. */
+size_t kv_plan_row_bytes(const kv_geometry *g, const kv_codec_params *codecs);
 void kv_pool_destroy(kv_pool *pool);
 size_t kv_pool_capacity(const kv_pool *pool);   /* slots */
 size_t kv_pool_free(const kv_pool *pool);       /* free slots */
-size_t kv_pool_slot_bytes(const kv_pool *pool);
+size_t kv_pool_slot_bytes(const kv_pool *pool); /* the largest slot */
+size_t kv_pool_bytes(const kv_pool *pool);      /* all slots */
 const kv_geometry *kv_pool_geometry(const kv_pool *pool);
+/* The codec of layer 0 (of every layer for a pool made by kv_pool_create). */
 const kv_codec_params *kv_pool_codec(const kv_pool *pool);
+const kv_codec_params *kv_pool_layer_codec(const kv_pool *pool, int layer);
 
 /* A new, empty sequence whose blocks come from pool. max_tokens bounds the sequence length
  * (the tail buffers are sized from it). */
@@ -78,7 +114,9 @@ void kv_seq_set_id(kv_seq *seq, uint64_t id);
 
 /* Appends n_tokens tokens to one layer. k and v are fp32, [n_tokens][n_kv_heads][head_dim].
  * Compresses completed blocks. On STRATA_EFULL (pool exhausted) or STRATA_EINVAL (would exceed
- * max_tokens) nothing of this call is kept: the layer is left as before the call. */
+ * max_tokens) nothing of this call is kept: the layer is left as before the call.
+ * Tokens appended by a call of more than one token are prompt tokens: a block made only of
+ * them uses the codec's prompt settings (GEAR's prompt rank); others its decode settings. */
 int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t n_tokens,
                   strata_error *err);
 
@@ -93,7 +131,7 @@ typedef struct kv_layer_view {
     int block_tokens;              /* tokens in each block; block i holds positions from i*block_tokens */
     size_t n_blocks;
     const uint8_t *const *blocks;  /* n_blocks complete blocks in position order */
-    size_t block_bytes;            /* size of each block */
+    size_t block_bytes;            /* size of each block's slot (a block's own size is in its header) */
     size_t tail_tokens;
     const uint16_t *tail_k;        /* fp16 [tail_tokens][n_kv_heads][head_dim] */
     const uint16_t *tail_v;
@@ -105,11 +143,26 @@ typedef struct kv_seq_stats {
     size_t tokens;        /* summed over layers */
     size_t blocks;        /* summed over layers */
     size_t block_tokens;  /* tokens held in blocks, summed over layers */
-    size_t block_bytes;   /* bytes of all blocks (headers and every section) */
+    size_t block_bytes;   /* bytes of all blocks as stored (headers and every section) */
+    size_t slot_bytes;    /* bytes of the pool slots holding them (>= block_bytes) */
     size_t tail_tokens;   /* tokens in the fp16 tail, summed over layers */
     size_t tail_bytes;    /* fp16 bytes held by the tail (K and V) */
 } kv_seq_stats;
 
 void kv_seq_get_stats(const kv_seq *seq, kv_seq_stats *st);
+
+/* Compression error of one layer's blocks, measured when each block is made (decoded right
+ * after encoding and compared with the rows it was made from, in fp64). */
+typedef struct kv_layer_error {
+    size_t tokens;       /* tokens measured (those in blocks made while tracking was on) */
+    double k_err2;       /* sum of squared errors of K */
+    double k_ref2;       /* sum of squares of K */
+    double v_err2;
+    double v_ref2;
+} kv_layer_error;
+
+/* Turns the measurement on or off (off by default: it costs a decode per block). */
+int kv_seq_track_error(kv_seq *seq, int on, strata_error *err);
+void kv_seq_layer_error(const kv_seq *seq, int layer, kv_layer_error *out);
 
 #endif

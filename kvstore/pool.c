@@ -1,23 +1,37 @@
 /* The block pool, per-sequence block tables and the fp16 tail (kv_cache.h). */
 #include <inttypes.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kvstore/block.h"
+#include "kvstore/bytes.h"
 #include "kvstore/half.h"
 #include "kvstore/kv_cache.h"
+#include "kvstore/ott.h"
 
-struct kv_pool {
-    kv_geometry geom;
-    kv_codec_params codec;
+/* Slots of one size. A bit plan's layers may need blocks of different sizes; layers with equal
+ * slot sizes share a class. */
+typedef struct slot_class {
     size_t slot_bytes;
     size_t n_slots;
     size_t n_free;
     uint8_t *mem;          /* n_slots * slot_bytes, 64-byte aligned */
     size_t *free_stack;    /* slot indices; the top is free_stack[n_free - 1] */
-    float *stage_k;        /* one block of fp32 rows handed to the encoder */
+} slot_class;
+
+struct kv_pool {
+    kv_geometry geom;
+    kv_codec_params *codecs;   /* [n_layers] */
+    int *layer_class;          /* [n_layers] */
+    slot_class *classes;
+    int n_classes;
+    float *stage_k;            /* one block of fp32 rows handed to the encoder */
     float *stage_v;
+    float *check_k;            /* the same block decoded again, for error tracking */
+    float *check_v;
+    kv_ott_entry *ott;         /* entries of the block being made */
     uint64_t next_seq_id;
 };
 
@@ -27,6 +41,11 @@ typedef struct kv_layer {
     uint16_t *tail_k;      /* tail_cap rows of n_kv_heads * head_dim halves */
     uint16_t *tail_v;
     size_t tail_len;
+    size_t tail_cap;
+    size_t prompt_end;     /* tokens [0, prompt_end) came in multi-token appends */
+    kv_ott_tracker *ott;   /* ott codec with a pool, else NULL */
+    kv_ott_tracker *ott_undo;
+    kv_layer_error error;
 } kv_layer;
 
 struct kv_seq {
@@ -34,48 +53,157 @@ struct kv_seq {
     uint64_t id;
     size_t max_tokens;
     size_t max_blocks;
-    size_t tail_cap;
+    bool track_error;
     kv_layer *layers;
 };
 
 static bool mul_ok(size_t a, size_t b, size_t *out) { return !__builtin_mul_overflow(a, b, out); }
 
+size_t kv_plan_row_bytes(const kv_geometry *g, const kv_codec_params *codecs)
+{
+    if (!g || !codecs || g->n_layers < 1)
+        return 0;
+    size_t total = 0;
+    for (int l = 0; l < g->n_layers; l++) {
+        size_t b = kv_block_size(&codecs[l], g);
+        if (b == 0 || total > SIZE_MAX - b)
+            return 0;
+        total += b;
+    }
+    return total;
+}
+
+static kv_pool *pool_new(const kv_geometry *g, const kv_codec_params *codecs, const size_t *slots_of_layer,
+                         strata_error *err)
+{
+    for (int l = 0; l < g->n_layers; l++)
+        if (kv_codec_validate(&codecs[l], g, err) != STRATA_OK) {
+            if (err && g->n_layers > 1)
+                strata_error_prefix(err, "kv plan layer %d", l);
+            return NULL;
+        }
+    kv_pool *p = calloc(1, sizeof *p);
+    if (!p)
+        goto oom;
+    p->geom = *g;
+    const size_t L = (size_t)g->n_layers;
+    p->codecs = malloc(L * sizeof *p->codecs);
+    p->layer_class = malloc(L * sizeof *p->layer_class);
+    p->classes = calloc(L, sizeof *p->classes);
+    if (!p->codecs || !p->layer_class || !p->classes)
+        goto oom;
+    memcpy(p->codecs, codecs, L * sizeof *codecs);
+    for (size_t l = 0; l < L; l++) {
+        size_t slot = kv_block_size(&codecs[l], g);
+        int c = 0;
+        while (c < p->n_classes && p->classes[c].slot_bytes != slot)
+            c++;
+        if (c == p->n_classes)
+            p->classes[p->n_classes++].slot_bytes = slot;
+        p->layer_class[l] = c;
+        if (p->classes[c].n_slots > SIZE_MAX - slots_of_layer[l]) {
+            strata_fail(err, STRATA_EINVAL, "kv pool: slot count overflows");
+            kv_pool_destroy(p);
+            return NULL;
+        }
+        p->classes[c].n_slots += slots_of_layer[l];
+    }
+    for (int c = 0; c < p->n_classes; c++) {
+        slot_class *k = &p->classes[c];
+        size_t total;
+        if (k->n_slots < 1) {
+            strata_fail(err, STRATA_EINVAL, "kv pool: n_slots must be at least 1");
+            kv_pool_destroy(p);
+            return NULL;
+        }
+        if (!mul_ok(k->slot_bytes, k->n_slots, &total)) {
+            strata_fail(err, STRATA_EINVAL, "kv pool: %zu slots of %zu bytes overflow the address space", k->n_slots,
+                        k->slot_bytes);
+            kv_pool_destroy(p);
+            return NULL;
+        }
+        k->mem = aligned_alloc(64, total);   /* slot sizes are multiples of 64 */
+        k->free_stack = malloc(k->n_slots * sizeof *k->free_stack);
+        if (!k->mem || !k->free_stack) {
+            strata_fail(err, STRATA_ENOMEM, "kv pool: cannot allocate %zu slots of %zu bytes (%zu MiB)", k->n_slots,
+                        k->slot_bytes, total >> 20);
+            kv_pool_destroy(p);
+            return NULL;
+        }
+        k->n_free = k->n_slots;
+        for (size_t i = 0; i < k->n_slots; i++)
+            k->free_stack[i] = k->n_slots - 1 - i;   /* slot 0 is handed out first */
+    }
+    size_t stage = (size_t)g->block_tokens * (size_t)g->n_kv_heads * (size_t)g->head_dim;
+    p->stage_k = malloc(stage * sizeof(float));
+    p->stage_v = malloc(stage * sizeof(float));
+    p->check_k = malloc(stage * sizeof(float));
+    p->check_v = malloc(stage * sizeof(float));
+    p->ott = malloc((size_t)g->n_kv_heads * 64 * sizeof *p->ott);   /* 64: the largest ott pool */
+    if (!p->stage_k || !p->stage_v || !p->check_k || !p->check_v || !p->ott)
+        goto oom;
+    p->next_seq_id = 1;
+    return p;
+oom:
+    strata_fail(err, STRATA_ENOMEM, "kv pool: out of memory");
+    kv_pool_destroy(p);
+    return NULL;
+}
+
 kv_pool *kv_pool_create(const kv_geometry *g, const kv_codec_params *codec, size_t n_slots,
                         strata_error *err)
 {
+    if (!g || !codec) {
+        strata_fail(err, STRATA_EINVAL, "kv pool: NULL geometry or codec");
+        return NULL;
+    }
     if (kv_codec_validate(codec, g, err) != STRATA_OK)
         return NULL;
     if (n_slots < 1) {
         strata_fail(err, STRATA_EINVAL, "kv pool: n_slots must be at least 1");
         return NULL;
     }
-    size_t slot = kv_block_size(codec, g), total;
-    if (!mul_ok(slot, n_slots, &total)) {
-        strata_fail(err, STRATA_EINVAL, "kv pool: %zu slots of %zu bytes overflow the address space", n_slots, slot);
+    size_t L = (size_t)g->n_layers;
+    kv_codec_params *codecs = malloc(L * sizeof *codecs);
+    size_t *slots = calloc(L, sizeof *slots);
+    kv_pool *p = NULL;
+    if (!codecs || !slots) {
+        strata_fail(err, STRATA_ENOMEM, "kv pool: out of memory");
+    } else {
+        for (size_t l = 0; l < L; l++)
+            codecs[l] = *codec;
+        slots[0] = n_slots;   /* one class: all layers share every slot */
+        p = pool_new(g, codecs, slots, err);
+    }
+    free(codecs);
+    free(slots);
+    return p;
+}
+
+kv_pool *kv_pool_create_plan(const kv_geometry *g, const kv_codec_params *codecs, size_t blocks_per_layer,
+                             strata_error *err)
+{
+    if (!g || !codecs) {
+        strata_fail(err, STRATA_EINVAL, "kv pool: NULL geometry or plan");
         return NULL;
     }
-    kv_pool *p = calloc(1, sizeof *p);
-    size_t stage = (size_t)g->block_tokens * (size_t)g->n_kv_heads * (size_t)g->head_dim;
-    if (p) {
-        p->mem = aligned_alloc(64, total);   /* slot sizes are multiples of 64 */
-        p->free_stack = malloc(n_slots * sizeof *p->free_stack);
-        p->stage_k = malloc(stage * sizeof(float));
-        p->stage_v = malloc(stage * sizeof(float));
-    }
-    if (!p || !p->mem || !p->free_stack || !p->stage_k || !p->stage_v) {
-        strata_fail(err, STRATA_ENOMEM, "kv pool: cannot allocate %zu slots of %zu bytes (%zu MiB)", n_slots,
-                    slot, total >> 20);
-        kv_pool_destroy(p);
+    if (g->n_layers < 1) {
+        strata_fail(err, STRATA_EINVAL, "kv geometry: n_layers %d must be positive", g->n_layers);
         return NULL;
     }
-    p->geom = *g;
-    p->codec = *codec;
-    p->slot_bytes = slot;
-    p->n_slots = n_slots;
-    p->n_free = n_slots;
-    for (size_t i = 0; i < n_slots; i++)
-        p->free_stack[i] = n_slots - 1 - i;   /* slot 0 is handed out first */
-    p->next_seq_id = 1;
+    if (blocks_per_layer < 1) {
+        strata_fail(err, STRATA_EINVAL, "kv pool: blocks_per_layer must be at least 1");
+        return NULL;
+    }
+    size_t *slots = malloc((size_t)g->n_layers * sizeof *slots);
+    if (!slots) {
+        strata_fail(err, STRATA_ENOMEM, "kv pool: out of memory");
+        return NULL;
+    }
+    for (int l = 0; l < g->n_layers; l++)
+        slots[l] = blocks_per_layer;
+    kv_pool *p = pool_new(g, codecs, slots, err);
+    free(slots);
     return p;
 }
 
@@ -83,24 +211,72 @@ void kv_pool_destroy(kv_pool *pool)
 {
     if (!pool)
         return;
-    free(pool->mem);
-    free(pool->free_stack);
+    if (pool->classes)
+        for (int c = 0; c < pool->n_classes; c++) {
+            free(pool->classes[c].mem);
+            free(pool->classes[c].free_stack);
+        }
+    free(pool->classes);
+    free(pool->codecs);
+    free(pool->layer_class);
     free(pool->stage_k);
     free(pool->stage_v);
+    free(pool->check_k);
+    free(pool->check_v);
+    free(pool->ott);
     free(pool);
 }
 
-size_t kv_pool_capacity(const kv_pool *pool) { return pool->n_slots; }
-size_t kv_pool_free(const kv_pool *pool) { return pool->n_free; }
-size_t kv_pool_slot_bytes(const kv_pool *pool) { return pool->slot_bytes; }
-const kv_geometry *kv_pool_geometry(const kv_pool *pool) { return &pool->geom; }
-const kv_codec_params *kv_pool_codec(const kv_pool *pool) { return &pool->codec; }
-
-static uint8_t *pool_take(kv_pool *p) { return p->mem + p->free_stack[--p->n_free] * p->slot_bytes; }
-
-static void pool_give(kv_pool *p, uint8_t *slot)
+size_t kv_pool_capacity(const kv_pool *pool)
 {
-    p->free_stack[p->n_free++] = (size_t)(slot - p->mem) / p->slot_bytes;
+    size_t n = 0;
+    for (int c = 0; c < pool->n_classes; c++)
+        n += pool->classes[c].n_slots;
+    return n;
+}
+
+size_t kv_pool_free(const kv_pool *pool)
+{
+    size_t n = 0;
+    for (int c = 0; c < pool->n_classes; c++)
+        n += pool->classes[c].n_free;
+    return n;
+}
+
+size_t kv_pool_slot_bytes(const kv_pool *pool)
+{
+    size_t m = 0;
+    for (int c = 0; c < pool->n_classes; c++)
+        if (pool->classes[c].slot_bytes > m)
+            m = pool->classes[c].slot_bytes;
+    return m;
+}
+
+size_t kv_pool_bytes(const kv_pool *pool)
+{
+    size_t n = 0;
+    for (int c = 0; c < pool->n_classes; c++)
+        n += pool->classes[c].n_slots * pool->classes[c].slot_bytes;
+    return n;
+}
+
+const kv_geometry *kv_pool_geometry(const kv_pool *pool) { return &pool->geom; }
+const kv_codec_params *kv_pool_codec(const kv_pool *pool) { return &pool->codecs[0]; }
+
+const kv_codec_params *kv_pool_layer_codec(const kv_pool *pool, int layer)
+{
+    if (!pool || layer < 0 || layer >= pool->geom.n_layers)
+        return NULL;
+    return &pool->codecs[layer];
+}
+
+static slot_class *class_of(kv_pool *p, int layer) { return &p->classes[p->layer_class[layer]]; }
+
+static uint8_t *pool_take(slot_class *k) { return k->mem + k->free_stack[--k->n_free] * k->slot_bytes; }
+
+static void pool_give(slot_class *k, uint8_t *slot)
+{
+    k->free_stack[k->n_free++] = (size_t)(slot - k->mem) / k->slot_bytes;
 }
 
 kv_seq *kv_seq_create(kv_pool *pool, size_t max_tokens, strata_error *err)
@@ -114,14 +290,8 @@ kv_seq *kv_seq_create(kv_pool *pool, size_t max_tokens, strata_error *err)
         return NULL;
     }
     const kv_geometry *g = &pool->geom;
-    size_t bt = (size_t)g->block_tokens;
-    size_t window = (size_t)pool->codec.residual + bt;
-    size_t tail_cap = max_tokens < window ? max_tokens : window;
-    size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim, tail_elems;
-    if (!mul_ok(tail_cap, row, &tail_elems) || tail_elems > SIZE_MAX / sizeof(uint16_t)) {
-        strata_fail(err, STRATA_EINVAL, "kv sequence: tail of %zu tokens is too large", tail_cap);
-        return NULL;
-    }
+    const size_t bt = (size_t)g->block_tokens;
+    const size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim;
     kv_seq *s = calloc(1, sizeof *s);
     if (!s) {
         strata_fail(err, STRATA_ENOMEM, "kv sequence: out of memory");
@@ -131,7 +301,6 @@ kv_seq *kv_seq_create(kv_pool *pool, size_t max_tokens, strata_error *err)
     s->id = pool->next_seq_id++;
     s->max_tokens = max_tokens;
     s->max_blocks = max_tokens / bt;
-    s->tail_cap = tail_cap;
     s->layers = calloc((size_t)g->n_layers, sizeof *s->layers);
     if (!s->layers) {
         free(s);
@@ -140,11 +309,25 @@ kv_seq *kv_seq_create(kv_pool *pool, size_t max_tokens, strata_error *err)
     }
     for (int l = 0; l < g->n_layers; l++) {
         kv_layer *L = &s->layers[l];
+        const kv_codec_params *c = &pool->codecs[l];
+        size_t window = (size_t)c->residual + bt, tail_elems;
+        L->tail_cap = max_tokens < window ? max_tokens : window;
+        if (!mul_ok(L->tail_cap, row, &tail_elems) || tail_elems > SIZE_MAX / sizeof(uint16_t)) {
+            strata_fail(err, STRATA_EINVAL, "kv sequence: tail of %zu tokens is too large", L->tail_cap);
+            kv_seq_destroy(s);
+            return NULL;
+        }
         /* Block tables are sized for max_tokens up front so that append never allocates. */
         L->blocks = s->max_blocks ? malloc(s->max_blocks * sizeof *L->blocks) : NULL;
         L->tail_k = malloc(tail_elems * sizeof(uint16_t));
         L->tail_v = malloc(tail_elems * sizeof(uint16_t));
-        if ((s->max_blocks && !L->blocks) || !L->tail_k || !L->tail_v) {
+        bool ok = (!s->max_blocks || L->blocks) && L->tail_k && L->tail_v;
+        if (ok && c->codec == KV_CODEC_OTT && c->pool_tokens > 0) {
+            L->ott = kv_ott_tracker_create(g->n_kv_heads, c->pool_tokens, c->aux_tokens);
+            L->ott_undo = kv_ott_tracker_create(g->n_kv_heads, c->pool_tokens, c->aux_tokens);
+            ok = L->ott && L->ott_undo;
+        }
+        if (!ok) {
             strata_fail(err, STRATA_ENOMEM, "kv sequence: out of memory for the block table and tail of layer %d "
                         "(%zu tokens max)", l, max_tokens);
             kv_seq_destroy(s);
@@ -161,10 +344,12 @@ void kv_seq_destroy(kv_seq *seq)
     for (int l = 0; l < seq->pool->geom.n_layers; l++) {
         kv_layer *L = &seq->layers[l];
         for (size_t b = 0; b < L->n_blocks; b++)
-            pool_give(seq->pool, L->blocks[b]);
+            pool_give(class_of(seq->pool, l), L->blocks[b]);
         free(L->blocks);
         free(L->tail_k);
         free(L->tail_v);
+        kv_ott_tracker_destroy(L->ott);
+        kv_ott_tracker_destroy(L->ott_undo);
     }
     free(seq->layers);
     free(seq);
@@ -194,6 +379,32 @@ static void f32_row_to_half(const float *src, uint16_t *dst, size_t n)
         dst[i] = strata_float_to_half(src[i]);
 }
 
+/* Decodes a block just made and adds its error against the rows it was made from. */
+static int measure_block(kv_pool *p, kv_layer *L, const uint8_t *slot, size_t slot_bytes, strata_error *err)
+{
+    kv_block b;
+    int rc = kv_block_parse(slot, slot_bytes, &b, err);
+    if (rc == STRATA_OK)
+        rc = kv_block_decode(&b, p->check_k, p->check_v, err);
+    if (rc)
+        return rc;
+    size_t n = (size_t)b.desc.n_tokens * (size_t)b.desc.n_kv_heads * (size_t)b.desc.head_dim;
+    double ke = 0, kr = 0, ve = 0, vr = 0;
+    for (size_t i = 0; i < n; i++) {
+        double dk = (double)p->check_k[i] - (double)p->stage_k[i], dv = (double)p->check_v[i] - (double)p->stage_v[i];
+        ke += dk * dk;
+        kr += (double)p->stage_k[i] * (double)p->stage_k[i];
+        ve += dv * dv;
+        vr += (double)p->stage_v[i] * (double)p->stage_v[i];
+    }
+    L->error.tokens += b.desc.n_tokens;
+    L->error.k_err2 += ke;
+    L->error.k_ref2 += kr;
+    L->error.v_err2 += ve;
+    L->error.v_ref2 += vr;
+    return STRATA_OK;
+}
+
 int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t n_tokens,
                   strata_error *err)
 {
@@ -208,7 +419,9 @@ int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t
     if (!k || !v)
         return strata_fail(err, STRATA_EINVAL, "kv append: NULL rows");
     kv_layer *L = &seq->layers[layer];
-    const size_t bt = (size_t)g->block_tokens, R = (size_t)p->codec.residual;
+    slot_class *cls = class_of(p, layer);
+    const kv_codec_params *codec = &p->codecs[layer];
+    const size_t bt = (size_t)g->block_tokens, R = (size_t)codec->residual;
     const size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim;
     size_t len = L->n_blocks * bt + L->tail_len;
     if (n_tokens > seq->max_tokens - len)
@@ -219,11 +432,15 @@ int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t
      * tokens behind it is compressed, oldest first. */
     size_t stream = L->tail_len + n_tokens;
     size_t n_new = stream >= R + bt ? (stream - R) / bt : 0;
-    if (n_new > p->n_free)
+    if (n_new > cls->n_free)
         return strata_fail(err, STRATA_EFULL,
                            "KV block pool exhausted: sequence %" PRIu64 " layer %d needs %zu new block(s) of %zu bytes, "
-                           "%zu of the pool's %zu slots are free",
-                           seq->id, layer, n_new, p->slot_bytes, p->n_free, p->n_slots);
+                           "%zu of the pool's %zu slots of that size are free",
+                           seq->id, layer, n_new, cls->slot_bytes, cls->n_free, cls->n_slots);
+    const size_t prompt_end = n_tokens > 1 ? len + n_tokens : L->prompt_end;
+    const kv_layer_error error_before = L->error;
+    if (n_new && L->ott)
+        kv_ott_tracker_copy(L->ott_undo, L->ott);
     for (size_t b = 0; b < n_new; b++) {
         for (size_t r = 0; r < bt; r++) {
             size_t i = b * bt + r;
@@ -235,14 +452,27 @@ int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t
                 f32_row_rounded(v + (i - L->tail_len) * row, p->stage_v + r * row, row);
             }
         }
+        const uint64_t first = (uint64_t)(L->n_blocks + b) * bt;
         kv_block_desc d;
-        kv_block_desc_init(&d, &p->codec, g, (uint32_t)layer, (uint64_t)(L->n_blocks + b) * bt);
-        uint8_t *slot = pool_take(p);
+        kv_block_desc_init(&d, codec, g, (uint32_t)layer, first);
+        if (codec->codec == KV_CODEC_GEAR && first + bt <= prompt_end)
+            d.rank = codec->rank_prompt;
+        kv_block_extra extra = {NULL};
+        if (L->ott) {
+            d.ott_tokens = (int)kv_ott_select(L->ott, p->stage_k, bt, g->head_dim, first, p->ott);
+            extra.ott = p->ott;
+        }
+        uint8_t *slot = pool_take(cls);
         L->blocks[L->n_blocks + b] = slot;   /* not visible until n_blocks moves */
-        int rc = kv_block_encode(&d, p->stage_k, p->stage_v, slot, p->slot_bytes, NULL, err);
+        int rc = kv_block_encode_ex(&d, p->stage_k, p->stage_v, &extra, slot, cls->slot_bytes, NULL, err);
+        if (rc == STRATA_OK && seq->track_error)
+            rc = measure_block(p, L, slot, cls->slot_bytes, err);
         if (rc) {
             for (size_t u = 0; u <= b; u++)
-                pool_give(p, L->blocks[L->n_blocks + u]);
+                pool_give(cls, L->blocks[L->n_blocks + u]);
+            if (L->ott)
+                kv_ott_tracker_copy(L->ott, L->ott_undo);
+            L->error = error_before;
             return rc;
         }
     }
@@ -261,6 +491,7 @@ int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t
     }
     L->n_blocks += n_new;
     L->tail_len = new_tail;
+    L->prompt_end = prompt_end;
     return STRATA_OK;
 }
 
@@ -285,7 +516,7 @@ void kv_seq_layer_view(const kv_seq *seq, int layer, kv_layer_view *view)
     view->block_tokens = g->block_tokens;
     view->n_blocks = L->n_blocks;
     view->blocks = (const uint8_t *const *)L->blocks;
-    view->block_bytes = seq->pool->slot_bytes;
+    view->block_bytes = class_of(seq->pool, layer)->slot_bytes;
     view->tail_tokens = L->tail_len;
     view->tail_k = L->tail_k;
     view->tail_v = L->tail_v;
@@ -302,9 +533,26 @@ void kv_seq_get_stats(const kv_seq *seq, kv_seq_stats *st)
         const kv_layer *L = &seq->layers[l];
         st->blocks += L->n_blocks;
         st->block_tokens += L->n_blocks * (size_t)g->block_tokens;
-        st->block_bytes += L->n_blocks * seq->pool->slot_bytes;
+        for (size_t b = 0; b < L->n_blocks; b++)
+            st->block_bytes += kv_ld32(L->blocks[b] + KV_HDR_BLOCK_BYTES);   /* written by us, in the slot */
+        st->slot_bytes += L->n_blocks * class_of(seq->pool, l)->slot_bytes;
         st->tail_tokens += L->tail_len;
         st->tail_bytes += L->tail_len * row_bytes;
     }
     st->tokens = st->block_tokens + st->tail_tokens;
+}
+
+int kv_seq_track_error(kv_seq *seq, int on, strata_error *err)
+{
+    if (!seq)
+        return strata_fail(err, STRATA_EINVAL, "kv error tracking: NULL sequence");
+    seq->track_error = on != 0;
+    return STRATA_OK;
+}
+
+void kv_seq_layer_error(const kv_seq *seq, int layer, kv_layer_error *out)
+{
+    memset(out, 0, sizeof *out);
+    if (seq && layer >= 0 && layer < seq->pool->geom.n_layers)
+        *out = seq->layers[layer].error;
 }

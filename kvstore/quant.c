@@ -126,6 +126,11 @@ void kv_unpack_codes_f32(const uint8_t *src, size_t n, int bits, float *out)
             memcpy(out + 2 * i, codes4_of_byte[src[i]], sizeof codes4_of_byte[0]);
         return;
     }
+    if (bits == 8) {   /* little-endian words: byte i is code i */
+        for (size_t i = 0; i < n; i++)
+            out[i] = (float)src[i];
+        return;
+    }
     const uint32_t mask = (1u << bits) - 1u;
     for (size_t w = 0; w < n / per; w++) {
         uint32_t word = kv_ld32(src + 4 * w);

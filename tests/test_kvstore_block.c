@@ -246,7 +246,8 @@ static void test_default_geometry_sizes(void **state)
 {
     (void)state;
     kv_geometry g = {30, 3, 64, 64};
-    kv_codec_params fp16 = {KV_CODEC_FP16, 16, 0, 0}, k2 = {KV_CODEC_KIVI, 2, 32, 128}, k4 = {KV_CODEC_KIVI, 4, 32, 128};
+    kv_codec_params fp16 = {.codec = KV_CODEC_FP16, .bits = 16}, k2 = {.codec = KV_CODEC_KIVI, .bits = 2, .group = 32, .residual = 128},
+                    k4 = {.codec = KV_CODEC_KIVI, .bits = 4, .group = 32, .residual = 128};
     /* payloads: fp16 2 * 64*3*64*2 = 49152; kivi2 codes 2*3072 + scales 2*1536 = 9216;
      * kivi4 codes 2*6144 + scales 2*1536 = 15360; each plus the 128-byte header area */
     assert_int_equal(kv_block_size(&fp16, &g), 49152 + 128);
@@ -366,7 +367,8 @@ static void test_bad_fields_rejected(void **state)
         {"value group 5", 38, 2, 5, "value group", 0, 0},
         {"residual 100", 40, 2, 100, "residual", 0, 0},
         {"flags", 42, 2, 1, "flags", 0, 0},
-        {"reserved", 50, 1, 1, "reserved", 0, 0},
+        {"reserved", 53, 1, 1, "reserved", 0, 0},
+        {"reserved byte 45", 45, 1, 1, "reserved", 0, 0},
         {"first position overflow", 24, 4, 0xffffffffu, NULL, 0, 0},   /* with byte 28.. below */
         {"section id", 64, 2, 7, "not supported", 0, 0},
         {"section id duplicate", 64 + 12, 2, 1, "twice", 0, 0},

@@ -5,7 +5,13 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include <stddef.h>
+
+#include "kvstore/error.h"
+
 int cmd_generate(int argc, char **argv);
+int cmd_eval(int argc, char **argv);
+int cmd_calibrate(int argc, char **argv);
 int cmd_inspect(int argc, char **argv);
 
 /* Exit codes: 0 success, 1 runtime failure, 2 bad usage. */
@@ -20,5 +26,11 @@ bool cli_parse_float(const char *flag, const char *s, double min, double max, fl
 /* The model used when --model is not given: $STRATA_MODEL, else the file the setup script
  * installs. */
 const char *cli_default_model(void);
+
+/* Monotonic clock in seconds. */
+double cli_now_seconds(void);
+
+/* Reads a whole file (at most max_bytes) into a NUL-terminated malloc'd buffer. */
+int cli_read_file(const char *path, size_t max_bytes, char **out, size_t *len, strata_error *err);
 
 #endif

@@ -7,8 +7,10 @@
 
 #include "coordinator/cli/cli.h"
 #include "kernels/ops.h"
+#include "coordinator/cli/kvopts.h"
 #include "kvstore/blockfile.h"
 #include "kvstore/kv_cache.h"
+#include "kvstore/plan.h"
 #include "worker/generate.h"
 #include "worker/model.h"
 
@@ -20,7 +22,7 @@ static void usage(FILE *out)
             "usage: strata generate --prompt TEXT [options]\n"
             "\n"
             "Generates a continuation of TEXT on the CPU, streaming it to stdout as it is produced.\n"
-            "The KV cache is kept compressed in blocks (fp16, or KIVI at 4 or 2 bits).\n"
+            "The KV cache is kept compressed in blocks (fp16, KIVI, GEAR, OTT or TaDA, per layer).\n"
             "\n"
             "input:\n"
             "  -m, --model PATH        GGUF model (default: $STRATA_MODEL or\n"
@@ -36,11 +38,10 @@ static void usage(FILE *out)
             "  -s, --seed S            random seed for sampling (default 42)\n"
             "      --stop STR          stop before STR (repeatable, up to %d)\n"
             "      --ignore-eos        do not stop at end-of-generation tokens\n"
-            "KV cache:\n"
-            "      --kv CODEC          fp16 | kivi4 | kivi2 (default kivi4)\n"
-            "      --kv-group G        quantization group G, tokens/channels (default 32)\n"
-            "      --kv-residual R     fp16 residual window in tokens (default 128; fp16: 0)\n"
-            "      --block-tokens N    tokens per KV block (default 64)\n"
+            "KV cache:\n",
+            STRATA_DEFAULT_MODEL, MAX_STOP);
+    cli_kv_usage(out, "kivi4");
+    fprintf(out,
             "      --ctx N             context length: prompt + generated tokens (default: the\n"
             "                          model's training context, at most 8192)\n"
             "      --kv-pool-mib N     KV block pool size in MiB (default: room for --ctx tokens);\n"
@@ -54,8 +55,7 @@ static void usage(FILE *out)
             "                          first by default; --chat prompts never are)\n"
             "  -q, --quiet             no progress messages on stderr\n"
             "      --threads N         BLAS threads (default: OpenBLAS's choice)\n"
-            "  -h, --help              show this help\n",
-            STRATA_DEFAULT_MODEL, MAX_STOP);
+            "  -h, --help              show this help\n");
 }
 
 typedef struct gen_opts {
@@ -68,9 +68,7 @@ typedef struct gen_opts {
     const char *stop[MAX_STOP];
     size_t n_stop;
     bool ignore_eos;
-    const char *kv;
-    long kv_group, kv_residual;   /* -1: codec default */
-    int block_tokens;
+    cli_kv_opts kv;
     long ctx;                     /* 0: model default */
     long pool_mib;                /* 0: sized from ctx */
     const char *save_kv;
@@ -80,7 +78,7 @@ typedef struct gen_opts {
 
 enum {
     OPT_CHAT = 1000, OPT_SYSTEM, OPT_TOP_K, OPT_TOP_P, OPT_STOP, OPT_IGNORE_EOS, OPT_KV, OPT_KV_GROUP,
-    OPT_KV_RESIDUAL, OPT_BLOCK_TOKENS, OPT_CTX, OPT_POOL, OPT_SAVE_KV, OPT_STATS, OPT_THREADS, OPT_NO_ECHO,
+    OPT_KV_RESIDUAL, OPT_KV_PLAN, OPT_BLOCK_TOKENS, OPT_CTX, OPT_POOL, OPT_SAVE_KV, OPT_STATS, OPT_THREADS, OPT_NO_ECHO,
 };
 
 static int parse_opts(int argc, char **argv, gen_opts *o)
@@ -100,6 +98,7 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
         {"kv", required_argument, NULL, OPT_KV},
         {"kv-group", required_argument, NULL, OPT_KV_GROUP},
         {"kv-residual", required_argument, NULL, OPT_KV_RESIDUAL},
+        {"kv-plan", required_argument, NULL, OPT_KV_PLAN},
         {"block-tokens", required_argument, NULL, OPT_BLOCK_TOKENS},
         {"ctx", required_argument, NULL, OPT_CTX},
         {"kv-pool-mib", required_argument, NULL, OPT_POOL},
@@ -113,7 +112,7 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
     };
     *o = (gen_opts){.model_path = cli_default_model(), .max_tokens = 128,
                     .sampling = {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .seed = 42},
-                    .kv = "kivi4", .kv_group = -1, .kv_residual = -1, .block_tokens = 64};
+                    .kv = {.kv = "kivi4", .group = -1, .residual = -1, .block_tokens = 64}};
     long v;
     int c;
     optind = 1;
@@ -156,16 +155,17 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
             o->stop[o->n_stop++] = optarg;
             break;
         case OPT_IGNORE_EOS: o->ignore_eos = true; break;
-        case OPT_KV: o->kv = optarg; break;
+        case OPT_KV: o->kv.kv = optarg; break;
+        case OPT_KV_PLAN: o->kv.plan_file = optarg; break;
         case OPT_KV_GROUP:
-            if (!cli_parse_long("--kv-group", optarg, 1, 4096, &o->kv_group)) return EXIT_USAGE;
+            if (!cli_parse_long("--kv-group", optarg, 1, 4096, &o->kv.group)) return EXIT_USAGE;
             break;
         case OPT_KV_RESIDUAL:
-            if (!cli_parse_long("--kv-residual", optarg, 0, 1 << 20, &o->kv_residual)) return EXIT_USAGE;
+            if (!cli_parse_long("--kv-residual", optarg, 0, 65535, &o->kv.residual)) return EXIT_USAGE;
             break;
         case OPT_BLOCK_TOKENS:
             if (!cli_parse_long("--block-tokens", optarg, 1, 4096, &v)) return EXIT_USAGE;
-            o->block_tokens = (int)v;
+            o->kv.block_tokens = (int)v;
             break;
         case OPT_CTX:
             if (!cli_parse_long("--ctx", optarg, 2, 1 << 22, &o->ctx)) return EXIT_USAGE;
@@ -248,8 +248,16 @@ static void print_stats(const model *m, const kv_seq *seq, const kv_pool *pool, 
     const model_config *cfg = model_get_config(m);
     kv_seq_stats st;
     kv_seq_get_stats(seq, &st);
-    char codec[32];
-    kv_codec_name(kv_pool_codec(pool), codec, sizeof codec);
+    char codec[256];
+    kv_codec_params *codecs = malloc((size_t)cfg->n_layers * sizeof *codecs);
+    if (codecs) {
+        for (int l = 0; l < cfg->n_layers; l++)
+            codecs[l] = *kv_pool_layer_codec(pool, l);
+        kv_plan_format(codecs, cfg->n_layers, codec, sizeof codec);
+        free(codecs);
+    } else {
+        kv_codec_name(kv_pool_codec(pool), codec, sizeof codec);
+    }
     const double per_layer_tokens = st.tokens ? (double)st.tokens / cfg->n_layers : 0.0;
     const double block_tokens = st.block_tokens ? (double)st.block_tokens / cfg->n_layers : 0.0;
     const double fp16_per_token = 2.0 * 2.0 * cfg->n_kv_heads * cfg->head_dim * cfg->n_layers;
@@ -286,15 +294,6 @@ int cmd_generate(int argc, char **argv)
         kern_set_threads(o.threads);
 
     strata_error err = {0};
-    kv_codec_params codec;
-    if (kv_codec_parse(o.kv, &codec, &err) != STRATA_OK) {
-        fprintf(stderr, "strata generate: --kv: %s\n", err.msg);
-        return EXIT_USAGE;
-    }
-    if (o.kv_group >= 0)
-        codec.group = (int)o.kv_group;
-    if (o.kv_residual >= 0)
-        codec.residual = (int)o.kv_residual;
 
     char *stdin_prompt = NULL;
     if (!strcmp(o.prompt, "-")) {
@@ -325,19 +324,26 @@ int cmd_generate(int argc, char **argv)
                 (double)model_weight_bytes(m) / 1048576.0, now_seconds() - t0);
 
     int exit_code = EXIT_RUNTIME;
+    kv_codec_params *codecs = NULL;
     kv_pool *pool = NULL;
     kv_seq *seq = NULL;
     char *chat_text = NULL;
     int32_t *ids = NULL, *prompt = NULL;
     size_t n_ids = 0;
     generate_result result = {0};
+    char plan_name[256];
 
-    kv_geometry geo = model_kv_geometry(m, o.block_tokens);
-    if (kv_codec_validate(&codec, &geo, &err) != STRATA_OK) {
-        fprintf(stderr, "strata generate: --kv %s: %s\n", o.kv, err.msg);
+    kv_geometry geo = model_kv_geometry(m, o.kv.block_tokens);
+    codecs = malloc((size_t)geo.n_layers * sizeof *codecs);
+    if (!codecs) {
+        fprintf(stderr, "strata generate: out of memory\n");
+        goto done;
+    }
+    if (cli_kv_resolve("generate", o.kv.kv, &o.kv, &geo, codecs) != 0) {
         exit_code = EXIT_USAGE;
         goto done;
     }
+    kv_plan_format(codecs, geo.n_layers, plan_name, sizeof plan_name);
     const char *text = o.prompt;
     if (o.chat) {
         if (tokenizer_apply_chat(tok, o.system, o.prompt, &chat_text, &err) != STRATA_OK) {
@@ -374,22 +380,23 @@ int cmd_generate(int argc, char **argv)
         exit_code = EXIT_USAGE;
         goto done;
     }
-    size_t slots_needed = (ctx + (size_t)o.block_tokens - 1) / (size_t)o.block_tokens * (size_t)cfg->n_layers;
-    size_t slot_bytes = kv_block_size(&codec, &geo);
-    size_t slots = o.pool_mib ? ((size_t)o.pool_mib << 20) / slot_bytes : slots_needed;
-    if (slots == 0) {
-        fprintf(stderr, "strata generate: --kv-pool-mib %ld holds no block of %zu bytes\n", o.pool_mib, slot_bytes);
+    size_t blocks_needed = (ctx + (size_t)o.kv.block_tokens - 1) / (size_t)o.kv.block_tokens;
+    size_t row_bytes = kv_plan_row_bytes(&geo, codecs);   /* one block of every layer */
+    size_t blocks_per_layer = o.pool_mib ? ((size_t)o.pool_mib << 20) / row_bytes : blocks_needed;
+    if (blocks_per_layer == 0) {
+        fprintf(stderr, "strata generate: --kv-pool-mib %ld holds less than one block per layer (%zu bytes)\n",
+                o.pool_mib, row_bytes);
         exit_code = EXIT_USAGE;
         goto done;
     }
-    pool = kv_pool_create(&geo, &codec, slots, &err);
+    pool = kv_pool_create_plan(&geo, codecs, blocks_per_layer, &err);
     if (!pool || !(seq = kv_seq_create(pool, ctx, &err))) {
         fprintf(stderr, "strata generate: %s\n", err.msg);
         goto done;
     }
     if (!o.quiet)
-        fprintf(stderr, "strata: prompt %zu tokens, context %zu, KV %s in %zu blocks of %zu bytes (%.1f MiB pool)\n",
-                n_prompt, ctx, o.kv, slots, slot_bytes, (double)(slots * slot_bytes) / 1048576.0);
+        fprintf(stderr, "strata: prompt %zu tokens, context %zu, KV %s in %zu blocks (%.1f MiB pool)\n", n_prompt,
+                ctx, plan_name, kv_pool_capacity(pool), (double)kv_pool_bytes(pool) / 1048576.0);
 
     generate_params gp = {.sampling = o.sampling, .max_tokens = o.max_tokens, .stop = o.stop,
                           .n_stop = o.n_stop, .ignore_eos = o.ignore_eos};
@@ -420,6 +427,7 @@ done:
     free(chat_text);
     kv_seq_destroy(seq);
     kv_pool_destroy(pool);
+    free(codecs);
     model_free(m);
     free(stdin_prompt);
     return exit_code;

@@ -16,6 +16,8 @@ static void usage(FILE *out)
             "\n"
             "commands:\n"
             "  generate   generate text from a prompt with the default or a given GGUF model (CPU)\n"
+            "  eval       measure the quality of compressed KV caches against fp16 on a text\n"
+            "  calibrate  search a per-layer bit plan for a bytes-per-token budget\n"
             "  inspect    print and verify the KV blocks in a block file (see generate --save-kv)\n"
             "\n"
             "options:\n"
@@ -88,6 +90,10 @@ int main(int argc, char **argv)
     }
     if (!strcmp(cmd, "generate"))
         return cmd_generate(argc - 1, argv + 1);
+    if (!strcmp(cmd, "eval"))
+        return cmd_eval(argc - 1, argv + 1);
+    if (!strcmp(cmd, "calibrate"))
+        return cmd_calibrate(argc - 1, argv + 1);
     if (!strcmp(cmd, "inspect"))
         return cmd_inspect(argc - 1, argv + 1);
     fprintf(stderr, "strata: unknown command '%s' (try strata --help)\n", cmd);

@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels/cpu/kv_attention_impl.h"
 #include "kernels/kv_attention.h"
 #include "kvstore/block.h"
 #include "kvstore/bytes.h"
@@ -29,36 +30,11 @@
 
 typedef struct scratch_plan {
     size_t positions;
-    size_t scores, acc, sums, part, groups, row;  /* byte offsets */
+    size_t scores, acc, sums, part, groups, row, blocks;  /* byte offsets */
     size_t total;
 } scratch_plan;
 
 static size_t align64(size_t x) { return (x + 63) & ~(size_t)63; }
-
-/* The inner loops run in fixed chunks of 8 so the compiler vectorizes them at -O2 without
- * -ffast-math; the dot product keeps 8 partial sums for the same reason. */
-static inline void axpy(float *restrict y, float a, const float *restrict x, size_t n)
-{
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (size_t u = 0; u < 8; u++)
-            y[i + u] += a * x[i + u];
-    for (; i < n; i++)
-        y[i] += a * x[i];
-}
-
-static inline float dot(const float *restrict a, const float *restrict b, size_t n)
-{
-    float part[8] = {0};
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (size_t u = 0; u < 8; u++)
-            part[u] += a[i + u] * b[i + u];
-    float s = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
-    for (; i < n; i++)
-        s += a[i] * b[i];
-    return s;
-}
 
 /* n little-endian fp16 numbers at src (any alignment) to fp32. */
 static void halves_sw(const uint8_t *src, size_t n, float *dst)
@@ -100,9 +76,10 @@ static void plan_scratch(const kv_layer_view *v, int n_q_heads, scratch_plan *p)
     p->acc = align64(mul_sat(mul_sat(nq, p->positions), sizeof(float)));
     p->sums = add_sat(p->acc, align64(mul_sat(mul_sat(nq, D), sizeof(double))));
     p->part = add_sat(p->sums, align64(mul_sat(nq, sizeof(double))));
-    p->groups = add_sat(p->part, align64(mul_sat(mul_sat(qpk, D), sizeof(float))));
+    p->groups = add_sat(p->part, align64(mul_sat(mul_sat(qpk, wide), sizeof(float))));
     p->row = add_sat(p->groups, align64(mul_sat(mul_sat(qpk, wide), sizeof(float))));
-    p->total = add_sat(p->row, align64(mul_sat(wide, sizeof(float))));
+    p->blocks = add_sat(p->row, align64(mul_sat(wide, sizeof(float))));
+    p->total = add_sat(p->blocks, align64(mul_sat(v->n_blocks, sizeof(kv_block))));
     if (p->acc == SIZE_MAX || p->total >= SIZE_MAX - 64)
         p->total = SIZE_MAX;
 }
@@ -116,22 +93,7 @@ size_t kern_kv_attention_scratch(const kv_layer_view *view, int n_q_heads)
     return p.total;
 }
 
-typedef struct attn_ctx {
-    const kv_layer_view *view;
-    const float *q;
-    size_t nq, nkv, qpk, D, T;  /* T: all positions */
-    float inv_sqrt_d;
-    float *scores;              /* [nq][T] */
-    double *acc;                /* [nq][D] */
-    double *sums;               /* [nq] softmax normalizers */
-    float *part;                /* [qpk][D] */
-    float *groups;              /* [qpk][max(bt, D)] per-group sums */
-    float *row;                 /* one unpacked or converted row */
-    void (*halves)(const uint8_t *src, size_t n, float *dst);
-    bool native_is_le_halves;   /* the tail's uint16 array may go through halves() */
-} attn_ctx;
-
-static void kivi_scores(attn_ctx *a, const kv_block *b, size_t pos)
+void kv_attn_kivi_scores(attn_ctx *a, const kv_block *b, size_t pos)
 {
     const kv_block_desc *d = &b->desc;
     const uint8_t *kc = kv_block_section_data(b, KV_SEC_K_CODES, NULL);
@@ -157,7 +119,7 @@ static void kivi_scores(attn_ctx *a, const kv_block *b, size_t pos)
                     float *sr = a->scores + (h0 + i) * a->T + pos + g * kg;
                     const float *code = a->row + g * kg;
                     a->groups[i * ng + g] += qc * z;
-                    axpy(sr, qs, code, kg);
+                    kv_attn_axpy(sr, qs, code, kg);
                 }
             }
         }
@@ -169,7 +131,7 @@ static void kivi_scores(attn_ctx *a, const kv_block *b, size_t pos)
     }
 }
 
-static void kivi_values(attn_ctx *a, const kv_block *b, size_t pos)
+void kv_attn_kivi_values(attn_ctx *a, const kv_block *b, size_t pos)
 {
     const kv_block_desc *d = &b->desc;
     const uint8_t *vc = kv_block_section_data(b, KV_SEC_V_CODES, NULL);
@@ -193,7 +155,7 @@ static void kivi_values(attn_ctx *a, const kv_block *b, size_t pos)
                     float *acc = a->part + i * D + g * vg;
                     const float *code = a->row + g * vg;
                     a->groups[i * ng + g] += p * z;
-                    axpy(acc, ps, code, vg);
+                    kv_attn_axpy(acc, ps, code, vg);
                 }
             }
         }
@@ -228,7 +190,7 @@ static void half_scores(attn_ctx *a, const half_rows *k, size_t n_tokens, size_t
             load_half_row(a, k, (j * a->nkv + kvh) * a->D, a->D, a->row);
             for (size_t i = 0; i < a->qpk; i++) {
                 const size_t h = kvh * a->qpk + i;
-                a->scores[h * a->T + pos + j] = dot(a->q + h * a->D, a->row, a->D) * a->inv_sqrt_d;
+                a->scores[h * a->T + pos + j] = kv_attn_dot(a->q + h * a->D, a->row, a->D) * a->inv_sqrt_d;
             }
         }
 }
@@ -240,7 +202,7 @@ static void half_values(attn_ctx *a, const half_rows *v, size_t n_tokens, size_t
         for (size_t j = 0; j < n_tokens; j++) {
             load_half_row(a, v, (j * a->nkv + kvh) * a->D, a->D, a->row);
             for (size_t i = 0; i < a->qpk; i++)
-                axpy(a->part + i * a->D, a->scores[(kvh * a->qpk + i) * a->T + pos + j], a->row, a->D);
+                kv_attn_axpy(a->part + i * a->D, a->scores[(kvh * a->qpk + i) * a->T + pos + j], a->row, a->D);
         }
         for (size_t i = 0; i < a->qpk; i++)
             for (size_t c = 0; c < a->D; c++)
@@ -270,6 +232,43 @@ static int parse_view_block(const attn_ctx *a, size_t i, kv_block *b, strata_err
                            (unsigned long long)i * (unsigned long long)v->block_tokens, v->block_tokens,
                            v->n_kv_heads, v->head_dim);
     return STRATA_OK;
+}
+
+/* One block's share of the score pass (values == false) or the value pass. */
+static int block_pass(attn_ctx *a, const kv_block *b, size_t pos, bool values, strata_error *err)
+{
+    int rc = STRATA_OK;
+    switch (b->desc.codec) {
+    case KV_CODEC_FP16: {
+        half_rows rows = {kv_block_section_data(b, values ? KV_SEC_V_FP16 : KV_SEC_K_FP16, NULL), NULL};
+        if (values)
+            half_values(a, &rows, b->desc.n_tokens, pos);
+        else
+            half_scores(a, &rows, b->desc.n_tokens, pos);
+        return STRATA_OK;
+    }
+    case KV_CODEC_KIVI:
+    case KV_CODEC_GEAR:
+    case KV_CODEC_OTT:
+    case KV_CODEC_TADA:
+        if (values)
+            kv_attn_kivi_values(a, b, pos);
+        else
+            kv_attn_kivi_scores(a, b, pos);
+        break;
+    default:
+        return strata_fail(err, STRATA_EFORMAT, "attention: layer %d: block at position %zu has codec %u",
+                           a->view->layer, pos, (unsigned)b->desc.codec);
+    }
+    if (b->desc.codec == KV_CODEC_GEAR)
+        rc = values ? kv_attn_gear_values(a, b, pos, err) : kv_attn_gear_scores(a, b, pos, err);
+    else if (b->desc.codec == KV_CODEC_OTT)
+        rc = values ? kv_attn_ott_values(a, b, pos, err) : kv_attn_ott_scores(a, b, pos, err);
+    else if (b->desc.codec == KV_CODEC_TADA)
+        rc = values ? kv_attn_tada_values(a, b, pos, err) : kv_attn_tada_scores(a, b, pos, err);
+    if (rc && err)
+        strata_error_prefix(err, "attention: layer %d block at position %zu", a->view->layer, pos);
+    return rc;
 }
 
 int kern_kv_attention(const kv_layer_view *view, const float *q, int n_q_heads, float *out,
@@ -320,17 +319,15 @@ int kern_kv_attention(const kv_layer_view *view, const float *q, int n_q_heads, 
 #endif
     const size_t bt = (size_t)view->block_tokens;
 
+    /* Each header is parsed once; both passes read the parsed table. */
+    kv_block *blocks = (kv_block *)(void *)(base + plan.blocks);
     for (size_t i = 0; i < view->n_blocks; i++) {
-        kv_block b;
-        int rc = parse_view_block(&a, i, &b, err);
+        int rc = parse_view_block(&a, i, &blocks[i], err);
         if (rc)
             return rc;
-        if (b.desc.codec == KV_CODEC_KIVI) {
-            kivi_scores(&a, &b, i * bt);
-        } else {
-            half_rows k = {kv_block_section_data(&b, KV_SEC_K_FP16, NULL), NULL};
-            half_scores(&a, &k, bt, i * bt);
-        }
+        rc = block_pass(&a, &blocks[i], i * bt, false, err);
+        if (rc)
+            return rc;
     }
     const size_t tail_pos = view->n_blocks * bt;
     half_rows tk = {NULL, view->tail_k}, tv = {NULL, view->tail_v};
@@ -352,16 +349,9 @@ int kern_kv_attention(const kv_layer_view *view, const float *q, int n_q_heads, 
     }
 
     for (size_t i = 0; i < view->n_blocks; i++) {
-        kv_block b;
-        int rc = parse_view_block(&a, i, &b, err);
+        int rc = block_pass(&a, &blocks[i], i * bt, true, err);
         if (rc)
             return rc;
-        if (b.desc.codec == KV_CODEC_KIVI) {
-            kivi_values(&a, &b, i * bt);
-        } else {
-            half_rows v = {kv_block_section_data(&b, KV_SEC_V_FP16, NULL), NULL};
-            half_values(&a, &v, bt, i * bt);
-        }
     }
     half_values(&a, &tv, view->tail_tokens, tail_pos);
 

@@ -1,0 +1,57 @@
+/* Small helpers shared by the subcommands. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "coordinator/cli/cli.h"
+
+double cli_now_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+int cli_read_file(const char *path, size_t max_bytes, char **out, size_t *len, strata_error *err)
+{
+    *out = NULL;
+    *len = 0;
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return strata_fail(err, STRATA_EIO, "%s: %s", path, strerror(errno));
+    size_t cap = 65536, n = 0;
+    char *buf = malloc(cap + 1);
+    while (buf) {
+        size_t got = fread(buf + n, 1, cap - n, f);
+        n += got;
+        if (n > max_bytes)
+            break;
+        if (got == 0)
+            break;
+        if (n == cap) {
+            char *grown = realloc(buf, cap * 2 + 1);
+            if (!grown) {
+                free(buf);
+                buf = NULL;
+                break;
+            }
+            buf = grown;
+            cap *= 2;
+        }
+    }
+    int rd_err = ferror(f);
+    fclose(f);
+    if (!buf)
+        return strata_fail(err, STRATA_ENOMEM, "%s: out of memory", path);
+    if (rd_err || n > max_bytes) {
+        free(buf);
+        return rd_err ? strata_fail(err, STRATA_EIO, "%s: read error", path)
+                      : strata_fail(err, STRATA_EINVAL, "%s: larger than %zu bytes", path, max_bytes);
+    }
+    buf[n] = 0;
+    *out = buf;
+    *len = n;
+    return STRATA_OK;
+}

@@ -1,0 +1,256 @@
+/* Bit plans (plan.h). */
+#include "kvstore/plan.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#define PLAN_FILE_MAX (64 * 1024)
+
+static int uniform(const char *name, int n_layers, kv_codec_params *out, strata_error *err)
+{
+    if (strcmp(name, "tada") == 0) {
+        kv_codec_params lo, hi;
+        if (kv_codec_parse("tada4", &lo, err) || kv_codec_parse("tada2", &hi, err))
+            return STRATA_EINVAL;
+        for (int l = 0; l < n_layers; l++)
+            out[l] = l < (n_layers + 1) / 2 ? lo : hi;
+        return STRATA_OK;
+    }
+    kv_codec_params p;
+    int rc = kv_codec_parse(name, &p, err);
+    if (rc)
+        return rc;
+    for (int l = 0; l < n_layers; l++) {
+        out[l] = p;
+        if (p.codec == KV_CODEC_OTT && l < 2)
+            out[l].pool_tokens = 0;
+    }
+    return STRATA_OK;
+}
+
+static bool has_range_syntax(const char *spec) { return strchr(spec, ':') != NULL; }
+
+/* Trims spaces in place: returns the first non-space char and cuts trailing spaces. */
+static char *trim(char *s)
+{
+    while (isspace((unsigned char)*s))
+        s++;
+    size_t n = strlen(s);
+    while (n && isspace((unsigned char)s[n - 1]))
+        s[--n] = 0;
+    return s;
+}
+
+static int parse_layer(const char *s, long *out)
+{
+    if (!isdigit((unsigned char)*s))
+        return -1;
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || *end || v < 0 || v > 1000000)
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static int parse_ranges(char *text, int n_layers, kv_codec_params *out, strata_error *err)
+{
+    unsigned char *seen = calloc((size_t)n_layers, 1);
+    if (!seen)
+        return strata_fail(err, STRATA_ENOMEM, "kv plan: out of memory");
+    int rc = STRATA_OK, line = 1;
+    char *p = text;
+    while (rc == STRATA_OK && *p) {
+        size_t n = strcspn(p, ",\n");
+        char sep = p[n];
+        p[n] = 0;
+        char *hash = strchr(p, '#');
+        if (hash)
+            *hash = 0;
+        char *entry = trim(p);
+        if (*entry) {
+            char *colon = strchr(entry, ':');
+            long a = -1, b = -1;
+            if (!colon) {
+                rc = strata_fail(err, STRATA_EINVAL, "kv plan line %d: \"%s\" is not LAYERS:CODEC (e.g. 0-9:tada4)",
+                                 line, entry);
+                break;
+            }
+            *colon = 0;
+            char *range = trim(entry), *name = trim(colon + 1);
+            char *dash = strchr(range, '-');
+            if (dash) {
+                *dash = 0;
+                if (parse_layer(trim(range), &a) || parse_layer(trim(dash + 1), &b))
+                    a = -1;
+            } else if (parse_layer(range, &a) == 0) {
+                b = a;
+            }
+            if (a < 0 || b < a) {
+                rc = strata_fail(err, STRATA_EINVAL, "kv plan line %d: bad layer range before \"%s\" (use A-B or A)",
+                                 line, name);
+                break;
+            }
+            if (b >= n_layers) {
+                rc = strata_fail(err, STRATA_EINVAL, "kv plan line %d: layer %ld is out of range (the model has %d layers)",
+                                 line, b, n_layers);
+                break;
+            }
+            kv_codec_params c;
+            strata_error why = {0};
+            if (kv_codec_parse(name, &c, &why) != STRATA_OK) {
+                rc = strata_fail(err, STRATA_EINVAL, "kv plan line %d: %s", line, why.msg);
+                break;
+            }
+            for (long l = a; l <= b; l++) {
+                if (seen[l]) {
+                    rc = strata_fail(err, STRATA_EINVAL, "kv plan line %d: layer %ld is given twice", line, l);
+                    break;
+                }
+                seen[l] = 1;
+                out[l] = c;
+            }
+        }
+        if (sep == '\n')
+            line++;
+        p += n + (sep ? 1 : 0);
+    }
+    for (int l = 0; rc == STRATA_OK && l < n_layers; l++)
+        if (!seen[l])
+            rc = strata_fail(err, STRATA_EINVAL, "kv plan: layer %d has no codec (the model has %d layers)", l, n_layers);
+    free(seen);
+    return rc;
+}
+
+int kv_plan_parse(const char *spec, int n_layers, kv_codec_params *out, strata_error *err)
+{
+    if (!spec || !out)
+        return strata_fail(err, STRATA_EINVAL, "kv plan: NULL argument");
+    if (n_layers < 1)
+        return strata_fail(err, STRATA_EINVAL, "kv plan: n_layers %d must be positive", n_layers);
+    if (!has_range_syntax(spec))
+        return uniform(spec, n_layers, out, err);
+    char *copy = strdup(spec);
+    if (!copy)
+        return strata_fail(err, STRATA_ENOMEM, "kv plan: out of memory");
+    int rc = parse_ranges(copy, n_layers, out, err);
+    free(copy);
+    return rc;
+}
+
+int kv_plan_load(const char *path, int n_layers, kv_codec_params *out, strata_error *err)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return strata_fail(err, STRATA_EIO, "kv plan %s: %s", path, strerror(errno));
+    char *buf = malloc(PLAN_FILE_MAX + 1);
+    if (!buf) {
+        fclose(f);
+        return strata_fail(err, STRATA_ENOMEM, "kv plan %s: out of memory", path);
+    }
+    size_t n = fread(buf, 1, PLAN_FILE_MAX + 1, f);
+    int rd_err = ferror(f);
+    fclose(f);
+    int rc;
+    if (rd_err) {
+        rc = strata_fail(err, STRATA_EIO, "kv plan %s: read error", path);
+    } else if (n > PLAN_FILE_MAX) {
+        rc = strata_fail(err, STRATA_EINVAL, "kv plan %s: larger than %d bytes", path, PLAN_FILE_MAX);
+    } else if (memchr(buf, 0, n)) {
+        rc = strata_fail(err, STRATA_EINVAL, "kv plan %s: not a text file", path);
+    } else {
+        buf[n] = 0;
+        /* A file may hold a single name too; strip comments and blank lines first. */
+        if (!has_range_syntax(buf)) {
+            char *hash = strchr(buf, '#');
+            while (hash) {
+                size_t end = strcspn(hash, "\n");
+                memset(hash, ' ', end);
+                hash = strchr(hash + end, '#');
+            }
+            rc = uniform(trim(buf), n_layers, out, err);
+        } else {
+            rc = parse_ranges(buf, n_layers, out, err);
+        }
+        if (rc && err)
+            strata_error_prefix(err, "%s", path);
+    }
+    free(buf);
+    return rc;
+}
+
+bool kv_plan_is_file(const char *spec)
+{
+    if (!spec || !*spec)
+        return false;
+    kv_codec_params p;
+    if (strcmp(spec, "tada") == 0 || kv_codec_parse(spec, &p, NULL) == STRATA_OK)
+        return false;
+    struct stat st;
+    return stat(spec, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+void kv_plan_format(const kv_codec_params *layers, int n_layers, char *buf, size_t cap)
+{
+    if (!buf || cap == 0)
+        return;
+    buf[0] = 0;
+    size_t at = 0;
+    int start = 0;
+    char name[64], next[64];
+    for (int l = 0; l < n_layers; l++) {
+        kv_codec_name(&layers[l], name, sizeof name);
+        if (l + 1 < n_layers)
+            kv_codec_name(&layers[l + 1], next, sizeof next);
+        if (l + 1 < n_layers && strcmp(name, next) == 0)
+            continue;
+        if (start == 0 && l == n_layers - 1) {
+            snprintf(buf, cap, "%s", name);   /* uniform */
+            return;
+        }
+        int w = start == l ? snprintf(buf + at, cap - at, "%s%d:%s", at ? "," : "", l, name)
+                           : snprintf(buf + at, cap - at, "%s%d-%d:%s", at ? "," : "", start, l, name);
+        if (w < 0 || (size_t)w >= cap - at)
+            return;   /* truncated */
+        at += (size_t)w;
+        start = l + 1;
+    }
+}
+
+int kv_plan_save(const char *path, const kv_codec_params *layers, int n_layers, const char *comment,
+                 strata_error *err)
+{
+    FILE *f = fopen(path, "w");
+    if (!f)
+        return strata_fail(err, STRATA_EIO, "writing kv plan %s: %s", path, strerror(errno));
+    if (comment) {
+        const char *c = comment;
+        while (*c) {
+            size_t n = strcspn(c, "\n");
+            fprintf(f, "# %.*s\n", (int)n, c);
+            c += n + (c[n] ? 1 : 0);
+        }
+    }
+    char name[64], next[64];
+    int start = 0;
+    for (int l = 0; l < n_layers; l++) {
+        kv_codec_name(&layers[l], name, sizeof name);
+        if (l + 1 < n_layers)
+            kv_codec_name(&layers[l + 1], next, sizeof next);
+        if (l + 1 < n_layers && strcmp(name, next) == 0)
+            continue;
+        if (start == l)
+            fprintf(f, "%d:%s\n", l, name);
+        else
+            fprintf(f, "%d-%d:%s\n", start, l, name);
+        start = l + 1;
+    }
+    if (ferror(f) | (fclose(f) != 0))
+        return strata_fail(err, STRATA_EIO, "writing kv plan %s: %s", path, strerror(errno));
+    return STRATA_OK;
+}
