@@ -58,67 +58,71 @@ static int parse_layer(const char *s, long *out)
     return 0;
 }
 
+/* One "A-B:codec" entry (already trimmed; empty is fine). */
+static int parse_entry(char *entry, int line, int n_layers, unsigned char *seen, kv_codec_params *out,
+                       strata_error *err)
+{
+    if (!*entry)
+        return STRATA_OK;
+    char *colon = strchr(entry, ':');
+    long a = -1, b = -1;
+    if (!colon)
+        return strata_fail(err, STRATA_EINVAL, "kv plan line %d: \"%s\" is not LAYERS:CODEC (e.g. 0-9:tada4)", line,
+                           entry);
+    *colon = 0;
+    char *range = trim(entry), *name = trim(colon + 1);
+    char *dash = strchr(range, '-');
+    if (dash) {
+        *dash = 0;
+        if (parse_layer(trim(range), &a) || parse_layer(trim(dash + 1), &b))
+            a = -1;
+    } else if (parse_layer(range, &a) == 0) {
+        b = a;
+    }
+    if (a < 0 || b < a)
+        return strata_fail(err, STRATA_EINVAL, "kv plan line %d: bad layer range before \"%s\" (use A-B or A)", line,
+                           name);
+    if (b >= n_layers)
+        return strata_fail(err, STRATA_EINVAL, "kv plan line %d: layer %ld is out of range (the model has %d layers)",
+                           line, b, n_layers);
+    kv_codec_params c;
+    strata_error why = {0};
+    if (kv_codec_parse(name, &c, &why) != STRATA_OK)
+        return strata_fail(err, STRATA_EINVAL, "kv plan line %d: %s", line, why.msg);
+    for (long l = a; l <= b; l++) {
+        if (seen[l])
+            return strata_fail(err, STRATA_EINVAL, "kv plan line %d: layer %ld is given twice", line, l);
+        seen[l] = 1;
+        out[l] = c;
+    }
+    return STRATA_OK;
+}
+
 static int parse_ranges(char *text, int n_layers, kv_codec_params *out, strata_error *err)
 {
     unsigned char *seen = calloc((size_t)n_layers, 1);
     if (!seen)
         return strata_fail(err, STRATA_ENOMEM, "kv plan: out of memory");
-    int rc = STRATA_OK, line = 1;
+    int rc = STRATA_OK, line = 0;
     char *p = text;
+    /* Line by line, comments cut first (they may hold commas), then the line's entries. */
     while (rc == STRATA_OK && *p) {
-        size_t n = strcspn(p, ",\n");
-        char sep = p[n];
-        p[n] = 0;
+        line++;
+        size_t line_len = strcspn(p, "\n");
+        char *next = p + line_len + (p[line_len] ? 1 : 0);
+        p[line_len] = 0;
         char *hash = strchr(p, '#');
         if (hash)
             *hash = 0;
-        char *entry = trim(p);
-        if (*entry) {
-            char *colon = strchr(entry, ':');
-            long a = -1, b = -1;
-            if (!colon) {
-                rc = strata_fail(err, STRATA_EINVAL, "kv plan line %d: \"%s\" is not LAYERS:CODEC (e.g. 0-9:tada4)",
-                                 line, entry);
-                break;
-            }
-            *colon = 0;
-            char *range = trim(entry), *name = trim(colon + 1);
-            char *dash = strchr(range, '-');
-            if (dash) {
-                *dash = 0;
-                if (parse_layer(trim(range), &a) || parse_layer(trim(dash + 1), &b))
-                    a = -1;
-            } else if (parse_layer(range, &a) == 0) {
-                b = a;
-            }
-            if (a < 0 || b < a) {
-                rc = strata_fail(err, STRATA_EINVAL, "kv plan line %d: bad layer range before \"%s\" (use A-B or A)",
-                                 line, name);
-                break;
-            }
-            if (b >= n_layers) {
-                rc = strata_fail(err, STRATA_EINVAL, "kv plan line %d: layer %ld is out of range (the model has %d layers)",
-                                 line, b, n_layers);
-                break;
-            }
-            kv_codec_params c;
-            strata_error why = {0};
-            if (kv_codec_parse(name, &c, &why) != STRATA_OK) {
-                rc = strata_fail(err, STRATA_EINVAL, "kv plan line %d: %s", line, why.msg);
-                break;
-            }
-            for (long l = a; l <= b; l++) {
-                if (seen[l]) {
-                    rc = strata_fail(err, STRATA_EINVAL, "kv plan line %d: layer %ld is given twice", line, l);
-                    break;
-                }
-                seen[l] = 1;
-                out[l] = c;
-            }
+        char *q = p;
+        while (rc == STRATA_OK && *q) {
+            size_t n = strcspn(q, ",");
+            char *after = q + n + (q[n] ? 1 : 0);
+            q[n] = 0;
+            rc = parse_entry(trim(q), line, n_layers, seen, out, err);
+            q = after;
         }
-        if (sep == '\n')
-            line++;
-        p += n + (sep ? 1 : 0);
+        p = next;
     }
     for (int l = 0; rc == STRATA_OK && l < n_layers; l++)
         if (!seen[l])
@@ -165,18 +169,13 @@ int kv_plan_load(const char *path, int n_layers, kv_codec_params *out, strata_er
         rc = strata_fail(err, STRATA_EINVAL, "kv plan %s: not a text file", path);
     } else {
         buf[n] = 0;
-        /* A file may hold a single name too; strip comments and blank lines first. */
-        if (!has_range_syntax(buf)) {
-            char *hash = strchr(buf, '#');
-            while (hash) {
-                size_t end = strcspn(hash, "\n");
-                memset(hash, ' ', end);
-                hash = strchr(hash + end, '#');
-            }
-            rc = uniform(trim(buf), n_layers, out, err);
-        } else {
-            rc = parse_ranges(buf, n_layers, out, err);
+        /* Comments may hold anything (commas, colons): blank them before looking at the rest. */
+        for (char *hash = strchr(buf, '#'); hash; hash = strchr(hash, '#')) {
+            size_t end = strcspn(hash, "\n");
+            memset(hash, ' ', end);
+            hash += end;
         }
+        rc = has_range_syntax(buf) ? parse_ranges(buf, n_layers, out, err) : uniform(trim(buf), n_layers, out, err);
         if (rc && err)
             strata_error_prefix(err, "%s", path);
     }

@@ -67,6 +67,18 @@ static kv_block_desc kivi_desc(int heads, int dim, uint32_t tokens, int kb, int 
     return d;
 }
 
+/* A block of codec 3-5 (bits for K and V, one group; gear rank and outliers per vector, ott entries). */
+static kv_block_desc codec_desc(kv_codec_id codec, int heads, int dim, uint32_t tokens, int bits, int group, int rank,
+                                int sparse, int ott)
+{
+    kv_block_desc d = kivi_desc(heads, dim, tokens, bits, bits, group, 0);
+    d.codec = codec;
+    d.rank = rank;
+    d.k_sparse = d.v_sparse = sparse;
+    d.ott_tokens = ott;
+    return d;
+}
+
 static kv_block_desc fp16_desc(int heads, int dim, uint32_t tokens)
 {
     kv_block_desc d = {0};
@@ -93,6 +105,10 @@ static void assert_desc_equal(const kv_block_desc *a, const kv_block_desc *b)
     assert_int_equal(a->n_tokens, b->n_tokens);
     assert_int_equal(a->n_kv_heads, b->n_kv_heads);
     assert_int_equal(a->head_dim, b->head_dim);
+    assert_int_equal(a->rank, b->rank);
+    assert_int_equal(a->k_sparse, b->k_sparse);
+    assert_int_equal(a->v_sparse, b->v_sparse);
+    assert_int_equal(a->ott_tokens, b->ott_tokens);
 }
 
 /* Encodes random rows (fp16-rounded) into a fresh buffer of exactly the block's size. */
@@ -112,7 +128,13 @@ static uint8_t *make_block(const kv_block_desc *d, uint64_t seed, size_t *size, 
     assert_non_null(b);
     size_t written = 0;
     strata_error err = {0};
-    assert_int_equal(kv_block_encode(d, k, v, b, bytes, &written, &err), STRATA_OK);
+    /* OTT seeds pool the first ott_tokens (head, token) pairs of the first tokens */
+    kv_ott_entry entries[8];
+    kv_block_extra extra = {entries};
+    for (int i = 0; i < d->ott_tokens && i < 8; i++)
+        entries[i] = (kv_ott_entry){(uint16_t)(i % d->n_kv_heads), (uint16_t)(i / d->n_kv_heads)};
+    if (kv_block_encode_ex(d, k, v, &extra, b, bytes, &written, &err) != STRATA_OK)
+        fail_msg("encoding: %s", err.msg);
     assert_int_equal(written, bytes);
     *size = bytes;
     if (k_out) *k_out = k; else free(k);
@@ -514,6 +536,11 @@ static void test_fuzz_seed_corpus(void **state)
         {"kivi_k4v2_1x32x64_g16", kivi_desc(1, 32, 64, 4, 2, 16, 64)},
         {"fp16_2x8x4", fp16_desc(2, 8, 4)},
         {"fp16_tail_1x8x3", fp16_desc(1, 8, 3)},
+        {"gear2_1x32x32_r2_s2", codec_desc(KV_CODEC_GEAR, 1, 32, 32, 2, 32, 2, 2, 0)},
+        {"gearl4_2x32x32_r4", codec_desc(KV_CODEC_GEAR, 2, 32, 32, 4, 32, 4, 0, 0)},
+        {"ott2_2x32x32_3entries", codec_desc(KV_CODEC_OTT, 2, 32, 32, 2, 32, 0, 0, 3)},
+        {"tada4_3x32x32", codec_desc(KV_CODEC_TADA, 3, 32, 32, 4, 32, 0, 0, 0)},
+        {"tada8_2x16x32_g16", codec_desc(KV_CODEC_TADA, 2, 16, 32, 8, 16, 0, 0, 0)},
     };
     const char *dir = STRATA_SOURCE_DIR "/tests/fuzz/corpus/fuzz_block";
     const char *regen = getenv("STRATA_REGEN_FUZZ_SEEDS");
@@ -533,7 +560,7 @@ static void test_fuzz_seed_corpus(void **state)
         FILE *f = fopen(path, "rb");
         if (!f)
             fail_msg("missing fuzz seed %s (%s); run with STRATA_REGEN_FUZZ_SEEDS=1", path, strerror(errno));
-        uint8_t buf[4096];
+        static uint8_t buf[65536];
         size_t n = fread(buf, 1, sizeof buf, f);
         fclose(f);
         kv_block pb;

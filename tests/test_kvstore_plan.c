@@ -111,7 +111,8 @@ static void test_files(void **state)
     kv_codec_params a[L], b[L];
     assert_int_equal(kv_plan_parse("0-4:tada8,5-19:tada4,20-29:tada2", L, a, NULL), STRATA_OK);
     strata_error err = {0};
-    assert_int_equal(kv_plan_save(path, a, L, "written by a test\nsecond line", &err), STRATA_OK);
+    assert_int_equal(kv_plan_save(path, a, L, "written by a test: model x, text y\nsecond line, with commas: 1,2", &err),
+                     STRATA_OK);
     assert_true(kv_plan_is_file(path));
     assert_false(kv_plan_is_file("kivi2"));
     assert_int_equal(kv_plan_load(path, L, b, &err), STRATA_OK);
@@ -127,7 +128,7 @@ static void test_files(void **state)
     assert_non_null(strstr(err.msg, "out of range"));
     /* a file holding one name */
     FILE *f = fopen(path, "w");
-    fputs("# uniform\nkivi4\n", f);
+    fputs("# uniform: one name, a comment with a colon, and a comma\nkivi4\n", f);
     fclose(f);
     assert_int_equal(kv_plan_load(path, L, b, &err), STRATA_OK);
     expect_layer(b, 17, "kivi4");

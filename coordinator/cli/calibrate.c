@@ -201,11 +201,15 @@ typedef struct progress_state {
 static int on_progress(void *user, size_t step, size_t steps)
 {
     progress_state *ps = user;
-    if (ps->quiet || !ps->tty || step != steps)
+    if (ps->quiet || step != steps)
         return 0;
-    double el = cli_now_seconds() - ps->t0, eta = ps->run ? el / (double)ps->run * (double)(ps->runs - ps->run) : 0;
-    fprintf(stderr, "\r  run %zu/%zu %-28.28s %.0f s elapsed, about %.0f s left   ", ps->run + 1, ps->runs, ps->label,
-            el, eta);
+    double el = cli_now_seconds() - ps->t0, eta = el / (double)(ps->run + 1) * (double)(ps->runs - ps->run - 1);
+    if (ps->tty)
+        fprintf(stderr, "\r  run %zu/%zu %-28.28s %.0f s elapsed, about %.0f s left   ", ps->run + 1, ps->runs,
+                ps->label, el, eta);
+    else if ((ps->run + 1) % 10 == 0 || ps->run + 1 == ps->runs)   /* a log, not a bar */
+        fprintf(stderr, "  run %zu/%zu (%s) done, %.0f s elapsed, about %.0f s left\n", ps->run + 1, ps->runs,
+                ps->label, el, eta);
     return 0;
 }
 
@@ -405,7 +409,12 @@ int cmd_calibrate(int argc, char **argv)
         fprintf(stderr, "strata calibrate: %s\n", err.msg);
         goto done;
     }
-    printf("%s\n# %s\n", spec, comment);
+    printf("%s\n", spec);
+    for (const char *c = comment; *c;) {
+        size_t n = strcspn(c, "\n");
+        printf("# %.*s\n", (int)n, c);
+        c += n + (c[n] ? 1 : 0);
+    }
     printf("# plan written to %s\n", o.out_path);
     exit_code = 0;
     goto done;

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# End-to-end checks of the strata command line on the default model: eval and calibrate on a
+# real text at a tiny size, their JSON and plan files, and the errors a user meets (each must be
+# a clear message and exit status 2, never a crash).
+# usage: tests/cli/test_cli.sh PATH/TO/strata
+set -uo pipefail
+strata=${1:?usage: test_cli.sh STRATA}
+here=$(cd "$(dirname "$0")/../.." && pwd)
+text="$here/../shared/papers/ott.txt"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+failures=0
+fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
+
+# expect STATUS PATTERN CMD...: runs CMD, checks its exit status and that stderr matches PATTERN
+expect() {
+  local status=$1 pattern=$2
+  shift 2
+  "$@" >"$tmp/out" 2>"$tmp/err"
+  local got=$?
+  [ "$got" -eq "$status" ] || fail "$* exited $got, expected $status: $(tail -2 "$tmp/err")"
+  grep -q -- "$pattern" "$tmp/err" || fail "$*: stderr lacks '$pattern': $(tail -2 "$tmp/err")"
+}
+
+[ -f "$text" ] || { echo "test_cli: $text missing (../shared must sit beside the repository)" >&2; exit 1; }
+head -c 6000 "$text" > "$tmp/text.txt"
+
+# eval: errors
+expect 2 "required" "$strata" eval
+expect 2 "No such file" "$strata" eval --text "$tmp/none.txt"
+expect 2 "unknown kv codec \"kivi3\"" "$strata" eval --text "$tmp/text.txt" --kv fp16,kivi3 -q
+expect 2 "needs" "$strata" eval --text "$tmp/text.txt" --prefill 5000 --tokens 4 -q
+expect 2 "G=48" "$strata" eval --text "$tmp/text.txt" --kv kivi2 --kv-group 48 -q
+expect 2 "layer 10 has no codec" "$strata" eval --text "$tmp/text.txt" --kv 0-9:kivi2 -q
+expect 2 "is not an integer" "$strata" eval --text "$tmp/text.txt" --tokens 0
+
+# eval: a tiny real run, JSON checked field by field
+"$strata" eval --text "$tmp/text.txt" --prefill 260 --tokens 3 -q --json \
+  --kv fp16,kivi2,0-14:kivi4,15-29:tada2,ott2,gearl2 >"$tmp/eval.json" 2>"$tmp/err" || fail "eval run: $(cat "$tmp/err")"
+python3 - "$tmp/eval.json" <<'PY' || fail "eval JSON"
+import json, sys
+ev = json.load(open(sys.argv[1]))
+assert ev["prefill"] == 260 and ev["tokens"] == 3 and ev["block_tokens"] == 64, ev
+kv = [r["kv"] for r in ev["results"]]
+assert kv == ["fp16", "kivi2", "0-14:kivi4,15-29:tada2", "ott2", "gearl2"], kv
+fp16 = ev["results"][0]
+assert fp16["kl"] == 0 and fp16["top1"] == 1 and fp16["ratio_vs_fp16"] == 1 and fp16["ppl_delta_pct"] == 0
+for r in ev["results"]:
+    for key in ("ppl", "ppl_delta_pct", "kl", "top1", "bytes_per_token", "total_bytes_per_token", "ratio_vs_fp16", "plan"):
+        assert key in r, (r["kv"], key)
+    assert len(r["k_err"]) == 30 and len(r["v_err"]) == 30
+    assert r["ppl"] > 1 and 0 <= r["top1"] <= 1 and r["kl"] >= 0
+k2 = ev["results"][1]
+assert abs(k2["bytes_per_token"] - 9344 / 64 * 30) < 1e-6, k2["bytes_per_token"]
+assert abs(k2["ratio_vs_fp16"] - 9344 / 49280) < 1e-9
+assert ev["results"][3]["plan"] == "0-1:ott2-n0,2-29:ott2", ev["results"][3]["plan"]
+PY
+
+# calibrate: errors, then a tiny search whose plan generate accepts
+expect 2 "required" "$strata" calibrate --text "$tmp/text.txt"
+expect 2 "below the cheapest plan" "$strata" calibrate --text "$tmp/text.txt" --budget 100 --out "$tmp/p.txt" -q
+expect 2 "at least two codecs" "$strata" calibrate --text "$tmp/text.txt" --budget 9000 --out "$tmp/p.txt" --candidates kivi2 -q
+"$strata" calibrate --text "$tmp/text.txt" --budget 5000 --out "$tmp/plan.txt" --candidates kivi2,kivi4 \
+  --prefill 200 --tokens 2 -q >"$tmp/cal.out" 2>"$tmp/err" || fail "calibrate run: $(cat "$tmp/err")"
+grep -q "^# strata calibrate" "$tmp/plan.txt" || fail "plan file lacks its comment"
+python3 - "$tmp/plan.txt" <<'PY' || fail "calibrated plan"
+import sys
+ranges = [l.strip() for l in open(sys.argv[1]) if l.strip() and not l.startswith("#")]
+size = {"kivi2": 9344, "kivi4": 15488}
+total, covered = 0, []
+for r in ranges:
+    layers, codec = r.split(":")
+    a, _, b = layers.partition("-")
+    a, b = int(a), int(b or a)
+    covered += range(a, b + 1)
+    total += (b - a + 1) * size[codec]
+assert covered == list(range(30)), covered
+assert total / 64 <= 5000, total / 64            # within the budget
+assert total / 64 > 5000 - (15488 - 9344) / 64   # and no room left for one more upgrade
+PY
+"$strata" generate -p "The capital of France is" -n 2 -q --no-echo --kv-plan "$tmp/plan.txt" >"$tmp/out" 2>"$tmp/err" \
+  || fail "generate --kv-plan: $(cat "$tmp/err")"
+"$strata" generate -p "The capital of France is" -n 2 -q --no-echo --kv "$tmp/plan.txt" >"$tmp/out" 2>"$tmp/err" \
+  || fail "generate --kv PLANFILE: $(cat "$tmp/err")"
+expect 2 "No such file" "$strata" generate -p x --kv-plan "$tmp/none.txt" -q
+echo "0-29:kivi2-g48" > "$tmp/bad.txt"
+expect 2 "G=48" "$strata" generate -p x --kv-plan "$tmp/bad.txt" -q
+
+[ "$failures" -eq 0 ] && echo "test_cli: all checks passed"
+exit $((failures > 0))
