@@ -4,10 +4,10 @@
 #   OUT.json   the eval's JSON
 #   OUT.md     a markdown table (and the per-layer errors)
 #   OUT.png    quality loss (KL vs fp16) against bytes per token, one point per setting (gnuplot)
-# usage: bench/quality.sh [OUT]   (default docs/quality); environment: TEXT PREFILL TOKENS KV PLAN
+# usage: bench/quality.sh [OUT]   (default docs/quality-data); environment: TEXT PREFILL TOKENS KV PLAN
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-docs/quality}
+out=${1:-docs/quality-data}
 text=${TEXT:-../shared/papers/kivi.txt}
 prefill=${PREFILL:-1024}
 tokens=${TOKENS:-512}
