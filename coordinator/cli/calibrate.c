@@ -307,24 +307,10 @@ int cmd_calibrate(int argc, char **argv)
     }
 
     const tokenizer *tok = model_get_tokenizer(m);
-    int32_t *body = NULL;
-    size_t n_body = 0;
-    if (tokenizer_encode(tok, text, text_len, false, &body, &n_body, &err) != STRATA_OK) {
+    if (cli_tokenize_document(tok, text, text_len, &ids, &n_ids, &err) != STRATA_OK) {
         fprintf(stderr, "strata calibrate: tokenizing %s: %s\n", o.text_path, err.msg);
         goto done;
     }
-    const bool bos = tokenizer_add_bos(tok);
-    n_ids = n_body + (bos ? 1 : 0);
-    ids = malloc((n_ids ? n_ids : 1) * sizeof *ids);
-    if (!ids) {
-        free(body);
-        goto done;
-    }
-    if (bos)
-        ids[0] = tokenizer_bos(tok);
-    if (n_body)
-        memcpy(ids + (bos ? 1 : 0), body, n_body * sizeof *body);
-    free(body);
     if (n_ids < (size_t)(o.prefill + o.tokens + 1) || o.prefill + o.tokens > cfg->n_ctx_train) {
         fprintf(stderr, "strata calibrate: %s has %zu tokens; --prefill %ld --tokens %ld needs %ld (within the "
                         "model's context of %d)\n",

@@ -30,6 +30,12 @@ const char *cli_default_model(void);
 /* Monotonic clock in seconds. */
 double cli_now_seconds(void);
 
+/* A document's token ids as the model reads it: BOS (if the model adds one) then the text,
+ * without special-token parsing. *ids is malloc'd. */
+struct tokenizer;
+int cli_tokenize_document(const struct tokenizer *tok, const char *text, size_t len, int32_t **ids, size_t *n,
+                          strata_error *err);
+
 /* Reads a whole file (at most max_bytes) into a NUL-terminated malloc'd buffer. */
 int cli_read_file(const char *path, size_t max_bytes, char **out, size_t *len, strata_error *err);
 

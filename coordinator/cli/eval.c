@@ -331,25 +331,10 @@ int cmd_eval(int argc, char **argv)
     const model_config *cfg = model_get_config(m);
     const tokenizer *tok = model_get_tokenizer(m);
     const char *model_name = cfg->name[0] ? cfg->name : cfg->arch;
-    int32_t *body = NULL;
-    size_t n_body = 0;
-    if (tokenizer_encode(tok, text, text_len, false, &body, &n_body, &err) != STRATA_OK) {
+    if (cli_tokenize_document(tok, text, text_len, &ids, &n_ids, &err) != STRATA_OK) {
         fprintf(stderr, "strata eval: tokenizing %s: %s\n", o.text_path, err.msg);
         goto done;
     }
-    const bool bos = tokenizer_add_bos(tok);
-    n_ids = n_body + (bos ? 1 : 0);
-    ids = malloc((n_ids ? n_ids : 1) * sizeof *ids);
-    if (!ids) {
-        free(body);
-        fprintf(stderr, "strata eval: out of memory\n");
-        goto done;
-    }
-    if (bos)
-        ids[0] = tokenizer_bos(tok);
-    if (n_body)
-        memcpy(ids + (bos ? 1 : 0), body, n_body * sizeof *body);
-    free(body);
     const size_t need = (size_t)o.prefill + (size_t)o.tokens + 1;
     if (n_ids < need) {
         fprintf(stderr, "strata eval: %s has %zu tokens; --prefill %ld --tokens %ld needs %zu\n", o.text_path, n_ids,

@@ -6,6 +6,7 @@
 #include <time.h>
 
 #include "coordinator/cli/cli.h"
+#include "worker/tokenizer.h"
 
 double cli_now_seconds(void)
 {
@@ -53,5 +54,31 @@ int cli_read_file(const char *path, size_t max_bytes, char **out, size_t *len, s
     buf[n] = 0;
     *out = buf;
     *len = n;
+    return STRATA_OK;
+}
+
+int cli_tokenize_document(const tokenizer *tok, const char *text, size_t len, int32_t **ids, size_t *n,
+                          strata_error *err)
+{
+    *ids = NULL;
+    *n = 0;
+    int32_t *body = NULL;
+    size_t n_body = 0;
+    int rc = tokenizer_encode(tok, text, len, false, &body, &n_body, err);
+    if (rc)
+        return rc;
+    const bool bos = tokenizer_add_bos(tok);
+    int32_t *out = malloc((n_body + 1) * sizeof *out);
+    if (!out) {
+        free(body);
+        return strata_fail(err, STRATA_ENOMEM, "out of memory for %zu token ids", n_body + 1);
+    }
+    if (bos)
+        out[0] = tokenizer_bos(tok);
+    if (n_body)
+        memcpy(out + (bos ? 1 : 0), body, n_body * sizeof *body);
+    free(body);
+    *ids = out;
+    *n = n_body + (bos ? 1 : 0);
     return STRATA_OK;
 }
