@@ -53,14 +53,17 @@ static int write_all(FILE *f, const void *p, size_t n, const char *path, strata_
     return STRATA_OK;
 }
 
-static int save_to(const kv_seq *seq, FILE *f, const char *path, strata_error *err)
+static int save_to(kv_seq *seq, FILE *f, const char *path, strata_error *err)
 {
     const kv_geometry *g = kv_pool_geometry(kv_seq_pool(seq));
     uint64_t n_blocks = 0, bytes = KV_BLOCKFILE_HEADER_BYTES;
     size_t max_tail_block = 0, max_tail_tokens = 0;
     for (int l = 0; l < g->n_layers; l++) {
         kv_layer_view view;
-        kv_seq_layer_view(seq, l, &view);
+        int rc = kv_seq_acquire_layer(seq, l, &view, err);   /* blocks may be in a lower tier */
+        kv_seq_unpin(seq);
+        if (rc != STRATA_OK)
+            return strata_error_prefix(err, "saving %s", path);
         n_blocks += view.n_blocks;
         for (size_t b = 0; b < view.n_blocks; b++)
             bytes += kv_ld32(view.blocks[b] + KV_HDR_BLOCK_BYTES);   /* each block's own size */
@@ -105,7 +108,8 @@ static int save_to(const kv_seq *seq, FILE *f, const char *path, strata_error *e
     }
     for (int l = 0; l < g->n_layers && rc == STRATA_OK; l++) {
         kv_layer_view view;
-        kv_seq_layer_view(seq, l, &view);
+        rc = kv_seq_acquire_layer(seq, l, &view, err);
+        kv_seq_unpin(seq);
         for (size_t b = 0; b < view.n_blocks && rc == STRATA_OK; b++)
             rc = write_all(f, view.blocks[b], kv_ld32(view.blocks[b] + KV_HDR_BLOCK_BYTES), path, err);
         if (rc || !view.tail_tokens)
@@ -125,7 +129,7 @@ static int save_to(const kv_seq *seq, FILE *f, const char *path, strata_error *e
     return rc;
 }
 
-int kv_blockfile_save(const kv_seq *seq, const char *path, strata_error *err)
+int kv_blockfile_save(kv_seq *seq, const char *path, strata_error *err)
 {
     if (!seq || !path)
         return strata_fail(err, STRATA_EINVAL, "saving a block file: NULL argument");

@@ -7,10 +7,14 @@
  * (see docs/format.md and docs/decisions.md). The fp16 codec has residual 0: its tail is only
  * the partial block.
  *
+ * A lower tier (kv_lower_tier) lets the pool hold fewer blocks than the sequences have: blocks
+ * move down when slots run short and come back for attention (kv_seq_acquire_layer).
+ *
  * Thread-safety: a kv_pool and the sequences drawn from it are used from one thread. */
 #ifndef STRATA_KVSTORE_KV_CACHE_H
 #define STRATA_KVSTORE_KV_CACHE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -89,6 +93,14 @@ kv_pool *kv_pool_create_plan(const kv_geometry *g, const kv_codec_params *codecs
 /* Bytes of one block slot per layer summed over the layers of a plan (what one block of every
  * layer costs); 0 if a codec does not validate. Divide a memory budget by it for blocks_per_layer. */
 size_t kv_plan_row_bytes(const kv_geometry *g, const kv_codec_params *codecs);
+/* A pool of n_slots slots of the plan's largest block size, shared by every layer: what a pool
+ * with a lower tier wants, since any layer's blocks may then need the whole pool at once for
+ * attention (a plan's small slot class could not hold one layer). */
+kv_pool *kv_pool_create_shared(const kv_geometry *g, const kv_codec_params *codecs, size_t n_slots,
+                               strata_error *err);
+/* The largest block size of a plan (the slot size of kv_pool_create_shared); 0 if a codec does
+ * not validate. */
+size_t kv_plan_largest_block(const kv_geometry *g, const kv_codec_params *codecs);
 void kv_pool_destroy(kv_pool *pool);
 size_t kv_pool_capacity(const kv_pool *pool);   /* slots */
 size_t kv_pool_free(const kv_pool *pool);       /* free slots */
@@ -98,6 +110,48 @@ const kv_geometry *kv_pool_geometry(const kv_pool *pool);
 /* The codec of layer 0 (of every layer for a pool made by kv_pool_create). */
 const kv_codec_params *kv_pool_codec(const kv_pool *pool);
 const kv_codec_params *kv_pool_layer_codec(const kv_pool *pool, int layer);
+
+/* A lower tier below the pool (host memory, NVMe): where blocks go when the pool's slots run
+ * short. The pool calls it; offload/kv_tiers.h implements it over the host arena and the NVMe
+ * store. Blocks cross it as their exact bytes (docs/format.md); handles are opaque and non-zero.
+ *
+ * With a lower tier, a block may leave its device slot: when a slot is needed and none is free,
+ * the least recently used unpinned block of that slot size is evicted (copied down first if it
+ * has no copy below yet; blocks never change, so a copy below stays valid while the block lives).
+ * Attention then needs kv_seq_acquire_layer, which brings a layer's blocks back. */
+typedef struct kv_lower_tier {
+    void *ctx;
+    /* Stores a copy of a block (len = its own size) for sequence seq_id at pool clock `clock`. */
+    int (*put)(void *ctx, const uint8_t *block, size_t len, uint64_t seq_id, uint64_t clock, uint64_t *handle,
+               strata_error *err);
+    /* Copies a block back into dst (cap bytes), waiting for I/O if needed, and verifies its CRCs. */
+    int (*get)(void *ctx, uint64_t handle, uint8_t *dst, size_t cap, uint64_t clock, strata_error *err);
+    /* Starts bringing a block closer without waiting (e.g. an NVMe read), as used at `clock` so
+     * that it is not the next thing evicted; optional, best effort. */
+    void (*prefetch)(void *ctx, uint64_t handle, uint64_t clock);
+    /* Forgets a block's copy. */
+    void (*release)(void *ctx, uint64_t handle);
+    /* Marks a sequence's blocks as waiting/preempted (moved further down first); optional. */
+    void (*set_waiting)(void *ctx, uint64_t seq_id, int waiting);
+    /* Bytes it can still take (SIZE_MAX if unknown); optional. Used by kv_seq_check_room. */
+    size_t (*room)(void *ctx);
+} kv_lower_tier;
+
+/* Attaches a lower tier (copied; ctx must outlive the pool's sequences). Only while the pool has
+ * no sequence. NULL detaches. */
+int kv_pool_set_lower_tier(kv_pool *pool, const kv_lower_tier *lower, strata_error *err);
+
+typedef struct kv_pool_stats {
+    size_t slots, free_slots;
+    uint64_t evictions;        /* blocks that left a slot for the lower tier */
+    uint64_t writebacks;       /* of those, blocks first copied down (no copy below yet) */
+    uint64_t writeback_bytes;
+    uint64_t fetches;          /* blocks brought back into a slot */
+    uint64_t fetch_bytes;
+    uint64_t seq_spills, seq_resumes;  /* kv_seq_spill / kv_seq_resume */
+} kv_pool_stats;
+
+void kv_pool_get_stats(const kv_pool *pool, kv_pool_stats *out);
 
 /* A new, empty sequence whose blocks come from pool. max_tokens bounds the sequence length
  * (the tail buffers are sized from it). */
@@ -111,6 +165,12 @@ uint64_t kv_seq_id(const kv_seq *seq);
 /* The pool a sequence draws from (its geometry and codec). */
 const kv_pool *kv_seq_pool(const kv_seq *seq);
 void kv_seq_set_id(kv_seq *seq, uint64_t id);
+
+/* Checks, before a step that appends n_tokens to every layer, that the step can complete:
+ * max_tokens, free slots (or, with a lower tier, that one layer's blocks fit the pool at once and
+ * the tier below has room for what must be evicted). STRATA_EFULL / STRATA_EINVAL with a message
+ * naming the budget to raise; nothing changes. A step can still fail on an I/O error. */
+int kv_seq_check_room(const kv_seq *seq, size_t n_tokens, strata_error *err);
 
 /* Appends n_tokens tokens to one layer. k and v are fp32, [n_tokens][n_kv_heads][head_dim].
  * Compresses completed blocks. On STRATA_EFULL (pool exhausted) or STRATA_EINVAL (would exceed
@@ -137,7 +197,31 @@ typedef struct kv_layer_view {
     const uint16_t *tail_v;
 } kv_layer_view;
 
+/* The view of a layer whose blocks are all in pool slots (always true without a lower tier).
+ * With a lower tier use kv_seq_acquire_layer; here a missing block shows as a NULL pointer. */
 void kv_seq_layer_view(const kv_seq *seq, int layer, kv_layer_view *view);
+
+/* Brings every block of a layer into pool slots (fetching from the lower tier, evicting other
+ * unpinned blocks as needed), pins them, and fills view. Pins last until kv_seq_unpin; blocks
+ * made by kv_seq_append are pinned the same way. STRATA_EFULL when the layer's blocks cannot all
+ * be held at once; a fetch's I/O or CRC error is returned as is (the block stays below). */
+int kv_seq_acquire_layer(kv_seq *seq, int layer, kv_layer_view *view, strata_error *err);
+
+/* Starts fetching a layer's blocks that are not in slots (lower-tier prefetch), e.g. layer L+1
+ * while layer L computes. No effect without a lower tier. */
+void kv_seq_prefetch_layer(kv_seq *seq, int layer);
+
+/* Ends the pins of a sequence (after the attention of a layer or of a step). */
+void kv_seq_unpin(kv_seq *seq);
+
+/* Preemption: moves every block of the sequence out of the pool (copying down those without a
+ * copy below) and the fp16 tail of every layer down as an fp16-codec block, and frees the tail
+ * buffers. The sequence then refuses appends and views until kv_seq_resume, which brings the
+ * tails back bit for bit (blocks come back lazily, at acquire). Needs a lower tier. On failure
+ * the sequence stays usable (not spilled). */
+int kv_seq_spill(kv_seq *seq, strata_error *err);
+int kv_seq_resume(kv_seq *seq, strata_error *err);
+bool kv_seq_is_spilled(const kv_seq *seq);
 
 typedef struct kv_seq_stats {
     size_t tokens;        /* summed over layers */
@@ -147,6 +231,8 @@ typedef struct kv_seq_stats {
     size_t slot_bytes;    /* bytes of the pool slots holding them (>= block_bytes) */
     size_t tail_tokens;   /* tokens in the fp16 tail, summed over layers */
     size_t tail_bytes;    /* fp16 bytes held by the tail (K and V) */
+    size_t resident_blocks;  /* blocks in pool slots */
+    size_t lower_blocks;     /* blocks with a copy in the lower tier (a block may be in both) */
 } kv_seq_stats;
 
 void kv_seq_get_stats(const kv_seq *seq, kv_seq_stats *st);

@@ -33,11 +33,28 @@ struct kv_pool {
     float *check_v;
     kv_ott_entry *ott;         /* entries of the block being made */
     uint64_t next_seq_id;
+    kv_lower_tier lower;       /* put == NULL: none */
+    uint64_t clock;            /* advanced by every append and acquire of a block (LRU order) */
+    kv_seq *seqs;              /* every live sequence, for eviction */
+    uint8_t *tail_block;       /* encode/decode buffer for spilled tails */
+    size_t tail_block_cap;
+    kv_pool_stats stats;
 };
 
+/* Where a block is: in a pool slot, in the lower tier, or both (blocks never change, so a copy
+ * below stays valid and evicting a block that has one costs no I/O). */
+typedef struct kv_block_ref {
+    uint8_t *slot;         /* NULL when not in the pool */
+    uint64_t lower;        /* lower-tier handle, 0 when none */
+    uint64_t last_use;     /* pool clock of the last append or acquire */
+    uint32_t bytes;        /* the block's own size */
+} kv_block_ref;
+
 typedef struct kv_layer {
-    uint8_t **blocks;      /* max_blocks entries; the first n_blocks are in use */
+    kv_block_ref *refs;    /* max_blocks entries; the first n_blocks are in use */
+    uint8_t **blocks;      /* refs[i].slot, as attention reads them */
     size_t n_blocks;
+    uint64_t tail_lower;   /* spilled tail (an fp16 block) in the lower tier, 0 when none */
     uint16_t *tail_k;      /* tail_cap rows of n_kv_heads * head_dim halves */
     uint16_t *tail_v;
     size_t tail_len;
@@ -54,7 +71,10 @@ struct kv_seq {
     size_t max_tokens;
     size_t max_blocks;
     bool track_error;
+    bool spilled;
+    uint64_t pin_floor;    /* blocks with last_use > pin_floor are pinned */
     kv_layer *layers;
+    kv_seq *next, *prev;   /* the pool's list */
 };
 
 static bool mul_ok(size_t a, size_t b, size_t *out) { return !__builtin_mul_overflow(a, b, out); }
@@ -74,7 +94,7 @@ size_t kv_plan_row_bytes(const kv_geometry *g, const kv_codec_params *codecs)
 }
 
 static kv_pool *pool_new(const kv_geometry *g, const kv_codec_params *codecs, const size_t *slots_of_layer,
-                         strata_error *err)
+                         bool one_class, strata_error *err)
 {
     for (int l = 0; l < g->n_layers; l++)
         if (kv_codec_validate(&codecs[l], g, err) != STRATA_OK) {
@@ -93,8 +113,12 @@ static kv_pool *pool_new(const kv_geometry *g, const kv_codec_params *codecs, co
     if (!p->codecs || !p->layer_class || !p->classes)
         goto oom;
     memcpy(p->codecs, codecs, L * sizeof *codecs);
+    size_t largest = 0;
+    for (size_t l = 0; l < L; l++)
+        if (kv_block_size(&codecs[l], g) > largest)
+            largest = kv_block_size(&codecs[l], g);
     for (size_t l = 0; l < L; l++) {
-        size_t slot = kv_block_size(&codecs[l], g);
+        size_t slot = one_class ? largest : kv_block_size(&codecs[l], g);
         int c = 0;
         while (c < p->n_classes && p->classes[c].slot_bytes != slot)
             c++;
@@ -173,7 +197,7 @@ kv_pool *kv_pool_create(const kv_geometry *g, const kv_codec_params *codec, size
         for (size_t l = 0; l < L; l++)
             codecs[l] = *codec;
         slots[0] = n_slots;   /* one class: all layers share every slot */
-        p = pool_new(g, codecs, slots, err);
+        p = pool_new(g, codecs, slots, false, err);
     }
     free(codecs);
     free(slots);
@@ -202,9 +226,47 @@ kv_pool *kv_pool_create_plan(const kv_geometry *g, const kv_codec_params *codecs
     }
     for (int l = 0; l < g->n_layers; l++)
         slots[l] = blocks_per_layer;
-    kv_pool *p = pool_new(g, codecs, slots, err);
+    kv_pool *p = pool_new(g, codecs, slots, false, err);
     free(slots);
     return p;
+}
+
+kv_pool *kv_pool_create_shared(const kv_geometry *g, const kv_codec_params *codecs, size_t n_slots, strata_error *err)
+{
+    if (!g || !codecs) {
+        strata_fail(err, STRATA_EINVAL, "kv pool: NULL geometry or plan");
+        return NULL;
+    }
+    if (g->n_layers < 1) {
+        strata_fail(err, STRATA_EINVAL, "kv geometry: n_layers %d must be positive", g->n_layers);
+        return NULL;
+    }
+    if (n_slots < 1) {
+        strata_fail(err, STRATA_EINVAL, "kv pool: n_slots must be at least 1");
+        return NULL;
+    }
+    size_t *slots = calloc((size_t)g->n_layers, sizeof *slots);
+    if (!slots) {
+        strata_fail(err, STRATA_ENOMEM, "kv pool: out of memory");
+        return NULL;
+    }
+    slots[0] = n_slots;
+    kv_pool *p = pool_new(g, codecs, slots, true, err);
+    free(slots);
+    return p;
+}
+
+size_t kv_plan_largest_block(const kv_geometry *g, const kv_codec_params *codecs)
+{
+    size_t largest = 0;
+    for (int l = 0; g && codecs && l < g->n_layers; l++) {
+        size_t b = kv_block_size(&codecs[l], g);
+        if (b == 0)
+            return 0;
+        if (b > largest)
+            largest = b;
+    }
+    return largest;
 }
 
 void kv_pool_destroy(kv_pool *pool)
@@ -224,6 +286,7 @@ void kv_pool_destroy(kv_pool *pool)
     free(pool->check_k);
     free(pool->check_v);
     free(pool->ott);
+    free(pool->tail_block);
     free(pool);
 }
 
@@ -279,6 +342,85 @@ static void pool_give(slot_class *k, uint8_t *slot)
     k->free_stack[k->n_free++] = (size_t)(slot - k->mem) / k->slot_bytes;
 }
 
+static bool has_lower(const kv_pool *p) { return p->lower.put != NULL; }
+
+int kv_pool_set_lower_tier(kv_pool *pool, const kv_lower_tier *lower, strata_error *err)
+{
+    if (!pool)
+        return strata_fail(err, STRATA_EINVAL, "kv pool: NULL pool");
+    if (pool->seqs)
+        return strata_fail(err, STRATA_EINVAL, "kv pool: a lower tier can only be attached while no sequence exists");
+    if (lower && (!lower->put || !lower->get || !lower->release))
+        return strata_fail(err, STRATA_EINVAL, "kv pool: a lower tier needs put, get and release");
+    memset(&pool->lower, 0, sizeof pool->lower);
+    if (lower)
+        pool->lower = *lower;
+    return STRATA_OK;
+}
+
+void kv_pool_get_stats(const kv_pool *pool, kv_pool_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!pool)
+        return;
+    *out = pool->stats;
+    out->slots = kv_pool_capacity(pool);
+    out->free_slots = kv_pool_free(pool);
+}
+
+static bool pinned(const kv_seq *s, const kv_block_ref *r) { return r->last_use > s->pin_floor; }
+
+/* Moves the least recently used unpinned block of slot class cls down to the lower tier and
+ * frees its slot. */
+static int evict_one(kv_pool *p, int cls, strata_error *err)
+{
+    slot_class *k = &p->classes[cls];
+    if (!has_lower(p))
+        return strata_fail(err, STRATA_EFULL, "KV block pool exhausted: all %zu slots of %zu bytes are in use "
+                           "(no host/NVMe tier to evict to)", k->n_slots, k->slot_bytes);
+    kv_block_ref *victim = NULL;
+    kv_seq *owner = NULL;
+    for (kv_seq *s = p->seqs; s; s = s->next)
+        for (int l = 0; l < p->geom.n_layers; l++) {
+            if (p->layer_class[l] != cls)
+                continue;
+            kv_layer *L = &s->layers[l];
+            for (size_t b = 0; b < L->n_blocks; b++) {
+                kv_block_ref *r = &L->refs[b];
+                if (r->slot && !pinned(s, r) && (!victim || r->last_use < victim->last_use)) {
+                    victim = r;
+                    owner = s;
+                }
+            }
+        }
+    if (!victim)
+        return strata_fail(err, STRATA_EFULL, "KV block pool too small: all %zu slots of %zu bytes hold blocks "
+                           "in use by this step; raise the device KV budget", k->n_slots, k->slot_bytes);
+    if (!victim->lower) {
+        int rc = p->lower.put(p->lower.ctx, victim->slot, victim->bytes, owner->id, p->clock, &victim->lower, err);
+        if (rc != STRATA_OK)
+            return strata_error_prefix(err, "evicting a block of sequence %" PRIu64, owner->id);
+        p->stats.writebacks++;
+        p->stats.writeback_bytes += victim->bytes;
+    }
+    pool_give(k, victim->slot);
+    victim->slot = NULL;
+    p->stats.evictions++;
+    return STRATA_OK;
+}
+
+static int slot_take(kv_pool *p, int cls, uint8_t **out, strata_error *err)
+{
+    slot_class *k = &p->classes[cls];
+    if (k->n_free == 0) {
+        int rc = evict_one(p, cls, err);
+        if (rc != STRATA_OK)
+            return rc;
+    }
+    *out = pool_take(k);
+    return STRATA_OK;
+}
+
 kv_seq *kv_seq_create(kv_pool *pool, size_t max_tokens, strata_error *err)
 {
     if (!pool) {
@@ -319,9 +461,10 @@ kv_seq *kv_seq_create(kv_pool *pool, size_t max_tokens, strata_error *err)
         }
         /* Block tables are sized for max_tokens up front so that append never allocates. */
         L->blocks = s->max_blocks ? malloc(s->max_blocks * sizeof *L->blocks) : NULL;
+        L->refs = s->max_blocks ? calloc(s->max_blocks, sizeof *L->refs) : NULL;
         L->tail_k = malloc(tail_elems * sizeof(uint16_t));
         L->tail_v = malloc(tail_elems * sizeof(uint16_t));
-        bool ok = (!s->max_blocks || L->blocks) && L->tail_k && L->tail_v;
+        bool ok = (!s->max_blocks || (L->blocks && L->refs)) && L->tail_k && L->tail_v;
         if (ok && c->codec == KV_CODEC_OTT && c->pool_tokens > 0) {
             L->ott = kv_ott_tracker_create(g->n_kv_heads, c->pool_tokens, c->aux_tokens);
             L->ott_undo = kv_ott_tracker_create(g->n_kv_heads, c->pool_tokens, c->aux_tokens);
@@ -334,6 +477,10 @@ kv_seq *kv_seq_create(kv_pool *pool, size_t max_tokens, strata_error *err)
             return NULL;
         }
     }
+    s->next = pool->seqs;
+    if (pool->seqs)
+        pool->seqs->prev = s;
+    pool->seqs = s;
     return s;
 }
 
@@ -341,10 +488,18 @@ void kv_seq_destroy(kv_seq *seq)
 {
     if (!seq)
         return;
-    for (int l = 0; l < seq->pool->geom.n_layers; l++) {
+    kv_pool *p = seq->pool;
+    for (int l = 0; l < p->geom.n_layers && seq->layers; l++) {
         kv_layer *L = &seq->layers[l];
-        for (size_t b = 0; b < L->n_blocks; b++)
-            pool_give(class_of(seq->pool, l), L->blocks[b]);
+        for (size_t b = 0; b < L->n_blocks; b++) {
+            if (L->refs[b].slot)
+                pool_give(class_of(p, l), L->refs[b].slot);
+            if (L->refs[b].lower)
+                p->lower.release(p->lower.ctx, L->refs[b].lower);
+        }
+        if (L->tail_lower)
+            p->lower.release(p->lower.ctx, L->tail_lower);
+        free(L->refs);
         free(L->blocks);
         free(L->tail_k);
         free(L->tail_v);
@@ -352,6 +507,12 @@ void kv_seq_destroy(kv_seq *seq)
         kv_ott_tracker_destroy(L->ott_undo);
     }
     free(seq->layers);
+    if (seq->prev)
+        seq->prev->next = seq->next;
+    else if (p->seqs == seq)
+        p->seqs = seq->next;
+    if (seq->next)
+        seq->next->prev = seq->prev;
     free(seq);
 }
 
@@ -418,8 +579,11 @@ int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t
         return STRATA_OK;
     if (!k || !v)
         return strata_fail(err, STRATA_EINVAL, "kv append: NULL rows");
+    if (seq->spilled)
+        return strata_fail(err, STRATA_EINVAL, "kv append: sequence %" PRIu64 " is spilled; resume it first", seq->id);
     kv_layer *L = &seq->layers[layer];
-    slot_class *cls = class_of(p, layer);
+    const int cls_index = p->layer_class[layer];
+    slot_class *cls = &p->classes[cls_index];
     const kv_codec_params *codec = &p->codecs[layer];
     const size_t bt = (size_t)g->block_tokens, R = (size_t)codec->residual;
     const size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim;
@@ -432,7 +596,7 @@ int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t
      * tokens behind it is compressed, oldest first. */
     size_t stream = L->tail_len + n_tokens;
     size_t n_new = stream >= R + bt ? (stream - R) / bt : 0;
-    if (n_new > cls->n_free)
+    if (n_new > cls->n_free && !has_lower(p))
         return strata_fail(err, STRATA_EFULL,
                            "KV block pool exhausted: sequence %" PRIu64 " layer %d needs %zu new block(s) of %zu bytes, "
                            "%zu of the pool's %zu slots of that size are free",
@@ -462,14 +626,22 @@ int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t
             d.ott_tokens = (int)kv_ott_select(L->ott, p->stage_k, bt, g->head_dim, first, p->ott);
             extra.ott = p->ott;
         }
-        uint8_t *slot = pool_take(cls);
-        L->blocks[L->n_blocks + b] = slot;   /* not visible until n_blocks moves */
-        int rc = kv_block_encode_ex(&d, p->stage_k, p->stage_v, &extra, slot, cls->slot_bytes, NULL, err);
+        uint8_t *slot = NULL;
+        size_t written = 0;
+        int rc = slot_take(p, cls_index, &slot, err);
+        if (rc == STRATA_OK) {
+            /* not visible until n_blocks moves; pinned so that the rest of this call cannot evict it */
+            L->refs[L->n_blocks + b] = (kv_block_ref){.slot = slot, .last_use = ++p->clock};
+            rc = kv_block_encode_ex(&d, p->stage_k, p->stage_v, &extra, slot, cls->slot_bytes, &written, err);
+            L->refs[L->n_blocks + b].bytes = (uint32_t)written;
+        }
         if (rc == STRATA_OK && seq->track_error)
             rc = measure_block(p, L, slot, cls->slot_bytes, err);
         if (rc) {
-            for (size_t u = 0; u <= b; u++)
-                pool_give(cls, L->blocks[L->n_blocks + u]);
+            for (size_t u = 0; u < b; u++)
+                pool_give(cls, L->refs[L->n_blocks + u].slot);
+            if (slot)
+                pool_give(cls, slot);
             if (L->ott)
                 kv_ott_tracker_copy(L->ott, L->ott_undo);
             L->error = error_before;
@@ -489,6 +661,8 @@ int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t
         f32_row_to_half(k + skip * row, L->tail_k, new_tail * row);
         f32_row_to_half(v + skip * row, L->tail_v, new_tail * row);
     }
+    for (size_t b = 0; b < n_new; b++)
+        L->blocks[L->n_blocks + b] = L->refs[L->n_blocks + b].slot;
     L->n_blocks += n_new;
     L->tail_len = new_tail;
     L->prompt_end = prompt_end;
@@ -515,6 +689,8 @@ void kv_seq_layer_view(const kv_seq *seq, int layer, kv_layer_view *view)
     view->head_dim = g->head_dim;
     view->block_tokens = g->block_tokens;
     view->n_blocks = L->n_blocks;
+    for (size_t b = 0; b < L->n_blocks; b++)
+        L->blocks[b] = L->refs[b].slot;
     view->blocks = (const uint8_t *const *)L->blocks;
     view->block_bytes = class_of(seq->pool, layer)->slot_bytes;
     view->tail_tokens = L->tail_len;
@@ -533,8 +709,11 @@ void kv_seq_get_stats(const kv_seq *seq, kv_seq_stats *st)
         const kv_layer *L = &seq->layers[l];
         st->blocks += L->n_blocks;
         st->block_tokens += L->n_blocks * (size_t)g->block_tokens;
-        for (size_t b = 0; b < L->n_blocks; b++)
-            st->block_bytes += kv_ld32(L->blocks[b] + KV_HDR_BLOCK_BYTES);   /* written by us, in the slot */
+        for (size_t b = 0; b < L->n_blocks; b++) {
+            st->block_bytes += L->refs[b].bytes;
+            st->resident_blocks += L->refs[b].slot != NULL;
+            st->lower_blocks += L->refs[b].lower != 0;
+        }
         st->slot_bytes += L->n_blocks * class_of(seq->pool, l)->slot_bytes;
         st->tail_tokens += L->tail_len;
         st->tail_bytes += L->tail_len * row_bytes;
@@ -555,4 +734,314 @@ void kv_seq_layer_error(const kv_seq *seq, int layer, kv_layer_error *out)
     memset(out, 0, sizeof *out);
     if (seq && layer >= 0 && layer < seq->pool->geom.n_layers)
         *out = seq->layers[layer].error;
+}
+
+/* Blocks a layer makes when n_tokens more arrive (kv_seq_append's rule). */
+static size_t new_blocks(const kv_seq *seq, int layer, size_t n_tokens)
+{
+    const kv_pool *p = seq->pool;
+    const size_t bt = (size_t)p->geom.block_tokens, R = (size_t)p->codecs[layer].residual;
+    size_t stream = seq->layers[layer].tail_len + n_tokens;
+    return stream >= R + bt ? (stream - R) / bt : 0;
+}
+
+int kv_seq_check_room(const kv_seq *seq, size_t n_tokens, strata_error *err)
+{
+    if (!seq)
+        return strata_fail(err, STRATA_EINVAL, "kv room: NULL sequence");
+    if (seq->spilled)
+        return strata_fail(err, STRATA_EINVAL, "sequence %" PRIu64 " is spilled; resume it first", seq->id);
+    const kv_pool *p = seq->pool;
+    const kv_geometry *g = &p->geom;
+    size_t len = kv_seq_length(seq, 0);
+    if (n_tokens > seq->max_tokens - len)
+        return strata_fail(err, STRATA_EINVAL, "sequence %" PRIu64 " holds %zu tokens; %zu more exceed its limit of %zu",
+                           seq->id, len, n_tokens, seq->max_tokens);
+    size_t *need = calloc((size_t)p->n_classes, sizeof *need);   /* new blocks per slot class */
+    if (!need)
+        return strata_fail(err, STRATA_ENOMEM, "kv room: out of memory");
+    size_t evict_bytes = 0;
+    int rc = STRATA_OK;
+    for (int l = 0; l < g->n_layers; l++) {
+        int c = p->layer_class[l];
+        size_t n_new = new_blocks(seq, l, n_tokens);
+        need[c] += n_new;
+        /* A decode step pins a layer's whole table for attention; a prefill its new blocks. */
+        size_t at_once = n_tokens > 1 && len == 0 ? n_new : seq->layers[l].n_blocks + n_new;
+        if (has_lower(p) && at_once > p->classes[c].n_slots) {
+            rc = strata_fail(err, STRATA_EFULL,
+                             "the device KV pool holds %zu blocks of %zu bytes, but layer %d of sequence %" PRIu64
+                             " needs %zu at once for this step (%zu tokens); raise the device KV budget",
+                             p->classes[c].n_slots, p->classes[c].slot_bytes, l, seq->id, at_once, len + n_tokens);
+            break;
+        }
+    }
+    for (int c = 0; c < p->n_classes && rc == STRATA_OK; c++) {
+        const slot_class *k = &p->classes[c];
+        if (need[c] <= k->n_free)
+            continue;
+        if (!has_lower(p)) {
+            rc = strata_fail(err, STRATA_EFULL,
+                             "KV block pool exhausted: sequence %" PRIu64 " needs %zu new block(s) of %zu bytes for "
+                             "%zu more tokens, %zu of the pool's %zu slots of that size are free",
+                             seq->id, need[c], k->slot_bytes, n_tokens, k->n_free, k->n_slots);
+            break;
+        }
+        evict_bytes += (need[c] - k->n_free) * k->slot_bytes;
+    }
+    free(need);
+    if (rc == STRATA_OK && has_lower(p) && p->lower.room) {
+        size_t room = p->lower.room(p->lower.ctx);
+        if (evict_bytes > room)
+            rc = strata_fail(err, STRATA_EFULL,
+                             "KV tiers full: this step must move %zu bytes of blocks out of the device pool but the "
+                             "host and NVMe tiers have room for %zu; raise --host-kv-mib or --nvme-kv-mib",
+                             evict_bytes, room);
+    }
+    return rc;
+}
+
+int kv_seq_acquire_layer(kv_seq *seq, int layer, kv_layer_view *view, strata_error *err)
+{
+    if (!seq || !view)
+        return strata_fail(err, STRATA_EINVAL, "kv acquire: NULL argument");
+    kv_pool *p = seq->pool;
+    if (layer < 0 || layer >= p->geom.n_layers)
+        return strata_fail(err, STRATA_EINVAL, "kv acquire: layer %d out of range 0..%d", layer, p->geom.n_layers - 1);
+    if (seq->spilled)
+        return strata_fail(err, STRATA_EINVAL, "sequence %" PRIu64 " is spilled; resume it first", seq->id);
+    kv_layer *L = &seq->layers[layer];
+    const int cls = p->layer_class[layer];
+    if (L->n_blocks > p->classes[cls].n_slots)
+        return strata_fail(err, STRATA_EFULL,
+                           "the device KV pool holds %zu blocks of %zu bytes, but attention over layer %d of sequence "
+                           "%" PRIu64 " needs its %zu blocks at once; raise the device KV budget",
+                           p->classes[cls].n_slots, p->classes[cls].slot_bytes, layer, seq->id, L->n_blocks);
+    /* Pin the whole layer first, so that bringing one block back never evicts another of it. */
+    for (size_t b = 0; b < L->n_blocks; b++)
+        L->refs[b].last_use = ++p->clock;
+    kv_seq_prefetch_layer(seq, layer);
+    for (size_t b = 0; b < L->n_blocks; b++) {
+        kv_block_ref *r = &L->refs[b];
+        if (r->slot)
+            continue;
+        uint8_t *slot;
+        int rc = slot_take(p, cls, &slot, err);
+        if (rc == STRATA_OK) {
+            rc = p->lower.get(p->lower.ctx, r->lower, slot, p->classes[cls].slot_bytes, p->clock, err);
+            if (rc != STRATA_OK)
+                pool_give(&p->classes[cls], slot);
+        }
+        if (rc != STRATA_OK)
+            return strata_error_prefix(err, "sequence %" PRIu64 " layer %d block %zu", seq->id, layer, b);
+        r->slot = slot;
+        p->stats.fetches++;
+        p->stats.fetch_bytes += r->bytes;
+    }
+    kv_seq_layer_view(seq, layer, view);
+    return STRATA_OK;
+}
+
+void kv_seq_prefetch_layer(kv_seq *seq, int layer)
+{
+    if (!seq || layer < 0 || layer >= seq->pool->geom.n_layers || !seq->pool->lower.prefetch)
+        return;
+    kv_pool *p = seq->pool;
+    kv_layer *L = &seq->layers[layer];
+    for (size_t b = 0; b < L->n_blocks; b++)
+        if (!L->refs[b].slot && L->refs[b].lower)
+            p->lower.prefetch(p->lower.ctx, L->refs[b].lower, p->clock);
+}
+
+void kv_seq_unpin(kv_seq *seq)
+{
+    if (seq)
+        seq->pin_floor = seq->pool->clock;
+}
+
+bool kv_seq_is_spilled(const kv_seq *seq) { return seq && seq->spilled; }
+
+/* The fp16 block that holds a layer's tail while the sequence is spilled. */
+static void tail_block_desc(const kv_seq *seq, int layer, kv_block_desc *d)
+{
+    const kv_pool *p = seq->pool;
+    kv_codec_params fp16 = {.codec = KV_CODEC_FP16, .bits = 16};
+    kv_block_desc_init(d, &fp16, &p->geom, (uint32_t)layer,
+                       (uint64_t)seq->layers[layer].n_blocks * (uint64_t)p->geom.block_tokens);
+    d->n_tokens = (uint32_t)seq->layers[layer].tail_len;
+}
+
+static int tail_buffer(kv_pool *p, size_t bytes, strata_error *err)
+{
+    if (bytes <= p->tail_block_cap)
+        return STRATA_OK;
+    uint8_t *b = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!b)
+        return strata_fail(err, STRATA_ENOMEM, "kv spill: out of memory for a tail block of %zu bytes", bytes);
+    free(p->tail_block);
+    p->tail_block = b;
+    p->tail_block_cap = bytes;
+    return STRATA_OK;
+}
+
+/* Staging rows for a tail: the pool's block staging holds block_tokens rows, a tail up to R + G. */
+static int tail_rows(size_t rows, float **k, float **v, strata_error *err)
+{
+    *k = malloc(rows * sizeof(float));
+    *v = malloc(rows * sizeof(float));
+    if (!*k || !*v) {
+        free(*k);
+        free(*v);
+        return strata_fail(err, STRATA_ENOMEM, "kv spill: out of memory for %zu tail values", rows);
+    }
+    return STRATA_OK;
+}
+
+int kv_seq_spill(kv_seq *seq, strata_error *err)
+{
+    if (!seq)
+        return strata_fail(err, STRATA_EINVAL, "kv spill: NULL sequence");
+    kv_pool *p = seq->pool;
+    if (!has_lower(p))
+        return strata_fail(err, STRATA_EUNSUPPORTED, "kv spill: the pool has no host/NVMe tier to spill to");
+    if (seq->spilled)
+        return STRATA_OK;
+    const kv_geometry *g = &p->geom;
+    const size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim;
+    kv_seq_unpin(seq);
+    /* Blocks first: each move leaves a consistent table, so a failure part way is harmless. */
+    for (int l = 0; l < g->n_layers; l++) {
+        kv_layer *L = &seq->layers[l];
+        for (size_t b = 0; b < L->n_blocks; b++) {
+            kv_block_ref *r = &L->refs[b];
+            if (!r->slot)
+                continue;
+            if (!r->lower) {
+                int rc = p->lower.put(p->lower.ctx, r->slot, r->bytes, seq->id, p->clock, &r->lower, err);
+                if (rc != STRATA_OK)
+                    return strata_error_prefix(err, "spilling sequence %" PRIu64 " layer %d", seq->id, l);
+                p->stats.writebacks++;
+                p->stats.writeback_bytes += r->bytes;
+            }
+            pool_give(class_of(p, l), r->slot);
+            r->slot = NULL;
+            p->stats.evictions++;
+        }
+    }
+    size_t max_tail = 0;
+    for (int l = 0; l < g->n_layers; l++)
+        if (seq->layers[l].tail_len > max_tail)
+            max_tail = seq->layers[l].tail_len;
+    float *k = NULL, *v = NULL;
+    int rc = max_tail ? tail_rows(max_tail * row, &k, &v, err) : STRATA_OK;
+    int l = 0;
+    for (; l < g->n_layers && rc == STRATA_OK; l++) {
+        kv_layer *L = &seq->layers[l];
+        if (!L->tail_len)
+            continue;
+        kv_block_desc d;
+        tail_block_desc(seq, l, &d);
+        size_t bytes = kv_block_bytes(&d), written = 0;
+        rc = tail_buffer(p, bytes, err);
+        if (rc != STRATA_OK)
+            break;
+        half_row_to_f32(L->tail_k, k, L->tail_len * row);
+        half_row_to_f32(L->tail_v, v, L->tail_len * row);
+        rc = kv_block_encode(&d, k, v, p->tail_block, p->tail_block_cap, &written, err);
+        if (rc == STRATA_OK)
+            rc = p->lower.put(p->lower.ctx, p->tail_block, written, seq->id, p->clock, &L->tail_lower, err);
+        if (rc != STRATA_OK)
+            strata_error_prefix(err, "spilling the tail of sequence %" PRIu64 " layer %d", seq->id, l);
+    }
+    free(k);
+    free(v);
+    if (rc != STRATA_OK) {
+        for (int u = 0; u < g->n_layers; u++)
+            if (seq->layers[u].tail_lower) {
+                p->lower.release(p->lower.ctx, seq->layers[u].tail_lower);
+                seq->layers[u].tail_lower = 0;
+            }
+        return rc;
+    }
+    for (l = 0; l < g->n_layers; l++) {
+        kv_layer *L = &seq->layers[l];
+        free(L->tail_k);
+        free(L->tail_v);
+        L->tail_k = L->tail_v = NULL;
+    }
+    seq->spilled = true;
+    p->stats.seq_spills++;
+    if (p->lower.set_waiting)
+        p->lower.set_waiting(p->lower.ctx, seq->id, 1);
+    return STRATA_OK;
+}
+
+int kv_seq_resume(kv_seq *seq, strata_error *err)
+{
+    if (!seq)
+        return strata_fail(err, STRATA_EINVAL, "kv resume: NULL sequence");
+    if (!seq->spilled)
+        return STRATA_OK;
+    kv_pool *p = seq->pool;
+    const kv_geometry *g = &p->geom;
+    const size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim;
+    for (int l = 0; l < g->n_layers; l++) {
+        kv_layer *L = &seq->layers[l];
+        if (!L->tail_k)
+            L->tail_k = malloc(L->tail_cap * row * sizeof(uint16_t));
+        if (!L->tail_v)
+            L->tail_v = malloc(L->tail_cap * row * sizeof(uint16_t));
+        if (!L->tail_k || !L->tail_v)
+            return strata_fail(err, STRATA_ENOMEM, "kv resume: out of memory for the tail of layer %d", l);
+    }
+    size_t max_tail = 0;
+    for (int l = 0; l < g->n_layers; l++)
+        if (seq->layers[l].tail_len > max_tail)
+            max_tail = seq->layers[l].tail_len;
+    float *k = NULL, *v = NULL;
+    int rc = max_tail ? tail_rows(max_tail * row, &k, &v, err) : STRATA_OK;
+    for (int l = 0; l < g->n_layers && rc == STRATA_OK; l++) {
+        kv_layer *L = &seq->layers[l];
+        if (!L->tail_len)
+            continue;
+        kv_block_desc d;
+        tail_block_desc(seq, l, &d);
+        size_t bytes = kv_block_bytes(&d);
+        kv_block b;
+        rc = tail_buffer(p, bytes, err);
+        if (rc == STRATA_OK)
+            rc = p->lower.get(p->lower.ctx, L->tail_lower, p->tail_block, p->tail_block_cap, p->clock, err);
+        if (rc == STRATA_OK)
+            rc = kv_block_parse(p->tail_block, bytes, &b, err);
+        if (rc == STRATA_OK && (b.desc.codec != KV_CODEC_FP16 || b.desc.n_tokens != L->tail_len ||
+                                b.desc.layer != (uint32_t)l || b.desc.first_pos != d.first_pos))
+            rc = strata_fail(err, STRATA_EFORMAT, "the block restored is not this layer's tail");
+        if (rc == STRATA_OK)
+            rc = kv_block_decode(&b, k, v, err);
+        if (rc != STRATA_OK) {
+            strata_error_prefix(err, "resuming the tail of sequence %" PRIu64 " layer %d", seq->id, l);
+            break;
+        }
+        f32_row_to_half(k, L->tail_k, L->tail_len * row);   /* fp16 -> fp32 -> fp16 is exact */
+        f32_row_to_half(v, L->tail_v, L->tail_len * row);
+    }
+    free(k);
+    free(v);
+    if (rc != STRATA_OK)
+        return rc;
+    for (int l = 0; l < g->n_layers; l++) {
+        kv_layer *L = &seq->layers[l];
+        if (L->tail_lower) {
+            p->lower.release(p->lower.ctx, L->tail_lower);
+            L->tail_lower = 0;
+        }
+    }
+    seq->spilled = false;
+    p->stats.seq_resumes++;
+    if (p->lower.set_waiting)
+        p->lower.set_waiting(p->lower.ctx, seq->id, 0);
+    /* The first layers are needed first: start bringing them back now. */
+    kv_seq_prefetch_layer(seq, 0);
+    kv_seq_prefetch_layer(seq, 1);
+    return STRATA_OK;
 }

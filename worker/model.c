@@ -319,8 +319,10 @@ static int run_layer(model *m, kv_seq *seq, int il, workspace *w, size_t n, size
         kern_rope(w->k + i * kvd, (size_t)c->n_kv_heads, hd, pos0 + i, c->rope_theta);
     }
     int rc = kv_seq_append(seq, il, w->k, w->v, n, err);
-    if (rc != STRATA_OK)
+    if (rc != STRATA_OK) {
+        kv_seq_unpin(seq);
         return strata_error_prefix(err, "layer %d", il);
+    }
     if (prefill) {
         /* Exact attention at the precision the cache keeps recent tokens in (fp16). */
         for (size_t i = 0; i < n * kvd; i++) {
@@ -330,14 +332,20 @@ static int run_layer(model *m, kv_seq *seq, int il, workspace *w, size_t n, size
         kern_attention_causal(w->q, w->k, w->v, n, (size_t)c->n_heads, (size_t)c->n_kv_heads, hd,
                               w->attn, w->att_scratch);
     } else {
+        /* The next layer's blocks start coming back from NVMe while this one computes. */
+        kv_seq_prefetch_layer(seq, il + 1);
         kv_layer_view view;
-        kv_seq_layer_view(seq, il, &view);
-        rc = ensure_kv_scratch(w, kern_kv_attention_scratch(&view, c->n_heads), err);
+        rc = kv_seq_acquire_layer(seq, il, &view, err);
+        if (rc == STRATA_OK)
+            rc = ensure_kv_scratch(w, kern_kv_attention_scratch(&view, c->n_heads), err);
         if (rc == STRATA_OK)
             rc = kern_kv_attention(&view, w->q, c->n_heads, w->attn, w->kv_scratch, err);
-        if (rc != STRATA_OK)
+        if (rc != STRATA_OK) {
+            kv_seq_unpin(seq);
             return strata_error_prefix(err, "attention in layer %d", il);
+        }
     }
+    kv_seq_unpin(seq);   /* this layer's blocks may now move down to make room for the next */
     kern_matmul(w->attn, n, e, L->wo, e, w->proj);
     kern_add(w->x, w->proj, n * e);
 
@@ -374,11 +382,16 @@ int model_forward(model *m, kv_seq *seq, const int32_t *tokens, size_t n, size_t
         return strata_fail(err, STRATA_EINVAL, "position %zu does not follow the cache's %zu tokens", pos0,
                            kv_seq_length(seq, 0));
 
+    /* Fail before the first layer rather than part way, which would leave layers uneven. */
+    int rc = kv_seq_check_room(seq, n, err);
+    if (rc != STRATA_OK)
+        return rc;
+
     const bool prefill = pos0 == 0 && n > 1;
     const size_t rows = prefill ? n : 1;
     const size_t e = (size_t)c->n_embd;
     workspace w;
-    int rc = workspace_alloc(&w, c, rows, err);
+    rc = workspace_alloc(&w, c, rows, err);
     if (rc != STRATA_OK)
         return rc;
     for (size_t start = 0; start < n && rc == STRATA_OK; start += rows) {

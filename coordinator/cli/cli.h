@@ -22,6 +22,7 @@ enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
 bool cli_parse_long(const char *flag, const char *s, long min, long max, long *out);
 bool cli_parse_u64(const char *flag, const char *s, uint64_t *out);
 bool cli_parse_float(const char *flag, const char *s, double min, double max, float *out);
+bool cli_parse_double(const char *flag, const char *s, double min, double max, double *out);
 
 /* The model used when --model is not given: $STRATA_MODEL, else the file the setup script
  * installs. */

@@ -8,6 +8,7 @@
 #include "coordinator/cli/cli.h"
 #include "kernels/ops.h"
 #include "coordinator/cli/kvopts.h"
+#include "coordinator/cli/tiers.h"
 #include "kvstore/blockfile.h"
 #include "kvstore/kv_cache.h"
 #include "kvstore/plan.h"
@@ -44,13 +45,14 @@ static void usage(FILE *out)
     fprintf(out,
             "      --ctx N             context length: prompt + generated tokens (default: the\n"
             "                          model's training context, at most 8192)\n"
-            "      --kv-pool-mib N     KV block pool size in MiB (default: room for --ctx tokens);\n"
-            "                          a sequence that outgrows it fails with a clear error\n"
             "      --save-kv FILE      after generating, write the sequence's KV blocks to FILE\n"
-            "                          (read it with strata inspect)\n"
+            "                          (read it with strata inspect)\n");
+    cli_tier_usage(out);
+    fprintf(out,
             "output:\n"
-            "      --stats             print timing (prefill and decode tokens/s) and KV bytes per\n"
-            "                          token to stderr\n"
+            "      --stats             print timing (prefill and decode tokens/s), KV bytes per token\n"
+            "                          and the blocks, bytes, evictions, spills, restores and CRC\n"
+            "                          failures of each KV tier to stderr\n"
             "      --no-echo           print only the generated text (plain prompts are echoed\n"
             "                          first by default; --chat prompts never are)\n"
             "  -q, --quiet             no progress messages on stderr\n"
@@ -70,7 +72,7 @@ typedef struct gen_opts {
     bool ignore_eos;
     cli_kv_opts kv;
     long ctx;                     /* 0: model default */
-    long pool_mib;                /* 0: sized from ctx */
+    cli_tier_opts tiers;
     const char *save_kv;
     bool stats, quiet, no_echo;
     int threads;
@@ -78,7 +80,7 @@ typedef struct gen_opts {
 
 enum {
     OPT_CHAT = 1000, OPT_SYSTEM, OPT_TOP_K, OPT_TOP_P, OPT_STOP, OPT_IGNORE_EOS, OPT_KV, OPT_KV_GROUP,
-    OPT_KV_RESIDUAL, OPT_KV_PLAN, OPT_BLOCK_TOKENS, OPT_CTX, OPT_POOL, OPT_SAVE_KV, OPT_STATS, OPT_THREADS, OPT_NO_ECHO,
+    OPT_KV_RESIDUAL, OPT_KV_PLAN, OPT_BLOCK_TOKENS, OPT_CTX, OPT_SAVE_KV, OPT_STATS, OPT_THREADS, OPT_NO_ECHO,
 };
 
 static int parse_opts(int argc, char **argv, gen_opts *o)
@@ -101,7 +103,7 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
         {"kv-plan", required_argument, NULL, OPT_KV_PLAN},
         {"block-tokens", required_argument, NULL, OPT_BLOCK_TOKENS},
         {"ctx", required_argument, NULL, OPT_CTX},
-        {"kv-pool-mib", required_argument, NULL, OPT_POOL},
+        CLI_TIER_OPTIONS,
         {"save-kv", required_argument, NULL, OPT_SAVE_KV},
         {"stats", no_argument, NULL, OPT_STATS},
         {"quiet", no_argument, NULL, 'q'},
@@ -113,6 +115,7 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
     *o = (gen_opts){.model_path = cli_default_model(), .max_tokens = 128,
                     .sampling = {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .seed = 42},
                     .kv = {.kv = "kivi4", .group = -1, .residual = -1, .block_tokens = 64}};
+    cli_tier_opts_init(&o->tiers);
     long v;
     int c;
     optind = 1;
@@ -170,8 +173,8 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
         case OPT_CTX:
             if (!cli_parse_long("--ctx", optarg, 2, 1 << 22, &o->ctx)) return EXIT_USAGE;
             break;
-        case OPT_POOL:
-            if (!cli_parse_long("--kv-pool-mib", optarg, 1, 1 << 24, &o->pool_mib)) return EXIT_USAGE;
+        case OPT_TIER_DEVICE: case OPT_TIER_HOST: case OPT_TIER_NVME_DIR: case OPT_TIER_NVME: case OPT_TIER_CONFIG:
+            if (cli_tier_flag(c, optarg, &o->tiers)) return EXIT_USAGE;
             break;
         case OPT_SAVE_KV: o->save_kv = optarg; break;
         case OPT_STATS: o->stats = true; break;
@@ -201,7 +204,7 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
         fprintf(stderr, "strata generate: --system only applies with --chat\n");
         return EXIT_USAGE;
     }
-    return 0;
+    return cli_tier_finish("generate", &o->tiers);
 }
 
 static double now_seconds(void)
@@ -243,8 +246,9 @@ static int print_text(void *user, const char *text, size_t len)
     return ferror(stdout) ? 1 : 0;   /* a closed pipe ends generation */
 }
 
-static void print_stats(const model *m, const kv_seq *seq, const kv_pool *pool, const generate_result *r)
+static void print_stats(const model *m, const kv_seq *seq, const cli_kv_memory *mem, const generate_result *r)
 {
+    const kv_pool *pool = mem->pool;
     const model_config *cfg = model_get_config(m);
     kv_seq_stats st;
     kv_seq_get_stats(seq, &st);
@@ -282,14 +286,17 @@ static void print_stats(const model *m, const kv_seq *seq, const kv_pool *pool, 
         fprintf(stderr, "kv bytes/token incl. fp16 tail: %.1f (total %.2f MiB; pool %zu of %zu slots free)\n",
                 (double)(st.block_bytes + st.tail_bytes) / per_layer_tokens,
                 (double)(st.block_bytes + st.tail_bytes) / 1048576.0, kv_pool_free(pool), kv_pool_capacity(pool));
+    cli_kv_memory_print_stats(mem, stderr);
 }
 
 int cmd_generate(int argc, char **argv)
 {
     gen_opts o;
     int rc = parse_opts(argc, argv, &o);
-    if (rc != 0)
+    if (rc != 0) {
+        cli_tier_opts_free(&o.tiers);
         return rc < 0 ? 0 : rc;
+    }
     if (o.threads)
         kern_set_threads(o.threads);
 
@@ -325,7 +332,7 @@ int cmd_generate(int argc, char **argv)
 
     int exit_code = EXIT_RUNTIME;
     kv_codec_params *codecs = NULL;
-    kv_pool *pool = NULL;
+    cli_kv_memory mem = {0};
     kv_seq *seq = NULL;
     char *chat_text = NULL;
     int32_t *ids = NULL, *prompt = NULL;
@@ -380,23 +387,17 @@ int cmd_generate(int argc, char **argv)
         exit_code = EXIT_USAGE;
         goto done;
     }
-    size_t blocks_needed = (ctx + (size_t)o.kv.block_tokens - 1) / (size_t)o.kv.block_tokens;
-    size_t row_bytes = kv_plan_row_bytes(&geo, codecs);   /* one block of every layer */
-    size_t blocks_per_layer = o.pool_mib ? ((size_t)o.pool_mib << 20) / row_bytes : blocks_needed;
-    if (blocks_per_layer == 0) {
-        fprintf(stderr, "strata generate: --kv-pool-mib %ld holds less than one block per layer (%zu bytes)\n",
-                o.pool_mib, row_bytes);
-        exit_code = EXIT_USAGE;
+    if ((rc = cli_kv_memory_create("generate", &o.tiers, &geo, codecs, ctx, o.quiet, &mem)) != 0) {
+        exit_code = rc;
         goto done;
     }
-    pool = kv_pool_create_plan(&geo, codecs, blocks_per_layer, &err);
-    if (!pool || !(seq = kv_seq_create(pool, ctx, &err))) {
+    if (!(seq = kv_seq_create(mem.pool, ctx, &err))) {
         fprintf(stderr, "strata generate: %s\n", err.msg);
         goto done;
     }
     if (!o.quiet)
         fprintf(stderr, "strata: prompt %zu tokens, context %zu, KV %s in %zu blocks (%.1f MiB pool)\n", n_prompt,
-                ctx, plan_name, kv_pool_capacity(pool), (double)kv_pool_bytes(pool) / 1048576.0);
+                ctx, plan_name, kv_pool_capacity(mem.pool), (double)kv_pool_bytes(mem.pool) / 1048576.0);
 
     generate_params gp = {.sampling = o.sampling, .max_tokens = o.max_tokens, .stop = o.stop,
                           .n_stop = o.n_stop, .ignore_eos = o.ignore_eos};
@@ -407,10 +408,12 @@ int cmd_generate(int argc, char **argv)
     fflush(stdout);
     if (rc != STRATA_OK) {
         fprintf(stderr, "strata generate: %s\n", err.msg);
+        fprintf(stderr, "strata generate: stopped with %zu tokens in the KV cache (prompt %zu, generated %zu)\n",
+                kv_seq_length(seq, 0), result.prompt_tokens, result.completion_tokens);
         goto done;
     }
     if (o.stats)
-        print_stats(m, seq, pool, &result);
+        print_stats(m, seq, &mem, &result);
     if (o.save_kv) {
         if (kv_blockfile_save(seq, o.save_kv, &err) != STRATA_OK) {
             fprintf(stderr, "strata generate: --save-kv: %s\n", err.msg);
@@ -426,7 +429,8 @@ done:
     free(ids);
     free(chat_text);
     kv_seq_destroy(seq);
-    kv_pool_destroy(pool);
+    cli_kv_memory_free(&mem);
+    cli_tier_opts_free(&o.tiers);
     free(codecs);
     model_free(m);
     free(stdin_prompt);

@@ -60,7 +60,7 @@ bool cli_parse_u64(const char *flag, const char *s, uint64_t *out)
     return true;
 }
 
-bool cli_parse_float(const char *flag, const char *s, double min, double max, float *out)
+bool cli_parse_double(const char *flag, const char *s, double min, double max, double *out)
 {
     char *end;
     errno = 0;
@@ -69,6 +69,15 @@ bool cli_parse_float(const char *flag, const char *s, double min, double max, fl
         fprintf(stderr, "strata: %s: '%s' is not a number in [%g, %g]\n", flag, s, min, max);
         return false;
     }
+    *out = v;
+    return true;
+}
+
+bool cli_parse_float(const char *flag, const char *s, double min, double max, float *out)
+{
+    double v;
+    if (!cli_parse_double(flag, s, min, max, &v))
+        return false;
     *out = (float)v;
     return true;
 }
