@@ -1,0 +1,822 @@
+/* The worker data plane (worker/transport/transport.h) over loopback TCP: messages of every kind
+ * and size (0 B, 1 B, 10 MiB) with their contents checked, two-step receives and buffers too
+ * small, authentication (wrong secret on both sides, a non-strata peer), forged frames written
+ * straight to the socket (peer closing mid-header and mid-payload, a corrupted payload byte, a
+ * bad header CRC, garbage magic, a length over the maximum), timeouts (a plain timeout keeps the
+ * link usable, a stall mid-frame breaks it), refused connects and sends to a closed peer. The NCCL
+ * path runs when the build has NCCL and the host has CUDA devices; otherwise it is skipped with
+ * the reason printed. */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "kvstore/crc32c.h"
+#include "worker/transport/transport.h"
+
+#ifdef STRATA_HAVE_NCCL
+#include <cuda_runtime_api.h>
+#endif
+
+static const uint8_t secret_a[32] = "0123456789abcdef0123456789abcde";
+static const uint8_t secret_b[32] = "0123456789abcdef0123456789abcdX";
+static const dp_auth auth_a = {secret_a, sizeof secret_a};
+static const dp_auth auth_b = {secret_b, sizeof secret_b};
+
+#define TIMEOUT 10000
+
+static void fill(uint8_t *buf, size_t n, uint64_t seed)
+{
+    uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+    for (size_t i = 0; i < n; i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        buf[i] = (uint8_t)(x >> 24);
+    }
+}
+
+static uint8_t *pattern(size_t n, uint64_t seed)
+{
+    uint8_t *p = malloc(n ? n : 1);
+    assert_non_null(p);
+    fill(p, n, seed);
+    return p;
+}
+
+/* ---- pairs of links over loopback ---- */
+
+typedef struct accept_job {
+    dp_listener *l;
+    const dp_auth *auth;
+    const dp_options *opts;
+    int timeout_ms;
+    dp_link *link;
+    int rc;
+    strata_error err;
+} accept_job;
+
+static void *accept_main(void *p)
+{
+    accept_job *j = p;
+    j->rc = dp_tcp_accept(j->l, j->auth, j->opts, j->timeout_ms, &j->link, &j->err);
+    return NULL;
+}
+
+static void listen_local(dp_listener **l, char *addr, size_t cap)
+{
+    strata_error err = {0};
+    int rc = dp_tcp_listen("127.0.0.1:0", l, &err);
+    if (rc != STRATA_OK)
+        fail_msg("listen: %s", err.msg);
+    assert_true(dp_listener_port(*l) != 0);
+    snprintf(addr, cap, "127.0.0.1:%u", (unsigned)dp_listener_port(*l));
+}
+
+/* Accepts in a thread while connecting here. Returns both status codes. */
+static void try_pair(dp_listener *l, const char *addr, const dp_auth *sauth, const dp_options *sopts,
+                     const dp_auth *cauth, const dp_options *copts, accept_job *server, int *crc_code,
+                     dp_link **client, strata_error *cerr)
+{
+    *server = (accept_job){.l = l, .auth = sauth, .opts = sopts, .timeout_ms = TIMEOUT};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, accept_main, server), 0);
+    *crc_code = dp_tcp_connect(addr, cauth, copts, TIMEOUT, client, cerr);
+    assert_int_equal(pthread_join(t, NULL), 0);
+}
+
+static void pair(const dp_options *sopts, dp_link **server, dp_link **client)
+{
+    dp_listener *l;
+    char addr[64];
+    listen_local(&l, addr, sizeof addr);
+    accept_job s;
+    strata_error cerr = {0};
+    int crc;
+    try_pair(l, addr, &auth_a, sopts, &auth_a, NULL, &s, &crc, client, &cerr);
+    if (s.rc != STRATA_OK || crc != STRATA_OK)
+        fail_msg("pair: accept %s (%s), connect %s (%s)", strata_status_name(s.rc), s.err.msg,
+                 strata_status_name(crc), cerr.msg);
+    *server = s.link;
+    dp_listener_close(l);
+}
+
+/* Writes raw bytes on a link's socket (non-blocking, small writes). */
+static void raw_write(dp_link *link, const void *buf, size_t n)
+{
+    int fd = dp_link_fd(link);
+    assert_true(fd >= 0);
+    const uint8_t *p = buf;
+    while (n > 0) {
+        ssize_t r = send(fd, p, n, MSG_NOSIGNAL);
+        assert_true(r > 0);
+        p += r;
+        n -= (size_t)r;
+    }
+}
+
+static dp_msg_header hdr(unsigned kind, uint64_t step, uint64_t seq, uint32_t layer)
+{
+    return (dp_msg_header){.kind = (uint16_t)kind, .step = step, .seq = seq, .layer = layer};
+}
+
+static void assert_contains(const char *haystack, const char *needle)
+{
+    if (!strstr(haystack, needle))
+        fail_msg("expected \"%s\" in: %s", needle, haystack);
+}
+
+/* ---- a sender thread ---- */
+
+typedef struct send_job {
+    dp_link *link;
+    const dp_msg_header *h;
+    uint8_t *const *payloads;
+    const size_t *lens;
+    int n;
+    int rc;
+    strata_error err;
+} send_job;
+
+static void *send_main(void *p)
+{
+    send_job *j = p;
+    j->rc = STRATA_OK;
+    for (int i = 0; i < j->n && j->rc == STRATA_OK; i++)
+        j->rc = dp_send(j->link, &j->h[i], j->payloads[i], j->lens[i], &j->err);
+    return NULL;
+}
+
+/* ---- tests ---- */
+
+static void test_round_trip_kinds_and_sizes(void **state)
+{
+    (void)state;
+    dp_link *server, *client;
+    pair(NULL, &server, &client);
+    assert_int_equal(dp_link_backend(client), DP_BACKEND_TCP);
+    assert_contains(dp_link_describe(client), "tcp 127.0.0.1:");
+    assert_contains(dp_link_describe(client), " <-> 127.0.0.1:");
+    assert_null(dp_link_broken(client));
+    assert_int_equal(dp_link_peer_max_payload(client), DP_DEFAULT_MAX_PAYLOAD);
+
+    enum { N = 8 };
+    dp_msg_header h[N] = {
+        {.kind = DP_MSG_HIDDEN, .dtype = DP_DTYPE_F32, .step = 7, .seq = 3, .layer = 0, .n_rows = 4,
+         .row_bytes = 1024},
+        hdr(DP_MSG_KV_BLOCK, 0, 11, 5),
+        hdr(DP_MSG_CONTROL, 1, 0, 0),
+        hdr(DP_MSG_KV_BLOCK, 2, 12, 29),
+        {.kind = DP_MSG_HIDDEN, .dtype = DP_DTYPE_F16, .step = 8, .seq = 3, .n_rows = 1, .row_bytes = 2},
+        hdr(DP_MSG_KV_TAIL, 3, 12, 29),
+        {.kind = DP_MSG_HIDDEN, .dtype = DP_DTYPE_BF16, .step = UINT64_MAX, .seq = UINT64_MAX - 1,
+         .layer = UINT32_MAX, .n_rows = 3, .row_bytes = 1152},
+        hdr(DP_MSG_END, 4, 0, 0),
+    };
+    size_t lens[N] = {4096, 1, 0, 10u << 20, 2, 777, 3 * 1152, 0};
+    uint8_t *payloads[N];
+    for (int i = 0; i < N; i++)
+        payloads[i] = pattern(lens[i], (uint64_t)i + 100);
+
+    send_job job = {.link = client, .h = h, .payloads = payloads, .lens = lens, .n = N};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, send_main, &job), 0);
+    size_t cap = 10u << 20;
+    uint8_t *buf = malloc(cap);
+    assert_non_null(buf);
+    strata_error err = {0};
+    for (int i = 0; i < N; i++) {
+        dp_msg_header got;
+        size_t len = 12345;
+        memset(buf, 0xEE, lens[i] + 1 < cap ? lens[i] + 1 : cap);
+        int rc = dp_recv(server, &got, buf, cap, &len, TIMEOUT, &err);
+        if (rc != STRATA_OK)
+            fail_msg("message %d: %s %s", i, strata_status_name(rc), err.msg);
+        assert_int_equal(len, lens[i]);
+        assert_int_equal(got.kind, h[i].kind);
+        assert_int_equal(got.dtype, h[i].dtype);
+        assert_true(got.step == h[i].step);
+        assert_true(got.seq == h[i].seq);
+        assert_int_equal(got.layer, h[i].layer);
+        assert_int_equal(got.n_rows, h[i].n_rows);
+        assert_int_equal(got.row_bytes, h[i].row_bytes);
+        assert_int_equal(got.payload_len, lens[i]);
+        assert_int_equal(got.flags, DP_FLAG_PAYLOAD_CRC);
+        assert_int_equal(got.payload_crc, lens[i] ? kv_crc32c(0, payloads[i], lens[i]) : 0);
+        if (lens[i])
+            assert_memory_equal(buf, payloads[i], lens[i]);
+    }
+    assert_int_equal(pthread_join(t, NULL), 0);
+    assert_int_equal(job.rc, STRATA_OK);
+
+    /* The other direction on the same link. */
+    uint8_t reply[3] = {1, 2, 3}, back[3] = {0};
+    dp_msg_header rh = hdr(DP_MSG_CONTROL, 9, 9, 0), got;
+    size_t len = 0;
+    assert_int_equal(dp_send(server, &rh, reply, sizeof reply, &err), STRATA_OK);
+    assert_int_equal(dp_recv(client, &got, back, sizeof back, &len, TIMEOUT, &err), STRATA_OK);
+    assert_int_equal(len, 3);
+    assert_memory_equal(back, reply, 3);
+
+    for (int i = 0; i < N; i++)
+        free(payloads[i]);
+    free(buf);
+    dp_link_close(client);
+    dp_link_close(server);
+}
+
+static void test_two_step_and_small_buffers(void **state)
+{
+    (void)state;
+    dp_link *server, *client;
+    pair(NULL, &server, &client);
+    strata_error err = {0};
+    uint8_t *p5000 = pattern(5000, 1), *p3000 = pattern(3000, 2), *p10 = pattern(10, 3), *p64 = pattern(64, 4);
+    dp_msg_header h = hdr(DP_MSG_KV_BLOCK, 1, 2, 3);
+    assert_int_equal(dp_send(client, &h, p5000, 5000, &err), STRATA_OK);
+    assert_int_equal(dp_send(client, &h, p3000, 3000, &err), STRATA_OK);
+    dp_msg_header hc = hdr(DP_MSG_CONTROL, 0, 0, 0);
+    assert_int_equal(dp_send(client, &hc, p10, 10, &err), STRATA_OK);
+    assert_int_equal(dp_send(client, &hc, p64, 64, &err), STRATA_OK);
+
+    uint8_t small[100], big[5000];
+    dp_msg_header got;
+    size_t len = 0;
+    /* Too small: EFULL, header and needed size reported, payload pending. */
+    assert_int_equal(dp_recv(server, &got, small, sizeof small, &len, TIMEOUT, &err), STRATA_EFULL);
+    assert_int_equal(err.code, STRATA_EFULL);
+    assert_contains(err.msg, "5000 bytes does not fit a 100-byte buffer");
+    assert_int_equal(len, 5000);
+    assert_int_equal(got.kind, DP_MSG_KV_BLOCK);
+    assert_int_equal(got.payload_len, 5000);
+    /* A new message cannot start while a payload is pending. */
+    assert_int_equal(dp_recv(server, &got, small, sizeof small, &len, TIMEOUT, &err), STRATA_EINVAL);
+    assert_contains(err.msg, "pending");
+    assert_int_equal(dp_recv_payload(server, small, sizeof small, &err), STRATA_EFULL);
+    assert_int_equal(dp_recv_payload(server, big, sizeof big, &err), STRATA_OK);
+    assert_memory_equal(big, p5000, 5000);
+    /* Too small again, then dropped. */
+    assert_int_equal(dp_recv(server, &got, small, sizeof small, &len, TIMEOUT, &err), STRATA_EFULL);
+    assert_int_equal(len, 3000);
+    assert_int_equal(dp_recv_skip(server, &err), STRATA_OK);
+    assert_int_equal(dp_recv_skip(server, &err), STRATA_OK); /* nothing pending: no-op */
+    /* A size query with no buffer at all. */
+    assert_int_equal(dp_recv(server, &got, NULL, 0, &len, TIMEOUT, &err), STRATA_EFULL);
+    assert_int_equal(len, 10);
+    assert_int_equal(dp_recv_payload(server, small, sizeof small, &err), STRATA_OK);
+    assert_memory_equal(small, p10, 10);
+    assert_int_equal(dp_recv_payload(server, small, sizeof small, &err), STRATA_EINVAL);
+    assert_contains(err.msg, "no payload is pending");
+    /* Explicit two-step. */
+    assert_int_equal(dp_recv_header(server, &got, TIMEOUT, &err), STRATA_OK);
+    assert_int_equal(got.payload_len, 64);
+    assert_int_equal(dp_recv_payload(server, small, 64, &err), STRATA_OK);
+    assert_memory_equal(small, p64, 64);
+    assert_null(dp_link_broken(server));
+    free(p5000);
+    free(p3000);
+    free(p10);
+    free(p64);
+    dp_link_close(client);
+    dp_link_close(server);
+}
+
+static void test_authentication(void **state)
+{
+    (void)state;
+    dp_listener *l;
+    char addr[64];
+    listen_local(&l, addr, sizeof addr);
+    accept_job s;
+    dp_link *client = NULL;
+    strata_error cerr = {0};
+    int crc;
+    /* Wrong secret: both sides refuse. */
+    try_pair(l, addr, &auth_a, NULL, &auth_b, NULL, &s, &crc, &client, &cerr);
+    assert_int_equal(s.rc, STRATA_EINVAL);
+    assert_int_equal(crc, STRATA_EINVAL);
+    assert_null(s.link);
+    assert_null(client);
+    assert_contains(s.err.msg, "failed authentication");
+    assert_contains(cerr.msg, "failed authentication");
+    assert_contains(cerr.msg, "127.0.0.1:");
+    /* The listener is still usable: the right secret gets through. */
+    try_pair(l, addr, &auth_a, NULL, &auth_a, NULL, &s, &crc, &client, &cerr);
+    assert_int_equal(s.rc, STRATA_OK);
+    assert_int_equal(crc, STRATA_OK);
+    dp_link_close(client);
+    dp_link_close(s.link);
+
+    /* No secret, or a short one, is refused before any I/O. */
+    strata_error err = {0};
+    dp_link *link = NULL;
+    assert_int_equal(dp_tcp_connect(addr, NULL, NULL, TIMEOUT, &link, &err), STRATA_EINVAL);
+    assert_contains(err.msg, "secret");
+    dp_auth shorty = {secret_a, 8};
+    assert_int_equal(dp_tcp_connect(addr, &shorty, NULL, TIMEOUT, &link, &err), STRATA_EINVAL);
+    assert_int_equal(dp_tcp_accept(l, &shorty, NULL, 10, &link, &err), STRATA_EINVAL);
+    assert_null(link);
+
+    /* A peer that is not a strata endpoint. */
+    s = (accept_job){.l = l, .auth = &auth_a, .timeout_ms = TIMEOUT};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, accept_main, &s), 0);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(dp_listener_port(l)),
+                             .sin_addr.s_addr = htonl(0x7f000001)};
+    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    char junk[48];
+    memset(junk, 'x', sizeof junk);
+    memcpy(junk, "GET / HTTP/1.1\r\n", 16);
+    assert_int_equal(send(fd, junk, sizeof junk, MSG_NOSIGNAL), (ssize_t)sizeof junk);
+    assert_int_equal(pthread_join(t, NULL), 0);
+    assert_int_equal(s.rc, STRATA_EFORMAT);
+    assert_contains(s.err.msg, "not a strata data-plane endpoint");
+    close(fd);
+    dp_listener_close(l);
+}
+
+static void test_peer_closes_mid_payload(void **state)
+{
+    (void)state;
+    dp_link *server, *client;
+    pair(NULL, &server, &client);
+    strata_error err = {0};
+    uint8_t *p = pattern(1000, 9);
+    uint8_t frame[DP_FRAME_HEADER_BYTES];
+    dp_msg_header h = hdr(DP_MSG_KV_BLOCK, 5, 6, 7);
+    assert_int_equal(dp_frame_encode(&h, 1000, kv_crc32c(0, p, 1000), DP_FLAG_PAYLOAD_CRC, frame, &err), STRATA_OK);
+    raw_write(client, frame, sizeof frame);
+    raw_write(client, p, 100);
+    dp_link_close(client);
+    uint8_t buf[1000];
+    dp_msg_header got;
+    size_t len;
+    assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, TIMEOUT, &err), STRATA_EIO);
+    assert_contains(err.msg, "peer closed after 100 of 1000 payload bytes");
+    assert_non_null(dp_link_broken(server));
+    /* Refused from now on, naming the first error. */
+    assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, TIMEOUT, &err), STRATA_EIO);
+    assert_contains(err.msg, "unusable after an earlier error");
+    assert_contains(err.msg, "peer closed after 100 of 1000");
+    assert_int_equal(dp_send(server, &h, p, 10, &err), STRATA_EIO);
+    assert_contains(err.msg, "unusable");
+    dp_link_close(server);
+
+    /* Mid-header, and between messages. */
+    pair(NULL, &server, &client);
+    raw_write(client, frame, 10);
+    dp_link_close(client);
+    assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, TIMEOUT, &err), STRATA_EIO);
+    assert_contains(err.msg, "peer closed after 10 of 64 header bytes");
+    dp_link_close(server);
+    pair(NULL, &server, &client);
+    dp_link_close(client);
+    assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, TIMEOUT, &err), STRATA_EIO);
+    assert_contains(err.msg, "peer closed the connection");
+    dp_link_close(server);
+    free(p);
+}
+
+static void test_corrupted_frames(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    uint8_t *p = pattern(256, 10);
+    uint8_t frame[DP_FRAME_HEADER_BYTES], buf[256];
+    dp_msg_header h = hdr(DP_MSG_KV_BLOCK, 1, 2, 3), got;
+    size_t len;
+    dp_link *server, *client;
+
+    /* A payload byte flipped after the CRC was computed. */
+    pair(NULL, &server, &client);
+    assert_int_equal(dp_frame_encode(&h, 256, kv_crc32c(0, p, 256), DP_FLAG_PAYLOAD_CRC, frame, &err), STRATA_OK);
+    p[77] ^= 0x10;
+    raw_write(client, frame, sizeof frame);
+    raw_write(client, p, 256);
+    assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, TIMEOUT, &err), STRATA_ECRC);
+    assert_contains(err.msg, "CRC32C mismatch in the 256-byte payload of a KV_BLOCK message");
+    assert_non_null(dp_link_broken(server));
+    assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, TIMEOUT, &err), STRATA_EIO);
+    assert_contains(err.msg, "unusable");
+    dp_link_close(server);
+    dp_link_close(client);
+
+    /* A header byte flipped: the header CRC catches it. */
+    pair(NULL, &server, &client);
+    assert_int_equal(dp_frame_encode(&h, 0, 0, DP_FLAG_PAYLOAD_CRC, frame, &err), STRATA_OK);
+    frame[20] ^= 1;
+    raw_write(client, frame, sizeof frame);
+    assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, TIMEOUT, &err), STRATA_ECRC);
+    assert_contains(err.msg, "header CRC32C mismatch");
+    dp_link_close(server);
+    dp_link_close(client);
+
+    /* Garbage. */
+    pair(NULL, &server, &client);
+    memset(frame, 'Z', sizeof frame);
+    raw_write(client, frame, sizeof frame);
+    assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, TIMEOUT, &err), STRATA_EFORMAT);
+    assert_contains(err.msg, "bad frame magic 5a 5a 5a 5a");
+    assert_non_null(dp_link_broken(server));
+    dp_link_close(server);
+    dp_link_close(client);
+
+    /* A frame without the payload CRC flag is not a TCP frame. */
+    pair(NULL, &server, &client);
+    assert_int_equal(dp_frame_encode(&h, 0, 0, 0, frame, &err), STRATA_OK);
+    raw_write(client, frame, sizeof frame);
+    assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, TIMEOUT, &err), STRATA_EFORMAT);
+    assert_contains(err.msg, "without a payload CRC");
+    dp_link_close(server);
+    dp_link_close(client);
+    free(p);
+}
+
+static void test_max_payload(void **state)
+{
+    (void)state;
+    dp_options sopts = {.max_payload = 1u << 20};
+    dp_link *server, *client;
+    pair(&sopts, &server, &client);
+    assert_int_equal(dp_link_peer_max_payload(client), 1u << 20);
+    strata_error err = {0};
+    uint8_t *p = pattern((1u << 20) + 1, 11);
+    dp_msg_header h = hdr(DP_MSG_KV_BLOCK, 0, 0, 0), got;
+    /* The sender knows the peer's limit: refused locally, the link stays usable. */
+    assert_int_equal(dp_send(client, &h, p, (1u << 20) + 1, &err), STRATA_EINVAL);
+    assert_contains(err.msg, "over the peer's maximum of 1048576");
+    assert_null(dp_link_broken(client));
+    assert_int_equal(dp_send(client, &h, p, 100, &err), STRATA_OK);
+    size_t len;
+    uint8_t small[100];
+    assert_int_equal(dp_recv(server, &got, small, sizeof small, &len, TIMEOUT, &err), STRATA_OK);
+    assert_memory_equal(small, p, 100);
+    /* A forged frame over the receiver's limit breaks the link. */
+    uint8_t frame[DP_FRAME_HEADER_BYTES];
+    assert_int_equal(dp_frame_encode(&h, 2u << 20, 0, DP_FLAG_PAYLOAD_CRC, frame, &err), STRATA_OK);
+    raw_write(client, frame, sizeof frame);
+    assert_int_equal(dp_recv(server, &got, small, sizeof small, &len, TIMEOUT, &err), STRATA_EFORMAT);
+    assert_contains(err.msg, "payload of 2097152 bytes, over this link's maximum of 1048576");
+    assert_non_null(dp_link_broken(server));
+    free(p);
+    dp_link_close(server);
+    dp_link_close(client);
+}
+
+static void test_timeouts(void **state)
+{
+    (void)state;
+    dp_options sopts = {.io_timeout_ms = 100};
+    dp_link *server, *client;
+    pair(&sopts, &server, &client);
+    strata_error err = {0};
+    dp_msg_header got;
+    uint8_t buf[64];
+    size_t len;
+    /* A plain timeout: nothing arrived, the link stays usable. */
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, 50, &err), STRATA_EIO);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    long ms = (b.tv_sec - a.tv_sec) * 1000 + (b.tv_nsec - a.tv_nsec) / 1000000;
+    assert_true(ms >= 45);
+    assert_contains(err.msg, "timed out after 50 ms waiting for a message");
+    assert_null(dp_link_broken(server));
+    assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, 0, &err), STRATA_EIO);
+    assert_contains(err.msg, "timed out");
+    dp_msg_header h = hdr(DP_MSG_CONTROL, 1, 1, 1);
+    assert_int_equal(dp_send(client, &h, "hello", 5, &err), STRATA_OK);
+    assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, TIMEOUT, &err), STRATA_OK);
+    assert_int_equal(len, 5);
+    assert_memory_equal(buf, "hello", 5);
+    /* A stall in the middle of a frame breaks the link after io_timeout_ms. */
+    uint8_t frame[DP_FRAME_HEADER_BYTES];
+    assert_int_equal(dp_frame_encode(&h, 0, 0, DP_FLAG_PAYLOAD_CRC, frame, &err), STRATA_OK);
+    raw_write(client, frame, 10);
+    assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, TIMEOUT, &err), STRATA_EIO);
+    assert_contains(err.msg, "stalled for 100 ms after 10 of 64 header bytes");
+    assert_non_null(dp_link_broken(server));
+    dp_link_close(server);
+    dp_link_close(client);
+
+    /* accept with nobody connecting */
+    dp_listener *l;
+    char addr[64];
+    listen_local(&l, addr, sizeof addr);
+    dp_link *link = NULL;
+    assert_int_equal(dp_tcp_accept(l, &auth_a, NULL, 30, &link, &err), STRATA_EIO);
+    assert_contains(err.msg, "timed out");
+    assert_null(link);
+    dp_listener_close(l);
+}
+
+static void test_connect_errors(void **state)
+{
+    (void)state;
+    dp_listener *l;
+    char addr[64];
+    listen_local(&l, addr, sizeof addr);
+    dp_listener_close(l); /* nobody listens there now */
+    strata_error err = {0};
+    dp_link *link = NULL;
+    assert_int_equal(dp_tcp_connect(addr, &auth_a, NULL, TIMEOUT, &link, &err), STRATA_EIO);
+    assert_contains(err.msg, addr);
+    assert_contains(err.msg, "Connection refused");
+    assert_null(link);
+    assert_int_equal(dp_tcp_connect("localhost", &auth_a, NULL, TIMEOUT, &link, &err), STRATA_EINVAL);
+    assert_int_equal(dp_tcp_connect("127.0.0.1:70000", &auth_a, NULL, TIMEOUT, &link, &err), STRATA_EINVAL);
+    assert_int_equal(dp_tcp_connect("::1:4000", &auth_a, NULL, TIMEOUT, &link, &err), STRATA_EINVAL);
+    assert_int_equal(dp_tcp_listen("127.0.0.1:", &l, &err), STRATA_EINVAL);
+}
+
+static void test_send_to_closed_peer(void **state)
+{
+    (void)state;
+    dp_link *server, *client;
+    pair(NULL, &server, &client);
+    dp_link_close(server);
+    strata_error err = {0};
+    uint8_t *p = pattern(65536, 12);
+    dp_msg_header h = hdr(DP_MSG_KV_BLOCK, 0, 0, 0);
+    int rc = STRATA_OK;
+    for (int i = 0; i < 1000 && rc == STRATA_OK; i++) /* the first sends may still be buffered */
+        rc = dp_send(client, &h, p, 65536, &err);
+    assert_int_equal(rc, STRATA_EIO); /* and no SIGPIPE killed us */
+    assert_contains(err.msg, "send of a KV_BLOCK message failed");
+    assert_non_null(dp_link_broken(client));
+    free(p);
+    dp_link_close(client);
+}
+
+static void test_frame_codec(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    uint8_t f[DP_FRAME_HEADER_BYTES];
+    dp_msg_header h = {.kind = DP_MSG_HIDDEN, .dtype = DP_DTYPE_F16, .layer = 0x01020304, .step = 0x1122334455667788ull,
+                       .seq = 42, .n_rows = 3, .row_bytes = 8}, got;
+    assert_int_equal(dp_frame_encode(&h, 24, 0xdeadbeef, DP_FLAG_PAYLOAD_CRC, f, &err), STRATA_OK);
+    assert_memory_equal(f, "SDP1", 4);
+    assert_int_equal(f[4], 1);                                 /* version, little-endian */
+    assert_int_equal(f[12], 0x04);                             /* layer LSB first */
+    assert_int_equal(f[16], 0x88);                             /* step LSB first */
+    assert_int_equal(f[40], 24);                               /* payload length */
+    assert_int_equal(f[48], 0xef);                             /* payload crc */
+    assert_int_equal(dp_frame_decode(f, 1000, &got, &err), STRATA_OK);
+    assert_int_equal(got.kind, h.kind);
+    assert_int_equal(got.layer, h.layer);
+    assert_true(got.step == h.step);
+    assert_int_equal(got.payload_len, 24);
+    assert_int_equal(got.payload_crc, 0xdeadbeef);
+    assert_int_equal(dp_frame_decode(f, 23, &got, &err), STRATA_EFORMAT);
+
+    /* Send-side rules. */
+    dp_msg_header bad = h;
+    bad.kind = 9;
+    assert_int_equal(dp_frame_encode(&bad, 24, 0, 0, f, &err), STRATA_EINVAL);
+    assert_contains(err.msg, "unknown message kind 9");
+    bad = h;
+    assert_int_equal(dp_frame_encode(&bad, 25, 0, 0, f, &err), STRATA_EINVAL);
+    assert_contains(err.msg, "does not hold 3 rows of 8 bytes");
+    bad.dtype = DP_DTYPE_BYTES;
+    assert_int_equal(dp_frame_encode(&bad, 24, 0, 0, f, &err), STRATA_EINVAL);
+    bad = h;
+    bad.dtype = DP_DTYPE_F32;
+    bad.row_bytes = 6;
+    bad.n_rows = 4;
+    assert_int_equal(dp_frame_encode(&bad, 24, 0, 0, f, &err), STRATA_EINVAL);
+    assert_contains(err.msg, "not a whole number of 4-byte elements");
+    assert_int_equal(dp_frame_encode(&h, 24, 0, 0x8000, f, &err), STRATA_EINVAL);
+
+    /* Receive-side: a reserved byte set (with a valid header CRC) and an unknown kind. */
+    assert_int_equal(dp_frame_encode(&h, 24, 0, DP_FLAG_PAYLOAD_CRC, f, &err), STRATA_OK);
+    f[55] = 1;
+    uint32_t c = kv_crc32c(0, f, 60);
+    f[60] = (uint8_t)c, f[61] = (uint8_t)(c >> 8), f[62] = (uint8_t)(c >> 16), f[63] = (uint8_t)(c >> 24);
+    assert_int_equal(dp_frame_decode(f, 1000, &got, &err), STRATA_EFORMAT);
+    assert_contains(err.msg, "reserved");
+    f[55] = 0;
+    f[6] = 0; /* kind 0 */
+    c = kv_crc32c(0, f, 60);
+    f[60] = (uint8_t)c, f[61] = (uint8_t)(c >> 8), f[62] = (uint8_t)(c >> 16), f[63] = (uint8_t)(c >> 24);
+    assert_int_equal(dp_frame_decode(f, 1000, &got, &err), STRATA_EFORMAT);
+    assert_contains(err.msg, "unknown message kind 0");
+    f[4] = 2;
+    assert_int_equal(dp_frame_decode(f, 1000, &got, &err), STRATA_EFORMAT);
+    assert_contains(err.msg, "version 2");
+
+    /* A bad header on a live link is refused locally and the link stays usable. */
+    dp_link *server, *client;
+    pair(NULL, &server, &client);
+    bad = h;
+    bad.kind = 0;
+    assert_int_equal(dp_send(client, &bad, "x", 1, &err), STRATA_EINVAL);
+    assert_int_equal(dp_send(client, &h, NULL, 24, &err), STRATA_EINVAL);
+    assert_null(dp_link_broken(client));
+    uint8_t rows[24];
+    fill(rows, sizeof rows, 5);
+    assert_int_equal(dp_send(client, &h, rows, sizeof rows, &err), STRATA_OK);
+    uint8_t back[24];
+    size_t len;
+    assert_int_equal(dp_recv(server, &got, back, sizeof back, &len, TIMEOUT, &err), STRATA_OK);
+    assert_memory_equal(back, rows, 24);
+    dp_link_close(server);
+    dp_link_close(client);
+    assert_string_equal(dp_kind_name(DP_MSG_KV_TAIL), "KV_TAIL");
+}
+
+/* ---- NCCL ---- */
+
+#ifdef STRATA_HAVE_NCCL
+typedef struct nccl_job {
+    const uint8_t *id;
+    int rank, device;
+    dp_link *link;
+    int rc;
+    strata_error err;
+} nccl_job;
+
+static void *nccl_create_main(void *p)
+{
+    nccl_job *j = p;
+    j->rc = dp_nccl_create(j->id, DP_NCCL_ID_BYTES, j->rank, 2, 1 - j->rank, j->device, NULL, &j->link, &j->err);
+    return NULL;
+}
+
+enum { NCCL_MSGS = 4 };
+static const size_t nccl_lens[NCCL_MSGS] = {8 * 4096, 3u << 20, 0, 5000};
+
+typedef struct nccl_recv_job {
+    dp_link *link;
+    int device;
+    int rc;
+    strata_error err;
+    int efull_seen;
+    uint8_t *got[NCCL_MSGS];
+    dp_msg_header h[NCCL_MSGS];
+} nccl_recv_job;
+
+static void *nccl_recv_main(void *p)
+{
+    nccl_recv_job *j = p;
+    cudaSetDevice(j->device);
+    void *dev = NULL, *small = NULL;
+    j->rc = cudaMalloc(&dev, 3u << 20) == cudaSuccess && cudaMalloc(&small, 1024) == cudaSuccess ? STRATA_OK : STRATA_ENOMEM;
+    for (int i = 0; i < NCCL_MSGS && j->rc == STRATA_OK; i++) {
+        size_t len = 0;
+        /* The last message is received into a buffer too small first. */
+        int rc = dp_recv(j->link, &j->h[i], i == 3 ? small : dev, i == 3 ? 1024 : 3u << 20, &len, TIMEOUT, &j->err);
+        if (rc == STRATA_EFULL && i == 3) {
+            j->efull_seen = 1;
+            rc = dp_recv_payload(j->link, dev, 3u << 20, &j->err);
+        }
+        j->rc = rc;
+        if (rc == STRATA_OK) {
+            j->got[i] = malloc(len ? len : 1);
+            if (len && cudaMemcpy(j->got[i], dev, len, cudaMemcpyDeviceToHost) != cudaSuccess)
+                j->rc = STRATA_EIO;
+        }
+    }
+    cudaFree(dev);
+    cudaFree(small);
+    return NULL;
+}
+#endif
+
+static void test_nccl(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    dp_link *link = NULL;
+    uint8_t id[DP_NCCL_ID_BYTES] = {0};
+#ifndef STRATA_HAVE_NCCL
+    size_t idlen = sizeof id;
+    assert_int_equal(dp_nccl_unique_id(id, &idlen, &err), STRATA_EUNSUPPORTED);
+    assert_int_equal(dp_nccl_create(id, sizeof id, 0, 2, 1, 0, NULL, &link, &err), STRATA_EUNSUPPORTED);
+    assert_contains(err.msg, "no NCCL");
+    assert_null(link);
+    print_message("built without NCCL: NCCL transport not exercised\n");
+    skip();
+#else
+    /* Argument checks need no device. */
+    assert_int_equal(dp_nccl_create(id, sizeof id, 0, 2, 0, 0, NULL, &link, &err), STRATA_EINVAL);
+    assert_int_equal(dp_nccl_create(id, 5, 0, 2, 1, 0, NULL, &link, &err), STRATA_EINVAL);
+    int count = 0;
+    cudaError_t ce = cudaGetDeviceCount(&count);
+    if (ce != cudaSuccess || count == 0) {
+        (void)cudaGetLastError();
+        /* Creating a link reports the missing device cleanly. */
+        assert_int_equal(dp_nccl_create(id, sizeof id, 0, 2, 1, 0, NULL, &link, &err), STRATA_EIO);
+        assert_contains(err.msg, "no CUDA device");
+        assert_null(link);
+        print_message("no CUDA device: NCCL transport not exercised (cudaGetDeviceCount: %s)\n",
+                      ce == cudaSuccess ? "0 devices" : cudaGetErrorString(ce));
+        skip();
+        return;
+    }
+    size_t idlen = sizeof id;
+    assert_int_equal(dp_nccl_unique_id(id, &idlen, &err), STRATA_OK);
+    assert_int_equal(idlen, DP_NCCL_ID_BYTES);
+    /* Two ranks in two threads: on two devices when there are two (NCCL refuses two ranks of one
+     * communicator on the same GPU; with one device that refusal is reported and the test skips). */
+    nccl_job r0 = {.id = id, .rank = 0, .device = 0}, r1 = {.id = id, .rank = 1, .device = count > 1 ? 1 : 0};
+    pthread_t t0, t1;
+    assert_int_equal(pthread_create(&t0, NULL, nccl_create_main, &r0), 0);
+    assert_int_equal(pthread_create(&t1, NULL, nccl_create_main, &r1), 0);
+    assert_int_equal(pthread_join(t0, NULL), 0);
+    assert_int_equal(pthread_join(t1, NULL), 0);
+    if ((r0.rc != STRATA_OK || r1.rc != STRATA_OK) && count == 1) {
+        dp_link_close(r0.link);
+        dp_link_close(r1.link);
+        print_message("one CUDA device and NCCL refused two ranks on it: NCCL transport not exercised (%s)\n",
+                      r0.rc != STRATA_OK ? r0.err.msg : r1.err.msg);
+        skip();
+        return;
+    }
+    if (r0.rc != STRATA_OK || r1.rc != STRATA_OK)
+        fail_msg("dp_nccl_create: %s / %s", r0.err.msg, r1.err.msg);
+    assert_contains(dp_link_describe(r0.link), "nccl rank 0 -> 1 on cuda:0");
+    assert_int_equal(dp_link_backend(r0.link), DP_BACKEND_NCCL);
+    assert_int_equal(dp_link_fd(r0.link), -1);
+
+    /* Host memory is refused, the link stays usable. */
+    uint8_t host[16] = {0};
+    dp_msg_header hh = hdr(DP_MSG_CONTROL, 0, 0, 0);
+    assert_int_equal(dp_send(r0.link, &hh, host, sizeof host, &err), STRATA_EINVAL);
+    assert_contains(err.msg, "host memory");
+    assert_null(dp_link_broken(r0.link));
+
+    dp_msg_header h[NCCL_MSGS] = {
+        {.kind = DP_MSG_HIDDEN, .dtype = DP_DTYPE_F16, .step = 3, .seq = 1, .n_rows = 8, .row_bytes = 4096},
+        hdr(DP_MSG_KV_BLOCK, 4, 2, 17),
+        hdr(DP_MSG_END, 5, 0, 0),
+        hdr(DP_MSG_KV_TAIL, 6, 2, 17),
+    };
+    uint8_t *want[NCCL_MSGS];
+    void *dev[NCCL_MSGS] = {0};
+    assert_int_equal(cudaSetDevice(0), cudaSuccess);
+    for (int i = 0; i < NCCL_MSGS; i++) {
+        want[i] = pattern(nccl_lens[i], (uint64_t)i + 500);
+        if (nccl_lens[i]) {
+            assert_int_equal(cudaMalloc(&dev[i], nccl_lens[i]), cudaSuccess);
+            assert_int_equal(cudaMemcpy(dev[i], want[i], nccl_lens[i], cudaMemcpyHostToDevice), cudaSuccess);
+        }
+    }
+    nccl_recv_job rj = {.link = r1.link, .device = r1.device};
+    pthread_t tr;
+    assert_int_equal(pthread_create(&tr, NULL, nccl_recv_main, &rj), 0);
+    int src = STRATA_OK;
+    for (int i = 0; i < NCCL_MSGS && src == STRATA_OK; i++)
+        src = dp_send(r0.link, &h[i], dev[i], nccl_lens[i], &err);
+    assert_int_equal(pthread_join(tr, NULL), 0);
+    if (src != STRATA_OK || rj.rc != STRATA_OK)
+        fail_msg("NCCL transfer: send %s (%s), recv %s (%s)", strata_status_name(src), err.msg,
+                 strata_status_name(rj.rc), rj.err.msg);
+    assert_true(rj.efull_seen);
+    for (int i = 0; i < NCCL_MSGS; i++) {
+        assert_int_equal(rj.h[i].kind, h[i].kind);
+        assert_true(rj.h[i].step == h[i].step);
+        assert_int_equal(rj.h[i].payload_len, nccl_lens[i]);
+        assert_int_equal(rj.h[i].payload_crc, 0);
+        if (nccl_lens[i])
+            assert_memory_equal(rj.got[i], want[i], nccl_lens[i]);
+        free(rj.got[i]);
+        free(want[i]);
+        cudaFree(dev[i]);
+    }
+    print_message("NCCL transport exercised on %d device(s)\n", count > 1 ? 2 : 1);
+    dp_link_close(r0.link);
+    dp_link_close(r1.link);
+#endif
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_round_trip_kinds_and_sizes),
+        cmocka_unit_test(test_two_step_and_small_buffers),
+        cmocka_unit_test(test_authentication),
+        cmocka_unit_test(test_peer_closes_mid_payload),
+        cmocka_unit_test(test_corrupted_frames),
+        cmocka_unit_test(test_max_payload),
+        cmocka_unit_test(test_timeouts),
+        cmocka_unit_test(test_connect_errors),
+        cmocka_unit_test(test_send_to_closed_peer),
+        cmocka_unit_test(test_frame_codec),
+        cmocka_unit_test(test_nccl),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

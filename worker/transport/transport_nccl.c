@@ -1,0 +1,307 @@
+/* The NCCL backend of the data plane (compiled only when CMake found the CUDA toolkit and
+ * libnccl; STRATA_HAVE_NCCL). Plain C over the CUDA runtime and NCCL C APIs.
+ *
+ * Each link owns one communicator, one non-blocking CUDA stream, a 64-byte device buffer and a
+ * 64-byte pinned host buffer for the frame header. A message is two NCCL point-to-point
+ * transfers to/from the peer rank on that stream: the 64-byte header (encoded on the host,
+ * copied to the device), then the payload straight from/to the caller's device buffer. Every
+ * call waits for its stream, polling cudaStreamQuery and ncclCommGetAsyncError against a
+ * deadline: a timeout or an asynchronous NCCL error breaks the link, and closing a broken link
+ * aborts its communicator (ncclCommAbort) instead of destroying it, since an enqueued
+ * send/recv cannot be cancelled.
+ *
+ * No payload CRC: the bytes never leave device memory and the interconnect (NVLink, PCIe) has
+ * its own link-level CRC/ECC; a CRC would need an extra kernel pass over every activation. The
+ * header still carries its own CRC32C (computed on the host). */
+#include <errno.h>
+#include <inttypes.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include "worker/transport/transport.h"
+#include "worker/transport/transport_impl.h"
+
+_Static_assert(sizeof(ncclUniqueId) == DP_NCCL_ID_BYTES, "DP_NCCL_ID_BYTES must match NCCL_UNIQUE_ID_BYTES");
+
+typedef struct nccl_state {
+    ncclComm_t comm;
+    cudaStream_t stream;
+    uint8_t *dev_hdr;  /* DP_FRAME_HEADER_BYTES on the device */
+    uint8_t *host_hdr; /* DP_FRAME_HEADER_BYTES pinned */
+    int rank, nranks, peer, device;
+} nccl_state;
+
+static int cuda_fail(strata_error *err, cudaError_t e, const char *what, const char *ctx)
+{
+    return strata_fail(err, STRATA_EIO, "data plane (%s): %s failed: %s (%s)", ctx, what, cudaGetErrorString(e),
+                       cudaGetErrorName(e));
+}
+
+static int nccl_fail(strata_error *err, ncclResult_t r, ncclComm_t comm, const char *what, const char *ctx)
+{
+    const char *last = ncclGetLastError(comm);
+    int code = (r == ncclInvalidArgument || r == ncclInvalidUsage) ? STRATA_EINVAL : STRATA_EIO;
+    return strata_fail(err, code, "data plane (%s): %s failed: %s%s%s%s", ctx, what, ncclGetErrorString(r),
+                       last && *last ? " (" : "", last && *last ? last : "", last && *last ? ")" : "");
+}
+
+/* Waits for the link's stream until deadline (-1 none). Breaks the link on timeout or error. */
+static int nccl_wait(dp_link *link, int64_t deadline, const char *what, strata_error *err)
+{
+    nccl_state *s = link->impl;
+    unsigned spins = 0;
+    for (;;) {
+        cudaError_t e = cudaStreamQuery(s->stream);
+        if (e == cudaSuccess)
+            return STRATA_OK;
+        if (e != cudaErrorNotReady) {
+            cuda_fail(err, e, what, link->desc);
+            return dp_link_break(link, err);
+        }
+        ncclResult_t async = ncclSuccess;
+        ncclResult_t r = ncclCommGetAsyncError(s->comm, &async);
+        if (r != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
+            nccl_fail(err, r != ncclSuccess ? r : async, s->comm, what, link->desc);
+            return dp_link_break(link, err);
+        }
+        if (deadline >= 0 && dp_now_ms() >= deadline) {
+            strata_fail(err, STRATA_EIO, "data plane (%s): %s timed out (NCCL operation still in flight; "
+                        "the link is closed)", link->desc, what);
+            return dp_link_break(link, err);
+        }
+        /* Spin briefly (pipeline hand-offs are latency bound), then sleep 50 us per poll. */
+        if (++spins < 2000) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, 50000};
+            while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+            }
+        }
+    }
+}
+
+static int check_device_ptr(const dp_link *link, const void *p, const char *what, strata_error *err)
+{
+    const nccl_state *s = link->impl;
+    struct cudaPointerAttributes a;
+    cudaError_t e = cudaPointerGetAttributes(&a, p);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError(); /* clear the (non-sticky) error this call recorded */
+        return strata_fail(err, STRATA_EINVAL, "data plane (%s): %s %p is not a CUDA pointer: %s", link->desc, what,
+                           p, cudaGetErrorString(e));
+    }
+    if (a.type != cudaMemoryTypeDevice && a.type != cudaMemoryTypeManaged)
+        return strata_fail(err, STRATA_EINVAL,
+                           "data plane (%s): %s %p is host memory; NCCL links take device pointers", link->desc,
+                           what, p);
+    if (a.type == cudaMemoryTypeDevice && a.device != s->device)
+        return strata_fail(err, STRATA_EINVAL, "data plane (%s): %s %p is on cuda:%d, the link on cuda:%d",
+                           link->desc, what, p, a.device, s->device);
+    return STRATA_OK;
+}
+
+static int set_device(dp_link *link, strata_error *err)
+{
+    nccl_state *s = link->impl;
+    cudaError_t e = cudaSetDevice(s->device);
+    return e == cudaSuccess ? STRATA_OK : cuda_fail(err, e, "cudaSetDevice", link->desc);
+}
+
+static int nccl_send(dp_link *link, const dp_msg_header *h, const void *payload, size_t len, strata_error *err)
+{
+    nccl_state *s = link->impl;
+    int rc = set_device(link, err);
+    if (rc == STRATA_OK && len > 0)
+        rc = check_device_ptr(link, payload, "payload", err);
+    if (rc == STRATA_OK)
+        rc = dp_frame_encode(h, len, 0, 0, s->host_hdr, err);
+    if (rc != STRATA_OK)
+        return rc; /* nothing enqueued: the link is still in sync */
+    cudaError_t e = cudaMemcpyAsync(s->dev_hdr, s->host_hdr, DP_FRAME_HEADER_BYTES, cudaMemcpyHostToDevice,
+                                    s->stream);
+    if (e != cudaSuccess) {
+        cuda_fail(err, e, "cudaMemcpyAsync of the header", link->desc);
+        return dp_link_break(link, err);
+    }
+    ncclResult_t r = ncclSend(s->dev_hdr, DP_FRAME_HEADER_BYTES, ncclUint8, s->peer, s->comm, s->stream);
+    if (r == ncclSuccess && len > 0)
+        r = ncclSend(payload, len, ncclUint8, s->peer, s->comm, s->stream);
+    if (r != ncclSuccess) {
+        nccl_fail(err, r, s->comm, "ncclSend", link->desc);
+        return dp_link_break(link, err);
+    }
+    return nccl_wait(link, dp_deadline(link->io_timeout_ms), "sending a message", err);
+}
+
+static int nccl_recv_header(dp_link *link, uint8_t hdr[DP_FRAME_HEADER_BYTES], int timeout_ms, strata_error *err)
+{
+    nccl_state *s = link->impl;
+    int rc = set_device(link, err);
+    if (rc != STRATA_OK)
+        return rc;
+    ncclResult_t r = ncclRecv(s->dev_hdr, DP_FRAME_HEADER_BYTES, ncclUint8, s->peer, s->comm, s->stream);
+    if (r != ncclSuccess) {
+        nccl_fail(err, r, s->comm, "ncclRecv of a header", link->desc);
+        return dp_link_break(link, err);
+    }
+    cudaError_t e = cudaMemcpyAsync(s->host_hdr, s->dev_hdr, DP_FRAME_HEADER_BYTES, cudaMemcpyDeviceToHost,
+                                    s->stream);
+    if (e != cudaSuccess) {
+        cuda_fail(err, e, "cudaMemcpyAsync of the header", link->desc);
+        return dp_link_break(link, err);
+    }
+    rc = nccl_wait(link, dp_deadline(timeout_ms), "waiting for a message", err);
+    if (rc != STRATA_OK)
+        return rc;
+    memcpy(hdr, s->host_hdr, DP_FRAME_HEADER_BYTES);
+    return STRATA_OK;
+}
+
+static int nccl_recv_payload(dp_link *link, void *buf, strata_error *err)
+{
+    nccl_state *s = link->impl;
+    size_t n = (size_t)link->pending_h.payload_len;
+    int rc = set_device(link, err);
+    if (rc == STRATA_OK && buf)
+        rc = check_device_ptr(link, buf, "payload buffer", err);
+    if (rc != STRATA_OK)
+        return rc; /* still pending, nothing enqueued */
+    void *dst = buf, *scratch = NULL;
+    if (!dst) {
+        cudaError_t e = cudaMalloc(&scratch, n);
+        if (e != cudaSuccess) {
+            (void)cudaGetLastError();
+            return strata_fail(err, STRATA_ENOMEM, "data plane (%s): no device memory to discard a %zu-byte payload: %s",
+                               link->desc, n, cudaGetErrorString(e));
+        }
+        dst = scratch;
+    }
+    ncclResult_t r = ncclRecv(dst, n, ncclUint8, s->peer, s->comm, s->stream);
+    if (r != ncclSuccess) {
+        nccl_fail(err, r, s->comm, "ncclRecv of a payload", link->desc);
+        rc = dp_link_break(link, err);
+    } else {
+        rc = nccl_wait(link, dp_deadline(link->io_timeout_ms), "receiving a payload", err);
+    }
+    if (scratch && rc == STRATA_OK)
+        cudaFree(scratch); /* a broken link may still write into it: leak rather than race */
+    return rc;
+}
+
+static void nccl_close(dp_link *link)
+{
+    nccl_state *s = link->impl;
+    if (!s)
+        return;
+    (void)cudaSetDevice(s->device);
+    if (s->comm) {
+        if (link->broken[0])
+            (void)ncclCommAbort(s->comm);
+        else
+            (void)ncclCommDestroy(s->comm);
+    }
+    if (s->stream)
+        (void)cudaStreamDestroy(s->stream);
+    if (s->dev_hdr)
+        (void)cudaFree(s->dev_hdr);
+    if (s->host_hdr)
+        (void)cudaFreeHost(s->host_hdr);
+    free(s);
+    link->impl = NULL;
+}
+
+static const dp_ops nccl_ops = {
+    .send = nccl_send,
+    .recv_header = nccl_recv_header,
+    .recv_payload = nccl_recv_payload,
+    .close = nccl_close,
+};
+
+int dp_nccl_unique_id(void *out, size_t *len, strata_error *err)
+{
+    if (!out || !len)
+        return strata_fail(err, STRATA_EINVAL, "data plane: NULL unique id output");
+    if (*len < sizeof(ncclUniqueId))
+        return strata_fail(err, STRATA_EINVAL, "data plane: NCCL unique id needs %zu bytes, buffer has %zu",
+                           sizeof(ncclUniqueId), *len);
+    ncclUniqueId id;
+    ncclResult_t r = ncclGetUniqueId(&id);
+    if (r != ncclSuccess)
+        return nccl_fail(err, r, NULL, "ncclGetUniqueId", "nccl");
+    memcpy(out, &id, sizeof id);
+    *len = sizeof id;
+    return STRATA_OK;
+}
+
+int dp_nccl_create(const void *unique_id, size_t id_len, int rank, int nranks, int peer, int cuda_device,
+                   const dp_options *opts, dp_link **out, strata_error *err)
+{
+    if (!out)
+        return strata_fail(err, STRATA_EINVAL, "data plane: NULL link output");
+    *out = NULL;
+    if (!unique_id || id_len != sizeof(ncclUniqueId))
+        return strata_fail(err, STRATA_EINVAL, "data plane: NCCL unique id of %zu bytes (expected %zu)", id_len,
+                           sizeof(ncclUniqueId));
+    if (nranks < 2 || rank < 0 || rank >= nranks || peer < 0 || peer >= nranks || peer == rank || cuda_device < 0)
+        return strata_fail(err, STRATA_EINVAL,
+                           "data plane: bad NCCL link rank %d -> peer %d of %d ranks on cuda:%d", rank, peer,
+                           nranks, cuda_device);
+    char ctx[64];
+    snprintf(ctx, sizeof ctx, "nccl rank %d -> %d on cuda:%d", rank, peer, cuda_device);
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess || count == 0) {
+        (void)cudaGetLastError();
+        return strata_fail(err, STRATA_EIO, "data plane (%s): no CUDA device (cudaGetDeviceCount: %s)", ctx,
+                           e == cudaSuccess ? "0 devices" : cudaGetErrorString(e));
+    }
+    if (cuda_device >= count)
+        return strata_fail(err, STRATA_EINVAL, "data plane (%s): this host has %d CUDA device(s)", ctx, count);
+
+    dp_link *link = malloc(sizeof *link);
+    nccl_state *s = calloc(1, sizeof *s);
+    if (!link || !s) {
+        free(link);
+        free(s);
+        return strata_fail(err, STRATA_ENOMEM, "data plane: out of memory for a link");
+    }
+    dp_link_init_common(link, DP_BACKEND_NCCL, &nccl_ops, opts);
+    snprintf(link->desc, sizeof link->desc, "%s", ctx);
+    link->impl = s;
+    s->rank = rank;
+    s->nranks = nranks;
+    s->peer = peer;
+    s->device = cuda_device;
+
+    int rc = STRATA_OK;
+    if ((e = cudaSetDevice(cuda_device)) != cudaSuccess)
+        rc = cuda_fail(err, e, "cudaSetDevice", ctx);
+    else if ((e = cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking)) != cudaSuccess)
+        rc = cuda_fail(err, e, "cudaStreamCreateWithFlags", ctx);
+    else if ((e = cudaMalloc((void **)&s->dev_hdr, DP_FRAME_HEADER_BYTES)) != cudaSuccess)
+        rc = cuda_fail(err, e, "cudaMalloc of the header buffer", ctx);
+    else if ((e = cudaMallocHost((void **)&s->host_hdr, DP_FRAME_HEADER_BYTES)) != cudaSuccess)
+        rc = cuda_fail(err, e, "cudaMallocHost of the header buffer", ctx);
+    if (rc == STRATA_OK) {
+        ncclUniqueId id;
+        memcpy(&id, unique_id, sizeof id);
+        ncclResult_t r = ncclCommInitRank(&s->comm, nranks, id, rank);
+        if (r != ncclSuccess) {
+            s->comm = NULL;
+            rc = nccl_fail(err, r, NULL, "ncclCommInitRank", ctx);
+        }
+    }
+    if (rc != STRATA_OK) {
+        (void)cudaGetLastError();
+        dp_link_close(link);
+        return rc;
+    }
+    *out = link;
+    return STRATA_OK;
+}

@@ -1,0 +1,637 @@
+/* The TCP backend of the data plane: non-blocking sockets driven by poll() with deadlines,
+ * TCP_NODELAY, MSG_NOSIGNAL, CRC32C of every payload, and a mutual HMAC-SHA256
+ * challenge-response on the cluster secret before the first frame (README.md). */
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
+
+#include "kvstore/bytes.h"
+#include "kvstore/crc32c.h"
+#include "worker/transport/transport.h"
+#include "worker/transport/transport_impl.h"
+
+struct dp_listener {
+    int fd;
+    uint16_t port;
+    char addr[96];
+};
+
+/* ---- addresses ---- */
+
+/* Splits "host:port" / "[v6]:port" into host and port strings. */
+static int split_host_port(const char *hp, char *host, size_t hcap, char *port, size_t pcap,
+                           strata_error *err)
+{
+    if (!hp || !*hp)
+        return strata_fail(err, STRATA_EINVAL, "data plane: empty address (expected host:port)");
+    const char *h = hp, *colon;
+    size_t hlen;
+    if (hp[0] == '[') {
+        const char *close = strchr(hp, ']');
+        if (!close || close[1] != ':')
+            return strata_fail(err, STRATA_EINVAL, "data plane: bad address '%s' (expected [v6addr]:port)", hp);
+        h = hp + 1;
+        hlen = (size_t)(close - h);
+        colon = close + 1;
+    } else {
+        colon = strrchr(hp, ':');
+        if (!colon || strchr(hp, ':') != colon)
+            return strata_fail(err, STRATA_EINVAL,
+                               "data plane: bad address '%s' (expected host:port, IPv6 as [addr]:port)", hp);
+        hlen = (size_t)(colon - hp);
+    }
+    const char *p = colon + 1;
+    char *end = NULL;
+    errno = 0;
+    long v = strtol(p, &end, 10);
+    if (hlen == 0 || !*p || *end || errno || v < 0 || v > 65535)
+        return strata_fail(err, STRATA_EINVAL, "data plane: bad address '%s' (host and port 0-65535 needed)", hp);
+    if (hlen >= hcap)
+        return strata_fail(err, STRATA_EINVAL, "data plane: host name too long in '%s'", hp);
+    memcpy(host, h, hlen);
+    host[hlen] = '\0';
+    snprintf(port, pcap, "%ld", v);
+    return STRATA_OK;
+}
+
+static int resolve(const char *hp, int passive, struct addrinfo **res, strata_error *err)
+{
+    char host[256], port[16];
+    int rc = split_host_port(hp, host, sizeof host, port, sizeof port, err);
+    if (rc != STRATA_OK)
+        return rc;
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                             .ai_flags = passive ? AI_PASSIVE : 0};
+    int g = getaddrinfo(host, port, &hints, res);
+    if (g != 0)
+        return strata_fail(err, STRATA_EIO, "data plane: cannot resolve '%s': %s", hp,
+                           g == EAI_SYSTEM ? strerror(errno) : gai_strerror(g));
+    return STRATA_OK;
+}
+
+/* "1.2.3.4:5" or "[::1]:5" */
+static void format_addr(const struct sockaddr *sa, socklen_t len, char *out, size_t cap)
+{
+    char host[NI_MAXHOST], serv[NI_MAXSERV];
+    if (getnameinfo(sa, len, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV) != 0) {
+        snprintf(out, cap, "?");
+        return;
+    }
+    snprintf(out, cap, sa->sa_family == AF_INET6 ? "[%s]:%s" : "%s:%s", host, serv);
+}
+
+static void sock_name(int fd, int peer, char *out, size_t cap)
+{
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    int r = peer ? getpeername(fd, (struct sockaddr *)&ss, &len) : getsockname(fd, (struct sockaddr *)&ss, &len);
+    if (r != 0)
+        snprintf(out, cap, "?");
+    else
+        format_addr((struct sockaddr *)&ss, len, out, cap);
+}
+
+static void close_fd(int fd)
+{
+    if (fd >= 0)
+        close(fd); /* Linux releases the descriptor even when close reports EINTR: never retry */
+}
+
+/* ---- byte moving with deadlines ---- */
+
+enum { IO_OK = 0, IO_EOF = 1, IO_TIMEOUT = 2, IO_ERRNO = 3 };
+
+/* Waits for events on fd until deadline (-1 none). 1 ready, 0 timeout, -1 error (errno). */
+static int wait_fd(int fd, short events, int64_t deadline)
+{
+    for (;;) {
+        int t = -1;
+        if (deadline >= 0) {
+            int64_t left = deadline - dp_now_ms();
+            t = left <= 0 ? 0 : left > INT_MAX ? INT_MAX : (int)left;
+        }
+        struct pollfd p = {.fd = fd, .events = events};
+        int r = poll(&p, 1, t);
+        if (r > 0)
+            return 1; /* readable/writable, or POLLERR/POLLHUP: the next call reports it */
+        if (r == 0) {
+            if (t == 0 || (deadline >= 0 && dp_now_ms() >= deadline))
+                return 0;
+            continue;
+        }
+        if (errno != EINTR)
+            return -1;
+    }
+}
+
+/* The deadline of the next wait: first_deadline while nothing moved, then stall_ms after the
+ * last progress; never past hard_deadline. */
+static int64_t next_deadline(size_t done, int64_t first_deadline, int64_t last_progress, int stall_ms,
+                             int64_t hard_deadline)
+{
+    int64_t d = done == 0 ? first_deadline : stall_ms < 0 ? -1 : last_progress + stall_ms;
+    if (hard_deadline >= 0 && (d < 0 || d > hard_deadline))
+        d = hard_deadline;
+    return d;
+}
+
+/* Reads n bytes into buf, continuing *done; updates *crc over what arrives when crc != NULL.
+ * Returns IO_* (IO_ERRNO with errno set). */
+static int read_full(int fd, uint8_t *buf, size_t n, size_t *done, int64_t first_deadline, int stall_ms,
+                     int64_t hard_deadline, uint32_t *crc)
+{
+    int64_t last = dp_now_ms();
+    while (*done < n) {
+        ssize_t r = recv(fd, buf + *done, n - *done, 0);
+        if (r > 0) {
+            if (crc)
+                *crc = kv_crc32c(*crc, buf + *done, (size_t)r);
+            *done += (size_t)r;
+            last = dp_now_ms();
+            continue;
+        }
+        if (r == 0)
+            return IO_EOF;
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            return IO_ERRNO;
+        int w = wait_fd(fd, POLLIN, next_deadline(*done, first_deadline, last, stall_ms, hard_deadline));
+        if (w == 0)
+            return IO_TIMEOUT;
+        if (w < 0)
+            return IO_ERRNO;
+    }
+    return IO_OK;
+}
+
+static int write_full(int fd, const uint8_t *buf, size_t n, int more, size_t *done, int stall_ms,
+                      int64_t hard_deadline)
+{
+    int64_t last = dp_now_ms();
+    while (*done < n) {
+        ssize_t r = send(fd, buf + *done, n - *done, MSG_NOSIGNAL | (more ? MSG_MORE : 0));
+        if (r > 0) {
+            *done += (size_t)r;
+            last = dp_now_ms();
+            continue;
+        }
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
+            return IO_ERRNO;
+        /* r == 0 cannot happen for n > 0 on a stream socket; treat it as "try again" */
+        int w = wait_fd(fd, POLLOUT, next_deadline(1, -1, last, stall_ms, hard_deadline));
+        if (w == 0)
+            return IO_TIMEOUT;
+        if (w < 0)
+            return IO_ERRNO;
+    }
+    return IO_OK;
+}
+
+/* ---- the link's backend operations ---- */
+
+static int tcp_send(dp_link *link, const dp_msg_header *h, const void *payload, size_t len,
+                    strata_error *err)
+{
+    uint32_t crc = len ? kv_crc32c(0, payload, len) : 0;
+    uint8_t hdr[DP_FRAME_HEADER_BYTES];
+    int rc = dp_frame_encode(h, len, crc, DP_FLAG_PAYLOAD_CRC, hdr, err);
+    if (rc != STRATA_OK)
+        return rc;
+    size_t hdone = 0, pdone = 0;
+    int io = write_full(link->fd, hdr, sizeof hdr, len > 0, &hdone, link->io_timeout_ms, -1);
+    if (io == IO_OK && len > 0)
+        io = write_full(link->fd, payload, len, 0, &pdone, link->io_timeout_ms, -1);
+    if (io == IO_OK)
+        return STRATA_OK;
+    int saved = errno;
+    size_t total = sizeof hdr + len, sent = hdone + pdone;
+    if (io == IO_TIMEOUT) {
+        strata_fail(err, STRATA_EIO,
+                    "data plane (%s): send of a %s message timed out: peer read nothing for %d ms "
+                    "(%zu of %zu bytes sent)",
+                    link->desc, dp_kind_name(h->kind), link->io_timeout_ms, sent, total);
+        /* Nothing of the frame left: the stream is still in sync. */
+        return sent == 0 ? err->code : dp_link_break(link, err);
+    }
+    strata_fail(err, STRATA_EIO, "data plane (%s): send of a %s message failed after %zu of %zu bytes: %s",
+                link->desc, dp_kind_name(h->kind), sent, total, strerror(saved));
+    return dp_link_break(link, err);
+}
+
+static int tcp_recv_header(dp_link *link, uint8_t hdr[DP_FRAME_HEADER_BYTES], int timeout_ms,
+                           strata_error *err)
+{
+    size_t done = 0;
+    int io = read_full(link->fd, hdr, DP_FRAME_HEADER_BYTES, &done, dp_deadline(timeout_ms),
+                       link->io_timeout_ms, -1, NULL);
+    if (io == IO_OK)
+        return STRATA_OK;
+    if (io == IO_TIMEOUT && done == 0)
+        /* A plain timeout: nothing of the next frame was read, the link stays usable. */
+        return strata_fail(err, STRATA_EIO, "data plane (%s): timed out after %d ms waiting for a message",
+                           link->desc, timeout_ms);
+    if (io == IO_TIMEOUT)
+        strata_fail(err, STRATA_EIO,
+                    "data plane (%s): timed out: peer stalled for %d ms after %zu of %d header bytes",
+                    link->desc, link->io_timeout_ms, done, DP_FRAME_HEADER_BYTES);
+    else if (io == IO_EOF && done == 0)
+        strata_fail(err, STRATA_EIO, "data plane (%s): peer closed the connection", link->desc);
+    else if (io == IO_EOF)
+        strata_fail(err, STRATA_EIO, "data plane (%s): peer closed after %zu of %d header bytes", link->desc,
+                    done, DP_FRAME_HEADER_BYTES);
+    else
+        strata_fail(err, STRATA_EIO, "data plane (%s): receive failed after %zu of %d header bytes: %s",
+                    link->desc, done, DP_FRAME_HEADER_BYTES, strerror(errno));
+    return dp_link_break(link, err);
+}
+
+static int tcp_recv_payload(dp_link *link, void *buf, strata_error *err)
+{
+    const dp_msg_header *h = &link->pending_h;
+    uint64_t n = h->payload_len;
+    uint32_t crc = 0;
+    size_t done = 0;
+    int io = IO_OK;
+    if (buf) {
+        io = read_full(link->fd, buf, (size_t)n, &done, dp_deadline(link->io_timeout_ms), link->io_timeout_ms,
+                       -1, &crc);
+    } else {
+        uint8_t scratch[16384];
+        while (io == IO_OK && done < n) {
+            size_t chunk = n - done < sizeof scratch ? (size_t)(n - done) : sizeof scratch, got = 0;
+            io = read_full(link->fd, scratch, chunk, &got, dp_deadline(link->io_timeout_ms),
+                           link->io_timeout_ms, -1, &crc);
+            done += got;
+        }
+    }
+    if (io == IO_OK) {
+        if (crc == h->payload_crc)
+            return STRATA_OK;
+        strata_fail(err, STRATA_ECRC,
+                    "data plane (%s): CRC32C mismatch in the %" PRIu64 "-byte payload of a %s message "
+                    "(step %" PRIu64 ", seq %" PRIu64 ", layer %u): frame says %08x, bytes give %08x",
+                    link->desc, n, dp_kind_name(h->kind), h->step, h->seq, (unsigned)h->layer,
+                    h->payload_crc, crc);
+    } else if (io == IO_TIMEOUT) {
+        strata_fail(err, STRATA_EIO,
+                    "data plane (%s): timed out: peer stalled for %d ms after %zu of %" PRIu64 " payload bytes",
+                    link->desc, link->io_timeout_ms, done, n);
+    } else if (io == IO_EOF) {
+        strata_fail(err, STRATA_EIO,
+                    "data plane (%s): peer closed after %zu of %" PRIu64 " payload bytes of a %s message",
+                    link->desc, done, n, dp_kind_name(h->kind));
+    } else {
+        strata_fail(err, STRATA_EIO, "data plane (%s): receive failed after %zu of %" PRIu64 " payload bytes: %s",
+                    link->desc, done, n, strerror(errno));
+    }
+    return dp_link_break(link, err);
+}
+
+static void tcp_close(dp_link *link)
+{
+    close_fd(link->fd);
+    link->fd = -1;
+}
+
+static const dp_ops tcp_ops = {
+    .send = tcp_send,
+    .recv_header = tcp_recv_header,
+    .recv_payload = tcp_recv_payload,
+    .close = tcp_close,
+};
+
+/* ---- handshake ---- */
+
+/* Hello (48 bytes, little-endian): "SDPH", u16 version, u8 role, u8 0, u64 max_payload,
+ * 32-byte nonce. Then each side sends HMAC-SHA256(secret, label || prover role || hello of the
+ * connector || hello of the acceptor) and checks the peer's. */
+enum { HELLO_BYTES = 48, NONCE_BYTES = 32, MAC_BYTES = 32 };
+enum { ROLE_CONNECTOR = 0, ROLE_ACCEPTOR = 1 };
+static const uint8_t hello_magic[4] = {'S', 'D', 'P', 'H'};
+static const char auth_label[] = "strata data plane auth v1";
+
+static int check_auth(const dp_auth *auth, strata_error *err)
+{
+    if (!auth || !auth->secret || auth->len == 0)
+        return strata_fail(err, STRATA_EINVAL, "data plane: TCP links need the cluster secret (dp_auth)");
+    if (auth->len < DP_AUTH_MIN_SECRET || auth->len > INT_MAX)
+        return strata_fail(err, STRATA_EINVAL, "data plane: cluster secret of %zu bytes (at least %d needed)",
+                           auth->len, DP_AUTH_MIN_SECRET);
+    return STRATA_OK;
+}
+
+static int random_bytes(uint8_t *out, size_t n, strata_error *err)
+{
+    size_t done = 0;
+    while (done < n) {
+        ssize_t r = getrandom(out + done, n - done, 0);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0)
+            return strata_fail(err, STRATA_EIO, "data plane: getrandom failed: %s", strerror(errno));
+        done += (size_t)r;
+    }
+    return STRATA_OK;
+}
+
+static int proof(const dp_auth *auth, int role, const uint8_t *hello_c, const uint8_t *hello_a,
+                 uint8_t mac[MAC_BYTES], strata_error *err)
+{
+    uint8_t msg[sizeof auth_label + 1 + 2 * HELLO_BYTES];
+    memcpy(msg, auth_label, sizeof auth_label); /* with its NUL, as a separator */
+    msg[sizeof auth_label] = (uint8_t)role;
+    memcpy(msg + sizeof auth_label + 1, hello_c, HELLO_BYTES);
+    memcpy(msg + sizeof auth_label + 1 + HELLO_BYTES, hello_a, HELLO_BYTES);
+    unsigned int mlen = 0;
+    if (!HMAC(EVP_sha256(), auth->secret, (int)auth->len, msg, sizeof msg, mac, &mlen) || mlen != MAC_BYTES)
+        return strata_fail(err, STRATA_EIO, "data plane: HMAC-SHA256 failed (OpenSSL)");
+    return STRATA_OK;
+}
+
+static int hs_io_fail(int io, const char *what, const char *peer, size_t done, size_t n, strata_error *err)
+{
+    if (io == IO_TIMEOUT)
+        return strata_fail(err, STRATA_EIO, "data plane: handshake with %s timed out %s (%zu of %zu bytes)",
+                           peer, what, done, n);
+    if (io == IO_EOF)
+        return strata_fail(err, STRATA_EIO,
+                           "data plane: peer %s closed the connection during the handshake, %s (%zu of %zu bytes)",
+                           peer, what, done, n);
+    return strata_fail(err, STRATA_EIO, "data plane: handshake with %s failed %s: %s", peer, what,
+                       strerror(errno));
+}
+
+static int handshake(int fd, int role, const dp_auth *auth, uint64_t my_max, int64_t deadline,
+                     const char *peer, uint64_t *peer_max, strata_error *err)
+{
+    uint8_t mine[HELLO_BYTES] = {0}, theirs[HELLO_BYTES];
+    memcpy(mine, hello_magic, 4);
+    kv_st16(mine + 4, DP_FRAME_VERSION);
+    mine[6] = (uint8_t)role;
+    kv_st64(mine + 8, my_max);
+    int rc = random_bytes(mine + 16, NONCE_BYTES, err);
+    if (rc != STRATA_OK)
+        return rc;
+    size_t done = 0;
+    int io = write_full(fd, mine, sizeof mine, 0, &done, -1, deadline);
+    if (io != IO_OK)
+        return hs_io_fail(io, "sending hello", peer, done, sizeof mine, err);
+    done = 0;
+    io = read_full(fd, theirs, sizeof theirs, &done, deadline, -1, deadline, NULL);
+    if (io != IO_OK)
+        return hs_io_fail(io, "reading hello", peer, done, sizeof theirs, err);
+    if (memcmp(theirs, hello_magic, 4) != 0)
+        return strata_fail(err, STRATA_EFORMAT,
+                           "data plane: peer %s is not a strata data-plane endpoint (hello starts %02x %02x %02x %02x)",
+                           peer, theirs[0], theirs[1], theirs[2], theirs[3]);
+    if (kv_ld16(theirs + 4) != DP_FRAME_VERSION)
+        return strata_fail(err, STRATA_EFORMAT, "data plane: peer %s speaks data-plane version %u, this build %u",
+                           peer, (unsigned)kv_ld16(theirs + 4), DP_FRAME_VERSION);
+    if (theirs[6] != 1 - role || theirs[7] != 0)
+        return strata_fail(err, STRATA_EFORMAT, "data plane: peer %s sent a bad hello (role %u)", peer, theirs[6]);
+    if (memcmp(theirs + 16, mine + 16, NONCE_BYTES) == 0)
+        return strata_fail(err, STRATA_EINVAL, "data plane: peer %s echoed our nonce (reflection)", peer);
+    uint64_t pmax = kv_ld64(theirs + 8);
+    if (pmax == 0)
+        return strata_fail(err, STRATA_EFORMAT, "data plane: peer %s accepts no payload (max 0)", peer);
+
+    const uint8_t *hello_c = role == ROLE_CONNECTOR ? mine : theirs;
+    const uint8_t *hello_a = role == ROLE_CONNECTOR ? theirs : mine;
+    uint8_t my_mac[MAC_BYTES], want[MAC_BYTES], got[MAC_BYTES];
+    rc = proof(auth, role, hello_c, hello_a, my_mac, err);
+    if (rc == STRATA_OK)
+        rc = proof(auth, 1 - role, hello_c, hello_a, want, err);
+    if (rc != STRATA_OK)
+        return rc;
+    done = 0;
+    io = write_full(fd, my_mac, sizeof my_mac, 0, &done, -1, deadline);
+    if (io == IO_OK) {
+        done = 0;
+        io = read_full(fd, got, sizeof got, &done, deadline, -1, deadline, NULL);
+        if (io != IO_OK)
+            rc = hs_io_fail(io, "reading the peer's proof", peer, done, sizeof got, err);
+    } else {
+        rc = hs_io_fail(io, "sending our proof", peer, done, sizeof my_mac, err);
+    }
+    if (rc == STRATA_OK && CRYPTO_memcmp(got, want, MAC_BYTES) != 0)
+        rc = strata_fail(err, STRATA_EINVAL,
+                         "data plane: peer %s failed authentication (wrong cluster secret?)", peer);
+    OPENSSL_cleanse(my_mac, sizeof my_mac);
+    OPENSSL_cleanse(want, sizeof want);
+    if (rc == STRATA_OK)
+        *peer_max = pmax;
+    return rc;
+}
+
+/* Wraps an authenticated socket in a link (takes fd). */
+static int make_link(int fd, int role, const dp_auth *auth, const dp_options *opts, int64_t deadline,
+                     dp_link **out, strata_error *err)
+{
+    int one = 1;
+    if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one) != 0) {
+        int e = errno;
+        close_fd(fd);
+        return strata_fail(err, STRATA_EIO, "data plane: setting TCP_NODELAY failed: %s", strerror(e));
+    }
+    dp_link *link = malloc(sizeof *link);
+    if (!link) {
+        close_fd(fd);
+        return strata_fail(err, STRATA_ENOMEM, "data plane: out of memory for a link");
+    }
+    dp_link_init_common(link, DP_BACKEND_TCP, &tcp_ops, opts);
+    link->fd = fd;
+    char local[96], peer[96];
+    sock_name(fd, 0, local, sizeof local);
+    sock_name(fd, 1, peer, sizeof peer);
+    snprintf(link->desc, sizeof link->desc, "tcp %s <-> %s", local, peer);
+    int rc = handshake(fd, role, auth, link->max_payload, deadline, peer, &link->peer_max_payload, err);
+    if (rc != STRATA_OK) {
+        dp_link_close(link);
+        return rc;
+    }
+    *out = link;
+    return STRATA_OK;
+}
+
+/* ---- public: listen, accept, connect ---- */
+
+int dp_tcp_listen(const char *host_port, dp_listener **out, strata_error *err)
+{
+    if (!out)
+        return strata_fail(err, STRATA_EINVAL, "data plane: NULL listener output");
+    *out = NULL;
+    struct addrinfo *res = NULL;
+    int rc = resolve(host_port, 1, &res, err);
+    if (rc != STRATA_OK)
+        return rc;
+    int fd = -1, last_errno = 0;
+    const char *last_op = "bind";
+    for (struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+        fd = socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
+        if (fd < 0) {
+            last_errno = errno;
+            last_op = "socket";
+            continue;
+        }
+        int one = 1;
+        if (setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0) {
+            last_errno = errno;
+            last_op = "setsockopt(SO_REUSEADDR)";
+        } else if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0) {
+            last_errno = errno;
+            last_op = "bind";
+        } else if (listen(fd, 64) != 0) {
+            last_errno = errno;
+            last_op = "listen";
+        } else {
+            break;
+        }
+        close_fd(fd);
+        fd = -1;
+    }
+    freeaddrinfo(res);
+    if (fd < 0)
+        return strata_fail(err, STRATA_EIO, "data plane: cannot listen on %s: %s failed: %s", host_port, last_op,
+                           strerror(last_errno));
+    dp_listener *l = malloc(sizeof *l);
+    if (!l) {
+        close_fd(fd);
+        return strata_fail(err, STRATA_ENOMEM, "data plane: out of memory for a listener");
+    }
+    l->fd = fd;
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    if (getsockname(fd, (struct sockaddr *)&ss, &len) != 0) {
+        int e = errno;
+        dp_listener_close(l);
+        return strata_fail(err, STRATA_EIO, "data plane: getsockname on %s failed: %s", host_port, strerror(e));
+    }
+    l->port = ss.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&ss)->sin6_port)
+                                       : ntohs(((struct sockaddr_in *)&ss)->sin_port);
+    format_addr((struct sockaddr *)&ss, len, l->addr, sizeof l->addr);
+    *out = l;
+    return STRATA_OK;
+}
+
+uint16_t dp_listener_port(const dp_listener *l) { return l ? l->port : 0; }
+int dp_listener_fd(const dp_listener *l) { return l ? l->fd : -1; }
+
+void dp_listener_close(dp_listener *l)
+{
+    if (!l)
+        return;
+    close_fd(l->fd);
+    free(l);
+}
+
+int dp_tcp_accept(dp_listener *l, const dp_auth *auth, const dp_options *opts, int timeout_ms,
+                  dp_link **out, strata_error *err)
+{
+    if (!l || !out)
+        return strata_fail(err, STRATA_EINVAL, "data plane: NULL listener or output");
+    *out = NULL;
+    int rc = check_auth(auth, err);
+    if (rc != STRATA_OK)
+        return rc;
+    int64_t deadline = dp_deadline(timeout_ms);
+    int fd;
+    for (;;) {
+        fd = accept4(l->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd >= 0)
+            break;
+        if (errno == EINTR || errno == ECONNABORTED)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            return strata_fail(err, STRATA_EIO, "data plane: accept on %s failed: %s", l->addr, strerror(errno));
+        int w = wait_fd(l->fd, POLLIN, deadline);
+        if (w == 0)
+            return strata_fail(err, STRATA_EIO, "data plane: accept on %s timed out after %d ms", l->addr,
+                               timeout_ms);
+        if (w < 0)
+            return strata_fail(err, STRATA_EIO, "data plane: poll on %s failed: %s", l->addr, strerror(errno));
+    }
+    return make_link(fd, ROLE_ACCEPTOR, auth, opts, deadline, out, err);
+}
+
+/* Non-blocking connect to one address within deadline. Returns the socket or -1 with *e set. */
+static int connect_one(const struct addrinfo *ai, int64_t deadline, int *e, int *timed_out)
+{
+    int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) {
+        *e = errno;
+        return -1;
+    }
+    if (connect(fd, ai->ai_addr, ai->ai_addrlen) == 0)
+        return fd;
+    if (errno != EINPROGRESS && errno != EINTR) {
+        *e = errno;
+        close_fd(fd);
+        return -1;
+    }
+    /* EINTR: the connection continues asynchronously, like EINPROGRESS. */
+    int w = wait_fd(fd, POLLOUT, deadline);
+    if (w <= 0) {
+        *e = w == 0 ? ETIMEDOUT : errno;
+        *timed_out = w == 0;
+        close_fd(fd);
+        return -1;
+    }
+    int soerr = 0;
+    socklen_t len = sizeof soerr;
+    if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) != 0)
+        soerr = errno;
+    if (soerr != 0) {
+        *e = soerr;
+        close_fd(fd);
+        return -1;
+    }
+    return fd;
+}
+
+int dp_tcp_connect(const char *host_port, const dp_auth *auth, const dp_options *opts, int timeout_ms,
+                   dp_link **out, strata_error *err)
+{
+    if (!out)
+        return strata_fail(err, STRATA_EINVAL, "data plane: NULL link output");
+    *out = NULL;
+    int rc = check_auth(auth, err);
+    if (rc != STRATA_OK)
+        return rc;
+    struct addrinfo *res = NULL;
+    rc = resolve(host_port, 0, &res, err);
+    if (rc != STRATA_OK)
+        return rc;
+    int64_t deadline = dp_deadline(timeout_ms);
+    int fd = -1, e = 0, timed_out = 0;
+    char tried[96] = "?";
+    for (const struct addrinfo *ai = res; ai && fd < 0 && !timed_out; ai = ai->ai_next) {
+        format_addr(ai->ai_addr, ai->ai_addrlen, tried, sizeof tried);
+        fd = connect_one(ai, deadline, &e, &timed_out);
+    }
+    freeaddrinfo(res);
+    if (fd < 0) {
+        if (timed_out)
+            return strata_fail(err, STRATA_EIO, "data plane: connect to %s (%s) timed out after %d ms", host_port,
+                               tried, timeout_ms);
+        return strata_fail(err, STRATA_EIO, "data plane: connect to %s (%s) failed: %s", host_port, tried,
+                           strerror(e));
+    }
+    return make_link(fd, ROLE_CONNECTOR, auth, opts, deadline, out, err);
+}
