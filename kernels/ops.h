@@ -26,10 +26,15 @@ void kern_softmax(float *x, size_t n);
 
 /* Exact causal attention for a whole prompt (prefill): q [n][n_q_heads][head_dim],
  * k and v [n][n_kv_heads][head_dim], out [n][n_q_heads][head_dim]. Query i attends to keys
- * 0..i. scratch: n floats. */
+ * 0..i. Goes through BLAS in tiles of query rows. scratch: kern_attention_causal_scratch(n)
+ * floats. */
 void kern_attention_causal(const float *q, const float *k, const float *v, size_t n,
                            size_t n_q_heads, size_t n_kv_heads, size_t head_dim, float *out,
                            float *scratch);
+
+/* Floats of scratch kern_attention_causal needs for n tokens (one tile of query rows times n
+ * keys; at least 1). */
+size_t kern_attention_causal_scratch(size_t n);
 
 /* Number of threads BLAS may use (0: leave the library's default). */
 void kern_set_threads(int n);

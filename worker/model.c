@@ -249,7 +249,7 @@ kv_geometry model_kv_geometry(const model *m, int block_tokens)
 /* Activations of one forward call over n tokens. */
 typedef struct workspace {
     float *x, *xn, *q, *k, *v, *attn, *proj, *gate, *up;
-    float *att_scratch;   /* causal prefill: n floats */
+    float *att_scratch;   /* causal prefill: kern_attention_causal_scratch(n) floats */
     void *kv_scratch;     /* decode attention over the cache, grown on demand */
     size_t kv_scratch_bytes;
 } workspace;
@@ -275,7 +275,7 @@ static int workspace_alloc(workspace *w, const model_config *c, size_t n, strata
     w->proj = malloc(n * e * sizeof(float));
     w->gate = malloc(n * (size_t)c->n_ff * sizeof(float));
     w->up = malloc(n * (size_t)c->n_ff * sizeof(float));
-    w->att_scratch = malloc(n * sizeof(float));
+    w->att_scratch = malloc(kern_attention_causal_scratch(n) * sizeof(float));
     if (!w->x || !w->xn || !w->q || !w->k || !w->v || !w->attn || !w->proj || !w->gate || !w->up ||
         !w->att_scratch) {
         workspace_free(w);
