@@ -47,11 +47,12 @@ kv_tiers *kv_tiers_create(const kv_tiers_options *o, strata_error *err)
             goto fail;
     }
     if (t->nvme)
-        snprintf(t->describe, sizeof t->describe, "host %zu MiB (%s); nvme %s", host_arena_capacity(t->arena) >> 20,
-                 host_arena_describe(t->arena), nvme_store_describe(t->nvme));
+        snprintf(t->describe, sizeof t->describe, "host %.2f MiB (%s); nvme %s",
+                 (double)host_arena_capacity(t->arena) / 1048576.0, host_arena_describe(t->arena),
+                 nvme_store_describe(t->nvme));
     else
-        snprintf(t->describe, sizeof t->describe, "host %zu MiB (%s); no NVMe tier",
-                 host_arena_capacity(t->arena) >> 20, host_arena_describe(t->arena));
+        snprintf(t->describe, sizeof t->describe, "host %.2f MiB (%s); no NVMe tier",
+                 (double)host_arena_capacity(t->arena) / 1048576.0, host_arena_describe(t->arena));
     return t;
 fail:
     kv_tiers_destroy(t);

@@ -141,8 +141,19 @@ int eval_run(model *m, const kv_codec_params *codecs, const int32_t *ids, size_t
 
     const double t0 = now_seconds();
     kv_geometry geo = model_kv_geometry(m, setup->block_tokens);
-    const size_t ctx = N + T;
-    kv_pool *pool = kv_pool_create_plan(&geo, codecs, (ctx + (size_t)geo.block_tokens - 1) / (size_t)geo.block_tokens, err);
+    const size_t ctx = N + T, ctx_blocks = (ctx + (size_t)geo.block_tokens - 1) / (size_t)geo.block_tokens;
+    kv_pool *pool;
+    if (setup->device_slots || setup->lower) {
+        /* Any layer may need the whole pool for attention: one slot size for all layers. */
+        size_t slots = setup->device_slots ? setup->device_slots : ctx_blocks * (size_t)geo.n_layers;
+        pool = kv_pool_create_shared(&geo, codecs, slots, err);
+        if (pool && setup->lower && kv_pool_set_lower_tier(pool, setup->lower, err) != STRATA_OK) {
+            kv_pool_destroy(pool);
+            pool = NULL;
+        }
+    } else {
+        pool = kv_pool_create_plan(&geo, codecs, ctx_blocks, err);
+    }
     if (!pool)
         return err ? err->code : STRATA_EINVAL;
     kv_seq *seq = kv_seq_create(pool, ctx, err);
@@ -172,10 +183,14 @@ int eval_run(model *m, const kv_codec_params *codecs, const int32_t *ids, size_t
     }
     kv_seq_track_error(seq, 1, NULL);
     if (prefix) {
-        /* What model_forward's prefill does with the K/V rows: one append per layer. */
+        /* What model_forward's prefill does with the K/V rows: one append per layer, whose new
+         * blocks stay pinned until unpinned (with a lower tier, so that the next layer's can
+         * evict them). */
+        rc = kv_seq_check_room(seq, N, err);
         for (int l = 0; l < cfg->n_layers && rc == STRATA_OK; l++) {
             size_t off = (size_t)l * N * prefix->row;
             rc = kv_seq_append(seq, l, prefix->k + off, prefix->v + off, N, err);
+            kv_seq_unpin(seq);
         }
     } else {
         rc = model_forward(m, seq, ids, N, 0, NULL, false, err);
@@ -230,6 +245,10 @@ int eval_run(model *m, const kv_codec_params *codecs, const int32_t *ids, size_t
         out->layers[l].k_rel = e.k_ref2 > 0 ? sqrt(e.k_err2 / e.k_ref2) : 0.0;
         out->layers[l].v_rel = e.v_ref2 > 0 ? sqrt(e.v_err2 / e.v_ref2) : 0.0;
     }
+    kv_pool_stats ps;
+    kv_pool_get_stats(pool, &ps);
+    out->evictions = ps.evictions;
+    out->fetches = ps.fetches;
     out->seconds = now_seconds() - t0;
 done:
     if (rc) {

@@ -19,6 +19,17 @@ typedef struct eval_setup {
     size_t prefill;       /* tokens prefilled exactly (>= 1) */
     size_t tokens;        /* decode steps scored (>= 1); the text needs prefill + tokens + 1 ids */
     int block_tokens;     /* KV block size */
+    /* Memory of the run's KV cache (optional; zeros: one pool with room for the whole context,
+     * as kv_pool_create_plan makes it). With device_slots or lower set, the pool is
+     * kv_pool_create_shared's: device_slots slots of the plan's largest block
+     * (kv_plan_largest_block) shared by every layer (0: enough for the whole context), with
+     * lower attached below it (kv_pool_set_lower_tier) when non-NULL. Blocks move between the
+     * tiers as their exact bytes, so the results are those of the unconstrained run; a budget
+     * too small for one step fails the run with STRATA_EFULL. The tiers apply to the run only:
+     * eval_prefix_build's reference prefill always has room for the whole prompt. lower's ctx
+     * must outlive the call; the run leaves no block in it. */
+    size_t device_slots;
+    const kv_lower_tier *lower;
 } eval_setup;
 
 /* The prefill's K/V of every layer, recorded once from an fp16 cache so that runs with other
@@ -63,6 +74,8 @@ typedef struct eval_result {
     size_t block_tokens;        /* tokens per layer held in blocks at the end */
     int n_layers;
     eval_layer_error *layers;   /* [n_layers] (malloc'd) */
+    uint64_t evictions;         /* device pool: blocks moved down to the lower tier */
+    uint64_t fetches;           /* device pool: blocks brought back for attention */
     double seconds;
 } eval_result;
 

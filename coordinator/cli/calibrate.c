@@ -8,6 +8,7 @@
  * programming. The chosen plan is then run once more and its measured KL reported and written
  * into the plan file's comment. */
 #include <getopt.h>
+#include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,6 +17,7 @@
 
 #include "coordinator/cli/cli.h"
 #include "coordinator/cli/kvopts.h"
+#include "coordinator/cli/tiers.h"
 #include "kernels/ops.h"
 #include "kvstore/plan.h"
 #include "worker/evaluate.h"
@@ -51,6 +53,11 @@ static void usage(FILE *out)
             "      --threads N         BLAS threads (default: OpenBLAS's choice)\n"
             "  -h, --help              show this help\n",
             STRATA_DEFAULT_MODEL);
+    cli_tier_usage(out);
+    fprintf(out,
+            "The tiers hold the KV cache of every run (the device budget is divided by the run's\n"
+            "largest block size for its slot count); the exact prefill shared by the runs is\n"
+            "computed without them. The plan found does not depend on the tiers.\n");
 }
 
 typedef struct cal_opts {
@@ -60,6 +67,7 @@ typedef struct cal_opts {
     long prefill, tokens;
     bool quiet;
     int threads;
+    cli_tier_opts tiers;
 } cal_opts;
 
 enum { OPT_TEXT = 1000, OPT_BUDGET, OPT_OUT, OPT_CANDIDATES, OPT_KV_GROUP, OPT_KV_RESIDUAL, OPT_BLOCK_TOKENS,
@@ -81,10 +89,12 @@ static int parse_opts(int argc, char **argv, cal_opts *o)
         {"quiet", no_argument, NULL, 'q'},
         {"threads", required_argument, NULL, OPT_THREADS},
         {"help", no_argument, NULL, 'h'},
+        CLI_TIER_OPTIONS,
         {NULL, 0, NULL, 0},
     };
     *o = (cal_opts){.model_path = cli_default_model(), .candidates = "tada2,tada4,tada8", .budget = -1,
                     .prefill = 512, .tokens = 32, .kv = {.group = -1, .residual = -1, .block_tokens = 64}};
+    cli_tier_opts_init(&o->tiers);
     long v;
     float f;
     int c;
@@ -120,6 +130,9 @@ static int parse_opts(int argc, char **argv, cal_opts *o)
             if (!cli_parse_long("--threads", optarg, 1, 1024, &v)) return EXIT_USAGE;
             o->threads = (int)v;
             break;
+        case OPT_TIER_DEVICE: case OPT_TIER_HOST: case OPT_TIER_NVME_DIR: case OPT_TIER_NVME: case OPT_TIER_CONFIG:
+            if (cli_tier_flag(c, optarg, &o->tiers)) return EXIT_USAGE;
+            break;
         case 'h': usage(stdout); return -1;
         default: usage(stderr); return EXIT_USAGE;
         }
@@ -132,7 +145,7 @@ static int parse_opts(int argc, char **argv, cal_opts *o)
         fprintf(stderr, "strata calibrate: --text, --budget and --out are required (try --help)\n");
         return EXIT_USAGE;
     }
-    return 0;
+    return cli_tier_finish("calibrate", &o->tiers);
 }
 
 typedef struct candidate {
@@ -213,6 +226,38 @@ static int on_progress(void *user, size_t step, size_t steps)
     return 0;
 }
 
+/* The device slots of a run of plan under the tier options: --device-kv-mib over the plan's
+ * largest block, at most what the context of ctx tokens can use (that with only a lower tier);
+ * 0 without tier flags or when the budget holds no block of the plan. */
+static size_t device_slots_for(const cli_tier_opts *t, const kv_geometry *g, const kv_codec_params *plan, size_t ctx)
+{
+    size_t slot = kv_plan_largest_block(g, plan);
+    size_t most = (ctx + (size_t)g->block_tokens - 1) / (size_t)g->block_tokens * (size_t)g->n_layers;
+    if (t->device_mib <= 0)
+        return t->host_mib > 0 ? most : 0;
+    size_t n = slot ? (size_t)(t->device_mib * 1048576.0) / slot : 0;
+    return n < most ? n : most;
+}
+
+/* Tier counters summed over the runs. */
+typedef struct tier_totals {
+    uint64_t evictions, fetches;
+} tier_totals;
+
+/* eval_run of plan with the run's device slots; adds its tier counters to tot. */
+static int run_plan(model *m, const kv_codec_params *plan, const int32_t *ids, size_t n_ids, eval_setup *setup,
+                    const cli_tier_opts *t, const kv_geometry *g, const eval_prefix *prefix, const eval_reference *ref,
+                    eval_reference *keep, progress_state *ps, eval_result *r, tier_totals *tot, strata_error *err)
+{
+    setup->device_slots = device_slots_for(t, g, plan, setup->prefill + setup->tokens);
+    int rc = eval_run(m, plan, ids, n_ids, setup, prefix, ref, keep, on_progress, ps, r, err);
+    if (rc == STRATA_OK) {
+        tot->evictions += r->evictions;
+        tot->fetches += r->fetches;
+    }
+    return rc;
+}
+
 /* Exact multiple-choice knapsack: choice[l] minimizing sum cost[l][choice] with sum of block bytes
  * <= cap (in 64-byte units: every block size is a multiple of 64). Returns 0, or -1 if no plan fits. */
 static int solve(int L, int C, const double *cost, const candidate *cand, size_t cap_bytes, int *choice)
@@ -259,8 +304,10 @@ int cmd_calibrate(int argc, char **argv)
 {
     cal_opts o;
     int rc = parse_opts(argc, argv, &o);
-    if (rc != 0)
+    if (rc != 0) {
+        cli_tier_opts_free(&o.tiers);
         return rc < 0 ? 0 : rc;
+    }
     if (o.threads)
         kern_set_threads(o.threads);
     int exit_code = EXIT_RUNTIME;
@@ -274,9 +321,13 @@ int cmd_calibrate(int argc, char **argv)
     kv_codec_params *plan = NULL;
     double *cost = NULL;
     int *choice = NULL;
+    kv_tiers *tiers = NULL;
+    kv_lower_tier lower;
+    tier_totals tot = {0};
 
     if (cli_read_file(o.text_path, 64u << 20, &text, &text_len, &err) != STRATA_OK) {
         fprintf(stderr, "strata calibrate: --text: %s\n", err.msg);
+        cli_tier_opts_free(&o.tiers);
         return EXIT_USAGE;
     }
     if (!o.quiet)
@@ -326,7 +377,31 @@ int cmd_calibrate(int argc, char **argv)
         fprintf(stderr, "strata calibrate: out of memory\n");
         goto done;
     }
-    eval_setup setup = {.prefill = (size_t)o.prefill, .tokens = (size_t)o.tokens, .block_tokens = o.kv.block_tokens};
+    /* The largest slot of any run: the fp16 reference's or the most precise candidate's. */
+    for (int pass = 0; pass < 2 && o.tiers.device_mib > 0; pass++) {
+        for (int l = 0; l < L; l++)
+            plan[l] = pass ? cand[C - 1].codec : (kv_codec_params){.codec = KV_CODEC_FP16, .bits = 16};
+        if (device_slots_for(&o.tiers, &geo, plan, (size_t)(o.prefill + o.tokens)) == 0) {
+            fprintf(stderr, "strata calibrate: --device-kv-mib %g holds no block of %zu bytes (%s)\n",
+                    o.tiers.device_mib, kv_plan_largest_block(&geo, plan), pass ? cand[C - 1].name : "fp16");
+            exit_code = EXIT_USAGE;
+            goto done;
+        }
+    }
+    if (o.tiers.host_mib > 0) {
+        kv_tiers_options to = {.host_bytes = (size_t)(o.tiers.host_mib * 1048576.0), .nvme_dir = o.tiers.nvme_dir,
+                               .nvme_bytes = o.tiers.nvme_mib > 0 ? (uint64_t)(o.tiers.nvme_mib * 1048576.0) : 0};
+        if (!(tiers = kv_tiers_create(&to, &err))) {
+            fprintf(stderr, "strata calibrate: %s\n", err.msg);
+            goto done;
+        }
+        lower = kv_tiers_lower(tiers);
+        if (!o.quiet)
+            fprintf(stderr, "strata: KV tiers: %s; device pool %s\n", kv_tiers_describe(tiers),
+                    o.tiers.device_mib > 0 ? "per --device-kv-mib" : "with room for the whole context");
+    }
+    eval_setup setup = {.prefill = (size_t)o.prefill, .tokens = (size_t)o.tokens, .block_tokens = o.kv.block_tokens,
+                        .lower = tiers ? &lower : NULL};
     progress_state ps = {.tty = isatty(fileno(stderr)), .quiet = o.quiet, .runs = (size_t)L * (size_t)(C - 1) + 3,
                          .t0 = cli_now_seconds()};
     if (!o.quiet)
@@ -341,14 +416,14 @@ int cmd_calibrate(int argc, char **argv)
     for (int l = 0; l < L; l++)
         plan[l] = (kv_codec_params){.codec = KV_CODEC_FP16, .bits = 16};
     snprintf(ps.label, sizeof ps.label, "fp16 reference");
-    if (eval_run(m, plan, ids, n_ids, &setup, &prefix, NULL, &ref, on_progress, &ps, &r, &err) != STRATA_OK)
+    if (run_plan(m, plan, ids, n_ids, &setup, &o.tiers, &geo, &prefix, NULL, &ref, &ps, &r, &tot, &err) != STRATA_OK)
         goto run_failed;
     eval_result_free(&r);
     ps.run++;
     for (int l = 0; l < L; l++)
         plan[l] = cand[C - 1].codec;
     snprintf(ps.label, sizeof ps.label, "all %s", cand[C - 1].name);
-    if (eval_run(m, plan, ids, n_ids, &setup, &prefix, &ref, NULL, on_progress, &ps, &r, &err) != STRATA_OK)
+    if (run_plan(m, plan, ids, n_ids, &setup, &o.tiers, &geo, &prefix, &ref, NULL, &ps, &r, &tot, &err) != STRATA_OK)
         goto run_failed;
     const double base_kl = r.kl;
     eval_result_free(&r);
@@ -357,7 +432,8 @@ int cmd_calibrate(int argc, char **argv)
         for (int c = 0; c < C - 1; c++) {
             plan[l] = cand[c].codec;
             snprintf(ps.label, sizeof ps.label, "layer %d %s", l, cand[c].name);
-            if (eval_run(m, plan, ids, n_ids, &setup, &prefix, &ref, NULL, on_progress, &ps, &r, &err) != STRATA_OK)
+            if (run_plan(m, plan, ids, n_ids, &setup, &o.tiers, &geo, &prefix, &ref, NULL, &ps, &r, &tot, &err) !=
+                STRATA_OK)
                 goto run_failed;
             /* Noise can make a cheaper codec look better than the base: that is no damage. */
             cost[l * C + c] = r.kl > base_kl ? r.kl - base_kl : 0.0;
@@ -375,10 +451,18 @@ int cmd_calibrate(int argc, char **argv)
     for (int l = 0; l < L; l++)
         plan[l] = cand[choice[l]].codec;
     snprintf(ps.label, sizeof ps.label, "chosen plan");
-    if (eval_run(m, plan, ids, n_ids, &setup, &prefix, &ref, NULL, on_progress, &ps, &r, &err) != STRATA_OK)
+    if (run_plan(m, plan, ids, n_ids, &setup, &o.tiers, &geo, &prefix, &ref, NULL, &ps, &r, &tot, &err) != STRATA_OK)
         goto run_failed;
     if (ps.tty && !o.quiet)
         fputc('\n', stderr);
+    if (!o.quiet && (tiers || o.tiers.device_mib > 0)) {
+        kv_tiers_stats ts = {0};
+        if (tiers)
+            kv_tiers_get_stats(tiers, &ts);
+        fprintf(stderr, "strata: KV tiers over %zu runs: %" PRIu64 " device evictions, %" PRIu64 " fetches; NVMe: %"
+                        PRIu64 " spills, %" PRIu64 " restores\n", ps.runs, tot.evictions, tot.fetches, ts.spills,
+                ts.restores);
+    }
     double plan_bpt = 0;
     for (int l = 0; l < L; l++)
         plan_bpt += (double)cand[choice[l]].block_bytes / bt;
@@ -412,8 +496,10 @@ done:
     free(choice);
     eval_reference_free(&ref);
     eval_prefix_free(&prefix);
+    kv_tiers_destroy(tiers);   /* after the runs: each destroyed its pool and sequence */
     free(ids);
     free(text);
     model_free(m);
+    cli_tier_opts_free(&o.tiers);
     return exit_code;
 }

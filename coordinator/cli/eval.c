@@ -1,5 +1,6 @@
 /* strata eval: quality of compressed KV caches against the fp16 cache (worker/evaluate.h). */
 #include <getopt.h>
+#include <inttypes.h>
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
@@ -9,6 +10,7 @@
 
 #include "coordinator/cli/cli.h"
 #include "coordinator/cli/kvopts.h"
+#include "coordinator/cli/tiers.h"
 #include "kernels/ops.h"
 #include "kvstore/plan.h"
 #include "worker/evaluate.h"
@@ -47,13 +49,22 @@ static void usage(FILE *out)
             "      --json              print one JSON object on stdout instead of the tables\n"
             "  -q, --quiet             no progress on stderr\n"
             "      --threads N         BLAS threads (default: OpenBLAS's choice)\n"
-            "  -h, --help              show this help\n"
+            "  -h, --help              show this help\n",
+            STRATA_DEFAULT_MODEL);
+    cli_tier_usage(out);
+    fprintf(out,
+            "The tiers hold the KV cache of each setting's run (the device budget is divided by the\n"
+            "setting's largest block size for its slot count); the exact prefill shared by the runs\n"
+            "is computed without them. Results do not depend on the tiers (blocks move as their\n"
+            "exact bytes); with tier flags each run's device evictions and fetches and NVMe spills\n"
+            "and restores go to stderr (and to the JSON).\n"
             "\n"
             "JSON: {\"model\", \"text\", \"prefill\", \"tokens\", \"block_tokens\", \"results\": [{\"kv\", \"plan\",\n"
             "\"ppl\", \"ppl_delta_pct\", \"kl\", \"top1\", \"bytes_per_token\", \"total_bytes_per_token\",\n"
             "\"ratio_vs_fp16\", \"k_err\": [per layer], \"v_err\": [per layer], \"seconds\"}, ...]}; ratio_vs_fp16\n"
-            "is bytes_per_token / fp16's, total_bytes_per_token includes the fp16 tail at the end.\n",
-            STRATA_DEFAULT_MODEL);
+            "is bytes_per_token / fp16's, total_bytes_per_token includes the fp16 tail at the end.\n"
+            "With tier flags each result also has \"device_slots\", \"tier_evictions\", \"tier_fetches\",\n"
+            "\"nvme_spills\" and \"nvme_restores\".\n");
 }
 
 typedef struct eval_opts {
@@ -65,6 +76,7 @@ typedef struct eval_opts {
     long prefill, tokens;
     bool json, quiet;
     int threads;
+    cli_tier_opts tiers;
 } eval_opts;
 
 enum { OPT_TEXT = 1000, OPT_KV, OPT_KV_PLAN, OPT_KV_GROUP, OPT_KV_RESIDUAL, OPT_BLOCK_TOKENS, OPT_PREFILL,
@@ -129,10 +141,12 @@ static int parse_opts(int argc, char **argv, eval_opts *o)
         {"quiet", no_argument, NULL, 'q'},
         {"threads", required_argument, NULL, OPT_THREADS},
         {"help", no_argument, NULL, 'h'},
+        CLI_TIER_OPTIONS,
         {NULL, 0, NULL, 0},
     };
     *o = (eval_opts){.model_path = cli_default_model(), .prefill = 1024, .tokens = 512,
                      .kv = {.group = -1, .residual = -1, .block_tokens = 64}};
+    cli_tier_opts_init(&o->tiers);
     const char *list = "fp16,kivi2,kivi4,gear2,gearl2,ott2,tada";
     long v;
     int c, rc;
@@ -165,6 +179,9 @@ static int parse_opts(int argc, char **argv, eval_opts *o)
             if (!cli_parse_long("--threads", optarg, 1, 1024, &v)) return EXIT_USAGE;
             o->threads = (int)v;
             break;
+        case OPT_TIER_DEVICE: case OPT_TIER_HOST: case OPT_TIER_NVME_DIR: case OPT_TIER_NVME: case OPT_TIER_CONFIG:
+            if (cli_tier_flag(c, optarg, &o->tiers)) return EXIT_USAGE;
+            break;
         case 'h': usage(stdout); return -1;
         default: usage(stderr); return EXIT_USAGE;
         }
@@ -179,7 +196,7 @@ static int parse_opts(int argc, char **argv, eval_opts *o)
     }
     if ((rc = split_specs(list, o)) != 0)
         return rc;
-    return 0;
+    return cli_tier_finish("eval", &o->tiers);
 }
 
 typedef struct progress_state {
@@ -212,8 +229,32 @@ static int on_progress(void *user, size_t step, size_t steps)
 typedef struct run {
     char label[64];
     char plan[512];
+    size_t device_slots;            /* 0: no tier flags (a pool with room for the context) */
+    uint64_t spills, restores;      /* NVMe tier, during this run */
     eval_result r;
 } run;
+
+/* The device slots of one run: under --device-kv-mib the budget over the plan's largest block,
+ * at most what the context can use (that with only a lower tier); 0 without tier flags. Returns
+ * EXIT_USAGE after a message when the budget holds no block. */
+static int device_slots_for(const cli_tier_opts *t, const kv_geometry *g, const kv_codec_params *codecs, size_t ctx,
+                            const char *label, size_t *slots)
+{
+    size_t slot = kv_plan_largest_block(g, codecs);
+    size_t most = (ctx + (size_t)g->block_tokens - 1) / (size_t)g->block_tokens * (size_t)g->n_layers;
+    *slots = t->host_mib > 0 ? most : 0;
+    if (t->device_mib <= 0)
+        return 0;
+    *slots = slot ? (size_t)(t->device_mib * 1048576.0) / slot : 0;
+    if (*slots == 0) {
+        fprintf(stderr, "strata eval: %s: --device-kv-mib %g holds no block of %zu bytes\n", label, t->device_mib,
+                slot);
+        return EXIT_USAGE;
+    }
+    if (*slots > most)
+        *slots = most;   /* more than the context can use */
+    return 0;
+}
 
 static double mean_of(const eval_layer_error *e, int n, bool k)
 {
@@ -283,6 +324,13 @@ static int print_json(const run *runs, size_t n, const char *model_name, const e
                             json_real(base->bytes_per_token > 0 ? r->bytes_per_token / base->bytes_per_token : 0.0));
         json_object_set_new(e, "k_err", ke);
         json_object_set_new(e, "v_err", ve);
+        if (o->tiers.device_mib > 0 || o->tiers.host_mib > 0) {
+            json_object_set_new(e, "device_slots", json_integer((json_int_t)runs[i].device_slots));
+            json_object_set_new(e, "tier_evictions", json_integer((json_int_t)r->evictions));
+            json_object_set_new(e, "tier_fetches", json_integer((json_int_t)r->fetches));
+            json_object_set_new(e, "nvme_spills", json_integer((json_int_t)runs[i].spills));
+            json_object_set_new(e, "nvme_restores", json_integer((json_int_t)runs[i].restores));
+        }
         json_object_set_new(e, "seconds", json_real(r->seconds));
         json_array_append_new(results, e);
     }
@@ -299,6 +347,7 @@ int cmd_eval(int argc, char **argv)
     int rc = parse_opts(argc, argv, &o);
     if (rc != 0) {
         free_specs(&o);
+        cli_tier_opts_free(&o.tiers);
         return rc < 0 ? 0 : rc;
     }
     if (o.threads)
@@ -314,6 +363,8 @@ int cmd_eval(int argc, char **argv)
     eval_reference ref = {0};
     eval_prefix prefix = {0};
     model *m = NULL;
+    kv_tiers *tiers = NULL;
+    kv_lower_tier lower;
 
     size_t text_len = 0;
     if (cli_read_file(o.text_path, 64u << 20, &text, &text_len, &err) != STRATA_OK) {
@@ -375,13 +426,31 @@ int cmd_eval(int argc, char **argv)
         snprintf(runs[n_runs].label, sizeof runs[n_runs].label, "%s", o.specs[i]);
         n_runs++;
     }
-    for (size_t i = 0; i < n_runs; i++)
+    for (size_t i = 0; i < n_runs; i++) {
         kv_plan_format(codecs + i * L, (int)L, runs[i].plan, sizeof runs[i].plan);
+        if (device_slots_for(&o.tiers, &geo, codecs + i * L, need - 1, runs[i].label, &runs[i].device_slots) != 0) {
+            exit_code = EXIT_USAGE;
+            goto done;
+        }
+    }
+    if (o.tiers.host_mib > 0) {
+        kv_tiers_options to = {.host_bytes = (size_t)(o.tiers.host_mib * 1048576.0), .nvme_dir = o.tiers.nvme_dir,
+                               .nvme_bytes = o.tiers.nvme_mib > 0 ? (uint64_t)(o.tiers.nvme_mib * 1048576.0) : 0};
+        if (!(tiers = kv_tiers_create(&to, &err))) {
+            fprintf(stderr, "strata eval: %s\n", err.msg);
+            goto done;
+        }
+        lower = kv_tiers_lower(tiers);
+        if (!o.quiet)
+            fprintf(stderr, "strata: KV tiers: %s; device pool %s\n", kv_tiers_describe(tiers),
+                    o.tiers.device_mib > 0 ? "per --device-kv-mib" : "with room for the whole context");
+    }
     if (!o.quiet)
         fprintf(stderr, "strata: %s, %zu tokens of text; prefill %ld, %ld decode steps, %zu settings\n", model_name,
                 n_ids, o.prefill, o.tokens, n_runs);
 
-    eval_setup setup = {.prefill = (size_t)o.prefill, .tokens = (size_t)o.tokens, .block_tokens = o.kv.block_tokens};
+    eval_setup setup = {.prefill = (size_t)o.prefill, .tokens = (size_t)o.tokens, .block_tokens = o.kv.block_tokens,
+                        .lower = tiers ? &lower : NULL};
     const bool tty = isatty(fileno(stderr));
     double t_prefill = cli_now_seconds();
     if (!o.quiet)
@@ -395,6 +464,10 @@ int cmd_eval(int argc, char **argv)
         fprintf(stderr, "  prefill done in %.1f s\n", cli_now_seconds() - t_prefill);
     for (size_t i = 0; i < n_runs; i++) {
         progress_state ps = {.label = runs[i].label, .tty = tty, .quiet = o.quiet, .t0 = cli_now_seconds()};
+        kv_tiers_stats before = {0}, after = {0};
+        if (tiers)
+            kv_tiers_get_stats(tiers, &before);
+        setup.device_slots = runs[i].device_slots;
         rc = eval_run(m, codecs + i * L, ids, n_ids, &setup, &prefix, i ? &ref : NULL, i ? NULL : &ref, on_progress,
                       &ps, &runs[i].r, &err);
         if (rc != STRATA_OK) {
@@ -402,6 +475,15 @@ int cmd_eval(int argc, char **argv)
             n_runs = i;
             goto done;
         }
+        if (tiers) {
+            kv_tiers_get_stats(tiers, &after);
+            runs[i].spills = after.spills - before.spills;
+            runs[i].restores = after.restores - before.restores;
+        }
+        if (!o.quiet && runs[i].device_slots)
+            fprintf(stderr, "  %s: device pool of %zu slots: %" PRIu64 " evictions, %" PRIu64 " fetches; NVMe: %" PRIu64
+                            " spills, %" PRIu64 " restores\n", runs[i].label, runs[i].device_slots,
+                    runs[i].r.evictions, runs[i].r.fetches, runs[i].spills, runs[i].restores);
     }
     if (o.json) {
         if (print_json(runs, n_runs, model_name, &o) != 0) {
@@ -420,9 +502,11 @@ done:
     free(codecs);
     eval_reference_free(&ref);
     eval_prefix_free(&prefix);
+    kv_tiers_destroy(tiers);   /* after the runs: each destroyed its pool and sequence */
     free(ids);
     free(text);
     model_free(m);
     free_specs(&o);
+    cli_tier_opts_free(&o.tiers);
     return exit_code;
 }

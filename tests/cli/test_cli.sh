@@ -86,5 +86,19 @@ expect 2 "No such file" "$strata" generate -p x --kv-plan "$tmp/none.txt" -q
 echo "0-29:kivi2-g48" > "$tmp/bad.txt"
 expect 2 "G=48" "$strata" generate -p x --kv-plan "$tmp/bad.txt" -q
 
+# eval and calibrate take the KV tier flags; a run through device/host/NVMe tiers scores exactly the same
+"$strata" calibrate --help | grep -q -- "--nvme-dir" || fail "calibrate --help lacks --nvme-dir"
+for t in plain tiers; do
+  flags=(); [ "$t" = tiers ] && flags=(--device-kv-mib 0.2 --host-kv-mib 0.25 --nvme-dir "$tmp/spill")
+  "$strata" eval --text "$tmp/text.txt" --prefill 260 --tokens 3 -q --json --kv kivi2 ${flags[@]+"${flags[@]}"} \
+    >"$tmp/ev-$t.json" 2>"$tmp/err" || fail "eval ($t): $(cat "$tmp/err")"
+done
+python3 - "$tmp/ev-plain.json" "$tmp/ev-tiers.json" <<'PY' || fail "eval with tiers differs from eval without"
+import json, sys
+a, b = (json.load(open(f))["results"] for f in sys.argv[1:3])
+assert [[r[k] for k in ("kl", "ppl", "top1")] for r in a] == [[r[k] for k in ("kl", "ppl", "top1")] for r in b], (a, b)
+assert b[1]["tier_evictions"] > 0 and b[1]["nvme_spills"] > 0, b[1]
+PY
+
 [ "$failures" -eq 0 ] && echo "test_cli: all checks passed"
 exit $((failures > 0))
