@@ -94,6 +94,8 @@ static int verify_up(kv_tiers *t, const uint8_t *bytes, size_t len, uint64_t han
     return STRATA_OK;
 }
 
+static void lower_release(void *ctx, uint64_t handle);
+
 static int lower_put(void *ctx, const uint8_t *block, size_t len, uint64_t seq_id, uint64_t clock, uint64_t *handle,
                      strata_error *err)
 {
@@ -109,9 +111,19 @@ static int lower_put(void *ctx, const uint8_t *block, size_t len, uint64_t seq_i
         rc = host_arena_put(t->arena, block, len, &h, err);
         *handle = h;
     }
-    if (rc == STRATA_OK)
-        t->puts++;
-    return rc;
+    if (rc != STRATA_OK)
+        return rc;
+    /* The slot above is freed once this returns: check the copy first (the design's "freed only
+     * once the copy below is written and verified"; the NVMe move has its own checks). */
+    size_t got = 0;
+    const uint8_t *copy = t->tier ? tier_get(t->tier, *handle, &got) : host_arena_get(t->arena, *handle, &got);
+    if (!copy || got != len || memcmp(copy, block, len) != 0) {
+        lower_release(t, *handle);
+        *handle = 0;
+        return strata_fail(err, STRATA_EIO, "host tier: the copy of a %zu-byte block does not match its source", len);
+    }
+    t->puts++;
+    return STRATA_OK;
 }
 
 static int lower_get(void *ctx, uint64_t handle, uint8_t *dst, size_t cap, uint64_t clock, strata_error *err)
