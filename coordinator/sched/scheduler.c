@@ -1,0 +1,426 @@
+/* Continuous-batching scheduler (scheduler.h). Requests live in one array searched linearly:
+ * the coordinator holds at most a few thousand live requests, and a step touches each once. */
+#include "coordinator/sched/scheduler.h"
+
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct request {
+    uint64_t id;
+    uint64_t order;        /* admission order: FIFO and "most recently admitted" */
+    size_t prompt, max_tokens;
+    size_t len;            /* tokens in the KV cache */
+    size_t generated;
+    size_t reserved;       /* block rows reserved on its replica (0 while unrouted) */
+    sched_state state;
+    int replica;           /* -1 while unrouted */
+    bool in_step;          /* part of the replica's outstanding plan */
+    size_t step_tokens;
+} request;
+
+typedef struct replica {
+    sched_replica_config cfg;
+    size_t reserved;
+    uint64_t step;
+    uint64_t *pending_free;   /* finished sequences whose blocks the workers still hold */
+    size_t n_pending_free, cap_pending_free;
+    /* the last plan's arrays */
+    sched_work *work;
+    uint64_t *preempt, *resume, *freed;
+    size_t cap_plan;
+    uint64_t preemptions, resumptions;
+} replica;
+
+struct scheduler {
+    sched_config cfg;
+    replica *reps;
+    request *reqs;
+    size_t n_reqs, cap_reqs;
+    uint64_t next_order;
+    uint64_t admitted, rejected, finished;
+};
+
+static size_t blocks_for(const scheduler *s, size_t tokens)
+{
+    return (tokens + s->cfg.block_tokens - 1) / s->cfg.block_tokens;
+}
+
+scheduler *sched_create(const sched_config *c, strata_error *err)
+{
+    if (!c || c->block_tokens == 0 || c->max_batch_tokens == 0 || c->max_seqs == 0 || c->n_replicas < 1 ||
+        !c->replicas) {
+        strata_fail(err, STRATA_EINVAL, "scheduler: block_tokens, max_batch_tokens, max_seqs and replicas must be set");
+        return NULL;
+    }
+    if (c->max_seqs > c->max_batch_tokens) {
+        strata_fail(err, STRATA_EINVAL, "scheduler: max_seqs %zu exceeds max_batch_tokens %zu (every running sequence "
+                    "decodes one token per step)", c->max_seqs, c->max_batch_tokens);
+        return NULL;
+    }
+    for (int r = 0; r < c->n_replicas; r++)
+        if (c->replicas[r].device_blocks == 0 || c->replicas[r].total_blocks < c->replicas[r].device_blocks) {
+            strata_fail(err, STRATA_EINVAL, "scheduler: replica %d: device_blocks %zu must be > 0 and <= total_blocks %zu",
+                        r, c->replicas[r].device_blocks, c->replicas[r].total_blocks);
+            return NULL;
+        }
+    scheduler *s = calloc(1, sizeof *s);
+    if (!s || !(s->reps = calloc((size_t)c->n_replicas, sizeof *s->reps))) {
+        free(s);
+        strata_fail(err, STRATA_ENOMEM, "scheduler: out of memory");
+        return NULL;
+    }
+    s->cfg = *c;
+    s->cfg.replicas = NULL;
+    for (int r = 0; r < c->n_replicas; r++)
+        s->reps[r].cfg = c->replicas[r];
+    return s;
+}
+
+void sched_destroy(scheduler *s)
+{
+    if (!s)
+        return;
+    for (int r = 0; r < s->cfg.n_replicas; r++) {
+        replica *p = &s->reps[r];
+        free(p->pending_free);
+        free(p->work);
+        free(p->preempt);
+        free(p->resume);
+        free(p->freed);
+    }
+    free(s->reps);
+    free(s->reqs);
+    free(s);
+}
+
+static request *find(const scheduler *s, uint64_t id)
+{
+    for (size_t i = 0; i < s->n_reqs; i++)
+        if (s->reqs[i].id == id)
+            return &s->reqs[i];
+    return NULL;
+}
+
+/* The replica with the most unreserved block rows that can take `need` (ties: lowest index). */
+static int best_replica(const scheduler *s, size_t need)
+{
+    int best = -1;
+    size_t best_free = 0;
+    for (int r = 0; r < s->cfg.n_replicas; r++) {
+        const replica *p = &s->reps[r];
+        size_t free_blocks = p->cfg.total_blocks - p->reserved;
+        if (need <= free_blocks && (best < 0 || free_blocks > best_free)) {
+            best = r;
+            best_free = free_blocks;
+        }
+    }
+    return best;
+}
+
+/* Routes unrouted requests, oldest first, while some replica has room (FIFO: a request that
+ * does not fit anywhere yet holds back the ones behind it). */
+static void route_pending(scheduler *s)
+{
+    for (;;) {
+        request *oldest = NULL;
+        for (size_t i = 0; i < s->n_reqs; i++)
+            if (s->reqs[i].replica < 0 && (!oldest || s->reqs[i].order < oldest->order))
+                oldest = &s->reqs[i];
+        if (!oldest)
+            return;
+        size_t need = blocks_for(s, oldest->prompt + oldest->max_tokens);
+        int r = best_replica(s, need);
+        if (r < 0)
+            return;
+        oldest->replica = r;
+        oldest->reserved = need;
+        s->reps[r].reserved += need;
+    }
+}
+
+int sched_submit(scheduler *s, uint64_t id, size_t prompt_tokens, size_t max_tokens, int *replica_out,
+                 strata_error *err)
+{
+    if (!s || prompt_tokens == 0 || max_tokens == 0)
+        return strata_fail(err, STRATA_EINVAL, "scheduler: a request needs at least one prompt token and max_tokens >= 1");
+    if (find(s, id))
+        return strata_fail(err, STRATA_EINVAL, "scheduler: request %" PRIu64 " already exists", id);
+    size_t need = blocks_for(s, prompt_tokens + max_tokens);
+    bool fits = false;
+    size_t largest = 0;
+    for (int r = 0; r < s->cfg.n_replicas; r++) {
+        const sched_replica_config *c = &s->reps[r].cfg;
+        fits |= need <= c->total_blocks && need <= c->device_blocks;
+        size_t cap = c->total_blocks < c->device_blocks ? c->total_blocks : c->device_blocks;
+        largest = cap > largest ? cap : largest;
+    }
+    if (!fits) {
+        s->rejected++;
+        return strata_fail(err, STRATA_EFULL,
+                           "the request needs up to %zu tokens of KV (%zu prompt + %zu max_tokens = %zu blocks of %zu "
+                           "tokens) but a replica holds at most %zu blocks for one sequence",
+                           prompt_tokens + max_tokens, prompt_tokens, max_tokens, need, s->cfg.block_tokens, largest);
+    }
+    if (s->n_reqs == s->cap_reqs) {
+        size_t cap = s->cap_reqs ? s->cap_reqs * 2 : 64;
+        request *grown = realloc(s->reqs, cap * sizeof *grown);
+        if (!grown)
+            return strata_fail(err, STRATA_ENOMEM, "scheduler: out of memory");
+        s->reqs = grown;
+        s->cap_reqs = cap;
+    }
+    s->reqs[s->n_reqs++] = (request){.id = id, .order = s->next_order++, .prompt = prompt_tokens,
+                                     .max_tokens = max_tokens, .state = SCHED_WAITING, .replica = -1};
+    s->admitted++;
+    route_pending(s);
+    if (replica_out)
+        *replica_out = find(s, id)->replica;
+    return STRATA_OK;
+}
+
+static int push_free(replica *p, uint64_t id)
+{
+    if (p->n_pending_free == p->cap_pending_free) {
+        size_t cap = p->cap_pending_free ? p->cap_pending_free * 2 : 16;
+        uint64_t *grown = realloc(p->pending_free, cap * sizeof *grown);
+        if (!grown)
+            return STRATA_ENOMEM;
+        p->pending_free = grown;
+        p->cap_pending_free = cap;
+    }
+    p->pending_free[p->n_pending_free++] = id;
+    return STRATA_OK;
+}
+
+/* Releases a request's reservation; sequences that reached a worker get freed there. */
+static void release(scheduler *s, request *q)
+{
+    if (q->replica >= 0) {
+        replica *p = &s->reps[q->replica];
+        p->reserved -= q->reserved;
+        q->reserved = 0;
+        if (q->state == SCHED_RUNNING || q->state == SCHED_PREEMPTED)
+            (void)push_free(p, q->id);   /* on ENOMEM the workers free it with the replica's next drain */
+    }
+    q->state = SCHED_FINISHED;
+    s->finished++;
+}
+
+bool sched_finish(scheduler *s, uint64_t id)
+{
+    request *q = s ? find(s, id) : NULL;
+    if (!q || q->state == SCHED_FINISHED)
+        return false;
+    bool routed = q->replica >= 0;
+    release(s, q);
+    if (!routed || !q->in_step) {
+        /* Never planned into a step that is still out: forget it now. */
+        *q = s->reqs[--s->n_reqs];
+    }
+    route_pending(s);
+    return true;
+}
+
+static int plan_room(replica *p, size_t n)
+{
+    if (n <= p->cap_plan)
+        return STRATA_OK;
+    size_t cap = n * 2;
+    sched_work *w = realloc(p->work, cap * sizeof *w);
+    if (w)
+        p->work = w;
+    uint64_t *a = realloc(p->preempt, cap * sizeof *a);
+    if (a)
+        p->preempt = a;
+    uint64_t *b = realloc(p->resume, cap * sizeof *b);
+    if (b)
+        p->resume = b;
+    uint64_t *c = realloc(p->freed, cap * sizeof *c);
+    if (c)
+        p->freed = c;
+    if (!w || !a || !b || !c)
+        return STRATA_ENOMEM;
+    p->cap_plan = cap;
+    return STRATA_OK;
+}
+
+/* Requests of replica r in a state, in admission order (indices into s->reqs). */
+static size_t collect(const scheduler *s, int r, sched_state st, size_t *idx)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < s->n_reqs; i++)
+        if (s->reqs[i].replica == r && s->reqs[i].state == st)
+            idx[n++] = i;
+    for (size_t a = 1; a < n; a++)   /* insertion sort by order: n is small */
+        for (size_t b = a; b > 0 && s->reqs[idx[b]].order < s->reqs[idx[b - 1]].order; b--) {
+            size_t t = idx[b];
+            idx[b] = idx[b - 1];
+            idx[b - 1] = t;
+        }
+    return n;
+}
+
+int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
+{
+    if (!s || !plan || r < 0 || r >= s->cfg.n_replicas)
+        return strata_fail(err, STRATA_EINVAL, "scheduler: bad replica %d", r);
+    memset(plan, 0, sizeof *plan);
+    replica *p = &s->reps[r];
+    for (size_t i = 0; i < s->n_reqs; i++)
+        if (s->reqs[i].replica == r && s->reqs[i].in_step)
+            return strata_fail(err, STRATA_EINVAL, "scheduler: replica %d's step %" PRIu64 " has no results yet", r,
+                               p->step);
+    /* Forget what finished while its step was out. */
+    for (size_t i = 0; i < s->n_reqs;)
+        if (s->reqs[i].state == SCHED_FINISHED && s->reqs[i].replica == r)
+            s->reqs[i] = s->reqs[--s->n_reqs];
+        else
+            i++;
+    size_t *idx = malloc((s->n_reqs + 1) * sizeof *idx);
+    if (!idx || plan_room(p, s->n_reqs + p->n_pending_free + 1) != STRATA_OK) {
+        free(idx);
+        return strata_fail(err, STRATA_ENOMEM, "scheduler: out of memory");
+    }
+    if (p->n_pending_free)
+        memcpy(p->freed, p->pending_free, p->n_pending_free * sizeof *p->freed);
+    plan->n_free = p->n_pending_free;
+    p->n_pending_free = 0;
+
+    /* Running sequences decode one token each; the device must hold their blocks at once. */
+    size_t n_run = collect(s, r, SCHED_RUNNING, idx), working = 0;
+    for (size_t i = 0; i < n_run; i++)
+        working += blocks_for(s, s->reqs[idx[i]].len + 1);
+    while (working > p->cfg.device_blocks && n_run > 1) {
+        request *victim = &s->reqs[idx[--n_run]];   /* the most recently admitted */
+        working -= blocks_for(s, victim->len + 1);
+        victim->state = SCHED_PREEMPTED;
+        p->preempt[plan->n_preempt++] = victim->id;
+        p->preemptions++;
+    }
+    size_t n_work = 0, tokens = 0;
+    for (size_t i = 0; i < n_run; i++) {
+        request *q = &s->reqs[idx[i]];
+        p->work[n_work++] = (sched_work){.id = q->id, .pos0 = q->len, .n_tokens = 1};
+        tokens++;
+    }
+    /* Preempted sequences come back, oldest first, before any new prompt. */
+    size_t n_pre = collect(s, r, SCHED_PREEMPTED, idx);
+    bool blocked = false;
+    for (size_t i = 0; i < n_pre; i++) {
+        request *q = &s->reqs[idx[i]];
+        bool just_preempted = false;
+        for (size_t k = 0; k < plan->n_preempt; k++)
+            just_preempted |= p->preempt[k] == q->id;
+        size_t need = blocks_for(s, q->len + 1);
+        if (just_preempted || working + need > p->cfg.device_blocks || n_work + 1 > s->cfg.max_seqs ||
+            tokens + 1 > s->cfg.max_batch_tokens) {
+            blocked = true;
+            break;
+        }
+        q->state = SCHED_RUNNING;
+        p->resume[plan->n_resume++] = q->id;
+        p->resumptions++;
+        p->work[n_work++] = (sched_work){.id = q->id, .pos0 = q->len, .n_tokens = 1};
+        working += need;
+        tokens++;
+    }
+    /* New prompts, FIFO, whole (a prompt larger than the token budget runs alone). */
+    size_t n_wait = blocked ? 0 : collect(s, r, SCHED_WAITING, idx);
+    bool prompt_added = false;
+    for (size_t i = 0; i < n_wait; i++) {
+        request *q = &s->reqs[idx[i]];
+        size_t need = blocks_for(s, q->prompt + 1);
+        /* A prompt over the whole budget would never fit beside decode tokens: it joins as the
+         * only prompt of its step (the step then exceeds the budget once). */
+        bool fits_tokens = tokens + q->prompt <= s->cfg.max_batch_tokens ||
+                           (q->prompt > s->cfg.max_batch_tokens && !prompt_added);
+        if (!fits_tokens || n_work + 1 > s->cfg.max_seqs || working + need > p->cfg.device_blocks)
+            break;
+        q->state = SCHED_RUNNING;
+        prompt_added = true;
+        p->work[n_work++] = (sched_work){.id = q->id, .pos0 = 0, .n_tokens = q->prompt};
+        working += need;
+        tokens += q->prompt;
+    }
+    free(idx);
+    for (size_t i = 0; i < n_work; i++) {
+        request *q = find(s, p->work[i].id);
+        q->in_step = true;
+        q->step_tokens = p->work[i].n_tokens;
+    }
+    plan->work = p->work;
+    plan->n_work = n_work;
+    plan->n_tokens = tokens;
+    plan->preempt_ids = p->preempt;
+    plan->resume_ids = p->resume;
+    plan->free_ids = p->freed;
+    if (n_work || plan->n_preempt || plan->n_free)
+        plan->step = ++p->step;
+    return STRATA_OK;
+}
+
+int sched_step_done(scheduler *s, int r, const sched_outcome *out, size_t n, strata_error *err)
+{
+    if (!s || r < 0 || r >= s->cfg.n_replicas || (n && !out))
+        return strata_fail(err, STRATA_EINVAL, "scheduler: bad step results");
+    int rc = STRATA_OK;
+    for (size_t i = 0; i < n; i++) {
+        request *q = find(s, out[i].id);
+        if (!q || q->replica != r)
+            continue;   /* finished and forgotten meanwhile */
+        if (!q->in_step) {
+            if (q->state != SCHED_FINISHED)
+                rc = strata_fail(err, STRATA_EINVAL, "scheduler: request %" PRIu64 " was not in replica %d's step", q->id, r);
+            continue;
+        }
+        q->in_step = false;
+        if (q->state == SCHED_FINISHED)
+            continue;
+        q->len += q->step_tokens;
+        q->generated++;
+        if (out[i].finished || q->generated >= q->max_tokens)
+            release(s, q);
+    }
+    for (size_t i = 0; i < s->n_reqs; i++)
+        if (s->reqs[i].replica == r && s->reqs[i].in_step) {
+            s->reqs[i].in_step = false;   /* missing from the results: treat as failed */
+            if (s->reqs[i].state != SCHED_FINISHED)
+                release(s, &s->reqs[i]);
+            if (rc == STRATA_OK)
+                rc = strata_fail(err, STRATA_EINVAL, "scheduler: no result for request %" PRIu64 " of replica %d",
+                                 s->reqs[i].id, r);
+        }
+    route_pending(s);
+    return rc;
+}
+
+void sched_get_stats(const scheduler *s, int r, sched_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!s)
+        return;
+    for (size_t i = 0; i < s->n_reqs; i++) {
+        const request *q = &s->reqs[i];
+        if (r >= 0 && q->replica != r)
+            continue;
+        out->waiting += q->state == SCHED_WAITING;
+        out->running += q->state == SCHED_RUNNING;
+        out->preempted += q->state == SCHED_PREEMPTED;
+    }
+    for (int k = 0; k < s->cfg.n_replicas; k++)
+        if (r < 0 || k == r) {
+            out->reserved_blocks += s->reps[k].reserved;
+            out->preemptions += s->reps[k].preemptions;
+            out->resumptions += s->reps[k].resumptions;
+        }
+    out->admitted = s->admitted;
+    out->rejected = s->rejected;
+    out->finished = s->finished;
+}
+
+sched_state sched_get_state(const scheduler *s, uint64_t id)
+{
+    const request *q = s ? find(s, id) : NULL;
+    return q ? q->state : (sched_state)0;
+}

@@ -1,0 +1,120 @@
+/* The coordinator's iteration-level scheduler (continuous batching), without I/O: it decides,
+ * step by step and replica by replica, which sequences run, which prompts join, which sequences
+ * are preempted (spilled to the tiers below the device) and resumed, and where a new request
+ * goes. The coordinator turns each decision into a step plan for the replica's workers and
+ * feeds the results back.
+ *
+ * KV accounting is in blocks of block_tokens tokens of one layer-slice ("a block row": what one
+ * block of every layer of a stage costs, per stage). A replica has
+ *   - device_blocks: block rows its device pools hold at once (the smallest over its stages);
+ *   - total_blocks:  block rows across the device pool and the host and NVMe tiers below.
+ * A sequence of n tokens occupies ceil(n / block_tokens) block rows (the fp16 tail is counted as
+ * a block, conservatively).
+ *
+ * Rules (docs/decisions.md):
+ * - Admission reserves a request's worst case, prompt + max_tokens, against total_blocks of the
+ *   replica it is routed to; a request whose worst case exceeds every replica's total_blocks can
+ *   never run: STRATA_EFULL at submit (RESOURCE_EXHAUSTED to the client). Otherwise it waits in
+ *   FIFO order until a replica has room.
+ * - Routing: the replica with the most unreserved blocks (ties: the lowest index).
+ * - A step of a replica holds the decode token of every running sequence, then prompts of
+ *   waiting sequences (FIFO, whole prompts: no chunked prefill yet) while the step's tokens stay
+ *   within max_batch_tokens and the running count within max_seqs. A prompt larger than
+ *   max_batch_tokens joins as the only prompt of its step (beside the decode tokens).
+ * - Device working set: a decode step brings every running sequence's blocks of a layer onto
+ *   the device at once, so the blocks of the step's sequences must fit device_blocks. When they
+ *   do not, the most recently admitted running sequence is preempted (spilled: its blocks and
+ *   tail move down, nothing is recomputed) until they do; preempted sequences resume, oldest
+ *   first, before new prompts are admitted, as soon as they fit again.
+ *
+ * Thread-safety: none; the coordinator's scheduler thread owns it. */
+#ifndef STRATA_COORDINATOR_SCHEDULER_H
+#define STRATA_COORDINATOR_SCHEDULER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvstore/error.h"
+
+typedef struct sched_replica_config {
+    size_t device_blocks;   /* block rows held on the devices at once (> 0) */
+    size_t total_blocks;    /* block rows across device, host and NVMe (>= device_blocks) */
+} sched_replica_config;
+
+typedef struct sched_config {
+    size_t block_tokens;       /* tokens per block (> 0) */
+    size_t max_batch_tokens;   /* tokens per step (> 0) */
+    size_t max_seqs;           /* running sequences per replica (> 0) */
+    int n_replicas;            /* >= 1 */
+    const sched_replica_config *replicas;   /* n_replicas entries */
+} sched_config;
+
+typedef enum sched_state {
+    SCHED_WAITING = 1,   /* admitted, routed, prompt not run yet */
+    SCHED_RUNNING,       /* in the replica's batch */
+    SCHED_PREEMPTED,     /* spilled below the device; resumes later */
+    SCHED_FINISHED,      /* done, aborted or failed: forgotten at the next step */
+} sched_state;
+
+typedef struct scheduler scheduler;
+
+scheduler *sched_create(const sched_config *c, strata_error *err);
+void sched_destroy(scheduler *s);
+
+/* Admits a request: prompt_tokens >= 1, max_tokens >= 1, id unique among live requests.
+ * STRATA_EFULL when it can never fit any replica, STRATA_EINVAL for bad arguments or a
+ * duplicate id; *replica gets where it was routed. */
+int sched_submit(scheduler *s, uint64_t id, size_t prompt_tokens, size_t max_tokens, int *replica,
+                 strata_error *err);
+
+/* Ends a request now (abort, client gone, failure): its reservation is released; if it was
+ * running or preempted, the next plan of its replica lists it in free_ids so that its workers
+ * free its blocks. Returns false for an unknown id. */
+bool sched_finish(scheduler *s, uint64_t id);
+
+/* One sequence's part of a step. */
+typedef struct sched_work {
+    uint64_t id;
+    size_t pos0;        /* position of the first token of this step */
+    size_t n_tokens;    /* the whole prompt (pos0 == 0) or 1 decode token */
+} sched_work;
+
+/* A replica's next step. Arrays are owned by the scheduler, valid until the next call. */
+typedef struct sched_plan {
+    uint64_t step;
+    const sched_work *work;     /* prompts and decode tokens of this step */
+    size_t n_work;
+    size_t n_tokens;            /* sum of work[].n_tokens */
+    const uint64_t *preempt_ids;   /* spill these before the step */
+    size_t n_preempt;
+    const uint64_t *resume_ids;    /* bring these back before the step (they decode in it) */
+    size_t n_resume;
+    const uint64_t *free_ids;      /* finished sequences whose blocks can be freed */
+    size_t n_free;
+} sched_plan;
+
+/* Plans the next step of replica r. An empty plan (n_work == 0) means nothing to do. */
+int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err);
+
+/* The outcome of one sequence in the step just planned: a token was produced (the sequence is
+ * one token longer); finished: it ended (EOS, stop, length) and is released. */
+typedef struct sched_outcome {
+    uint64_t id;
+    bool finished;
+} sched_outcome;
+
+/* Applies a step's results (every work item of the plan must appear once, in any order). A
+ * work item of a request finished meanwhile by sched_finish is ignored. */
+int sched_step_done(scheduler *s, int r, const sched_outcome *out, size_t n, strata_error *err);
+
+typedef struct sched_stats {
+    size_t waiting, running, preempted;
+    size_t reserved_blocks;     /* over all replicas */
+    uint64_t admitted, rejected, preemptions, resumptions, finished;
+} sched_stats;
+
+void sched_get_stats(const scheduler *s, int replica /* -1: all */, sched_stats *out);
+sched_state sched_get_state(const scheduler *s, uint64_t id);   /* 0 when unknown */
+
+#endif

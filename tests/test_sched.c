@@ -1,0 +1,300 @@
+/* The continuous-batching scheduler (coordinator/sched/scheduler.h): admission and
+ * RESOURCE_EXHAUSTED, routing to the least loaded replica, step composition under the token and
+ * sequence budgets, preemption when the device working set overflows and resumption before new
+ * prompts, finish/abort at any time, and a randomized simulation whose invariants (budgets, every
+ * request completes with exactly max_tokens tokens, reservations return to zero) are checked
+ * every step against an independent model of the state. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "coordinator/sched/scheduler.h"
+
+static scheduler *make(size_t bt, size_t batch, size_t seqs, int n, size_t device, size_t total)
+{
+    sched_replica_config rc[4];
+    for (int i = 0; i < n; i++)
+        rc[i] = (sched_replica_config){.device_blocks = device, .total_blocks = total};
+    sched_config c = {.block_tokens = bt, .max_batch_tokens = batch, .max_seqs = seqs, .n_replicas = n,
+                      .replicas = rc};
+    strata_error err = {0};
+    scheduler *s = sched_create(&c, &err);
+    if (!s)
+        fail_msg("%s", err.msg);
+    return s;
+}
+
+static void test_config_errors(void **state)
+{
+    (void)state;
+    sched_replica_config rc = {.device_blocks = 0, .total_blocks = 10};
+    sched_config c = {.block_tokens = 16, .max_batch_tokens = 64, .max_seqs = 4, .n_replicas = 1, .replicas = &rc};
+    strata_error err = {0};
+    assert_null(sched_create(&c, &err));
+    rc.device_blocks = 11;
+    assert_null(sched_create(&c, &err));
+    rc.device_blocks = 5;
+    c.max_seqs = 65;
+    assert_null(sched_create(&c, &err));
+    assert_non_null(strstr(err.msg, "max_seqs"));
+    c.max_seqs = 4;
+    scheduler *s = sched_create(&c, &err);
+    assert_non_null(s);
+    sched_destroy(s);
+}
+
+static void test_admission(void **state)
+{
+    (void)state;
+    scheduler *s = make(16, 256, 8, 1, 8, 20);   /* one sequence may hold 8 blocks = 128 tokens */
+    strata_error err = {0};
+    int r = -1;
+    assert_int_equal(sched_submit(s, 1, 100, 28, &r, &err), STRATA_OK);   /* 128 tokens: fits */
+    assert_int_equal(r, 0);
+    assert_int_equal(sched_submit(s, 2, 100, 29, &r, &err), STRATA_EFULL);   /* 129: never */
+    assert_non_null(strstr(err.msg, "129 tokens"));
+    assert_int_equal(sched_submit(s, 1, 5, 5, &r, &err), STRATA_EINVAL);   /* duplicate id */
+    assert_int_equal(sched_submit(s, 3, 0, 5, &r, &err), STRATA_EINVAL);
+    assert_int_equal(sched_submit(s, 4, 5, 0, &r, &err), STRATA_EINVAL);
+    /* 20 total blocks: request 1 reserved 8; another 8 fits, a third waits unrouted. */
+    assert_int_equal(sched_submit(s, 5, 100, 28, &r, &err), STRATA_OK);
+    assert_int_equal(sched_submit(s, 6, 100, 28, &r, &err), STRATA_OK);
+    assert_int_equal(r, -1);
+    sched_stats st;
+    sched_get_stats(s, -1, &st);
+    assert_int_equal(st.reserved_blocks, 16);
+    assert_int_equal(st.rejected, 1);
+    assert_true(sched_finish(s, 1));   /* releases 8: request 6 gets routed */
+    sched_get_stats(s, -1, &st);
+    assert_int_equal(st.reserved_blocks, 16);
+    assert_false(sched_finish(s, 1));
+    assert_false(sched_finish(s, 99));
+    sched_destroy(s);
+}
+
+static void test_routing_least_loaded(void **state)
+{
+    (void)state;
+    scheduler *s = make(16, 256, 8, 3, 16, 64);
+    strata_error err = {0};
+    int r;
+    assert_int_equal(sched_submit(s, 1, 64, 64, &r, &err), STRATA_OK);   /* 8 blocks */
+    assert_int_equal(r, 0);
+    assert_int_equal(sched_submit(s, 2, 16, 16, &r, &err), STRATA_OK);
+    assert_int_equal(r, 1);
+    assert_int_equal(sched_submit(s, 3, 16, 16, &r, &err), STRATA_OK);
+    assert_int_equal(r, 2);
+    assert_int_equal(sched_submit(s, 4, 16, 16, &r, &err), STRATA_OK);   /* 1 and 2 have 62 free, 0 has 56 */
+    assert_int_equal(r, 1);
+    sched_destroy(s);
+}
+
+static void test_step_composition(void **state)
+{
+    (void)state;
+    scheduler *s = make(16, 100, 3, 1, 1000, 1000);
+    strata_error err = {0};
+    int r;
+    assert_int_equal(sched_submit(s, 1, 60, 3, &r, &err), STRATA_OK);
+    assert_int_equal(sched_submit(s, 2, 30, 3, &r, &err), STRATA_OK);
+    assert_int_equal(sched_submit(s, 3, 30, 3, &r, &err), STRATA_OK);   /* 60 + 30 + 30 > 100 */
+    assert_int_equal(sched_submit(s, 4, 5, 3, &r, &err), STRATA_OK);
+    sched_plan p;
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_work, 2);   /* FIFO: 1 and 2; 3 does not fit and 4 may not pass it */
+    assert_int_equal(p.work[0].id, 1);
+    assert_int_equal(p.work[0].n_tokens, 60);
+    assert_int_equal(p.work[1].id, 2);
+    assert_int_equal(p.n_tokens, 90);
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_EINVAL);   /* results first */
+    sched_outcome o[4] = {{1, false}, {2, false}};
+    assert_int_equal(sched_step_done(s, 0, o, 2, &err), STRATA_OK);
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    /* decode 1 and 2 (pos 60 and 30), then prompt 3 (max_seqs 3: 4 waits) */
+    assert_int_equal(p.n_work, 3);
+    assert_int_equal(p.work[0].id, 1);
+    assert_int_equal(p.work[0].pos0, 60);
+    assert_int_equal(p.work[0].n_tokens, 1);
+    assert_int_equal(p.work[1].pos0, 30);
+    assert_int_equal(p.work[2].id, 3);
+    assert_int_equal(p.work[2].n_tokens, 30);
+    /* 1 finishes (EOS); 2 is aborted while the step is out */
+    assert_true(sched_finish(s, 2));
+    sched_outcome o2[3] = {{1, true}, {2, false}, {3, false}};
+    assert_int_equal(sched_step_done(s, 0, o2, 3, &err), STRATA_OK);
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_free, 2);   /* both leave the workers */
+    assert_int_equal(p.n_work, 2);   /* decode 3, prompt 4 */
+    assert_int_equal(p.work[1].id, 4);
+    sched_destroy(s);
+}
+
+static void test_preempt_and_resume(void **state)
+{
+    (void)state;
+    /* device holds 4 blocks of 16 tokens; three 20-token prompts need 2 blocks each at once */
+    scheduler *s = make(16, 256, 8, 1, 4, 100);
+    strata_error err = {0};
+    int r;
+    for (uint64_t id = 1; id <= 3; id++)
+        assert_int_equal(sched_submit(s, id, 20, 40, &r, &err), STRATA_OK);
+    sched_plan p;
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_work, 2);   /* the third prompt does not fit the device: waits */
+    sched_outcome o[2] = {{1, false}, {2, false}};
+    assert_int_equal(sched_step_done(s, 0, o, 2, &err), STRATA_OK);
+    /* Decode until 1 and 2 need 3 blocks each: the newest (2) is preempted. */
+    bool preempted = false;
+    for (int step = 0; step < 40 && !preempted; step++) {
+        assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+        if (p.n_preempt) {
+            assert_int_equal(p.preempt_ids[0], 2);
+            assert_int_equal(sched_get_state(s, 2), SCHED_PREEMPTED);
+            preempted = true;
+        }
+        sched_outcome d[8];
+        for (size_t i = 0; i < p.n_work; i++)
+            d[i] = (sched_outcome){p.work[i].id, false};
+        assert_int_equal(sched_step_done(s, 0, d, p.n_work, &err), STRATA_OK);
+    }
+    assert_true(preempted);
+    /* 1 runs to its end; then 2 resumes before 3 is admitted. */
+    bool resumed = false;
+    for (int step = 0; step < 100 && !resumed; step++) {
+        assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+        for (size_t i = 0; i < p.n_work; i++)
+            assert_int_not_equal(p.work[i].id, 3);
+        if (p.n_resume) {
+            assert_int_equal(p.resume_ids[0], 2);
+            resumed = true;
+        }
+        sched_outcome d[8];
+        for (size_t i = 0; i < p.n_work; i++)
+            d[i] = (sched_outcome){p.work[i].id, false};
+        assert_int_equal(sched_step_done(s, 0, d, p.n_work, &err), STRATA_OK);
+    }
+    assert_true(resumed);
+    sched_stats st;
+    sched_get_stats(s, 0, &st);
+    assert_true(st.preemptions >= 1 && st.resumptions >= 1);
+    sched_destroy(s);
+}
+
+/* Randomized: requests arrive, run, get aborted; invariants every step. */
+static uint64_t rng(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+#define SIM_N 300
+
+static void test_simulation(void **state)
+{
+    (void)state;
+    const size_t bt = 16, batch = 128, seqs = 6, device = 24, total = 200;
+    scheduler *s = make(bt, batch, seqs, 2, device, total);
+    strata_error err = {0};
+    uint64_t seed = 12345;
+    size_t prompt[SIM_N + 1], max_tokens[SIM_N + 1], got[SIM_N + 1], len[SIM_N + 1];
+    bool done[SIM_N + 1], aborted[SIM_N + 1], ended_by_sched[SIM_N + 1];
+    memset(got, 0, sizeof got);
+    memset(len, 0, sizeof len);
+    memset(done, 0, sizeof done);
+    memset(aborted, 0, sizeof aborted);
+    memset(ended_by_sched, 0, sizeof ended_by_sched);
+    uint64_t next_id = 1;
+    size_t finished = 0, rejected = 0;
+    for (int iter = 0; iter < 20000 && finished < SIM_N; iter++) {
+        if (next_id <= SIM_N && rng(&seed) % 3 == 0) {
+            uint64_t id = next_id++;
+            prompt[id] = 1 + rng(&seed) % 150;
+            max_tokens[id] = 1 + rng(&seed) % 60;
+            int r;
+            int rc = sched_submit(s, id, prompt[id], max_tokens[id], &r, &err);
+            if (rc == STRATA_EFULL) {
+                assert_true((prompt[id] + max_tokens[id] + bt - 1) / bt > device);
+                done[id] = true;
+                finished++;
+                rejected++;
+            } else {
+                assert_int_equal(rc, STRATA_OK);
+            }
+        }
+        if (next_id > 2 && rng(&seed) % 40 == 0) {
+            uint64_t id = 1 + rng(&seed) % (next_id - 1);
+            if (!done[id] && sched_finish(s, id)) {
+                done[id] = aborted[id] = true;
+                finished++;
+            }
+        }
+        for (int r = 0; r < 2; r++) {
+            sched_plan p;
+            assert_int_equal(sched_next_step(s, r, &p, &err), STRATA_OK);
+            assert_true(p.n_work <= seqs);
+            size_t prompts = 0, working = 0, tokens = 0;
+            for (size_t i = 0; i < p.n_work; i++) {
+                uint64_t id = p.work[i].id;
+                assert_false(done[id]);
+                assert_int_equal(p.work[i].pos0, len[id]);
+                if (p.work[i].pos0 == 0) {
+                    assert_int_equal(p.work[i].n_tokens, prompt[id]);
+                    prompts++;
+                } else {
+                    assert_int_equal(p.work[i].n_tokens, 1);
+                }
+                tokens += p.work[i].n_tokens;
+                working += (len[id] + p.work[i].n_tokens + bt - 1) / bt;
+            }
+            assert_int_equal(tokens, p.n_tokens);
+            assert_true(working <= device + 0);
+            assert_true(tokens <= batch || prompts == 1);
+            sched_outcome out[16];
+            for (size_t i = 0; i < p.n_work; i++) {
+                uint64_t id = p.work[i].id;
+                len[id] += p.work[i].n_tokens;
+                got[id]++;
+                bool fin = got[id] == max_tokens[id] || rng(&seed) % 50 == 0;
+                out[i] = (sched_outcome){id, fin};
+                if (fin) {
+                    assert_true(got[id] <= max_tokens[id]);
+                    done[id] = ended_by_sched[id] = true;
+                    finished++;
+                }
+            }
+            assert_int_equal(sched_step_done(s, r, out, p.n_work, &err), STRATA_OK);
+        }
+    }
+    assert_int_equal(finished, SIM_N);
+    for (uint64_t id = 1; id <= SIM_N; id++)
+        assert_true(done[id]);
+    sched_stats st;
+    sched_get_stats(s, -1, &st);
+    assert_int_equal(st.reserved_blocks, 0);
+    assert_int_equal(st.running + st.waiting + st.preempted, 0);
+    print_message("simulation: %d requests, %zu rejected, %llu preemptions, %llu resumptions\n", SIM_N, rejected,
+                  (unsigned long long)st.preemptions, (unsigned long long)st.resumptions);
+    assert_true(st.preemptions > 0);
+    sched_destroy(s);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_config_errors),
+        cmocka_unit_test(test_admission),
+        cmocka_unit_test(test_routing_least_loaded),
+        cmocka_unit_test(test_step_composition),
+        cmocka_unit_test(test_preempt_and_resume),
+        cmocka_unit_test(test_simulation),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
