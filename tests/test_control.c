@@ -1,0 +1,1382 @@
+/* The control plane (coordinator/control/control_server.h + worker/control/control_client.h)
+ * over real gRPC on loopback, server and clients in this process, plus child processes (this
+ * executable re-run with --control-child) for workers that die or hang: the Join checks (secret,
+ * version, first message, name, refusal by on_join), ordering of 2000 messages each way on two
+ * peers at once, 1 MiB messages both ways, oversized messages, on_gone exactly once for every
+ * way a stream ends (worker close, kill, _exit, SIGSTOP + keepalive, ctl_peer_close, full send
+ * queue, protocol error, server shutdown), peers used after on_gone through a reference, recv
+ * timeouts, close while another thread is blocked in recv, and start errors. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+
+#include "coordinator/control/control_server.h"
+#include "proto/grpc_util.h"
+#include "worker/control/control_client.h"
+
+extern char **environ;
+
+static const char SECRET[] = "strata-test-cluster-secret-0123456789";
+#define SECRET_LEN (sizeof SECRET - 1)
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* ---- the handler: records everything, checks order and callback overlap per peer ---- */
+
+#define MAX_RECS 16
+
+typedef struct peer_rec {
+    ctl_peer *peer; /* referenced from on_join until the test drops it */
+    char name[CTL_MAX_WORKER_NAME + 1];
+    char device[32];
+    int in_cb;
+    int gone;
+    int gone_status;
+    char gone_why[256];
+    int64_t gone_ms;
+    uint64_t next_step; /* expected StepResult.step */
+    int results;        /* StepResults received */
+    int kv_reports;
+    int big_ok;         /* 1 MiB StepResults that checked out */
+} peer_rec;
+
+typedef struct hstate {
+    pthread_mutex_t mu;
+    pthread_cond_t cond;
+    int joins;
+    int gones;
+    int messages;
+    int bad; /* checks that failed on a server thread (cmocka asserts only on the test's) */
+    int join_rc; /* what on_join returns */
+    peer_rec recs[MAX_RECS];
+    int n_recs;
+} hstate;
+
+#define H_CHECK(h, cond)                                                                          \
+    do {                                                                                          \
+        if (!(cond)) {                                                                            \
+            (h)->bad++;                                                                           \
+            fprintf(stderr, "handler check failed: %s (line %d)\n", #cond, __LINE__);            \
+        }                                                                                         \
+    } while (0)
+
+static int on_join(void *ctx, ctl_peer *peer, const Strata__Internal__V1__Join *join, strata_error *err)
+{
+    hstate *h = ctx;
+    pthread_mutex_lock(&h->mu);
+    h->joins++;
+    if (h->join_rc != STRATA_OK) {
+        pthread_cond_broadcast(&h->cond);
+        pthread_mutex_unlock(&h->mu);
+        return strata_fail(err, h->join_rc, "no free worker slot for %s", join->worker_name);
+    }
+    H_CHECK(h, h->n_recs < MAX_RECS);
+    peer_rec *r = &h->recs[h->n_recs % MAX_RECS];
+    memset(r, 0, sizeof *r);
+    int id = h->n_recs++;
+    snprintf(r->name, sizeof r->name, "%s", join->worker_name);
+    snprintf(r->device, sizeof r->device, "%s", join->device);
+    r->peer = peer;
+    ctl_peer_ref(peer);
+    ctl_peer_set_user(peer, r);
+    H_CHECK(h, strcmp(ctl_peer_name(peer), join->worker_name) == 0);
+    H_CHECK(h, join->protocol_version == CTL_PROTOCOL_VERSION);
+    /* The Assignment, sent from inside on_join while holding our own lock (allowed). */
+    Strata__Internal__V1__Assignment a = STRATA__INTERNAL__V1__ASSIGNMENT__INIT;
+    a.model_path = (char *)"models/test.gguf";
+    a.worker_id = (uint32_t)id;
+    a.layer_begin = 0;
+    a.layer_end = 30;
+    a.n_layers_total = 30;
+    a.block_tokens = 64;
+    Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+    m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ASSIGNMENT;
+    m.assignment = &a;
+    H_CHECK(h, ctl_peer_send(peer, &m, NULL) == STRATA_OK);
+    pthread_cond_broadcast(&h->cond);
+    pthread_mutex_unlock(&h->mu);
+    return STRATA_OK;
+}
+
+static void on_message(void *ctx, ctl_peer *peer, const Strata__Internal__V1__WorkerMessage *msg)
+{
+    hstate *h = ctx;
+    peer_rec *r = ctl_peer_get_user(peer);
+    pthread_mutex_lock(&h->mu);
+    H_CHECK(h, r != NULL);
+    if (!r) {
+        pthread_mutex_unlock(&h->mu);
+        return;
+    }
+    H_CHECK(h, r->in_cb == 0);
+    H_CHECK(h, r->gone == 0);
+    r->in_cb++;
+    h->messages++;
+    bool close_me = false;
+    if (msg->kind_case == STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_STEP_RESULT) {
+        const Strata__Internal__V1__StepResult *sr = msg->step_result;
+        if (sr->n_results >= 10000) {
+            /* The 1 MiB result: seq_id i, token 3i, message "seq <i> ...". */
+            bool ok = true;
+            for (size_t i = 0; ok && i < sr->n_results; i++) {
+                char want[64];
+                snprintf(want, sizeof want, "seq %zu failed with a long enough message", i);
+                ok = sr->results[i]->seq_id == i && sr->results[i]->token == 3 * i &&
+                     strcmp(sr->results[i]->message, want) == 0;
+            }
+            H_CHECK(h, ok);
+            r->big_ok += ok;
+        } else {
+            H_CHECK(h, sr->step == r->next_step);
+            r->next_step = sr->step + 1;
+        }
+        r->results++;
+    } else if (msg->kind_case == STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_KV_REPORT) {
+        r->kv_reports++;
+        close_me = msg->kv_report->spills == 999;
+    }
+    r->in_cb--;
+    pthread_cond_broadcast(&h->cond);
+    pthread_mutex_unlock(&h->mu);
+    if (close_me) /* closing from inside the callback: on_gone comes after it returns */
+        ctl_peer_close(peer, GRPC_STATUS_ABORTED, "closed from on_message");
+}
+
+static void on_gone(void *ctx, ctl_peer *peer, int grpc_status, const char *why)
+{
+    hstate *h = ctx;
+    peer_rec *r = ctl_peer_get_user(peer);
+    pthread_mutex_lock(&h->mu);
+    H_CHECK(h, r != NULL);
+    if (r) {
+        H_CHECK(h, r->in_cb == 0);
+        r->gone++;
+        r->gone_status = grpc_status;
+        snprintf(r->gone_why, sizeof r->gone_why, "%s", why);
+        r->gone_ms = now_ms();
+        /* The peer is still usable here, and sends fail. */
+        Strata__Internal__V1__Shutdown sd = STRATA__INTERNAL__V1__SHUTDOWN__INIT;
+        Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+        m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_SHUTDOWN;
+        m.shutdown = &sd;
+        H_CHECK(h, ctl_peer_send(peer, &m, NULL) == STRATA_EIO);
+    }
+    h->gones++;
+    pthread_cond_broadcast(&h->cond);
+    pthread_mutex_unlock(&h->mu);
+}
+
+static void h_init(hstate *h)
+{
+    memset(h, 0, sizeof *h);
+    pthread_mutex_init(&h->mu, NULL);
+    pthread_cond_init(&h->cond, NULL);
+}
+
+/* Drops the references on_join took; checks no handler check failed. */
+static void h_finish(hstate *h)
+{
+    for (int i = 0; i < h->n_recs && i < MAX_RECS; i++)
+        ctl_peer_unref(h->recs[i].peer);
+    assert_int_equal(h->bad, 0);
+    pthread_cond_destroy(&h->cond);
+    pthread_mutex_destroy(&h->mu);
+}
+
+/* Waits (h->mu held) until cond holds or ms pass; evaluates to cond. */
+#define WAIT_UNTIL(hs_, pred_, ms_)                                                                   \
+    ({                                                                                            \
+        int64_t until_ = now_ms() + (ms_);                                                         \
+        while (!(pred_) && now_ms() < until_) {                                                    \
+            struct timespec ts_;                                                                  \
+            clock_gettime(CLOCK_REALTIME, &ts_);                                                  \
+            ts_.tv_nsec += 20 * 1000000L;                                                         \
+            if (ts_.tv_nsec >= 1000000000L) {                                                     \
+                ts_.tv_sec++;                                                                     \
+                ts_.tv_nsec -= 1000000000L;                                                       \
+            }                                                                                     \
+            pthread_cond_timedwait(&(hs_)->cond, &(hs_)->mu, &ts_);                                   \
+        }                                                                                         \
+        (pred_);                                                                                   \
+    })
+
+static peer_rec *rec_by_name(hstate *h, const char *name)
+{
+    for (int i = 0; i < h->n_recs && i < MAX_RECS; i++)
+        if (strcmp(h->recs[i].name, name) == 0)
+            return &h->recs[i];
+    return NULL;
+}
+
+typedef struct srv_cfg {
+    int keepalive_time_ms, keepalive_timeout_ms;
+    uint32_t max_queued;
+    size_t max_bytes;
+} srv_cfg;
+
+static ctl_server *start_server(hstate *h, const srv_cfg *cfg)
+{
+    ctl_server_options o = ctl_server_options_default();
+    o.listen_addr = "127.0.0.1:0";
+    o.cluster_secret = SECRET;
+    o.cluster_secret_len = SECRET_LEN;
+    o.min_recv_ping_interval_ms = 100;
+    if (cfg) {
+        o.keepalive_time_ms = cfg->keepalive_time_ms;
+        o.keepalive_timeout_ms = cfg->keepalive_timeout_ms;
+        o.max_queued_messages = cfg->max_queued;
+        o.max_message_bytes = cfg->max_bytes;
+    }
+    ctl_handler hd = {.ctx = h, .on_join = on_join, .on_message = on_message, .on_gone = on_gone};
+    ctl_server *s = NULL;
+    strata_error err = {0};
+    int rc = ctl_server_start(&o, &hd, &s, &err);
+    if (rc)
+        fprintf(stderr, "ctl_server_start: %s\n", err.msg);
+    assert_int_equal(rc, STRATA_OK);
+    assert_true(ctl_server_port(s) > 0);
+    return s;
+}
+
+static Strata__Internal__V1__Join make_join(const char *name, const char *secret, uint32_t version)
+{
+    Strata__Internal__V1__Join j = STRATA__INTERNAL__V1__JOIN__INIT;
+    j.cluster_secret.data = (uint8_t *)secret;
+    j.cluster_secret.len = strlen(secret);
+    j.worker_name = (char *)name;
+    j.device = (char *)"cuda:1";
+    j.device_kv_bytes = 1u << 30;
+    j.data_addr = (char *)"127.0.0.1:7000";
+    j.protocol_version = version;
+    return j;
+}
+
+static int connect_worker(int port, const char *name, const char *secret, uint32_t version, ctl_client **c,
+                          strata_error *err)
+{
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+    Strata__Internal__V1__Join j = make_join(name, secret, version);
+    return ctl_client_connect(addr, &j, 5000, c, err);
+}
+
+/* Receives one message (waiting up to 5 s); fails the test on anything else. */
+static Strata__Internal__V1__CoordinatorMessage *recv_one(ctl_client *c)
+{
+    Strata__Internal__V1__CoordinatorMessage *m = NULL;
+    strata_error err = {0};
+    int rc = ctl_client_recv(c, 5000, &m, &err);
+    if (rc)
+        fprintf(stderr, "ctl_client_recv: %s\n", err.msg);
+    assert_int_equal(rc, STRATA_OK);
+    assert_non_null(m);
+    return m;
+}
+
+/* Receives until the stream ends (dropping messages); returns the EIO message. */
+static void recv_end(ctl_client *c, char *msg, size_t cap)
+{
+    for (int i = 0; i < 100000; i++) {
+        Strata__Internal__V1__CoordinatorMessage *m = NULL;
+        strata_error err = {0};
+        int rc = ctl_client_recv(c, 5000, &m, &err);
+        if (m) {
+            protobuf_c_message_free_unpacked(&m->base, NULL);
+            continue;
+        }
+        assert_int_equal(rc, STRATA_EIO);
+        snprintf(msg, cap, "%s", err.msg);
+        return;
+    }
+    fail_msg("the stream did not end");
+}
+
+static int send_step_result(ctl_client *c, uint64_t step, strata_error *err)
+{
+    Strata__Internal__V1__StepResult sr = STRATA__INTERNAL__V1__STEP_RESULT__INIT;
+    sr.step = step;
+    Strata__Internal__V1__WorkerMessage m = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
+    m.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_STEP_RESULT;
+    m.step_result = &sr;
+    return ctl_client_send(c, &m, err);
+}
+
+static int send_kv_report(ctl_client *c, uint64_t spills)
+{
+    Strata__Internal__V1__KvReport kr = STRATA__INTERNAL__V1__KV_REPORT__INIT;
+    kr.spills = spills;
+    Strata__Internal__V1__WorkerMessage m = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
+    m.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_KV_REPORT;
+    m.kv_report = &kr;
+    return ctl_client_send(c, &m, NULL);
+}
+
+static int send_plan(ctl_peer *p, uint64_t step, strata_error *err)
+{
+    Strata__Internal__V1__StepPlan sp = STRATA__INTERNAL__V1__STEP_PLAN__INIT;
+    sp.step = step;
+    Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+    m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_STEP_PLAN;
+    m.step_plan = &sp;
+    return ctl_peer_send(p, &m, err);
+}
+
+/* ---- a raw C-core client for what ctl_client never sends ---- */
+
+typedef struct raw_result {
+    grpc_status_code status;
+    char details[512];
+} raw_result;
+
+/* Calls method with the given raw messages, then half-closes; reads the status. */
+static void raw_call(int port, const char *method, const ProtobufCMessage *const *msgs, size_t n_msgs,
+                     const char *garbage, raw_result *r)
+{
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+    grpc_channel *ch = grpc_channel_create(addr, creds, NULL);
+    grpc_channel_credentials_release(creds);
+    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
+    gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_millis(5000, GPR_TIMESPAN));
+    grpc_call *c = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, grpc_slice_from_static_string(method),
+                                            NULL, deadline, NULL);
+    assert_non_null(c);
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_SEND_INITIAL_METADATA;
+    assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)1, NULL), GRPC_CALL_OK);
+    grpc_completion_queue_pluck(cq, (void *)1, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    for (size_t i = 0; i <= n_msgs; i++) {
+        grpc_byte_buffer *bb = NULL;
+        if (i < n_msgs) {
+            assert_int_equal(proto_pack(msgs[i], 1 << 20, &bb, NULL), STRATA_OK);
+        } else if (garbage) {
+            grpc_slice s = grpc_slice_from_copied_string(garbage);
+            bb = grpc_raw_byte_buffer_create(&s, 1);
+            grpc_slice_unref(s);
+        } else {
+            break;
+        }
+        memset(&op, 0, sizeof op);
+        op.op = GRPC_OP_SEND_MESSAGE;
+        op.data.send_message.send_message = bb;
+        assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)2, NULL), GRPC_CALL_OK);
+        grpc_completion_queue_pluck(cq, (void *)2, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        grpc_byte_buffer_destroy(bb);
+    }
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)3, NULL), GRPC_CALL_OK);
+    grpc_completion_queue_pluck(cq, (void *)3, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    grpc_metadata_array md, trailing;
+    grpc_metadata_array_init(&md);
+    grpc_metadata_array_init(&trailing);
+    grpc_slice details;
+    grpc_op ops[2];
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[0].data.recv_initial_metadata.recv_initial_metadata = &md;
+    ops[1].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    ops[1].data.recv_status_on_client.trailing_metadata = &trailing;
+    ops[1].data.recv_status_on_client.status = &r->status;
+    ops[1].data.recv_status_on_client.status_details = &details;
+    assert_int_equal(grpc_call_start_batch(c, ops, 2, (void *)4, NULL), GRPC_CALL_OK);
+    grpc_completion_queue_pluck(cq, (void *)4, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    snprintf(r->details, sizeof r->details, "%.*s", (int)GRPC_SLICE_LENGTH(details),
+             (const char *)GRPC_SLICE_START_PTR(details));
+    grpc_slice_unref(details);
+    grpc_metadata_array_destroy(&md);
+    grpc_metadata_array_destroy(&trailing);
+    grpc_call_unref(c);
+    grpc_completion_queue_shutdown(cq);
+    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_completion_queue_destroy(cq);
+    grpc_channel_destroy(ch);
+}
+
+/* ---- tests ---- */
+
+static void test_join_accepted(void **state)
+{
+    (void)state;
+    assert_int_equal(CTL_PROTOCOL_VERSION, CTL_CLIENT_PROTOCOL_VERSION);
+    hstate h;
+    h_init(&h);
+    ctl_server *s = start_server(&h, NULL);
+    ctl_client *c;
+    strata_error err = {0};
+    /* protocol_version 0: the client fills in its own. */
+    assert_int_equal(connect_worker(ctl_server_port(s), "node0-gpu1", SECRET, 0, &c, &err), STRATA_OK);
+
+    Strata__Internal__V1__CoordinatorMessage *m = recv_one(c);
+    assert_int_equal(m->kind_case, STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ASSIGNMENT);
+    assert_string_equal(m->assignment->model_path, "models/test.gguf");
+    assert_int_equal(m->assignment->layer_end, 30);
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+
+    pthread_mutex_lock(&h.mu);
+    assert_int_equal(h.joins, 1);
+    peer_rec *r = rec_by_name(&h, "node0-gpu1");
+    assert_non_null(r);
+    assert_string_equal(r->device, "cuda:1");
+    ctl_peer *p = r->peer;
+    pthread_mutex_unlock(&h.mu);
+    assert_string_equal(ctl_peer_name(p), "node0-gpu1");
+    assert_true(strstr(ctl_peer_addr(p), "127.0.0.1") != NULL);
+    assert_ptr_equal(ctl_peer_get_user(p), r);
+
+    /* Nothing to receive: a timeout is STRATA_OK with no message, and the stream goes on. */
+    int64_t t0 = now_ms();
+    m = (void *)1;
+    assert_int_equal(ctl_client_recv(c, 100, &m, &err), STRATA_OK);
+    assert_null(m);
+    assert_true(now_ms() - t0 >= 90);
+    assert_int_equal(ctl_client_recv(c, 0, &m, &err), STRATA_OK);
+    assert_null(m);
+    assert_int_equal(ctl_client_status(c, NULL, 0), -1);
+    /* The receive that timed out is still in flight; the next call picks the plan up. */
+    assert_int_equal(send_plan(p, 7, &err), STRATA_OK);
+    m = recv_one(c);
+    assert_int_equal(m->kind_case, STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_STEP_PLAN);
+    assert_int_equal(m->step_plan->step, 7);
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+
+    assert_int_equal(send_kv_report(c, 1), STRATA_OK);
+    assert_int_equal(send_step_result(c, 0, &err), STRATA_OK);
+    pthread_mutex_lock(&h.mu);
+    assert_true(WAIT_UNTIL(&h, r->results == 1 && r->kv_reports == 1, 5000));
+    assert_int_equal(r->gone, 0);
+    pthread_mutex_unlock(&h.mu);
+
+    /* A clean close: on_gone once, with OK. */
+    ctl_client_close(c);
+    pthread_mutex_lock(&h.mu);
+    assert_true(WAIT_UNTIL(&h, r->gone == 1, 5000));
+    assert_int_equal(r->gone_status, GRPC_STATUS_OK);
+    assert_true(strstr(r->gone_why, "closed") != NULL);
+    pthread_mutex_unlock(&h.mu);
+    sleep_ms(200);
+    assert_int_equal(r->gone, 1);
+    ctl_server_shutdown(s);
+    assert_int_equal(h.gones, 1);
+    h_finish(&h);
+}
+
+/* Connects and expects the stream to end with code and a message containing want (the refusal
+ * can reach the client before or after connect returns). */
+static void expect_refused(int port, const char *name, const char *secret, uint32_t version, grpc_status_code code,
+                           const char *want)
+{
+    ctl_client *c = NULL;
+    strata_error err = {0};
+    int rc = connect_worker(port, name, secret, version, &c, &err);
+    char msg[600];
+    if (rc == STRATA_OK) {
+        recv_end(c, msg, sizeof msg);
+        char details[256];
+        assert_int_equal(ctl_client_status(c, details, sizeof details), code);
+        /* Sends fail too, with the same story. */
+        strata_error e2 = {0};
+        assert_int_equal(send_step_result(c, 1, &e2), STRATA_EIO);
+        assert_true(strstr(e2.msg, proto_grpc_status_name(code)) != NULL);
+        ctl_client_close(c);
+    } else {
+        assert_int_equal(rc, STRATA_EIO);
+        snprintf(msg, sizeof msg, "%s", err.msg);
+    }
+    char full[600];
+    snprintf(full, sizeof full, "%s: %s", proto_grpc_status_name(code), want);
+    if (!strstr(msg, full))
+        fail_msg("got \"%s\", want \"%s\"", msg, full);
+}
+
+static void test_join_refusals(void **state)
+{
+    (void)state;
+    hstate h;
+    h_init(&h);
+    ctl_server *s = start_server(&h, NULL);
+    int port = ctl_server_port(s);
+
+    expect_refused(port, "w", "not-the-cluster-secret-at-all-00000", 1, GRPC_STATUS_PERMISSION_DENIED,
+                   "wrong cluster secret");
+    expect_refused(port, "w", "short", 1, GRPC_STATUS_PERMISSION_DENIED, "wrong cluster secret");
+    /* A prefix of the secret is not the secret. */
+    char prefix[SECRET_LEN];
+    memcpy(prefix, SECRET, SECRET_LEN - 1);
+    prefix[SECRET_LEN - 1] = 0;
+    expect_refused(port, "w", prefix, 1, GRPC_STATUS_PERMISSION_DENIED, "wrong cluster secret");
+    /* The secret is checked before the version: a stranger learns nothing about the build. */
+    expect_refused(port, "w", "wrong-secret-and-wrong-version-0000", 7, GRPC_STATUS_PERMISSION_DENIED,
+                   "wrong cluster secret");
+    expect_refused(port, "w", SECRET, 2, GRPC_STATUS_FAILED_PRECONDITION,
+                   "control protocol version mismatch: worker speaks 2, coordinator speaks 1");
+    expect_refused(port, "", SECRET, 1, GRPC_STATUS_INVALID_ARGUMENT, "Join.worker_name must be");
+    expect_refused(port, "bad\nname", SECRET, 1, GRPC_STATUS_INVALID_ARGUMENT, "Join.worker_name must be");
+    pthread_mutex_lock(&h.mu);
+    assert_int_equal(h.joins, 0);
+    pthread_mutex_unlock(&h.mu);
+
+    /* on_join refuses: its code and message become the status; no on_gone for it. */
+    pthread_mutex_lock(&h.mu);
+    h.join_rc = STRATA_EFULL;
+    pthread_mutex_unlock(&h.mu);
+    expect_refused(port, "late", SECRET, 1, GRPC_STATUS_RESOURCE_EXHAUSTED, "no free worker slot for late");
+    pthread_mutex_lock(&h.mu);
+    assert_int_equal(h.joins, 1);
+    h.join_rc = STRATA_OK;
+    pthread_mutex_unlock(&h.mu);
+
+    /* First message not a Join; a stream closed before any message; undecodable bytes; an
+     * unknown method. */
+    Strata__Internal__V1__StepResult sr = STRATA__INTERNAL__V1__STEP_RESULT__INIT;
+    Strata__Internal__V1__WorkerMessage wm = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
+    wm.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_STEP_RESULT;
+    wm.step_result = &sr;
+    const ProtobufCMessage *msgs[1] = {&wm.base};
+    raw_result rr;
+    raw_call(port, CTL_ATTACH_METHOD, msgs, 1, NULL, &rr);
+    assert_int_equal(rr.status, GRPC_STATUS_INVALID_ARGUMENT);
+    assert_string_equal(rr.details, "the first message of the control stream must be a Join (got step_result)");
+    Strata__Internal__V1__WorkerMessage empty = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
+    msgs[0] = &empty.base;
+    raw_call(port, CTL_ATTACH_METHOD, msgs, 1, NULL, &rr);
+    assert_int_equal(rr.status, GRPC_STATUS_INVALID_ARGUMENT);
+    assert_true(strstr(rr.details, "must be a Join (got nothing)") != NULL);
+    raw_call(port, CTL_ATTACH_METHOD, NULL, 0, NULL, &rr);
+    assert_int_equal(rr.status, GRPC_STATUS_INVALID_ARGUMENT);
+    assert_string_equal(rr.details, "control stream closed before a Join");
+    raw_call(port, CTL_ATTACH_METHOD, NULL, 0, "\xff\xff\xff garbage", &rr);
+    assert_int_equal(rr.status, GRPC_STATUS_INTERNAL);
+    assert_true(strstr(rr.details, "undecodable WorkerMessage") != NULL);
+    raw_call(port, "/strata.internal.v1.WorkerControl/Nope", NULL, 0, NULL, &rr);
+    assert_int_equal(rr.status, GRPC_STATUS_UNIMPLEMENTED);
+    assert_string_equal(rr.details, "unknown method /strata.internal.v1.WorkerControl/Nope");
+
+    /* A protocol error after the Join (a second Join) ends a joined stream: on_gone once. */
+    ctl_client *c;
+    strata_error err = {0};
+    assert_int_equal(connect_worker(port, "twice", SECRET, 1, &c, &err), STRATA_OK);
+    Strata__Internal__V1__CoordinatorMessage *m = recv_one(c);
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+    Strata__Internal__V1__Join j = make_join("twice", SECRET, 1);
+    Strata__Internal__V1__WorkerMessage jm = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
+    jm.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_JOIN;
+    jm.join = &j;
+    assert_int_equal(ctl_client_send(c, &jm, &err), STRATA_OK);
+    char msg[600];
+    recv_end(c, msg, sizeof msg);
+    assert_true(strstr(msg, "INVALID_ARGUMENT: Join sent twice") != NULL);
+    ctl_client_close(c);
+    pthread_mutex_lock(&h.mu);
+    peer_rec *r = rec_by_name(&h, "twice");
+    assert_non_null(r);
+    assert_true(WAIT_UNTIL(&h, r->gone == 1, 5000));
+    assert_int_equal(r->gone_status, GRPC_STATUS_INVALID_ARGUMENT);
+    pthread_mutex_unlock(&h.mu);
+
+    ctl_server_shutdown(s);
+    assert_int_equal(h.gones, 1); /* only the joined one */
+    h_finish(&h);
+}
+
+/* ---- 2000 messages each way, two peers at once ---- */
+
+#define N_ORDER 2000
+
+typedef struct wctx {
+    ctl_client *c;
+    int bad;
+    int received;
+} wctx;
+
+static void *worker_sender(void *arg)
+{
+    wctx *w = arg;
+    for (uint64_t i = 0; i < N_ORDER; i++) {
+        strata_error err = {0};
+        if (send_step_result(w->c, i, &err) != STRATA_OK) {
+            fprintf(stderr, "send %" PRIu64 ": %s\n", i, err.msg);
+            w->bad++;
+            break;
+        }
+    }
+    return NULL;
+}
+
+static void *worker_receiver(void *arg)
+{
+    wctx *w = arg;
+    for (uint64_t i = 0; i < N_ORDER; i++) {
+        Strata__Internal__V1__CoordinatorMessage *m = NULL;
+        strata_error err = {0};
+        int rc = ctl_client_recv(w->c, 10000, &m, &err);
+        if (rc || !m || m->kind_case != STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_STEP_PLAN ||
+            m->step_plan->step != i) {
+            fprintf(stderr, "recv %" PRIu64 ": rc %d %s\n", i, rc, err.msg);
+            w->bad++;
+            if (m)
+                protobuf_c_message_free_unpacked(&m->base, NULL);
+            break;
+        }
+        w->received++;
+        protobuf_c_message_free_unpacked(&m->base, NULL);
+    }
+    return NULL;
+}
+
+typedef struct cctx {
+    ctl_peer *p;
+    int bad;
+} cctx;
+
+static void *coord_sender(void *arg)
+{
+    cctx *cc = arg;
+    for (uint64_t i = 0; i < N_ORDER; i++) {
+        strata_error err = {0};
+        if (send_plan(cc->p, i, &err) != STRATA_OK) {
+            fprintf(stderr, "ctl_peer_send %" PRIu64 ": %s\n", i, err.msg);
+            cc->bad++;
+            break;
+        }
+    }
+    return NULL;
+}
+
+static void test_order_two_peers(void **state)
+{
+    (void)state;
+    hstate h;
+    h_init(&h);
+    ctl_server *s = start_server(&h, NULL);
+    ctl_client *c[2];
+    strata_error err = {0};
+    const char *names[2] = {"a", "b"};
+    wctx w[2];
+    memset(w, 0, sizeof w);
+    cctx cc[2];
+    memset(cc, 0, sizeof cc);
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(connect_worker(ctl_server_port(s), names[i], SECRET, 1, &c[i], &err), STRATA_OK);
+        Strata__Internal__V1__CoordinatorMessage *m = recv_one(c[i]);
+        assert_int_equal(m->kind_case, STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ASSIGNMENT);
+        protobuf_c_message_free_unpacked(&m->base, NULL);
+        w[i].c = c[i];
+        pthread_mutex_lock(&h.mu);
+        cc[i].p = rec_by_name(&h, names[i])->peer;
+        pthread_mutex_unlock(&h.mu);
+    }
+    pthread_t ts[6];
+    int64_t t0 = now_ms();
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(pthread_create(&ts[3 * i], NULL, worker_sender, &w[i]), 0);
+        assert_int_equal(pthread_create(&ts[3 * i + 1], NULL, worker_receiver, &w[i]), 0);
+        assert_int_equal(pthread_create(&ts[3 * i + 2], NULL, coord_sender, &cc[i]), 0);
+    }
+    for (int i = 0; i < 6; i++)
+        pthread_join(ts[i], NULL);
+    pthread_mutex_lock(&h.mu);
+    peer_rec *ra = rec_by_name(&h, "a"), *rb = rec_by_name(&h, "b");
+    assert_true(WAIT_UNTIL(&h, ra->results == N_ORDER && rb->results == N_ORDER, 10000));
+    assert_int_equal(ra->next_step, N_ORDER);
+    assert_int_equal(rb->next_step, N_ORDER);
+    pthread_mutex_unlock(&h.mu);
+    fprintf(stderr, "    2 x %d messages each way in %" PRId64 " ms\n", N_ORDER, now_ms() - t0);
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(w[i].bad, 0);
+        assert_int_equal(cc[i].bad, 0);
+        assert_int_equal(w[i].received, N_ORDER);
+        ctl_client_close(c[i]);
+    }
+    pthread_mutex_lock(&h.mu);
+    assert_true(WAIT_UNTIL(&h, ra->gone == 1 && rb->gone == 1, 5000));
+    pthread_mutex_unlock(&h.mu);
+    ctl_server_shutdown(s);
+    assert_int_equal(ra->gone, 1);
+    assert_int_equal(rb->gone, 1);
+    h_finish(&h);
+}
+
+/* ---- large messages ---- */
+
+#define BIG_SEQS 5000
+#define BIG_TOKENS 64
+#define BIG_RESULTS 24000
+
+static void test_big_messages(void **state)
+{
+    (void)state;
+    hstate h;
+    h_init(&h);
+    srv_cfg cfg = {.max_bytes = (size_t)4 << 20};
+    ctl_server *s = start_server(&h, &cfg);
+    ctl_client *c;
+    strata_error err = {0};
+    assert_int_equal(connect_worker(ctl_server_port(s), "big", SECRET, 1, &c, &err), STRATA_OK);
+    Strata__Internal__V1__CoordinatorMessage *m = recv_one(c);
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+    pthread_mutex_lock(&h.mu);
+    peer_rec *r = rec_by_name(&h, "big");
+    ctl_peer *p = r->peer;
+    pthread_mutex_unlock(&h.mu);
+
+    /* Coordinator -> worker: a StepPlan of 5000 sequences x 64 tokens (> 1 MiB). */
+    Strata__Internal__V1__SeqWork *works = calloc(BIG_SEQS, sizeof *works);
+    Strata__Internal__V1__SeqWork **wp = calloc(BIG_SEQS, sizeof *wp);
+    uint32_t *toks = calloc((size_t)BIG_SEQS * BIG_TOKENS, sizeof *toks);
+    assert_true(works && wp && toks);
+    for (size_t i = 0; i < BIG_SEQS; i++) {
+        strata__internal__v1__seq_work__init(&works[i]);
+        works[i].seq_id = i + 1000;
+        works[i].pos0 = (uint32_t)i;
+        works[i].tokens = &toks[i * BIG_TOKENS];
+        works[i].n_tokens = BIG_TOKENS;
+        works[i].temperature = 0.5f;
+        works[i].sample = i % 2;
+        for (size_t k = 0; k < BIG_TOKENS; k++)
+            toks[i * BIG_TOKENS + k] = (uint32_t)((i * 7919 + k * 104729) % 49152) + 16384;
+        wp[i] = &works[i];
+    }
+    Strata__Internal__V1__StepPlan sp = STRATA__INTERNAL__V1__STEP_PLAN__INIT;
+    sp.step = 42;
+    sp.seqs = wp;
+    sp.n_seqs = BIG_SEQS;
+    Strata__Internal__V1__CoordinatorMessage cm = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+    cm.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_STEP_PLAN;
+    cm.step_plan = &sp;
+    size_t plan_bytes = protobuf_c_message_get_packed_size(&cm.base);
+    assert_true(plan_bytes > ((size_t)1 << 20));
+    assert_int_equal(ctl_peer_send(p, &cm, &err), STRATA_OK);
+    m = recv_one(c);
+    assert_int_equal(m->kind_case, STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_STEP_PLAN);
+    assert_int_equal(m->step_plan->n_seqs, BIG_SEQS);
+    for (size_t i = 0; i < BIG_SEQS; i++) {
+        const Strata__Internal__V1__SeqWork *w = m->step_plan->seqs[i];
+        assert_int_equal(w->seq_id, i + 1000);
+        assert_int_equal(w->n_tokens, BIG_TOKENS);
+        assert_memory_equal(w->tokens, &toks[i * BIG_TOKENS], BIG_TOKENS * sizeof(uint32_t));
+        assert_int_equal(w->sample, i % 2);
+    }
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+
+    /* Worker -> coordinator: a StepResult of 24000 failed sequences (> 1 MiB). */
+    Strata__Internal__V1__SeqResult *res = calloc(BIG_RESULTS, sizeof *res);
+    Strata__Internal__V1__SeqResult **rp = calloc(BIG_RESULTS, sizeof *rp);
+    char (*texts)[64] = calloc(BIG_RESULTS, 64);
+    assert_true(res && rp && texts);
+    for (size_t i = 0; i < BIG_RESULTS; i++) {
+        strata__internal__v1__seq_result__init(&res[i]);
+        res[i].seq_id = i;
+        res[i].token = (uint32_t)(3 * i);
+        res[i].status = 3;
+        snprintf(texts[i], 64, "seq %zu failed with a long enough message", i);
+        res[i].message = texts[i];
+        rp[i] = &res[i];
+    }
+    Strata__Internal__V1__StepResult sr = STRATA__INTERNAL__V1__STEP_RESULT__INIT;
+    sr.results = rp;
+    sr.n_results = BIG_RESULTS;
+    Strata__Internal__V1__WorkerMessage wm = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
+    wm.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_STEP_RESULT;
+    wm.step_result = &sr;
+    size_t result_bytes = protobuf_c_message_get_packed_size(&wm.base);
+    assert_true(result_bytes > ((size_t)1 << 20));
+    fprintf(stderr, "    StepPlan of %zu bytes and StepResult of %zu bytes round-tripped\n", plan_bytes, result_bytes);
+    assert_int_equal(ctl_client_send(c, &wm, &err), STRATA_OK);
+    pthread_mutex_lock(&h.mu);
+    assert_true(WAIT_UNTIL(&h, r->big_ok == 1, 10000));
+    pthread_mutex_unlock(&h.mu);
+
+    /* Above the server's limit (4 MiB here): ctl_peer_send refuses it and the stream goes on. */
+    Strata__Internal__V1__SeqWork *big_works = calloc(4 * BIG_SEQS, sizeof *big_works);
+    Strata__Internal__V1__SeqWork **big_wp = calloc(4 * BIG_SEQS, sizeof *big_wp);
+    assert_true(big_works && big_wp);
+    for (size_t i = 0; i < 4 * BIG_SEQS; i++) {
+        big_works[i] = works[i % BIG_SEQS];
+        big_wp[i] = &big_works[i];
+    }
+    sp.seqs = big_wp;
+    sp.n_seqs = 4 * BIG_SEQS;
+    size_t too_big = protobuf_c_message_get_packed_size(&cm.base);
+    assert_true(too_big > ((size_t)4 << 20));
+    fprintf(stderr, "    a StepPlan of %zu bytes above the 4 MiB limit is refused\n", too_big);
+    assert_int_equal(ctl_peer_send(p, &cm, &err), STRATA_EINVAL);
+    assert_int_equal(send_plan(p, 43, &err), STRATA_OK);
+    m = recv_one(c);
+    assert_int_equal(m->step_plan->step, 43);
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+
+    /* A worker message above the server's limit: gRPC refuses it and the stream ends. */
+    Strata__Internal__V1__SeqResult *res4 = calloc(4 * BIG_RESULTS, sizeof *res4);
+    Strata__Internal__V1__SeqResult **rp4 = calloc(4 * BIG_RESULTS, sizeof *rp4);
+    assert_true(res4 && rp4);
+    for (size_t i = 0; i < 4 * BIG_RESULTS; i++) {
+        res4[i] = res[i % BIG_RESULTS];
+        rp4[i] = &res4[i];
+    }
+    sr.results = rp4;
+    sr.n_results = 4 * BIG_RESULTS;
+    assert_true(protobuf_c_message_get_packed_size(&wm.base) > ((size_t)4 << 20));
+    ctl_client_send(c, &wm, &err); /* gRPC may take it before the server refuses it */
+    char msg[600];
+    recv_end(c, msg, sizeof msg);
+    assert_true(strstr(msg, "RESOURCE_EXHAUSTED") != NULL);
+    pthread_mutex_lock(&h.mu);
+    assert_true(WAIT_UNTIL(&h, r->gone == 1, 5000));
+    pthread_mutex_unlock(&h.mu);
+    ctl_client_close(c);
+
+    free(res4);
+    free(rp4);
+    free(big_works);
+    free(big_wp);
+    free(res);
+    free(rp);
+    free(texts);
+    free(works);
+    free(wp);
+    free(toks);
+    ctl_server_shutdown(s);
+    assert_int_equal(r->gone, 1);
+    h_finish(&h);
+}
+
+/* ---- workers that die or hang (child processes) ---- */
+
+static int child_main(const char *addr, const char *mode)
+{
+    Strata__Internal__V1__Join j = make_join(mode, SECRET, 1);
+    ctl_client *c;
+    strata_error err = {0};
+    if (ctl_client_connect(addr, &j, 5000, &c, &err)) {
+        fprintf(stderr, "child: %s\n", err.msg);
+        return 2;
+    }
+    Strata__Internal__V1__CoordinatorMessage *m = NULL;
+    if (ctl_client_recv(c, 5000, &m, &err) || !m) {
+        fprintf(stderr, "child: no assignment: %s\n", err.msg);
+        return 3;
+    }
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+    if (strcmp(mode, "kill") == 0)
+        raise(SIGKILL);
+    else if (strcmp(mode, "stop") == 0)
+        raise(SIGSTOP); /* hung: the process is alive, its socket open, nothing answers */
+    _exit(0);           /* "exit": gone without closing the stream */
+}
+
+static pid_t spawn_child(int port, const char *mode)
+{
+    char exe[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    assert_true(n > 0);
+    exe[n] = 0;
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+    char *argv[] = {exe, (char *)"--control-child", addr, (char *)mode, NULL};
+    pid_t pid;
+    assert_int_equal(posix_spawn(&pid, exe, NULL, NULL, argv, environ), 0);
+    return pid;
+}
+
+static void check_child(hstate *h, int port, const char *mode)
+{
+    pid_t pid = spawn_child(port, mode);
+    pthread_mutex_lock(&h->mu);
+    assert_true(WAIT_UNTIL(h, rec_by_name(h, mode) != NULL, 10000));
+    peer_rec *r = rec_by_name(h, mode);
+    pthread_mutex_unlock(&h->mu);
+    int st;
+    if (strcmp(mode, "stop") == 0) {
+        assert_int_equal(waitpid(pid, &st, WUNTRACED), pid);
+        assert_true(WIFSTOPPED(st));
+    } else {
+        assert_int_equal(waitpid(pid, &st, 0), pid);
+        if (strcmp(mode, "kill") == 0)
+            assert_true(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL);
+        else
+            assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    }
+    int64_t t0 = now_ms();
+    pthread_mutex_lock(&h->mu);
+    bool gone = WAIT_UNTIL(h, r->gone == 1, 5000);
+    int64_t dt = r->gone_ms - t0;
+    int status = r->gone_status;
+    pthread_mutex_unlock(&h->mu);
+    if (strcmp(mode, "stop") == 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &st, 0);
+    }
+    assert_true(gone);
+    fprintf(stderr, "    worker \"%s\": on_gone %s after %" PRId64 " ms\n", mode, proto_grpc_status_name(status), dt);
+    assert_int_equal(status, GRPC_STATUS_UNAVAILABLE);
+    assert_true(dt < 3000);
+}
+
+static void test_worker_dies(void **state)
+{
+    (void)state;
+    hstate h;
+    h_init(&h);
+    srv_cfg cfg = {.keepalive_time_ms = 500, .keepalive_timeout_ms = 1000};
+    ctl_server *s = start_server(&h, &cfg);
+    check_child(&h, ctl_server_port(s), "kill");
+    check_child(&h, ctl_server_port(s), "exit");
+    check_child(&h, ctl_server_port(s), "stop");
+    ctl_server_shutdown(s);
+    assert_int_equal(h.gones, 3);
+    for (int i = 0; i < h.n_recs; i++)
+        assert_int_equal(h.recs[i].gone, 1);
+    h_finish(&h);
+}
+
+/* ---- a coordinator that dies or hangs (child process): the worker's keepalive ---- */
+
+static int coord_child_main(void)
+{
+    hstate h;
+    h_init(&h);
+    ctl_server_options o = ctl_server_options_default();
+    o.listen_addr = "127.0.0.1:0";
+    o.cluster_secret = SECRET;
+    o.cluster_secret_len = SECRET_LEN;
+    o.min_recv_ping_interval_ms = 100;
+    ctl_handler hd = {.ctx = &h, .on_join = on_join, .on_message = on_message, .on_gone = on_gone};
+    ctl_server *s;
+    strata_error err = {0};
+    if (ctl_server_start(&o, &hd, &s, &err)) {
+        fprintf(stderr, "coordinator child: %s\n", err.msg);
+        return 2;
+    }
+    printf("%d\n", ctl_server_port(s));
+    fflush(stdout);
+    for (;;)
+        pause(); /* until killed */
+}
+
+static pid_t spawn_coordinator(int *port)
+{
+    char exe[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    assert_true(n > 0);
+    exe[n] = 0;
+    int fds[2];
+    assert_int_equal(pipe(fds), 0);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
+    posix_spawn_file_actions_addclose(&fa, fds[0]);
+    posix_spawn_file_actions_addclose(&fa, fds[1]);
+    char *argv[] = {exe, (char *)"--control-coordinator", NULL};
+    pid_t pid;
+    assert_int_equal(posix_spawn(&pid, exe, &fa, NULL, argv, environ), 0);
+    posix_spawn_file_actions_destroy(&fa);
+    close(fds[1]);
+    FILE *f = fdopen(fds[0], "r");
+    assert_non_null(f);
+    assert_int_equal(fscanf(f, "%d", port), 1);
+    fclose(f);
+    return pid;
+}
+
+static void check_coordinator_lost(bool hang)
+{
+    int port;
+    pid_t pid = spawn_coordinator(&port);
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+    Strata__Internal__V1__Join j = make_join("orphan", SECRET, 1);
+    ctl_client_options co = {.keepalive_time_ms = 500, .keepalive_timeout_ms = 1000};
+    ctl_client *c;
+    strata_error err = {0};
+    assert_int_equal(ctl_client_connect_opts(addr, &j, 5000, &co, &c, &err), STRATA_OK);
+    Strata__Internal__V1__CoordinatorMessage *m = recv_one(c);
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+    int st;
+    if (hang) {
+        kill(pid, SIGSTOP);
+        assert_int_equal(waitpid(pid, &st, WUNTRACED), pid);
+    } else {
+        kill(pid, SIGKILL);
+        assert_int_equal(waitpid(pid, &st, 0), pid);
+    }
+    int64_t t0 = now_ms();
+    m = NULL;
+    int rc = ctl_client_recv(c, 10000, &m, &err);
+    int64_t dt = now_ms() - t0;
+    if (hang) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &st, 0);
+    }
+    fprintf(stderr, "    coordinator %s: worker recv ended after %" PRId64 " ms: %s\n", hang ? "hung" : "killed", dt,
+            err.msg);
+    assert_int_equal(rc, STRATA_EIO);
+    assert_null(m);
+    assert_int_equal(ctl_client_status(c, NULL, 0), GRPC_STATUS_UNAVAILABLE);
+    assert_true(dt < 3000);
+    assert_int_equal(send_kv_report(c, 1), STRATA_EIO);
+    ctl_client_close(c);
+}
+
+static void test_coordinator_lost(void **state)
+{
+    (void)state;
+    check_coordinator_lost(false);
+    check_coordinator_lost(true);
+}
+
+/* ---- server shutdown, close, send after gone ---- */
+
+static void test_server_shutdown(void **state)
+{
+    (void)state;
+    hstate h;
+    h_init(&h);
+    ctl_server *s = start_server(&h, NULL);
+    ctl_client *c[3];
+    strata_error err = {0};
+    const char *names[3] = {"s0", "s1", "s2"};
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(connect_worker(ctl_server_port(s), names[i], SECRET, 1, &c[i], &err), STRATA_OK);
+        Strata__Internal__V1__CoordinatorMessage *m = recv_one(c[i]);
+        protobuf_c_message_free_unpacked(&m->base, NULL);
+    }
+    /* A Shutdown queued just before the server stops still arrives, before the status. */
+    Strata__Internal__V1__Shutdown sd = STRATA__INTERNAL__V1__SHUTDOWN__INIT;
+    sd.drain = true;
+    Strata__Internal__V1__CoordinatorMessage sm = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+    sm.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_SHUTDOWN;
+    sm.shutdown = &sd;
+    pthread_mutex_lock(&h.mu);
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(ctl_peer_send(rec_by_name(&h, names[i])->peer, &sm, &err), STRATA_OK);
+    pthread_mutex_unlock(&h.mu);
+    int64_t t0 = now_ms();
+    ctl_server_shutdown(s);
+    fprintf(stderr, "    shutdown with 3 workers took %" PRId64 " ms\n", now_ms() - t0);
+    /* on_gone for every peer, before shutdown returned. */
+    assert_int_equal(h.gones, 3);
+    for (int i = 0; i < 3; i++) {
+        peer_rec *r = rec_by_name(&h, names[i]);
+        assert_int_equal(r->gone, 1);
+        assert_int_equal(r->gone_status, GRPC_STATUS_UNAVAILABLE);
+        assert_string_equal(r->gone_why, "coordinator shutting down");
+        /* The referenced peer outlives the server: sends fail cleanly. */
+        assert_int_equal(send_plan(r->peer, 1, &err), STRATA_EIO);
+        ctl_peer_close(r->peer, GRPC_STATUS_INTERNAL, "ignored");
+        assert_string_equal(ctl_peer_name(r->peer), names[i]);
+    }
+    for (int i = 0; i < 3; i++) {
+        Strata__Internal__V1__CoordinatorMessage *m = recv_one(c[i]);
+        assert_int_equal(m->kind_case, STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_SHUTDOWN);
+        assert_true(m->shutdown->drain);
+        protobuf_c_message_free_unpacked(&m->base, NULL);
+        m = NULL;
+        assert_int_equal(ctl_client_recv(c[i], 5000, &m, &err), STRATA_EIO);
+        assert_null(m);
+        assert_string_equal(err.msg, "coordinator ended the control stream: UNAVAILABLE: coordinator shutting down");
+        assert_int_equal(ctl_client_status(c[i], NULL, 0), GRPC_STATUS_UNAVAILABLE);
+        /* Again: the same answer. */
+        assert_int_equal(ctl_client_recv(c[i], 0, &m, &err), STRATA_EIO);
+        assert_int_equal(send_step_result(c[i], 1, &err), STRATA_EIO);
+        ctl_client_close(c[i]);
+    }
+    h_finish(&h);
+}
+
+static void test_peer_close_and_send_after_gone(void **state)
+{
+    (void)state;
+    hstate h;
+    h_init(&h);
+    ctl_server *s = start_server(&h, NULL);
+    int port = ctl_server_port(s);
+    ctl_client *c;
+    strata_error err = {0};
+
+    /* ctl_peer_close from a coordinator thread: the worker sees the status and message. */
+    assert_int_equal(connect_worker(port, "closed", SECRET, 1, &c, &err), STRATA_OK);
+    Strata__Internal__V1__CoordinatorMessage *m = recv_one(c);
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+    pthread_mutex_lock(&h.mu);
+    peer_rec *r = rec_by_name(&h, "closed");
+    pthread_mutex_unlock(&h.mu);
+    ctl_peer_close(r->peer, GRPC_STATUS_FAILED_PRECONDITION, "layer range revoked\nsecond line");
+    ctl_peer_close(r->peer, GRPC_STATUS_INTERNAL, "a second close is a no-op");
+    char msg[600];
+    recv_end(c, msg, sizeof msg);
+    assert_string_equal(msg, "coordinator ended the control stream: FAILED_PRECONDITION: layer range revoked second line");
+    pthread_mutex_lock(&h.mu);
+    assert_true(WAIT_UNTIL(&h, r->gone == 1, 5000));
+    assert_int_equal(r->gone_status, GRPC_STATUS_FAILED_PRECONDITION);
+    assert_string_equal(r->gone_why, "layer range revoked second line");
+    pthread_mutex_unlock(&h.mu);
+    /* After on_gone, through the reference: sends fail, nothing crashes. */
+    assert_int_equal(send_plan(r->peer, 5, &err), STRATA_EIO);
+    assert_true(strstr(err.msg, "closed") != NULL);
+    ctl_peer_close(r->peer, GRPC_STATUS_OK, NULL);
+    assert_ptr_equal(ctl_peer_get_user(r->peer), r);
+    ctl_client_close(c);
+
+    /* ctl_peer_close from inside on_message. */
+    assert_int_equal(connect_worker(port, "self", SECRET, 1, &c, &err), STRATA_OK);
+    m = recv_one(c);
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+    assert_int_equal(send_kv_report(c, 999), STRATA_OK);
+    recv_end(c, msg, sizeof msg);
+    assert_string_equal(msg, "coordinator ended the control stream: ABORTED: closed from on_message");
+    pthread_mutex_lock(&h.mu);
+    r = rec_by_name(&h, "self");
+    assert_true(WAIT_UNTIL(&h, r->gone == 1, 5000));
+    assert_int_equal(r->gone_status, GRPC_STATUS_ABORTED);
+    pthread_mutex_unlock(&h.mu);
+    /* Sends after the stream ended fail on the worker side too. */
+    assert_int_equal(send_kv_report(c, 1), STRATA_EIO);
+    ctl_client_close(c);
+
+    /* A worker that closes while the coordinator is sending: sends end with EIO, on_gone once. */
+    assert_int_equal(connect_worker(port, "quits", SECRET, 1, &c, &err), STRATA_OK);
+    pthread_mutex_lock(&h.mu);
+    assert_true(WAIT_UNTIL(&h, rec_by_name(&h, "quits") != NULL, 5000));
+    r = rec_by_name(&h, "quits");
+    pthread_mutex_unlock(&h.mu);
+    ctl_client_close(c);
+    int rc = STRATA_OK;
+    for (int i = 0; i < 100000 && rc == STRATA_OK; i++)
+        rc = send_plan(r->peer, (uint64_t)i, &err);
+    assert_int_equal(rc, STRATA_EIO);
+    pthread_mutex_lock(&h.mu);
+    assert_true(WAIT_UNTIL(&h, r->gone == 1, 5000));
+    pthread_mutex_unlock(&h.mu);
+
+    ctl_server_shutdown(s);
+    assert_int_equal(h.gones, 3);
+    h_finish(&h);
+}
+
+static void test_queue_full(void **state)
+{
+    (void)state;
+    hstate h;
+    h_init(&h);
+    srv_cfg cfg = {.max_queued = 8};
+    ctl_server *s = start_server(&h, &cfg);
+    ctl_client *c;
+    strata_error err = {0};
+    assert_int_equal(connect_worker(ctl_server_port(s), "slow", SECRET, 1, &c, &err), STRATA_OK);
+    pthread_mutex_lock(&h.mu);
+    assert_true(WAIT_UNTIL(&h, rec_by_name(&h, "slow") != NULL, 5000));
+    peer_rec *r = rec_by_name(&h, "slow");
+    pthread_mutex_unlock(&h.mu);
+
+    /* The worker does not read: 64 KiB plans fill gRPC's window, then the queue. */
+    static uint64_t free_ids[8192];
+    for (size_t i = 0; i < 8192; i++)
+        free_ids[i] = i;
+    Strata__Internal__V1__StepPlan sp = STRATA__INTERNAL__V1__STEP_PLAN__INIT;
+    sp.free_seqs = free_ids;
+    sp.n_free_seqs = 8192;
+    Strata__Internal__V1__CoordinatorMessage cm = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+    cm.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_STEP_PLAN;
+    cm.step_plan = &sp;
+    int rc = STRATA_OK, sent = 0;
+    for (int i = 0; i < 20000 && rc == STRATA_OK; i++) {
+        sp.step = (uint64_t)i;
+        rc = ctl_peer_send(r->peer, &cm, &err);
+        if (rc == STRATA_OK)
+            sent++;
+        else if (i % 16 == 0)
+            sleep_ms(1);
+    }
+    assert_int_equal(rc, STRATA_EFULL);
+    fprintf(stderr, "    queue full after %d messages: %s\n", sent, err.msg);
+    pthread_mutex_lock(&h.mu);
+    assert_true(WAIT_UNTIL(&h, r->gone == 1, 5000));
+    assert_int_equal(r->gone_status, GRPC_STATUS_RESOURCE_EXHAUSTED);
+    assert_true(strstr(r->gone_why, "worker not reading") != NULL);
+    pthread_mutex_unlock(&h.mu);
+    assert_int_equal(send_plan(r->peer, 1, &err), STRATA_EIO);
+    char msg[600];
+    recv_end(c, msg, sizeof msg);
+    assert_true(strstr(msg, "RESOURCE_EXHAUSTED: worker not reading") != NULL);
+    ctl_client_close(c);
+    ctl_server_shutdown(s);
+    assert_int_equal(h.gones, 1);
+    h_finish(&h);
+}
+
+/* ---- the client alone ---- */
+
+typedef struct blocked {
+    ctl_client *c;
+    int rc;
+    char msg[512];
+} blocked;
+
+static void *blocked_recv(void *arg)
+{
+    blocked *b = arg;
+    Strata__Internal__V1__CoordinatorMessage *m = NULL;
+    strata_error err = {0};
+    b->rc = ctl_client_recv(b->c, -1, &m, &err); /* the Assignment */
+    if (m)
+        protobuf_c_message_free_unpacked(&m->base, NULL);
+    if (b->rc == STRATA_OK)
+        b->rc = ctl_client_recv(b->c, -1, &m, &err); /* blocks until close */
+    snprintf(b->msg, sizeof b->msg, "%s", err.msg);
+    return NULL;
+}
+
+static void test_client_close_while_blocked(void **state)
+{
+    (void)state;
+    hstate h;
+    h_init(&h);
+    ctl_server *s = start_server(&h, NULL);
+    ctl_client *c;
+    strata_error err = {0};
+    assert_int_equal(connect_worker(ctl_server_port(s), "blocked", SECRET, 1, &c, &err), STRATA_OK);
+    blocked b = {.c = c};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, blocked_recv, &b), 0);
+    pthread_mutex_lock(&h.mu);
+    assert_true(WAIT_UNTIL(&h, h.joins == 1, 5000));
+    pthread_mutex_unlock(&h.mu);
+    sleep_ms(200);
+    int64_t t0 = now_ms();
+    ctl_client_close(c); /* the blocked recv returns EIO before close returns */
+    int64_t dt = now_ms() - t0;
+    pthread_join(t, NULL);
+    assert_int_equal(b.rc, STRATA_EIO);
+    assert_true(dt < 3000);
+    pthread_mutex_lock(&h.mu);
+    assert_true(WAIT_UNTIL(&h, h.gones == 1, 5000));
+    pthread_mutex_unlock(&h.mu);
+    ctl_server_shutdown(s);
+    h_finish(&h);
+}
+
+static void test_start_errors(void **state)
+{
+    (void)state;
+    hstate h;
+    h_init(&h);
+    ctl_handler hd = {.ctx = &h, .on_join = on_join, .on_message = on_message, .on_gone = on_gone};
+    ctl_server_options o = ctl_server_options_default();
+    assert_string_equal(o.listen_addr, "127.0.0.1:50052");
+    assert_int_equal(o.max_message_bytes, (size_t)64 << 20);
+    assert_int_equal(o.max_queued_messages, 4096);
+    o.listen_addr = "127.0.0.1:0";
+    ctl_server *s = (ctl_server *)1;
+    strata_error err = {0};
+    /* No secret, a short one, a long one. */
+    assert_int_equal(ctl_server_start(&o, &hd, &s, &err), STRATA_EINVAL);
+    assert_null(s);
+    o.cluster_secret = "short";
+    o.cluster_secret_len = 5;
+    assert_int_equal(ctl_server_start(&o, &hd, &s, &err), STRATA_EINVAL);
+    assert_true(strstr(err.msg, "16 to 256 bytes") != NULL);
+    static char long_secret[300];
+    memset(long_secret, 'x', sizeof long_secret);
+    o.cluster_secret = long_secret;
+    o.cluster_secret_len = sizeof long_secret;
+    assert_int_equal(ctl_server_start(&o, &hd, &s, &err), STRATA_EINVAL);
+    o.cluster_secret = SECRET;
+    o.cluster_secret_len = SECRET_LEN;
+    /* Missing callbacks, NULL arguments, too many threads. */
+    ctl_handler bad = hd;
+    bad.on_gone = NULL;
+    assert_int_equal(ctl_server_start(&o, &bad, &s, &err), STRATA_EINVAL);
+    assert_int_equal(ctl_server_start(NULL, &hd, &s, &err), STRATA_EINVAL);
+    o.threads = 65;
+    assert_int_equal(ctl_server_start(&o, &hd, &s, &err), STRATA_EINVAL);
+    o.threads = 0;
+    /* Port in use. */
+    assert_int_equal(ctl_server_start(&o, &hd, &s, &err), STRATA_OK);
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", ctl_server_port(s));
+    ctl_server_options o2 = o;
+    o2.listen_addr = addr;
+    ctl_server *s2 = NULL;
+    assert_int_equal(ctl_server_start(&o2, &hd, &s2, &err), STRATA_EIO);
+    assert_null(s2);
+    assert_true(strstr(err.msg, "cannot listen on") != NULL);
+    ctl_server_shutdown(s);
+    ctl_server_shutdown(NULL);
+
+    /* The client: nobody listening (the port of the server just stopped), NULL arguments. */
+    ctl_client *c = (ctl_client *)1;
+    Strata__Internal__V1__Join j = make_join("x", SECRET, 1);
+    int64_t t0 = now_ms();
+    assert_int_equal(ctl_client_connect(addr, &j, 300, &c, &err), STRATA_EIO);
+    assert_null(c);
+    assert_true(now_ms() - t0 < 3000);
+    assert_true(strstr(err.msg, "cannot reach the coordinator at") != NULL);
+    assert_int_equal(ctl_client_connect(NULL, &j, 300, &c, &err), STRATA_EINVAL);
+    assert_int_equal(ctl_client_connect(addr, NULL, 300, &c, &err), STRATA_EINVAL);
+    ctl_client_close(NULL);
+    assert_int_equal(ctl_client_send(NULL, NULL, &err), STRATA_EINVAL);
+    Strata__Internal__V1__CoordinatorMessage *m;
+    assert_int_equal(ctl_client_recv(NULL, 0, &m, &err), STRATA_EINVAL);
+    assert_int_equal(ctl_peer_send(NULL, NULL, &err), STRATA_EINVAL);
+    ctl_peer_close(NULL, 0, NULL);
+    ctl_peer_unref(NULL);
+    assert_int_equal(h.joins, 0);
+    h_finish(&h);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc >= 4 && strcmp(argv[1], "--control-child") == 0)
+        return child_main(argv[2], argv[3]);
+    if (argc >= 2 && strcmp(argv[1], "--control-coordinator") == 0)
+        return coord_child_main();
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_join_accepted),
+        cmocka_unit_test(test_join_refusals),
+        cmocka_unit_test(test_order_two_peers),
+        cmocka_unit_test(test_big_messages),
+        cmocka_unit_test(test_worker_dies),
+        cmocka_unit_test(test_coordinator_lost),
+        cmocka_unit_test(test_server_shutdown),
+        cmocka_unit_test(test_peer_close_and_send_after_gone),
+        cmocka_unit_test(test_queue_full),
+        cmocka_unit_test(test_client_close_while_blocked),
+        cmocka_unit_test(test_start_errors),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,532 @@
+/* The worker's control stream on the gRPC C core. See control_client.h (contract) and
+ * coordinator/control/README.md.
+ *
+ * Structure. No thread of our own: one completion queue created for
+ * grpc_completion_queue_pluck, and each operation is a batch that the calling thread plucks by
+ * its tag. Four tags, one per kind of batch, each with at most one batch in flight:
+ *   tag_status  RECV_STATUS_ON_CLIENT, started at connect; plucked by whoever first needs the
+ *               status (status_plucking makes the others wait on cond);
+ *   tag_send    SEND_MESSAGE (the Join with the initial metadata at connect), under send_mu;
+ *   tag_recv    RECV_MESSAGE (+ RECV_INITIAL_METADATA the first time), under recv_mu; a
+ *               receive that timed out stays in flight and the next ctl_client_recv plucks it;
+ *   tag_half    SEND_CLOSE_FROM_CLIENT in ctl_client_close, under send_mu.
+ * gRPC wants batches on one call serialized, but allows send-only and receive-only batches to be
+ * serialized independently: send_mu and recv_mu are exactly that. At most 4 plucks run at once
+ * (GRPC_MAX_COMPLETION_QUEUE_PLUCKERS is 6). grpc_call_cancel is thread-safe and makes every
+ * batch in flight complete, which is how close unblocks the other threads. */
+#include "worker/control/control_client.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <grpc/byte_buffer.h>
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/slice.h>
+#include <grpc/support/time.h>
+
+#include "proto/grpc_util.h"
+#include "proto/validate.h"
+
+#define CTL_CLIENT_ATTACH_METHOD "/strata.internal.v1.WorkerControl/Attach"
+
+struct ctl_client {
+    grpc_channel *ch;
+    grpc_completion_queue *cq;
+    grpc_call *call;
+    size_t max_bytes;
+    char addr[256];
+    /* Tags: the addresses of these bytes. */
+    char tag_status, tag_send, tag_recv, tag_half;
+
+    pthread_mutex_t mu;
+    pthread_cond_t cond;
+    /* Under mu. */
+    int users;            /* threads inside send / recv */
+    bool closing;
+    bool status_started;  /* RECV_STATUS_ON_CLIENT is in flight or done */
+    bool status_plucking; /* a thread is plucking tag_status */
+    bool status_have;
+    int status;
+    char details[400];
+
+    pthread_mutex_t send_mu;
+    /* Under send_mu. */
+    bool send_failed;
+    bool half_outstanding;
+
+    pthread_mutex_t recv_mu;
+    /* Under recv_mu. */
+    bool recv_outstanding;
+    bool recv_ended;
+    bool md_requested;
+    grpc_byte_buffer *recv_bb;
+    grpc_metadata_array md_in;
+
+    /* RECV_STATUS_ON_CLIENT's outputs (read after its completion, under mu). */
+    grpc_metadata_array trailing;
+    grpc_status_code st_code;
+    grpc_slice st_details;
+};
+
+static gpr_timespec deadline_ms(int timeout_ms)
+{
+    if (timeout_ms < 0)
+        return gpr_inf_future(GPR_CLOCK_REALTIME);
+    return gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
+}
+
+static bool is_inf(gpr_timespec t)
+{
+    return gpr_time_cmp(t, gpr_inf_future(t.clock_type)) == 0;
+}
+
+static grpc_event pluck(ctl_client *c, void *tag, gpr_timespec deadline)
+{
+    return grpc_completion_queue_pluck(c->cq, tag, deadline, NULL);
+}
+
+/* The stream's status, plucking it (until deadline) unless another thread does or did. true
+ * when the status is known. */
+static bool fetch_status(ctl_client *c, gpr_timespec deadline)
+{
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        if (c->status_have || !c->status_started) {
+            bool have = c->status_have;
+            pthread_mutex_unlock(&c->mu);
+            return have;
+        }
+        if (!c->status_plucking)
+            break;
+        if (is_inf(deadline)) {
+            pthread_cond_wait(&c->cond, &c->mu);
+        } else {
+            gpr_timespec rt = gpr_convert_clock_type(deadline, GPR_CLOCK_REALTIME);
+            struct timespec ts = {.tv_sec = (time_t)rt.tv_sec, .tv_nsec = rt.tv_nsec};
+            if (pthread_cond_timedwait(&c->cond, &c->mu, &ts) == ETIMEDOUT && !c->status_have) {
+                pthread_mutex_unlock(&c->mu);
+                return false;
+            }
+        }
+    }
+    c->status_plucking = true;
+    pthread_mutex_unlock(&c->mu);
+    grpc_event ev = pluck(c, &c->tag_status, deadline);
+    pthread_mutex_lock(&c->mu);
+    c->status_plucking = false;
+    if (ev.type == GRPC_OP_COMPLETE) {
+        c->status_have = true;
+        c->status = (int)c->st_code;
+        size_t n = GRPC_SLICE_LENGTH(c->st_details);
+        if (n >= sizeof c->details)
+            n = sizeof c->details - 1;
+        memcpy(c->details, GRPC_SLICE_START_PTR(c->st_details), n);
+        c->details[n] = 0;
+        c->details[proto_utf8_check(c->details, n)] = 0;
+        for (char *p = c->details; *p; p++)
+            if (*p == '\n' || *p == '\r')
+                *p = ' ';
+        grpc_slice_unref(c->st_details);
+        c->st_details = grpc_empty_slice();
+    }
+    bool have = c->status_have;
+    pthread_cond_broadcast(&c->cond);
+    pthread_mutex_unlock(&c->mu);
+    return have;
+}
+
+/* STRATA_EIO with the stream's status (waits for it: the call is over, so it comes). */
+static int ended_error(ctl_client *c, strata_error *err)
+{
+    fetch_status(c, gpr_inf_future(GPR_CLOCK_REALTIME));
+    pthread_mutex_lock(&c->mu);
+    int rc;
+    if (!c->status_have)
+        rc = strata_fail(err, STRATA_EIO, "the control stream to the coordinator ended");
+    else if (c->details[0])
+        rc = strata_fail(err, STRATA_EIO, "coordinator ended the control stream: %s: %s",
+                         proto_grpc_status_name(c->status), c->details);
+    else
+        rc = strata_fail(err, STRATA_EIO, "coordinator ended the control stream: %s", proto_grpc_status_name(c->status));
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+static bool enter(ctl_client *c)
+{
+    pthread_mutex_lock(&c->mu);
+    bool ok = !c->closing;
+    if (ok)
+        c->users++;
+    pthread_mutex_unlock(&c->mu);
+    return ok;
+}
+
+static void leave(ctl_client *c)
+{
+    pthread_mutex_lock(&c->mu);
+    if (--c->users == 0)
+        pthread_cond_broadcast(&c->cond);
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* Cancels the call, completes every batch still in flight and frees everything. No other thread
+ * may be inside the client. */
+static void client_teardown(ctl_client *c)
+{
+    gpr_timespec inf = gpr_inf_future(GPR_CLOCK_REALTIME);
+    if (c->call) {
+        grpc_call_cancel(c->call, NULL);
+        if (c->half_outstanding)
+            pluck(c, &c->tag_half, inf);
+        if (c->recv_outstanding) {
+            pluck(c, &c->tag_recv, inf);
+            c->recv_outstanding = false;
+        }
+        if (c->recv_bb)
+            grpc_byte_buffer_destroy(c->recv_bb);
+        fetch_status(c, inf);
+        grpc_call_unref(c->call);
+    }
+    grpc_metadata_array_destroy(&c->md_in);
+    grpc_metadata_array_destroy(&c->trailing);
+    grpc_slice_unref(c->st_details);
+    if (c->cq) {
+        grpc_completion_queue_shutdown(c->cq);
+        while (grpc_completion_queue_pluck(c->cq, NULL, inf, NULL).type != GRPC_QUEUE_SHUTDOWN) {
+        }
+        grpc_completion_queue_destroy(c->cq);
+    }
+    if (c->ch)
+        grpc_channel_destroy(c->ch);
+    pthread_cond_destroy(&c->cond);
+    pthread_mutex_destroy(&c->mu);
+    pthread_mutex_destroy(&c->send_mu);
+    pthread_mutex_destroy(&c->recv_mu);
+    free(c);
+    grpc_shutdown();
+}
+
+static grpc_arg int_arg(const char *key, int value)
+{
+    grpc_arg a;
+    memset(&a, 0, sizeof a);
+    a.type = GRPC_ARG_INTEGER;
+    a.key = (char *)key;
+    a.value.integer = value;
+    return a;
+}
+
+int ctl_client_connect(const char *coordinator_addr, const Strata__Internal__V1__Join *join, int timeout_ms,
+                       ctl_client **out, strata_error *err)
+{
+    return ctl_client_connect_opts(coordinator_addr, join, timeout_ms, NULL, out, err);
+}
+
+int ctl_client_connect_opts(const char *coordinator_addr, const Strata__Internal__V1__Join *join, int timeout_ms,
+                            const ctl_client_options *o, ctl_client **out, strata_error *err)
+{
+    if (out)
+        *out = NULL;
+    if (!coordinator_addr || !*coordinator_addr || !join || !out)
+        return strata_fail(err, STRATA_EINVAL, "ctl_client_connect: NULL or empty argument");
+    size_t max_bytes = o && o->max_message_bytes ? o->max_message_bytes : CTL_CLIENT_DEFAULT_MAX_MESSAGE_BYTES;
+    int ka_time = o && o->keepalive_time_ms ? o->keepalive_time_ms : CTL_CLIENT_DEFAULT_KEEPALIVE_TIME_MS;
+    int ka_timeout = o && o->keepalive_timeout_ms ? o->keepalive_timeout_ms : CTL_CLIENT_DEFAULT_KEEPALIVE_TIMEOUT_MS;
+    if (max_bytes > INT32_MAX)
+        return strata_fail(err, STRATA_EINVAL, "max_message_bytes %zu is above 2 GiB", max_bytes);
+    if (ka_time < 0 || ka_timeout < 0)
+        return strata_fail(err, STRATA_EINVAL, "keepalive times must not be negative");
+    if (timeout_ms == 0)
+        timeout_ms = CTL_CLIENT_DEFAULT_CONNECT_TIMEOUT_MS;
+
+    grpc_init();
+    Strata__Internal__V1__Join j = *join;
+    if (!j.protocol_version)
+        j.protocol_version = CTL_CLIENT_PROTOCOL_VERSION;
+    Strata__Internal__V1__WorkerMessage wm = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
+    wm.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_JOIN;
+    wm.join = &j;
+    grpc_byte_buffer *bb;
+    int rc = proto_pack(&wm.base, max_bytes, &bb, err);
+    if (rc) {
+        grpc_shutdown();
+        if (err)
+            err->code = STRATA_EINVAL;
+        return STRATA_EINVAL;
+    }
+
+    ctl_client *c = calloc(1, sizeof *c);
+    if (!c) {
+        grpc_byte_buffer_destroy(bb);
+        grpc_shutdown();
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    }
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cond, NULL);
+    pthread_mutex_init(&c->send_mu, NULL);
+    pthread_mutex_init(&c->recv_mu, NULL);
+    grpc_metadata_array_init(&c->md_in);
+    grpc_metadata_array_init(&c->trailing);
+    c->st_details = grpc_empty_slice();
+    c->status = -1;
+    c->max_bytes = max_bytes;
+    snprintf(c->addr, sizeof c->addr, "%s", coordinator_addr);
+
+    grpc_arg args[6] = {
+        int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, (int)max_bytes),
+        int_arg(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, (int)max_bytes),
+        int_arg(GRPC_ARG_KEEPALIVE_TIME_MS, ka_time),
+        int_arg(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ka_timeout),
+        int_arg(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1),
+        /* Keep pinging an idle stream (gRPC stops after 2 pings without data by default). */
+        int_arg(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0),
+    };
+    grpc_channel_args chargs = {sizeof args / sizeof args[0], args};
+    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+    c->ch = grpc_channel_create(coordinator_addr, creds, &chargs);
+    grpc_channel_credentials_release(creds);
+    c->cq = grpc_completion_queue_create_for_pluck(NULL);
+    c->call = grpc_channel_create_call(c->ch, NULL, GRPC_PROPAGATE_DEFAULTS, c->cq,
+                                       grpc_slice_from_static_string(CTL_CLIENT_ATTACH_METHOD), NULL,
+                                       gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    if (!c->call) {
+        grpc_byte_buffer_destroy(bb);
+        client_teardown(c);
+        return strata_fail(err, STRATA_EIO, "cannot create a call to the coordinator at %s", coordinator_addr);
+    }
+
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    op.data.recv_status_on_client.trailing_metadata = &c->trailing;
+    op.data.recv_status_on_client.status = &c->st_code;
+    op.data.recv_status_on_client.status_details = &c->st_details;
+    grpc_call_error e = grpc_call_start_batch(c->call, &op, 1, &c->tag_status, NULL);
+    if (e == GRPC_CALL_OK)
+        c->status_started = true;
+
+    grpc_op ops[2];
+    memset(ops, 0, sizeof ops);
+    /* Wait for the coordinator to be reachable (up to timeout_ms) instead of failing at once. */
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].flags = GRPC_INITIAL_METADATA_WAIT_FOR_READY;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = bb;
+    if (e == GRPC_CALL_OK)
+        e = grpc_call_start_batch(c->call, ops, 2, &c->tag_send, NULL);
+    if (e != GRPC_CALL_OK) {
+        grpc_byte_buffer_destroy(bb);
+        client_teardown(c);
+        return strata_fail(err, STRATA_EIO, "cannot start the control call: %s", grpc_call_error_to_string(e));
+    }
+    grpc_event ev = pluck(c, &c->tag_send, deadline_ms(timeout_ms));
+    if (ev.type == GRPC_QUEUE_TIMEOUT) {
+        grpc_call_cancel(c->call, NULL);
+        pluck(c, &c->tag_send, gpr_inf_future(GPR_CLOCK_REALTIME));
+        grpc_byte_buffer_destroy(bb);
+        client_teardown(c);
+        return strata_fail(err, STRATA_EIO, "cannot reach the coordinator at %s within %d ms", coordinator_addr,
+                           timeout_ms);
+    }
+    grpc_byte_buffer_destroy(bb);
+    if (!ev.success) {
+        ended_error(c, err);
+        strata_error_prefix(err, "cannot attach to the coordinator at %s", coordinator_addr);
+        client_teardown(c);
+        return STRATA_EIO;
+    }
+    *out = c;
+    return STRATA_OK;
+}
+
+int ctl_client_send(ctl_client *c, const Strata__Internal__V1__WorkerMessage *msg, strata_error *err)
+{
+    if (!c || !msg)
+        return strata_fail(err, STRATA_EINVAL, "ctl_client_send: NULL argument");
+    grpc_byte_buffer *bb;
+    int rc = proto_pack(&msg->base, c->max_bytes, &bb, err);
+    if (rc) {
+        if (err)
+            err->code = STRATA_EINVAL;
+        return STRATA_EINVAL;
+    }
+    if (!enter(c)) {
+        grpc_byte_buffer_destroy(bb);
+        return strata_fail(err, STRATA_EIO, "the control client is closing");
+    }
+    pthread_mutex_lock(&c->send_mu);
+    bool failed = c->send_failed;
+    if (!failed) {
+        grpc_op op;
+        memset(&op, 0, sizeof op);
+        op.op = GRPC_OP_SEND_MESSAGE;
+        op.data.send_message.send_message = bb;
+        if (grpc_call_start_batch(c->call, &op, 1, &c->tag_send, NULL) != GRPC_CALL_OK) {
+            failed = true;
+        } else {
+            grpc_event ev = pluck(c, &c->tag_send, gpr_inf_future(GPR_CLOCK_REALTIME));
+            failed = !ev.success;
+        }
+        c->send_failed = failed;
+    }
+    pthread_mutex_unlock(&c->send_mu);
+    grpc_byte_buffer_destroy(bb);
+    rc = failed ? ended_error(c, err) : STRATA_OK;
+    leave(c);
+    return rc;
+}
+
+int ctl_client_recv(ctl_client *c, int timeout_ms, Strata__Internal__V1__CoordinatorMessage **msg, strata_error *err)
+{
+    if (msg)
+        *msg = NULL;
+    if (!c || !msg)
+        return strata_fail(err, STRATA_EINVAL, "ctl_client_recv: NULL argument");
+    if (!enter(c))
+        return strata_fail(err, STRATA_EIO, "the control client is closing");
+    pthread_mutex_lock(&c->recv_mu);
+    if (!c->recv_ended && !c->recv_outstanding) {
+        grpc_op ops[2];
+        memset(ops, 0, sizeof ops);
+        size_t n = 0;
+        if (!c->md_requested) {
+            ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
+            ops[n].data.recv_initial_metadata.recv_initial_metadata = &c->md_in;
+            n++;
+        }
+        ops[n].op = GRPC_OP_RECV_MESSAGE;
+        ops[n].data.recv_message.recv_message = &c->recv_bb;
+        n++;
+        if (grpc_call_start_batch(c->call, ops, n, &c->tag_recv, NULL) != GRPC_CALL_OK) {
+            c->recv_ended = true;
+        } else {
+            c->md_requested = true;
+            c->recv_outstanding = true;
+        }
+    }
+    if (c->recv_ended) {
+        pthread_mutex_unlock(&c->recv_mu);
+        int rc = ended_error(c, err);
+        leave(c);
+        return rc;
+    }
+    grpc_event ev = pluck(c, &c->tag_recv, deadline_ms(timeout_ms));
+    if (ev.type != GRPC_OP_COMPLETE) {
+        pthread_mutex_unlock(&c->recv_mu); /* still in flight: the next call plucks it */
+        leave(c);
+        return STRATA_OK;
+    }
+    c->recv_outstanding = false;
+    grpc_byte_buffer *bb = c->recv_bb;
+    c->recv_bb = NULL;
+    if (!ev.success || !bb)
+        c->recv_ended = true;
+    pthread_mutex_unlock(&c->recv_mu);
+    int rc;
+    if (!ev.success || !bb) {
+        if (bb)
+            grpc_byte_buffer_destroy(bb);
+        rc = ended_error(c, err);
+    } else {
+        ProtobufCMessage *m = NULL;
+        rc = proto_unpack(bb, &strata__internal__v1__coordinator_message__descriptor, c->max_bytes, &m, err);
+        grpc_byte_buffer_destroy(bb);
+        if (rc == STRATA_OK)
+            *msg = (Strata__Internal__V1__CoordinatorMessage *)m;
+        else
+            strata_error_prefix(err, "undecodable CoordinatorMessage");
+    }
+    leave(c);
+    return rc;
+}
+
+int ctl_client_status(ctl_client *c, char *details, size_t cap)
+{
+    if (!c)
+        return -1;
+    pthread_mutex_lock(&c->mu);
+    int st = c->status_have ? c->status : -1;
+    if (details && cap)
+        snprintf(details, cap, "%s", c->status_have ? c->details : "");
+    pthread_mutex_unlock(&c->mu);
+    return st;
+}
+
+void ctl_client_close(ctl_client *c)
+{
+    if (!c)
+        return;
+    pthread_mutex_lock(&c->mu);
+    c->closing = true;
+    pthread_mutex_unlock(&c->mu);
+
+    /* Graceful end when no other thread is in the middle of a send: half-close, read (and
+     * drop) what the coordinator still sends until its status arrives, so that it sees a clean
+     * close (on_gone OK) rather than a cancellation. Bounded by CTL_CLIENT_CLOSE_GRACE_MS. */
+    gpr_timespec grace = deadline_ms(CTL_CLIENT_CLOSE_GRACE_MS);
+    if (pthread_mutex_trylock(&c->send_mu) == 0) {
+        bool half = false;
+        if (!c->send_failed) {
+            grpc_op op;
+            memset(&op, 0, sizeof op);
+            op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+            if (grpc_call_start_batch(c->call, &op, 1, &c->tag_half, NULL) == GRPC_CALL_OK) {
+                c->half_outstanding = true;
+                if (pluck(c, &c->tag_half, grace).type == GRPC_OP_COMPLETE) {
+                    c->half_outstanding = false;
+                    half = true;
+                }
+            }
+        }
+        pthread_mutex_unlock(&c->send_mu);
+        if (half && pthread_mutex_trylock(&c->recv_mu) == 0) {
+            while (!c->recv_ended) {
+                if (!c->recv_outstanding) {
+                    grpc_op ops[2];
+                    memset(ops, 0, sizeof ops);
+                    size_t n = 0;
+                    if (!c->md_requested) {
+                        ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
+                        ops[n].data.recv_initial_metadata.recv_initial_metadata = &c->md_in;
+                        n++;
+                    }
+                    ops[n].op = GRPC_OP_RECV_MESSAGE;
+                    ops[n].data.recv_message.recv_message = &c->recv_bb;
+                    n++;
+                    if (grpc_call_start_batch(c->call, ops, n, &c->tag_recv, NULL) != GRPC_CALL_OK)
+                        break;
+                    c->md_requested = true;
+                    c->recv_outstanding = true;
+                }
+                grpc_event ev = pluck(c, &c->tag_recv, grace);
+                if (ev.type != GRPC_OP_COMPLETE)
+                    break;
+                c->recv_outstanding = false;
+                if (!ev.success || !c->recv_bb)
+                    c->recv_ended = true;
+                if (c->recv_bb) {
+                    grpc_byte_buffer_destroy(c->recv_bb);
+                    c->recv_bb = NULL;
+                }
+            }
+            pthread_mutex_unlock(&c->recv_mu);
+        }
+        if (half)
+            fetch_status(c, grace);
+    }
+
+    grpc_call_cancel(c->call, NULL);
+    pthread_mutex_lock(&c->mu);
+    while (c->users > 0)
+        pthread_cond_wait(&c->cond, &c->mu);
+    pthread_mutex_unlock(&c->mu);
+    client_teardown(c);
+}
