@@ -5,7 +5,13 @@
 
 #include <stddef.h>
 
-/* y[n][out] = x[n][in] * W^T, W [out][in]. Goes through BLAS (sgemv for n == 1). */
+/* y[n][out] = x[n][in] * W^T, W [out][in].
+ * Batch-invariant: row r of y depends only on row r of x and on W, bit for bit, whatever n, the
+ * row's place in x and the thread count (each element is summed in one fixed order, see ops.c:
+ * eight interleaved fma lanes, a fixed pairwise reduction, then the remainder). This is what
+ * makes a sequence's logits the same alone and inside any batch. Not BLAS: OpenBLAS's sgemm rows
+ * change with the number of rows and sgemv differs from sgemm. Splits the outputs over the
+ * threads set by kern_set_threads when the product is large enough. */
 void kern_matmul(const float *x, size_t n, size_t in, const float *w, size_t out, float *y);
 
 /* out = x / sqrt(mean(x^2) + eps) * weight, for each of n rows of dim elements. out may be x. */
@@ -27,7 +33,9 @@ void kern_softmax(float *x, size_t n);
 /* Exact causal attention for a whole prompt (prefill): q [n][n_q_heads][head_dim],
  * k and v [n][n_kv_heads][head_dim], out [n][n_q_heads][head_dim]. Query i attends to keys
  * 0..i. Goes through BLAS in tiles of query rows. scratch: kern_attention_causal_scratch(n)
- * floats. */
+ * floats. The same inputs give the same bits at a given BLAS thread count, but OpenBLAS's sgemm
+ * sums differently with another thread count (measured: prompts of 130 tokens and more change
+ * between 1 and 2 threads). */
 void kern_attention_causal(const float *q, const float *k, const float *v, size_t n,
                            size_t n_q_heads, size_t n_kv_heads, size_t head_dim, float *out,
                            float *scratch);
@@ -36,7 +44,8 @@ void kern_attention_causal(const float *q, const float *k, const float *v, size_
  * keys; at least 1). */
 size_t kern_attention_causal_scratch(size_t n);
 
-/* Number of threads BLAS may use (0: leave the library's default). */
+/* Number of threads BLAS and kern_matmul may use (0: leave the default, OpenBLAS's thread
+ * count). */
 void kern_set_threads(int n);
 
 #endif

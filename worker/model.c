@@ -246,6 +246,12 @@ kv_geometry model_kv_geometry(const model *m, int block_tokens)
                          .head_dim = m->cfg.head_dim, .block_tokens = block_tokens};
 }
 
+kv_geometry model_stage_kv_geometry(const model *m, int block_tokens)
+{
+    return (kv_geometry){.n_layers = m->layer_end - m->layer_begin, .n_kv_heads = m->cfg.n_kv_heads,
+                         .head_dim = m->cfg.head_dim, .block_tokens = block_tokens};
+}
+
 /* Activations of one forward call over n tokens. */
 typedef struct workspace {
     float *x, *xn, *q, *k, *v, *attn, *proj, *gate, *up;
@@ -405,6 +411,213 @@ int model_forward(model *m, kv_seq *seq, const int32_t *tokens, size_t n, size_t
             run_head(m, w.x, rows, w.xn, logits + start * (size_t)c->n_vocab);
         else if (start + rows == n)
             run_head(m, w.x + (rows - 1) * e, 1, w.xn, logits);
+    }
+    workspace_free(&w);
+    return rc;
+}
+
+/* ---- Batched steps (continuous batching, pipeline stages) ---------------------------------- */
+
+/* Checks every item and the buffers before anything changes; *rows_out = the step's rows,
+ * *bad = the failing item (n_items when the failure is not one item's). */
+static int batch_validate(const model *m, const model_batch_item *items, size_t n_items, const float *hidden_in,
+                          const float *hidden_out, size_t *rows_out, size_t *bad, strata_error *err)
+{
+    *bad = n_items;
+    const model_config *c = &m->cfg;
+    const bool first = m->layer_begin == 0, last = m->layer_end == c->n_layers;
+    if (!items || n_items == 0)
+        return strata_fail(err, STRATA_EINVAL, "batch: no items to run");
+    if (!first && !hidden_in)
+        return strata_fail(err, STRATA_EINVAL,
+                           "batch: hidden_in is NULL, but this stage starts at layer %d and takes the hidden states "
+                           "of the stage before it", m->layer_begin);
+    if (!last && !hidden_out)
+        return strata_fail(err, STRATA_EINVAL,
+                           "batch: hidden_out is NULL, but this stage ends at layer %d of %d and passes its hidden "
+                           "states on", m->layer_end, c->n_layers);
+    const kv_geometry want = model_stage_kv_geometry(m, 0);
+    size_t rows = 0;
+    for (size_t j = 0; j < n_items; j++) {
+        *bad = j;
+        const model_batch_item *it = &items[j];
+        if (!it->seq)
+            return strata_fail(err, STRATA_EINVAL, "batch item %zu has no sequence", j);
+        if (it->n_tokens == 0)
+            return strata_fail(err, STRATA_EINVAL, "batch item %zu has no tokens", j);
+        if (first && !it->tokens)
+            return strata_fail(err, STRATA_EINVAL, "batch item %zu has no token ids (the first stage embeds them)", j);
+        for (size_t i = 0; it->tokens && i < it->n_tokens; i++)
+            if (it->tokens[i] < 0 || it->tokens[i] >= c->n_vocab)
+                return strata_fail(err, STRATA_EINVAL,
+                                   "batch item %zu: token id %d at index %zu is outside the vocabulary (%d)", j,
+                                   it->tokens[i], i, c->n_vocab);
+        const kv_geometry *g = kv_pool_geometry(kv_seq_pool(it->seq));
+        if (g->n_layers != want.n_layers || g->n_kv_heads != want.n_kv_heads || g->head_dim != want.head_dim)
+            return strata_fail(err, STRATA_EINVAL,
+                               "batch item %zu: the sequence's KV pool has %d layers of %d KV heads x %d, but this "
+                               "stage holds layers [%d, %d) of %d KV heads x %d (use model_stage_kv_geometry)",
+                               j, g->n_layers, g->n_kv_heads, g->head_dim, m->layer_begin, m->layer_end,
+                               want.n_kv_heads, want.head_dim);
+        for (size_t k = 0; k < j; k++)
+            if (items[k].seq == it->seq)
+                return strata_fail(err, STRATA_EINVAL, "batch items %zu and %zu are the same sequence", k, j);
+        const size_t len = kv_seq_length(it->seq, 0);
+        if (it->pos0 != len)
+            return strata_fail(err, STRATA_EINVAL, "batch item %zu: position %zu does not follow the cache's %zu tokens",
+                               j, it->pos0, len);
+        if (it->n_tokens > 1 && len > 0)
+            return strata_fail(err, STRATA_EUNSUPPORTED,
+                               "batch item %zu: %zu tokens at position %zu would continue a non-empty sequence; "
+                               "chunked prefill is not supported yet (a prompt runs whole on an empty sequence, "
+                               "then one token per step)", j, it->n_tokens, it->pos0);
+        if (it->n_tokens > SIZE_MAX / 4 / (size_t)c->n_ff - rows)
+            return strata_fail(err, STRATA_EINVAL, "batch: too many tokens in one step");
+        rows += it->n_tokens;
+    }
+    *bad = n_items;
+    *rows_out = rows;
+    return STRATA_OK;
+}
+
+static int fail_item(strata_error *err, int rc, const char *what, size_t item, int il)
+{
+    if (err)
+        strata_error_prefix(err, "%s layer %d (batch item %zu)", what, il, item);
+    return rc;
+}
+
+/* Layer il (of the whole model) over all rows of a batch: the matmuls over every row at once,
+ * then attention item by item exactly as run_layer does for one sequence, on the sequences'
+ * local layer il - layer_begin. */
+static int run_layer_batch(model *m, const model_batch_item *items, size_t n_items, int il, workspace *w,
+                           size_t rows, strata_error *err)
+{
+    const model_config *c = &m->cfg;
+    const int ll = il - m->layer_begin;
+    const layer_weights *L = &m->layers[ll];
+    const size_t e = (size_t)c->n_embd, hd = (size_t)c->head_dim;
+    const size_t kvd = (size_t)c->n_kv_heads * hd;
+
+    kern_rmsnorm(w->x, L->attn_norm, rows, e, c->rms_eps, w->xn);
+    kern_matmul(w->xn, rows, e, L->wq, e, w->q);
+    kern_matmul(w->xn, rows, e, L->wk, kvd, w->k);
+    kern_matmul(w->xn, rows, e, L->wv, kvd, w->v);
+    size_t r0 = 0;
+    for (size_t j = 0; j < n_items; j++) {
+        for (size_t i = 0; i < items[j].n_tokens; i++) {
+            kern_rope(w->q + (r0 + i) * e, (size_t)c->n_heads, hd, items[j].pos0 + i, c->rope_theta);
+            kern_rope(w->k + (r0 + i) * kvd, (size_t)c->n_kv_heads, hd, items[j].pos0 + i, c->rope_theta);
+        }
+        r0 += items[j].n_tokens;
+    }
+    r0 = 0;
+    for (size_t j = 0; j < n_items; j++) {
+        kv_seq *seq = items[j].seq;
+        const size_t n = items[j].n_tokens;
+        float *q = w->q + r0 * e, *k = w->k + r0 * kvd, *v = w->v + r0 * kvd, *attn = w->attn + r0 * e;
+        int rc = kv_seq_append(seq, ll, k, v, n, err);
+        if (rc != STRATA_OK) {
+            kv_seq_unpin(seq);
+            return fail_item(err, rc, "appending K/V in", j, il);
+        }
+        if (n > 1) {
+            /* A whole prompt: exact attention at the precision the cache keeps recent tokens in. */
+            for (size_t i = 0; i < n * kvd; i++) {
+                k[i] = strata_round_half(k[i]);
+                v[i] = strata_round_half(v[i]);
+            }
+            kern_attention_causal(q, k, v, n, (size_t)c->n_heads, (size_t)c->n_kv_heads, hd, attn, w->att_scratch);
+        } else {
+            kv_seq_prefetch_layer(seq, ll + 1);
+            kv_layer_view view;
+            rc = kv_seq_acquire_layer(seq, ll, &view, err);
+            if (rc == STRATA_OK)
+                rc = ensure_kv_scratch(w, kern_kv_attention_scratch(&view, c->n_heads), err);
+            if (rc == STRATA_OK)
+                rc = kern_kv_attention(&view, q, c->n_heads, attn, w->kv_scratch, err);
+            if (rc != STRATA_OK) {
+                kv_seq_unpin(seq);
+                return fail_item(err, rc, "attention in", j, il);
+            }
+        }
+        kv_seq_unpin(seq);   /* this layer's blocks may now move down to make room for others */
+        r0 += n;
+    }
+    kern_matmul(w->attn, rows, e, L->wo, e, w->proj);
+    kern_add(w->x, w->proj, rows * e);
+
+    kern_rmsnorm(w->x, L->ffn_norm, rows, e, c->rms_eps, w->xn);
+    kern_matmul(w->xn, rows, e, L->w_gate, (size_t)c->n_ff, w->gate);
+    kern_matmul(w->xn, rows, e, L->w_up, (size_t)c->n_ff, w->up);
+    kern_swiglu(w->gate, w->up, rows * (size_t)c->n_ff, w->gate);
+    kern_matmul(w->gate, rows, (size_t)c->n_ff, L->w_down, e, w->proj);
+    kern_add(w->x, w->proj, rows * e);
+    return STRATA_OK;
+}
+
+/* Validation, then every item's room: all before the first layer, so a refused step changes
+ * nothing. */
+static int batch_check(const model *m, const model_batch_item *items, size_t n_items, const float *hidden_in,
+                       const float *hidden_out, size_t *rows, size_t *bad, strata_error *err)
+{
+    int rc = batch_validate(m, items, n_items, hidden_in, hidden_out, rows, bad, err);
+    for (size_t j = 0; j < n_items && rc == STRATA_OK; j++) {
+        rc = kv_seq_check_room(items[j].seq, items[j].n_tokens, err);
+        if (rc != STRATA_OK) {
+            *bad = j;
+            if (err)
+                strata_error_prefix(err, "batch item %zu", j);
+        }
+    }
+    return rc;
+}
+
+int model_batch_check(const model *m, const model_batch_item *items, size_t n_items, const float *hidden_in,
+                      const float *hidden_out, size_t *bad_item, strata_error *err)
+{
+    size_t rows, bad;
+    int rc = batch_check(m, items, n_items, hidden_in, hidden_out, &rows, &bad, err);
+    if (bad_item)
+        *bad_item = bad;
+    return rc;
+}
+
+int model_forward_batch(model *m, const model_batch_item *items, size_t n_items, const float *hidden_in,
+                        float *hidden_out, float *logits, strata_error *err)
+{
+    const model_config *c = &m->cfg;
+    const bool first = m->layer_begin == 0, last = m->layer_end == c->n_layers;
+    size_t rows = 0, bad;
+    int rc = batch_check(m, items, n_items, hidden_in, hidden_out, &rows, &bad, err);
+    if (rc != STRATA_OK)
+        return rc;
+
+    const size_t e = (size_t)c->n_embd;
+    workspace w;
+    rc = workspace_alloc(&w, c, rows, err);
+    if (rc != STRATA_OK)
+        return rc;
+    if (first) {
+        size_t r = 0;
+        for (size_t j = 0; j < n_items; j++)
+            for (size_t i = 0; i < items[j].n_tokens; i++, r++)
+                memcpy(w.x + r * e, m->tok_embd + (size_t)items[j].tokens[i] * e, e * sizeof(float));
+    } else {
+        memcpy(w.x, hidden_in, rows * e * sizeof(float));
+    }
+    for (int il = m->layer_begin; il < m->layer_end && rc == STRATA_OK; il++)
+        rc = run_layer_batch(m, items, n_items, il, &w, rows, err);
+    if (rc == STRATA_OK && !last) {
+        memcpy(hidden_out, w.x, rows * e * sizeof(float));
+    } else if (rc == STRATA_OK && logits) {
+        /* The last row of every item, gathered (w.attn is free now), through the head at once. */
+        size_t r = 0;
+        for (size_t j = 0; j < n_items; j++) {
+            r += items[j].n_tokens;
+            memcpy(w.attn + j * e, w.x + (r - 1) * e, e * sizeof(float));
+        }
+        run_head(m, w.attn, n_items, w.xn, logits);
     }
     workspace_free(&w);
     return rc;

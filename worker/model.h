@@ -49,6 +49,11 @@ size_t model_weight_bytes(const model *m);
 /* KV geometry of this model for a block size (all layers of the model). */
 kv_geometry model_kv_geometry(const model *m, int block_tokens);
 
+/* KV geometry of the layers this model holds: n_layers = layer_end - layer_begin. A sequence on
+ * a pipeline stage holds only that stage's layers, numbered from 0 (local layer il - layer_begin).
+ * For a model holding every layer it equals model_kv_geometry. */
+kv_geometry model_stage_kv_geometry(const model *m, int block_tokens);
+
 /* Runs n tokens at positions pos0.. through the whole model (which must hold every layer) and
  * appends their K/V to seq. If seq is empty and n > 1 the prompt is prefilled with exact
  * attention over its fp16-rounded K/V; otherwise tokens go one by one through the decode path
@@ -58,5 +63,52 @@ kv_geometry model_kv_geometry(const model *m, int block_tokens);
  * lengths: the caller discards the sequence. */
 int model_forward(model *m, kv_seq *seq, const int32_t *tokens, size_t n, size_t pos0,
                   float *logits, bool all_logits, strata_error *err);
+
+/* One item of a batched step (model_forward_batch). */
+typedef struct model_batch_item {
+    kv_seq *seq;             /* from a pool of model_stage_kv_geometry; at most once per batch */
+    const int32_t *tokens;   /* n_tokens ids: required on the first stage (they are embedded);
+                              * on later stages optional (NULL), range-checked when given */
+    size_t n_tokens;         /* >= 1 */
+    size_t pos0;             /* position of the first token: the sequence's current length */
+} model_batch_item;
+
+/* One step of continuous batching through the layers this model holds, [layer_begin, layer_end)
+ * (a whole model or a pipeline stage). Each item is either
+ *   - a whole prompt on an empty sequence (pos0 == 0, n_tokens > 1): exact causal attention over
+ *     its fp16-rounded K/V, as model_forward's prefill; or
+ *   - one token (n_tokens == 1, pos0 == the sequence's length, also 0 for a one-token prompt):
+ *     attention over the compressed cache (kv_seq_acquire_layer; the next layer is prefetched and
+ *     the sequence unpinned after each layer), as model_forward's decode.
+ * Chunked prefill (n_tokens > 1 on a non-empty sequence) is not supported yet: STRATA_EUNSUPPORTED.
+ *
+ * Rows: the step has T = sum of n_tokens rows, item after item, each [n_embd] floats.
+ *   hidden_in: the T rows entering layer_begin; required when layer_begin > 0, unused (may be
+ *     NULL) on the first stage, where the tokens are embedded.
+ *   hidden_out: the T rows leaving the stage's last layer; required when layer_end < n_layers,
+ *     unused on the last stage. It may be the same buffer as hidden_in.
+ *   logits: on the last stage, n_items rows of n_vocab floats, the last token of each item; NULL
+ *     skips the head. Unused on other stages.
+ * The projection and FFN matmuls run once over all T rows; attention runs per item. The result
+ * of every item is bit-identical to running it alone (model_forward, or this function with one
+ * item) and to running the layers split over stages: every kernel works row by row or per item
+ * (kern_matmul is batch-invariant).
+ *
+ * Every item is validated and kv_seq_check_room'd before any layer runs (model_batch_check):
+ * a failed check changes no sequence. Sequences sharing a pool draw on the same free slots and
+ * the checks are per sequence, so the caller admits a step only if the pool has room for all of
+ * it; a failure inside the layers (pool exhausted that way, or a lower tier's I/O error) leaves
+ * the sequences of the batch with uneven layers, and the caller discards them (as with
+ * model_forward). */
+int model_forward_batch(model *m, const model_batch_item *items, size_t n_items, const float *hidden_in,
+                        float *hidden_out, float *logits, strata_error *err);
+
+/* The checks model_forward_batch makes before its first layer, without running anything: the
+ * buffers, every item (sequence, tokens, geometry, position, no chunked prefill, no sequence
+ * twice) and every item's room. On failure *bad_item (if non-NULL) is the index of the item at
+ * fault, or n_items when the fault is not one item's (no items, a missing buffer); a scheduler
+ * can drop or defer that item and run the rest. STRATA_OK leaves *bad_item = n_items. */
+int model_batch_check(const model *m, const model_batch_item *items, size_t n_items, const float *hidden_in,
+                      const float *hidden_out, size_t *bad_item, strata_error *err);
 
 #endif

@@ -1,0 +1,368 @@
+/* Pipeline stages (worker/stage/stage.h) on the real model: two stages (layers [0,15) and
+ * [15,30)) joined by a real authenticated TCP data-plane link execute step plans with several
+ * sequences joining at different steps; the greedy tokens equal each sequence run alone through
+ * model_forward on the whole model. Also: one stage with a device budget far below the KV and
+ * host/NVMe tiers, a sequence preempted (spilled) and resumed by the plan, same tokens; a
+ * sequence the plan gets wrong fails alone on every stage while the others go on. */
+#include <ftw.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "kvstore/plan.h"
+#include "worker/model.h"
+#include "worker/stage/stage.h"
+
+static model *full, *front, *back;
+static const char *model_path(void) { return getenv("STRATA_MODEL") ? getenv("STRATA_MODEL") : STRATA_DEFAULT_MODEL; }
+
+static int32_t argmax(const float *x, int n)
+{
+    int32_t best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best])
+            best = i;
+    return best;
+}
+
+#define MAXSEQ 4
+#define STEPS 10
+
+typedef struct seq_spec {
+    uint64_t id;
+    int32_t prompt[160];
+    size_t n_prompt;
+    int join_step;              /* the step whose plan carries its prompt */
+    int32_t want[STEPS + 1];    /* greedy tokens alone */
+    int32_t got[STEPS + 1];
+    size_t n_got;
+    size_t len;                 /* tokens in its KV */
+} seq_spec;
+
+static void reference(seq_spec *q, int n_tokens, const char *kv)
+{
+    const model_config *c = model_get_config(full);
+    kv_geometry g = model_kv_geometry(full, 64);
+    kv_codec_params plan[64];
+    strata_error err = {0};
+    assert_int_equal(kv_plan_parse(kv, g.n_layers, plan, &err), STRATA_OK);
+    kv_pool *pool = kv_pool_create_plan(&g, plan, 8, &err);
+    kv_seq *seq = kv_seq_create(pool, 512, &err);
+    float *logits = malloc((size_t)c->n_vocab * sizeof *logits);
+    assert_int_equal(model_forward(full, seq, q->prompt, q->n_prompt, 0, logits, false, &err), STRATA_OK);
+    q->want[0] = argmax(logits, c->n_vocab);
+    for (int i = 1; i < n_tokens; i++) {
+        assert_int_equal(model_forward(full, seq, &q->want[i - 1], 1, q->n_prompt + (size_t)i - 1, logits, false, &err),
+                         STRATA_OK);
+        q->want[i] = argmax(logits, c->n_vocab);
+    }
+    free(logits);
+    kv_seq_destroy(seq);
+    kv_pool_destroy(pool);
+}
+
+/* The plan of one step for the given sequences (those joined and not finished). */
+typedef struct plan_buf {
+    Strata__Internal__V1__StepPlan plan;
+    Strata__Internal__V1__SeqWork work[MAXSEQ], *workp[MAXSEQ];
+    uint32_t tokens[MAXSEQ][160];
+    uint64_t preempt[MAXSEQ], resume[MAXSEQ], freed[MAXSEQ];
+} plan_buf;
+
+static void build_plan(plan_buf *b, uint64_t step, seq_spec *seqs, size_t n, int at, int max_steps)
+{
+    memset(b, 0, sizeof *b);
+    strata__internal__v1__step_plan__init(&b->plan);
+    b->plan.step = step;
+    b->plan.seqs = b->workp;
+    b->plan.preempt_seqs = b->preempt;
+    b->plan.resume_seqs = b->resume;
+    b->plan.free_seqs = b->freed;
+    for (size_t i = 0; i < n; i++) {
+        seq_spec *q = &seqs[i];
+        if (at < q->join_step || (int)q->n_got >= max_steps)
+            continue;
+        Strata__Internal__V1__SeqWork *w = &b->work[b->plan.n_seqs];
+        strata__internal__v1__seq_work__init(w);
+        w->seq_id = q->id;
+        w->sample = true;
+        w->last_chunk_of_prompt = q->len == 0;
+        if (q->len == 0) {
+            for (size_t k = 0; k < q->n_prompt; k++)
+                b->tokens[b->plan.n_seqs][k] = (uint32_t)q->prompt[k];
+            w->n_tokens = q->n_prompt;
+        } else {
+            b->tokens[b->plan.n_seqs][0] = (uint32_t)q->got[q->n_got - 1];
+            w->n_tokens = 1;
+        }
+        w->tokens = b->tokens[b->plan.n_seqs];
+        w->pos0 = (uint32_t)q->len;
+        b->workp[b->plan.n_seqs++] = w;
+    }
+}
+
+static void apply(const stage_result *r, seq_spec *seqs, size_t n, const plan_buf *b)
+{
+    for (size_t i = 0; i < b->plan.n_seqs; i++) {
+        const Strata__Internal__V1__SeqWork *w = b->plan.seqs[i];
+        seq_spec *q = NULL;
+        for (size_t k = 0; k < n; k++)
+            if (seqs[k].id == w->seq_id)
+                q = &seqs[k];
+        const stage_seq_result *res = NULL;
+        for (size_t k = 0; k < r->n_seqs; k++)
+            if (r->seqs[k].seq_id == w->seq_id)
+                res = &r->seqs[k];
+        assert_non_null(q);
+        if (!res || !res->sampled)
+            fail_msg("sequence %llu: no token (%s)", (unsigned long long)w->seq_id, res ? res->message : "no result");
+        assert_int_equal(res->status, STRATA_OK);
+        q->got[q->n_got++] = (int32_t)res->token;
+        q->len += w->n_tokens;
+    }
+}
+
+static Strata__Internal__V1__Assignment assignment(model *m, const char *kv)
+{
+    Strata__Internal__V1__Assignment a;
+    strata__internal__v1__assignment__init(&a);
+    a.layer_begin = (uint32_t)model_layer_begin(m);
+    a.layer_end = (uint32_t)model_layer_end(m);
+    a.n_layers_total = (uint32_t)model_get_config(m)->n_layers;
+    a.kv_plan = (char *)kv;
+    a.block_tokens = 64;
+    a.max_seq_tokens = 512;
+    a.max_batch_seqs = MAXSEQ;
+    a.max_batch_tokens = 1024;
+    return a;
+}
+
+typedef struct back_job {
+    stage *st;
+    const Strata__Internal__V1__StepPlan *plan;
+    stage_result res;
+    int rc;
+    strata_error err;
+} back_job;
+
+static void *run_back(void *arg)
+{
+    back_job *j = arg;
+    j->rc = stage_step(j->st, j->plan, &j->res, &j->err);
+    return NULL;
+}
+
+typedef struct accept_job {
+    dp_listener *l;
+    dp_auth auth;
+    dp_link *link;
+    int rc;
+} accept_job;
+
+static void *run_accept(void *arg)
+{
+    accept_job *j = arg;
+    j->rc = dp_tcp_accept(j->l, &j->auth, NULL, 10000, &j->link, NULL);
+    return NULL;
+}
+
+static void test_two_stages_equal_whole_model(void **state)
+{
+    (void)state;
+    const char *kv = "kivi2";
+    seq_spec seqs[3] = {{.id = 11, .n_prompt = 40, .join_step = 1},
+                        {.id = 22, .n_prompt = 150, .join_step = 1},
+                        {.id = 33, .n_prompt = 7, .join_step = 4}};
+    for (size_t i = 0; i < 3; i++) {
+        for (size_t k = 0; k < seqs[i].n_prompt; k++)
+            seqs[i].prompt[k] = (int32_t)(1 + (k * 7919 + i * 104729) % 40000);
+        reference(&seqs[i], STEPS, kv);
+    }
+    strata_error err = {0};
+    uint8_t secret[32] = "a test cluster secret, 32 bytes";
+    accept_job aj = {.auth = {secret, sizeof secret}};
+    assert_int_equal(dp_tcp_listen("127.0.0.1:0", &aj.l, &err), STRATA_OK);
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", dp_listener_port(aj.l));
+    pthread_t th;
+    pthread_create(&th, NULL, run_accept, &aj);
+    dp_link *to_back = NULL;
+    assert_int_equal(dp_tcp_connect(addr, &aj.auth, NULL, 10000, &to_back, &err), STRATA_OK);
+    pthread_join(th, NULL);
+    assert_int_equal(aj.rc, STRATA_OK);
+
+    Strata__Internal__V1__Assignment a0 = assignment(front, kv), a1 = assignment(back, kv);
+    stage *s0 = stage_create(&a0, front, NULL, NULL, to_back, &err);
+    if (!s0)
+        fail_msg("%s", err.msg);
+    stage *s1 = stage_create(&a1, back, NULL, aj.link, NULL, &err);
+    if (!s1)
+        fail_msg("%s", err.msg);
+    plan_buf b;
+    for (int step = 1; step <= STEPS + 3; step++) {
+        build_plan(&b, (uint64_t)step, seqs, 3, step, STEPS);
+        if (!b.plan.n_seqs)
+            break;
+        back_job bj = {.st = s1, .plan = &b.plan};
+        pthread_create(&th, NULL, run_back, &bj);
+        stage_result r0;
+        int rc = stage_step(s0, &b.plan, &r0, &err);
+        if (rc != STRATA_OK)
+            dp_link_close(to_back), to_back = NULL;   /* unblocks the back stage */
+        pthread_join(th, NULL);
+        if (rc != STRATA_OK)
+            fail_msg("front stage, step %d: %s", step, err.msg);
+        if (bj.rc != STRATA_OK)
+            fail_msg("back stage: %s", bj.err.msg);
+        assert_int_equal(r0.n_seqs, 0);   /* the first stage samples nothing and failed nothing */
+        apply(&bj.res, seqs, 3, &b);
+    }
+    for (size_t i = 0; i < 3; i++) {
+        assert_int_equal(seqs[i].n_got, STEPS);
+        for (int k = 0; k < STEPS; k++)
+            if (seqs[i].got[k] != seqs[i].want[k])
+                fail_msg("sequence %llu token %d: %d in the pipeline, %d alone", (unsigned long long)seqs[i].id, k,
+                         seqs[i].got[k], seqs[i].want[k]);
+    }
+
+    /* A plan that is wrong for one sequence (position) fails it on both stages; the others go on. */
+    build_plan(&b, 100, seqs, 2, 100, STEPS + 1);
+    b.work[0].pos0 += 5;
+    back_job bj = {.st = s1, .plan = &b.plan};
+    pthread_create(&th, NULL, run_back, &bj);
+    stage_result r0;
+    assert_int_equal(stage_step(s0, &b.plan, &r0, &err), STRATA_OK);
+    pthread_join(th, NULL);
+    assert_int_equal(bj.rc, STRATA_OK);
+    assert_int_equal(r0.n_seqs, 1);
+    assert_int_equal(r0.seqs[0].seq_id, seqs[0].id);
+    assert_int_equal(r0.seqs[0].status, STRATA_EINVAL);
+    bool other_sampled = false, first_failed = false;
+    for (size_t k = 0; k < bj.res.n_seqs; k++) {
+        other_sampled |= bj.res.seqs[k].seq_id == seqs[1].id && bj.res.seqs[k].sampled;
+        first_failed |= bj.res.seqs[k].seq_id == seqs[0].id && bj.res.seqs[k].status == STRATA_EINVAL;
+    }
+    assert_true(other_sampled);
+    assert_true(first_failed);
+
+    stage_destroy(s0);
+    stage_destroy(s1);
+    dp_link_close(to_back);
+    dp_link_close(aj.link);
+    dp_listener_close(aj.l);
+}
+
+static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb;
+    (void)flag;
+    (void)ftw;
+    return remove(path);
+}
+
+static void test_one_stage_tiers_preempt(void **state)
+{
+    (void)state;
+    const char *kv = "kivi4";
+    seq_spec seqs[2] = {{.id = 1, .n_prompt = 150, .join_step = 1}, {.id = 2, .n_prompt = 140, .join_step = 1}};
+    for (size_t i = 0; i < 2; i++) {
+        for (size_t k = 0; k < seqs[i].n_prompt; k++)
+            seqs[i].prompt[k] = (int32_t)(3 + (k * 31337 + i * 7) % 40000);
+        reference(&seqs[i], STEPS, kv);
+    }
+    char base[64], dir[128];
+    snprintf(base, sizeof base, "/tmp/strata-stage-XXXXXX");
+    assert_non_null(mkdtemp(base));
+    snprintf(dir, sizeof dir, "%s/spill", base);
+    Strata__Internal__V1__Assignment a = assignment(full, kv);
+    a.device_kv_bytes = 40 * 15488;   /* 40 slots for ~2 x 30 blocks + tails */
+    a.host_kv_bytes = 256 * 1024;
+    a.nvme_kv_bytes = 64u << 20;
+    stage_options o = {.nvme_dir = dir};
+    strata_error err = {0};
+    stage *st = stage_create(&a, full, &o, NULL, NULL, &err);
+    if (!st)
+        fail_msg("%s", err.msg);
+    plan_buf b;
+    for (int step = 1; step <= STEPS; step++) {
+        build_plan(&b, (uint64_t)step, seqs, 2, step, STEPS);
+        if (step == 4) {   /* sequence 2 leaves the batch, spilled */
+            b.preempt[b.plan.n_preempt_seqs++] = 2;
+            b.plan.n_seqs = 1;
+        } else if (step > 4 && step < 7) {
+            b.plan.n_seqs = 1;
+        } else if (step == 7) {
+            b.resume[b.plan.n_resume_seqs++] = 2;
+        }
+        stage_result r;
+        assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
+        apply(&r, seqs, 2, &b);
+    }
+    /* finish both */
+    while (seqs[1].n_got < STEPS) {
+        build_plan(&b, 50 + seqs[1].n_got, seqs, 2, 100, STEPS);
+        stage_result r;
+        assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
+        apply(&r, seqs, 2, &b);
+    }
+    for (size_t i = 0; i < 2; i++)
+        for (int k = 0; k < STEPS; k++)
+            if (seqs[i].got[k] != seqs[i].want[k])
+                fail_msg("sequence %llu token %d: %d with preemption, %d alone", (unsigned long long)seqs[i].id, k,
+                         seqs[i].got[k], seqs[i].want[k]);
+    stage_kv_usage u;
+    stage_get_kv_usage(st, &u);
+    assert_true(u.spills > 0 && u.restores > 0);
+    assert_int_equal(u.crc_failures, 0);
+    /* free_seqs releases them */
+    build_plan(&b, 200, seqs, 2, 100, 0);
+    b.freed[b.plan.n_free_seqs++] = 1;
+    b.freed[b.plan.n_free_seqs++] = 2;
+    stage_result r;
+    assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
+    stage_get_kv_usage(st, &u);
+    assert_int_equal(u.sequences, 0);
+    stage_destroy(st);
+    nftw(base, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+}
+
+static int setup(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    full = model_load(model_path(), 0, -1, &err);
+    front = full ? model_load(model_path(), 0, 15, &err) : NULL;
+    back = front ? model_load(model_path(), 15, -1, &err) : NULL;
+    if (!back) {
+        print_error("cannot load %s: %s (run scripts/setup.sh)\n", model_path(), err.msg);
+        return -1;
+    }
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    model_free(full);
+    model_free(front);
+    model_free(back);
+    return 0;
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_two_stages_equal_whole_model),
+        cmocka_unit_test(test_one_stage_tiers_preempt),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}

@@ -1,0 +1,354 @@
+/* strata-worker: one process per device. Joins the coordinator over the control plane, receives
+ * its assignment (model file, layer range, replica, stage, KV plan and budgets), loads only its
+ * layers, connects the data plane to its pipeline neighbours, and executes step plans until the
+ * coordinator ends it. */
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kvstore/error.h"
+#include "proto/strata_internal.pb-c.h"
+#include "worker/control/control_client.h"
+#include "worker/model.h"
+#include "worker/stage/stage.h"
+#include "worker/transport/transport.h"
+
+enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "usage: strata-worker --coordinator HOST:PORT --secret-file FILE [options]\n"
+            "\n"
+            "A strata worker: joins the coordinator, loads the layers it is assigned and runs their\n"
+            "steps (CPU). Usually started by `strata serve` or deploy/ units, not by hand.\n"
+            "\n"
+            "  --coordinator HOST:PORT  the coordinator's worker endpoint (required)\n"
+            "  --secret-file FILE       file holding the cluster secret, 16-256 bytes (required;\n"
+            "                           a trailing newline is ignored)\n"
+            "  --name NAME              worker name in logs and metrics (default: worker-<pid>)\n"
+            "  --data HOST:PORT         data-plane listen address for pipeline neighbours\n"
+            "                           (default 127.0.0.1:0, an ephemeral port)\n"
+            "  --device-kv-mib N        device KV memory offered (default 256)\n"
+            "  --host-kv-mib N          host tier offered (default 0: none)\n"
+            "  --nvme-dir DIR           spill directory of the NVMe tier (default: none)\n"
+            "  --nvme-kv-mib N          NVMe tier offered (default 1024 with --nvme-dir)\n"
+            "  --connect-timeout-ms N   give up reaching the coordinator after N ms (default 30000)\n"
+            "  -q, --quiet              only errors on stderr\n"
+            "  -h, --help               this help\n");
+}
+
+typedef struct worker_opts {
+    const char *coordinator, *secret_file, *name, *data, *nvme_dir;
+    long device_mib, host_mib, nvme_mib, connect_timeout_ms;
+    bool quiet;
+} worker_opts;
+
+static bool parse_long(const char *flag, const char *s, long min, long max, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < min || v > max) {
+        fprintf(stderr, "strata-worker: %s: '%s' is not an integer in [%ld, %ld]\n", flag, s, min, max);
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
+static int parse(int argc, char **argv, worker_opts *o)
+{
+    static const struct option opts[] = {
+        {"coordinator", required_argument, NULL, 'c'}, {"secret-file", required_argument, NULL, 's'},
+        {"name", required_argument, NULL, 'n'},        {"data", required_argument, NULL, 'd'},
+        {"device-kv-mib", required_argument, NULL, 'D'}, {"host-kv-mib", required_argument, NULL, 'H'},
+        {"nvme-dir", required_argument, NULL, 'N'},    {"nvme-kv-mib", required_argument, NULL, 'M'},
+        {"connect-timeout-ms", required_argument, NULL, 'T'}, {"quiet", no_argument, NULL, 'q'},
+        {"help", no_argument, NULL, 'h'},              {NULL, 0, NULL, 0},
+    };
+    *o = (worker_opts){.data = "127.0.0.1:0", .device_mib = 256, .nvme_mib = -1, .connect_timeout_ms = 30000};
+    int c;
+    while ((c = getopt_long(argc, argv, "qh", opts, NULL)) != -1) {
+        switch (c) {
+        case 'c': o->coordinator = optarg; break;
+        case 's': o->secret_file = optarg; break;
+        case 'n': o->name = optarg; break;
+        case 'd': o->data = optarg; break;
+        case 'N': o->nvme_dir = optarg; break;
+        case 'D': if (!parse_long("--device-kv-mib", optarg, 1, 1L << 24, &o->device_mib)) return EXIT_USAGE; break;
+        case 'H': if (!parse_long("--host-kv-mib", optarg, 0, 1L << 24, &o->host_mib)) return EXIT_USAGE; break;
+        case 'M': if (!parse_long("--nvme-kv-mib", optarg, 1, 1L << 24, &o->nvme_mib)) return EXIT_USAGE; break;
+        case 'T': if (!parse_long("--connect-timeout-ms", optarg, 1, 3600000, &o->connect_timeout_ms)) return EXIT_USAGE; break;
+        case 'q': o->quiet = true; break;
+        case 'h': usage(stdout); return -1;
+        default: usage(stderr); return EXIT_USAGE;
+        }
+    }
+    if (optind != argc || !o->coordinator || !o->secret_file) {
+        fprintf(stderr, "strata-worker: --coordinator and --secret-file are required (try --help)\n");
+        return EXIT_USAGE;
+    }
+    if (o->nvme_mib >= 0 && !o->nvme_dir) {
+        fprintf(stderr, "strata-worker: --nvme-kv-mib needs --nvme-dir\n");
+        return EXIT_USAGE;
+    }
+    if (o->nvme_dir && o->nvme_mib < 0)
+        o->nvme_mib = 1024;
+    if (o->nvme_dir && o->host_mib == 0)
+        o->host_mib = 64;   /* the NVMe tier sits below a host tier */
+    return 0;
+}
+
+static int read_secret(const char *path, uint8_t *buf, size_t cap, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "strata-worker: --secret-file %s: %s\n", path, strerror(errno));
+        return EXIT_USAGE;
+    }
+    size_t n = fread(buf, 1, cap, f);
+    bool more = fgetc(f) != EOF;
+    fclose(f);
+    while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r'))
+        n--;
+    if (more || n < 16) {
+        fprintf(stderr, "strata-worker: --secret-file %s: the secret must be 16 to %zu bytes\n", path, cap);
+        return EXIT_USAGE;
+    }
+    *len = n;
+    return 0;
+}
+
+static int send_step_result(ctl_client *cc, const stage_result *r, strata_error *err)
+{
+    Strata__Internal__V1__StepResult sr = STRATA__INTERNAL__V1__STEP_RESULT__INIT;
+    Strata__Internal__V1__SeqResult *items = calloc(r->n_seqs ? r->n_seqs : 1, sizeof *items);
+    Strata__Internal__V1__SeqResult **ptrs = calloc(r->n_seqs ? r->n_seqs : 1, sizeof *ptrs);
+    if (!items || !ptrs) {
+        free(items);
+        free(ptrs);
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    }
+    for (size_t i = 0; i < r->n_seqs; i++) {
+        strata__internal__v1__seq_result__init(&items[i]);
+        items[i].seq_id = r->seqs[i].seq_id;
+        items[i].token = r->seqs[i].token;
+        items[i].status = (uint32_t)r->seqs[i].status;
+        items[i].message = (char *)r->seqs[i].message;
+        ptrs[i] = &items[i];
+    }
+    sr.step = r->step;
+    sr.n_results = r->n_seqs;
+    sr.results = ptrs;
+    Strata__Internal__V1__WorkerMessage m = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
+    m.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_STEP_RESULT;
+    m.step_result = &sr;
+    int rc = ctl_client_send(cc, &m, err);
+    free(items);
+    free(ptrs);
+    return rc;
+}
+
+static int send_kv_report(ctl_client *cc, const stage *st, strata_error *err)
+{
+    stage_kv_usage u;
+    stage_get_kv_usage(st, &u);
+    Strata__Internal__V1__TierUsage t[3];
+    Strata__Internal__V1__TierUsage *tp[3];
+    size_t n = 0;
+    const char *names[3] = {"device", "host", "nvme"};
+    uint64_t blocks[3] = {u.device_blocks, u.host_blocks, u.nvme_blocks};
+    uint64_t bytes[3] = {u.device_bytes, u.host_bytes, u.nvme_bytes};
+    uint64_t cap[3] = {u.device_capacity_bytes, u.host_capacity_bytes, u.nvme_capacity_bytes};
+    for (int i = 0; i < 3; i++) {
+        if (i > 0 && cap[i] == 0)
+            continue;
+        strata__internal__v1__tier_usage__init(&t[n]);
+        t[n].name = (char *)names[i];
+        t[n].blocks = blocks[i];
+        t[n].bytes = bytes[i];
+        t[n].capacity_bytes = cap[i];
+        tp[n] = &t[n];
+        n++;
+    }
+    Strata__Internal__V1__KvReport kr = STRATA__INTERNAL__V1__KV_REPORT__INIT;
+    kr.n_tiers = n;
+    kr.tiers = tp;
+    kr.spills = u.spills;
+    kr.restores = u.restores;
+    kr.crc_failures = u.crc_failures;
+    Strata__Internal__V1__WorkerMessage m = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
+    m.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_KV_REPORT;
+    m.kv_report = &kr;
+    return ctl_client_send(cc, &m, err);
+}
+
+/* Data-plane links of this stage: to the next stage (connect) and from the previous (accept).
+ * Connecting first, from the last stage backwards, cannot deadlock: the last stage only accepts. */
+static int connect_links(const Strata__Internal__V1__Assignment *a, dp_listener *l, const dp_auth *auth, dp_link **prev,
+                         dp_link **next, strata_error *err)
+{
+    *prev = *next = NULL;
+    if (a->n_stages == 0 || a->stage >= a->n_stages || a->n_stage_data_addrs != a->n_stages)
+        return strata_fail(err, STRATA_EINVAL, "assignment: stage %u of %u with %zu data addresses", a->stage,
+                           a->n_stages, a->n_stage_data_addrs);
+    int rc = STRATA_OK;
+    if (a->stage + 1 < a->n_stages)
+        rc = dp_tcp_connect(a->stage_data_addrs[a->stage + 1], auth, NULL, 60000, next, err);
+    if (rc == STRATA_OK && a->stage > 0)
+        rc = dp_tcp_accept(l, auth, NULL, 60000, prev, err);
+    return rc;
+}
+
+static volatile sig_atomic_t stop_requested;
+static void on_signal(int sig)
+{
+    (void)sig;
+    stop_requested = 1;
+}
+
+int main(int argc, char **argv)
+{
+    worker_opts o;
+    int rc = parse(argc, argv, &o);
+    if (rc)
+        return rc < 0 ? 0 : rc;
+    uint8_t secret[257];
+    size_t secret_len = 0;
+    if ((rc = read_secret(o.secret_file, secret, 256, &secret_len)))
+        return rc;
+    char name[64];
+    snprintf(name, sizeof name, "worker-%ld", (long)getpid());
+    if (!o.name)
+        o.name = name;
+    signal(SIGPIPE, SIG_IGN);
+    struct sigaction sa = {.sa_handler = on_signal};
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+
+    strata_error err = {0};
+    dp_listener *listener = NULL;
+    if (dp_tcp_listen(o.data, &listener, &err) != STRATA_OK) {
+        fprintf(stderr, "strata-worker %s: data plane: %s\n", o.name, err.msg);
+        return EXIT_RUNTIME;
+    }
+    char data_addr[128];
+    const char *colon = strrchr(o.data, ':');
+    snprintf(data_addr, sizeof data_addr, "%.*s:%d", colon ? (int)(colon - o.data) : 9, colon ? o.data : "127.0.0.1",
+             dp_listener_port(listener));
+
+    Strata__Internal__V1__Join join = STRATA__INTERNAL__V1__JOIN__INIT;
+    join.cluster_secret = (ProtobufCBinaryData){secret_len, secret};
+    join.worker_name = (char *)o.name;
+    join.device = (char *)"cpu";
+    join.device_kv_bytes = (uint64_t)o.device_mib << 20;
+    join.host_kv_bytes = (uint64_t)o.host_mib << 20;
+    join.nvme_kv_bytes = o.nvme_dir ? (uint64_t)o.nvme_mib << 20 : 0;
+    join.data_addr = data_addr;
+    ctl_client *cc = NULL;
+    if (ctl_client_connect(o.coordinator, &join, (int)o.connect_timeout_ms, &cc, &err) != STRATA_OK) {
+        fprintf(stderr, "strata-worker %s: %s\n", o.name, err.msg);
+        dp_listener_close(listener);
+        return EXIT_RUNTIME;
+    }
+    if (!o.quiet)
+        fprintf(stderr, "strata-worker %s: joined %s (data plane %s)\n", o.name, o.coordinator, data_addr);
+
+    int exit_code = EXIT_RUNTIME;
+    model *m = NULL;
+    stage *st = NULL;
+    dp_link *prev = NULL, *next = NULL;
+    dp_auth auth = {secret, secret_len};
+    for (;;) {
+        Strata__Internal__V1__CoordinatorMessage *msg = NULL;
+        rc = ctl_client_recv(cc, 500, &msg, &err);
+        if (rc == STRATA_EFORMAT || rc == STRATA_EFULL) {
+            fprintf(stderr, "strata-worker %s: skipped a bad control message: %s\n", o.name, err.msg);
+            continue;
+        }
+        if (rc != STRATA_OK) {
+            fprintf(stderr, "strata-worker %s: %s\n", o.name, err.msg);
+            break;
+        }
+        if (!msg) {
+            if (stop_requested) {
+                fprintf(stderr, "strata-worker %s: stopped by a signal\n", o.name);
+                break;
+            }
+            continue;
+        }
+        bool done = false;
+        switch (msg->kind_case) {
+        case STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ASSIGNMENT: {
+            const Strata__Internal__V1__Assignment *a = msg->assignment;
+            if (st) {
+                fprintf(stderr, "strata-worker %s: a second assignment: leaving\n", o.name);
+                done = true;
+                break;
+            }
+            if (!o.quiet)
+                fprintf(stderr, "strata-worker %s: replica %u stage %u/%u: layers [%u, %u) of %s\n", o.name, a->replica,
+                        a->stage, a->n_stages, a->layer_begin, a->layer_end, a->model_path);
+            int le = (int)a->layer_end;
+            if (!(m = model_load(a->model_path, (int)a->layer_begin, le, &err)) ||
+                connect_links(a, listener, &auth, &prev, &next, &err) != STRATA_OK ||
+                !(st = stage_create(a, m, &(stage_options){.nvme_dir = o.nvme_dir}, prev, next, &err)) ||
+                send_kv_report(cc, st, &err) != STRATA_OK) {
+                fprintf(stderr, "strata-worker %s: %s\n", o.name, err.msg);
+                done = true;
+            }
+            break;
+        }
+        case STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_STEP_PLAN: {
+            stage_result r;
+            if (!st) {
+                fprintf(stderr, "strata-worker %s: a step plan before the assignment: leaving\n", o.name);
+                done = true;
+            } else if (stage_step(st, msg->step_plan, &r, &err) != STRATA_OK || send_step_result(cc, &r, &err) != STRATA_OK) {
+                fprintf(stderr, "strata-worker %s: step %" PRIu64 ": %s\n", o.name, msg->step_plan->step, err.msg);
+                done = true;
+            }
+            break;
+        }
+        case STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_MIGRATE: {
+            /* Migration moves block bytes over the data plane; this worker does not have it yet.
+             * Answer with the reason instead of pretending. */
+            Strata__Internal__V1__MigrateDone md = STRATA__INTERNAL__V1__MIGRATE_DONE__INIT;
+            md.seq_id = msg->migrate->seq_id;
+            md.status = STRATA_EUNSUPPORTED;
+            md.message = (char *)"migration is not implemented by this worker yet";
+            Strata__Internal__V1__WorkerMessage wm = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
+            wm.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_MIGRATE_DONE;
+            wm.migrate_done = &md;
+            done = ctl_client_send(cc, &wm, &err) != STRATA_OK;
+            break;
+        }
+        case STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_SHUTDOWN:
+            if (!o.quiet)
+                fprintf(stderr, "strata-worker %s: shutdown requested\n", o.name);
+            exit_code = 0;
+            done = true;
+            break;
+        default:
+            fprintf(stderr, "strata-worker %s: ignoring an unknown control message\n", o.name);
+            break;
+        }
+        protobuf_c_message_free_unpacked(&msg->base, NULL);
+        if (done)
+            break;
+    }
+    ctl_client_close(cc);
+    stage_destroy(st);
+    dp_link_close(prev);
+    dp_link_close(next);
+    dp_listener_close(listener);
+    model_free(m);
+    return exit_code;
+}

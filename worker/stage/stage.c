@@ -1,0 +1,474 @@
+/* A worker's pipeline stage (stage.h). */
+#include "worker/stage/stage.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvstore/bytes.h"
+#include "kvstore/kv_cache.h"
+#include "kvstore/plan.h"
+#include "offload/kv_tiers.h"
+#include "worker/sampler.h"
+
+typedef struct seq_entry {
+    uint64_t id;
+    kv_seq *kv;
+    sampler *smp;
+} seq_entry;
+
+/* The table that precedes the rows of a HIDDEN frame: which sequences the sender ran. */
+#define TABLE_HEAD_BYTES 8u    /* u32 n_items, u32 zero */
+#define TABLE_ENTRY_BYTES 16u  /* u64 seq_id, u32 n_tokens, u32 zero */
+
+struct stage {
+    model *m;
+    const model_config *cfg;
+    bool first, last;
+    size_t max_seq_tokens;
+    kv_pool *pool;
+    kv_tiers *tiers;
+    seq_entry *seqs;
+    size_t n_seqs, cap_seqs;
+    dp_link *prev, *next;
+    int link_timeout_ms;
+    /* per-step scratch, grown on demand */
+    stage_seq_result *res;
+    size_t n_res, cap_res;
+    model_batch_item *items;
+    size_t *plan_index;        /* items[i] runs plan->seqs[plan_index[i]] */
+    bool *ok;
+    int32_t *tokens;
+    size_t cap_items, cap_index, cap_ok, cap_tokens;
+    float *hidden_in, *hidden_out, *logits;
+    size_t cap_in, cap_out, cap_logits;
+    uint8_t *frame;
+    size_t cap_frame;
+};
+
+static int grow(void **p, size_t *cap, size_t need, size_t elem)
+{
+    if (need <= *cap)
+        return STRATA_OK;
+    size_t n = need < 16 ? 16 : need * 2;
+    void *q = realloc(*p, n * elem);
+    if (!q)
+        return STRATA_ENOMEM;
+    *p = q;
+    *cap = n;
+    return STRATA_OK;
+}
+
+stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const stage_options *o, dp_link *prev,
+                    dp_link *next, strata_error *err)
+{
+    if (!a || !m) {
+        strata_fail(err, STRATA_EINVAL, "stage: NULL assignment or model");
+        return NULL;
+    }
+    const model_config *cfg = model_get_config(m);
+    if ((int)a->layer_begin != model_layer_begin(m) || (int)a->layer_end != model_layer_end(m) ||
+        (int)a->n_layers_total != cfg->n_layers) {
+        strata_fail(err, STRATA_EINVAL, "stage: the assignment's layers [%u, %u) of %u do not match the model's [%d, %d) of %d",
+                    a->layer_begin, a->layer_end, a->n_layers_total, model_layer_begin(m), model_layer_end(m),
+                    cfg->n_layers);
+        return NULL;
+    }
+    bool first = a->layer_begin == 0, last = (int)a->layer_end == cfg->n_layers;
+    if ((!first && !prev) || (!last && !next)) {
+        strata_fail(err, STRATA_EINVAL, "stage %u of %u: missing data-plane link to the %s stage", a->stage, a->n_stages,
+                    !first && !prev ? "previous" : "next");
+        return NULL;
+    }
+    if (a->block_tokens == 0 || a->max_seq_tokens == 0 || a->max_batch_seqs == 0) {
+        strata_fail(err, STRATA_EINVAL, "stage: block_tokens, max_seq_tokens and max_batch_seqs must be set");
+        return NULL;
+    }
+    stage *s = calloc(1, sizeof *s);
+    kv_codec_params *all = malloc((size_t)cfg->n_layers * sizeof *all);
+    if (!s || !all) {
+        free(s);
+        free(all);
+        strata_fail(err, STRATA_ENOMEM, "stage: out of memory");
+        return NULL;
+    }
+    s->m = m;
+    s->cfg = cfg;
+    s->first = first;
+    s->last = last;
+    s->prev = prev;
+    s->next = next;
+    s->max_seq_tokens = a->max_seq_tokens;
+    s->link_timeout_ms = o && o->link_timeout_ms > 0 ? o->link_timeout_ms : 120000;
+
+    kv_geometry geo = model_stage_kv_geometry(m, (int)a->block_tokens);
+    int rc = kv_plan_parse(a->kv_plan && *a->kv_plan ? a->kv_plan : "kivi4", cfg->n_layers, all, err);
+    const kv_codec_params *codecs = all + a->layer_begin;   /* this stage's layers */
+    for (int l = 0; rc == STRATA_OK && l < geo.n_layers; l++)
+        if ((rc = kv_codec_validate(&codecs[l], &geo, err)) != STRATA_OK)
+            strata_error_prefix(err, "layer %u", a->layer_begin + (unsigned)l);
+    const size_t per_seq_blocks = (a->max_seq_tokens + a->block_tokens - 1) / a->block_tokens;
+    if (rc == STRATA_OK && a->host_kv_bytes > 0) {
+        kv_tiers_options to = {.host_bytes = (size_t)a->host_kv_bytes,
+                               .nvme_dir = o && o->nvme_dir && a->nvme_kv_bytes ? o->nvme_dir : NULL,
+                               .nvme_bytes = a->nvme_kv_bytes};
+        size_t slot = kv_plan_largest_block(&geo, codecs);
+        size_t n_slots = a->device_kv_bytes ? (size_t)a->device_kv_bytes / slot
+                                            : per_seq_blocks * a->max_batch_seqs * (size_t)geo.n_layers;
+        if (n_slots == 0)
+            rc = strata_fail(err, STRATA_EINVAL, "stage: a device KV budget of %" PRIu64 " bytes holds no block of %zu",
+                             a->device_kv_bytes, slot);
+        if (rc == STRATA_OK && !(s->tiers = kv_tiers_create(&to, err)))
+            rc = err ? err->code : STRATA_EIO;
+        if (rc == STRATA_OK && !(s->pool = kv_pool_create_shared(&geo, codecs, n_slots, err)))
+            rc = err ? err->code : STRATA_ENOMEM;
+        if (rc == STRATA_OK) {
+            kv_lower_tier lower = kv_tiers_lower(s->tiers);
+            rc = kv_pool_set_lower_tier(s->pool, &lower, err);
+        }
+    } else if (rc == STRATA_OK) {
+        size_t row = kv_plan_row_bytes(&geo, codecs);
+        size_t per_layer = a->device_kv_bytes ? (size_t)a->device_kv_bytes / row : per_seq_blocks * a->max_batch_seqs;
+        if (per_layer == 0)
+            rc = strata_fail(err, STRATA_EINVAL, "stage: a device KV budget of %" PRIu64 " bytes holds less than one "
+                             "block per layer (%zu bytes)", a->device_kv_bytes, row);
+        else if (!(s->pool = kv_pool_create_plan(&geo, codecs, per_layer, err)))
+            rc = err ? err->code : STRATA_ENOMEM;
+    }
+    free(all);
+    if (rc != STRATA_OK) {
+        stage_destroy(s);
+        return NULL;
+    }
+    return s;
+}
+
+static void entry_free(seq_entry *e)
+{
+    kv_seq_destroy(e->kv);
+    sampler_free(e->smp);
+}
+
+void stage_destroy(stage *s)
+{
+    if (!s)
+        return;
+    for (size_t i = 0; i < s->n_seqs; i++)
+        entry_free(&s->seqs[i]);
+    free(s->seqs);
+    kv_pool_destroy(s->pool);
+    kv_tiers_destroy(s->tiers);
+    free(s->res);
+    free(s->items);
+    free(s->plan_index);
+    free(s->ok);
+    free(s->tokens);
+    free(s->hidden_in);
+    free(s->hidden_out);
+    free(s->logits);
+    free(s->frame);
+    free(s);
+}
+
+static seq_entry *find(stage *s, uint64_t id)
+{
+    for (size_t i = 0; i < s->n_seqs; i++)
+        if (s->seqs[i].id == id)
+            return &s->seqs[i];
+    return NULL;
+}
+
+static void drop(stage *s, uint64_t id)
+{
+    seq_entry *e = find(s, id);
+    if (!e)
+        return;
+    entry_free(e);
+    *e = s->seqs[--s->n_seqs];
+}
+
+static stage_seq_result *result(stage *s, uint64_t id)
+{
+    for (size_t i = 0; i < s->n_res; i++)
+        if (s->res[i].seq_id == id)
+            return &s->res[i];
+    if (grow((void **)&s->res, &s->cap_res, s->n_res + 1, sizeof *s->res) != STRATA_OK)
+        return NULL;
+    stage_seq_result *r = &s->res[s->n_res++];
+    memset(r, 0, sizeof *r);
+    r->seq_id = id;
+    return r;
+}
+
+static bool failed(stage *s, uint64_t id)
+{
+    for (size_t i = 0; i < s->n_res; i++)
+        if (s->res[i].seq_id == id && s->res[i].status != STRATA_OK)
+            return true;
+    return false;
+}
+
+/* Records a sequence's failure on this stage (the first reason wins). */
+static int fail_seq(stage *s, uint64_t id, int status, const char *msg)
+{
+    stage_seq_result *r = result(s, id);
+    if (!r)
+        return STRATA_ENOMEM;
+    if (r->status == STRATA_OK) {
+        r->status = status ? status : STRATA_EINVAL;
+        snprintf(r->message, sizeof r->message, "%s", msg);
+    }
+    return STRATA_OK;
+}
+
+/* Sends this stage's table (a CONTROL frame) and rows (a HIDDEN frame, when there are any) to
+ * the next stage. */
+static int send_rows(stage *s, uint64_t step, size_t n_run, size_t rows, strata_error *err)
+{
+    const size_t e = (size_t)s->cfg->n_embd;
+    size_t len = TABLE_HEAD_BYTES + n_run * TABLE_ENTRY_BYTES;
+    if (grow((void **)&s->frame, &s->cap_frame, len, 1) != STRATA_OK)
+        return strata_fail(err, STRATA_ENOMEM, "stage: out of memory for a %zu-byte table", len);
+    memset(s->frame, 0, len);
+    kv_st32(s->frame, (uint32_t)n_run);
+    for (size_t i = 0; i < n_run; i++) {
+        uint8_t *t = s->frame + TABLE_HEAD_BYTES + i * TABLE_ENTRY_BYTES;
+        kv_st64(t, kv_seq_id(s->items[i].seq));
+        kv_st32(t + 8, (uint32_t)s->items[i].n_tokens);
+    }
+    dp_msg_header h = {.kind = DP_MSG_CONTROL, .dtype = DP_DTYPE_BYTES, .step = step};
+    int rc = dp_send(s->next, &h, s->frame, len, err);
+    if (rc == STRATA_OK && rows) {
+        /* fp32 rows in the machine's byte order (little-endian on the supported hosts) */
+        dp_msg_header hh = {.kind = DP_MSG_HIDDEN, .dtype = DP_DTYPE_F32, .step = step, .n_rows = (uint32_t)rows,
+                            .row_bytes = (uint32_t)(e * sizeof(float))};
+        rc = dp_send(s->next, &hh, s->hidden_out, rows * e * sizeof(float), err);
+    }
+    return rc == STRATA_OK ? rc : strata_error_prefix(err, "stage: sending step %" PRIu64 " to the next stage", step);
+}
+
+/* Receives the previous stage's table (into s->frame, *n_table entries) and its rows (into
+ * s->hidden_in, *rows of them) for this step. */
+static int recv_rows(stage *s, uint64_t step, size_t *n_table, size_t *rows, strata_error *err)
+{
+    dp_msg_header h;
+    int rc = dp_recv_header(s->prev, &h, s->link_timeout_ms, err);
+    if (rc != STRATA_OK)
+        return strata_error_prefix(err, "stage: waiting for step %" PRIu64 " from the previous stage", step);
+    if (h.kind != DP_MSG_CONTROL || h.step != step || h.payload_len < TABLE_HEAD_BYTES)
+        return strata_fail(err, STRATA_EFORMAT, "stage: expected the table of step %" PRIu64 ", got a %s frame of step %" PRIu64,
+                           step, dp_kind_name(h.kind), h.step);
+    if (grow((void **)&s->frame, &s->cap_frame, h.payload_len, 1) != STRATA_OK)
+        return strata_fail(err, STRATA_ENOMEM, "stage: out of memory for a %" PRIu64 "-byte table", h.payload_len);
+    if ((rc = dp_recv_payload(s->prev, s->frame, s->cap_frame, err)) != STRATA_OK)
+        return rc;
+    size_t n = kv_ld32(s->frame);
+    if (h.payload_len != TABLE_HEAD_BYTES + (uint64_t)n * TABLE_ENTRY_BYTES)
+        return strata_fail(err, STRATA_EFORMAT, "stage: malformed table for step %" PRIu64, step);
+    size_t total = 0;
+    for (size_t i = 0; i < n; i++)
+        total += kv_ld32(s->frame + TABLE_HEAD_BYTES + i * TABLE_ENTRY_BYTES + 8);
+    *n_table = n;
+    *rows = total;
+    if (total == 0)
+        return STRATA_OK;
+    const size_t e = (size_t)s->cfg->n_embd;
+    if (grow((void **)&s->hidden_in, &s->cap_in, total * e, sizeof(float)) != STRATA_OK)
+        return strata_fail(err, STRATA_ENOMEM, "stage: out of memory for %zu rows", total);
+    if ((rc = dp_recv_header(s->prev, &h, s->link_timeout_ms, err)) != STRATA_OK)
+        return strata_error_prefix(err, "stage: waiting for the rows of step %" PRIu64, step);
+    if (h.kind != DP_MSG_HIDDEN || h.step != step || h.n_rows != total || h.row_bytes != e * sizeof(float))
+        return strata_fail(err, STRATA_EFORMAT, "stage: expected %zu rows of step %" PRIu64 ", got a %s frame of %u rows "
+                           "(step %" PRIu64 ")", total, step, dp_kind_name(h.kind), h.n_rows, h.step);
+    return dp_recv_payload(s->prev, s->hidden_in, s->cap_in * sizeof(float), err);
+}
+
+static int plan_position(const Strata__Internal__V1__StepPlan *plan, uint64_t id, size_t *at)
+{
+    for (size_t i = 0; i < plan->n_seqs; i++)
+        if (plan->seqs[i]->seq_id == id) {
+            *at = i;
+            return 1;
+        }
+    return 0;
+}
+
+int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_result *out, strata_error *err)
+{
+    memset(out, 0, sizeof *out);
+    if (!s || !plan)
+        return strata_fail(err, STRATA_EINVAL, "stage: NULL step");
+    s->n_res = 0;
+    out->step = plan->step;
+    strata_error e1 = {0};
+    for (size_t i = 0; i < plan->n_free_seqs; i++)
+        drop(s, plan->free_seqs[i]);
+    for (size_t i = 0; i < plan->n_preempt_seqs; i++) {
+        seq_entry *e = find(s, plan->preempt_seqs[i]);
+        if (e && kv_seq_spill(e->kv, &e1) != STRATA_OK && fail_seq(s, e->id, e1.code, e1.msg) != STRATA_OK)
+            return strata_fail(err, STRATA_ENOMEM, "stage: out of memory");
+    }
+    for (size_t i = 0; i < plan->n_resume_seqs; i++) {
+        seq_entry *e = find(s, plan->resume_seqs[i]);
+        if (e && kv_seq_resume(e->kv, &e1) != STRATA_OK && fail_seq(s, e->id, e1.code, e1.msg) != STRATA_OK)
+            return strata_fail(err, STRATA_ENOMEM, "stage: out of memory");
+    }
+    const size_t n_plan = plan->n_seqs;
+    if (n_plan == 0)
+        goto done;
+    size_t plan_tokens = 0;
+    for (size_t i = 0; i < n_plan; i++)
+        plan_tokens += plan->seqs[i]->n_tokens;
+    if (grow((void **)&s->items, &s->cap_items, n_plan, sizeof *s->items) != STRATA_OK ||
+        grow((void **)&s->plan_index, &s->cap_index, n_plan, sizeof *s->plan_index) != STRATA_OK ||
+        grow((void **)&s->ok, &s->cap_ok, n_plan, sizeof *s->ok) != STRATA_OK ||
+        grow((void **)&s->tokens, &s->cap_tokens, plan_tokens, sizeof *s->tokens) != STRATA_OK)
+        return strata_fail(err, STRATA_ENOMEM, "stage: out of memory");
+    memset(s->ok, 0, n_plan * sizeof *s->ok);
+
+    /* Which of the plan's sequences can run here. */
+    for (size_t i = 0; i < n_plan; i++) {
+        const Strata__Internal__V1__SeqWork *w = plan->seqs[i];
+        char msg[200];
+        if (failed(s, w->seq_id))
+            continue;
+        seq_entry *e = find(s, w->seq_id);
+        if (!e && w->pos0 == 0 && w->n_tokens > 0) {
+            if (w->kv_plan && *w->kv_plan) {
+                fail_seq(s, w->seq_id, STRATA_EUNSUPPORTED, "per-request KV plans are not supported by this worker yet");
+                continue;
+            }
+            kv_seq *kv = kv_seq_create(s->pool, s->max_seq_tokens, &e1);
+            if (!kv || grow((void **)&s->seqs, &s->cap_seqs, s->n_seqs + 1, sizeof *s->seqs) != STRATA_OK) {
+                kv_seq_destroy(kv);
+                fail_seq(s, w->seq_id, kv ? STRATA_ENOMEM : e1.code, kv ? "out of memory" : e1.msg);
+                continue;
+            }
+            kv_seq_set_id(kv, w->seq_id);
+            s->seqs[s->n_seqs++] = (seq_entry){.id = w->seq_id, .kv = kv};
+            e = &s->seqs[s->n_seqs - 1];
+        }
+        if (!e) {
+            snprintf(msg, sizeof msg, "sequence %" PRIu64 " is unknown to this stage (pos0 %u)", w->seq_id, w->pos0);
+            fail_seq(s, w->seq_id, STRATA_EINVAL, msg);
+        } else if (kv_seq_is_spilled(e->kv)) {
+            snprintf(msg, sizeof msg, "sequence %" PRIu64 " is preempted; resume it first", w->seq_id);
+            fail_seq(s, w->seq_id, STRATA_EINVAL, msg);
+        } else if (w->n_tokens == 0 || kv_seq_length(e->kv, 0) != w->pos0) {
+            snprintf(msg, sizeof msg, "sequence %" PRIu64 " holds %zu tokens here; the plan says %u (+%zu)", w->seq_id,
+                     kv_seq_length(e->kv, 0), w->pos0, w->n_tokens);
+            fail_seq(s, w->seq_id, STRATA_EINVAL, msg);
+        } else {
+            s->ok[i] = true;
+        }
+    }
+
+    /* The sequences to run, in the order the rows arrive (stage 0: the plan's order). */
+    size_t n_run = 0, rows = 0, in_rows = 0, n_table = 0;
+    const size_t emb = (size_t)s->cfg->n_embd;
+    int rc = STRATA_OK;
+    if (!s->first) {
+        if ((rc = recv_rows(s, plan->step, &n_table, &in_rows, err)) != STRATA_OK)
+            return rc;
+        /* Keep the rows of the sequences that can run here, in the table's order. */
+        size_t src_row = 0;
+        for (size_t t = 0; t < n_table; t++) {
+            const uint8_t *ent = s->frame + TABLE_HEAD_BYTES + t * TABLE_ENTRY_BYTES;
+            uint64_t id = kv_ld64(ent);
+            size_t n_tok = kv_ld32(ent + 8), at;
+            if (plan_position(plan, id, &at) && s->ok[at] && plan->seqs[at]->n_tokens == n_tok) {
+                if (rows != src_row)
+                    memmove(s->hidden_in + rows * emb, s->hidden_in + src_row * emb, n_tok * emb * sizeof(float));
+                s->plan_index[n_run++] = at;
+                rows += n_tok;
+            }
+            src_row += n_tok;
+        }
+    } else {
+        for (size_t i = 0; i < n_plan; i++)
+            if (s->ok[i]) {
+                s->plan_index[n_run++] = i;
+                rows += plan->seqs[i]->n_tokens;
+            }
+    }
+    size_t tok_at = 0;
+    for (size_t r = 0; r < n_run; r++) {
+        const Strata__Internal__V1__SeqWork *w = plan->seqs[s->plan_index[r]];
+        for (size_t k = 0; k < w->n_tokens; k++)
+            s->tokens[tok_at + k] = (int32_t)w->tokens[k];
+        s->items[r] = (model_batch_item){.seq = find(s, w->seq_id)->kv, .tokens = s->tokens + tok_at,
+                                         .n_tokens = w->n_tokens, .pos0 = w->pos0};
+        tok_at += w->n_tokens;
+    }
+    if (n_run) {
+        if (grow((void **)&s->hidden_out, &s->cap_out, rows * emb, sizeof(float)) != STRATA_OK ||
+            (s->last && grow((void **)&s->logits, &s->cap_logits, n_run * (size_t)s->cfg->n_vocab, sizeof(float)) != STRATA_OK))
+            return strata_fail(err, STRATA_ENOMEM, "stage: out of memory for %zu rows", rows);
+        rc = model_forward_batch(s->m, s->items, n_run, s->first ? NULL : s->hidden_in, s->last ? NULL : s->hidden_out,
+                                 s->last ? s->logits : NULL, &e1);
+        if (rc != STRATA_OK) {
+            /* The batch's sequences may now hold uneven layers: they are lost on this stage. */
+            for (size_t r = 0; r < n_run; r++) {
+                uint64_t id = plan->seqs[s->plan_index[r]]->seq_id;
+                fail_seq(s, id, rc, e1.msg);
+                drop(s, id);
+            }
+            n_run = rows = 0;
+        }
+    }
+    if (!s->last && (rc = send_rows(s, plan->step, n_run, rows, err)) != STRATA_OK)
+        return rc;
+    if (s->last)
+        for (size_t r = 0; r < n_run; r++) {
+            const Strata__Internal__V1__SeqWork *w = plan->seqs[s->plan_index[r]];
+            if (!w->sample)
+                continue;
+            seq_entry *e = find(s, w->seq_id);
+            if (!e->smp) {
+                sampler_params sp = {.temperature = w->temperature, .top_k = (int)w->top_k,
+                                     .top_p = w->top_p > 0.0f ? w->top_p : 1.0f, .seed = w->seed};
+                if (sampler_params_validate(&sp, &e1) != STRATA_OK ||
+                    !(e->smp = sampler_create(&sp, s->cfg->n_vocab, &e1))) {
+                    fail_seq(s, w->seq_id, e1.code, e1.msg);
+                    continue;
+                }
+            }
+            stage_seq_result *res = result(s, w->seq_id);
+            if (!res)
+                return strata_fail(err, STRATA_ENOMEM, "stage: out of memory");
+            res->sampled = true;
+            res->token = (uint32_t)sampler_sample(e->smp, s->logits + r * (size_t)s->cfg->n_vocab);
+        }
+done:
+    out->seqs = s->res;
+    out->n_seqs = s->n_res;
+    return STRATA_OK;
+}
+
+void stage_get_kv_usage(const stage *s, stage_kv_usage *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!s)
+        return;
+    kv_pool_stats ps;
+    kv_pool_get_stats(s->pool, &ps);
+    out->device_capacity_blocks = ps.slots;
+    out->device_blocks = ps.slots - ps.free_slots;
+    out->device_capacity_bytes = kv_pool_bytes(s->pool);
+    out->device_bytes = ps.slots ? out->device_capacity_bytes / ps.slots * out->device_blocks : 0;
+    out->sequences = s->n_seqs;
+    if (s->tiers) {
+        kv_tiers_stats ts;
+        kv_tiers_get_stats(s->tiers, &ts);
+        out->host_blocks = ts.host_blocks;
+        out->host_bytes = ts.host_used_bytes;
+        out->host_capacity_bytes = ts.host_capacity_bytes;
+        out->nvme_blocks = ts.nvme_blocks;
+        out->nvme_bytes = ts.nvme_stored_bytes;
+        out->nvme_capacity_bytes = ts.nvme_capacity_bytes;
+        out->spills = ts.spills + ps.evictions;
+        out->restores = ts.restores + ps.fetches;
+        out->crc_failures = ts.crc_failures;
+    }
+}

@@ -1,0 +1,74 @@
+/* A worker's pipeline stage: executes the coordinator's step plans (strata_internal.proto) on
+ * the layers it holds. It owns the stage's KV block pool (and the host/NVMe tiers below it), one
+ * KV sequence and one sampler per live sequence, and the data-plane links to the neighbouring
+ * stages.
+ *
+ * A step: free, preempt (spill) and resume the listed sequences; then run the plan's sequences
+ * through model_forward_batch. Stage 0 embeds the tokens; each later stage receives, from the
+ * stage before it, one HIDDEN frame per step that has work: a table of the sequences that stage
+ * ran (id, token count) followed by their activation rows. A stage runs exactly the sequences of
+ * that table that are also fine locally, and forwards its own table, so a sequence that failed on
+ * one stage (an I/O error restoring its blocks, say) drops out of the step everywhere below it
+ * while the others go on. The last stage samples (one seeded sampler per sequence) and returns
+ * the tokens. Every stage reports its per-sequence failures; the coordinator fails those
+ * requests and frees the sequences everywhere.
+ *
+ * Thread-safety: one thread drives a stage. */
+#ifndef STRATA_WORKER_STAGE_H
+#define STRATA_WORKER_STAGE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvstore/error.h"
+#include "proto/strata_internal.pb-c.h"
+#include "worker/model.h"
+#include "worker/transport/transport.h"
+
+typedef struct stage stage;
+
+typedef struct stage_options {
+    const char *nvme_dir;   /* the worker's spill directory (local configuration); NULL: none */
+    int link_timeout_ms;    /* waiting for the previous stage's rows; 0: 120000 */
+} stage_options;
+
+/* m holds the assignment's layers [layer_begin, layer_end) (the stage keeps the pointer; the
+ * caller frees m after stage_destroy). prev: the link from stage - 1 (NULL on stage 0); next:
+ * the link to stage + 1 (NULL on the last stage); both stay the caller's. */
+stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const stage_options *o, dp_link *prev,
+                    dp_link *next, strata_error *err);
+void stage_destroy(stage *s);
+
+/* The outcome of one sequence in a step. */
+typedef struct stage_seq_result {
+    uint64_t seq_id;
+    bool sampled;        /* the last stage sampled `token` */
+    uint32_t token;
+    int status;          /* STRATA_OK, or why this sequence failed on this stage */
+    char message[512];   /* a strata_error message */
+} stage_seq_result;
+
+typedef struct stage_result {
+    uint64_t step;
+    stage_seq_result *seqs;   /* owned by the stage, valid until the next step */
+    size_t n_seqs;
+} stage_result;
+
+/* Runs one step plan. Per-sequence failures are in out; the return value is not OK only when the
+ * stage itself cannot go on (a broken data-plane link, out of memory): the worker then leaves. */
+int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_result *out, strata_error *err);
+
+typedef struct stage_kv_usage {
+    size_t device_blocks, device_capacity_blocks;
+    size_t device_bytes, device_capacity_bytes;
+    size_t host_blocks, host_bytes, host_capacity_bytes;
+    size_t nvme_blocks;
+    uint64_t nvme_bytes, nvme_capacity_bytes;
+    uint64_t spills, restores, crc_failures;
+    size_t sequences;
+} stage_kv_usage;
+
+void stage_get_kv_usage(const stage *s, stage_kv_usage *out);
+
+#endif
