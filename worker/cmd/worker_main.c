@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "kvstore/error.h"
@@ -207,6 +208,87 @@ static int connect_links(const Strata__Internal__V1__Assignment *a, dp_listener 
     return rc;
 }
 
+/* The control stream is received on its own thread: gRPC's C core makes progress on a
+ * connection (keepalive acks included) only while some thread polls it, and a step can take far
+ * longer than the keepalive timeout (a long prefill on a CPU). The main thread executes what
+ * this thread queues. */
+typedef struct inbox {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    Strata__Internal__V1__CoordinatorMessage *q[64];
+    size_t head, tail;
+    bool ended, closing;
+    strata_error why;
+    ctl_client *cc;
+} inbox;
+
+static void *receive_loop(void *arg)
+{
+    inbox *in = arg;
+    for (;;) {
+        pthread_mutex_lock(&in->mu);
+        bool closing = in->closing;
+        bool full = in->tail - in->head == 64;
+        pthread_mutex_unlock(&in->mu);
+        if (closing)
+            return NULL;
+        if (full) {   /* the main thread is behind: it frees a slot before we take more */
+            pthread_mutex_lock(&in->mu);
+            while (in->tail - in->head == 64 && !in->closing)
+                pthread_cond_wait(&in->cv, &in->mu);
+            pthread_mutex_unlock(&in->mu);
+            continue;
+        }
+        Strata__Internal__V1__CoordinatorMessage *msg = NULL;
+        strata_error e = {0};
+        int rc = ctl_client_recv(in->cc, 500, &msg, &e);
+        if (rc == STRATA_EFORMAT || rc == STRATA_EFULL) {
+            fprintf(stderr, "strata-worker: skipped a bad control message: %s\n", e.msg);
+            continue;
+        }
+        pthread_mutex_lock(&in->mu);
+        if (rc != STRATA_OK) {
+            in->ended = true;
+            in->why = e;
+        } else if (msg) {
+            in->q[in->tail++ % 64] = msg;
+        }
+        pthread_cond_broadcast(&in->cv);
+        pthread_mutex_unlock(&in->mu);
+        if (rc != STRATA_OK)
+            return NULL;
+    }
+}
+
+/* The next message (STRATA_OK, *msg NULL after timeout_ms), or STRATA_EIO once the stream ended. */
+static int inbox_pop(inbox *in, int timeout_ms, Strata__Internal__V1__CoordinatorMessage **msg, strata_error *err)
+{
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += timeout_ms / 1000;
+    until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    *msg = NULL;
+    pthread_mutex_lock(&in->mu);
+    while (in->head == in->tail && !in->ended)
+        if (pthread_cond_timedwait(&in->cv, &in->mu, &until) != 0)
+            break;
+    int rc = STRATA_OK;
+    if (in->head != in->tail) {
+        *msg = in->q[in->head++ % 64];
+        pthread_cond_broadcast(&in->cv);
+    } else if (in->ended) {
+        if (err)
+            *err = in->why;
+        rc = STRATA_EIO;
+    }
+    pthread_mutex_unlock(&in->mu);
+    return rc;
+}
+
 static volatile sig_atomic_t stop_requested;
 static void on_signal(int sig)
 {
@@ -261,6 +343,14 @@ int main(int argc, char **argv)
     if (!o.quiet)
         fprintf(stderr, "strata-worker %s: joined %s (data plane %s)\n", o.name, o.coordinator, data_addr);
 
+    inbox in = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .cc = cc};
+    pthread_t receiver;
+    if (pthread_create(&receiver, NULL, receive_loop, &in) != 0) {
+        fprintf(stderr, "strata-worker %s: cannot start the control thread\n", o.name);
+        ctl_client_close(cc);
+        dp_listener_close(listener);
+        return EXIT_RUNTIME;
+    }
     int exit_code = EXIT_RUNTIME;
     model *m = NULL;
     stage *st = NULL;
@@ -268,11 +358,7 @@ int main(int argc, char **argv)
     dp_auth auth = {secret, secret_len};
     for (;;) {
         Strata__Internal__V1__CoordinatorMessage *msg = NULL;
-        rc = ctl_client_recv(cc, 500, &msg, &err);
-        if (rc == STRATA_EFORMAT || rc == STRATA_EFULL) {
-            fprintf(stderr, "strata-worker %s: skipped a bad control message: %s\n", o.name, err.msg);
-            continue;
-        }
+        rc = inbox_pop(&in, 500, &msg, &err);
         if (rc != STRATA_OK) {
             fprintf(stderr, "strata-worker %s: %s\n", o.name, err.msg);
             break;
@@ -344,7 +430,14 @@ int main(int argc, char **argv)
         if (done)
             break;
     }
+    pthread_mutex_lock(&in.mu);
+    in.closing = true;
+    pthread_cond_broadcast(&in.cv);
+    pthread_mutex_unlock(&in.mu);
+    pthread_join(receiver, NULL);   /* its receive times out within 500 ms */
     ctl_client_close(cc);
+    while (in.head != in.tail)
+        protobuf_c_message_free_unpacked(&in.q[in.head++ % 64]->base, NULL);
     stage_destroy(st);
     dp_link_close(prev);
     dp_link_close(next);

@@ -1,0 +1,339 @@
+/* Two real strata-worker processes as one 2-stage replica of the default model, driven through
+ * the real control plane (this test plays the coordinator's part with ctl_server) and joined by
+ * the real TCP data plane: the greedy tokens of three sequences batched together equal each one
+ * run alone through model_forward in this process. Then a worker is killed mid-generation: the
+ * coordinator side sees it gone (UNAVAILABLE) within seconds and the other worker's next step
+ * fails cleanly instead of hanging. Also: a worker with the wrong cluster secret is refused. */
+#include <errno.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "coordinator/control/control_server.h"
+#include "kvstore/plan.h"
+#include "worker/model.h"
+
+#define SECRET "the cluster secret of this test"
+#define N_SEQ 3
+#define STEPS 8
+
+static const char *model_path(void) { return getenv("STRATA_MODEL") ? getenv("STRATA_MODEL") : STRATA_DEFAULT_MODEL; }
+
+/* What the control server's threads hand to the test thread. */
+typedef struct event {
+    int kind;            /* 1 join, 2 step result, 3 kv report, 4 gone */
+    ctl_peer *peer;
+    uint64_t step;
+    size_t n;
+    uint64_t ids[8];
+    uint32_t tokens[8], status[8];
+    char data_addr[128], why[256];
+    int grpc_status;
+} event;
+
+typedef struct hub {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    event ev[256];
+    size_t head, tail;
+} hub;
+
+static void post(hub *h, const event *e)
+{
+    pthread_mutex_lock(&h->mu);
+    h->ev[h->tail++ % 256] = *e;
+    pthread_cond_broadcast(&h->cv);
+    pthread_mutex_unlock(&h->mu);
+}
+
+/* The next event of a kind (others before it are dropped), or false after timeout_s. */
+static bool wait_event(hub *h, int kind, int timeout_s, event *out)
+{
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += timeout_s;
+    pthread_mutex_lock(&h->mu);
+    for (;;) {
+        while (h->head < h->tail) {
+            event e = h->ev[h->head++ % 256];
+            if (e.kind == kind) {
+                *out = e;
+                pthread_mutex_unlock(&h->mu);
+                return true;
+            }
+        }
+        if (pthread_cond_timedwait(&h->cv, &h->mu, &until) == ETIMEDOUT) {
+            pthread_mutex_unlock(&h->mu);
+            return false;
+        }
+    }
+}
+
+static int on_join(void *ctx, ctl_peer *peer, const Strata__Internal__V1__Join *join, strata_error *err)
+{
+    (void)err;
+    event e = {.kind = 1, .peer = peer};
+    snprintf(e.data_addr, sizeof e.data_addr, "%s", join->data_addr);
+    ctl_peer_ref(peer);
+    post(ctx, &e);
+    return STRATA_OK;
+}
+
+static void on_message(void *ctx, ctl_peer *peer, const Strata__Internal__V1__WorkerMessage *msg)
+{
+    event e = {.peer = peer};
+    if (msg->kind_case == STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_STEP_RESULT) {
+        e.kind = 2;
+        e.step = msg->step_result->step;
+        for (size_t i = 0; i < msg->step_result->n_results && i < 8; i++) {
+            e.ids[i] = msg->step_result->results[i]->seq_id;
+            e.tokens[i] = msg->step_result->results[i]->token;
+            e.status[i] = msg->step_result->results[i]->status;
+            e.n++;
+        }
+    } else if (msg->kind_case == STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_KV_REPORT) {
+        e.kind = 3;
+    } else {
+        return;
+    }
+    post(ctx, &e);
+}
+
+static void on_gone(void *ctx, ctl_peer *peer, int grpc_status, const char *why)
+{
+    event e = {.kind = 4, .peer = peer, .grpc_status = grpc_status};
+    snprintf(e.why, sizeof e.why, "%s", why ? why : "");
+    post(ctx, &e);
+}
+
+static pid_t spawn_worker(const char *addr, const char *secret_file, const char *name)
+{
+    pid_t pid = fork();
+    if (pid == 0) {
+        execl(STRATA_WORKER_BIN, STRATA_WORKER_BIN, "--coordinator", addr, "--secret-file", secret_file, "--name", name,
+              "--quiet", (char *)NULL);
+        _exit(127);
+    }
+    return pid;
+}
+
+static int32_t argmax(const float *x, int n)
+{
+    int32_t best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best])
+            best = i;
+    return best;
+}
+
+static void send_assignment(ctl_peer *p, uint32_t stage, uint32_t layer_begin, uint32_t layer_end, char **addrs)
+{
+    Strata__Internal__V1__Assignment a = STRATA__INTERNAL__V1__ASSIGNMENT__INIT;
+    a.model_path = (char *)model_path();
+    a.layer_begin = layer_begin;
+    a.layer_end = layer_end;
+    a.n_layers_total = 30;
+    a.stage = stage;
+    a.n_stages = 2;
+    a.n_stage_data_addrs = 2;
+    a.stage_data_addrs = addrs;
+    a.kv_plan = (char *)"kivi4";
+    a.block_tokens = 64;
+    a.max_seq_tokens = 1024;
+    a.device_kv_bytes = 64u << 20;
+    a.max_batch_seqs = 8;
+    a.max_batch_tokens = 2048;
+    Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+    m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ASSIGNMENT;
+    m.assignment = &a;
+    strata_error err = {0};
+    if (ctl_peer_send(p, &m, &err) != STRATA_OK)
+        fail_msg("assignment: %s", err.msg);
+}
+
+typedef struct seq_state {
+    uint64_t id;
+    int32_t prompt[200];
+    size_t n_prompt, len, n_got;
+    int32_t want[STEPS], got[STEPS];
+} seq_state;
+
+static int send_plan(ctl_peer *const *peers, uint64_t step, seq_state *seqs, size_t n)
+{
+    Strata__Internal__V1__SeqWork w[N_SEQ], *wp[N_SEQ];
+    uint32_t toks[N_SEQ][200];
+    Strata__Internal__V1__StepPlan plan = STRATA__INTERNAL__V1__STEP_PLAN__INIT;
+    plan.step = step;
+    plan.seqs = wp;
+    for (size_t i = 0; i < n; i++) {
+        strata__internal__v1__seq_work__init(&w[i]);
+        w[i].seq_id = seqs[i].id;
+        w[i].sample = true;
+        if (seqs[i].len == 0) {
+            for (size_t k = 0; k < seqs[i].n_prompt; k++)
+                toks[i][k] = (uint32_t)seqs[i].prompt[k];
+            w[i].n_tokens = seqs[i].n_prompt;
+            w[i].last_chunk_of_prompt = true;
+        } else {
+            toks[i][0] = (uint32_t)seqs[i].got[seqs[i].n_got - 1];
+            w[i].n_tokens = 1;
+        }
+        w[i].tokens = toks[i];
+        w[i].pos0 = (uint32_t)seqs[i].len;
+        wp[plan.n_seqs++] = &w[i];
+    }
+    Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+    m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_STEP_PLAN;
+    m.step_plan = &plan;
+    strata_error err = {0};
+    int rc = STRATA_OK;
+    for (int i = 0; i < 2 && rc == STRATA_OK; i++)
+        if (peers[i])
+            rc = ctl_peer_send(peers[i], &m, &err);
+    return rc;
+}
+
+static void test_two_worker_processes(void **state)
+{
+    (void)state;
+    hub h = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    ctl_server_options o = ctl_server_options_default();
+    o.listen_addr = "127.0.0.1:0";
+    o.cluster_secret = SECRET;
+    o.cluster_secret_len = strlen(SECRET);
+    o.keepalive_time_ms = 1000;
+    o.keepalive_timeout_ms = 1000;
+    o.min_recv_ping_interval_ms = 500;
+    ctl_handler handler = {.ctx = &h, .on_join = on_join, .on_message = on_message, .on_gone = on_gone};
+    ctl_server *srv = NULL;
+    strata_error err = {0};
+    if (ctl_server_start(&o, &handler, &srv, &err) != STRATA_OK)
+        fail_msg("%s", err.msg);
+    char addr[64], secret_file[] = "/tmp/strata-secret-XXXXXX", bad_file[] = "/tmp/strata-badsecret-XXXXXX";
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", ctl_server_port(srv));
+    int fd = mkstemp(secret_file);
+    assert_true(fd >= 0 && write(fd, SECRET "\n", strlen(SECRET) + 1) == (ssize_t)strlen(SECRET) + 1);
+    close(fd);
+    fd = mkstemp(bad_file);
+    assert_true(fd >= 0 && write(fd, "not the cluster secret!!", 24) == 24);
+    close(fd);
+
+    /* A wrong secret is refused: the process exits with an error, no join is seen. */
+    pid_t intruder = spawn_worker(addr, bad_file, "intruder");
+    int status = 0;
+    assert_int_equal(waitpid(intruder, &status, 0), intruder);
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 1);
+
+    pid_t pids[2] = {spawn_worker(addr, secret_file, "w0"), spawn_worker(addr, secret_file, "w1")};
+    event j0, j1;
+    assert_true(wait_event(&h, 1, 30, &j0));
+    assert_true(wait_event(&h, 1, 30, &j1));
+    if (!strcmp(ctl_peer_name(j0.peer), "w1")) {   /* joins arrive in any order: stage by name */
+        event t = j0;
+        j0 = j1;
+        j1 = t;
+    }
+    assert_string_equal(ctl_peer_name(j0.peer), "w0");
+    ctl_peer *peers[2] = {j0.peer, j1.peer};
+    char *addrs[2] = {j0.data_addr, j1.data_addr};
+    send_assignment(peers[0], 0, 0, 15, addrs);
+    send_assignment(peers[1], 1, 15, 30, addrs);
+    event ev;
+    assert_true(wait_event(&h, 3, 60, &ev));   /* both report their KV once ready */
+    assert_true(wait_event(&h, 3, 60, &ev));
+
+    /* References: each sequence alone on the whole model. */
+    model *full = model_load(model_path(), 0, -1, &err);
+    assert_non_null(full);
+    seq_state seqs[N_SEQ] = {{.id = 7, .n_prompt = 12}, {.id = 8, .n_prompt = 90}, {.id = 9, .n_prompt = 170}};
+    kv_geometry g = model_kv_geometry(full, 64);
+    kv_codec_params plan[30];
+    assert_int_equal(kv_plan_parse("kivi4", 30, plan, &err), STRATA_OK);
+    float *logits = malloc(49152 * sizeof *logits);
+    for (size_t i = 0; i < N_SEQ; i++) {
+        for (size_t k = 0; k < seqs[i].n_prompt; k++)
+            seqs[i].prompt[k] = (int32_t)(1 + (k * 2654435761u + i * 97) % 40000);
+        kv_pool *pool = kv_pool_create_plan(&g, plan, 8, &err);
+        kv_seq *seq = kv_seq_create(pool, 1024, &err);
+        assert_int_equal(model_forward(full, seq, seqs[i].prompt, seqs[i].n_prompt, 0, logits, false, &err), STRATA_OK);
+        seqs[i].want[0] = argmax(logits, model_get_config(full)->n_vocab);
+        for (int t = 1; t < STEPS; t++) {
+            assert_int_equal(model_forward(full, seq, &seqs[i].want[t - 1], 1, seqs[i].n_prompt + (size_t)t - 1, logits,
+                                           false, &err), STRATA_OK);
+            seqs[i].want[t] = argmax(logits, model_get_config(full)->n_vocab);
+        }
+        kv_seq_destroy(seq);
+        kv_pool_destroy(pool);
+    }
+    free(logits);
+    model_free(full);
+
+    for (uint64_t step = 1; step <= STEPS; step++) {
+        assert_int_equal(send_plan(peers, step, seqs, N_SEQ), STRATA_OK);
+        bool from_last = false, from_first = false;
+        while (!from_last || !from_first) {
+            if (!wait_event(&h, 2, 60, &ev))
+                fail_msg("no step result for step %llu", (unsigned long long)step);
+            assert_int_equal(ev.step, step);
+            if (ev.peer == peers[0]) {
+                assert_int_equal(ev.n, 0);   /* nothing failed on the first stage */
+                from_first = true;
+                continue;
+            }
+            from_last = true;
+            assert_int_equal(ev.n, N_SEQ);
+            for (size_t r = 0; r < ev.n; r++) {
+                assert_int_equal(ev.status[r], 0);
+                for (size_t i = 0; i < N_SEQ; i++)
+                    if (seqs[i].id == ev.ids[r]) {
+                        seqs[i].len += seqs[i].len ? 1 : seqs[i].n_prompt;
+                        seqs[i].got[seqs[i].n_got++] = (int32_t)ev.tokens[r];
+                    }
+            }
+        }
+    }
+    for (size_t i = 0; i < N_SEQ; i++)
+        for (int t = 0; t < STEPS; t++)
+            if (seqs[i].got[t] != seqs[i].want[t])
+                fail_msg("sequence %llu token %d: %d from the workers, %d alone", (unsigned long long)seqs[i].id, t,
+                         seqs[i].got[t], seqs[i].want[t]);
+
+    /* Kill the last stage mid-generation: it is seen gone, and the first stage's next step
+     * fails (its link to the dead stage broke) instead of hanging. */
+    kill(pids[1], SIGKILL);
+    waitpid(pids[1], &status, 0);
+    assert_true(wait_event(&h, 4, 10, &ev));
+    assert_ptr_equal(ev.peer, peers[1]);
+    assert_int_equal(ev.grpc_status, 14);   /* UNAVAILABLE */
+    peers[1] = NULL;
+    assert_int_equal(send_plan(peers, STEPS + 1, seqs, N_SEQ), STRATA_OK);
+    assert_true(wait_event(&h, 4, 30, &ev));   /* the first worker leaves: its data link is broken */
+    assert_ptr_equal(ev.peer, peers[0]);
+    assert_int_equal(waitpid(pids[0], &status, 0), pids[0]);
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 1);
+
+    ctl_peer_unref(j0.peer);
+    ctl_peer_unref(j1.peer);
+    ctl_server_shutdown(srv);
+    unlink(secret_file);
+    unlink(bad_file);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_two_worker_processes),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
