@@ -1,7 +1,7 @@
 /* Preemption by spill on the real model: sequence A runs in a device pool far smaller than its
  * KV, is spilled (blocks and fp16 tail to the host arena and NVMe) while sequence B runs in the
  * same pool, then resumes; its greedy tokens equal those of A run alone with an unconstrained
- * pool, token for token, for each codec. */
+ * pool, token for token, for fp16, kivi2, gear2 and the tada plan. */
 #include <ftw.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -77,23 +77,23 @@ static kv_pool *pool_for(const char *spec, size_t blocks_per_layer)
     return p;
 }
 
-#define TOTAL 24
-#define BEFORE 8
+#define TOTAL 16
+#define BEFORE 6
 
 static void run_codec(const char *spec)
 {
     /* A prompt long enough for several blocks per layer (kivi: residual 128 + 64-token blocks). */
-    int32_t prompt_a[300], prompt_b[200];
-    for (size_t i = 0; i < 300; i++)
+    int32_t prompt_a[260], prompt_b[150];
+    for (size_t i = 0; i < 260; i++)
         prompt_a[i] = (int32_t)(1 + (i * 7919) % 40000);
-    for (size_t i = 0; i < 200; i++)
+    for (size_t i = 0; i < 150; i++)
         prompt_b[i] = (int32_t)(1 + (i * 104729) % 40000);
     strata_error err = {0};
 
     int32_t want[TOTAL], got[TOTAL], b_out[16];
     kv_pool *big = pool_for(spec, 8);
     kv_seq *alone = kv_seq_create(big, 512, &err);
-    decode(alone, prompt_a, 300, want, 0, TOTAL);
+    decode(alone, prompt_a, 260, want, 0, TOTAL);
     kv_seq_destroy(alone);
     kv_pool_destroy(big);
 
@@ -101,7 +101,7 @@ static void run_codec(const char *spec)
     snprintf(base, sizeof base, "/tmp/strata-preempt-XXXXXX");
     assert_non_null(mkdtemp(base));
     snprintf(dir, sizeof dir, "%s/spill", base);
-    kv_tiers_options to = {.host_bytes = 256 * 1024, .nvme_dir = dir, .nvme_bytes = 64u << 20};
+    kv_tiers_options to = {.host_bytes = 1024 * 1024, .nvme_dir = dir, .nvme_bytes = 64u << 20};
     kv_tiers *tiers = kv_tiers_create(&to, &err);
     if (!tiers)
         fail_msg("%s", err.msg);
@@ -111,13 +111,13 @@ static void run_codec(const char *spec)
     kv_seq *a = kv_seq_create(small, 512, &err), *b = kv_seq_create(small, 512, &err);
     assert_non_null(a);
     assert_non_null(b);
-    decode(a, prompt_a, 300, got, 0, BEFORE);
+    decode(a, prompt_a, 260, got, 0, BEFORE);
     if (kv_seq_spill(a, &err) != STRATA_OK)
         fail_msg("spill: %s", err.msg);
-    decode(b, prompt_b, 200, b_out, 0, 16);
+    decode(b, prompt_b, 150, b_out, 0, 16);
     if (kv_seq_resume(a, &err) != STRATA_OK)
         fail_msg("resume: %s", err.msg);
-    decode(a, prompt_a, 300, got, BEFORE, TOTAL - BEFORE);
+    decode(a, prompt_a, 260, got, BEFORE, TOTAL - BEFORE);
     for (int i = 0; i < TOTAL; i++)
         if (got[i] != want[i])
             fail_msg("%s: token %d: %d after spill/resume, %d alone", spec, i, got[i], want[i]);
@@ -143,7 +143,9 @@ static void run_codec(const char *spec)
 static void test_preempt_each_codec(void **state)
 {
     (void)state;
-    const char *specs[] = {"fp16", "kivi2", "kivi4", "gear2", "ott2", "tada"};
+    /* fp16 (no residual window), a KIVI backbone, and the codecs with extra sections; the tiers
+     * move every codec's bytes alike (test_offload_kvtier covers each codec's blocks). */
+    const char *specs[] = {"fp16", "kivi2", "gear2", "tada"};
     for (size_t i = 0; i < sizeof specs / sizeof *specs; i++)
         run_codec(specs[i]);
 }

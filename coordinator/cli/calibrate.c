@@ -50,7 +50,8 @@ static void usage(FILE *out)
             "      --prefill N         tokens prefilled exactly (default 512)\n"
             "      --tokens T          decode steps scored per run (default 32)\n"
             "  -q, --quiet             no progress on stderr\n"
-            "      --threads N         BLAS threads (default: OpenBLAS's choice)\n"
+            "      --threads N         compute threads: matmul kernel and BLAS (default: the number\n"
+            "                          OpenBLAS picks; keep it equal between runs you compare)\n"
             "  -h, --help              show this help\n",
             STRATA_DEFAULT_MODEL);
     cli_tier_usage(out);

@@ -48,7 +48,8 @@ static void usage(FILE *out)
             "      --tokens T          decode steps scored (default 512)\n"
             "      --json              print one JSON object on stdout instead of the tables\n"
             "  -q, --quiet             no progress on stderr\n"
-            "      --threads N         BLAS threads (default: OpenBLAS's choice)\n"
+            "      --threads N         compute threads: matmul kernel and BLAS (default: the number\n"
+            "                          OpenBLAS picks; keep it equal between runs you compare)\n"
             "  -h, --help              show this help\n",
             STRATA_DEFAULT_MODEL);
     cli_tier_usage(out);

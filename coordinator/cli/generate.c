@@ -56,7 +56,8 @@ static void usage(FILE *out)
             "      --no-echo           print only the generated text (plain prompts are echoed\n"
             "                          first by default; --chat prompts never are)\n"
             "  -q, --quiet             no progress messages on stderr\n"
-            "      --threads N         BLAS threads (default: OpenBLAS's choice)\n"
+            "      --threads N         compute threads: matmul kernel and BLAS (default: the number\n"
+            "                          OpenBLAS picks; keep it equal between runs you compare)\n"
             "  -h, --help              show this help\n");
 }
 
