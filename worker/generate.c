@@ -1,5 +1,7 @@
 #include "worker/generate.h"
 
+#include "worker/textstream.h"
+
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -44,71 +46,13 @@ static bool is_end_of_generation(const tokenizer *t, int32_t id)
     return false;
 }
 
-/* Output text with stop-string handling. */
-typedef struct text_state {
-    char *buf;
-    size_t len, cap;
-    size_t emitted;   /* bytes already passed to the callback */
-} text_state;
-
-static int text_append(text_state *ts, const char *s, size_t n, strata_error *err)
+/* Hands the text that may be shown now to the callback; returns its verdict (non-zero: stop). */
+static int emit(text_stream *ts, generate_text_fn on_text, void *user, bool *stopped)
 {
-    if (ts->len + n + 1 > ts->cap) {
-        size_t cap = ts->cap ? ts->cap * 2 : 256;
-        while (cap < ts->len + n + 1)
-            cap *= 2;
-        char *grown = realloc(ts->buf, cap);
-        if (!grown)
-            return strata_fail(err, STRATA_ENOMEM, "out of memory for generated text");
-        ts->buf = grown;
-        ts->cap = cap;
-    }
-    memcpy(ts->buf + ts->len, s, n);
-    ts->len += n;
-    ts->buf[ts->len] = '\0';
-    return STRATA_OK;
-}
-
-/* Earliest match of any stop string that ends in the unscanned part, or SIZE_MAX. */
-static size_t find_stop(const text_state *ts, const generate_params *p)
-{
-    size_t best = SIZE_MAX;
-    for (size_t i = 0; i < p->n_stop; i++) {
-        size_t sl = strlen(p->stop[i]);
-        if (sl == 0 || sl > ts->len)
-            continue;
-        size_t from = ts->emitted;
-        for (size_t at = from; at + sl <= ts->len; at++)
-            if (memcmp(ts->buf + at, p->stop[i], sl) == 0 && at < best) {
-                best = at;
-                break;
-            }
-    }
-    return best;
-}
-
-/* Bytes at the end of the text that could begin a stop string and so must wait. */
-static size_t holdback(const text_state *ts, const generate_params *p)
-{
-    size_t hold = 0;
-    for (size_t i = 0; i < p->n_stop; i++) {
-        size_t sl = strlen(p->stop[i]);
-        for (size_t k = sl > 0 ? sl - 1 : 0; k > hold; k--)
-            if (k <= ts->len - ts->emitted && memcmp(ts->buf + ts->len - k, p->stop[i], k) == 0) {
-                hold = k;
-                break;
-            }
-    }
-    return hold;
-}
-
-static int flush_text(text_state *ts, size_t upto, generate_text_fn on_text, void *user)
-{
-    if (upto <= ts->emitted)
-        return 0;
-    int stop = on_text ? on_text(user, ts->buf + ts->emitted, upto - ts->emitted) : 0;
-    ts->emitted = upto;
-    return stop;
+    const char *text;
+    size_t len;
+    text_stream_take(ts, &text, &len, stopped);
+    return len && on_text ? on_text(user, text, len) : 0;
 }
 
 int generate_run(model *m, kv_seq *seq, size_t seq_max_tokens, const int32_t *prompt, size_t n_prompt,
@@ -132,7 +76,8 @@ int generate_run(model *m, kv_seq *seq, size_t seq_max_tokens, const int32_t *pr
     sampler *smp = sampler_create(&p->sampling, cfg->n_vocab, err);
     float *logits = malloc((size_t)cfg->n_vocab * sizeof *logits);
     out->tokens = malloc((size_t)p->max_tokens * sizeof *out->tokens);
-    text_state ts = {0};
+    text_stream ts;
+    text_stream_init(&ts, p->stop, p->n_stop, false);   /* the callback takes bytes as they come */
     if (!smp || !logits || !out->tokens) {
         sampler_free(smp);
         free(logits);
@@ -157,17 +102,17 @@ int generate_run(model *m, kv_seq *seq, size_t seq_max_tokens, const int32_t *pr
         if (!tokenizer_is_control(tok, next)) {
             size_t len;
             const char *bytes = tokenizer_token_bytes(tok, next, &len);
-            rc = text_append(&ts, bytes, len, err);
+            rc = text_stream_push(&ts, bytes, len, err);
             if (rc != STRATA_OK)
                 break;
         }
-        size_t stop_at = find_stop(&ts, p);
-        if (stop_at != SIZE_MAX) {
-            flush_text(&ts, stop_at, on_text, user);
+        bool stopped = false;
+        int cancel = emit(&ts, on_text, user, &stopped);
+        if (stopped) {
             out->finish = FINISH_STOP;
             break;
         }
-        if (flush_text(&ts, ts.len - holdback(&ts, p), on_text, user)) {
+        if (cancel) {
             out->finish = FINISH_ABORT;
             break;
         }
@@ -180,9 +125,14 @@ int generate_run(model *m, kv_seq *seq, size_t seq_max_tokens, const int32_t *pr
         out->decode_steps++;
     }
     out->decode_seconds = now_seconds() - t_decode;
-    if (rc == STRATA_OK && out->finish != FINISH_STOP && out->finish != FINISH_ABORT)
-        flush_text(&ts, ts.len, on_text, user);   /* release held-back text that never became a stop */
-    free(ts.buf);
+    if (rc == STRATA_OK && out->finish != FINISH_STOP && out->finish != FINISH_ABORT) {
+        const char *text;   /* release held-back text that never became a stop */
+        size_t len;
+        text_stream_finish(&ts, &text, &len);
+        if (len && on_text)
+            on_text(user, text, len);
+    }
+    text_stream_free(&ts);
     free(logits);
     sampler_free(smp);
     return rc;
