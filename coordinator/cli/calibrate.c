@@ -227,19 +227,6 @@ static int on_progress(void *user, size_t step, size_t steps)
     return 0;
 }
 
-/* The device slots of a run of plan under the tier options: --device-kv-mib over the plan's
- * largest block, at most what the context of ctx tokens can use (that with only a lower tier);
- * 0 without tier flags or when the budget holds no block of the plan. */
-static size_t device_slots_for(const cli_tier_opts *t, const kv_geometry *g, const kv_codec_params *plan, size_t ctx)
-{
-    size_t slot = kv_plan_largest_block(g, plan);
-    size_t most = (ctx + (size_t)g->block_tokens - 1) / (size_t)g->block_tokens * (size_t)g->n_layers;
-    if (t->device_mib <= 0)
-        return t->host_mib > 0 ? most : 0;
-    size_t n = slot ? (size_t)(t->device_mib * 1048576.0) / slot : 0;
-    return n < most ? n : most;
-}
-
 /* Tier counters summed over the runs. */
 typedef struct tier_totals {
     uint64_t evictions, fetches;
@@ -250,7 +237,7 @@ static int run_plan(model *m, const kv_codec_params *plan, const int32_t *ids, s
                     const cli_tier_opts *t, const kv_geometry *g, const eval_prefix *prefix, const eval_reference *ref,
                     eval_reference *keep, progress_state *ps, eval_result *r, tier_totals *tot, strata_error *err)
 {
-    setup->device_slots = device_slots_for(t, g, plan, setup->prefill + setup->tokens);
+    setup->device_slots = cli_tier_device_slots(t, g, plan, setup->prefill + setup->tokens);
     int rc = eval_run(m, plan, ids, n_ids, setup, prefix, ref, keep, on_progress, ps, r, err);
     if (rc == STRATA_OK) {
         tot->evictions += r->evictions;
@@ -382,20 +369,18 @@ int cmd_calibrate(int argc, char **argv)
     for (int pass = 0; pass < 2 && o.tiers.device_mib > 0; pass++) {
         for (int l = 0; l < L; l++)
             plan[l] = pass ? cand[C - 1].codec : (kv_codec_params){.codec = KV_CODEC_FP16, .bits = 16};
-        if (device_slots_for(&o.tiers, &geo, plan, (size_t)(o.prefill + o.tokens)) == 0) {
+        if (cli_tier_device_slots(&o.tiers, &geo, plan, (size_t)(o.prefill + o.tokens)) == 0) {
             fprintf(stderr, "strata calibrate: --device-kv-mib %g holds no block of %zu bytes (%s)\n",
                     o.tiers.device_mib, kv_plan_largest_block(&geo, plan), pass ? cand[C - 1].name : "fp16");
             exit_code = EXIT_USAGE;
             goto done;
         }
     }
-    if (o.tiers.host_mib > 0) {
-        kv_tiers_options to = {.host_bytes = (size_t)(o.tiers.host_mib * 1048576.0), .nvme_dir = o.tiers.nvme_dir,
-                               .nvme_bytes = o.tiers.nvme_mib > 0 ? (uint64_t)(o.tiers.nvme_mib * 1048576.0) : 0};
-        if (!(tiers = kv_tiers_create(&to, &err))) {
-            fprintf(stderr, "strata calibrate: %s\n", err.msg);
-            goto done;
-        }
+    if (cli_tier_create(&o.tiers, &tiers, &err) != STRATA_OK) {
+        fprintf(stderr, "strata calibrate: %s\n", err.msg);
+        goto done;
+    }
+    if (tiers) {
         lower = kv_tiers_lower(tiers);
         if (!o.quiet)
             fprintf(stderr, "strata: KV tiers: %s; device pool %s\n", kv_tiers_describe(tiers),

@@ -241,19 +241,12 @@ typedef struct run {
 static int device_slots_for(const cli_tier_opts *t, const kv_geometry *g, const kv_codec_params *codecs, size_t ctx,
                             const char *label, size_t *slots)
 {
-    size_t slot = kv_plan_largest_block(g, codecs);
-    size_t most = (ctx + (size_t)g->block_tokens - 1) / (size_t)g->block_tokens * (size_t)g->n_layers;
-    *slots = t->host_mib > 0 ? most : 0;
-    if (t->device_mib <= 0)
-        return 0;
-    *slots = slot ? (size_t)(t->device_mib * 1048576.0) / slot : 0;
-    if (*slots == 0) {
+    *slots = cli_tier_device_slots(t, g, codecs, ctx);
+    if (t->device_mib > 0 && *slots == 0) {
         fprintf(stderr, "strata eval: %s: --device-kv-mib %g holds no block of %zu bytes\n", label, t->device_mib,
-                slot);
+                kv_plan_largest_block(g, codecs));
         return EXIT_USAGE;
     }
-    if (*slots > most)
-        *slots = most;   /* more than the context can use */
     return 0;
 }
 
@@ -434,13 +427,11 @@ int cmd_eval(int argc, char **argv)
             goto done;
         }
     }
-    if (o.tiers.host_mib > 0) {
-        kv_tiers_options to = {.host_bytes = (size_t)(o.tiers.host_mib * 1048576.0), .nvme_dir = o.tiers.nvme_dir,
-                               .nvme_bytes = o.tiers.nvme_mib > 0 ? (uint64_t)(o.tiers.nvme_mib * 1048576.0) : 0};
-        if (!(tiers = kv_tiers_create(&to, &err))) {
-            fprintf(stderr, "strata eval: %s\n", err.msg);
-            goto done;
-        }
+    if (cli_tier_create(&o.tiers, &tiers, &err) != STRATA_OK) {
+        fprintf(stderr, "strata eval: %s\n", err.msg);
+        goto done;
+    }
+    if (tiers) {
         lower = kv_tiers_lower(tiers);
         if (!o.quiet)
             fprintf(stderr, "strata: KV tiers: %s; device pool %s\n", kv_tiers_describe(tiers),

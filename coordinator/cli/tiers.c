@@ -150,6 +150,27 @@ int cli_tier_finish(const char *cmd, cli_tier_opts *o)
     return 0;
 }
 
+size_t cli_tier_device_slots(const cli_tier_opts *o, const kv_geometry *g, const kv_codec_params *codecs, size_t ctx)
+{
+    size_t slot = kv_plan_largest_block(g, codecs);
+    size_t most = (ctx + (size_t)g->block_tokens - 1) / (size_t)g->block_tokens * (size_t)g->n_layers;
+    if (o->device_mib <= 0)
+        return o->host_mib > 0 ? most : 0;
+    size_t n = slot ? (size_t)(o->device_mib * 1048576.0) / slot : 0;
+    return n < most ? n : most;
+}
+
+int cli_tier_create(const cli_tier_opts *o, kv_tiers **out, strata_error *err)
+{
+    *out = NULL;
+    if (o->host_mib <= 0)
+        return STRATA_OK;
+    kv_tiers_options to = {.host_bytes = (size_t)(o->host_mib * 1048576.0), .nvme_dir = o->nvme_dir,
+                           .nvme_bytes = o->nvme_mib > 0 ? (uint64_t)(o->nvme_mib * 1048576.0) : 0};
+    *out = kv_tiers_create(&to, err);
+    return *out ? STRATA_OK : (err ? err->code : STRATA_EIO);
+}
+
 int cli_kv_memory_create(const char *cmd, const cli_tier_opts *o, const kv_geometry *g, const kv_codec_params *codecs,
                          size_t ctx, bool quiet, cli_kv_memory *out)
 {
@@ -159,12 +180,10 @@ int cli_kv_memory_create(const char *cmd, const cli_tier_opts *o, const kv_geome
     const double budget = o->device_mib > 0 ? o->device_mib * 1048576.0 : 0.0;
     if (o->host_mib > 0) {
         /* With a tier below, any layer may need the whole pool for attention: one slot size. */
-        size_t slot = kv_plan_largest_block(g, codecs), most = out->blocks_for_ctx * (size_t)g->n_layers;
-        size_t n_slots = budget > 0 ? (size_t)budget / slot : most;
-        if (n_slots > most)
-            n_slots = most;   /* more than the context can use */
+        size_t n_slots = cli_tier_device_slots(o, g, codecs, ctx);
         if (n_slots == 0) {
-            fprintf(stderr, "strata %s: --device-kv-mib %g holds no block of %zu bytes\n", cmd, o->device_mib, slot);
+            fprintf(stderr, "strata %s: --device-kv-mib %g holds no block of %zu bytes\n", cmd, o->device_mib,
+                    kv_plan_largest_block(g, codecs));
             return EXIT_USAGE;
         }
         out->blocks_per_layer = n_slots / (size_t)g->n_layers;
@@ -186,9 +205,7 @@ int cli_kv_memory_create(const char *cmd, const cli_tier_opts *o, const kv_geome
         return EXIT_RUNTIME;
     }
     if (o->host_mib > 0) {
-        kv_tiers_options to = {.host_bytes = (size_t)(o->host_mib * 1048576.0), .nvme_dir = o->nvme_dir,
-                               .nvme_bytes = o->nvme_mib > 0 ? (uint64_t)(o->nvme_mib * 1048576.0) : 0};
-        out->tiers = kv_tiers_create(&to, &err);
+        cli_tier_create(o, &out->tiers, &err);
         kv_lower_tier lower;
         if (out->tiers) {
             lower = kv_tiers_lower(out->tiers);

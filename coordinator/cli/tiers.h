@@ -46,6 +46,16 @@ int cli_tier_flag(int opt, const char *arg, cli_tier_opts *o);
  * Returns 0 or EXIT_USAGE after a message "strata CMD: ...". */
 int cli_tier_finish(const char *cmd, cli_tier_opts *o);
 
+/* Device slots for one plan under the options, for a pool shared by every layer
+ * (kv_pool_create_shared): --device-kv-mib over the plan's largest block (0 when it holds none),
+ * at most what ctx tokens of every layer can use; without --device-kv-mib that maximum when a
+ * tier below is asked for, else 0 (no tier flags: the caller sizes the pool itself). */
+size_t cli_tier_device_slots(const cli_tier_opts *o, const kv_geometry *g, const kv_codec_params *codecs, size_t ctx);
+
+/* The host (and NVMe) tiers the options ask for in *out, or NULL without --host-kv-mib /
+ * --nvme-dir. Fails with the kv_tiers_create error. */
+int cli_tier_create(const cli_tier_opts *o, kv_tiers **out, strata_error *err);
+
 /* A block pool sized by the options for ctx tokens, with the host/NVMe tiers attached when
  * asked for. */
 typedef struct cli_kv_memory {
