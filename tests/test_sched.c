@@ -286,6 +286,41 @@ static void test_simulation(void **state)
     sched_destroy(s);
 }
 
+/* A replica whose workers are gone takes no requests; its outstanding step and frees are dropped
+ * and it can come back. */
+static void test_availability(void **state)
+{
+    (void)state;
+    scheduler *s = make(16, 256, 8, 2, 8, 20);
+    strata_error err = {0};
+    sched_set_available(s, 0, false);
+    assert_false(sched_is_available(s, 0));
+    int r = -1;
+    assert_int_equal(sched_submit(s, 1, 10, 6, &r, &err), STRATA_OK);
+    assert_int_equal(r, 1);   /* replica 0 has more room but is unavailable */
+    assert_int_equal(sched_get_replica(s, 1), 1);
+    sched_set_available(s, 1, false);
+    assert_int_equal(sched_submit(s, 2, 10, 6, &r, &err), STRATA_OK);
+    assert_int_equal(r, -1);   /* fits, waits for a replica */
+    assert_int_equal(sched_get_replica(s, 2), -1);
+    sched_set_available(s, 0, true);
+    assert_int_equal(sched_get_replica(s, 2), 0);   /* routed as soon as one is back */
+    sched_plan p;
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_work, 1);
+    /* replica 0 is lost mid-step: its request is finished, the step forgotten */
+    assert_true(sched_finish(s, 2));
+    sched_set_available(s, 0, false);
+    sched_set_available(s, 0, true);
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_work, 0);
+    assert_int_equal(p.n_free, 0);   /* the lost workers' frees are not sent to new ones */
+    sched_stats st;
+    sched_get_stats(s, 0, &st);
+    assert_int_equal(st.reserved_blocks, 0);
+    sched_destroy(s);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -295,6 +330,7 @@ int main(void)
         cmocka_unit_test(test_step_composition),
         cmocka_unit_test(test_preempt_and_resume),
         cmocka_unit_test(test_simulation),
+        cmocka_unit_test(test_availability),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

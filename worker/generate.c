@@ -30,22 +30,6 @@ static double now_seconds(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* End-of-generation: the model's EOS, or a control token that ends a turn in common templates. */
-static bool is_end_of_generation(const tokenizer *t, int32_t id)
-{
-    if (id == tokenizer_eos(t))
-        return true;
-    if (!tokenizer_is_control(t, id))
-        return false;
-    size_t len;
-    const char *s = tokenizer_token_bytes(t, id, &len);
-    static const char *const eog[] = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "</s>", "<|end|>"};
-    for (size_t i = 0; i < sizeof eog / sizeof eog[0]; i++)
-        if (s && len == strlen(eog[i]) && memcmp(s, eog[i], len) == 0)
-            return true;
-    return false;
-}
-
 /* Hands the text that may be shown now to the callback; returns its verdict (non-zero: stop). */
 static int emit(text_stream *ts, generate_text_fn on_text, void *user, bool *stopped)
 {
@@ -94,7 +78,7 @@ int generate_run(model *m, kv_seq *seq, size_t seq_max_tokens, const int32_t *pr
     double t_decode = now_seconds();
     while (rc == STRATA_OK) {
         int32_t next = sampler_sample(smp, logits);
-        if (!p->ignore_eos && is_end_of_generation(tok, next)) {
+        if (!p->ignore_eos && tokenizer_is_eog(tok, next)) {
             out->finish = FINISH_EOS;
             break;
         }

@@ -213,6 +213,32 @@ model *model_load(const char *path, int layer_begin, int layer_end, strata_error
     return m;
 }
 
+int model_read_meta(const char *path, model_config *cfg, tokenizer **tok, strata_error *err)
+{
+    *tok = NULL;
+    memset(cfg, 0, sizeof *cfg);
+    gguf_file *f = gguf_open(path, err);
+    if (!f)
+        return err ? err->code : STRATA_EIO;
+    int rc = read_config(f, cfg, err);
+    if (rc == STRATA_OK && !(*tok = tokenizer_from_gguf(f, err)))
+        rc = err ? err->code : STRATA_EFORMAT;
+    if (rc == STRATA_OK && tokenizer_n_vocab(*tok) <= 0)
+        rc = strata_fail(err, STRATA_EFORMAT, "model has an empty vocabulary");
+    if (rc == STRATA_OK) {
+        cfg->n_vocab = tokenizer_n_vocab(*tok);
+        cfg->tied_output = gguf_find_tensor(f, "output.weight") == NULL;
+    }
+    gguf_close(f);
+    if (rc != STRATA_OK) {
+        tokenizer_free(*tok);
+        *tok = NULL;
+        if (err)
+            strata_error_prefix(err, "reading model '%s'", path);
+    }
+    return rc;
+}
+
 void model_free(model *m)
 {
     if (!m)

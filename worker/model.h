@@ -39,6 +39,11 @@ typedef struct model model;
 model *model_load(const char *path, int layer_begin, int layer_end, strata_error *err);
 void model_free(model *m);
 
+/* Reads only the configuration and the tokenizer of the GGUF at path, no weights: what the
+ * coordinator needs to tokenize, check requests and plan KV capacity. *tok is the caller's
+ * (tokenizer_free). cfg->n_vocab is the tokenizer's vocabulary. */
+int model_read_meta(const char *path, model_config *cfg, tokenizer **tok, strata_error *err);
+
 const model_config *model_get_config(const model *m);
 const tokenizer *model_get_tokenizer(const model *m);
 int model_layer_begin(const model *m);

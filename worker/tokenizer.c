@@ -1148,3 +1148,18 @@ int tokenizer_apply_chat(const tokenizer *t, const char *system, const char *use
     *out = buf;
     return STRATA_OK;
 }
+
+bool tokenizer_is_eog(const tokenizer *t, int32_t id)
+{
+    if (id == tokenizer_eos(t))
+        return true;
+    if (!tokenizer_is_control(t, id))
+        return false;
+    size_t len;
+    const char *s = tokenizer_token_bytes(t, id, &len);
+    static const char *const eog[] = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "</s>", "<|end|>"};
+    for (size_t i = 0; i < sizeof eog / sizeof eog[0]; i++)
+        if (s && len == strlen(eog[i]) && memcmp(s, eog[i], len) == 0)
+            return true;
+    return false;
+}

@@ -68,6 +68,10 @@ bool tokenizer_is_control(const tokenizer *t, int32_t id);
 /* Token type of id (enum tokenizer_token_type), -1 for an out-of-range id. */
 int tokenizer_token_type(const tokenizer *t, int32_t id);
 
+/* End of generation: the model's EOS, or a control token that ends a turn in common chat
+ * templates (<|endoftext|>, <|im_end|>, <|eot_id|>, </s>, <|end|>). */
+bool tokenizer_is_eog(const tokenizer *t, int32_t id);
+
 /* Encodes len bytes of text (arbitrary bytes; no BOS is added). text may be NULL when len is 0.
  * On success *ids_out is a malloc'd array (never NULL, even when *n_out is 0) that the caller
  * frees. Errors: STRATA_EINVAL (NULL arguments), STRATA_ENOMEM. */

@@ -8,6 +8,7 @@
 #include "coordinator/cli/cli.h"
 #include "kernels/ops.h"
 #include "coordinator/cli/kvopts.h"
+#include "coordinator/cli/remote.h"
 #include "coordinator/cli/tiers.h"
 #include "kvstore/blockfile.h"
 #include "kvstore/kv_cache.h"
@@ -58,6 +59,11 @@ static void usage(FILE *out)
             "  -q, --quiet             no progress messages on stderr\n"
             "      --threads N         compute threads: matmul kernel and BLAS (default: the number\n"
             "                          OpenBLAS picks; keep it equal between runs you compare)\n"
+            "remote (send the request to `strata serve` or strata-coordinator instead):\n"
+            "      --server HOST:PORT  the server's public API; the server's model, KV codec and\n"
+            "                          context apply (--kv is sent as the request's kv_codec)\n"
+            "      --token-file FILE   bearer token for a server started with --token-file\n"
+            "      --tls-ca FILE       PEM certificate(s) to verify a TLS server with (enables TLS)\n"
             "  -h, --help              show this help\n");
 }
 
@@ -77,11 +83,15 @@ typedef struct gen_opts {
     const char *save_kv;
     bool stats, quiet, no_echo;
     int threads;
+    const char *server, *token_file, *tls_ca;   /* --server: send the request to a strata server */
+    const char *local_only;   /* the first flag given that only applies without --server */
+    bool kv_given;
 } gen_opts;
 
 enum {
     OPT_CHAT = 1000, OPT_SYSTEM, OPT_TOP_K, OPT_TOP_P, OPT_STOP, OPT_IGNORE_EOS, OPT_KV, OPT_KV_GROUP,
     OPT_KV_RESIDUAL, OPT_KV_PLAN, OPT_BLOCK_TOKENS, OPT_CTX, OPT_SAVE_KV, OPT_STATS, OPT_THREADS, OPT_NO_ECHO,
+    OPT_SERVER, OPT_TOKEN_FILE, OPT_TLS_CA,
 };
 
 static int parse_opts(int argc, char **argv, gen_opts *o)
@@ -110,6 +120,9 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
         {"quiet", no_argument, NULL, 'q'},
         {"no-echo", no_argument, NULL, OPT_NO_ECHO},
         {"threads", required_argument, NULL, OPT_THREADS},
+        {"server", required_argument, NULL, OPT_SERVER},
+        {"token-file", required_argument, NULL, OPT_TOKEN_FILE},
+        {"tls-ca", required_argument, NULL, OPT_TLS_CA},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -120,8 +133,22 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
     long v;
     int c;
     optind = 1;
-    while ((c = getopt_long(argc, argv, "m:p:n:t:s:qh", opts, NULL)) != -1) {
+    int idx = -1;
+    while ((c = getopt_long(argc, argv, "m:p:n:t:s:qh", opts, &idx)) != -1) {
+        switch (c) {   /* flags that need the model in this process */
+        case 'm': case OPT_CHAT: case OPT_SYSTEM: case OPT_KV_GROUP: case OPT_KV_RESIDUAL: case OPT_KV_PLAN:
+        case OPT_BLOCK_TOKENS: case OPT_CTX: case OPT_SAVE_KV: case OPT_THREADS: case OPT_TIER_DEVICE:
+        case OPT_TIER_HOST: case OPT_TIER_NVME_DIR: case OPT_TIER_NVME: case OPT_TIER_CONFIG:
+            if (!o->local_only)
+                o->local_only = c == 'm' ? "--model" : idx >= 0 ? opts[idx].name : "?";
+            break;
+        default: break;
+        }
+        idx = -1;
         switch (c) {
+        case OPT_SERVER: o->server = optarg; break;
+        case OPT_TOKEN_FILE: o->token_file = optarg; break;
+        case OPT_TLS_CA: o->tls_ca = optarg; break;
         case 'm': o->model_path = optarg; break;
         case 'p': o->prompt = optarg; break;
         case OPT_CHAT: o->chat = true; break;
@@ -159,7 +186,7 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
             o->stop[o->n_stop++] = optarg;
             break;
         case OPT_IGNORE_EOS: o->ignore_eos = true; break;
-        case OPT_KV: o->kv.kv = optarg; break;
+        case OPT_KV: o->kv.kv = optarg; o->kv_given = true; break;
         case OPT_KV_PLAN: o->kv.plan_file = optarg; break;
         case OPT_KV_GROUP:
             if (!cli_parse_long("--kv-group", optarg, 1, 4096, &o->kv.group)) return EXIT_USAGE;
@@ -195,6 +222,15 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
     }
     if (!o->prompt) {
         fprintf(stderr, "strata generate: --prompt is required (try --help)\n");
+        return EXIT_USAGE;
+    }
+    if (o->server && o->local_only) {
+        fprintf(stderr, "strata generate: %s%s does not apply with --server (the server's configuration decides)\n",
+                o->local_only[0] == '-' ? "" : "--", o->local_only);
+        return EXIT_USAGE;
+    }
+    if (!o->server && (o->token_file || o->tls_ca)) {
+        fprintf(stderr, "strata generate: --token-file and --tls-ca go with --server\n");
         return EXIT_USAGE;
     }
     if (!*o->prompt) {
@@ -311,6 +347,17 @@ int cmd_generate(int argc, char **argv)
             return EXIT_RUNTIME;
         }
         o.prompt = stdin_prompt;
+    }
+
+    if (o.server) {
+        remote_request rr = {.server = o.server, .token_file = o.token_file, .tls_ca = o.tls_ca, .prompt = o.prompt,
+                             .max_tokens = o.max_tokens, .sampling = o.sampling, .stop = o.stop, .n_stop = o.n_stop,
+                             .ignore_eos = o.ignore_eos, .kv = o.kv_given ? o.kv.kv : NULL, .echo = !o.no_echo,
+                             .stats = o.stats, .quiet = o.quiet};
+        rc = cli_remote_generate(&rr);
+        cli_tier_opts_free(&o.tiers);
+        free(stdin_prompt);
+        return rc;
     }
 
     double t0 = now_seconds();

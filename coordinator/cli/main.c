@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "coordinator/cli/cli.h"
+#include "coordinator/service/serve.h"
 
 static void usage(FILE *out)
 {
@@ -19,6 +20,7 @@ static void usage(FILE *out)
             "  eval       measure the quality of compressed KV caches against fp16 on a text\n"
             "  calibrate  search a per-layer bit plan for a bytes-per-token budget\n"
             "  inspect    print and verify the KV blocks in a block file (see generate --save-kv)\n"
+            "  serve      serve the gRPC API with a coordinator and local CPU workers\n"
             "\n"
             "options:\n"
             "  -h, --help     show this help (each command has its own: strata generate --help)\n"
@@ -103,6 +105,8 @@ int main(int argc, char **argv)
         return cmd_eval(argc - 1, argv + 1);
     if (!strcmp(cmd, "calibrate"))
         return cmd_calibrate(argc - 1, argv + 1);
+    if (!strcmp(cmd, "serve"))
+        return serve_main(argc - 1, argv + 1, "strata serve", true);
     if (!strcmp(cmd, "inspect"))
         return cmd_inspect(argc - 1, argv + 1);
     fprintf(stderr, "strata: unknown command '%s' (try strata --help)\n", cmd);

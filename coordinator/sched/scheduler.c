@@ -30,6 +30,7 @@ typedef struct replica {
     uint64_t *preempt, *resume, *freed;
     size_t cap_plan;
     uint64_t preemptions, resumptions;
+    bool unavailable;
 } replica;
 
 struct scheduler {
@@ -110,6 +111,8 @@ static int best_replica(const scheduler *s, size_t need)
     for (int r = 0; r < s->cfg.n_replicas; r++) {
         const replica *p = &s->reps[r];
         size_t free_blocks = p->cfg.total_blocks - p->reserved;
+        if (p->unavailable)
+            continue;
         if (need <= free_blocks && (best < 0 || free_blocks > best_free)) {
             best = r;
             best_free = free_blocks;
@@ -423,4 +426,36 @@ sched_state sched_get_state(const scheduler *s, uint64_t id)
 {
     const request *q = s ? find(s, id) : NULL;
     return q ? q->state : (sched_state)0;
+}
+
+void sched_set_available(scheduler *s, int r, bool available)
+{
+    if (!s || r < 0 || r >= s->cfg.n_replicas)
+        return;
+    replica *p = &s->reps[r];
+    p->unavailable = !available;
+    if (!available) {
+        p->n_pending_free = 0;
+        for (size_t i = 0; i < s->n_reqs;) {
+            request *q = &s->reqs[i];
+            if (q->replica == r)
+                q->in_step = false;
+            if (q->replica == r && q->state == SCHED_FINISHED)
+                *q = s->reqs[--s->n_reqs];
+            else
+                i++;
+        }
+    }
+    route_pending(s);
+}
+
+bool sched_is_available(const scheduler *s, int r)
+{
+    return s && r >= 0 && r < s->cfg.n_replicas && !s->reps[r].unavailable;
+}
+
+int sched_get_replica(const scheduler *s, uint64_t id)
+{
+    const request *q = s ? find(s, id) : NULL;
+    return q ? q->replica : -1;
 }

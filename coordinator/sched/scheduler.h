@@ -115,6 +115,16 @@ typedef struct sched_stats {
 } sched_stats;
 
 void sched_get_stats(const scheduler *s, int replica /* -1: all */, sched_stats *out);
+
+/* Whether replica r can take requests (every replica can at creation). Requests are routed only
+ * to available replicas; a request that fits some replica waits in the queue while none is
+ * available. Making a replica unavailable (its workers are gone) drops its outstanding step and
+ * its pending frees: finish its requests with sched_finish first. */
+void sched_set_available(scheduler *s, int r, bool available);
+bool sched_is_available(const scheduler *s, int r);
+
+/* The replica a request is routed to, or -1 (unknown id, or still waiting for a replica). */
+int sched_get_replica(const scheduler *s, uint64_t id);
 sched_state sched_get_state(const scheduler *s, uint64_t id);   /* 0 when unknown */
 
 #endif

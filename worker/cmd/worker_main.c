@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "kernels/ops.h"
 #include "kvstore/error.h"
 #include "proto/strata_internal.pb-c.h"
 #include "worker/control/control_client.h"
@@ -41,13 +42,16 @@ static void usage(FILE *out)
             "  --nvme-dir DIR           spill directory of the NVMe tier (default: none)\n"
             "  --nvme-kv-mib N          NVMe tier offered (default 1024 with --nvme-dir)\n"
             "  --connect-timeout-ms N   give up reaching the coordinator after N ms (default 30000)\n"
+            "  --threads N              compute threads (default: the number OpenBLAS picks; results\n"
+            "                           of long prompts depend on it, so keep it equal across runs\n"
+            "                           you compare)\n"
             "  -q, --quiet              only errors on stderr\n"
             "  -h, --help               this help\n");
 }
 
 typedef struct worker_opts {
     const char *coordinator, *secret_file, *name, *data, *nvme_dir;
-    long device_mib, host_mib, nvme_mib, connect_timeout_ms;
+    long device_mib, host_mib, nvme_mib, connect_timeout_ms, threads;
     bool quiet;
 } worker_opts;
 
@@ -72,6 +76,7 @@ static int parse(int argc, char **argv, worker_opts *o)
         {"device-kv-mib", required_argument, NULL, 'D'}, {"host-kv-mib", required_argument, NULL, 'H'},
         {"nvme-dir", required_argument, NULL, 'N'},    {"nvme-kv-mib", required_argument, NULL, 'M'},
         {"connect-timeout-ms", required_argument, NULL, 'T'}, {"quiet", no_argument, NULL, 'q'},
+        {"threads", required_argument, NULL, 'P'},
         {"help", no_argument, NULL, 'h'},              {NULL, 0, NULL, 0},
     };
     *o = (worker_opts){.data = "127.0.0.1:0", .device_mib = 256, .nvme_mib = -1, .connect_timeout_ms = 30000};
@@ -87,6 +92,7 @@ static int parse(int argc, char **argv, worker_opts *o)
         case 'H': if (!parse_long("--host-kv-mib", optarg, 0, 1L << 24, &o->host_mib)) return EXIT_USAGE; break;
         case 'M': if (!parse_long("--nvme-kv-mib", optarg, 1, 1L << 24, &o->nvme_mib)) return EXIT_USAGE; break;
         case 'T': if (!parse_long("--connect-timeout-ms", optarg, 1, 3600000, &o->connect_timeout_ms)) return EXIT_USAGE; break;
+        case 'P': if (!parse_long("--threads", optarg, 1, 1024, &o->threads)) return EXIT_USAGE; break;
         case 'q': o->quiet = true; break;
         case 'h': usage(stdout); return -1;
         default: usage(stderr); return EXIT_USAGE;
@@ -155,6 +161,13 @@ static int send_step_result(ctl_client *cc, const stage_result *r, strata_error 
     free(items);
     free(ptrs);
     return rc;
+}
+
+static double mono_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 static int send_kv_report(ctl_client *cc, const stage *st, strata_error *err)
@@ -302,6 +315,8 @@ int main(int argc, char **argv)
     int rc = parse(argc, argv, &o);
     if (rc)
         return rc < 0 ? 0 : rc;
+    if (o.threads > 0)
+        kern_set_threads((int)o.threads);
     uint8_t secret[257];
     size_t secret_len = 0;
     if ((rc = read_secret(o.secret_file, secret, 256, &secret_len)))
@@ -354,6 +369,7 @@ int main(int argc, char **argv)
     int exit_code = EXIT_RUNTIME;
     model *m = NULL;
     stage *st = NULL;
+    double last_report = 0;
     dp_link *prev = NULL, *next = NULL;
     dp_auth auth = {secret, secret_len};
     for (;;) {
@@ -400,6 +416,17 @@ int main(int argc, char **argv)
             } else if (stage_step(st, msg->step_plan, &r, &err) != STRATA_OK || send_step_result(cc, &r, &err) != STRATA_OK) {
                 fprintf(stderr, "strata-worker %s: step %" PRIu64 ": %s\n", o.name, msg->step_plan->step, err.msg);
                 done = true;
+            } else {
+                /* KV usage for the coordinator's stats: when sequences left or moved, else at most
+                 * twice a second. */
+                const Strata__Internal__V1__StepPlan *p = msg->step_plan;
+                double t = mono_seconds();
+                if ((p->n_free_seqs || p->n_preempt_seqs || p->n_resume_seqs || t - last_report >= 0.5) &&
+                    send_kv_report(cc, st, &err) != STRATA_OK) {
+                    fprintf(stderr, "strata-worker %s: %s\n", o.name, err.msg);
+                    done = true;
+                }
+                last_report = t;
             }
             break;
         }

@@ -1,0 +1,233 @@
+/* `strata generate --server` (remote.h): one Generate call on the gRPC C core, driven
+ * synchronously on a pluck completion queue: start the call, then read messages one batch at a
+ * time until the stream ends, then read the status. */
+#include "coordinator/cli/remote.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
+#include <grpc/support/alloc.h>
+#include <grpc/support/time.h>
+
+#include "proto/grpc_util.h"
+#include "proto/strata.pb-c.h"
+
+enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
+#define MAX_RESPONSE_BYTES ((size_t)4 << 20)
+#define MAX_PEM_BYTES ((size_t)1 << 20)
+
+static double now_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* A whole small file, NUL-terminated, trailing newlines dropped when trim; NULL after a message. */
+static char *read_file(const char *flag, const char *path, bool trim)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "strata generate: %s %s: %s\n", flag, path, strerror(errno));
+        return NULL;
+    }
+    char *buf = malloc(MAX_PEM_BYTES + 1);
+    size_t n = buf ? fread(buf, 1, MAX_PEM_BYTES, f) : 0;
+    bool more = buf && fgetc(f) != EOF;
+    fclose(f);
+    if (!buf || more) {
+        fprintf(stderr, "strata generate: %s %s: %s\n", flag, path, buf ? "larger than 1 MiB" : "out of memory");
+        free(buf);
+        return NULL;
+    }
+    while (trim && n && (buf[n - 1] == '\n' || buf[n - 1] == '\r'))
+        n--;
+    buf[n] = '\0';
+    return buf;
+}
+
+static bool run_batch(grpc_call *call, grpc_completion_queue *cq, const grpc_op *ops, size_t n, void *tag)
+{
+    if (grpc_call_start_batch(call, ops, n, tag, NULL) != GRPC_CALL_OK)
+        return false;
+    grpc_event ev = grpc_completion_queue_pluck(cq, tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    return ev.type == GRPC_OP_COMPLETE && ev.success;
+}
+
+static const char *finish_name(Strata__V1__FinishReason r)
+{
+    switch (r) {
+    case STRATA__V1__FINISH_REASON__FINISH_REASON_STOP: return "stop";
+    case STRATA__V1__FINISH_REASON__FINISH_REASON_LENGTH: return "length";
+    case STRATA__V1__FINISH_REASON__FINISH_REASON_ABORT: return "abort";
+    default: return "unspecified";
+    }
+}
+
+int cli_remote_generate(const remote_request *r)
+{
+    char *token = NULL, *pem = NULL;
+    if (r->token_file && !(token = read_file("--token-file", r->token_file, true)))
+        return EXIT_USAGE;
+    if (r->tls_ca && !(pem = read_file("--tls-ca", r->tls_ca, false))) {
+        free(token);
+        return EXIT_USAGE;
+    }
+    Strata__V1__SamplingParams sp = STRATA__V1__SAMPLING_PARAMS__INIT;
+    sp.temperature = r->sampling.temperature;
+    sp.top_p = r->sampling.top_p;
+    sp.top_k = (uint32_t)r->sampling.top_k;
+    sp.seed = r->sampling.seed;
+    sp.max_tokens = (uint32_t)r->max_tokens;
+    sp.n_stop = r->n_stop;
+    sp.stop = (char **)r->stop;
+    sp.ignore_eos = r->ignore_eos;
+    Strata__V1__GenerateRequest req = STRATA__V1__GENERATE_REQUEST__INIT;
+    req.input_case = STRATA__V1__GENERATE_REQUEST__INPUT_TEXT;
+    req.text = (char *)r->prompt;
+    req.sampling = &sp;
+    req.kv_codec = (char *)(r->kv ? r->kv : "");
+    grpc_byte_buffer *send_bb = NULL;
+    strata_error err = {0};
+    if (proto_pack(&req.base, MAX_RESPONSE_BYTES, &send_bb, &err) != STRATA_OK) {
+        fprintf(stderr, "strata generate: the request: %s\n", err.msg);
+        free(token);
+        free(pem);
+        return EXIT_USAGE;
+    }
+
+    grpc_init();
+    grpc_channel_credentials *creds = pem ? grpc_ssl_credentials_create(pem, NULL, NULL, NULL)
+                                          : grpc_insecure_credentials_create();
+    grpc_arg arg = {.type = GRPC_ARG_INTEGER, .key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
+                    .value.integer = (int)MAX_RESPONSE_BYTES};
+    grpc_channel_args args = {1, &arg};
+    grpc_channel *ch = grpc_channel_create(r->server, creds, &args);
+    grpc_channel_credentials_release(creds);
+    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
+    grpc_call *call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+                                               grpc_slice_from_static_string("/strata.v1.Strata/Generate"), NULL,
+                                               gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    char auth[1100];
+    grpc_metadata md = {0};
+    if (token) {
+        snprintf(auth, sizeof auth, "Bearer %.1024s", token);
+        md.key = grpc_slice_from_static_string("authorization");
+        md.value = grpc_slice_from_copied_string(auth);
+    }
+    grpc_metadata_array md_in, trailing;
+    grpc_metadata_array_init(&md_in);
+    grpc_metadata_array_init(&trailing);
+    grpc_status_code status = GRPC_STATUS_UNKNOWN;
+    grpc_slice details = grpc_empty_slice();
+    int tag_start, tag_msg, tag_status;
+
+    grpc_op ops[4];
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].data.send_initial_metadata.count = token ? 1 : 0;
+    ops[0].data.send_initial_metadata.metadata = token ? &md : NULL;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = send_bb;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &md_in;
+    double t0 = now_seconds(), t_first = 0;
+    bool started = call && run_batch(call, cq, ops, 4, &tag_start);
+    grpc_byte_buffer_destroy(send_bb);
+
+    int exit_code = EXIT_RUNTIME;
+    bool got_end = false, echoed = false;
+    size_t n_tokens = 0;
+    while (started) {
+        grpc_byte_buffer *bb = NULL;
+        grpc_op op;
+        memset(&op, 0, sizeof op);
+        op.op = GRPC_OP_RECV_MESSAGE;
+        op.data.recv_message.recv_message = &bb;
+        if (!run_batch(call, cq, &op, 1, &tag_msg) || !bb)
+            break;   /* the stream is over: the status says how */
+        Strata__V1__GenerateResponse *resp = NULL;
+        int rc = proto_unpack(bb, &strata__v1__generate_response__descriptor, MAX_RESPONSE_BYTES,
+                              (ProtobufCMessage **)&resp, &err);
+        grpc_byte_buffer_destroy(bb);
+        if (rc != STRATA_OK) {
+            fprintf(stderr, "strata generate: a malformed response from %s: %s\n", r->server, err.msg);
+            grpc_call_cancel(call, NULL);
+            break;
+        }
+        if (r->echo && !echoed) {   /* once the server answered: no prompt before an error */
+            fputs(r->prompt, stdout);
+            echoed = true;
+        }
+        if (resp->kind_case == STRATA__V1__GENERATE_RESPONSE__KIND_CHUNK) {
+            if (!t_first && resp->chunk->n_token_ids)
+                t_first = now_seconds();
+            n_tokens += resp->chunk->n_token_ids;
+            fputs(resp->chunk->text ? resp->chunk->text : "", stdout);
+            fflush(stdout);
+        } else if (resp->kind_case == STRATA__V1__GENERATE_RESPONSE__KIND_COMPLETE) {
+            const Strata__V1__Complete *c = resp->complete;
+            got_end = true;
+            exit_code = 0;
+            if (r->stats) {
+                double t = now_seconds();
+                fprintf(stderr, "\nrequest %s: %u prompt tokens, %u generated, finish: %s\n", resp->request_id,
+                        c->prompt_tokens, c->completion_tokens, finish_name(c->finish_reason));
+                fprintf(stderr, "time to first token: %.3f s; %.2f tokens/s after it (%.3f s in all)\n",
+                        t_first ? t_first - t0 : 0.0,
+                        n_tokens > 1 && t_first ? (double)(n_tokens - 1) / (t - t_first) : 0.0, t - t0);
+            }
+        } else if (resp->kind_case == STRATA__V1__GENERATE_RESPONSE__KIND_ERROR) {
+            got_end = true;
+            fprintf(stderr, "\nstrata generate: the server failed the request after %zu tokens: %s: %s\n", n_tokens,
+                    proto_grpc_status_name((int)resp->error->code), resp->error->message);
+        }
+        protobuf_c_message_free_unpacked(&resp->base, NULL);
+    }
+    if (call) {
+        grpc_op op;
+        memset(&op, 0, sizeof op);
+        op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+        op.data.recv_status_on_client.trailing_metadata = &trailing;
+        op.data.recv_status_on_client.status = &status;
+        op.data.recv_status_on_client.status_details = &details;
+        if (run_batch(call, cq, &op, 1, &tag_status) && status != GRPC_STATUS_OK) {
+            char *msg = grpc_slice_to_c_string(details);
+            fprintf(stderr, "%sstrata generate: %s: %s: %s\n", n_tokens ? "\n" : "", r->server,
+                    proto_grpc_status_name((int)status), msg && *msg ? msg : "(no message)");
+            gpr_free(msg);
+            exit_code = EXIT_RUNTIME;
+        } else if (status == GRPC_STATUS_OK && !got_end) {
+            fprintf(stderr, "strata generate: %s ended the stream without a result\n", r->server);
+        }
+    } else {
+        fprintf(stderr, "strata generate: cannot create a call to %s\n", r->server);
+    }
+    if (exit_code == 0)
+        fputc('\n', stdout);
+
+    if (call)
+        grpc_call_unref(call);
+    grpc_slice_unref(details);
+    grpc_metadata_array_destroy(&md_in);
+    grpc_metadata_array_destroy(&trailing);
+    if (token)
+        grpc_slice_unref(md.value);
+    grpc_completion_queue_shutdown(cq);
+    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_completion_queue_destroy(cq);
+    grpc_channel_destroy(ch);
+    grpc_shutdown();
+    if (token)
+        memset(token, 0, strlen(token));
+    free(token);
+    free(pem);
+    return exit_code;
+}

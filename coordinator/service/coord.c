@@ -1,0 +1,1196 @@
+/* The coordinator's core (coord.h). */
+#include "coordinator/service/coord.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "coordinator/sched/scheduler.h"
+#include "kvstore/kv_cache.h"
+#include "kvstore/plan.h"
+#include "proto/strata_internal.pb-c.h"
+#include "worker/model.h"
+#include "worker/textstream.h"
+#include "worker/tokenizer.h"
+
+#define TIER_DEVICE 0
+#define TIER_HOST 1
+#define TIER_NVME 2
+#define N_TIERS 3
+static const char *const tier_names[N_TIERS] = {"device", "host", "nvme"};
+
+/* One Generate request, from accept to its terminal call. */
+typedef struct creq {
+    uint64_t id;                 /* sequence id (scheduler and workers) */
+    api_stream *stream;
+    const Strata__V1__GenerateRequest *req;   /* valid until the terminal call */
+    int32_t *prompt;
+    size_t n_prompt;
+    size_t n_generated;
+    uint32_t last_token;
+    text_stream ts;
+    double t_accept, t_last;
+} creq;
+
+/* A (replica, stage) place for a worker. */
+typedef struct slot {
+    ctl_peer *peer;              /* referenced while set */
+    char name[CTL_MAX_WORKER_NAME + 1];
+    char data_addr[256];
+    uint32_t worker_id;
+    bool ready;                  /* sent its first KvReport after the assignment */
+    uint64_t tier_blocks[N_TIERS], tier_bytes[N_TIERS], tier_capacity[N_TIERS];
+    uint64_t spills, restores, crc_failures;
+} slot;
+
+typedef struct creplica {
+    slot *stages;
+    uint32_t joined;
+    bool assigned;               /* assignments went out: the slots are bound together */
+    bool serving;                /* every stage ready */
+    bool tearing_down;           /* lost a worker: waiting for the others to leave */
+    /* the step in flight */
+    bool in_flight;
+    uint64_t step;
+    uint32_t answers;
+    size_t n_work;
+    uint64_t *work_ids;
+    uint32_t *tokens;
+    bool *sampled;
+    int *status;
+    char (*message)[256];
+} creplica;
+
+typedef struct coord_metrics {
+    metrics_counter *requests, *tokens, *spills, *restores, *crc;
+    metrics_counter *finished[5];   /* stop, length, abort, error, cancelled */
+    metrics_histogram *ttft, *itl;
+    metrics_gauge *queue, *running, *workers_ready;
+    metrics_gauge *tier_blocks[N_TIERS], *tier_bytes[N_TIERS], *tier_capacity[N_TIERS];
+} coord_metrics;
+enum { FIN_STOP, FIN_LENGTH, FIN_ABORT, FIN_ERROR, FIN_CANCELLED };
+
+struct coord {
+    coord_config cfg;
+    char model_path[4096];
+    char kv_canonical[1024];
+    model_config mc;
+    tokenizer *tok;
+    kv_codec_params *codecs;     /* mc.n_layers */
+    uint32_t *layer_begin;       /* stages + 1 entries */
+    proto_generate_limits limits;
+    char model_name[128], arch[32];
+
+    pthread_mutex_t mu;
+    pthread_cond_t wake;         /* the step thread: something to plan */
+    pthread_cond_t changed;      /* waiters: readiness or request count changed */
+    pthread_t thread;
+    bool thread_started, stopping, draining;
+
+    scheduler *sched;
+    creplica *reps;
+    creq **reqs;
+    size_t n_reqs, cap_reqs;
+    uint64_t next_seq_id;
+    uint32_t next_worker_id;
+    uint64_t requests_total, tokens_total;
+    uint64_t spills_total, restores_total, crc_total;
+
+    coord_metrics m;
+    bool have_metrics;
+};
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void logf_(const coord *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void logf_(const coord *c, const char *fmt, ...)
+{
+    if (c->cfg.quiet)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("strata-coordinator: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
+/* ---- requests ---- */
+
+static creq *find_by_id(const coord *c, uint64_t id)
+{
+    for (size_t i = 0; i < c->n_reqs; i++)
+        if (c->reqs[i]->id == id)
+            return c->reqs[i];
+    return NULL;
+}
+
+static creq *find_by_stream(const coord *c, const api_stream *st)
+{
+    for (size_t i = 0; i < c->n_reqs; i++)
+        if (c->reqs[i]->stream == st)
+            return c->reqs[i];
+    return NULL;
+}
+
+static creq *find_by_request_id(const coord *c, const char *rid)
+{
+    for (size_t i = 0; i < c->n_reqs; i++)
+        if (!strcmp(api_stream_request_id(c->reqs[i]->stream), rid))
+            return c->reqs[i];
+    return NULL;
+}
+
+/* Forgets q (its terminal call was made). */
+static void drop_req(coord *c, creq *q)
+{
+    for (size_t i = 0; i < c->n_reqs; i++)
+        if (c->reqs[i] == q) {
+            c->reqs[i] = c->reqs[--c->n_reqs];
+            break;
+        }
+    text_stream_free(&q->ts);
+    free(q->prompt);
+    free(q);
+    pthread_cond_broadcast(&c->changed);
+}
+
+static void count_finish(coord *c, int kind)
+{
+    if (c->have_metrics)
+        metrics_counter_inc(c->m.finished[kind]);
+}
+
+static void fail_req(coord *c, creq *q, int code, const char *msg)
+{
+    sched_finish(c->sched, q->id);
+    api_stream_fail(q->stream, code, msg);
+    count_finish(c, FIN_ERROR);
+    drop_req(c, q);
+}
+
+/* ---- capacity ---- */
+
+/* Block rows (one block of each of a stage's layers) replica stages hold on the device and in
+ * all tiers: the smallest over the stages. The rules mirror worker/stage/stage.c: with a tier
+ * below, the device pool has slots of the plan's largest block shared by all layers. */
+static int replica_capacity(const coord *c, sched_replica_config *out, strata_error *err)
+{
+    size_t dev_min = SIZE_MAX, total_min = SIZE_MAX;
+    for (uint32_t s = 0; s < c->cfg.stages; s++) {
+        uint32_t b = c->layer_begin[s], e = c->layer_begin[s + 1];
+        kv_geometry g = {.n_layers = (int)(e - b), .n_kv_heads = c->mc.n_kv_heads, .head_dim = c->mc.head_dim,
+                         .block_tokens = (int)c->cfg.block_tokens};
+        const kv_codec_params *codecs = c->codecs + b;
+        size_t row = kv_plan_row_bytes(&g, codecs);
+        if (row == 0)
+            return strata_fail(err, STRATA_EINVAL, "the KV plan does not fit layers %u-%u", b, e - 1);
+        size_t dev, total;
+        if (c->cfg.host_kv_bytes > 0) {
+            size_t slot_bytes = kv_plan_largest_block(&g, codecs);
+            dev = (size_t)(c->cfg.device_kv_bytes / slot_bytes) / (size_t)g.n_layers;
+            /* the host arena and the slab files keep some bytes per block: count 90 % */
+            total = dev + (size_t)((double)(c->cfg.host_kv_bytes + c->cfg.nvme_kv_bytes) * 0.9 / (double)row);
+        } else {
+            dev = total = (size_t)(c->cfg.device_kv_bytes / row);
+        }
+        if (dev == 0)
+            return strata_fail(err, STRATA_EINVAL, "a device KV budget of %" PRIu64 " bytes holds no block row of stage "
+                               "%u (layers %u-%u: %zu bytes)", c->cfg.device_kv_bytes, s, b, e - 1, row);
+        dev_min = dev < dev_min ? dev : dev_min;
+        total_min = total < total_min ? total : total_min;
+    }
+    out->device_blocks = dev_min;
+    out->total_blocks = total_min;
+    return STRATA_OK;
+}
+
+/* ---- workers ---- */
+
+static void send_shutdown(ctl_peer *p, bool drain)
+{
+    Strata__Internal__V1__Shutdown sd = STRATA__INTERNAL__V1__SHUTDOWN__INIT;
+    sd.drain = drain;
+    Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+    m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_SHUTDOWN;
+    m.shutdown = &sd;
+    (void)ctl_peer_send(p, &m, NULL);   /* a peer that is already gone needs no shutdown */
+}
+
+static void send_assignments(coord *c, uint32_t r)
+{
+    creplica *rp = &c->reps[r];
+    char *addrs[64];
+    for (uint32_t s = 0; s < c->cfg.stages; s++)
+        addrs[s] = rp->stages[s].data_addr;
+    for (uint32_t s = 0; s < c->cfg.stages; s++) {
+        Strata__Internal__V1__Assignment a = STRATA__INTERNAL__V1__ASSIGNMENT__INIT;
+        a.model_path = c->model_path;
+        a.layer_begin = c->layer_begin[s];
+        a.layer_end = c->layer_begin[s + 1];
+        a.n_layers_total = (uint32_t)c->mc.n_layers;
+        a.replica = r;
+        a.stage = s;
+        a.n_stages = c->cfg.stages;
+        a.n_stage_data_addrs = c->cfg.stages;
+        a.stage_data_addrs = addrs;
+        a.kv_plan = c->kv_canonical;
+        a.block_tokens = c->cfg.block_tokens;
+        a.max_seq_tokens = c->cfg.ctx;
+        a.device_kv_bytes = c->cfg.device_kv_bytes;
+        a.host_kv_bytes = c->cfg.host_kv_bytes;
+        a.nvme_kv_bytes = c->cfg.nvme_kv_bytes;
+        a.max_batch_seqs = c->cfg.max_seqs;
+        a.max_batch_tokens = c->cfg.max_batch_tokens;
+        a.worker_id = rp->stages[s].worker_id;
+        Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+        m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ASSIGNMENT;
+        m.assignment = &a;
+        strata_error err = {0};
+        if (ctl_peer_send(rp->stages[s].peer, &m, &err) != STRATA_OK)
+            logf_(c, "assignment to worker %s: %s", rp->stages[s].name, err.msg);
+    }
+    rp->assigned = true;
+    logf_(c, "replica %u: %u workers joined; assigned layers", r, c->cfg.stages);
+}
+
+static uint32_t ready_workers(const coord *c)
+{
+    uint32_t n = 0;
+    for (uint32_t r = 0; r < c->cfg.replicas; r++)
+        for (uint32_t s = 0; s < c->cfg.stages; s++)
+            n += c->reps[r].stages[s].ready;
+    return n;
+}
+
+static int on_join(void *ctx, ctl_peer *peer, const Strata__Internal__V1__Join *join, strata_error *err)
+{
+    coord *c = ctx;
+    pthread_mutex_lock(&c->mu);
+    int rc = STRATA_OK;
+    if (c->stopping)
+        rc = strata_fail(err, STRATA_EIO, "the coordinator is shutting down");
+    for (uint32_t r = 0; rc == STRATA_OK && r < c->cfg.replicas; r++)
+        for (uint32_t s = 0; s < c->cfg.stages; s++)
+            if (c->reps[r].stages[s].peer && !strcmp(c->reps[r].stages[s].name, join->worker_name))
+                rc = strata_fail(err, STRATA_EINVAL, "a worker named '%s' is already joined", join->worker_name);
+    if (rc == STRATA_OK && join->device_kv_bytes < c->cfg.device_kv_bytes)
+        rc = strata_fail(err, STRATA_EFULL, "worker offers %" PRIu64 " bytes of device KV memory; the coordinator grants "
+                         "%" PRIu64 " (start the worker with a larger --device-kv-mib)", join->device_kv_bytes,
+                         c->cfg.device_kv_bytes);
+    if (rc == STRATA_OK && join->host_kv_bytes < c->cfg.host_kv_bytes)
+        rc = strata_fail(err, STRATA_EFULL, "worker offers %" PRIu64 " bytes of host KV memory; the coordinator grants "
+                         "%" PRIu64 " (--host-kv-mib)", join->host_kv_bytes, c->cfg.host_kv_bytes);
+    if (rc == STRATA_OK && join->nvme_kv_bytes < c->cfg.nvme_kv_bytes)
+        rc = strata_fail(err, STRATA_EFULL, "worker offers %" PRIu64 " bytes of NVMe KV space; the coordinator grants "
+                         "%" PRIu64 " (--nvme-dir and --nvme-kv-mib)", join->nvme_kv_bytes, c->cfg.nvme_kv_bytes);
+    if (rc == STRATA_OK && (!join->data_addr || !*join->data_addr || strlen(join->data_addr) >= sizeof c->reps[0].stages[0].data_addr))
+        rc = strata_fail(err, STRATA_EINVAL, "worker '%s' sent no usable data-plane address", join->worker_name);
+    /* The replica closest to complete that is not being torn down, then its lowest free stage. */
+    int best = -1;
+    for (uint32_t r = 0; rc == STRATA_OK && r < c->cfg.replicas; r++) {
+        const creplica *rp = &c->reps[r];
+        if (rp->tearing_down || rp->assigned || rp->joined == c->cfg.stages)
+            continue;
+        if (best < 0 || rp->joined > c->reps[best].joined)
+            best = (int)r;
+    }
+    if (rc == STRATA_OK && best < 0)
+        rc = strata_fail(err, STRATA_EFULL, "all %u worker slots are taken (%u replicas x %u stages)",
+                         c->cfg.replicas * c->cfg.stages, c->cfg.replicas, c->cfg.stages);
+    if (rc == STRATA_OK) {
+        creplica *rp = &c->reps[best];
+        uint32_t s = 0;
+        while (rp->stages[s].peer)
+            s++;
+        slot *sl = &rp->stages[s];
+        memset(sl, 0, sizeof *sl);
+        sl->peer = peer;
+        ctl_peer_ref(peer);
+        snprintf(sl->name, sizeof sl->name, "%s", join->worker_name);
+        snprintf(sl->data_addr, sizeof sl->data_addr, "%s", join->data_addr);
+        sl->worker_id = c->next_worker_id++;
+        ctl_peer_set_user(peer, sl);
+        rp->joined++;
+        logf_(c, "worker %s joined as replica %d stage %u (layers %u-%u)", sl->name, best, s, c->layer_begin[s],
+              c->layer_begin[s + 1] - 1);
+        if (rp->joined == c->cfg.stages)
+            send_assignments(c, (uint32_t)best);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
+
+static bool locate(const coord *c, const ctl_peer *peer, uint32_t *r_out, uint32_t *s_out)
+{
+    for (uint32_t r = 0; r < c->cfg.replicas; r++)
+        for (uint32_t s = 0; s < c->cfg.stages; s++)
+            if (c->reps[r].stages[s].peer == peer) {
+                *r_out = r;
+                *s_out = s;
+                return true;
+            }
+    return false;
+}
+
+static void update_counter(metrics_counter *m, uint64_t *total, uint64_t *last, uint64_t now)
+{
+    uint64_t delta = now >= *last ? now - *last : now;   /* a restarted worker counts from 0 */
+    *last = now;
+    *total += delta;
+    if (m)
+        metrics_counter_add(m, delta);
+}
+
+static void take_report(coord *c, uint32_t r, uint32_t s, const Strata__Internal__V1__KvReport *k)
+{
+    slot *sl = &c->reps[r].stages[s];
+    memset(sl->tier_blocks, 0, sizeof sl->tier_blocks);
+    memset(sl->tier_bytes, 0, sizeof sl->tier_bytes);
+    memset(sl->tier_capacity, 0, sizeof sl->tier_capacity);
+    for (size_t i = 0; i < k->n_tiers; i++)
+        for (int t = 0; t < N_TIERS; t++)
+            if (k->tiers[i]->name && !strcmp(k->tiers[i]->name, tier_names[t])) {
+                sl->tier_blocks[t] = k->tiers[i]->blocks;
+                sl->tier_bytes[t] = k->tiers[i]->bytes;
+                sl->tier_capacity[t] = k->tiers[i]->capacity_bytes;
+            }
+    update_counter(c->have_metrics ? c->m.spills : NULL, &c->spills_total, &sl->spills, k->spills);
+    update_counter(c->have_metrics ? c->m.restores : NULL, &c->restores_total, &sl->restores, k->restores);
+    update_counter(c->have_metrics ? c->m.crc : NULL, &c->crc_total, &sl->crc_failures, k->crc_failures);
+    if (!sl->ready && c->reps[r].assigned) {
+        sl->ready = true;
+        bool all = true;
+        for (uint32_t i = 0; i < c->cfg.stages; i++)
+            all &= c->reps[r].stages[i].ready;
+        if (all) {
+            c->reps[r].serving = true;
+            sched_set_available(c->sched, (int)r, true);
+            logf_(c, "replica %u is serving", r);
+            pthread_cond_broadcast(&c->changed);
+            pthread_cond_signal(&c->wake);
+        }
+    }
+}
+
+static void finish_step(coord *c, uint32_t r);
+
+static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal__V1__StepResult *res)
+{
+    creplica *rp = &c->reps[r];
+    if (!rp->in_flight || res->step != rp->step)
+        return;   /* a result of a step abandoned when the replica was torn down */
+    for (size_t i = 0; i < res->n_results; i++) {
+        const Strata__Internal__V1__SeqResult *sr = res->results[i];
+        for (size_t w = 0; w < rp->n_work; w++) {
+            if (rp->work_ids[w] != sr->seq_id)
+                continue;
+            if (sr->status != 0 && rp->status[w] == 0) {
+                rp->status[w] = (int)sr->status;
+                snprintf(rp->message[w], sizeof rp->message[w], "replica %u stage %u (worker %s): %s", r, s,
+                         rp->stages[s].name, sr->message && *sr->message ? sr->message : "failed");
+            } else if (sr->status == 0 && s == c->cfg.stages - 1) {
+                rp->sampled[w] = true;
+                rp->tokens[w] = sr->token;
+            }
+        }
+    }
+    if (++rp->answers == c->cfg.stages)
+        finish_step(c, r);
+}
+
+static void on_message(void *ctx, ctl_peer *peer, const Strata__Internal__V1__WorkerMessage *msg)
+{
+    coord *c = ctx;
+    pthread_mutex_lock(&c->mu);
+    uint32_t r, s;
+    if (locate(c, peer, &r, &s)) {
+        if (msg->kind_case == STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_KV_REPORT)
+            take_report(c, r, s, msg->kv_report);
+        else if (msg->kind_case == STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_STEP_RESULT)
+            take_result(c, r, s, msg->step_result);
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* Ends every request routed to replica r with UNAVAILABLE and takes it out of routing. */
+static void lose_replica(coord *c, uint32_t r, const char *why)
+{
+    creplica *rp = &c->reps[r];
+    for (size_t i = 0; i < c->n_reqs;) {
+        creq *q = c->reqs[i];
+        if (sched_get_replica(c->sched, q->id) == (int)r) {
+            fail_req(c, q, STRATA_EIO, why);   /* drops q: index i now holds another request */
+            continue;
+        }
+        i++;
+    }
+    sched_set_available(c->sched, (int)r, false);
+    rp->serving = false;
+    rp->in_flight = false;
+    /* With no replica left, queued requests would wait for workers that may never come. */
+    bool any = false;
+    for (uint32_t k = 0; k < c->cfg.replicas; k++)
+        any |= c->reps[k].serving;
+    while (!any && c->n_reqs)
+        fail_req(c, c->reqs[0], STRATA_EIO, "no replica is serving: every replica lost a worker");
+}
+
+static void on_gone(void *ctx, ctl_peer *peer, int grpc_status, const char *why)
+{
+    coord *c = ctx;
+    pthread_mutex_lock(&c->mu);
+    uint32_t r, s;
+    if (locate(c, peer, &r, &s)) {
+        creplica *rp = &c->reps[r];
+        slot *sl = &rp->stages[s];
+        if (!c->stopping) {
+            char msg[512];
+            snprintf(msg, sizeof msg, "worker %s (replica %u, stage %u) lost: %s", sl->name, r, s,
+                     why && *why ? why : "stream ended");
+            logf_(c, "%s (gRPC status %d)", msg, grpc_status);
+            if (rp->assigned && !rp->tearing_down) {
+                rp->tearing_down = true;
+                for (uint32_t k = 0; k < c->cfg.stages; k++)
+                    rp->stages[k].ready = false;
+                lose_replica(c, r, msg);
+                for (uint32_t k = 0; k < c->cfg.stages; k++)
+                    if (k != s && rp->stages[k].peer)
+                        send_shutdown(rp->stages[k].peer, false);
+            }
+        }
+        ctl_peer_set_user(peer, NULL);
+        ctl_peer_unref(sl->peer);
+        memset(sl, 0, sizeof *sl);
+        rp->joined--;
+        if (rp->joined == 0) {   /* a clean slate: the next workers to join rebuild it */
+            rp->assigned = rp->tearing_down = rp->serving = rp->in_flight = false;
+        }
+        pthread_cond_broadcast(&c->changed);
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* ---- steps ---- */
+
+static bool is_stop_id(const Strata__V1__SamplingParams *sp, uint32_t tok)
+{
+    for (size_t i = 0; sp && i < sp->n_stop_token_ids; i++)
+        if (sp->stop_token_ids[i] == tok)
+            return true;
+    return false;
+}
+
+/* One sampled token of q: stream it; returns true when q ended (the terminal call was made). */
+static bool deliver(coord *c, creq *q, uint32_t tok)
+{
+    const Strata__V1__SamplingParams *sp = q->req->sampling;
+    double t = now_s();
+    if (c->have_metrics)
+        metrics_histogram_observe(q->n_generated == 0 ? c->m.ttft : c->m.itl,
+                                  q->n_generated == 0 ? t - q->t_accept : t - q->t_last);
+    q->t_last = t;
+    q->n_generated++;
+    q->last_token = tok;
+    c->tokens_total++;
+    if (c->have_metrics)
+        metrics_counter_inc(c->m.tokens);
+    bool eog = !(sp && sp->ignore_eos) && tokenizer_is_eog(c->tok, (int32_t)tok);
+    bool stop_id = is_stop_id(sp, tok);
+    strata_error err = {0};
+    if (!tokenizer_is_control(c->tok, (int32_t)tok)) {
+        size_t len;
+        const char *bytes = tokenizer_token_bytes(c->tok, (int32_t)tok, &len);
+        if (bytes && text_stream_push(&q->ts, bytes, len, &err) != STRATA_OK) {
+            fail_req(c, q, err.code, err.msg);
+            return true;
+        }
+    }
+    const char *text;
+    size_t len;
+    bool stopped = false;
+    text_stream_take(&q->ts, &text, &len, &stopped);
+    (void)api_stream_send_chunk(q->stream, &tok, 1, text, len);   /* a failed send brings cancel */
+    Strata__V1__FinishReason why = STRATA__V1__FINISH_REASON__FINISH_REASON_UNSPECIFIED;
+    if (stopped || eog || stop_id)
+        why = STRATA__V1__FINISH_REASON__FINISH_REASON_STOP;
+    else if (q->n_generated >= sp->max_tokens || q->n_prompt + q->n_generated >= c->cfg.ctx)
+        why = STRATA__V1__FINISH_REASON__FINISH_REASON_LENGTH;
+    if (why == STRATA__V1__FINISH_REASON__FINISH_REASON_UNSPECIFIED)
+        return false;
+    if (!stopped) {
+        text_stream_finish(&q->ts, &text, &len);   /* held-back text that never became a stop */
+        if (len)
+            (void)api_stream_send_chunk(q->stream, NULL, 0, text, len);
+    }
+    api_stream_complete(q->stream, why, (uint32_t)q->n_prompt, (uint32_t)q->n_generated, 0);
+    count_finish(c, why == STRATA__V1__FINISH_REASON__FINISH_REASON_STOP ? FIN_STOP : FIN_LENGTH);
+    drop_req(c, q);
+    return true;
+}
+
+/* Every stage answered replica r's step: stream the tokens, fail the failed, tell the scheduler. */
+static void finish_step(coord *c, uint32_t r)
+{
+    creplica *rp = &c->reps[r];
+    sched_outcome *out = calloc(rp->n_work ? rp->n_work : 1, sizeof *out);
+    for (size_t w = 0; w < rp->n_work; w++) {
+        creq *q = find_by_id(c, rp->work_ids[w]);
+        bool ended = true;
+        if (q && rp->status[w] != 0) {
+            logf_(c, "request %s failed: %s", api_stream_request_id(q->stream), rp->message[w]);
+            api_stream_fail(q->stream, rp->status[w], rp->message[w]);
+            count_finish(c, FIN_ERROR);
+            drop_req(c, q);
+        } else if (q && !rp->sampled[w]) {
+            api_stream_fail(q->stream, STRATA_EIO, "the last stage returned no token for this request");
+            count_finish(c, FIN_ERROR);
+            drop_req(c, q);
+        } else if (q) {
+            ended = deliver(c, q, rp->tokens[w]);
+        }
+        if (out)
+            out[w] = (sched_outcome){.id = rp->work_ids[w], .finished = ended};
+    }
+    strata_error err = {0};
+    if (!out || sched_step_done(c->sched, (int)r, out, rp->n_work, &err) != STRATA_OK)
+        logf_(c, "replica %u step %" PRIu64 ": %s", r, rp->step, out ? err.msg : "out of memory");
+    free(out);
+    rp->in_flight = false;
+    pthread_cond_signal(&c->wake);
+}
+
+/* Plans and sends replica r's next step; false when there was nothing to do. */
+static bool start_step(coord *c, uint32_t r)
+{
+    creplica *rp = &c->reps[r];
+    sched_plan plan;
+    strata_error err = {0};
+    if (sched_next_step(c->sched, (int)r, &plan, &err) != STRATA_OK) {
+        logf_(c, "replica %u: %s", r, err.msg);
+        return false;
+    }
+    if (plan.step == 0)
+        return false;
+    Strata__Internal__V1__SeqWork *works = calloc(plan.n_work ? plan.n_work : 1, sizeof *works);
+    Strata__Internal__V1__SeqWork **wp = calloc(plan.n_work ? plan.n_work : 1, sizeof *wp);
+    uint32_t *toks = malloc((plan.n_tokens ? plan.n_tokens : 1) * sizeof *toks);
+    if (!works || !wp || !toks) {
+        free(works);
+        free(wp);
+        free(toks);
+        logf_(c, "replica %u: out of memory planning a step", r);
+        return false;
+    }
+    size_t at = 0;
+    for (size_t i = 0; i < plan.n_work; i++) {
+        const sched_work *sw = &plan.work[i];
+        creq *q = find_by_id(c, sw->id);
+        Strata__Internal__V1__SeqWork *w = &works[i];
+        strata__internal__v1__seq_work__init(w);
+        w->seq_id = sw->id;
+        w->pos0 = (uint32_t)sw->pos0;
+        w->tokens = toks + at;
+        w->n_tokens = sw->n_tokens;
+        w->sample = true;
+        if (sw->pos0 == 0) {
+            for (size_t k = 0; k < sw->n_tokens; k++)
+                toks[at + k] = (uint32_t)q->prompt[k];
+            w->last_chunk_of_prompt = true;
+        } else {
+            toks[at] = q->last_token;
+        }
+        const Strata__V1__SamplingParams *sp = q->req->sampling;
+        w->temperature = sp->temperature;
+        w->top_p = sp->top_p;
+        w->top_k = sp->top_k;
+        w->seed = sp->seed;
+        at += sw->n_tokens;
+        wp[i] = w;
+        rp->work_ids[i] = sw->id;
+        rp->status[i] = 0;
+        rp->sampled[i] = false;
+        rp->message[i][0] = '\0';
+    }
+    Strata__Internal__V1__StepPlan sp = STRATA__INTERNAL__V1__STEP_PLAN__INIT;
+    sp.step = plan.step;
+    sp.n_seqs = plan.n_work;
+    sp.seqs = wp;
+    sp.n_free_seqs = plan.n_free;
+    sp.free_seqs = (uint64_t *)plan.free_ids;
+    sp.n_preempt_seqs = plan.n_preempt;
+    sp.preempt_seqs = (uint64_t *)plan.preempt_ids;
+    sp.n_resume_seqs = plan.n_resume;
+    sp.resume_seqs = (uint64_t *)plan.resume_ids;
+    Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+    m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_STEP_PLAN;
+    m.step_plan = &sp;
+    rp->step = plan.step;
+    rp->n_work = plan.n_work;
+    rp->answers = 0;
+    rp->in_flight = true;
+    for (uint32_t s = 0; s < c->cfg.stages; s++)
+        if (ctl_peer_send(rp->stages[s].peer, &m, &err) != STRATA_OK)
+            logf_(c, "replica %u step %" PRIu64 " to worker %s: %s", r, plan.step, rp->stages[s].name, err.msg);
+    /* A failed send means the stream is ending: on_gone tears the replica down. */
+    free(works);
+    free(wp);
+    free(toks);
+    return true;
+}
+
+static void *step_thread(void *arg)
+{
+    coord *c = arg;
+    pthread_mutex_lock(&c->mu);
+    while (!c->stopping) {
+        bool started = false;
+        for (uint32_t r = 0; r < c->cfg.replicas; r++)
+            if (c->reps[r].serving && !c->reps[r].in_flight)
+                started |= start_step(c, r);
+        if (c->have_metrics) {
+            sched_stats st;
+            sched_get_stats(c->sched, -1, &st);
+            metrics_gauge_set(c->m.queue, (double)st.waiting);
+            metrics_gauge_set(c->m.running, (double)(st.running + st.preempted));
+        }
+        if (!started)
+            pthread_cond_wait(&c->wake, &c->mu);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return NULL;
+}
+
+/* ---- the API backend ---- */
+
+static uint32_t workers_total(const coord *c) { return c->cfg.replicas * c->cfg.stages; }
+
+static int check_kv(const coord *c, const char *spec, strata_error *err)
+{
+    if (!spec || !*spec)
+        return STRATA_OK;
+    kv_codec_params *p = calloc((size_t)c->mc.n_layers, sizeof *p);
+    if (!p)
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    int rc = kv_plan_parse(spec, c->mc.n_layers, p, err);
+    if (rc == STRATA_OK) {
+        char canon[1024];
+        kv_plan_format(p, c->mc.n_layers, canon, sizeof canon);
+        if (strcmp(canon, c->kv_canonical) != 0)
+            rc = strata_fail(err, STRATA_EUNSUPPORTED, "kv_codec '%s': per-request KV codecs are not supported yet; this "
+                             "server runs '%s' for every request (ModelInfo.default_kv_codec)", spec, c->kv_canonical);
+    } else {
+        strata_error_prefix(err, "kv_codec");
+    }
+    free(p);
+    return rc;
+}
+
+static int api_generate(void *ctx, const Strata__V1__GenerateRequest *req, api_stream *stream, gpr_timespec deadline,
+                        strata_error *err)
+{
+    (void)deadline;   /* the server cancels the stream when it passes */
+    coord *c = ctx;
+    int rc = check_kv(c, req->kv_codec, err);
+    if (rc != STRATA_OK)
+        return rc;
+    creq *q = calloc(1, sizeof *q);
+    if (!q)
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    q->req = req;
+    q->stream = stream;
+    q->t_accept = now_s();
+    if (req->input_case == STRATA__V1__GENERATE_REQUEST__INPUT_TEXT) {
+        int32_t *ids = NULL;
+        size_t n = 0;
+        /* Templated text is expected (no template is applied): control tokens in it count. */
+        rc = tokenizer_encode(c->tok, req->text, strlen(req->text), true, &ids, &n, err);
+        const bool bos = tokenizer_add_bos(c->tok);
+        if (rc == STRATA_OK && !(q->prompt = malloc((n + 1) * sizeof *q->prompt)))
+            rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
+        if (rc == STRATA_OK) {
+            if (bos)
+                q->prompt[q->n_prompt++] = tokenizer_bos(c->tok);
+            memcpy(q->prompt + q->n_prompt, ids, n * sizeof *ids);
+            q->n_prompt += n;
+        }
+        free(ids);
+    } else {
+        const Strata__V1__TokenIds *t = req->token_ids;
+        if (!(q->prompt = malloc((t->n_ids ? t->n_ids : 1) * sizeof *q->prompt)))
+            rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
+        for (size_t i = 0; rc == STRATA_OK && i < t->n_ids; i++)
+            q->prompt[q->n_prompt++] = (int32_t)t->ids[i];
+    }
+    const uint32_t max_tokens = req->sampling->max_tokens;
+    if (rc == STRATA_OK && q->n_prompt == 0)
+        rc = strata_fail(err, STRATA_EINVAL, "the prompt is empty after tokenization");
+    if (rc == STRATA_OK && q->n_prompt + max_tokens > c->cfg.ctx)
+        rc = strata_fail(err, STRATA_EFULL, "prompt (%zu tokens) + max_tokens (%u) exceeds the serving context of %u "
+                         "tokens", q->n_prompt, max_tokens, c->cfg.ctx);
+    bool ts_ready = rc == STRATA_OK;
+    if (ts_ready)
+        text_stream_init(&q->ts, (const char *const *)req->sampling->stop, req->sampling->n_stop, true);
+    pthread_mutex_lock(&c->mu);
+    bool any = false;
+    for (uint32_t r = 0; r < c->cfg.replicas; r++)
+        any |= c->reps[r].serving;
+    if (rc == STRATA_OK && (c->draining || c->stopping))
+        rc = strata_fail(err, STRATA_EIO, "the server is draining");
+    else if (rc == STRATA_OK && !any)
+        rc = strata_fail(err, STRATA_EIO, "no replica is serving yet (%u of %u workers ready)", ready_workers(c),
+                         workers_total(c));
+    if (rc == STRATA_OK && c->n_reqs == c->cap_reqs) {
+        size_t cap = c->cap_reqs ? c->cap_reqs * 2 : 64;
+        creq **grown = realloc(c->reqs, cap * sizeof *grown);
+        if (!grown)
+            rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
+        else {
+            c->reqs = grown;
+            c->cap_reqs = cap;
+        }
+    }
+    if (rc == STRATA_OK) {
+        q->id = ++c->next_seq_id;
+        rc = sched_submit(c->sched, q->id, q->n_prompt, max_tokens, NULL, err);
+    }
+    if (rc == STRATA_OK) {
+        c->reqs[c->n_reqs++] = q;
+        c->requests_total++;
+        if (c->have_metrics)
+            metrics_counter_inc(c->m.requests);
+        pthread_cond_signal(&c->wake);
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (rc != STRATA_OK) {
+        if (ts_ready)
+            text_stream_free(&q->ts);
+        free(q->prompt);
+        free(q);
+    }
+    return rc;
+}
+
+static void api_cancel(void *ctx, api_stream *stream)
+{
+    coord *c = ctx;
+    pthread_mutex_lock(&c->mu);
+    creq *q = find_by_stream(c, stream);
+    if (q) {   /* unknown: the request already ended */
+        sched_finish(c->sched, q->id);
+        api_stream_finish(stream);
+        count_finish(c, FIN_CANCELLED);
+        drop_req(c, q);
+        pthread_cond_signal(&c->wake);
+    }
+    pthread_mutex_unlock(&c->mu);
+}
+
+static bool api_abort(void *ctx, const char *request_id)
+{
+    coord *c = ctx;
+    pthread_mutex_lock(&c->mu);
+    creq *q = find_by_request_id(c, request_id);
+    if (q) {
+        sched_finish(c->sched, q->id);
+        api_stream_complete(q->stream, STRATA__V1__FINISH_REASON__FINISH_REASON_ABORT, (uint32_t)q->n_prompt,
+                            (uint32_t)q->n_generated, 0);
+        count_finish(c, FIN_ABORT);
+        drop_req(c, q);
+        pthread_cond_signal(&c->wake);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return q != NULL;
+}
+
+static int api_health(void *ctx, Strata__V1__HealthResponse *out, strata_error *err)
+{
+    (void)err;
+    coord *c = ctx;
+    pthread_mutex_lock(&c->mu);
+    bool all = !c->draining && !c->stopping;
+    for (uint32_t r = 0; r < c->cfg.replicas; r++)
+        all &= c->reps[r].serving;
+    out->status = all ? STRATA__V1__SERVING_STATUS__SERVING_STATUS_SERVING
+                      : STRATA__V1__SERVING_STATUS__SERVING_STATUS_NOT_SERVING;
+    out->workers_ready = ready_workers(c);
+    out->workers_total = workers_total(c);
+    pthread_mutex_unlock(&c->mu);
+    return STRATA_OK;
+}
+
+static int api_model_info(void *ctx, Strata__V1__ModelInfo *out, strata_error *err)
+{
+    (void)err;
+    coord *c = ctx;
+    out->name = c->model_name;
+    out->arch = c->arch;
+    out->n_layers = (uint32_t)c->mc.n_layers;
+    out->n_embd = (uint32_t)c->mc.n_embd;
+    out->n_heads = (uint32_t)c->mc.n_heads;
+    out->n_kv_heads = (uint32_t)c->mc.n_kv_heads;
+    out->head_dim = (uint32_t)c->mc.head_dim;
+    out->n_vocab = (uint32_t)c->mc.n_vocab;
+    out->n_ctx = c->cfg.ctx;
+    out->default_kv_codec = c->kv_canonical;
+    out->replicas = c->cfg.replicas;
+    out->stages_per_replica = c->cfg.stages;
+    out->block_tokens = c->cfg.block_tokens;
+    return STRATA_OK;
+}
+
+static int api_stats(void *ctx, Strata__V1__Stats *out, strata_error *err)
+{
+    (void)err;
+    coord *c = ctx;
+    pthread_mutex_lock(&c->mu);
+    uint64_t blocks[N_TIERS] = {0}, bytes[N_TIERS] = {0}, cap[N_TIERS] = {0};
+    for (uint32_t r = 0; r < c->cfg.replicas; r++)
+        for (uint32_t s = 0; s < c->cfg.stages; s++)
+            for (int t = 0; t < N_TIERS; t++) {
+                const slot *sl = &c->reps[r].stages[s];
+                blocks[t] += sl->tier_blocks[t];
+                bytes[t] += sl->tier_bytes[t];
+                cap[t] += sl->tier_capacity[t];
+            }
+    int n_tiers = 1 + (c->cfg.host_kv_bytes > 0) + (c->cfg.nvme_kv_bytes > 0);
+    for (int t = 0; t < n_tiers; t++) {
+        out->tiers[t]->name = (char *)tier_names[t];
+        out->tiers[t]->blocks = blocks[t];
+        out->tiers[t]->bytes = bytes[t];
+        out->tiers[t]->capacity_bytes = cap[t];
+    }
+    out->n_tiers = (size_t)n_tiers;
+    uint64_t cached = 0, kv_bytes = bytes[0] + bytes[1] + bytes[2];
+    for (size_t i = 0; i < c->n_reqs; i++)
+        if (sched_get_state(c->sched, c->reqs[i]->id) == SCHED_RUNNING ||
+            sched_get_state(c->sched, c->reqs[i]->id) == SCHED_PREEMPTED)
+            cached += c->reqs[i]->n_prompt + c->reqs[i]->n_generated;
+    out->kv_bytes_per_token = cached ? (double)kv_bytes / (double)cached : 0.0;
+    sched_stats st;
+    sched_get_stats(c->sched, -1, &st);
+    out->queue_depth = (uint32_t)st.waiting;
+    out->running = (uint32_t)(st.running + st.preempted);
+    out->spills = c->spills_total;
+    out->restores = c->restores_total;
+    out->crc_failures = c->crc_total;
+    out->requests_total = c->requests_total;
+    out->tokens_generated = c->tokens_total;
+    pthread_mutex_unlock(&c->mu);
+    return STRATA_OK;
+}
+
+api_backend coord_api_backend(coord *c)
+{
+    return (api_backend){.ctx = c, .generate = api_generate, .cancel = api_cancel, .abort = api_abort,
+                         .health = api_health, .model_info = api_model_info, .stats = api_stats};
+}
+
+ctl_handler coord_ctl_handler(coord *c)
+{
+    return (ctl_handler){.ctx = c, .on_join = on_join, .on_message = on_message, .on_gone = on_gone};
+}
+
+const proto_generate_limits *coord_limits(const coord *c) { return &c->limits; }
+
+/* ---- metrics ---- */
+
+static void collect(metrics_registry *r, void *user)
+{
+    (void)r;
+    coord *c = user;
+    pthread_mutex_lock(&c->mu);
+    for (int t = 0; t < N_TIERS; t++) {
+        uint64_t blocks = 0, bytes = 0, cap = 0;
+        for (uint32_t i = 0; i < c->cfg.replicas; i++)
+            for (uint32_t s = 0; s < c->cfg.stages; s++) {
+                blocks += c->reps[i].stages[s].tier_blocks[t];
+                bytes += c->reps[i].stages[s].tier_bytes[t];
+                cap += c->reps[i].stages[s].tier_capacity[t];
+            }
+        metrics_gauge_set(c->m.tier_blocks[t], (double)blocks);
+        metrics_gauge_set(c->m.tier_bytes[t], (double)bytes);
+        metrics_gauge_set(c->m.tier_capacity[t], (double)cap);
+    }
+    metrics_gauge_set(c->m.workers_ready, (double)ready_workers(c));
+    sched_stats st;
+    sched_get_stats(c->sched, -1, &st);
+    metrics_gauge_set(c->m.queue, (double)st.waiting);
+    metrics_gauge_set(c->m.running, (double)(st.running + st.preempted));
+    pthread_mutex_unlock(&c->mu);
+}
+
+static int register_metrics(coord *c, metrics_registry *reg, strata_error *err)
+{
+    static const char *const reasons[] = {"stop", "length", "abort", "error", "cancelled"};
+    double lat[METRICS_LATENCY_BUCKETS];
+    metrics_latency_buckets(lat);
+    coord_metrics *m = &c->m;
+    int rc;
+    if ((rc = metrics_counter_new(reg, "strata_requests_total", "Generate calls accepted", NULL, 0, &m->requests, err)) ||
+        (rc = metrics_counter_family(reg, "strata_requests_finished_total", "Requests ended, by how", "reason", reasons,
+                                     5, m->finished, err)) ||
+        (rc = metrics_counter_new(reg, "strata_tokens_generated_total", "Tokens sampled (rate() gives tokens/s)", NULL,
+                                  0, &m->tokens, err)) ||
+        (rc = metrics_histogram_new(reg, "strata_time_to_first_token_seconds", "From accepting a request to its first "
+                                    "token", NULL, 0, lat, METRICS_LATENCY_BUCKETS, &m->ttft, err)) ||
+        (rc = metrics_histogram_new(reg, "strata_inter_token_seconds", "Between consecutive tokens of a request", NULL,
+                                    0, lat, METRICS_LATENCY_BUCKETS, &m->itl, err)) ||
+        (rc = metrics_gauge_new(reg, "strata_queue_depth", "Requests admitted and waiting for their first step", NULL,
+                                0, &m->queue, err)) ||
+        (rc = metrics_gauge_new(reg, "strata_running_requests", "Requests being prefilled or decoded (or preempted)",
+                                NULL, 0, &m->running, err)) ||
+        (rc = metrics_gauge_new(reg, "strata_workers_ready", "Workers joined, loaded and ready", NULL, 0,
+                                &m->workers_ready, err)) ||
+        (rc = metrics_gauge_family(reg, "strata_kv_blocks", "Compressed KV blocks resident, by tier", "tier", tier_names,
+                                   N_TIERS, m->tier_blocks, err)) ||
+        (rc = metrics_gauge_family(reg, "strata_kv_bytes", "Bytes of KV blocks resident, by tier", "tier", tier_names,
+                                   N_TIERS, m->tier_bytes, err)) ||
+        (rc = metrics_gauge_family(reg, "strata_kv_capacity_bytes", "KV budget, by tier", "tier", tier_names, N_TIERS,
+                                   m->tier_capacity, err)) ||
+        (rc = metrics_counter_new(reg, "strata_kv_spills_total", "KV blocks moved down a tier", NULL, 0, &m->spills,
+                                  err)) ||
+        (rc = metrics_counter_new(reg, "strata_kv_restores_total", "KV blocks brought back up a tier", NULL, 0,
+                                  &m->restores, err)) ||
+        (rc = metrics_counter_new(reg, "strata_kv_crc_failures_total", "KV blocks whose checksum failed", NULL, 0,
+                                  &m->crc, err)))
+        return rc;
+    metrics_set_collect(reg, collect, c);
+    c->have_metrics = true;
+    return STRATA_OK;
+}
+
+/* ---- life ---- */
+
+coord *coord_create(const coord_config *cfg, strata_error *err)
+{
+    if (!cfg || !cfg->model_path || cfg->replicas < 1 || cfg->stages < 1 || cfg->block_tokens < 1 ||
+        cfg->max_seqs < 1 || cfg->max_batch_tokens < 1 || cfg->device_kv_bytes == 0) {
+        strata_fail(err, STRATA_EINVAL, "coordinator: model, replicas, stages, block tokens, batch limits and the "
+                    "device KV budget must be set");
+        return NULL;
+    }
+    if (cfg->stages > 64 || cfg->replicas > 1024) {
+        strata_fail(err, STRATA_EINVAL, "coordinator: at most 64 stages and 1024 replicas (got %u and %u)", cfg->stages,
+                    cfg->replicas);
+        return NULL;
+    }
+    if (cfg->nvme_kv_bytes && !cfg->host_kv_bytes) {
+        strata_fail(err, STRATA_EINVAL, "coordinator: an NVMe tier needs a host tier above it (set the host KV budget)");
+        return NULL;
+    }
+    if (strlen(cfg->model_path) >= sizeof ((coord *)0)->model_path) {
+        strata_fail(err, STRATA_EINVAL, "coordinator: model path too long");
+        return NULL;
+    }
+    coord *c = calloc(1, sizeof *c);
+    if (!c) {
+        strata_fail(err, STRATA_ENOMEM, "out of memory");
+        return NULL;
+    }
+    c->cfg = *cfg;
+    snprintf(c->model_path, sizeof c->model_path, "%s", cfg->model_path);
+    c->cfg.model_path = c->model_path;
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->wake, NULL);
+    pthread_cond_init(&c->changed, NULL);
+    int rc = model_read_meta(c->model_path, &c->mc, &c->tok, err);
+    if (rc == STRATA_OK) {
+        snprintf(c->model_name, sizeof c->model_name, "%.127s", *c->mc.name ? c->mc.name : c->model_path);
+        snprintf(c->arch, sizeof c->arch, "%s", c->mc.arch);
+        if (c->cfg.ctx == 0)
+            c->cfg.ctx = (uint32_t)(c->mc.n_ctx_train < 8192 ? c->mc.n_ctx_train : 8192);
+        if (c->cfg.ctx < 2 || c->cfg.ctx > (uint32_t)c->mc.n_ctx_train)
+            rc = strata_fail(err, STRATA_EINVAL, "coordinator: context %u must be in [2, %d] (the model's trained "
+                             "context)", c->cfg.ctx, c->mc.n_ctx_train);
+        else if (cfg->stages > (uint32_t)c->mc.n_layers)
+            rc = strata_fail(err, STRATA_EINVAL, "coordinator: %u stages for a model of %d layers", cfg->stages,
+                             c->mc.n_layers);
+        else if (cfg->max_seqs > cfg->max_batch_tokens)
+            rc = strata_fail(err, STRATA_EINVAL, "coordinator: max sequences %u exceeds max batch tokens %u (each "
+                             "running sequence decodes one token per step)", cfg->max_seqs, cfg->max_batch_tokens);
+    }
+    if (rc == STRATA_OK) {
+        c->codecs = calloc((size_t)c->mc.n_layers, sizeof *c->codecs);
+        c->layer_begin = calloc(cfg->stages + 1, sizeof *c->layer_begin);
+        c->reps = calloc(cfg->replicas, sizeof *c->reps);
+        if (!c->codecs || !c->layer_begin || !c->reps)
+            rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
+    }
+    if (rc == STRATA_OK && (rc = kv_plan_parse(cfg->kv && *cfg->kv ? cfg->kv : "kivi4", c->mc.n_layers, c->codecs,
+                                               err)) != STRATA_OK)
+        strata_error_prefix(err, "coordinator: KV plan");
+    if (rc == STRATA_OK) {
+        kv_geometry g = {.n_layers = c->mc.n_layers, .n_kv_heads = c->mc.n_kv_heads, .head_dim = c->mc.head_dim,
+                         .block_tokens = (int)cfg->block_tokens};
+        for (int l = 0; rc == STRATA_OK && l < c->mc.n_layers; l++)
+            if ((rc = kv_codec_validate(&c->codecs[l], &g, err)) != STRATA_OK)
+                strata_error_prefix(err, "coordinator: KV plan, layer %d", l);
+        kv_plan_format(c->codecs, c->mc.n_layers, c->kv_canonical, sizeof c->kv_canonical);
+    }
+    if (rc == STRATA_OK) {
+        /* Layers split as evenly as possible; the first stages take one more when uneven. */
+        uint32_t n = (uint32_t)c->mc.n_layers, k = cfg->stages;
+        for (uint32_t s = 0; s < k; s++)
+            c->layer_begin[s + 1] = c->layer_begin[s] + n / k + (s < n % k ? 1 : 0);
+    }
+    sched_replica_config cap = {0};
+    if (rc == STRATA_OK)
+        rc = replica_capacity(c, &cap, err);
+    sched_replica_config *caps = rc == STRATA_OK ? calloc(cfg->replicas, sizeof *caps) : NULL;
+    if (rc == STRATA_OK && !caps)
+        rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
+    if (rc == STRATA_OK) {
+        for (uint32_t r = 0; r < cfg->replicas; r++)
+            caps[r] = cap;
+        sched_config sc = {.block_tokens = cfg->block_tokens, .max_batch_tokens = cfg->max_batch_tokens,
+                           .max_seqs = cfg->max_seqs, .n_replicas = (int)cfg->replicas, .replicas = caps};
+        if (!(c->sched = sched_create(&sc, err)))
+            rc = err ? err->code : STRATA_ENOMEM;
+        for (uint32_t r = 0; c->sched && r < cfg->replicas; r++)
+            sched_set_available(c->sched, (int)r, false);   /* until its workers are ready */
+    }
+    free(caps);
+    for (uint32_t r = 0; rc == STRATA_OK && r < cfg->replicas; r++) {
+        creplica *rp = &c->reps[r];
+        size_t n = cfg->max_seqs;
+        rp->stages = calloc(cfg->stages, sizeof *rp->stages);
+        rp->work_ids = calloc(n, sizeof *rp->work_ids);
+        rp->tokens = calloc(n, sizeof *rp->tokens);
+        rp->sampled = calloc(n, sizeof *rp->sampled);
+        rp->status = calloc(n, sizeof *rp->status);
+        rp->message = calloc(n, sizeof *rp->message);
+        if (!rp->stages || !rp->work_ids || !rp->tokens || !rp->sampled || !rp->status || !rp->message)
+            rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
+    }
+    if (rc == STRATA_OK) {
+        c->limits = proto_generate_limits_default(c->cfg.ctx, (uint32_t)c->mc.n_vocab);
+        if (cfg->metrics)
+            rc = register_metrics(c, cfg->metrics, err);
+    }
+    if (rc == STRATA_OK) {
+        if (pthread_create(&c->thread, NULL, step_thread, c) != 0)
+            rc = strata_fail(err, STRATA_ENOMEM, "coordinator: cannot start the step thread");
+        else
+            c->thread_started = true;
+    }
+    if (rc != STRATA_OK) {
+        coord_destroy(c);
+        return NULL;
+    }
+    logf_(c, "model %s: %d layers in %u stages x %u replicas, KV %s, context %u, device rows %zu, total rows %zu per "
+          "replica", c->model_name, c->mc.n_layers, cfg->stages, cfg->replicas, c->kv_canonical, c->cfg.ctx,
+          cap.device_blocks, cap.total_blocks);
+    return c;
+}
+
+bool coord_wait_ready(coord *c, int timeout_ms)
+{
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += timeout_ms / 1000;
+    until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&c->mu);
+    for (;;) {
+        bool all = true;
+        for (uint32_t r = 0; r < c->cfg.replicas; r++)
+            all &= c->reps[r].serving;
+        if (all || c->stopping || pthread_cond_timedwait(&c->changed, &c->mu, &until) == ETIMEDOUT) {
+            pthread_mutex_unlock(&c->mu);
+            return all;
+        }
+    }
+}
+
+void coord_worker_counts(coord *c, uint32_t *ready, uint32_t *total)
+{
+    pthread_mutex_lock(&c->mu);
+    *ready = ready_workers(c);
+    *total = workers_total(c);
+    pthread_mutex_unlock(&c->mu);
+}
+
+int coord_drain(coord *c, int drain_ms)
+{
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += drain_ms / 1000;
+    until.tv_nsec += (long)(drain_ms % 1000) * 1000000L;
+    if (until.tv_nsec >= 1000000000L) {
+        until.tv_sec++;
+        until.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&c->mu);
+    c->draining = true;
+    while (c->n_reqs && pthread_cond_timedwait(&c->changed, &c->mu, &until) != ETIMEDOUT) {
+    }
+    int left = (int)c->n_reqs;
+    pthread_mutex_unlock(&c->mu);
+    return left;
+}
+
+void coord_stop(coord *c)
+{
+    if (!c)
+        return;
+    pthread_mutex_lock(&c->mu);
+    c->stopping = true;
+    for (uint32_t r = 0; r < c->cfg.replicas; r++)
+        for (uint32_t s = 0; s < c->cfg.stages; s++)
+            if (c->reps[r].stages[s].peer)
+                send_shutdown(c->reps[r].stages[s].peer, false);
+    pthread_cond_broadcast(&c->wake);
+    pthread_cond_broadcast(&c->changed);
+    pthread_mutex_unlock(&c->mu);
+    if (c->thread_started) {
+        pthread_join(c->thread, NULL);
+        c->thread_started = false;
+    }
+}
+
+void coord_destroy(coord *c)
+{
+    if (!c)
+        return;
+    coord_stop(c);
+    for (size_t i = 0; i < c->n_reqs; i++) {   /* none after api_server_shutdown; be safe */
+        text_stream_free(&c->reqs[i]->ts);
+        free(c->reqs[i]->prompt);
+        free(c->reqs[i]);
+    }
+    free(c->reqs);
+    for (uint32_t r = 0; c->reps && r < c->cfg.replicas; r++) {
+        creplica *rp = &c->reps[r];
+        for (uint32_t s = 0; rp->stages && s < c->cfg.stages; s++)
+            ctl_peer_unref(rp->stages[s].peer);
+        free(rp->stages);
+        free(rp->work_ids);
+        free(rp->tokens);
+        free(rp->sampled);
+        free(rp->status);
+        free(rp->message);
+    }
+    free(c->reps);
+    sched_destroy(c->sched);
+    free(c->codecs);
+    free(c->layer_begin);
+    tokenizer_free(c->tok);
+    pthread_cond_destroy(&c->wake);
+    pthread_cond_destroy(&c->changed);
+    pthread_mutex_destroy(&c->mu);
+    free(c);
+}

@@ -1,0 +1,698 @@
+/* The serving process (serve.h). */
+#include "coordinator/service/serve.h"
+
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <jansson.h>
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "coordinator/control/control_server.h"
+#include "coordinator/metrics/http.h"
+#include "coordinator/metrics/metrics.h"
+#include "coordinator/server/api_server.h"
+#include "coordinator/service/coord.h"
+
+enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
+#define MAX_LOCAL_WORKERS 64
+
+typedef struct serve_opts {
+    const char *config, *model, *listen, *control, *metrics, *secret_file, *kv, *tls_cert, *tls_key, *token_file;
+    const char *nvme_dir, *worker_bin;
+    long replicas, stages, block_tokens, ctx, max_seqs, max_batch_tokens;
+    long device_mib, host_mib, nvme_mib, drain_s, ready_timeout_s, threads;
+    bool quiet;
+} serve_opts;
+
+/* Every option: flag name = config key with '-' for '_'. */
+enum {
+    O_CONFIG = 256, O_MODEL, O_LISTEN, O_CONTROL, O_METRICS, O_SECRET, O_REPLICAS, O_STAGES, O_KV, O_BLOCK, O_CTX,
+    O_MAX_SEQS, O_MAX_BATCH, O_DEVICE, O_HOST, O_NVME, O_NVME_DIR, O_TLS_CERT, O_TLS_KEY, O_TOKEN, O_DRAIN,
+    O_READY, O_WORKER_BIN, O_THREADS,
+};
+
+static void usage(FILE *out, const char *prog, bool local)
+{
+    fprintf(out, "usage: %s [options]\n\n", prog);
+    if (local)
+        fprintf(out, "Starts a coordinator and its local CPU workers (replicas x stages processes of strata-worker)\n"
+                     "and serves the public gRPC API (proto/strata.proto). Ctrl-C or SIGTERM drains and stops.\n\n");
+    else
+        fprintf(out, "The coordinator: serves the public gRPC API and waits for replicas x stages workers to join\n"
+                     "its control endpoint with the cluster secret. SIGTERM drains and stops.\n\n");
+    fprintf(out,
+            "  --config FILE           JSON object whose keys are these options' names with '_' for '-'\n"
+            "                          (\"max_seqs\": 16); flags override it\n"
+            "  -m, --model PATH        GGUF model (default: $STRATA_MODEL or %s)\n"
+            "  --listen HOST:PORT      public API (default %s; port 0: any free port)\n"
+            "  --control HOST:PORT     worker endpoint (default %s; no TLS: keep it on a private\n"
+            "                          network)\n"
+            "  --metrics HOST:PORT     Prometheus text metrics at http://HOST:PORT/metrics (default: off)\n"
+            "  --secret-file FILE      cluster secret (16-256 bytes) workers must present (%s)\n"
+            "  --replicas N            data-parallel replicas (default 1)\n"
+            "  --stages N              pipeline stages (workers) per replica; layers split evenly\n"
+            "                          (default %s)\n"
+            "  --kv SPEC               KV codec or plan for every request (default kivi4): a codec name,\n"
+            "                          tada or a range list such as 0-14:tada4,15-29:tada2\n"
+            "  --block-tokens N        tokens per KV block (default 64)\n"
+            "  --ctx N                 serving context, prompt + output tokens per request (default: the\n"
+            "                          model's trained context, at most 8192)\n"
+            "  --max-seqs N            running sequences per replica (default 32)\n"
+            "  --max-batch-tokens N    tokens per step, decode tokens plus prompts (default 2048)\n"
+            "  --device-kv-mib N       device KV memory per worker (default 256)\n"
+            "  --host-kv-mib N         host KV tier per worker (default 0: none)\n"
+            "  --nvme-kv-mib N         NVMe KV tier per worker (default 0: none; needs a host tier%s)\n",
+            STRATA_DEFAULT_MODEL, API_SERVER_DEFAULT_ADDR, local ? "127.0.0.1:0" : CTL_SERVER_DEFAULT_ADDR,
+            local ? "default: a fresh random one" : "required", local ? "2" : "1",
+            local ? " and --nvme-dir" : "");
+    if (local)
+        fprintf(out,
+                "  --nvme-dir DIR          spill directory of the local workers' NVMe tier (one folder each)\n"
+                "  --worker-bin PATH       the strata-worker binary (default: beside this program)\n"
+                "  --threads N             compute threads per worker (default: the CPU count / workers)\n");
+    fprintf(out,
+            "  --tls-cert FILE         TLS certificate chain (PEM) for the public API; with --tls-key\n"
+            "  --tls-key FILE          its private key (PEM)\n"
+            "  --token-file FILE       bearer token every API call must carry (authorization: Bearer ...)\n"
+            "  --drain-seconds N       on SIGTERM, let running requests finish for up to N s (default 30)\n"
+            "  --ready-timeout N       %s (default %s)\n"
+            "  -q, --quiet             only errors on stderr\n"
+            "  -h, --help              this help\n",
+            local ? "give up when the workers are not ready after N s" : "report progress while waiting for workers every N s",
+            local ? "300" : "30");
+}
+
+static bool parse_long(const char *prog, const char *flag, const char *s, long min, long max, long *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < min || v > max) {
+        fprintf(stderr, "%s: %s: '%s' is not an integer in [%ld, %ld]\n", prog, flag, s, min, max);
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
+static const struct option long_opts[] = {
+    {"config", required_argument, NULL, O_CONFIG},       {"model", required_argument, NULL, 'm'},
+    {"listen", required_argument, NULL, O_LISTEN},       {"control", required_argument, NULL, O_CONTROL},
+    {"metrics", required_argument, NULL, O_METRICS},     {"secret-file", required_argument, NULL, O_SECRET},
+    {"replicas", required_argument, NULL, O_REPLICAS},   {"stages", required_argument, NULL, O_STAGES},
+    {"kv", required_argument, NULL, O_KV},               {"block-tokens", required_argument, NULL, O_BLOCK},
+    {"ctx", required_argument, NULL, O_CTX},             {"max-seqs", required_argument, NULL, O_MAX_SEQS},
+    {"max-batch-tokens", required_argument, NULL, O_MAX_BATCH},
+    {"device-kv-mib", required_argument, NULL, O_DEVICE}, {"host-kv-mib", required_argument, NULL, O_HOST},
+    {"nvme-kv-mib", required_argument, NULL, O_NVME},    {"nvme-dir", required_argument, NULL, O_NVME_DIR},
+    {"tls-cert", required_argument, NULL, O_TLS_CERT},   {"tls-key", required_argument, NULL, O_TLS_KEY},
+    {"token-file", required_argument, NULL, O_TOKEN},    {"drain-seconds", required_argument, NULL, O_DRAIN},
+    {"ready-timeout", required_argument, NULL, O_READY}, {"worker-bin", required_argument, NULL, O_WORKER_BIN},
+    {"threads", required_argument, NULL, O_THREADS},     {"quiet", no_argument, NULL, 'q'},
+    {"help", no_argument, NULL, 'h'},                    {NULL, 0, NULL, 0},
+};
+
+/* Applies one option (from a flag or the config file); false after printing the problem. */
+static bool apply(const char *prog, serve_opts *o, int id, const char *flag, const char *v, bool local)
+{
+    switch (id) {
+    case 'm': o->model = v; return true;
+    case O_LISTEN: o->listen = v; return true;
+    case O_CONTROL: o->control = v; return true;
+    case O_METRICS: o->metrics = v; return true;
+    case O_SECRET: o->secret_file = v; return true;
+    case O_KV: o->kv = v; return true;
+    case O_TLS_CERT: o->tls_cert = v; return true;
+    case O_TLS_KEY: o->tls_key = v; return true;
+    case O_TOKEN: o->token_file = v; return true;
+    case O_REPLICAS: return parse_long(prog, flag, v, 1, 1024, &o->replicas);
+    case O_STAGES: return parse_long(prog, flag, v, 1, 64, &o->stages);
+    case O_BLOCK: return parse_long(prog, flag, v, 1, 4096, &o->block_tokens);
+    case O_CTX: return parse_long(prog, flag, v, 2, 1 << 22, &o->ctx);
+    case O_MAX_SEQS: return parse_long(prog, flag, v, 1, 4096, &o->max_seqs);
+    case O_MAX_BATCH: return parse_long(prog, flag, v, 1, 1 << 22, &o->max_batch_tokens);
+    case O_DEVICE: return parse_long(prog, flag, v, 1, 1L << 24, &o->device_mib);
+    case O_HOST: return parse_long(prog, flag, v, 0, 1L << 24, &o->host_mib);
+    case O_NVME: return parse_long(prog, flag, v, 0, 1L << 24, &o->nvme_mib);
+    case O_DRAIN: return parse_long(prog, flag, v, 0, 3600, &o->drain_s);
+    case O_READY: return parse_long(prog, flag, v, 1, 86400, &o->ready_timeout_s);
+    default: break;
+    }
+    if (local) {
+        switch (id) {
+        case O_NVME_DIR: o->nvme_dir = v; return true;
+        case O_WORKER_BIN: o->worker_bin = v; return true;
+        case O_THREADS: return parse_long(prog, flag, v, 1, 1024, &o->threads);
+        default: break;
+        }
+    }
+    fprintf(stderr, "%s: %s is not an option of this command (try --help)\n", prog, flag);
+    return false;
+}
+
+/* Reads the JSON config: every key must name an option; values are strings or integers. The
+ * strings stay owned by *root (kept alive by the caller). */
+static bool load_config(const char *prog, const char *path, serve_opts *o, bool local, json_t **root)
+{
+    json_error_t je;
+    *root = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
+    if (!*root) {
+        fprintf(stderr, "%s: --config %s: line %d: %s\n", prog, path, je.line, je.text);
+        return false;
+    }
+    if (!json_is_object(*root)) {
+        fprintf(stderr, "%s: --config %s: the top level must be a JSON object\n", prog, path);
+        return false;
+    }
+    const char *key;
+    json_t *val;
+    json_object_foreach(*root, key, val) {
+        char name[64];
+        snprintf(name, sizeof name, "%s", key);
+        for (char *p = name; *p; p++)
+            if (*p == '_')
+                *p = '-';
+        int id = 0;
+        for (const struct option *op = long_opts; op->name; op++)
+            if (!strcmp(op->name, name) && op->has_arg == required_argument && op->val != O_CONFIG)
+                id = op->val;
+        char flag[80], num[32];
+        snprintf(flag, sizeof flag, "%s: key '%s'", path, key);
+        if (!id) {
+            fprintf(stderr, "%s: --config %s: unknown key '%s'\n", prog, path, key);
+            return false;
+        }
+        const char *v;
+        if (json_is_string(val)) {
+            v = json_string_value(val);
+        } else if (json_is_integer(val)) {
+            snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(val));
+            v = num;
+        } else {
+            fprintf(stderr, "%s: --config %s: key '%s' must be a string or an integer\n", prog, path, key);
+            return false;
+        }
+        if (!apply(prog, o, id, flag, v, local))
+            return false;
+    }
+    return true;
+}
+
+static int parse(int argc, char **argv, const char *prog, bool local, serve_opts *o, json_t **config)
+{
+    *o = (serve_opts){.replicas = 1, .stages = local ? 2 : 1, .block_tokens = 64, .max_seqs = 32,
+                      .max_batch_tokens = 2048, .device_mib = 256, .drain_s = 30,
+                      .ready_timeout_s = local ? 300 : 30, .kv = "kivi4"};
+    o->model = getenv("STRATA_MODEL") && *getenv("STRATA_MODEL") ? getenv("STRATA_MODEL") : STRATA_DEFAULT_MODEL;
+    *config = NULL;
+    for (int i = 1; i < argc; i++) {   /* the config file first, so that flags override it */
+        const char *path = NULL;
+        if (!strcmp(argv[i], "--config") && i + 1 < argc)
+            path = argv[i + 1];
+        else if (!strncmp(argv[i], "--config=", 9))
+            path = argv[i] + 9;
+        if (path) {
+            if (*config) {
+                fprintf(stderr, "%s: --config given twice\n", prog);
+                return EXIT_USAGE;
+            }
+            if (!load_config(prog, path, o, local, config))
+                return EXIT_USAGE;
+        }
+    }
+    optind = 1;
+    int c, idx;
+    while ((c = getopt_long(argc, argv, "m:qh", long_opts, &idx)) != -1) {
+        if (c == 'h') {
+            usage(stdout, prog, local);
+            return -1;
+        }
+        if (c == 'q') {
+            o->quiet = true;
+            continue;
+        }
+        if (c == O_CONFIG)
+            continue;
+        if (c == '?') {
+            fprintf(stderr, "%s: try --help\n", prog);
+            return EXIT_USAGE;
+        }
+        char flag[64];
+        snprintf(flag, sizeof flag, "--%s", c == 'm' ? "model" : long_opts[idx].name);
+        if (!apply(prog, o, c, flag, optarg, local))
+            return EXIT_USAGE;
+    }
+    if (optind != argc) {
+        fprintf(stderr, "%s: unexpected argument '%s' (try --help)\n", prog, argv[optind]);
+        return EXIT_USAGE;
+    }
+    if (!local && !o->secret_file) {
+        fprintf(stderr, "%s: --secret-file is required (workers present the same secret)\n", prog);
+        return EXIT_USAGE;
+    }
+    if (!o->tls_cert != !o->tls_key) {
+        fprintf(stderr, "%s: --tls-cert and --tls-key go together\n", prog);
+        return EXIT_USAGE;
+    }
+    if (o->nvme_mib > 0 && o->host_mib == 0) {
+        fprintf(stderr, "%s: --nvme-kv-mib needs --host-kv-mib (the NVMe tier sits below a host tier)\n", prog);
+        return EXIT_USAGE;
+    }
+    if (local && (o->nvme_mib > 0) != (o->nvme_dir != NULL)) {
+        fprintf(stderr, "%s: --nvme-kv-mib and --nvme-dir go together\n", prog);
+        return EXIT_USAGE;
+    }
+    if (local && o->replicas * o->stages > MAX_LOCAL_WORKERS) {
+        fprintf(stderr, "%s: %ld local workers; at most %d\n", prog, o->replicas * o->stages, MAX_LOCAL_WORKERS);
+        return EXIT_USAGE;
+    }
+    if (access(o->model, R_OK) != 0) {
+        fprintf(stderr, "%s: model %s: %s%s\n", prog, o->model, strerror(errno),
+                errno == ENOENT ? " (run scripts/setup.sh to download the default model, or pass --model)" : "");
+        return EXIT_USAGE;
+    }
+    return 0;
+}
+
+/* Reads a secret or token file: at most cap - 1 bytes, a trailing newline dropped. */
+static bool read_small_file(const char *prog, const char *what, const char *path, char *buf, size_t cap, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "%s: %s %s: %s\n", prog, what, path, strerror(errno));
+        return false;
+    }
+    size_t n = fread(buf, 1, cap - 1, f);
+    bool more = fgetc(f) != EOF;
+    fclose(f);
+    while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r'))
+        n--;
+    buf[n] = '\0';
+    if (more) {
+        fprintf(stderr, "%s: %s %s is larger than %zu bytes\n", prog, what, path, cap - 1);
+        return false;
+    }
+    *len = n;
+    return true;
+}
+
+/* ---- local workers ---- */
+
+typedef struct local_worker {
+    pid_t pid;
+    char name[32];
+    double started;
+    double restart_at;   /* 0: running */
+    double backoff;
+} local_worker;
+
+typedef struct supervisor {
+    const char *prog;
+    char bin[PATH_MAX];
+    char control[64], secret_path[PATH_MAX];
+    const serve_opts *o;
+    long threads;
+    local_worker w[MAX_LOCAL_WORKERS];
+    int n;
+    pthread_mutex_t mu;
+    bool stopping;
+    pthread_t thread;
+} supervisor;
+
+static double mono(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static pid_t spawn(supervisor *sv, local_worker *w, int index)
+{
+    char dev[32], host[32], nvme[32], nvme_dir[PATH_MAX], threads[32];
+    snprintf(dev, sizeof dev, "%ld", sv->o->device_mib);
+    snprintf(host, sizeof host, "%ld", sv->o->host_mib);
+    snprintf(nvme, sizeof nvme, "%ld", sv->o->nvme_mib);
+    snprintf(threads, sizeof threads, "%ld", sv->threads);
+    if (sv->o->nvme_dir)
+        snprintf(nvme_dir, sizeof nvme_dir, "%s/%s", sv->o->nvme_dir, w->name);
+    pid_t pid = fork();
+    if (pid == 0) {
+        sigset_t none;
+        sigemptyset(&none);
+        pthread_sigmask(SIG_SETMASK, &none, NULL);
+        setenv("OPENBLAS_NUM_THREADS", threads, 1);
+        const char *argv[24];
+        int a = 0;
+        argv[a++] = sv->bin;
+        argv[a++] = "--coordinator";
+        argv[a++] = sv->control;
+        argv[a++] = "--secret-file";
+        argv[a++] = sv->secret_path;
+        argv[a++] = "--name";
+        argv[a++] = w->name;
+        argv[a++] = "--device-kv-mib";
+        argv[a++] = dev;
+        argv[a++] = "--host-kv-mib";
+        argv[a++] = host;
+        if (sv->o->nvme_dir) {
+            argv[a++] = "--nvme-dir";
+            argv[a++] = nvme_dir;
+            argv[a++] = "--nvme-kv-mib";
+            argv[a++] = nvme;
+        }
+        argv[a++] = "--threads";
+        argv[a++] = threads;
+        if (sv->o->quiet)
+            argv[a++] = "--quiet";
+        argv[a] = NULL;
+        execv(sv->bin, (char *const *)argv);
+        fprintf(stderr, "%s: cannot run %s: %s\n", sv->prog, sv->bin, strerror(errno));
+        _exit(127);
+    }
+    (void)index;
+    return pid;
+}
+
+static void *supervise(void *arg)
+{
+    supervisor *sv = arg;
+    for (;;) {
+        pthread_mutex_lock(&sv->mu);
+        bool stopping = sv->stopping;
+        double t = mono();
+        for (int i = 0; i < sv->n && !stopping; i++) {
+            local_worker *w = &sv->w[i];
+            int status;
+            if (w->restart_at == 0 && w->pid > 0 && waitpid(w->pid, &status, WNOHANG) == w->pid) {
+                if (t - w->started > 60)
+                    w->backoff = 1;   /* it ran a while: a fresh failure, not a crash loop */
+                fprintf(stderr, "%s: worker %s exited (%s %d); restarting in %.0f s\n", sv->prog, w->name,
+                        WIFEXITED(status) ? "status" : "signal",
+                        WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), w->backoff);
+                w->pid = -1;
+                w->restart_at = t + w->backoff;
+                w->backoff = w->backoff * 2 > 30 ? 30 : w->backoff * 2;
+            }
+            if (w->restart_at != 0 && t >= w->restart_at) {
+                w->pid = spawn(sv, w, i);
+                w->started = t;
+                w->restart_at = 0;
+            }
+        }
+        pthread_mutex_unlock(&sv->mu);
+        if (stopping)
+            return NULL;
+        struct timespec nap = {0, 200 * 1000000L};
+        nanosleep(&nap, NULL);
+    }
+}
+
+static bool find_worker_bin(const char *prog, const serve_opts *o, char *out, size_t cap)
+{
+    if (o->worker_bin) {
+        snprintf(out, cap, "%s", o->worker_bin);
+    } else {
+        char self[PATH_MAX];
+        ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+        if (n <= 0) {
+            fprintf(stderr, "%s: cannot find this program's folder (/proc/self/exe): pass --worker-bin\n", prog);
+            return false;
+        }
+        self[n] = '\0';
+        char *slash = strrchr(self, '/');
+        if (slash)
+            *slash = '\0';
+        if ((size_t)snprintf(out, cap, "%.*s/strata-worker", (int)(cap - 16), self) >= cap) {
+            fprintf(stderr, "%s: this program's path is too long: pass --worker-bin\n", prog);
+            return false;
+        }
+    }
+    if (access(out, X_OK) != 0) {
+        fprintf(stderr, "%s: worker binary %s: %s (build it, or pass --worker-bin)\n", prog, out, strerror(errno));
+        return false;
+    }
+    return true;
+}
+
+/* A fresh random cluster secret in a private folder. */
+static bool make_secret(const char *prog, char *dir, size_t dir_cap, char *path, size_t path_cap)
+{
+    const char *tmp = getenv("TMPDIR") && *getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
+    snprintf(dir, dir_cap, "%s/strata-serve-XXXXXX", tmp);
+    if (!mkdtemp(dir)) {
+        fprintf(stderr, "%s: cannot create a private folder in %s: %s\n", prog, tmp, strerror(errno));
+        return false;
+    }
+    unsigned char raw[32];
+    size_t got = 0;
+    while (got < sizeof raw) {
+        ssize_t r = getrandom(raw + got, sizeof raw - got, 0);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0) {
+            fprintf(stderr, "%s: getrandom: %s\n", prog, strerror(errno));
+            return false;
+        }
+        got += (size_t)r;
+    }
+    snprintf(path, path_cap, "%s/cluster.secret", dir);
+    FILE *f = fopen(path, "wx");
+    if (!f || chmod(path, 0600) != 0) {
+        fprintf(stderr, "%s: cannot write %s: %s\n", prog, path, strerror(errno));
+        if (f)
+            fclose(f);
+        return false;
+    }
+    for (size_t i = 0; i < sizeof raw; i++)
+        fprintf(f, "%02x", raw[i]);
+    fputc('\n', f);
+    if (fclose(f) != 0) {
+        fprintf(stderr, "%s: cannot write %s: %s\n", prog, path, strerror(errno));
+        return false;
+    }
+    return true;
+}
+
+static void stop_workers(supervisor *sv)
+{
+    pthread_mutex_lock(&sv->mu);
+    sv->stopping = true;
+    pthread_mutex_unlock(&sv->mu);
+    pthread_join(sv->thread, NULL);
+    /* They were told to shut down: wait a little, then insist. */
+    double until = mono() + 10;
+    for (int i = 0; i < sv->n; i++) {
+        local_worker *w = &sv->w[i];
+        while (w->pid > 0) {
+            int status;
+            pid_t r = waitpid(w->pid, &status, WNOHANG);
+            if (r == w->pid || (r < 0 && errno == ECHILD)) {
+                w->pid = -1;
+            } else if (mono() > until) {
+                kill(w->pid, SIGKILL);
+                waitpid(w->pid, &status, 0);
+                w->pid = -1;
+            } else {
+                struct timespec nap = {0, 50 * 1000000L};
+                nanosleep(&nap, NULL);
+            }
+        }
+    }
+}
+
+/* ---- main ---- */
+
+int serve_main(int argc, char **argv, const char *prog, bool local)
+{
+    serve_opts o;
+    json_t *config = NULL;
+    int rc = parse(argc, argv, prog, local, &o, &config);
+    if (rc != 0) {
+        json_decref(config);
+        return rc < 0 ? 0 : rc;
+    }
+    /* Signals are taken by sigwait on this thread: block them before any thread starts. */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    int exit_code = EXIT_RUNTIME;
+    char secret[CTL_SECRET_MAX_BYTES + 2], token[4096], secret_dir[PATH_MAX] = "", secret_path[PATH_MAX] = "";
+    size_t secret_len = 0, token_len = 0;
+    metrics_registry *reg = NULL;
+    metrics_http *mhttp = NULL;
+    coord *co = NULL;
+    ctl_server *ctl = NULL;
+    api_server *api = NULL;
+    supervisor *sv = NULL;
+    strata_error err = {0};
+
+    if (o.secret_file) {
+        snprintf(secret_path, sizeof secret_path, "%s", o.secret_file);
+    } else if (!make_secret(prog, secret_dir, sizeof secret_dir, secret_path, sizeof secret_path)) {
+        goto out;
+    }
+    if (!read_small_file(prog, "--secret-file", secret_path, secret, sizeof secret, &secret_len))
+        goto out;
+    if (secret_len < CTL_SECRET_MIN_BYTES) {
+        fprintf(stderr, "%s: the cluster secret in %s has %zu bytes; at least %d are needed\n", prog, secret_path,
+                secret_len, CTL_SECRET_MIN_BYTES);
+        exit_code = EXIT_USAGE;
+        goto out;
+    }
+    if (o.token_file && !read_small_file(prog, "--token-file", o.token_file, token, sizeof token, &token_len))
+        goto out;
+    if (o.token_file && token_len == 0) {
+        fprintf(stderr, "%s: --token-file %s is empty\n", prog, o.token_file);
+        exit_code = EXIT_USAGE;
+        goto out;
+    }
+    if (o.metrics && !(reg = metrics_create())) {
+        fprintf(stderr, "%s: out of memory\n", prog);
+        goto out;
+    }
+    coord_config cc = {.model_path = o.model, .replicas = (uint32_t)o.replicas, .stages = (uint32_t)o.stages,
+                       .kv = o.kv, .block_tokens = (uint32_t)o.block_tokens, .ctx = (uint32_t)o.ctx,
+                       .max_seqs = (uint32_t)o.max_seqs, .max_batch_tokens = (uint32_t)o.max_batch_tokens,
+                       .device_kv_bytes = (uint64_t)o.device_mib << 20, .host_kv_bytes = (uint64_t)o.host_mib << 20,
+                       .nvme_kv_bytes = (uint64_t)o.nvme_mib << 20, .metrics = reg, .quiet = o.quiet};
+    if (!(co = coord_create(&cc, &err))) {
+        fprintf(stderr, "%s: %s\n", prog, err.msg);
+        exit_code = err.code == STRATA_EINVAL ? EXIT_USAGE : EXIT_RUNTIME;
+        goto out;
+    }
+    if (reg && metrics_http_start(reg, o.metrics, &mhttp, &err) != STRATA_OK) {
+        fprintf(stderr, "%s: --metrics %s: %s\n", prog, o.metrics, err.msg);
+        goto out;
+    }
+    ctl_server_options co_opts = ctl_server_options_default();
+    co_opts.listen_addr = o.control ? o.control : (local ? "127.0.0.1:0" : CTL_SERVER_DEFAULT_ADDR);
+    co_opts.cluster_secret = secret;
+    co_opts.cluster_secret_len = secret_len;
+    ctl_handler h = coord_ctl_handler(co);
+    if (ctl_server_start(&co_opts, &h, &ctl, &err) != STRATA_OK) {
+        fprintf(stderr, "%s: --control %s: %s\n", prog, co_opts.listen_addr, err.msg);
+        goto out;
+    }
+    api_server_options ao = api_server_options_default();
+    ao.listen_addr = o.listen;
+    ao.tls_cert_file = o.tls_cert;
+    ao.tls_key_file = o.tls_key;
+    ao.bearer_token = o.token_file ? token : NULL;
+    ao.limits = coord_limits(co);
+    api_backend b = coord_api_backend(co);
+    if (api_server_start(&ao, &b, &api, &err) != STRATA_OK) {
+        fprintf(stderr, "%s: --listen %s: %s\n", prog, o.listen ? o.listen : API_SERVER_DEFAULT_ADDR, err.msg);
+        goto out;
+    }
+    if (local) {
+        if (!(sv = calloc(1, sizeof *sv)))
+            goto out;
+        sv->prog = prog;
+        sv->o = &o;
+        pthread_mutex_init(&sv->mu, NULL);
+        if (!find_worker_bin(prog, &o, sv->bin, sizeof sv->bin)) {
+            free(sv);
+            sv = NULL;
+            exit_code = EXIT_USAGE;
+            goto out;
+        }
+        snprintf(sv->control, sizeof sv->control, "127.0.0.1:%d", ctl_server_port(ctl));
+        snprintf(sv->secret_path, sizeof sv->secret_path, "%s", secret_path);
+        sv->n = (int)(o.replicas * o.stages);
+        long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+        sv->threads = o.threads ? o.threads : (cpus > sv->n ? cpus / sv->n : 1);
+        for (int i = 0; i < sv->n; i++) {
+            snprintf(sv->w[i].name, sizeof sv->w[i].name, "local-%d", i);
+            sv->w[i].backoff = 1;
+            sv->w[i].pid = spawn(sv, &sv->w[i], i);
+            sv->w[i].started = mono();
+        }
+        if (pthread_create(&sv->thread, NULL, supervise, sv) != 0) {
+            fprintf(stderr, "%s: cannot start the worker supervisor\n", prog);
+            sv->stopping = true;
+            for (int i = 0; i < sv->n; i++)
+                kill(sv->w[i].pid, SIGKILL);
+            goto out;
+        }
+    }
+    uint32_t ready, total;
+    coord_worker_counts(co, &ready, &total);
+    if (!o.quiet)
+        fprintf(stderr, "%s: public API on %s port %d; waiting for %u workers (control port %d)\n", prog,
+                o.listen ? o.listen : API_SERVER_DEFAULT_ADDR, api_server_port(api), total, ctl_server_port(ctl));
+    /* Wait for the workers, a signal, or (strata serve) the ready timeout. */
+    double waited = 0;
+    int sig = 0;
+    struct timespec tick = {1, 0};
+    bool is_ready = false;
+    while (!sig) {
+        if (!is_ready && coord_wait_ready(co, 0)) {
+            is_ready = true;
+            if (mhttp)
+                fprintf(stderr, "%s: ready: serving %s on port %d, metrics port %u\n", prog, o.model,
+                        api_server_port(api), (unsigned)metrics_http_port(mhttp));
+            else
+                fprintf(stderr, "%s: ready: serving %s on port %d\n", prog, o.model, api_server_port(api));
+        }
+        siginfo_t si;
+        int s = sigtimedwait(&sigs, &si, &tick);
+        if (s > 0)
+            sig = s;
+        waited += 1;
+        if (!is_ready && !sig && waited >= (double)o.ready_timeout_s) {
+            coord_worker_counts(co, &ready, &total);
+            if (local) {
+                fprintf(stderr, "%s: only %u of %u workers ready after %ld s; giving up (see the workers' messages "
+                        "above)\n", prog, ready, total, o.ready_timeout_s);
+                break;
+            }
+            fprintf(stderr, "%s: %u of %u workers ready; still waiting\n", prog, ready, total);
+            waited = 0;
+        }
+    }
+    if (sig) {
+        if (!o.quiet)
+            fprintf(stderr, "%s: %s: draining (up to %ld s)\n", prog, sig == SIGINT ? "interrupted" : "terminated",
+                    o.drain_s);
+        int left = coord_drain(co, (int)o.drain_s * 1000);
+        if (left && !o.quiet)
+            fprintf(stderr, "%s: %d requests still running after the drain: they end with UNAVAILABLE\n", prog, left);
+        exit_code = 0;
+    }
+out:
+    /* After a drain every stream has ended; a moment lets their last messages leave. */
+    api_server_shutdown(api, exit_code == 0 ? 2000 : 0);
+    coord_stop(co);
+    if (sv)
+        stop_workers(sv);
+    ctl_server_shutdown(ctl);
+    metrics_http_stop(mhttp);
+    coord_destroy(co);
+    metrics_destroy(reg);
+    if (sv) {
+        pthread_mutex_destroy(&sv->mu);
+        free(sv);
+    }
+    if (*secret_dir) {
+        unlink(secret_path);
+        rmdir(secret_dir);
+    }
+    memset(secret, 0, sizeof secret);
+    memset(token, 0, sizeof token);
+    json_decref(config);
+    return exit_code;
+}

@@ -1,0 +1,365 @@
+"""End-to-end test of `strata serve`: a real coordinator and two real CPU workers (one 2-stage
+replica of the default model) on loopback, driven by a real gRPC client (Python grpcio).
+
+Run by test_serve.sh as:  /usr/bin/python3 test_serve.py BUILD_DIR STUBS_DIR WORK_DIR
+BUILD_DIR holds strata and strata-worker; STUBS_DIR holds strata_pb2.py (protoc --python_out);
+WORK_DIR is a scratch folder (TLS files, logs).
+
+Checks: greedy output equals single-process `strata generate` token for token (text compared,
+and the ids of a concurrent run compared with the ids of the same prompt alone); 32 concurrent
+streams; Abort; every bad input; a client that disconnects; a killed worker (UNAVAILABLE, then
+the worker is restarted and rejoins); GetModelInfo / GetStats / Prometheus metrics; TLS with a
+bearer token; SIGTERM drains a running stream. Every wait is bounded: a hang is a failure.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import urllib.request
+
+import grpc
+
+BUILD, STUBS, WORK = sys.argv[1], sys.argv[2], sys.argv[3]
+sys.path.insert(0, STUBS)
+import strata_pb2 as pb  # noqa: E402
+
+STRATA = os.path.join(BUILD, "strata")
+T = 120  # client timeout for calls that should finish
+ADDR = [None]  # the main server's address, for tests that run the command-line client
+
+
+class Serve:
+    """One `strata serve` process; ready when it prints 'ready: serving ... on port N'."""
+
+    def __init__(self, name, *args):
+        self.name = name
+        self.log_path = os.path.join(WORK, name + ".log")
+        self.log = open(self.log_path, "w+b")
+        self.proc = subprocess.Popen([STRATA, "serve", "--listen", "127.0.0.1:0", *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.port = None
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            m = re.search(rb"ready: serving .* on port (\d+)", self.text())
+            if m:
+                self.port = int(m.group(1))
+                break
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        if self.port is None:
+            self.stop()
+            raise AssertionError(f"{name}: server did not become ready:\n{self.text().decode(errors='replace')}")
+
+    def text(self):
+        with open(self.log_path, "rb") as f:
+            return f.read()
+
+    def addr(self):
+        return f"127.0.0.1:{self.port}"
+
+    def workers(self):
+        """PIDs of the worker processes this server started (its children)."""
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def stop(self, sig=signal.SIGTERM, timeout=60):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"{self.name}: did not stop within {timeout} s")
+        return self.proc.returncode
+
+
+class Client:
+    def __init__(self, addr, creds=None, token=None):
+        self.ch = grpc.secure_channel(addr, creds) if creds else grpc.insecure_channel(addr)
+        self.md = [("authorization", f"Bearer {token}")] if token else None
+        u = lambda m, req, resp: self.ch.unary_unary(m, request_serializer=req.SerializeToString,
+                                                     response_deserializer=resp.FromString)
+        self._gen = self.ch.unary_stream("/strata.v1.Strata/Generate",
+                                         request_serializer=lambda r: r if isinstance(r, bytes) else r.SerializeToString(),
+                                         response_deserializer=pb.GenerateResponse.FromString)
+        self.abort = u("/strata.v1.Strata/Abort", pb.AbortRequest, pb.AbortResponse)
+        self.health = u("/strata.v1.Strata/Health", pb.HealthRequest, pb.HealthResponse)
+        self.info = u("/strata.v1.Strata/GetModelInfo", pb.ModelInfoRequest, pb.ModelInfo)
+        self.stats = u("/strata.v1.Strata/GetStats", pb.StatsRequest, pb.Stats)
+
+    def stream(self, req, timeout=T):
+        return self._gen(req, timeout=timeout, metadata=self.md)
+
+    def generate(self, req, timeout=T):
+        """(ids, text, final message) of a whole stream."""
+        ids, text, last = [], "", None
+        for r in self.stream(req, timeout):
+            if r.HasField("chunk"):
+                ids += list(r.chunk.token_ids)
+                text += r.chunk.text
+            else:
+                last = r
+        return ids, text, last
+
+
+def req(text=None, ids=None, max_tokens=16, rid="", **sampling):
+    r = pb.GenerateRequest(request_id=rid, sampling=pb.SamplingParams(max_tokens=max_tokens, **sampling))
+    if text is not None:
+        r.text = text
+    if ids is not None:
+        r.token_ids.ids.extend(ids)
+    return r
+
+
+def expect_status(fn, code, what, contains=None):
+    try:
+        fn()
+    except grpc.RpcError as e:
+        assert e.code() == code, f"{what}: got {e.code()} ({e.details()}), want {code}"
+        if contains:
+            assert contains in e.details(), f"{what}: message {e.details()!r} lacks {contains!r}"
+        return e
+    raise AssertionError(f"{what}: succeeded, want {code}")
+
+
+def reference(prompt, n):
+    """Single-process `strata generate` output text (greedy, one thread like each worker)."""
+    out = subprocess.run([STRATA, "generate", "-p", prompt, "-n", str(n), "--ignore-eos", "-q", "--no-echo",
+                          "--threads", "1", "--ctx", "512"], capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr.decode(errors="replace")
+    text = out.stdout.decode()
+    assert text.endswith("\n")   # generate ends its output with a newline of its own
+    return text[:-1]
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "The three primary colors are"]
+
+
+# ------------------------------------------------------------------------------------------
+# Tests against one server (ctx 512 so that "longer than the context" is cheap to send)
+
+def test_equals_generate(c):
+    for p in PROMPTS[:2]:
+        ids, text, last = c.generate(req(p, max_tokens=24, ignore_eos=True))
+        want = reference(p, 24)
+        assert text == want, f"served {text!r} != generate {want!r}"
+        assert last.complete.finish_reason == pb.FINISH_REASON_LENGTH
+        assert last.complete.completion_tokens == 24 == len(ids)
+    # the command-line client: strata generate --server
+    out = subprocess.run([STRATA, "generate", "--server", ADDR[0], "-p", PROMPTS[0], "-n", "24", "--ignore-eos",
+                          "--no-echo", "-q"], capture_output=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.decode() == reference(PROMPTS[0], 24) + "\n"
+    out = subprocess.run([STRATA, "generate", "--server", ADDR[0], "-p", "hi", "--kv", "kivi2"], capture_output=True,
+                         timeout=120)
+    assert out.returncode == 1 and b"UNIMPLEMENTED" in out.stderr and out.stdout == b"", out
+
+
+def test_concurrent(c):
+    alone = {p: c.generate(req(p, max_tokens=12, ignore_eos=True))[0] for p in PROMPTS}
+    results, errors = {}, []
+
+    def one(i):
+        try:
+            p = PROMPTS[i % len(PROMPTS)]
+            results[i] = (p, c.generate(req(p, max_tokens=12, ignore_eos=True, rid=f"conc-{i}")))
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"stream {i}: {e}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(T)
+    assert not errors, errors
+    assert len(results) == 32
+    for i, (p, (ids, _, last)) in results.items():
+        assert ids == alone[p], f"stream {i}: {ids} != alone {alone[p]}"
+        assert last.request_id == f"conc-{i}"
+    st = c.stats(pb.StatsRequest(), timeout=T)
+    assert st.requests_total >= 32 + 4 and st.running == 0 and st.queue_depth == 0, st
+
+
+def test_abort(c):
+    it = c.stream(req(PROMPTS[2], max_tokens=400, ignore_eos=True, rid="to-abort"))
+    first = next(it)
+    assert first.HasField("chunk")
+    assert c.abort(pb.AbortRequest(request_id="to-abort"), timeout=T).found
+    rest = list(it)
+    assert rest[-1].complete.finish_reason == pb.FINISH_REASON_ABORT, rest[-1]
+    assert rest[-1].complete.completion_tokens < 400
+    assert not c.abort(pb.AbortRequest(request_id="to-abort"), timeout=T).found
+    assert not c.abort(pb.AbortRequest(request_id="never-was"), timeout=T).found
+    expect_status(lambda: c.abort(pb.AbortRequest(request_id=""), timeout=T), grpc.StatusCode.INVALID_ARGUMENT,
+                  "abort with an empty id")
+
+
+def test_bad_inputs(c):
+    I, R, U = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNIMPLEMENTED
+    run = lambda r: (lambda: c.generate(r))
+    expect_status(run(req("")), I, "empty prompt")
+    expect_status(run(pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=4))), I, "no input")
+    expect_status(run(req(ids=[1] * 600)), R, "prompt longer than the context")
+    expect_status(run(req(ids=[1] * 500, max_tokens=100)), R, "prompt + max_tokens beyond the context", "context")
+    expect_status(run(req("hi", max_tokens=0)), I, "max_tokens 0")
+    expect_status(run(req("hi", max_tokens=1_000_000_000)), I, "absurd max_tokens")
+    expect_status(run(req("hi", temperature=-1.0)), I, "negative temperature")
+    expect_status(run(req("hi", top_p=1.5)), I, "top_p above 1")
+    expect_status(run(req(ids=[10 ** 8])), I, "token id beyond the vocabulary")
+    r = req("hi")
+    r.kv_codec = "nosuchcodec"
+    expect_status(run(r), I, "unknown codec")
+    r.kv_codec = "kivi2"
+    expect_status(run(r), U, "a codec other than the server's")
+    r.kv_codec = "kivi4"
+    assert c.generate(r)[2].complete.completion_tokens >= 1   # the server's own codec is fine
+    # invalid UTF-8: field 2 (text) with bytes ff fe, then sampling {max_tokens: 4}
+    expect_status(run(b"\x12\x02\xff\xfe" + b"\x22\x02\x28\x04"), I, "invalid UTF-8")
+    expect_status(run(req("x" * (5 << 20))), R, "oversized message")
+    expect_status(lambda: c.generate(req("hi", rid="bad id")), I, "request id with a space")
+    # a client that goes away mid-stream: the server frees the request and goes on
+    it = c.stream(req(PROMPTS[1], max_tokens=400, ignore_eos=True))
+    next(it)
+    it.cancel()
+    deadline = time.time() + 30
+    while c.stats(pb.StatsRequest(), timeout=T).running and time.time() < deadline:
+        time.sleep(0.1)
+    assert c.stats(pb.StatsRequest(), timeout=T).running == 0
+    assert c.generate(req("still serving?", max_tokens=2, ignore_eos=True))[2].complete.completion_tokens == 2
+
+
+def test_info_stats_metrics(c, metrics_port):
+    info = c.info(pb.ModelInfoRequest(), timeout=T)
+    assert (info.n_layers, info.replicas, info.stages_per_replica, info.n_ctx, info.default_kv_codec) == \
+        (30, 1, 2, 512, "kivi4"), info
+    assert info.n_vocab == 49152 and info.block_tokens == 64 and info.arch == "llama"
+    h = c.health(pb.HealthRequest(), timeout=T)
+    assert h.status == pb.SERVING_STATUS_SERVING and h.workers_ready == 2 == h.workers_total, h
+    # KV blocks exist while a request runs
+    it = c.stream(req(PROMPTS[0] * 60, max_tokens=150, ignore_eos=True, rid="for-stats"))
+    for _ in range(3):
+        next(it)
+    time.sleep(1.5)   # workers report their KV about every second
+    st = c.stats(pb.StatsRequest(), timeout=T)
+    assert st.running == 1 and [t.name for t in st.tiers] == ["device"], st
+    assert st.tiers[0].blocks > 0 and st.tiers[0].bytes > 0, st
+    assert 0.99 * 2 * (256 << 20) < st.tiers[0].capacity_bytes <= 2 * (256 << 20), st
+    assert 0 < st.kv_bytes_per_token < 30 * 2 * 3 * 64 * 2, st   # below fp16's bytes per token
+    c.abort(pb.AbortRequest(request_id="for-stats"), timeout=T)
+    list(it)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    for name in ("strata_requests_total", "strata_tokens_generated_total", "strata_time_to_first_token_seconds_bucket",
+                 "strata_inter_token_seconds_bucket", "strata_queue_depth", 'strata_kv_blocks{tier="device"}',
+                 "strata_workers_ready 2"):
+        assert name in body, f"metrics lack {name}"
+    assert re.search(r"^strata_tokens_generated_total [1-9]", body, re.M), "no tokens counted"
+
+
+def test_killed_worker(s, c):
+    it = c.stream(req(PROMPTS[3], max_tokens=400, ignore_eos=True))
+    next(it)
+    pids = s.workers()
+    assert len(pids) == 2, pids
+    os.kill(pids[1], signal.SIGKILL)
+    got = None
+    try:
+        for r in it:
+            if r.HasField("error"):
+                got = r.error.code
+    except grpc.RpcError as e:
+        got = e.code().value[0]
+    assert got == grpc.StatusCode.UNAVAILABLE.value[0], f"stream ended with {got}, want UNAVAILABLE"
+    # the server restarts the worker; the replica is rebuilt and serves again
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if c.health(pb.HealthRequest(), timeout=T).status == pb.SERVING_STATUS_SERVING:
+            break
+        time.sleep(0.5)
+    assert c.health(pb.HealthRequest(), timeout=T).status == pb.SERVING_STATUS_SERVING, "never served again"
+    ids, text, _ = c.generate(req(PROMPTS[0], max_tokens=24, ignore_eos=True))
+    assert text == reference(PROMPTS[0], 24), "different output after the restart"
+
+
+def test_tls_token():
+    key, crt = os.path.join(WORK, "key.pem"), os.path.join(WORK, "crt.pem")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", crt,
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    tok = os.path.join(WORK, "token")
+    with open(tok, "w") as f:
+        f.write("s3cret-token\n")
+    s = Serve("tls", "--tls-cert", crt, "--tls-key", key, "--token-file", tok, "--ctx", "512", "-q")
+    try:
+        creds = grpc.ssl_channel_credentials(open(crt, "rb").read())
+        good = Client(s.addr(), creds, "s3cret-token")
+        assert good.generate(req("hello", max_tokens=3))[2].complete.completion_tokens == 3
+        expect_status(lambda: Client(s.addr(), creds, "wrong").generate(req("hello", max_tokens=3)),
+                      grpc.StatusCode.UNAUTHENTICATED, "wrong token")
+        expect_status(lambda: Client(s.addr(), creds).generate(req("hello", max_tokens=3)),
+                      grpc.StatusCode.UNAUTHENTICATED, "no token")
+    finally:
+        assert s.stop() == 0
+
+
+def test_sigterm_drains():
+    s = Serve("drain", "--ctx", "512", "--drain-seconds", "60")
+    c = Client(s.addr())
+    it = c.stream(req(PROMPTS[1], max_tokens=40, ignore_eos=True))
+    next(it)
+    s.proc.send_signal(signal.SIGTERM)
+    msgs = list(it)
+    assert msgs[-1].complete.completion_tokens == 40, msgs[-1]   # the running stream finished
+    assert s.stop() == 0
+    assert b"draining" in s.text()
+
+
+def main():
+    failures = []
+
+    def run(name, fn, *args):
+        t = time.time()
+        try:
+            fn(*args)
+            print(f"ok   {name} ({time.time() - t:.1f} s)", flush=True)
+        except Exception:  # noqa: BLE001
+            failures.append(name)
+            print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
+
+    s = Serve("main", "--ctx", "512", "--metrics", "127.0.0.1:0")
+    pm = re.search(rb"metrics port (\d+)", s.text())
+    metrics_port = int(pm.group(1)) if pm else None
+    ADDR[0] = s.addr()
+    try:
+        c = Client(s.addr())
+        run("greedy output equals strata generate", test_equals_generate, c)
+        run("32 concurrent streams", test_concurrent, c)
+        run("abort", test_abort, c)
+        run("bad inputs and a vanishing client", test_bad_inputs, c)
+        if metrics_port:
+            run("model info, stats and metrics", test_info_stats_metrics, c, metrics_port)
+        else:
+            failures.append("metrics port")
+            print("FAIL the server did not say its metrics port:\n" + s.text().decode(errors="replace"))
+        run("killed worker", test_killed_worker, s, c)
+    finally:
+        code = s.stop()
+        if code != 0:
+            failures.append(f"main server exit status {code}")
+    run("TLS and bearer token", test_tls_token)
+    run("SIGTERM drains", test_sigterm_drains)
+    if failures:
+        print("server log:\n" + s.text().decode(errors="replace")[-6000:])
+        print(f"{len(failures)} failed: {failures}")
+        sys.exit(1)
+    print("all passed")
+
+
+if __name__ == "__main__":
+    main()
