@@ -4,7 +4,9 @@
  * run alone through model_forward in this process. Then a worker is killed mid-generation: the
  * coordinator side sees it gone (UNAVAILABLE) within seconds and the other worker's next step
  * fails cleanly instead of hanging. Also: a worker with the wrong cluster secret is refused. */
+#include <arpa/inet.h>
 #include <errno.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -14,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -115,6 +118,22 @@ static void on_gone(void *ctx, ctl_peer *peer, int grpc_status, const char *why)
     event e = {.kind = 4, .peer = peer, .grpc_status = grpc_status};
     snprintf(e.why, sizeof e.why, "%s", why ? why : "");
     post(ctx, &e);
+}
+
+/* Connects to host:port, writes a few bytes that are no handshake, and hangs up. */
+static void knock(const char *host_port)
+{
+    char host[64];
+    const char *colon = strrchr(host_port, ':');
+    assert_non_null(colon);
+    snprintf(host, sizeof host, "%.*s", (int)(colon - host_port), host_port);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1))};
+    assert_int_equal(inet_pton(AF_INET, host, &sa.sin_addr), 1);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    assert_int_equal(write(fd, "GET / HTTP/1.0\r\n\r\n", 18), 18);
+    close(fd);
 }
 
 static pid_t spawn_worker(const char *addr, const char *secret_file, const char *name)
@@ -247,6 +266,9 @@ static void test_two_worker_processes(void **state)
     assert_string_equal(ctl_peer_name(j0.peer), "w0");
     ctl_peer *peers[2] = {j0.peer, j1.peer};
     char *addrs[2] = {j0.data_addr, j1.data_addr};
+    /* A stranger knocks on stage 1's data port first (a port scanner, a TCP probe): the worker
+     * must ignore it and still link up with stage 0. */
+    knock(j1.data_addr);
     send_assignment(peers[0], 0, 0, 15, addrs);
     send_assignment(peers[1], 1, 15, 30, addrs);
     event ev;

@@ -216,8 +216,20 @@ static int connect_links(const Strata__Internal__V1__Assignment *a, dp_listener 
     int rc = STRATA_OK;
     if (a->stage + 1 < a->n_stages)
         rc = dp_tcp_connect(a->stage_data_addrs[a->stage + 1], auth, NULL, 60000, next, err);
-    if (rc == STRATA_OK && a->stage > 0)
-        rc = dp_tcp_accept(l, auth, NULL, 60000, prev, err);
+    /* A connection that fails the handshake (a port scanner, a probe, a stale peer) must not
+     * cost the assignment: keep listening for the real neighbour until the deadline. */
+    const double deadline = mono_seconds() + 60.0;
+    while (rc == STRATA_OK && a->stage > 0) {
+        int left_ms = (int)((deadline - mono_seconds()) * 1000.0);
+        if (left_ms <= 0)
+            return strata_fail(err, STRATA_EIO, "data plane: stage %u did not connect within 60 s", a->stage - 1);
+        if ((rc = dp_tcp_accept(l, auth, NULL, left_ms, prev, err)) == STRATA_OK)
+            break;
+        if (mono_seconds() >= deadline)
+            return rc;
+        fprintf(stderr, "strata-worker: data plane: ignored a connection: %s\n", err->msg);
+        rc = STRATA_OK;
+    }
     return rc;
 }
 
