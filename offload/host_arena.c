@@ -164,7 +164,7 @@ int host_arena_put(host_arena *a, const void *bytes, size_t len, host_handle *ou
 {
     if (!bytes)
         return strata_fail(err, STRATA_EINVAL, "host arena: put of NULL bytes");
-    uint8_t *p;
+    uint8_t *p = NULL;
     int rc = host_arena_reserve(a, len, out, &p, err);
     if (rc == STRATA_OK)
         memcpy(p, bytes, len);

@@ -847,7 +847,7 @@ int nvme_store_wait_ticket(nvme_store *s, uint64_t ticket, nvme_completion *out)
 
 int nvme_store_write(nvme_store *s, const void *src, size_t len, uint64_t tag, nvme_loc *loc, strata_error *err)
 {
-    uint64_t t;
+    uint64_t t = 0;
     int rc = nvme_store_submit_write(s, src, len, tag, &t, loc, err);
     if (rc != STRATA_OK)
         return rc;
@@ -860,7 +860,7 @@ int nvme_store_write(nvme_store *s, const void *src, size_t len, uint64_t tag, n
 
 int nvme_store_read(nvme_store *s, const nvme_loc *loc, void *dst, size_t cap, uint64_t tag, strata_error *err)
 {
-    uint64_t t;
+    uint64_t t = 0;
     int rc = nvme_store_submit_read(s, loc, dst, cap, tag, &t, err);
     if (rc != STRATA_OK)
         return rc;

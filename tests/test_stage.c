@@ -335,6 +335,79 @@ static void test_one_stage_tiers_preempt(void **state)
     nftw(base, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
 }
 
+
+/* Migration between two stages holding the same layers (two replicas): a greedy and a sampled
+ * sequence run 4 steps on a stage whose device budget is far below their KV (blocks sit in the
+ * host/NVMe tiers, so the export reads them from below), move as images to a plain stage, and
+ * continue there: the tokens equal an unmoved run (the sampled one: same PRNG position). */
+static void test_migrate(void **state)
+{
+    (void)state;
+    const char *kv = "kivi2-r32";   /* a short fp16 window: the prompts fill blocks */
+    seq_spec ref[2] = {{.id = 5, .n_prompt = 150, .join_step = 1}, {.id = 6, .n_prompt = 140, .join_step = 1}};
+    for (size_t i = 0; i < 2; i++)
+        for (size_t k = 0; k < ref[i].n_prompt; k++)
+            ref[i].prompt[k] = (int32_t)(5 + (k * 7919 + i * 13) % 40000);
+    seq_spec mov[2];
+    memcpy(mov, ref, sizeof mov);
+    char base[64], dir[128];
+    snprintf(base, sizeof base, "/tmp/strata-stage-XXXXXX");
+    assert_non_null(mkdtemp(base));
+    snprintf(dir, sizeof dir, "%s/spill", base);
+    Strata__Internal__V1__Assignment plain = assignment(full, kv), tiered = assignment(full, kv);
+    tiered.device_kv_bytes = 40 * 9344;
+    tiered.host_kv_bytes = 128 * 1024;
+    tiered.nvme_kv_bytes = 64u << 20;
+    stage_options o = {.nvme_dir = dir};
+    strata_error err = {0};
+    stage *st_ref = stage_create(&plain, full, NULL, NULL, NULL, &err);
+    stage *st_a = stage_create(&tiered, full, &o, NULL, NULL, &err);
+    stage *st_b = stage_create(&plain, full, NULL, NULL, NULL, &err);
+    assert_true(st_ref && st_a && st_b);
+    plan_buf b;
+    stage_result r;
+    for (int step = 1; step <= STEPS; step++) {
+        build_plan(&b, (uint64_t)step, ref, 2, step, STEPS);
+        b.work[1].temperature = 0.9f;   /* the second sequence samples */
+        b.work[1].seed = 77;
+        assert_int_equal(stage_step(st_ref, &b.plan, &r, &err), STRATA_OK);
+        apply(&r, ref, 2, &b);
+    }
+    for (int step = 1; step <= STEPS; step++) {
+        if (step == 5)
+            for (size_t i = 0; i < 2; i++) {
+                uint8_t *img = NULL;
+                size_t len = 0;
+                assert_int_equal(stage_export_seq(st_a, mov[i].id, &img, &len, &err), STRATA_OK);
+                assert_int_equal(stage_import_seq(st_b, mov[i].id, img, len, &err), STRATA_OK);
+                assert_int_equal(stage_import_seq(st_b, mov[i].id, img, len, &err), STRATA_EINVAL);   /* twice */
+                img[len / 2] ^= 1;
+                assert_int_not_equal(stage_import_seq(st_ref, 99, img, len, &err), STRATA_OK);   /* damaged */
+                free(img);
+                stage_drop_seq(st_a, mov[i].id);
+            }
+        build_plan(&b, (uint64_t)step, mov, 2, step, STEPS);
+        b.work[1].temperature = 0.9f;
+        b.work[1].seed = 77;
+        assert_int_equal(stage_step(step < 5 ? st_a : st_b, &b.plan, &r, &err), STRATA_OK);
+        apply(&r, mov, 2, &b);
+    }
+    stage_kv_usage u;
+    stage_get_kv_usage(st_a, &u);
+    assert_true(u.spills > 0);          /* the source really had blocks below the device */
+    assert_int_equal(u.sequences, 0);   /* and freed them after the move */
+    for (size_t i = 0; i < 2; i++)
+        for (int k = 0; k < STEPS; k++)
+            if (mov[i].got[k] != ref[i].got[k])
+                fail_msg("sequence %llu token %d: %d after the move, %d unmoved", (unsigned long long)mov[i].id, k,
+                         mov[i].got[k], ref[i].got[k]);
+    assert_int_equal(stage_export_seq(st_a, 12345, &(uint8_t *){NULL}, &(size_t){0}, &err), STRATA_EINVAL);
+    stage_destroy(st_ref);
+    stage_destroy(st_a);
+    stage_destroy(st_b);
+    nftw(base, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+}
+
 static int setup(void **state)
 {
     (void)state;
@@ -363,6 +436,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_two_stages_equal_whole_model),
         cmocka_unit_test(test_one_stage_tiers_preempt),
+        cmocka_unit_test(test_migrate),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

@@ -2,6 +2,9 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
+
+#include "kvstore/bytes.h"
 
 typedef struct candidate {
     int32_t id;
@@ -143,4 +146,33 @@ int32_t sampler_sample(sampler *s, const float *logits)
             return s->cand[i].id;
     }
     return s->cand[n - 1].id;
+}
+
+void sampler_save(const sampler *s, uint8_t out[SAMPLER_STATE_BYTES])
+{
+    uint32_t t, pp;
+    memcpy(&t, &s->params.temperature, 4);
+    memcpy(&pp, &s->params.top_p, 4);
+    kv_st32(out, t);
+    kv_st32(out + 4, (uint32_t)s->params.top_k);
+    kv_st32(out + 8, pp);
+    kv_st32(out + 12, 0);
+    kv_st64(out + 16, s->params.seed);
+    for (int i = 0; i < 4; i++)
+        kv_st64(out + 24 + 8 * i, s->rng[i]);
+}
+
+sampler *sampler_restore(const uint8_t in[SAMPLER_STATE_BYTES], int n_vocab, strata_error *err)
+{
+    sampler_params p;
+    uint32_t t = kv_ld32(in), pp = kv_ld32(in + 8);
+    memcpy(&p.temperature, &t, 4);
+    memcpy(&p.top_p, &pp, 4);
+    p.top_k = (int)kv_ld32(in + 4);
+    p.seed = kv_ld64(in + 16);
+    sampler *s = sampler_create(&p, n_vocab, err);
+    if (s)
+        for (int i = 0; i < 4; i++)
+            s->rng[i] = kv_ld64(in + 24 + 8 * i);
+    return s;
 }

@@ -24,4 +24,11 @@ void sampler_free(sampler *s);
 /* Picks the next token from n_vocab logits (not modified). */
 int32_t sampler_sample(sampler *s, const float *logits);
 
+/* The whole state (parameters and PRNG position) in SAMPLER_STATE_BYTES little-endian bytes,
+ * so that a sequence moved to another worker samples exactly the tokens it would have. */
+#define SAMPLER_STATE_BYTES 56
+void sampler_save(const sampler *s, uint8_t out[SAMPLER_STATE_BYTES]);
+/* A sampler in the saved state; STRATA_EINVAL (NULL) for parameters that do not validate. */
+sampler *sampler_restore(const uint8_t in[SAMPLER_STATE_BYTES], int n_vocab, strata_error *err);
+
 #endif

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "kernels/ops.h"
+#include "kvstore/bytes.h"
 #include "kvstore/error.h"
 #include "proto/strata_internal.pb-c.h"
 #include "worker/control/control_client.h"
@@ -233,6 +234,83 @@ static int connect_links(const Strata__Internal__V1__Assignment *a, dp_listener 
     return rc;
 }
 
+/* Migration over the data plane: the sender connects to the peer (the same stage of another
+ * replica), sends the sequence's image (its blocks as their exact bytes) in one CONTROL message
+ * and frees the sequence only when the receiver answered that it holds it; the receiver answers
+ * with a status and a message. So on any failure the sequence is still where it was. */
+#define MIGRATE_TIMEOUT_MS 60000
+
+static int migrate_send(stage *st, const dp_auth *auth, const char *peer, uint64_t id, strata_error *err)
+{
+    uint8_t *img = NULL;
+    size_t len = 0;
+    int rc = stage_export_seq(st, id, &img, &len, err);
+    dp_link *link = NULL;
+    if (rc == STRATA_OK)
+        rc = dp_tcp_connect(peer, auth, NULL, MIGRATE_TIMEOUT_MS, &link, err);
+    dp_msg_header h = {.kind = DP_MSG_CONTROL, .dtype = DP_DTYPE_BYTES, .seq = id};
+    if (rc == STRATA_OK)
+        rc = dp_send(link, &h, img, len, err);
+    free(img);
+    uint8_t reply[600];
+    size_t got = 0;
+    if (rc == STRATA_OK)
+        rc = dp_recv(link, &h, reply, sizeof reply - 1, &got, MIGRATE_TIMEOUT_MS, err);
+    if (rc == STRATA_OK && (h.kind != DP_MSG_CONTROL || h.seq != id || got < 4))
+        rc = strata_fail(err, STRATA_EFORMAT, "migration: an unexpected answer from %s", peer);
+    if (rc == STRATA_OK && kv_ld32(reply) != STRATA_OK) {
+        reply[got] = '\0';
+        rc = strata_fail(err, (int)kv_ld32(reply), "the receiver %s refused it: %s", peer, (const char *)reply + 4);
+    }
+    dp_link_close(link);
+    if (rc == STRATA_OK)
+        stage_drop_seq(st, id);
+    return rc;
+}
+
+static int migrate_receive(stage *st, dp_listener *l, const dp_auth *auth, uint64_t id, strata_error *err)
+{
+    dp_link *link = NULL;
+    const double deadline = mono_seconds() + MIGRATE_TIMEOUT_MS / 1000.0;
+    int rc;
+    for (;;) {   /* as in connect_links: a stranger's failed handshake does not end the wait */
+        int left_ms = (int)((deadline - mono_seconds()) * 1000.0);
+        if (left_ms <= 0)
+            return strata_fail(err, STRATA_EIO, "migration: the sender did not connect within %d s",
+                               MIGRATE_TIMEOUT_MS / 1000);
+        if ((rc = dp_tcp_accept(l, auth, NULL, left_ms, &link, err)) == STRATA_OK)
+            break;
+        if (mono_seconds() >= deadline)
+            return rc;
+    }
+    dp_msg_header h;
+    uint8_t *img = NULL;
+    rc = dp_recv_header(link, &h, MIGRATE_TIMEOUT_MS, err);
+    if (rc == STRATA_OK && (h.kind != DP_MSG_CONTROL || h.seq != id))
+        rc = strata_fail(err, STRATA_EFORMAT, "migration: expected sequence %" PRIu64 ", got a %s message for %" PRIu64,
+                         id, dp_kind_name(h.kind), h.seq);
+    if (rc == STRATA_OK && !(img = malloc(h.payload_len ? h.payload_len : 1)))
+        rc = strata_fail(err, STRATA_ENOMEM, "migration: out of memory for %" PRIu64 " bytes", h.payload_len);
+    if (rc == STRATA_OK)
+        rc = dp_recv_payload(link, img, h.payload_len, err);
+    if (rc == STRATA_OK)
+        rc = stage_import_seq(st, id, img, h.payload_len, err);
+    free(img);
+    uint8_t reply[600];
+    kv_st32(reply, (uint32_t)rc);
+    size_t n = rc == STRATA_OK ? 0 : (size_t)snprintf((char *)reply + 4, sizeof reply - 4, "%s", err->msg);
+    if (n > sizeof reply - 5)
+        n = sizeof reply - 5;
+    dp_msg_header rh = {.kind = DP_MSG_CONTROL, .dtype = DP_DTYPE_BYTES, .seq = id};
+    strata_error e2 = {0};
+    if (dp_send(link, &rh, reply, 4 + n, &e2) != STRATA_OK && rc == STRATA_OK) {
+        stage_drop_seq(st, id);   /* the sender cannot know we hold it: it keeps its copy */
+        rc = strata_fail(err, e2.code, "migration: answering the sender: %s", e2.msg);
+    }
+    dp_link_close(link);
+    return rc;
+}
+
 /* The control stream is received on its own thread: gRPC's C core makes progress on a
  * connection (keepalive acks included) only while some thread polls it, and a step can take far
  * longer than the keepalive timeout (a long prefill on a CPU). The main thread executes what
@@ -443,16 +521,22 @@ int main(int argc, char **argv)
             break;
         }
         case STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_MIGRATE: {
-            /* Migration moves block bytes over the data plane; this worker does not have it yet.
-             * Answer with the reason instead of pretending. */
+            const Strata__Internal__V1__Migrate *mg = msg->migrate;
+            strata_error me = {0};
+            int mrc = !st ? strata_fail(&me, STRATA_EINVAL, "a migration before the assignment")
+                      : mg->send ? migrate_send(st, &auth, mg->peer_data_addr, mg->seq_id, &me)
+                                 : migrate_receive(st, listener, &auth, mg->seq_id, &me);
+            if (mrc != STRATA_OK)
+                fprintf(stderr, "strata-worker %s: migrating sequence %" PRIu64 " (%s): %s\n", o.name, mg->seq_id,
+                        mg->send ? "send" : "receive", me.msg);
             Strata__Internal__V1__MigrateDone md = STRATA__INTERNAL__V1__MIGRATE_DONE__INIT;
-            md.seq_id = msg->migrate->seq_id;
-            md.status = STRATA_EUNSUPPORTED;
-            md.message = (char *)"migration is not implemented by this worker yet";
+            md.seq_id = mg->seq_id;
+            md.status = (uint32_t)mrc;
+            md.message = mrc == STRATA_OK ? (char *)"" : me.msg;
             Strata__Internal__V1__WorkerMessage wm = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
             wm.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_MIGRATE_DONE;
             wm.migrate_done = &md;
-            done = ctl_client_send(cc, &wm, &err) != STRATA_OK;
+            done = ctl_client_send(cc, &wm, &err) != STRATA_OK || send_kv_report(cc, st, &err) != STRATA_OK;
             break;
         }
         case STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_SHUTDOWN:

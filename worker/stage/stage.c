@@ -472,3 +472,60 @@ void stage_get_kv_usage(const stage *s, stage_kv_usage *out)
         out->crc_failures = ts.crc_failures;
     }
 }
+
+/* A migration image: u32 magic "SMIG", u32 flags (bit 0: a sampler state follows), the sampler
+ * state (SAMPLER_STATE_BYTES, zeros without one), then the KV sequence image. */
+#define MIGRATION_MAGIC 0x47494d53u
+#define MIGRATION_HEAD (8u + SAMPLER_STATE_BYTES)
+
+int stage_export_seq(stage *s, uint64_t id, uint8_t **img, size_t *len, strata_error *err)
+{
+    *img = NULL;
+    *len = 0;
+    seq_entry *e = find(s, id);
+    if (!e)
+        return strata_fail(err, STRATA_EINVAL, "sequence %" PRIu64 " is not on this stage", id);
+    uint8_t *kv = NULL;
+    size_t kv_len = 0;
+    int rc = kv_seq_export(e->kv, &kv, &kv_len, err);
+    if (rc != STRATA_OK)
+        return rc;
+    uint8_t *out = malloc(MIGRATION_HEAD + kv_len);
+    if (!out) {
+        free(kv);
+        return strata_fail(err, STRATA_ENOMEM, "out of memory for a %zu-byte migration image", kv_len);
+    }
+    memset(out, 0, MIGRATION_HEAD);
+    kv_st32(out, MIGRATION_MAGIC);
+    kv_st32(out + 4, e->smp ? 1u : 0u);
+    if (e->smp)
+        sampler_save(e->smp, out + 8);
+    memcpy(out + MIGRATION_HEAD, kv, kv_len);
+    free(kv);
+    *img = out;
+    *len = MIGRATION_HEAD + kv_len;
+    return STRATA_OK;
+}
+
+int stage_import_seq(stage *s, uint64_t id, const uint8_t *img, size_t len, strata_error *err)
+{
+    if (find(s, id))
+        return strata_fail(err, STRATA_EINVAL, "sequence %" PRIu64 " is already on this stage", id);
+    if (len < MIGRATION_HEAD || kv_ld32(img) != MIGRATION_MAGIC || (kv_ld32(img + 4) & ~1u))
+        return strata_fail(err, STRATA_EFORMAT, "not a migration image (%zu bytes)", len);
+    if (grow((void **)&s->seqs, &s->cap_seqs, s->n_seqs + 1, sizeof *s->seqs) != STRATA_OK)
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    sampler *smp = NULL;
+    if ((kv_ld32(img + 4) & 1u) && !(smp = sampler_restore(img + 8, s->cfg->n_vocab, err)))
+        return err ? err->code : STRATA_EINVAL;
+    kv_seq *kv = kv_seq_import(s->pool, s->max_seq_tokens, img + MIGRATION_HEAD, len - MIGRATION_HEAD, err);
+    if (!kv) {
+        sampler_free(smp);
+        return err ? err->code : STRATA_EFORMAT;
+    }
+    kv_seq_set_id(kv, id);
+    s->seqs[s->n_seqs++] = (seq_entry){.id = id, .kv = kv, .smp = smp};
+    return STRATA_OK;
+}
+
+void stage_drop_seq(stage *s, uint64_t id) { drop(s, id); }

@@ -59,6 +59,17 @@ typedef struct stage_result {
  * stage itself cannot go on (a broken data-plane link, out of memory): the worker then leaves. */
 int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_result *out, strata_error *err);
 
+/* Migration (strata_internal.proto Migrate): one sequence as a byte image: its KV (kv_seq_export:
+ * the blocks as their exact bytes) and, on the last stage, its sampler state. The sequence stays
+ * on this stage until stage_drop_seq. Errors: STRATA_EINVAL for an unknown or preempted sequence,
+ * what kv_seq_export returns otherwise. *img is malloc'd. */
+int stage_export_seq(stage *s, uint64_t id, uint8_t **img, size_t *len, strata_error *err);
+/* Adds a sequence from an image made by the same stage of another replica; it continues exactly
+ * where it was (same tokens). STRATA_EINVAL for an id already here or an image of another stage. */
+int stage_import_seq(stage *s, uint64_t id, const uint8_t *img, size_t len, strata_error *err);
+/* Frees a sequence (no-op for an unknown id). */
+void stage_drop_seq(stage *s, uint64_t id);
+
 typedef struct stage_kv_usage {
     size_t device_blocks, device_capacity_blocks;
     size_t device_bytes, device_capacity_bytes;
