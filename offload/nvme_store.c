@@ -1135,7 +1135,8 @@ nvme_store *nvme_store_create(const nvme_store_options *o, strata_error *err)
             }
         }
     }
-    snprintf(s->describe, sizeof s->describe, "%s%s%s%s%s, %s%s%s%s, %" PRIu32 " slab%s of %" PRIu64 " MiB%s in %s, "
+    /* A description cut at the buffer's end is still a description: the length is not checked. */
+    int described = snprintf(s->describe, sizeof s->describe, "%s%s%s%s%s, %s%s%s%s, %" PRIu32 " slab%s of %" PRIu64 " MiB%s in %s, "
              "%u staging buffers of %zu KiB, verify %s",
              s->uring ? "io_uring" : "pread/pwrite", s->uring ? "" : " (", s->uring ? "" : why_sync,
              s->uring ? (s->reg_bufs && s->reg_files ? " (registered buffers and files)" : " (unregistered: ") : ")",
@@ -1144,6 +1145,7 @@ nvme_store *nvme_store_create(const nvme_store_options *o, strata_error *err)
              s->direct ? "O_DIRECT" : "buffered (", s->direct ? "" : why_buffered, s->direct ? "" : ")",
              s->n_slabs, s->n_slabs == 1 ? "" : "s", op->slab_bytes >> 20, prealloc ? " (preallocated)" : " (sparse)",
              s->dir, s->n_bufs, s->buf_bytes / 1024, op->verify == NVME_VERIFY_READBACK ? "read-back" : "crc");
+    (void)described;
     s->st.io_uring = s->uring;
     s->st.direct = s->direct;
     return s;

@@ -1,5 +1,6 @@
 /* proto/: generated messages through grpc_byte_buffer, malformed input, status mapping, bearer
- * tokens, GenerateRequest validation and strict UTF-8.
+ * tokens, the send-queue and status-line helpers of grpc_call.h, GenerateRequest validation and
+ * strict UTF-8.
  *
  * With STRATA_PROTO_INTEROP_DIR set (tests/proto/check_python.sh does it), only the interop group
  * runs: it decodes messages Python serialized into that folder, compares them with the same
@@ -19,6 +20,7 @@
 #include <grpc/grpc.h>
 #include <grpc/slice.h>
 
+#include "proto/grpc_call.h"
 #include "proto/grpc_util.h"
 #include "proto/strata.pb-c.h"
 #include "proto/strata_internal.pb-c.h"
@@ -329,6 +331,17 @@ static void test_roundtrip_public(void **state)
 
     Strata__V1__StatsRequest sq = STRATA__V1__STATS_REQUEST__INIT;
     check_roundtrip(&sq.base);
+    Strata__V1__DrainWorkerRequest dq = STRATA__V1__DRAIN_WORKER_REQUEST__INIT;
+    dq.worker_name = "node3-gpu1";
+    check_roundtrip(&dq.base);
+    Strata__V1__DrainWorkerResponse dr = STRATA__V1__DRAIN_WORKER_RESPONSE__INIT;
+    dr.done = 1;
+    dr.replica = 1;
+    dr.moved = 12;
+    dr.remaining = 3;
+    dr.failed = 1;
+    dr.message = "replica 1 drained: 12 moved, 1 failed";
+    check_roundtrip(&dr.base);
     Strata__V1__TierStats t0 = STRATA__V1__TIER_STATS__INIT, t1 = STRATA__V1__TIER_STATS__INIT;
     t0.name = "device";
     t0.blocks = 1000;
@@ -530,6 +543,8 @@ static void test_roundtrip_covered_every_message(void **state)
         &strata__v1__stats_request__descriptor,
         &strata__v1__tier_stats__descriptor,
         &strata__v1__stats__descriptor,
+        &strata__v1__drain_worker_request__descriptor,
+        &strata__v1__drain_worker_response__descriptor,
         &strata__internal__v1__worker_message__descriptor,
         &strata__internal__v1__join__descriptor,
         &strata__internal__v1__step_result__descriptor,
@@ -826,6 +841,63 @@ static void test_status_mapping(void **state)
     assert_string_equal(proto_grpc_status_name(GRPC_STATUS_PERMISSION_DENIED), "PERMISSION_DENIED");
     assert_string_equal(proto_grpc_status_name(17), "UNKNOWN_STATUS_CODE");
     assert_string_equal(proto_grpc_status_name(-1), "UNKNOWN_STATUS_CODE");
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * grpc_call.h: the parts that need no live call (the servers' tests drive the rest). */
+
+static void test_call_helpers(void **state)
+{
+    (void)state;
+    char line[8];
+    proto_status_line(line, sizeof line, "a\r\nb");
+    assert_string_equal(line, "a  b");
+    proto_status_line(line, sizeof line, NULL);
+    assert_string_equal(line, "");
+    proto_status_line(line, sizeof line, "abcdefghij"); /* cut to cap - 1 */
+    assert_string_equal(line, "abcdefg");
+    proto_status_line(line, sizeof line, "abcdef\xc3\xa9"); /* a 2-byte character cut in half */
+    assert_string_equal(line, "abcdef");
+    proto_status_line(line, sizeof line, "ab\xff" "cd"); /* cut at the first bad byte */
+    assert_string_equal(line, "ab");
+
+    grpc_arg a = proto_int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, 77);
+    assert_int_equal(a.type, GRPC_ARG_INTEGER);
+    assert_string_equal(a.key, GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH);
+    assert_int_equal(a.value.integer, 77);
+
+    /* Queue bookkeeping: push, status once, drop, and a dead queue that starts nothing. */
+    Strata__V1__AbortRequest req = STRATA__V1__ABORT_REQUEST__INIT;
+    req.request_id = "r-1";
+    proto_msg *m = NULL;
+    strata_error err = {0};
+    assert_int_equal(proto_msg_pack(&req.base, 3, &m, &err), STRATA_EFULL);
+    assert_null(m);
+    proto_sendq q;
+    proto_sendq_init(&q, NULL, NULL);
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(proto_msg_pack(&req.base, MAX_MSG, &m, &err), STRATA_OK);
+        proto_sendq_push(&q, m);
+    }
+    assert_int_equal(q.queued, 3);
+    assert_true(proto_sendq_set_status(&q, GRPC_STATUS_UNAVAILABLE, "bye"));
+    assert_false(proto_sendq_set_status(&q, GRPC_STATUS_OK, NULL));
+    assert_int_equal(q.status, GRPC_STATUS_UNAVAILABLE);
+    assert_true(q.status_has_details);
+    assert_int_equal(GRPC_SLICE_LENGTH(q.status_details), 3);
+    q.dead = true;
+    grpc_call_error e = GRPC_CALL_ERROR;
+    assert_int_equal(proto_sendq_pump(&q, &e), PROTO_SENDQ_IDLE);
+    assert_int_equal(e, GRPC_CALL_OK);
+    assert_int_equal(q.queued, 0);
+    assert_null(q.head);
+    assert_false(q.status_started);
+    assert_int_equal(proto_msg_pack(&req.base, MAX_MSG, &m, &err), STRATA_OK);
+    proto_sendq_push(&q, m);
+    proto_sendq_clear(&q);
+    assert_int_equal(q.queued, 0);
+    assert_int_equal(GRPC_SLICE_LENGTH(q.status_details), 0);
+    proto_msg_free(NULL);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1474,6 +1546,7 @@ int main(void)
         cmocka_unit_test(test_truncated_messages_rejected),
         cmocka_unit_test(test_garbage_rejected),
         cmocka_unit_test(test_status_mapping),
+        cmocka_unit_test(test_call_helpers),
         cmocka_unit_test(test_metadata_and_bearer),
         cmocka_unit_test(test_utf8),
         cmocka_unit_test(test_validate_request_id_and_input),

@@ -13,6 +13,7 @@ int cmd_generate(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
 int cmd_calibrate(int argc, char **argv);
 int cmd_inspect(int argc, char **argv);
+int cmd_drain(int argc, char **argv);
 
 /* Exit codes: 0 success, 1 runtime failure, 2 bad usage. */
 enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };

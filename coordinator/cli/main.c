@@ -21,6 +21,7 @@ static void usage(FILE *out)
             "  calibrate  search a per-layer bit plan for a bytes-per-token budget\n"
             "  inspect    print and verify the KV blocks in a block file (see generate --save-kv)\n"
             "  serve      serve the gRPC API with a coordinator and local CPU workers\n"
+            "  drain      move the requests of a worker's replica elsewhere and stop it (on a server)\n"
             "\n"
             "options:\n"
             "  -h, --help     show this help (each command has its own: strata generate --help)\n"
@@ -107,6 +108,8 @@ int main(int argc, char **argv)
         return cmd_calibrate(argc - 1, argv + 1);
     if (!strcmp(cmd, "serve"))
         return serve_main(argc - 1, argv + 1, "strata serve", true);
+    if (!strcmp(cmd, "drain"))
+        return cmd_drain(argc - 1, argv + 1);
     if (!strcmp(cmd, "inspect"))
         return cmd_inspect(argc - 1, argv + 1);
     fprintf(stderr, "strata: unknown command '%s' (try strata --help)\n", cmd);

@@ -12,8 +12,10 @@
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
 #include <grpc/support/alloc.h>
+#include <grpc/support/string_util.h>
 #include <grpc/support/time.h>
 
+#include "proto/grpc_call.h"
 #include "proto/grpc_util.h"
 #include "proto/strata.pb-c.h"
 
@@ -104,8 +106,7 @@ int cli_remote_generate(const remote_request *r)
     grpc_init();
     grpc_channel_credentials *creds = pem ? grpc_ssl_credentials_create(pem, NULL, NULL, NULL)
                                           : grpc_insecure_credentials_create();
-    grpc_arg arg = {.type = GRPC_ARG_INTEGER, .key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
-                    .value.integer = (int)MAX_RESPONSE_BYTES};
+    grpc_arg arg = proto_int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, (int)MAX_RESPONSE_BYTES);
     grpc_channel_args args = {1, &arg};
     grpc_channel *ch = grpc_channel_create(r->server, creds, &args);
     grpc_channel_credentials_release(creds);
@@ -219,6 +220,142 @@ int cli_remote_generate(const remote_request *r)
     grpc_metadata_array_destroy(&trailing);
     if (token)
         grpc_slice_unref(md.value);
+    grpc_completion_queue_shutdown(cq);
+    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_completion_queue_destroy(cq);
+    grpc_channel_destroy(ch);
+    grpc_shutdown();
+    if (token)
+        memset(token, 0, strlen(token));
+    free(token);
+    free(pem);
+    return exit_code;
+}
+
+/* One unary call on an open channel; *resp is unpacked (free with
+ * protobuf_c_message_free_unpacked) when the status is OK. Returns the gRPC status; *details is
+ * the status message (gpr_free it). */
+static grpc_status_code unary(grpc_channel *ch, grpc_completion_queue *cq, const char *method, const char *token,
+                              const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
+                              ProtobufCMessage **resp, char **details_out)
+{
+    *resp = NULL;
+    *details_out = NULL;
+    grpc_byte_buffer *send_bb = NULL, *recv_bb = NULL;
+    strata_error err = {0};
+    if (proto_pack(req, MAX_RESPONSE_BYTES, &send_bb, &err) != STRATA_OK) {
+        *details_out = gpr_strdup(err.msg);
+        return GRPC_STATUS_INVALID_ARGUMENT;
+    }
+    gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_seconds(30, GPR_TIMESPAN));
+    grpc_call *call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+                                               grpc_slice_from_static_string(method), NULL, deadline, NULL);
+    char auth[1100];
+    grpc_metadata md = {0};
+    if (token) {
+        snprintf(auth, sizeof auth, "Bearer %.1024s", token);
+        md.key = grpc_slice_from_static_string("authorization");
+        md.value = grpc_slice_from_copied_string(auth);
+    }
+    grpc_metadata_array md_in, trailing;
+    grpc_metadata_array_init(&md_in);
+    grpc_metadata_array_init(&trailing);
+    grpc_status_code status = GRPC_STATUS_UNKNOWN;
+    grpc_slice details = grpc_empty_slice();
+    grpc_op ops[6];
+    memset(ops, 0, sizeof ops);
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].data.send_initial_metadata.count = token ? 1 : 0;
+    ops[0].data.send_initial_metadata.metadata = token ? &md : NULL;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = send_bb;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &md_in;
+    ops[4].op = GRPC_OP_RECV_MESSAGE;
+    ops[4].data.recv_message.recv_message = &recv_bb;
+    ops[5].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    ops[5].data.recv_status_on_client.trailing_metadata = &trailing;
+    ops[5].data.recv_status_on_client.status = &status;
+    ops[5].data.recv_status_on_client.status_details = &details;
+    int tag;
+    if (!call || !run_batch(call, cq, ops, 6, &tag)) {
+        status = GRPC_STATUS_UNAVAILABLE;
+        details = grpc_slice_from_static_string("the call could not be made");
+    }
+    if (status == GRPC_STATUS_OK && (!recv_bb || proto_unpack(recv_bb, resp_desc, MAX_RESPONSE_BYTES, resp, &err) !=
+                                                     STRATA_OK)) {
+        status = GRPC_STATUS_INTERNAL;
+        grpc_slice_unref(details);
+        details = grpc_slice_from_copied_string(recv_bb ? err.msg : "no response message");
+    }
+    *details_out = grpc_slice_to_c_string(details);
+    grpc_slice_unref(details);
+    grpc_byte_buffer_destroy(send_bb);
+    grpc_byte_buffer_destroy(recv_bb);
+    grpc_metadata_array_destroy(&md_in);
+    grpc_metadata_array_destroy(&trailing);
+    if (token)
+        grpc_slice_unref(md.value);
+    if (call)
+        grpc_call_unref(call);
+    return status;
+}
+
+int cli_remote_drain(const remote_drain *r)
+{
+    char *token = NULL, *pem = NULL;
+    if (r->token_file && !(token = read_file("--token-file", r->token_file, true)))
+        return EXIT_USAGE;
+    if (r->tls_ca && !(pem = read_file("--tls-ca", r->tls_ca, false))) {
+        free(token);
+        return EXIT_USAGE;
+    }
+    grpc_init();
+    grpc_channel_credentials *creds = pem ? grpc_ssl_credentials_create(pem, NULL, NULL, NULL)
+                                          : grpc_insecure_credentials_create();
+    grpc_channel *ch = grpc_channel_create(r->server, creds, NULL);
+    grpc_channel_credentials_release(creds);
+    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
+    Strata__V1__DrainWorkerRequest req = STRATA__V1__DRAIN_WORKER_REQUEST__INIT;
+    req.worker_name = (char *)r->worker;
+    int exit_code = EXIT_RUNTIME;
+    double t0 = now_seconds();
+    uint32_t last_moved = UINT32_MAX, last_remaining = UINT32_MAX;
+    for (;;) {
+        Strata__V1__DrainWorkerResponse *resp = NULL;
+        char *details = NULL;
+        grpc_status_code st = unary(ch, cq, "/strata.v1.Strata/DrainWorker", token, &req.base,
+                                    &strata__v1__drain_worker_response__descriptor, (ProtobufCMessage **)&resp, &details);
+        if (st != GRPC_STATUS_OK) {
+            fprintf(stderr, "strata drain: %s: %s: %s\n", r->server, proto_grpc_status_name((int)st),
+                    details && *details ? details : "(no message)");
+            gpr_free(details);
+            break;
+        }
+        gpr_free(details);
+        if (!r->quiet && (resp->moved != last_moved || resp->remaining != last_remaining || resp->done))
+            fprintf(stderr, "strata drain: replica %u: %u moved, %u remaining, %u failed\n", resp->replica, resp->moved,
+                    resp->remaining, resp->failed);
+        last_moved = resp->moved;
+        last_remaining = resp->remaining;
+        bool done = resp->done;
+        if (done) {
+            printf("%s\n", resp->message && *resp->message ? resp->message : "drained");
+            exit_code = resp->failed ? EXIT_RUNTIME : 0;
+        }
+        protobuf_c_message_free_unpacked(&resp->base, NULL);
+        if (done)
+            break;
+        if (now_seconds() - t0 > r->timeout_s) {
+            fprintf(stderr, "strata drain: not done after %d s (the drain goes on in the server; run again to follow "
+                    "it)\n", r->timeout_s);
+            break;
+        }
+        struct timespec nap = {0, 200 * 1000000L};
+        nanosleep(&nap, NULL);
+    }
     grpc_completion_queue_shutdown(cq);
     while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {
     }

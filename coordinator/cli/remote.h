@@ -27,4 +27,15 @@ typedef struct remote_request {
  * 2 for a bad option (an unreadable token file). */
 int cli_remote_generate(const remote_request *r);
 
+/* `strata drain --server HOST:PORT WORKER`: asks the server to drain the worker's replica
+ * (DrainWorker) and follows the progress until it is done or timeout_s passes. Returns a process
+ * exit code (0 done, 1 failure or timeout, 2 bad option). */
+typedef struct remote_drain {
+    const char *server, *token_file, *tls_ca;
+    const char *worker;
+    int timeout_s;
+    bool quiet;
+} remote_drain;
+int cli_remote_drain(const remote_drain *r);
+
 #endif

@@ -55,11 +55,12 @@
 #include <stdint.h>
 
 #include "kvstore/error.h"
+#include "proto/control_protocol.h"
 #include "proto/strata_internal.pb-c.h"
 
-/* The version of proto/strata_internal.proto this build speaks (Join.protocol_version). The
- * worker side (worker/control/control_client.h) defines the same value. */
-#define CTL_PROTOCOL_VERSION 1u
+/* The version of proto/strata_internal.proto this build speaks (Join.protocol_version), defined
+ * once in proto/control_protocol.h for both ends. */
+#define CTL_PROTOCOL_VERSION PROTO_CONTROL_PROTOCOL_VERSION
 
 /* The full method name of the control stream. */
 #define CTL_ATTACH_METHOD "/strata.internal.v1.WorkerControl/Attach"

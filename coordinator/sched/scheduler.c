@@ -31,6 +31,7 @@ typedef struct replica {
     size_t cap_plan;
     uint64_t preemptions, resumptions;
     bool unavailable;
+    bool not_accepting;
 } replica;
 
 struct scheduler {
@@ -111,7 +112,7 @@ static int best_replica(const scheduler *s, size_t need)
     for (int r = 0; r < s->cfg.n_replicas; r++) {
         const replica *p = &s->reps[r];
         size_t free_blocks = p->cfg.total_blocks - p->reserved;
-        if (p->unavailable)
+        if (p->unavailable || p->not_accepting)
             continue;
         if (need <= free_blocks && (best < 0 || free_blocks > best_free)) {
             best = r;
@@ -458,4 +459,40 @@ int sched_get_replica(const scheduler *s, uint64_t id)
 {
     const request *q = s ? find(s, id) : NULL;
     return q ? q->replica : -1;
+}
+
+void sched_set_accepting(scheduler *s, int r, bool accepting)
+{
+    if (!s || r < 0 || r >= s->cfg.n_replicas)
+        return;
+    s->reps[r].not_accepting = !accepting;
+    route_pending(s);
+}
+
+int sched_move(scheduler *s, uint64_t id, int to, strata_error *err)
+{
+    request *q = s ? find(s, id) : NULL;
+    if (!q || to < 0 || to >= s->cfg.n_replicas)
+        return strata_fail(err, STRATA_EINVAL, "scheduler: no request %" PRIu64 " or no replica %d", id, to);
+    if (q->replica < 0 || q->in_step || (q->state != SCHED_WAITING && q->state != SCHED_RUNNING))
+        return strata_fail(err, STRATA_EINVAL, "scheduler: request %" PRIu64 " cannot move now (%s)", id,
+                           q->in_step ? "in a step" : q->replica < 0 ? "not routed" : "preempted or finished");
+    if (q->replica == to)
+        return STRATA_OK;
+    replica *dst = &s->reps[to];
+    if (dst->cfg.total_blocks - dst->reserved < q->reserved)
+        return strata_fail(err, STRATA_EFULL, "scheduler: replica %d has %zu free blocks; request %" PRIu64 " needs %zu",
+                           to, dst->cfg.total_blocks - dst->reserved, id, q->reserved);
+    s->reps[q->replica].reserved -= q->reserved;
+    dst->reserved += q->reserved;
+    q->replica = to;
+    route_pending(s);
+    return STRATA_OK;
+}
+
+int sched_free_on(scheduler *s, int r, uint64_t id)
+{
+    if (!s || r < 0 || r >= s->cfg.n_replicas)
+        return STRATA_EINVAL;
+    return push_free(&s->reps[r], id);
 }

@@ -123,6 +123,20 @@ void sched_get_stats(const scheduler *s, int replica /* -1: all */, sched_stats 
 void sched_set_available(scheduler *s, int r, bool available);
 bool sched_is_available(const scheduler *s, int r);
 
+/* Whether new requests may be routed to replica r (default true). A replica being drained keeps
+ * running what it has but takes nothing new. */
+void sched_set_accepting(scheduler *s, int r, bool accepting);
+
+/* Moves a request to replica `to` (migration): a request whose prompt has not run yet (WAITING)
+ * or a RUNNING one that is not in an outstanding step; its reservation moves with it. STRATA_EFULL
+ * when `to` lacks room, STRATA_EINVAL for another state or an unknown id. The caller moves the
+ * KV blocks of a RUNNING request first. */
+int sched_move(scheduler *s, uint64_t id, int to, strata_error *err);
+
+/* Has replica r's workers free sequence id with its next plan (e.g. the receiver's copy of a
+ * migration that failed half way). */
+int sched_free_on(scheduler *s, int r, uint64_t id);
+
 /* The replica a request is routed to, or -1 (unknown id, or still waiting for a replica). */
 int sched_get_replica(const scheduler *s, uint64_t id);
 sched_state sched_get_state(const scheduler *s, uint64_t id);   /* 0 when unknown */

@@ -4,7 +4,9 @@
  * new calls (registered methods and a generic request for unknown methods), the one-batch
  * replies of unary calls and early errors, the send and close batches of Generate streams, and
  * the server's shutdown notification. `threads` threads block in grpc_completion_queue_next and
- * dispatch on a small tag header at the start of every tag object.
+ * call the done function of the proto_tag at the start of every tag object. The plumbing both
+ * gRPC servers share (tags, send queue, one-batch replies, the unknown-method request, start and
+ * shutdown sequences) is proto/grpc_call.h.
  *
  * A Generate stream has at most one send batch in flight (gRPC allows one outstanding
  * SEND_MESSAGE per call); further messages wait in the stream's queue. Whoever adds work (a
@@ -23,7 +25,6 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -33,10 +34,8 @@
 
 #include <grpc/byte_buffer.h>
 #include <grpc/grpc.h>
-#include <grpc/grpc_security.h>
-#include <grpc/slice.h>
-#include <grpc/support/alloc.h>
 
+#include "proto/grpc_call.h"
 #include "proto/grpc_util.h"
 
 /* Responses larger than this are refused when packed (gRPC clients refuse received messages
@@ -48,58 +47,14 @@
 #define API_TLS_FILE_MAX ((size_t)1 << 20)
 
 /* ------------------------------------------------------------------------------------------- */
-/* Tags                                                                                        */
+/* Objects                                                                                     */
 
-typedef enum tag_kind {
-    TAG_REQUEST,      /* srv_request: a registered method's new call */
-    TAG_GENERIC,      /* srv_generic: a call to an unknown method */
-    TAG_REPLY,        /* srv_reply: one batch answering a unary call or refusing a stream */
-    TAG_STREAM_SEND,  /* api_stream.send_tag */
-    TAG_STREAM_CLOSE, /* api_stream.close_tag */
-    TAG_SHUTDOWN,     /* api_server.shutdown_tag */
-} tag_kind;
-
-typedef struct srv_tag {
-    tag_kind kind;
-} srv_tag;
-
-enum method { M_GENERATE, M_ABORT, M_HEALTH, M_MODEL_INFO, M_STATS, M_COUNT };
+enum method { M_GENERATE, M_ABORT, M_HEALTH, M_MODEL_INFO, M_STATS, M_DRAIN, M_COUNT };
 
 static const char *const method_paths[M_COUNT] = {
     "/strata.v1.Strata/Generate",     "/strata.v1.Strata/Abort",    "/strata.v1.Strata/Health",
-    "/strata.v1.Strata/GetModelInfo", "/strata.v1.Strata/GetStats",
+    "/strata.v1.Strata/GetModelInfo", "/strata.v1.Strata/GetStats", "/strata.v1.Strata/DrainWorker",
 };
-
-typedef struct srv_request {
-    srv_tag tag;
-    api_server *srv;
-    int method;
-    grpc_call *call;
-    gpr_timespec deadline;
-    grpc_metadata_array md;
-    grpc_byte_buffer *payload;
-} srv_request;
-
-typedef struct srv_generic {
-    srv_tag tag;
-    api_server *srv;
-    grpc_call *call;
-    grpc_call_details details;
-    grpc_metadata_array md;
-} srv_generic;
-
-typedef struct srv_reply {
-    srv_tag tag;
-    grpc_call *call;
-    grpc_byte_buffer *msg; /* NULL: status only */
-    grpc_slice details;
-    int cancelled;
-} srv_reply;
-
-typedef struct msg_node {
-    struct msg_node *next;
-    grpc_byte_buffer *bb;
-} msg_node;
 
 enum backend_state {
     BK_NONE,        /* not handed to the backend (or refused by generate) */
@@ -109,8 +64,8 @@ enum backend_state {
 };
 
 struct api_stream {
-    srv_tag send_tag;
-    srv_tag close_tag;
+    proto_tag send_tag;
+    proto_tag close_tag;
     api_server *srv;
     grpc_call *call;
     Strata__V1__GenerateRequest *req;
@@ -119,23 +74,14 @@ struct api_stream {
 
     pthread_mutex_t mu;
     /* Under mu. */
-    msg_node *head, *tail;
-    uint32_t queued;          /* messages in the queue (not counting the one in flight) */
-    bool send_in_flight;      /* a send batch (message or status) is started and not complete */
-    bool md_sent;             /* SEND_INITIAL_METADATA was in a started batch */
+    proto_sendq q;            /* q.dead: cancelled or closed, nothing more can be sent */
     bool chunk_queued;        /* a Chunk was ever queued: failures then go as Error messages */
-    bool status_pending;      /* the final status goes out once the queue is empty */
-    bool status_started;
-    grpc_status_code status;
-    grpc_slice status_details;
-    bool dead;                /* cancelled or closed: nothing more can be sent */
     int backend;              /* enum backend_state */
     bool cancel_wanted;       /* the call died while generate was running */
     bool cancel_called;
-    grpc_byte_buffer *send_bb; /* the message of the send batch in flight */
-    int cancelled;             /* RECV_CLOSE_ON_SERVER's output */
+    int cancelled;            /* RECV_CLOSE_ON_SERVER's output */
 
-    /* Under srv->mu. */
+    /* Under srv->ps.mu. */
     api_stream *prev, *next; /* live list */
     api_stream *hnext;       /* request-id hash chain */
     bool in_hash;
@@ -143,11 +89,9 @@ struct api_stream {
 };
 
 struct api_server {
+    proto_server ps; /* ps.mu is the server mutex */
     api_backend be;
-    grpc_server *server;
-    grpc_completion_queue *cq;
     void *methods[M_COUNT];
-    int port;
     uint32_t max_streams;
     size_t max_recv_bytes;
     uint32_t max_queued;
@@ -155,16 +99,8 @@ struct api_server {
     bool auth_health;
     proto_generate_limits limits;
 
-    pthread_t *threads;
-    uint32_t n_threads;
-    srv_tag shutdown_tag;
-
-    pthread_mutex_t mu;
-    pthread_cond_t cond;
-    /* Under mu. */
-    bool shutting_down;
-    bool shutdown_done; /* the shutdown tag arrived */
-    uint32_t live;      /* streams not yet freed */
+    /* Under ps.mu. */
+    uint32_t live; /* streams not yet freed */
     api_stream *streams;
     api_stream **hash;
     size_t hash_mask;
@@ -177,87 +113,30 @@ static void stream_unref(api_stream *st);
 /* ------------------------------------------------------------------------------------------- */
 /* Small helpers                                                                               */
 
-static void server_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void server_log(const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    fputs("strata api_server: ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
-    va_end(ap);
-}
+#define server_log(...) proto_log("api_server", __VA_ARGS__)
 
 /* A one-batch answer: initial metadata, optional message, status, and RECV_CLOSE_ON_SERVER.
  * Takes ownership of call and msg. */
-static void reply(grpc_call *call, grpc_byte_buffer *msg, grpc_status_code code, const char *message)
+static void reply(api_server *s, grpc_call *call, grpc_byte_buffer *msg, grpc_status_code code, const char *message)
 {
-    srv_reply *r = calloc(1, sizeof *r);
-    if (!r) {
-        /* Cannot answer properly: cancel with the status instead. */
-        grpc_call_cancel_with_status(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", NULL);
-        if (msg)
-            grpc_byte_buffer_destroy(msg);
-        grpc_call_unref(call);
-        return;
-    }
-    r->tag.kind = TAG_REPLY;
-    r->call = call;
-    r->msg = msg;
-    r->details = grpc_slice_from_copied_string(message ? message : "");
-    grpc_op ops[4];
-    memset(ops, 0, sizeof ops);
-    size_t n = 0;
-    ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
-    n++;
-    if (msg) {
-        ops[n].op = GRPC_OP_SEND_MESSAGE;
-        ops[n].data.send_message.send_message = msg;
-        n++;
-    }
-    ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
-    ops[n].data.send_status_from_server.status = code;
-    ops[n].data.send_status_from_server.status_details = code == GRPC_STATUS_OK ? NULL : &r->details;
-    n++;
-    ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
-    ops[n].data.recv_close_on_server.cancelled = &r->cancelled;
-    n++;
-    grpc_call_error e = grpc_call_start_batch(call, ops, n, &r->tag, NULL);
-    if (e != GRPC_CALL_OK) {
-        server_log("cannot start a reply batch: %s", grpc_call_error_to_string(e));
-        grpc_call_cancel_with_status(call, code == GRPC_STATUS_OK ? GRPC_STATUS_INTERNAL : code, message, NULL);
-        if (msg)
-            grpc_byte_buffer_destroy(msg);
-        grpc_slice_unref(r->details);
-        grpc_call_unref(call);
-        free(r);
-    }
+    proto_server_reply(&s->ps, call, msg, code, message);
 }
 
-static void reply_done(srv_reply *r)
+static void reply_error(api_server *s, grpc_call *call, grpc_status_code code, const char *message)
 {
-    if (r->msg)
-        grpc_byte_buffer_destroy(r->msg);
-    grpc_slice_unref(r->details);
-    grpc_call_unref(r->call);
-    free(r);
-}
-
-static void reply_error(grpc_call *call, grpc_status_code code, const char *message)
-{
-    reply(call, NULL, code, message);
+    reply(s, call, NULL, code, message);
 }
 
 /* Packs msg and replies OK with it, or INTERNAL when it cannot be packed. */
-static void reply_message(grpc_call *call, const ProtobufCMessage *msg)
+static void reply_message(api_server *s, grpc_call *call, const ProtobufCMessage *msg)
 {
     grpc_byte_buffer *bb;
     strata_error err = {0};
     if (proto_pack(msg, API_MAX_SEND_BYTES, &bb, &err)) {
-        reply_error(call, GRPC_STATUS_INTERNAL, err.msg);
+        reply_error(s, call, GRPC_STATUS_INTERNAL, err.msg);
         return;
     }
-    reply(call, bb, GRPC_STATUS_OK, NULL);
+    reply(s, call, bb, GRPC_STATUS_OK, NULL);
 }
 
 /* true when the call may proceed; otherwise it has been answered UNAUTHENTICATED. */
@@ -270,7 +149,7 @@ static bool check_auth(api_server *s, grpc_call *call, const grpc_metadata_array
         return true;
     char msg[256];
     snprintf(msg, sizeof msg, "bearer token required: %s", why ? why : "authorization refused");
-    reply_error(call, GRPC_STATUS_UNAUTHENTICATED, msg);
+    reply_error(s, call, GRPC_STATUS_UNAUTHENTICATED, msg);
     return false;
 }
 
@@ -284,7 +163,7 @@ static uint64_t fnv1a(const char *s)
     return h;
 }
 
-/* Under s->mu. */
+/* Under s->ps.mu. */
 static api_stream *hash_find(api_server *s, const char *id)
 {
     for (api_stream *st = s->hash[fnv1a(id) & s->hash_mask]; st; st = st->hnext)
@@ -317,71 +196,17 @@ static void hash_remove(api_server *s, api_stream *st)
 /* ------------------------------------------------------------------------------------------- */
 /* Streams                                                                                     */
 
-/* Under st->mu. */
-static void stream_drop_queue(api_stream *st)
-{
-    while (st->head) {
-        msg_node *n = st->head;
-        st->head = n->next;
-        grpc_byte_buffer_destroy(n->bb);
-        free(n);
-    }
-    st->tail = NULL;
-    st->queued = 0;
-}
-
-/* Under st->mu: starts the next send batch when none is in flight. */
+/* Under st->mu: starts the next send batch when none is in flight. The caller holds a
+ * reference. */
 static void stream_pump(api_stream *st)
 {
-    if (st->send_in_flight)
-        return;
-    if (st->dead) {
-        stream_drop_queue(st);
-        return;
-    }
-    grpc_op ops[2];
-    memset(ops, 0, sizeof ops);
-    size_t n = 0;
-    if (!st->md_sent && (st->head || (st->status_pending && !st->status_started))) {
-        ops[n].op = GRPC_OP_SEND_INITIAL_METADATA;
-        n++;
-    }
-    if (st->head) {
-        msg_node *m = st->head;
-        st->head = m->next;
-        if (!st->head)
-            st->tail = NULL;
-        st->queued--;
-        st->send_bb = m->bb;
-        free(m);
-        ops[n].op = GRPC_OP_SEND_MESSAGE;
-        ops[n].data.send_message.send_message = st->send_bb;
-        n++;
-    } else if (st->status_pending && !st->status_started) {
-        st->status_started = true;
-        ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
-        ops[n].data.send_status_from_server.status = st->status;
-        ops[n].data.send_status_from_server.status_details =
-            st->status == GRPC_STATUS_OK ? NULL : &st->status_details;
-        n++;
-    } else {
-        return;
-    }
-    st->md_sent = true;
-    st->send_in_flight = true;
-    atomic_fetch_add(&st->refs, 1);
-    grpc_call_error e = grpc_call_start_batch(st->call, ops, n, &st->send_tag, NULL);
-    if (e != GRPC_CALL_OK) {
-        /* Not expected (one send at a time is exactly what gRPC allows); give up on the call. */
+    grpc_call_error e;
+    proto_sendq_result r = proto_sendq_pump(&st->q, &e);
+    if (r == PROTO_SENDQ_STARTED) {
+        atomic_fetch_add(&st->refs, 1);
+    } else if (r == PROTO_SENDQ_FAILED) {
+        /* Give up on the call. */
         server_log("stream %s: cannot start a send batch: %s", st->id, grpc_call_error_to_string(e));
-        st->send_in_flight = false;
-        if (st->send_bb) {
-            grpc_byte_buffer_destroy(st->send_bb);
-            st->send_bb = NULL;
-        }
-        st->dead = true;
-        stream_drop_queue(st);
-        atomic_fetch_sub(&st->refs, 1); /* the caller holds another reference */
         grpc_call_cancel_with_status(st->call, GRPC_STATUS_INTERNAL, "server send failed", NULL);
     }
 }
@@ -389,7 +214,7 @@ static void stream_pump(api_stream *st)
 static void stream_free(api_stream *st)
 {
     api_server *s = st->srv;
-    pthread_mutex_lock(&s->mu);
+    pthread_mutex_lock(&s->ps.mu);
     if (st->prev)
         st->prev->next = st->next;
     else
@@ -397,12 +222,9 @@ static void stream_free(api_stream *st)
     if (st->next)
         st->next->prev = st->prev;
     hash_remove(s, st);
-    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_unlock(&s->ps.mu);
 
-    stream_drop_queue(st);
-    if (st->send_bb)
-        grpc_byte_buffer_destroy(st->send_bb);
-    grpc_slice_unref(st->status_details);
+    proto_sendq_clear(&st->q);
     grpc_call_unref(st->call);
     if (st->req)
         protobuf_c_message_free_unpacked(&st->req->base, NULL);
@@ -411,10 +233,10 @@ static void stream_free(api_stream *st)
 
     /* Counted down last, after the call is gone: shutdown waits for live == 0 before it
      * destroys the completion queue and the server. Nothing touches s after the unlock. */
-    pthread_mutex_lock(&s->mu);
+    pthread_mutex_lock(&s->ps.mu);
     s->live--;
-    pthread_cond_broadcast(&s->cond);
-    pthread_mutex_unlock(&s->mu);
+    pthread_cond_broadcast(&s->ps.cond);
+    pthread_mutex_unlock(&s->ps.mu);
 }
 
 static void stream_unref(api_stream *st)
@@ -427,49 +249,23 @@ static void stream_unref(api_stream *st)
 static void stream_backend_release(api_stream *st)
 {
     api_server *s = st->srv;
-    pthread_mutex_lock(&s->mu);
+    pthread_mutex_lock(&s->ps.mu);
     hash_remove(s, st); /* the id may be reused from now on */
-    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_unlock(&s->ps.mu);
     stream_unref(st);
 }
 
-/* Under st->mu: the final status, sent after the queue drains. */
+/* Under st->mu: the final status, sent after the queue drains (an OK status carries no
+ * message). */
 static void stream_set_status(api_stream *st, grpc_status_code code, const char *message)
 {
-    if (st->status_pending)
-        return;
-    st->status_pending = true;
-    st->status = code;
-    grpc_slice_unref(st->status_details);
-    st->status_details = grpc_slice_from_copied_string(message ? message : "");
+    proto_sendq_set_status(&st->q, code, code == GRPC_STATUS_OK ? NULL : message ? message : "");
 }
 
-/* Under st->mu. */
-static void stream_enqueue(api_stream *st, msg_node *m)
+static int pack_response(api_stream *st, Strata__V1__GenerateResponse *resp, proto_msg **out, strata_error *err)
 {
-    m->next = NULL;
-    if (st->tail)
-        st->tail->next = m;
-    else
-        st->head = m;
-    st->tail = m;
-    st->queued++;
-}
-
-static int pack_response(api_stream *st, Strata__V1__GenerateResponse *resp, msg_node **out, strata_error *err)
-{
-    *out = NULL;
     resp->request_id = st->id;
-    msg_node *m = malloc(sizeof *m);
-    if (!m)
-        return strata_fail(err, STRATA_ENOMEM, "out of memory");
-    int rc = proto_pack(&resp->base, API_MAX_SEND_BYTES, &m->bb, err);
-    if (rc) {
-        free(m);
-        return rc;
-    }
-    *out = m;
-    return STRATA_OK;
+    return proto_msg_pack(&resp->base, API_MAX_SEND_BYTES, out, err);
 }
 
 const char *api_stream_request_id(const api_stream *st)
@@ -497,7 +293,7 @@ int api_stream_send_chunk(api_stream *st, const uint32_t *ids, size_t n, const c
     Strata__V1__GenerateResponse resp = STRATA__V1__GENERATE_RESPONSE__INIT;
     resp.kind_case = STRATA__V1__GENERATE_RESPONSE__KIND_CHUNK;
     resp.chunk = &chunk;
-    msg_node *m;
+    proto_msg *m;
     int rc = pack_response(st, &resp, &m, NULL);
     if (t != small)
         free(t);
@@ -505,26 +301,24 @@ int api_stream_send_chunk(api_stream *st, const uint32_t *ids, size_t n, const c
         return rc == STRATA_EFULL ? STRATA_EINVAL : rc; /* one oversized chunk: the stream goes on */
 
     pthread_mutex_lock(&st->mu);
-    if (st->dead || st->status_pending) {
+    if (st->q.dead || st->q.status_pending) {
         pthread_mutex_unlock(&st->mu);
-        grpc_byte_buffer_destroy(m->bb);
-        free(m);
+        proto_msg_free(m);
         return STRATA_EIO;
     }
-    if (st->queued >= st->srv->max_queued) {
+    if (st->q.queued >= st->srv->max_queued) {
         /* The client does not read: fail the stream rather than buffer without bound. The call
          * is cancelled with the status (gRPC sends it as trailers even when the stream's flow
          * control window is closed); RECV_CLOSE_ON_SERVER then reports cancelled and the backend
          * gets cancel from a server thread. */
-        st->dead = true;
-        stream_drop_queue(st);
+        st->q.dead = true;
+        proto_sendq_drop(&st->q);
         pthread_mutex_unlock(&st->mu);
-        grpc_byte_buffer_destroy(m->bb);
-        free(m);
+        proto_msg_free(m);
         grpc_call_cancel_with_status(st->call, GRPC_STATUS_RESOURCE_EXHAUSTED, "client not reading", NULL);
         return STRATA_EFULL;
     }
-    stream_enqueue(st, m);
+    proto_sendq_push(&st->q, m);
     st->chunk_queued = true;
     stream_pump(st);
     pthread_mutex_unlock(&st->mu);
@@ -532,32 +326,26 @@ int api_stream_send_chunk(api_stream *st, const uint32_t *ids, size_t n, const c
 }
 
 /* Queues m (may be NULL) and the final status; marks the backend released. */
-static void stream_terminal(api_stream *st, msg_node *m, grpc_status_code code, const char *message)
+static void stream_terminal(api_stream *st, proto_msg *m, grpc_status_code code, const char *message)
 {
     pthread_mutex_lock(&st->mu);
     if (st->backend == BK_RELEASED) {
         pthread_mutex_unlock(&st->mu);
         server_log("stream %s: a second terminal call from the backend (ignored)", st->id);
-        if (m) {
-            grpc_byte_buffer_destroy(m->bb);
-            free(m);
-        }
+        proto_msg_free(m);
         return;
     }
     st->backend = BK_RELEASED;
-    if (!st->dead && !st->status_pending) {
+    if (!st->q.dead && !st->q.status_pending) {
         if (m) {
-            stream_enqueue(st, m);
+            proto_sendq_push(&st->q, m);
             m = NULL;
         }
         stream_set_status(st, code, message);
         stream_pump(st);
     }
     pthread_mutex_unlock(&st->mu);
-    if (m) {
-        grpc_byte_buffer_destroy(m->bb);
-        free(m);
-    }
+    proto_msg_free(m);
     stream_backend_release(st);
 }
 
@@ -574,7 +362,7 @@ void api_stream_complete(api_stream *st, Strata__V1__FinishReason finish_reason,
     Strata__V1__GenerateResponse resp = STRATA__V1__GENERATE_RESPONSE__INIT;
     resp.kind_case = STRATA__V1__GENERATE_RESPONSE__KIND_COMPLETE;
     resp.complete = &c;
-    msg_node *m;
+    proto_msg *m;
     strata_error err = {0};
     if (pack_response(st, &resp, &m, &err)) {
         stream_terminal(st, NULL, GRPC_STATUS_INTERNAL, err.msg);
@@ -593,15 +381,7 @@ void api_stream_fail(api_stream *st, int status, const char *message)
         message = strata_status_name(status);
     /* One line, valid UTF-8 and short: it becomes a status message or a proto string. */
     char line[512];
-    size_t n = strlen(message);
-    if (n >= sizeof line)
-        n = sizeof line - 1;
-    n = proto_utf8_check(message, n); /* cut at the first bad byte */
-    memcpy(line, message, n);
-    line[n] = 0;
-    for (char *p = line; *p; p++)
-        if (*p == '\n' || *p == '\r')
-            *p = ' ';
+    proto_status_line(line, sizeof line, message);
 
     pthread_mutex_lock(&st->mu);
     bool as_message = st->chunk_queued;
@@ -616,7 +396,7 @@ void api_stream_fail(api_stream *st, int status, const char *message)
     Strata__V1__GenerateResponse resp = STRATA__V1__GENERATE_RESPONSE__INIT;
     resp.kind_case = STRATA__V1__GENERATE_RESPONSE__KIND_ERROR;
     resp.error = &e;
-    msg_node *m;
+    proto_msg *m;
     if (pack_response(st, &resp, &m, NULL)) {
         stream_terminal(st, NULL, code, line);
         return;
@@ -629,7 +409,7 @@ void api_stream_finish(api_stream *st)
     if (!st)
         return;
     pthread_mutex_lock(&st->mu);
-    bool expected = st->cancel_called || st->dead;
+    bool expected = st->cancel_called || st->q.dead;
     pthread_mutex_unlock(&st->mu);
     if (!expected)
         server_log("stream %s: the backend ended it without a result", st->id);
@@ -637,33 +417,38 @@ void api_stream_finish(api_stream *st)
 }
 
 /* A send batch completed (server thread). */
-static void stream_send_done(api_stream *st, bool success)
+static void stream_send_done(proto_tag *t, bool success)
 {
+    api_stream *st = PROTO_CONTAINER_OF(t, api_stream, send_tag);
     pthread_mutex_lock(&st->mu);
-    st->send_in_flight = false;
-    if (st->send_bb) {
-        grpc_byte_buffer_destroy(st->send_bb);
-        st->send_bb = NULL;
-    }
-    if (!success)
-        st->dead = true; /* the call is gone; RECV_CLOSE_ON_SERVER says so too */
+    proto_sendq_sent(&st->q, success);
     stream_pump(st);
     pthread_mutex_unlock(&st->mu);
     stream_unref(st);
 }
 
-/* RECV_CLOSE_ON_SERVER completed (server thread): the call is over for the client. */
-static void stream_close_done(api_stream *st)
+/* Under st->mu, when the stream ended early: the backend is to be told. true when the caller
+ * calls be.cancel (after unlocking); while generate runs, it is told when generate returns. */
+static bool stream_cancel_backend(api_stream *st)
 {
+    if (st->backend == BK_IN_GENERATE)
+        st->cancel_wanted = true;
+    else if (st->backend == BK_OWNED && !st->cancel_called)
+        return st->cancel_called = true;
+    return false;
+}
+
+/* RECV_CLOSE_ON_SERVER completed (server thread): the call is over for the client. */
+static void stream_close_done(proto_tag *t, bool success)
+{
+    (void)success;
+    api_stream *st = PROTO_CONTAINER_OF(t, api_stream, close_tag);
     bool call_cancel = false;
     pthread_mutex_lock(&st->mu);
     if (st->cancelled) {
-        st->dead = true;
-        stream_drop_queue(st);
-        if (st->backend == BK_IN_GENERATE)
-            st->cancel_wanted = true;
-        else if (st->backend == BK_OWNED && !st->cancel_called)
-            call_cancel = st->cancel_called = true;
+        st->q.dead = true;
+        proto_sendq_drop(&st->q);
+        call_cancel = stream_cancel_backend(st);
     }
     pthread_mutex_unlock(&st->mu);
     if (call_cancel)
@@ -672,7 +457,7 @@ static void stream_close_done(api_stream *st)
 }
 
 /* Takes a reference unless the stream is already being freed (refs == 0; it is then unlinked
- * as soon as the caller releases s->mu). */
+ * as soon as the caller releases s->ps.mu). */
 static bool stream_ref_if_live(api_stream *st)
 {
     unsigned r = atomic_load(&st->refs);
@@ -690,15 +475,12 @@ static void stream_server_end(api_stream *st, grpc_status_code code, const char 
 {
     bool call_cancel = false;
     pthread_mutex_lock(&st->mu);
-    stream_drop_queue(st);
-    if (!st->dead && !st->status_pending) {
+    proto_sendq_drop(&st->q);
+    if (!st->q.dead && !st->q.status_pending) {
         stream_set_status(st, code, message);
         stream_pump(st);
     }
-    if (st->backend == BK_IN_GENERATE)
-        st->cancel_wanted = true;
-    else if (st->backend == BK_OWNED && !st->cancel_called)
-        call_cancel = st->cancel_called = true;
+    call_cancel = stream_cancel_backend(st);
     pthread_mutex_unlock(&st->mu);
     if (call_cancel)
         st->srv->be.cancel(st->srv->be.ctx, st);
@@ -713,19 +495,19 @@ static void handle_generate(api_server *s, grpc_call *call, grpc_metadata_array 
     if (!check_auth(s, call, md))
         return;
     if (!payload) {
-        reply_error(call, GRPC_STATUS_INVALID_ARGUMENT, "no GenerateRequest message received");
+        reply_error(s, call, GRPC_STATUS_INVALID_ARGUMENT, "no GenerateRequest message received");
         return;
     }
     ProtobufCMessage *msg;
     strata_error err = {0};
     if (proto_unpack(payload, &strata__v1__generate_request__descriptor, s->max_recv_bytes, &msg, &err)) {
-        reply_error(call, proto_grpc_status(err.code), err.msg);
+        reply_error(s, call, proto_grpc_status(err.code), err.msg);
         return;
     }
     Strata__V1__GenerateRequest *req = (Strata__V1__GenerateRequest *)msg;
     if (proto_validate_generate(req, &s->limits, &err)) {
         protobuf_c_message_free_unpacked(msg, NULL);
-        reply_error(call, proto_grpc_status(err.code), err.msg);
+        reply_error(s, call, proto_grpc_status(err.code), err.msg);
         return;
     }
 
@@ -733,21 +515,21 @@ static void handle_generate(api_server *s, grpc_call *call, grpc_metadata_array 
     char *assigned = NULL;
     if (!st) {
         protobuf_c_message_free_unpacked(msg, NULL);
-        reply_error(call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
+        reply_error(s, call, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory");
         return;
     }
-    st->send_tag.kind = TAG_STREAM_SEND;
-    st->close_tag.kind = TAG_STREAM_CLOSE;
+    st->send_tag.done = stream_send_done;
+    st->close_tag.done = stream_close_done;
     st->srv = s;
-    st->status_details = grpc_empty_slice();
     st->call = call;
+    proto_sendq_init(&st->q, call, &st->send_tag);
     atomic_init(&st->refs, 1); /* ours, until the end of this function */
     pthread_mutex_init(&st->mu, NULL);
 
     grpc_status_code refuse = GRPC_STATUS_OK;
     char why[200] = "";
-    pthread_mutex_lock(&s->mu);
-    if (s->shutting_down) {
+    pthread_mutex_lock(&s->ps.mu);
+    if (s->ps.shutting_down) {
         refuse = GRPC_STATUS_UNAVAILABLE;
         snprintf(why, sizeof why, "server shutting down");
     } else if (s->live >= s->max_streams) {
@@ -778,14 +560,14 @@ static void handle_generate(api_server *s, grpc_call *call, grpc_metadata_array 
         hash_insert(s, st);
         s->live++;
     }
-    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_unlock(&s->ps.mu);
     if (refuse != GRPC_STATUS_OK) {
         protobuf_c_message_free_unpacked(msg, NULL);
         free(assigned);
-        grpc_slice_unref(st->status_details);
+        proto_sendq_clear(&st->q);
         pthread_mutex_destroy(&st->mu);
         free(st);
-        reply_error(call, refuse, why);
+        reply_error(s, call, refuse, why);
         return;
     }
     if (assigned) {
@@ -798,19 +580,15 @@ static void handle_generate(api_server *s, grpc_call *call, grpc_metadata_array 
     /* Notice cancellation, disconnects and deadlines from now on. Every grpc_call_start_batch
      * on a stream's call happens under st->mu (gRPC wants batches on one call serialized; the
      * stream is already visible to shutdown through the live list). */
-    grpc_op op;
-    memset(&op, 0, sizeof op);
-    op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
-    op.data.recv_close_on_server.cancelled = &st->cancelled;
     atomic_fetch_add(&st->refs, 1);
     pthread_mutex_lock(&st->mu);
-    grpc_call_error e = grpc_call_start_batch(call, &op, 1, &st->close_tag, NULL);
+    grpc_call_error e = proto_call_recv_close(call, &st->cancelled, &st->close_tag);
     pthread_mutex_unlock(&st->mu);
     if (e != GRPC_CALL_OK) {
         server_log("stream %s: cannot start RECV_CLOSE_ON_SERVER: %s", st->id, grpc_call_error_to_string(e));
         atomic_fetch_sub(&st->refs, 1);
         pthread_mutex_lock(&st->mu);
-        st->dead = true;
+        st->q.dead = true;
         pthread_mutex_unlock(&st->mu);
         grpc_call_cancel_with_status(call, GRPC_STATUS_INTERNAL, "server error", NULL);
         stream_backend_release(st); /* drops our reference and frees */
@@ -820,7 +598,7 @@ static void handle_generate(api_server *s, grpc_call *call, grpc_metadata_array 
     /* Shutdown or the client may have ended the stream already (it is in the live list): then
      * the backend never sees it. From BK_IN_GENERATE on, such an end becomes cancel_wanted. */
     pthread_mutex_lock(&st->mu);
-    bool ended = st->dead || st->status_pending;
+    bool ended = st->q.dead || st->q.status_pending;
     if (!ended)
         st->backend = BK_IN_GENERATE;
     pthread_mutex_unlock(&st->mu);
@@ -841,7 +619,7 @@ static void handle_generate(api_server *s, grpc_call *call, grpc_metadata_array 
             pthread_mutex_unlock(&st->mu);
         } else {
             st->backend = BK_NONE;
-            if (!st->dead) {
+            if (!st->q.dead) {
                 stream_set_status(st, proto_grpc_status(rc), err.msg[0] ? err.msg : strata_status_name(rc));
                 stream_pump(st);
             }
@@ -869,19 +647,50 @@ static void handle_abort(api_server *s, grpc_call *call, grpc_metadata_array *md
     int rc = payload ? proto_unpack(payload, &strata__v1__abort_request__descriptor, s->max_recv_bytes, &msg, &err)
                      : proto_unpack_bytes(NULL, 0, &strata__v1__abort_request__descriptor, 1, &msg, &err);
     if (rc) {
-        reply_error(call, proto_grpc_status(err.code), err.msg);
+        reply_error(s, call, proto_grpc_status(err.code), err.msg);
         return;
     }
     Strata__V1__AbortRequest *req = (Strata__V1__AbortRequest *)msg;
     if (proto_validate_request_id(req->request_id, false, &err)) {
         protobuf_c_message_free_unpacked(msg, NULL);
-        reply_error(call, proto_grpc_status(err.code), err.msg);
+        reply_error(s, call, proto_grpc_status(err.code), err.msg);
         return;
     }
     Strata__V1__AbortResponse resp = STRATA__V1__ABORT_RESPONSE__INIT;
     resp.found = s->be.abort(s->be.ctx, req->request_id);
     protobuf_c_message_free_unpacked(msg, NULL);
-    reply_message(call, &resp.base);
+    reply_message(s, call, &resp.base);
+}
+
+/* DrainWorker: always behind the bearer token (it changes what the server runs). */
+static void handle_drain(api_server *s, grpc_call *call, grpc_metadata_array *md, grpc_byte_buffer *payload)
+{
+    if (!check_auth(s, call, md))
+        return;
+    ProtobufCMessage *msg = NULL;
+    strata_error err = {0};
+    int rc = payload ? proto_unpack(payload, &strata__v1__drain_worker_request__descriptor, s->max_recv_bytes, &msg,
+                                    &err)
+                     : proto_unpack_bytes(NULL, 0, &strata__v1__drain_worker_request__descriptor, 1, &msg, &err);
+    if (rc) {
+        reply_error(s, call, proto_grpc_status(err.code), err.msg);
+        return;
+    }
+    const char *name = ((Strata__V1__DrainWorkerRequest *)msg)->worker_name;
+    size_t n = name ? strlen(name) : 0;
+    bool ok = n >= 1 && n <= 128;
+    for (size_t i = 0; ok && i < n; i++)
+        ok = (unsigned char)name[i] >= 0x20 && name[i] != 0x7f;
+    Strata__V1__DrainWorkerResponse resp = STRATA__V1__DRAIN_WORKER_RESPONSE__INIT;
+    if (!ok)
+        reply_error(s, call, GRPC_STATUS_INVALID_ARGUMENT, "worker_name must be 1 to 128 bytes without control characters");
+    else if (!s->be.drain_worker)
+        reply_error(s, call, GRPC_STATUS_UNIMPLEMENTED, "DrainWorker is not implemented by this server");
+    else if ((rc = s->be.drain_worker(s->be.ctx, name, &resp, &err)))
+        reply_error(s, call, proto_grpc_status(rc), err.msg[0] ? err.msg : strata_status_name(rc));
+    else
+        reply_message(s, call, &resp.base);
+    protobuf_c_message_free_unpacked(msg, NULL);
 }
 
 /* Health, GetModelInfo, GetStats: empty requests, the backend fills the answer. */
@@ -899,7 +708,7 @@ static void handle_info(api_server *s, int method, grpc_call *call, grpc_metadat
     if (payload) {
         ProtobufCMessage *msg;
         if (proto_unpack(payload, req_desc[method], s->max_recv_bytes, &msg, &err)) {
-            reply_error(call, proto_grpc_status(err.code), err.msg);
+            reply_error(s, call, proto_grpc_status(err.code), err.msg);
             return;
         }
         protobuf_c_message_free_unpacked(msg, NULL);
@@ -912,17 +721,17 @@ static void handle_info(api_server *s, int method, grpc_call *call, grpc_metadat
         else
             h.status = STRATA__V1__SERVING_STATUS__SERVING_STATUS_SERVING;
         if (rc)
-            reply_error(call, proto_grpc_status(rc), err.msg[0] ? err.msg : strata_status_name(rc));
+            reply_error(s, call, proto_grpc_status(rc), err.msg[0] ? err.msg : strata_status_name(rc));
         else
-            reply_message(call, &h.base);
+            reply_message(s, call, &h.base);
     } else if (method == M_MODEL_INFO) {
         Strata__V1__ModelInfo mi = STRATA__V1__MODEL_INFO__INIT;
         if (!s->be.model_info)
-            reply_error(call, GRPC_STATUS_UNIMPLEMENTED, "GetModelInfo is not implemented by this server");
+            reply_error(s, call, GRPC_STATUS_UNIMPLEMENTED, "GetModelInfo is not implemented by this server");
         else if ((rc = s->be.model_info(s->be.ctx, &mi, &err)))
-            reply_error(call, proto_grpc_status(rc), err.msg[0] ? err.msg : strata_status_name(rc));
+            reply_error(s, call, proto_grpc_status(rc), err.msg[0] ? err.msg : strata_status_name(rc));
         else
-            reply_message(call, &mi.base);
+            reply_message(s, call, &mi.base);
     } else {
         Strata__V1__Stats st = STRATA__V1__STATS__INIT;
         Strata__V1__TierStats tiers[API_STATS_MAX_TIERS];
@@ -934,14 +743,14 @@ static void handle_info(api_server *s, int method, grpc_call *call, grpc_metadat
         st.tiers = tier_ptrs;
         st.n_tiers = 0;
         if (!s->be.stats) {
-            reply_error(call, GRPC_STATUS_UNIMPLEMENTED, "GetStats is not implemented by this server");
+            reply_error(s, call, GRPC_STATUS_UNIMPLEMENTED, "GetStats is not implemented by this server");
         } else if ((rc = s->be.stats(s->be.ctx, &st, &err))) {
-            reply_error(call, proto_grpc_status(rc), err.msg[0] ? err.msg : strata_status_name(rc));
+            reply_error(s, call, proto_grpc_status(rc), err.msg[0] ? err.msg : strata_status_name(rc));
         } else {
             if (st.n_tiers > API_STATS_MAX_TIERS)
                 st.n_tiers = API_STATS_MAX_TIERS;
             st.tiers = tier_ptrs; /* whatever the backend did to the pointer */
-            reply_message(call, &st.base);
+            reply_message(s, call, &st.base);
         }
     }
 }
@@ -949,136 +758,22 @@ static void handle_info(api_server *s, int method, grpc_call *call, grpc_metadat
 /* ------------------------------------------------------------------------------------------- */
 /* Requesting calls                                                                            */
 
-/* Both arm functions run under s->mu and do nothing once shutdown began: a request made after
- * grpc_server_shutdown_and_notify could otherwise reach a completion queue that is already
- * shut down. false: not armed (the caller frees the object). */
-static bool arm_request(api_server *s, srv_request *r)
+/* A new call of a registered method, or the request withdrawn at shutdown (server thread). */
+static void request_done(proto_tag *t, bool success)
 {
-    r->call = NULL;
-    r->payload = NULL;
-    pthread_mutex_lock(&s->mu);
-    bool ok = false;
-    if (!s->shutting_down) {
-        grpc_metadata_array_init(&r->md);
-        ok = grpc_server_request_registered_call(s->server, s->methods[r->method], &r->call, &r->deadline, &r->md,
-                                                 &r->payload, s->cq, s->cq, &r->tag) == GRPC_CALL_OK;
-        if (!ok)
-            grpc_metadata_array_destroy(&r->md);
-    }
-    pthread_mutex_unlock(&s->mu);
-    return ok;
-}
-
-static bool arm_generic(api_server *s, srv_generic *g)
-{
-    g->call = NULL;
-    pthread_mutex_lock(&s->mu);
-    bool ok = false;
-    if (!s->shutting_down) {
-        grpc_call_details_init(&g->details);
-        grpc_metadata_array_init(&g->md);
-        ok = grpc_server_request_call(s->server, &g->call, &g->details, &g->md, s->cq, s->cq, &g->tag) ==
-             GRPC_CALL_OK;
-        if (!ok) {
-            grpc_call_details_destroy(&g->details);
-            grpc_metadata_array_destroy(&g->md);
-        }
-    }
-    pthread_mutex_unlock(&s->mu);
-    return ok;
-}
-
-static void request_done(srv_request *r, bool success)
-{
-    api_server *s = r->srv;
-    if (!success) {
-        /* Only when the server shuts down: the request is withdrawn. */
-        grpc_metadata_array_destroy(&r->md);
-        if (r->payload)
-            grpc_byte_buffer_destroy(r->payload);
-        if (r->call)
-            grpc_call_unref(r->call);
-        free(r);
+    proto_request got;
+    if (!proto_request_take((proto_request *)t, success, &got))
         return;
+    api_server *s = PROTO_CONTAINER_OF(got.ps, api_server, ps);
+    switch (got.index) {
+    case M_GENERATE: handle_generate(s, got.call, &got.md, got.payload, got.deadline); break;
+    case M_ABORT: handle_abort(s, got.call, &got.md, got.payload); break;
+    case M_DRAIN: handle_drain(s, got.call, &got.md, got.payload); break;
+    default: handle_info(s, got.index, got.call, &got.md, got.payload); break;
     }
-    grpc_call *call = r->call;
-    grpc_metadata_array md = r->md;
-    grpc_byte_buffer *payload = r->payload;
-    gpr_timespec deadline = r->deadline;
-    int method = r->method;
-    /* Re-arm first so the next call of this method does not wait behind this one. */
-    if (!arm_request(s, r))
-        free(r);
-
-    switch (method) {
-    case M_GENERATE: handle_generate(s, call, &md, payload, deadline); break;
-    case M_ABORT: handle_abort(s, call, &md, payload); break;
-    default: handle_info(s, method, call, &md, payload); break;
-    }
-    grpc_metadata_array_destroy(&md);
-    if (payload)
-        grpc_byte_buffer_destroy(payload);
-}
-
-static void generic_done(srv_generic *g, bool success)
-{
-    api_server *s = g->srv;
-    if (success && g->call) {
-        grpc_call *call = g->call;
-        char msg[160];
-        size_t n = GRPC_SLICE_LENGTH(g->details.method);
-        const char *p = (const char *)GRPC_SLICE_START_PTR(g->details.method);
-        /* Echo the method name when it is short plain ASCII, else just say "unknown method". */
-        bool plain = n > 0 && n <= 100;
-        for (size_t i = 0; plain && i < n; i++)
-            plain = p[i] > 0x20 && p[i] < 0x7f;
-        if (plain)
-            snprintf(msg, sizeof msg, "unknown method %.*s", (int)n, p);
-        else
-            snprintf(msg, sizeof msg, "unknown method");
-        grpc_call_details_destroy(&g->details);
-        grpc_metadata_array_destroy(&g->md);
-        if (!arm_generic(s, g))
-            free(g);
-        reply_error(call, GRPC_STATUS_UNIMPLEMENTED, msg);
-        return;
-    }
-    grpc_call_details_destroy(&g->details);
-    grpc_metadata_array_destroy(&g->md);
-    if (g->call)
-        grpc_call_unref(g->call);
-    free(g);
-}
-
-static void *cq_thread(void *arg)
-{
-    api_server *s = arg;
-    for (;;) {
-        grpc_event ev = grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-        if (ev.type == GRPC_QUEUE_SHUTDOWN)
-            break;
-        if (ev.type != GRPC_OP_COMPLETE)
-            continue;
-        srv_tag *t = ev.tag;
-        switch (t->kind) {
-        case TAG_REQUEST: request_done((srv_request *)t, ev.success); break;
-        case TAG_GENERIC: generic_done((srv_generic *)t, ev.success); break;
-        case TAG_REPLY: reply_done((srv_reply *)t); break;
-        case TAG_STREAM_SEND:
-            stream_send_done((api_stream *)((char *)t - offsetof(api_stream, send_tag)), ev.success);
-            break;
-        case TAG_STREAM_CLOSE:
-            stream_close_done((api_stream *)((char *)t - offsetof(api_stream, close_tag)));
-            break;
-        case TAG_SHUTDOWN:
-            pthread_mutex_lock(&s->mu);
-            s->shutdown_done = true;
-            pthread_cond_broadcast(&s->cond);
-            pthread_mutex_unlock(&s->mu);
-            break;
-        }
-    }
-    return NULL;
+    grpc_metadata_array_destroy(&got.md);
+    if (got.payload)
+        grpc_byte_buffer_destroy(got.payload);
 }
 
 /* ------------------------------------------------------------------------------------------- */
@@ -1129,11 +824,9 @@ static int read_pem(const char *path, const char *what, char **out, strata_error
 
 static void server_free(api_server *s)
 {
-    free(s->threads);
     free(s->hash);
     free(s->token);
-    pthread_cond_destroy(&s->cond);
-    pthread_mutex_destroy(&s->mu);
+    proto_server_free(&s->ps);
     free(s);
 }
 
@@ -1189,29 +882,29 @@ int api_server_start(const api_server_options *o, const api_backend *b, api_serv
     }
 
     api_server *s = calloc(1, sizeof *s);
+    if (s && proto_server_init(&s->ps, "api_server", opt.threads)) {
+        free(s);
+        s = NULL;
+    }
     if (!s) {
         free(cert);
         free(key);
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
     }
-    pthread_mutex_init(&s->mu, NULL);
-    pthread_cond_init(&s->cond, NULL);
     s->be = *b;
     s->max_streams = opt.max_streams;
     s->max_recv_bytes = opt.max_recv_bytes;
     s->max_queued = opt.max_queued_messages;
     s->auth_health = opt.auth_health;
     s->limits = opt.limits ? *opt.limits : proto_generate_limits_default(UINT32_MAX, 0);
-    s->shutdown_tag.kind = TAG_SHUTDOWN;
     size_t buckets = 64;
     while (buckets < opt.max_streams && buckets < (1u << 16))
         buckets <<= 1;
     s->hash = calloc(buckets, sizeof *s->hash);
     s->hash_mask = buckets - 1;
-    s->threads = calloc(opt.threads, sizeof *s->threads);
     if (opt.bearer_token && *opt.bearer_token)
         s->token = strdup(opt.bearer_token);
-    if (!s->hash || !s->threads || (opt.bearer_token && *opt.bearer_token && !s->token)) {
+    if (!s->hash || (opt.bearer_token && *opt.bearer_token && !s->token)) {
         free(cert);
         free(key);
         server_free(s);
@@ -1221,34 +914,18 @@ int api_server_start(const api_server_options *o, const api_backend *b, api_serv
     clock_gettime(CLOCK_REALTIME, &now);
     s->id_nonce = ((uint64_t)now.tv_sec << 20) ^ (uint64_t)now.tv_nsec ^ ((uint64_t)(uintptr_t)s << 7);
 
-    grpc_init();
-    grpc_arg args[2];
-    memset(args, 0, sizeof args);
-    args[0].type = GRPC_ARG_INTEGER;
-    args[0].key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-    args[0].value.integer = (int)opt.max_recv_bytes;
-    /* gRPC sets SO_REUSEPORT by default, which lets a second server bind a port that is taken;
-     * a bind conflict must be an error. */
-    args[1].type = GRPC_ARG_INTEGER;
-    args[1].key = (char *)GRPC_ARG_ALLOW_REUSEPORT;
-    args[1].value.integer = 0;
-    grpc_channel_args chargs = {2, args};
-    s->server = grpc_server_create(&chargs, NULL);
-    s->cq = grpc_completion_queue_create_for_next(NULL);
-    grpc_server_register_completion_queue(s->server, s->cq, NULL);
+    grpc_arg args[2] = {
+        proto_int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, (int)opt.max_recv_bytes),
+        /* gRPC sets SO_REUSEPORT by default, which lets a second server bind a port that is
+         * taken; a bind conflict must be an error. */
+        proto_int_arg(GRPC_ARG_ALLOW_REUSEPORT, 0),
+    };
+    proto_server_create(&s->ps, args, 2);
     for (int m = 0; m < M_COUNT; m++) {
-        s->methods[m] = grpc_server_register_method(s->server, method_paths[m], NULL,
+        s->methods[m] = grpc_server_register_method(s->ps.server, method_paths[m], NULL,
                                                     GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
     }
-    grpc_server_credentials *creds;
-    if (cert) {
-        grpc_ssl_pem_key_cert_pair pair = {key, cert};
-        creds = grpc_ssl_server_credentials_create(NULL, &pair, 1, 0, NULL);
-    } else {
-        creds = grpc_insecure_server_credentials_create();
-    }
-    s->port = grpc_server_add_http2_port(s->server, opt.listen_addr, creds);
-    grpc_server_credentials_release(creds);
+    proto_server_listen(&s->ps, opt.listen_addr, cert, key);
     free(cert);
     if (key) {
         memset(key, 0, strlen(key)); /* do not leave the private key lying around in the heap */
@@ -1258,72 +935,21 @@ int api_server_start(const api_server_options *o, const api_backend *b, api_serv
     for (int m = 0; m < M_COUNT; m++)
         if (!s->methods[m])
             rc = strata_fail(err, STRATA_EINVAL, "cannot register %s", method_paths[m]);
-    if (!rc && s->port <= 0)
+    if (!rc && s->ps.port <= 0)
         rc = strata_fail(err, STRATA_EIO,
                          "cannot listen on %s (address malformed or in use%s; gRPC logs the reason)",
                          opt.listen_addr, opt.tls_cert_file ? ", or the TLS certificate/key is invalid" : "");
     if (rc) {
-        /* Never started: a server that was not started can be destroyed directly. */
-        grpc_server_destroy(s->server);
-        grpc_completion_queue_shutdown(s->cq);
-        while (grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
-               GRPC_QUEUE_SHUTDOWN) {
-        }
-        grpc_completion_queue_destroy(s->cq);
+        proto_server_abandon(&s->ps);
         server_free(s);
-        grpc_shutdown();
         return rc;
     }
-    grpc_server_start(s->server);
-
-    /* Outstanding requests: several per registered method, one for unknown methods. */
-    for (int m = 0; m < M_COUNT; m++) {
-        for (int i = 0; i < API_REQUESTS_PER_METHOD; i++) {
-            srv_request *r = calloc(1, sizeof *r);
-            if (!r)
-                break;
-            r->tag.kind = TAG_REQUEST;
-            r->srv = s;
-            r->method = m;
-            if (!arm_request(s, r))
-                free(r);
-        }
-    }
-    srv_generic *g = calloc(1, sizeof *g);
-    if (g) {
-        g->tag.kind = TAG_GENERIC;
-        g->srv = s;
-        if (!arm_generic(s, g))
-            free(g);
-    }
-
-    for (uint32_t i = 0; i < opt.threads; i++) {
-        if (pthread_create(&s->threads[i], NULL, cq_thread, s) != 0) {
-            server_log("cannot start thread %" PRIu32 "; running with %" PRIu32, i, i);
-            break;
-        }
-        s->n_threads = i + 1;
-    }
-    if (s->n_threads == 0) {
-        /* Without a thread nobody drives the queue: run the shutdown inline. */
-        s->n_threads = 0;
-        grpc_server_shutdown_and_notify(s->server, s->cq, &s->shutdown_tag);
-        grpc_server_cancel_all_calls(s->server);
-        grpc_completion_queue_shutdown(s->cq);
-        for (;;) {
-            grpc_event ev = grpc_completion_queue_next(s->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-            if (ev.type == GRPC_QUEUE_SHUTDOWN)
-                break;
-            srv_tag *t = ev.tag;
-            if (t->kind == TAG_REQUEST)
-                request_done((srv_request *)t, false);
-            else if (t->kind == TAG_GENERIC)
-                generic_done((srv_generic *)t, false);
-        }
-        grpc_server_destroy(s->server);
-        grpc_completion_queue_destroy(s->cq);
+    proto_server_start(&s->ps);
+    /* Outstanding requests: several per registered method (and one for unknown methods). */
+    for (int m = 0; m < M_COUNT; m++)
+        proto_server_add_requests(&s->ps, s->methods[m], true, m, API_REQUESTS_PER_METHOD, request_done);
+    if (proto_server_run(&s->ps)) {
         server_free(s);
-        grpc_shutdown();
         return strata_fail(err, STRATA_EIO, "cannot start the server threads");
     }
     *out = s;
@@ -1332,26 +958,7 @@ int api_server_start(const api_server_options *o, const api_backend *b, api_serv
 
 int api_server_port(const api_server *s)
 {
-    return s ? s->port : 0;
-}
-
-/* Waits on s->cond (s->mu held) until pred or the absolute CLOCK_REALTIME deadline. */
-static int cond_wait_until(api_server *s, const struct timespec *until)
-{
-    return pthread_cond_timedwait(&s->cond, &s->mu, until);
-}
-
-static struct timespec deadline_in_ms(long ms)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_REALTIME, &t);
-    t.tv_sec += ms / 1000;
-    t.tv_nsec += (ms % 1000) * 1000000L;
-    if (t.tv_nsec >= 1000000000L) {
-        t.tv_sec++;
-        t.tv_nsec -= 1000000000L;
-    }
-    return t;
+    return s ? s->ps.port : 0;
 }
 
 void api_server_shutdown(api_server *s, int drain_ms)
@@ -1360,17 +967,12 @@ void api_server_shutdown(api_server *s, int drain_ms)
         return;
     if (drain_ms < 0)
         drain_ms = 0;
-    pthread_mutex_lock(&s->mu);
-    s->shutting_down = true;
-    pthread_mutex_unlock(&s->mu);
     /* No new calls or connections from here (clients get UNAVAILABLE); calls in flight go on. */
-    grpc_server_shutdown_and_notify(s->server, s->cq, &s->shutdown_tag);
+    proto_server_shutdown_begin(&s->ps);
 
     /* Drain: let the streams in flight finish on their own. */
-    pthread_mutex_lock(&s->mu);
-    struct timespec until = deadline_in_ms(drain_ms);
-    while (s->live > 0 && cond_wait_until(s, &until) != ETIMEDOUT) {
-    }
+    pthread_mutex_lock(&s->ps.mu);
+    proto_server_wait(&s->ps, &s->live, drain_ms, NULL);
     /* Then end the rest with UNAVAILABLE "server shutting down" (a status batch after the send
      * in flight) and cancel them in the backend. Collect them under mu with a reference each,
      * then work without mu: the backend's cancel may take its own locks, and a backend thread
@@ -1381,51 +983,24 @@ void api_server_shutdown(api_server *s, int drain_ms)
             st->snext = todo;
             todo = st;
         }
-    pthread_mutex_unlock(&s->mu);
+    pthread_mutex_unlock(&s->ps.mu);
     while (todo) {
         api_stream *st = todo;
         todo = st->snext;
         stream_server_end(st, GRPC_STATUS_UNAVAILABLE, "server shutting down");
         stream_unref(st);
     }
-    pthread_mutex_lock(&s->mu);
+    pthread_mutex_lock(&s->ps.mu);
     /* A status cannot overtake a message that flow control holds (a client that does not
      * read): after a grace period, cancel what is left outright. Streams in the list are valid
      * here: one is unlinked (under mu) before its call is released. */
-    until = deadline_in_ms(1000);
-    while (s->live > 0 && cond_wait_until(s, &until) != ETIMEDOUT) {
-    }
+    proto_server_wait(&s->ps, &s->live, 1000, NULL);
     for (api_stream *st = s->streams; st; st = st->next)
         grpc_call_cancel_with_status(st->call, GRPC_STATUS_UNAVAILABLE, "server shutting down", NULL);
     /* Wait for the backend to release every stream (it must, after cancel). */
-    int waited_s = 0;
-    while (s->live > 0) {
-        until = deadline_in_ms(5000);
-        if (cond_wait_until(s, &until) == ETIMEDOUT && s->live > 0) {
-            waited_s += 5;
-            server_log("shutdown: still waiting for %" PRIu32 " stream(s) to be released by the backend (%d s)",
-                       s->live, waited_s);
-        }
-    }
-    /* The shutdown notification follows once every call is gone; unary calls are quick, but
-     * a stuck client must not hold shutdown: cancel whatever is left after a grace period. */
-    until = deadline_in_ms(1000);
-    while (!s->shutdown_done && cond_wait_until(s, &until) != ETIMEDOUT) {
-    }
-    if (!s->shutdown_done) {
-        pthread_mutex_unlock(&s->mu);
-        grpc_server_cancel_all_calls(s->server);
-        pthread_mutex_lock(&s->mu);
-        while (!s->shutdown_done)
-            pthread_cond_wait(&s->cond, &s->mu);
-    }
-    pthread_mutex_unlock(&s->mu);
+    proto_server_wait(&s->ps, &s->live, -1, "stream(s) to be released by the backend");
+    pthread_mutex_unlock(&s->ps.mu);
 
-    grpc_completion_queue_shutdown(s->cq);
-    for (uint32_t i = 0; i < s->n_threads; i++)
-        pthread_join(s->threads[i], NULL);
-    grpc_server_destroy(s->server);
-    grpc_completion_queue_destroy(s->cq);
+    proto_server_shutdown_end(&s->ps);
     server_free(s);
-    grpc_shutdown();
 }

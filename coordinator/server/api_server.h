@@ -136,12 +136,16 @@ typedef struct api_backend {
     /* out->tiers points at API_STATS_MAX_TIERS initialized TierStats and out->n_tiers is 0:
      * set n_tiers (at most API_STATS_MAX_TIERS) and fill out->tiers[0..n_tiers). */
     int (*stats)(void *ctx, Strata__V1__Stats *out, strata_error *err);
+    /* DrainWorker (worker_name checked: 1-128 bytes, no control characters); strings placed in
+     * *out must stay valid while the server runs. NULL: UNIMPLEMENTED. Always needs the bearer
+     * token when the server has one. */
+    int (*drain_worker)(void *ctx, const char *worker_name, Strata__V1__DrainWorkerResponse *out, strata_error *err);
 } api_backend;
 
 /* Options with every field at its default. */
 api_server_options api_server_options_default(void);
 
-/* Starts the server: binds, registers the five methods, starts the threads. The backend (the
+/* Starts the server: binds, registers the six methods, starts the threads. The backend (the
  * struct is copied; ctx must outlive the server) must be ready to take calls. Fails with
  * STRATA_EINVAL (bad options, missing callbacks, TLS with only one file), STRATA_EIO (a TLS file
  * cannot be read, or the address cannot be bound: "cannot listen on ADDR"). *out is NULL on

@@ -66,6 +66,26 @@ typedef struct creplica {
     char (*message)[256];
 } creplica;
 
+/* The one migration in progress: a request's sequence moving from replica `from` to `to`, every
+ * stage i of `from` sending its blocks to stage i of `to`. Both replicas plan no step meanwhile. */
+typedef struct migration {
+    bool active, sent;
+    uint64_t seq;
+    uint32_t from, to;
+    uint32_t answers;            /* MigrateDone received, of 2 * stages */
+    bool *send_ok, *recv_ok;     /* per stage */
+    char why[512];               /* the first failure */
+} migration;
+
+/* A drain of one replica (DrainWorker): move what can move, let the rest finish, stop it. */
+typedef struct drain_state {
+    bool active, done;
+    uint32_t replica;
+    uint32_t moved, failed;
+    char worker[CTL_MAX_WORKER_NAME + 1];
+    char message[512];
+} drain_state;
+
 typedef struct coord_metrics {
     metrics_counter *requests, *tokens, *spills, *restores, *crc;
     metrics_counter *finished[5];   /* stop, length, abort, error, cancelled */
@@ -103,6 +123,9 @@ struct coord {
 
     coord_metrics m;
     bool have_metrics;
+    migration mig;
+    drain_state drain;
+    sched_replica_config cap;    /* every replica's capacity */
 };
 
 static double now_s(void)
@@ -384,6 +407,7 @@ static void take_report(coord *c, uint32_t r, uint32_t s, const Strata__Internal
 }
 
 static void finish_step(coord *c, uint32_t r);
+static void take_migrate_done(coord *c, uint32_t r, uint32_t s, const Strata__Internal__V1__MigrateDone *d);
 
 static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal__V1__StepResult *res)
 {
@@ -419,6 +443,8 @@ static void on_message(void *ctx, ctl_peer *peer, const Strata__Internal__V1__Wo
             take_report(c, r, s, msg->kv_report);
         else if (msg->kind_case == STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_STEP_RESULT)
             take_result(c, r, s, msg->step_result);
+        else if (msg->kind_case == STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_MIGRATE_DONE)
+            take_migrate_done(c, r, s, msg->migrate_done);
     }
     pthread_mutex_unlock(&c->mu);
 }
@@ -434,6 +460,15 @@ static void lose_replica(coord *c, uint32_t r, const char *why)
             continue;
         }
         i++;
+    }
+    /* A migration touching r: the sequence may be split between the replicas now. */
+    if (c->mig.active && (r == c->mig.from || r == c->mig.to)) {
+        creq *q = find_by_id(c, c->mig.seq);
+        if (q)
+            fail_req(c, q, STRATA_EIO, why);
+        if (r == c->mig.from)
+            (void)sched_free_on(c->sched, (int)c->mig.to, c->mig.seq);
+        c->mig.active = false;
     }
     sched_set_available(c->sched, (int)r, false);
     rp->serving = false;
@@ -649,14 +684,192 @@ static bool start_step(coord *c, uint32_t r)
     return true;
 }
 
+
+/* ---- migration and drain ---- */
+
+static void send_migrate(coord *c, uint32_t r, uint32_t s, uint32_t peer_r, bool send)
+{
+    Strata__Internal__V1__Migrate mg = STRATA__INTERNAL__V1__MIGRATE__INIT;
+    mg.seq_id = c->mig.seq;
+    mg.peer_data_addr = c->reps[peer_r].stages[s].data_addr;
+    mg.send = send;
+    Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+    m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_MIGRATE;
+    m.migrate = &mg;
+    strata_error err = {0};
+    if (ctl_peer_send(c->reps[r].stages[s].peer, &m, &err) != STRATA_OK)
+        logf_(c, "migrate to worker %s: %s", c->reps[r].stages[s].name, err.msg);
+}
+
+/* Sends the Migrate pairs once neither replica has a step out (receivers first: they wait). */
+static void migration_kick(coord *c)
+{
+    migration *mg = &c->mig;
+    if (!mg->active || mg->sent || c->reps[mg->from].in_flight || c->reps[mg->to].in_flight)
+        return;
+    for (uint32_t s = 0; s < c->cfg.stages; s++)
+        send_migrate(c, mg->to, s, mg->from, false);
+    for (uint32_t s = 0; s < c->cfg.stages; s++)
+        send_migrate(c, mg->from, s, mg->to, true);
+    mg->sent = true;
+}
+
+static void migration_start(coord *c, uint64_t seq, uint32_t from, uint32_t to)
+{
+    migration *mg = &c->mig;
+    mg->active = true;
+    mg->sent = false;
+    mg->seq = seq;
+    mg->from = from;
+    mg->to = to;
+    mg->answers = 0;
+    mg->why[0] = '\0';
+    memset(mg->send_ok, 0, c->cfg.stages * sizeof *mg->send_ok);
+    memset(mg->recv_ok, 0, c->cfg.stages * sizeof *mg->recv_ok);
+    migration_kick(c);
+}
+
+/* Every MigrateDone is in: commit the move, or undo what can be undone. */
+static void migration_finish(coord *c)
+{
+    migration *mg = &c->mig;
+    bool all = true, any_moved = false;
+    for (uint32_t s = 0; s < c->cfg.stages; s++) {
+        all &= mg->send_ok[s] && mg->recv_ok[s];
+        any_moved |= mg->send_ok[s];
+    }
+    creq *q = find_by_id(c, mg->seq);
+    strata_error err = {0};
+    if (all && q && sched_move(c->sched, mg->seq, (int)mg->to, &err) == STRATA_OK) {
+        c->drain.moved += c->drain.active;
+        logf_(c, "request %s moved from replica %u to %u", api_stream_request_id(q->stream), mg->from, mg->to);
+    } else {
+        if (all && q)
+            snprintf(mg->why, sizeof mg->why, "%s", err.msg);
+        /* Copies the receivers hold are freed there; the senders kept theirs unless they moved. */
+        for (uint32_t s = 0; s < c->cfg.stages; s++)
+            if (mg->recv_ok[s]) {
+                (void)sched_free_on(c->sched, (int)mg->to, mg->seq);
+                break;
+            }
+        c->drain.failed += c->drain.active && q;
+        if (q && any_moved) {   /* part of its layers left: it cannot go on anywhere */
+            char msg[700];
+            snprintf(msg, sizeof msg, "migration failed half way: %s", mg->why);
+            fail_req(c, q, STRATA_EIO, msg);
+        } else if (q) {
+            logf_(c, "request %s stays on replica %u: migration failed: %s", api_stream_request_id(q->stream),
+                  mg->from, mg->why);
+        }
+    }
+    mg->active = false;
+    pthread_cond_signal(&c->wake);
+}
+
+static void take_migrate_done(coord *c, uint32_t r, uint32_t s, const Strata__Internal__V1__MigrateDone *d)
+{
+    migration *mg = &c->mig;
+    if (!mg->active || !mg->sent || d->seq_id != mg->seq || (r != mg->from && r != mg->to))
+        return;
+    bool ok = d->status == 0;
+    if (r == mg->from)
+        mg->send_ok[s] = ok;
+    else
+        mg->recv_ok[s] = ok;
+    if (!ok && !mg->why[0])
+        snprintf(mg->why, sizeof mg->why, "replica %u stage %u (worker %s): %s", r, s, c->reps[r].stages[s].name,
+                 d->message && *d->message ? d->message : "failed");
+    if (++mg->answers == 2 * c->cfg.stages)
+        migration_finish(c);
+}
+
+/* The serving, accepting replica other than `not` with the most unreserved blocks that fit
+ * `need`; -1 when none. */
+static int move_target(coord *c, uint32_t not, size_t need)
+{
+    int best = -1;
+    size_t best_free = 0;
+    for (uint32_t r = 0; r < c->cfg.replicas; r++) {
+        if (r == not || !c->reps[r].serving || c->reps[r].tearing_down ||
+            (c->drain.active && !c->drain.done && r == c->drain.replica))
+            continue;
+        sched_stats st;
+        sched_get_stats(c->sched, (int)r, &st);
+        size_t free_blocks = c->cap.total_blocks > st.reserved_blocks ? c->cap.total_blocks - st.reserved_blocks : 0;
+        if (free_blocks >= need && (best < 0 || free_blocks > best_free)) {
+            best = (int)r;
+            best_free = free_blocks;
+        }
+    }
+    return best;
+}
+
+static size_t blocks_of(const coord *c, const creq *q)
+{
+    size_t tokens = q->n_prompt + q->req->sampling->max_tokens;
+    return (tokens + c->cfg.block_tokens - 1) / c->cfg.block_tokens;
+}
+
+/* One move of the drain per call (from the step thread); finishes the drain when its replica
+ * holds nothing. */
+static void drain_progress(coord *c)
+{
+    drain_state *d = &c->drain;
+    if (!d->active || d->done || c->mig.active)
+        return;
+    creplica *rp = &c->reps[d->replica];
+    if (!rp->serving) {   /* lost meanwhile: its requests already ended */
+        d->done = true;
+        snprintf(d->message, sizeof d->message, "replica %u was lost during the drain", d->replica);
+        return;
+    }
+    size_t left = 0;
+    for (size_t i = 0; i < c->n_reqs; i++) {
+        creq *q = c->reqs[i];
+        if (sched_get_replica(c->sched, q->id) != (int)d->replica)
+            continue;
+        left++;
+        sched_state st = sched_get_state(c->sched, q->id);
+        int to = move_target(c, d->replica, blocks_of(c, q));
+        if (to < 0 || rp->in_flight)
+            continue;
+        strata_error err = {0};
+        if (st == SCHED_WAITING) {   /* no KV yet: only the reservation moves */
+            if (sched_move(c->sched, q->id, to, &err) == STRATA_OK) {
+                d->moved++;
+                return;
+            }
+        } else if (st == SCHED_RUNNING) {
+            migration_start(c, q->id, d->replica, (uint32_t)to);
+            return;
+        }
+    }
+    if (left == 0) {
+        d->done = true;
+        snprintf(d->message, sizeof d->message, "replica %u drained: %u moved, %u failed; its workers are stopping",
+                 d->replica, d->moved, d->failed);
+        logf_(c, "%s", d->message);
+        for (uint32_t s = 0; s < c->cfg.stages; s++)
+            if (rp->stages[s].peer)
+                send_shutdown(rp->stages[s].peer, true);
+        rp->tearing_down = true;   /* on_gone rebuilds it from the workers that join next */
+        rp->serving = false;
+        sched_set_available(c->sched, (int)d->replica, false);
+        sched_set_accepting(c->sched, (int)d->replica, true);
+    }
+}
+
 static void *step_thread(void *arg)
 {
     coord *c = arg;
     pthread_mutex_lock(&c->mu);
     while (!c->stopping) {
         bool started = false;
+        migration_kick(c);
+        drain_progress(c);
         for (uint32_t r = 0; r < c->cfg.replicas; r++)
-            if (c->reps[r].serving && !c->reps[r].in_flight)
+            if (c->reps[r].serving && !c->reps[r].in_flight &&
+                !(c->mig.active && (r == c->mig.from || r == c->mig.to)))
                 started |= start_step(c, r);
         if (c->have_metrics) {
             sched_stats st;
@@ -674,6 +887,7 @@ static void *step_thread(void *arg)
 /* ---- the API backend ---- */
 
 static uint32_t workers_total(const coord *c) { return c->cfg.replicas * c->cfg.stages; }
+int coord_drain_worker(coord *c, const char *worker, coord_drain_report *out, strata_error *err);
 
 static int check_kv(const coord *c, const char *spec, strata_error *err)
 {
@@ -890,10 +1104,27 @@ static int api_stats(void *ctx, Strata__V1__Stats *out, strata_error *err)
     return STRATA_OK;
 }
 
+static int api_drain_worker(void *ctx, const char *worker, Strata__V1__DrainWorkerResponse *out, strata_error *err)
+{
+    coord *c = ctx;
+    coord_drain_report rep;
+    int rc = coord_drain_worker(c, worker, &rep, err);
+    if (rc != STRATA_OK)
+        return rc;
+    out->done = rep.done;
+    out->replica = rep.replica;
+    out->moved = rep.moved;
+    out->remaining = rep.remaining;
+    out->failed = rep.failed;
+    out->message = c->drain.message;   /* written once, before done: stable while it is read */
+    return STRATA_OK;
+}
+
 api_backend coord_api_backend(coord *c)
 {
     return (api_backend){.ctx = c, .generate = api_generate, .cancel = api_cancel, .abort = api_abort,
-                         .health = api_health, .model_info = api_model_info, .stats = api_stats};
+                         .health = api_health, .model_info = api_model_info, .stats = api_stats,
+                         .drain_worker = api_drain_worker};
 }
 
 ctl_handler coord_ctl_handler(coord *c)
@@ -902,6 +1133,57 @@ ctl_handler coord_ctl_handler(coord *c)
 }
 
 const proto_generate_limits *coord_limits(const coord *c) { return &c->limits; }
+
+int coord_drain_worker(coord *c, const char *worker, coord_drain_report *out, strata_error *err)
+{
+    memset(out, 0, sizeof *out);
+    pthread_mutex_lock(&c->mu);
+    drain_state *d = &c->drain;
+    int rc = STRATA_OK;
+    int found = -1;
+    for (uint32_t r = 0; r < c->cfg.replicas && found < 0; r++)
+        for (uint32_t s = 0; s < c->cfg.stages; s++)
+            if (c->reps[r].stages[s].peer && !strcmp(c->reps[r].stages[s].name, worker))
+                found = (int)r;
+    bool same = d->active && !strcmp(d->worker, worker);
+    if (same && (d->done || found == (int)d->replica)) {
+        /* progress of the drain asked for before */
+    } else if (found < 0) {
+        rc = strata_fail(err, STRATA_EINVAL, "no worker named '%s' is joined", worker);
+    } else if (d->active && !d->done) {
+        rc = strata_fail(err, STRATA_EFULL, "a drain of replica %u (worker %s) is in progress; one at a time", d->replica,
+                         d->worker);
+    } else if (!c->reps[found].serving) {
+        rc = strata_fail(err, STRATA_EIO, "replica %d of worker '%s' is not serving", found, worker);
+    } else {
+        bool other = false;
+        for (uint32_t r = 0; r < c->cfg.replicas; r++)
+            other |= r != (uint32_t)found && c->reps[r].serving;
+        if (!other)
+            rc = strata_fail(err, STRATA_EFULL, "no other replica is serving: the requests of replica %d have nowhere "
+                             "to go", found);
+    }
+    if (rc == STRATA_OK && !same) {
+        memset(d, 0, sizeof *d);
+        d->active = true;
+        d->replica = (uint32_t)found;
+        snprintf(d->worker, sizeof d->worker, "%s", worker);
+        sched_set_accepting(c->sched, found, false);
+        logf_(c, "draining replica %d (worker %s)", found, worker);
+        pthread_cond_signal(&c->wake);
+    }
+    if (rc == STRATA_OK) {
+        out->done = d->done;
+        out->replica = d->replica;
+        out->moved = d->moved;
+        out->failed = d->failed;
+        for (size_t i = 0; i < c->n_reqs; i++)
+            out->remaining += !d->done && sched_get_replica(c->sched, c->reqs[i]->id) == (int)d->replica;
+        snprintf(out->message, sizeof out->message, "%s", d->message);
+    }
+    pthread_mutex_unlock(&c->mu);
+    return rc;
+}
 
 /* ---- metrics ---- */
 
@@ -1073,6 +1355,10 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
         if (!rp->stages || !rp->work_ids || !rp->tokens || !rp->sampled || !rp->status || !rp->message)
             rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
     }
+    c->cap = cap;
+    if (rc == STRATA_OK && (!(c->mig.send_ok = calloc(cfg->stages, sizeof *c->mig.send_ok)) ||
+                            !(c->mig.recv_ok = calloc(cfg->stages, sizeof *c->mig.recv_ok))))
+        rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
     if (rc == STRATA_OK) {
         c->limits = proto_generate_limits_default(c->cfg.ctx, (uint32_t)c->mc.n_vocab);
         if (cfg->metrics)
@@ -1185,6 +1471,8 @@ void coord_destroy(coord *c)
         free(rp->message);
     }
     free(c->reps);
+    free(c->mig.send_ok);
+    free(c->mig.recv_ok);
     sched_destroy(c->sched);
     free(c->codecs);
     free(c->layer_begin);

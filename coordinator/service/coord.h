@@ -53,6 +53,20 @@ ctl_handler coord_ctl_handler(coord *c);
  * the vocabulary. Valid while c lives. */
 const proto_generate_limits *coord_limits(const coord *c);
 
+/* Drains the replica of a worker: no new requests go there; its running requests move to the
+ * other replicas one by one (migration: each stage's KV blocks travel worker to worker over the
+ * data plane, as their exact bytes), requests not started yet are re-routed, preempted ones
+ * finish in place; then its workers are told to shut down (a supervisor restarts them and they
+ * join as a fresh replica). Starts the drain and returns at once; calling again with the same
+ * worker reports the progress. STRATA_EINVAL: no such worker; STRATA_EFULL: no other replica to
+ * move to, or another drain is running. */
+typedef struct coord_drain_report {
+    bool done;
+    uint32_t replica, moved, remaining, failed;
+    char message[512];
+} coord_drain_report;
+int coord_drain_worker(coord *c, const char *worker, coord_drain_report *out, strata_error *err);
+
 /* Waits until every replica serves (true) or timeout_ms passes (false). */
 bool coord_wait_ready(coord *c, int timeout_ms);
 

@@ -320,6 +320,46 @@ def test_sigterm_drains():
     assert b"draining" in s.text()
 
 
+def test_two_replicas_migration():
+    """Two replicas of two stages: two requests are routed one per replica; draining a worker moves
+    the request of its replica to the other one mid-generation (its KV blocks travel worker to
+    worker) and both still give exactly the single-process tokens."""
+    s = Serve("two", "--replicas", "2", "--stages", "2", "--ctx", "512")
+    try:
+        c = Client(s.addr())
+        h = c.health(pb.HealthRequest(), timeout=T)
+        assert h.workers_ready == 4 == h.workers_total, h
+        n = 48
+        want = {p: reference(p, n) for p in PROMPTS[2:4]}
+        streams = {p: c.stream(req(p, max_tokens=n, ignore_eos=True)) for p in PROMPTS[2:4]}
+        texts = {}
+        for p, it in streams.items():
+            first = next(it)
+            texts[p] = first.chunk.text
+        out = subprocess.run([STRATA, "drain", "--server", s.addr(), "local-0", "--timeout", "120"],
+                             capture_output=True, timeout=180)
+        assert out.returncode == 0, out.stderr.decode(errors="replace")
+        assert b"1 moved, 0 failed" in out.stdout, out.stdout   # one request per replica: routing
+        for p, it in streams.items():
+            for r in it:
+                if r.HasField("chunk"):
+                    texts[p] += r.chunk.text
+                else:
+                    assert r.complete.completion_tokens == n, r
+        for p in streams:
+            assert texts[p] == want[p], f"{p!r}: {texts[p]!r} != {want[p]!r}"
+        assert b"moved from replica" in s.text()
+        # the drained replica's workers were stopped, restarted and joined again
+        deadline = time.time() + 120
+        while time.time() < deadline and c.health(pb.HealthRequest(), timeout=T).status != pb.SERVING_STATUS_SERVING:
+            time.sleep(0.5)
+        assert c.health(pb.HealthRequest(), timeout=T).status == pb.SERVING_STATUS_SERVING
+        out = subprocess.run([STRATA, "drain", "--server", s.addr(), "nosuch"], capture_output=True, timeout=60)
+        assert out.returncode == 1 and b"INVALID_ARGUMENT" in out.stderr, out
+    finally:
+        assert s.stop() == 0
+
+
 def main():
     failures = []
 
@@ -354,6 +394,7 @@ def main():
             failures.append(f"main server exit status {code}")
     run("TLS and bearer token", test_tls_token)
     run("SIGTERM drains", test_sigterm_drains)
+    run("two replicas: routing and migration by strata drain", test_two_replicas_migration)
     if failures:
         print("server log:\n" + s.text().decode(errors="replace")[-6000:])
         print(f"{len(failures)} failed: {failures}")

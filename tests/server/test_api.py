@@ -92,6 +92,7 @@ class Client:
         self.health = uu("Health", pb.HealthRequest, pb.HealthResponse)
         self.model_info = uu("GetModelInfo", pb.ModelInfoRequest, pb.ModelInfo)
         self.stats_call = uu("GetStats", pb.StatsRequest, pb.Stats)
+        self.drain = uu("DrainWorker", pb.DrainWorkerRequest, pb.DrainWorkerResponse)
 
     def stats(self, **kw):
         return self.stats_call(pb.StatsRequest(), timeout=T, **kw)
@@ -343,6 +344,11 @@ def test_info(c):
     check(mi.name == "api-testserver" and mi.n_vocab == 1000 and mi.default_kv_codec == "fp16", "model %s" % mi)
     st = c.stats()
     check(len(st.tiers) == 1 and st.tiers[0].name == "device" and st.requests_total > 0, "stats %s" % st)
+    # The test backend has no drain_worker callback: a valid name is UNIMPLEMENTED, a bad one refused first.
+    expect_status(lambda: c.drain(pb.DrainWorkerRequest(worker_name="w0"), timeout=T), grpc.StatusCode.UNIMPLEMENTED)
+    expect_status(lambda: c.drain(pb.DrainWorkerRequest(worker_name=""), timeout=T), grpc.StatusCode.INVALID_ARGUMENT)
+    expect_status(lambda: c.drain(pb.DrainWorkerRequest(worker_name="a\nb"), timeout=T),
+                  grpc.StatusCode.INVALID_ARGUMENT)
 
 
 def test_backend_errors(c):
@@ -437,6 +443,8 @@ def test_tls_token():
             expect_status(lambda md=md: c.abort(pb.AbortRequest(request_id="a"), timeout=T, metadata=md),
                           grpc.StatusCode.UNAUTHENTICATED)
             expect_status(lambda md=md: c.model_info(pb.ModelInfoRequest(), timeout=T, metadata=md),
+                          grpc.StatusCode.UNAUTHENTICATED)
+            expect_status(lambda md=md: c.drain(pb.DrainWorkerRequest(worker_name="w0"), timeout=T, metadata=md),
                           grpc.StatusCode.UNAUTHENTICATED)
         e = expect_status(lambda: c.generate(req("x", max_tokens=2), timeout=T, metadata=(("authorization",
                                                                                           "Bearer wrong"),)),

@@ -31,6 +31,7 @@
 #include <grpc/slice.h>
 #include <grpc/support/time.h>
 
+#include "proto/grpc_call.h"
 #include "proto/grpc_util.h"
 #include "proto/validate.h"
 
@@ -214,16 +215,6 @@ static void client_teardown(ctl_client *c)
     grpc_shutdown();
 }
 
-static grpc_arg int_arg(const char *key, int value)
-{
-    grpc_arg a;
-    memset(&a, 0, sizeof a);
-    a.type = GRPC_ARG_INTEGER;
-    a.key = (char *)key;
-    a.value.integer = value;
-    return a;
-}
-
 int ctl_client_connect(const char *coordinator_addr, const Strata__Internal__V1__Join *join, int timeout_ms,
                        ctl_client **out, strata_error *err)
 {
@@ -281,13 +272,13 @@ int ctl_client_connect_opts(const char *coordinator_addr, const Strata__Internal
     snprintf(c->addr, sizeof c->addr, "%s", coordinator_addr);
 
     grpc_arg args[6] = {
-        int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, (int)max_bytes),
-        int_arg(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, (int)max_bytes),
-        int_arg(GRPC_ARG_KEEPALIVE_TIME_MS, ka_time),
-        int_arg(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ka_timeout),
-        int_arg(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1),
+        proto_int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, (int)max_bytes),
+        proto_int_arg(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, (int)max_bytes),
+        proto_int_arg(GRPC_ARG_KEEPALIVE_TIME_MS, ka_time),
+        proto_int_arg(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ka_timeout),
+        proto_int_arg(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1),
         /* Keep pinging an idle stream (gRPC stops after 2 pings without data by default). */
-        int_arg(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0),
+        proto_int_arg(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0),
     };
     grpc_channel_args chargs = {sizeof args / sizeof args[0], args};
     grpc_channel_credentials *creds = grpc_insecure_credentials_create();

@@ -27,11 +27,12 @@
 #include <stddef.h>
 
 #include "kvstore/error.h"
+#include "proto/control_protocol.h"
 #include "proto/strata_internal.pb-c.h"
 
-/* The version of proto/strata_internal.proto this build speaks; the coordinator side
- * (coordinator/control/control_server.h) defines the same value. */
-#define CTL_CLIENT_PROTOCOL_VERSION 1u
+/* The version of proto/strata_internal.proto this build speaks, defined once in
+ * proto/control_protocol.h for both ends. */
+#define CTL_CLIENT_PROTOCOL_VERSION PROTO_CONTROL_PROTOCOL_VERSION
 
 /* Defaults of ctl_client_options (a zero field means the default). */
 #define CTL_CLIENT_DEFAULT_MAX_MESSAGE_BYTES ((size_t)64 << 20)

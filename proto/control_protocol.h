@@ -1,0 +1,11 @@
+/* The version of the control protocol (proto/strata_internal.proto, Join.protocol_version) that
+ * this build speaks: the one definition both ends use (coordinator/control/control_server.h as
+ * CTL_PROTOCOL_VERSION, worker/control/control_client.h as CTL_CLIENT_PROTOCOL_VERSION). Raise
+ * it when a change to strata_internal.proto or to the message order breaks workers of the
+ * previous version; the coordinator refuses a Join of another version with FAILED_PRECONDITION. */
+#ifndef STRATA_PROTO_CONTROL_PROTOCOL_H
+#define STRATA_PROTO_CONTROL_PROTOCOL_H
+
+#define PROTO_CONTROL_PROTOCOL_VERSION 1u
+
+#endif
