@@ -317,6 +317,71 @@ static void prefill(model *m, kv_seq *s, const int32_t *ids, size_t n)
         fail_msg("prefill: %s", err.msg);
 }
 
+
+/* Chunked prefill: a prompt's second chunk continues its sequence in a step beside another
+ * sequence's decode token, on the whole model and split over two stages; every logit row is
+ * bit-identical to model_forward run alone with the same split of the prompt. */
+static void test_chunked_prefill(void **state)
+{
+    (void)state;
+    const char *plan[64];
+    uniform_plan("kivi2-r32", plan);   /* a short fp16 window: the prompt fills blocks */
+    int32_t *p = make_prompt(150, 11), *q = make_prompt(30, 12);
+    strata_error err = {0};
+    const size_t nv = (size_t)n_vocab;
+    float *want_p = malloc(nv * sizeof(float)), *want_q = malloc(nv * sizeof(float));
+    float *got = malloc(2 * nv * sizeof(float));
+    assert_true(want_p && want_q && got);
+    /* alone: chunk 1 (exact prefill), chunk 2 (one by one); q: prompt, then one decode token */
+    kv_pool *ref_pool = make_pool(full_model, plan, 32);
+    kv_seq *rp = make_seq(ref_pool), *rq = make_seq(ref_pool);
+    assert_int_equal(model_forward(full_model, rp, p, 50, 0, NULL, false, &err), STRATA_OK);
+    assert_int_equal(model_forward(full_model, rp, p + 50, 100, 50, want_p, false, &err), STRATA_OK);
+    assert_int_equal(model_forward(full_model, rq, q, 30, 0, want_q, false, &err), STRATA_OK);
+    int32_t next_q = argmax(want_q);
+    assert_int_equal(model_forward(full_model, rq, &next_q, 1, 30, want_q, false, &err), STRATA_OK);
+    for (int split = 0; split < 2; split++) {
+        model *ms[2] = {split ? stage0 : full_model, stage1};
+        kv_pool *pools[2] = {make_pool(ms[0], plan, 32), split ? make_pool(stage1, plan, 32) : NULL};
+        kv_seq *sp[2] = {make_seq(pools[0]), split ? make_seq(pools[1]) : NULL};
+        kv_seq *sq[2] = {make_seq(pools[0]), split ? make_seq(pools[1]) : NULL};
+        float *rows = malloc(130 * (size_t)n_embd * sizeof(float));
+        assert_non_null(rows);
+        /* step 1: chunk 1 of p and the whole prompt of q */
+        for (int st = 0; st <= split; st++) {
+            model_batch_item it[2] = {{.seq = sp[st], .tokens = p, .n_tokens = 50, .pos0 = 0},
+                                      {.seq = sq[st], .tokens = q, .n_tokens = 30, .pos0 = 0}};
+            assert_int_equal(model_forward_batch(ms[st], it, 2, st ? rows : NULL, split && !st ? rows : NULL,
+                                                 split && !st ? NULL : got, &err), STRATA_OK);
+        }
+        /* step 2: chunk 2 of p (100 tokens) beside q's decode token */
+        for (int st = 0; st <= split; st++) {
+            model_batch_item it[2] = {{.seq = sq[st], .tokens = &next_q, .n_tokens = 1, .pos0 = 30},
+                                      {.seq = sp[st], .tokens = p + 50, .n_tokens = 100, .pos0 = 50}};
+            if (model_forward_batch(ms[st], it, 2, st ? rows : NULL, split && !st ? rows : NULL,
+                                    split && !st ? NULL : got, &err) != STRATA_OK)
+                fail_msg("chunked step (split %d, stage %d): %s", split, st, err.msg);
+        }
+        assert_memory_equal(got, want_q, nv * sizeof(float));
+        assert_memory_equal(got + nv, want_p, nv * sizeof(float));
+        assert_int_equal(kv_seq_length(sp[split], 0), 150);
+        free(rows);
+        for (int st = 0; st <= split; st++) {
+            kv_seq_destroy(sp[st]);
+            kv_seq_destroy(sq[st]);
+            kv_pool_destroy(pools[st]);
+        }
+    }
+    kv_seq_destroy(rp);
+    kv_seq_destroy(rq);
+    kv_pool_destroy(ref_pool);
+    free(want_p);
+    free(want_q);
+    free(got);
+    free(p);
+    free(q);
+}
+
 static void test_errors(void **state)
 {
     (void)state;
@@ -331,15 +396,8 @@ static void test_errors(void **state)
     assert_non_null(logits);
     strata_error err = {0};
 
-    /* Chunked prefill: more than one token on a non-empty sequence. */
-    model_batch_item it[3] = {{.seq = a, .tokens = ids + 10, .n_tokens = 3, .pos0 = 10}};
-    assert_int_equal(model_forward_batch(full_model, it, 1, NULL, NULL, logits, &err), STRATA_EUNSUPPORTED);
-    assert_non_null(strstr(err.msg, "chunked prefill is not supported"));
-    printf("chunked prefill: %s\n", err.msg);
-    assert_int_equal(layer_len_sum(a), 10 * (size_t)nl);
-
     /* Position mismatches. */
-    it[0] = (model_batch_item){.seq = a, .tokens = ids + 10, .n_tokens = 1, .pos0 = 11};
+    model_batch_item it[3] = {{.seq = a, .tokens = ids + 10, .n_tokens = 1, .pos0 = 11}};
     assert_int_equal(model_forward_batch(full_model, it, 1, NULL, NULL, logits, &err), STRATA_EINVAL);
     assert_non_null(strstr(err.msg, "does not follow"));
     it[0] = (model_batch_item){.seq = b, .tokens = ids, .n_tokens = 4, .pos0 = 2};
@@ -512,6 +570,7 @@ int main(void)
         cmocka_unit_test(test_batch_equals_alone_kivi2),
         cmocka_unit_test(test_batch_equals_alone_fp16),
         cmocka_unit_test(test_two_stages_equal_whole_model),
+        cmocka_unit_test(test_chunked_prefill),
         cmocka_unit_test(test_errors),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

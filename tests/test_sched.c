@@ -216,7 +216,7 @@ static void test_simulation(void **state)
     for (int iter = 0; iter < 20000 && finished < SIM_N; iter++) {
         if (next_id <= SIM_N && rng(&seed) % 3 == 0) {
             uint64_t id = next_id++;
-            prompt[id] = 1 + rng(&seed) % 150;
+            prompt[id] = 1 + rng(&seed) % 300;   /* up to 2.3 x the step budget: chunked */
             max_tokens[id] = 1 + rng(&seed) % 60;
             int r;
             int rc = sched_submit(s, id, prompt[id], max_tokens[id], &r, &err);
@@ -245,23 +245,26 @@ static void test_simulation(void **state)
                 uint64_t id = p.work[i].id;
                 assert_false(done[id]);
                 assert_int_equal(p.work[i].pos0, len[id]);
-                if (p.work[i].pos0 == 0) {
-                    assert_int_equal(p.work[i].n_tokens, prompt[id]);
-                    prompts++;
+                if (p.work[i].pos0 < prompt[id]) {   /* a prompt chunk; the last one samples */
+                    assert_true(p.work[i].n_tokens >= 1 && p.work[i].n_tokens <= prompt[id] - len[id]);
+                    assert_int_equal(p.work[i].sample, p.work[i].pos0 + p.work[i].n_tokens == prompt[id]);
+                    prompts += p.work[i].pos0 == 0;
                 } else {
                     assert_int_equal(p.work[i].n_tokens, 1);
+                    assert_true(p.work[i].sample);
                 }
                 tokens += p.work[i].n_tokens;
                 working += (len[id] + p.work[i].n_tokens + bt - 1) / bt;
             }
             assert_int_equal(tokens, p.n_tokens);
             assert_true(working <= device + 0);
-            assert_true(tokens <= batch || prompts == 1);
+            assert_true(tokens <= batch);
+            (void)prompts;
             sched_outcome out[16];
             for (size_t i = 0; i < p.n_work; i++) {
                 uint64_t id = p.work[i].id;
                 len[id] += p.work[i].n_tokens;
-                got[id]++;
+                got[id] += p.work[i].sample;
                 bool fin = got[id] == max_tokens[id] || rng(&seed) % 50 == 0;
                 out[i] = (sched_outcome){id, fin};
                 if (fin) {
@@ -283,6 +286,46 @@ static void test_simulation(void **state)
     print_message("simulation: %d requests, %zu rejected, %llu preemptions, %llu resumptions\n", SIM_N, rejected,
                   (unsigned long long)st.preemptions, (unsigned long long)st.resumptions);
     assert_true(st.preemptions > 0);
+    sched_destroy(s);
+}
+
+/* Chunked prefill: a prompt larger than the step budget runs in chunks beside the decode tokens,
+ * only its last chunk samples, and it is never preempted. */
+static void test_chunked_prefill(void **state)
+{
+    (void)state;
+    scheduler *s = make(16, 64, 4, 1, 1000, 1000);
+    strata_error err = {0};
+    int r;
+    assert_int_equal(sched_submit(s, 1, 10, 5, &r, &err), STRATA_OK);
+    assert_int_equal(sched_submit(s, 2, 150, 2, &r, &err), STRATA_OK);
+    sched_plan p;
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_work, 2);   /* prompt 1 whole (10), prompt 2's first chunk: 54 >= 32 */
+    assert_true(p.work[0].sample);
+    assert_int_equal(p.work[1].n_tokens, 54);
+    assert_false(p.work[1].sample);
+    sched_outcome o[2] = {{1, false}, {2, false}};
+    assert_int_equal(sched_step_done(s, 0, o, 2, &err), STRATA_OK);
+    size_t pos = 54;
+    for (int step = 0; pos < 150; step++) {
+        assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+        assert_int_equal(p.n_work, 2);
+        assert_int_equal(p.work[0].id, 1);   /* the decode token first */
+        assert_int_equal(p.work[0].n_tokens, 1);
+        assert_int_equal(p.work[1].id, 2);
+        assert_int_equal(p.work[1].pos0, pos);
+        size_t want = 150 - pos < 63 ? 150 - pos : 63;
+        assert_int_equal(p.work[1].n_tokens, want);
+        assert_int_equal(p.work[1].sample, pos + want == 150);
+        assert_int_equal(p.n_tokens, 1 + want);
+        pos += want;
+        assert_int_equal(sched_step_done(s, 0, o, 2, &err), STRATA_OK);
+    }
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);   /* both decode now */
+    assert_int_equal(p.n_work, 2);
+    assert_int_equal(p.work[1].pos0, 150);   /* the sampled token enters the KV now */
+    assert_int_equal(p.work[1].n_tokens, 1);
     sched_destroy(s);
 }
 
@@ -331,6 +374,7 @@ int main(void)
         cmocka_unit_test(test_preempt_and_resume),
         cmocka_unit_test(test_simulation),
         cmocka_unit_test(test_availability),
+        cmocka_unit_test(test_chunked_prefill),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

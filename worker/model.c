@@ -492,11 +492,6 @@ static int batch_validate(const model *m, const model_batch_item *items, size_t 
         if (it->pos0 != len)
             return strata_fail(err, STRATA_EINVAL, "batch item %zu: position %zu does not follow the cache's %zu tokens",
                                j, it->pos0, len);
-        if (it->n_tokens > 1 && len > 0)
-            return strata_fail(err, STRATA_EUNSUPPORTED,
-                               "batch item %zu: %zu tokens at position %zu would continue a non-empty sequence; "
-                               "chunked prefill is not supported yet (a prompt runs whole on an empty sequence, "
-                               "then one token per step)", j, it->n_tokens, it->pos0);
         if (it->n_tokens > SIZE_MAX / 4 / (size_t)c->n_ff - rows)
             return strata_fail(err, STRATA_EINVAL, "batch: too many tokens in one step");
         rows += it->n_tokens;
@@ -609,6 +604,11 @@ int model_batch_check(const model *m, const model_batch_item *items, size_t n_it
     return rc;
 }
 
+static bool is_chunk(const model_batch_item *it) { return it->n_tokens > 1 && it->pos0 > 0; }
+
+static int forward_batch_rounds(model *m, const model_batch_item *items, size_t n_items, size_t rows,
+                                const float *hidden_in, float *hidden_out, float *logits, strata_error *err);
+
 int model_forward_batch(model *m, const model_batch_item *items, size_t n_items, const float *hidden_in,
                         float *hidden_out, float *logits, strata_error *err)
 {
@@ -618,6 +618,9 @@ int model_forward_batch(model *m, const model_batch_item *items, size_t n_items,
     int rc = batch_check(m, items, n_items, hidden_in, hidden_out, &rows, &bad, err);
     if (rc != STRATA_OK)
         return rc;
+    for (size_t j = 0; j < n_items; j++)
+        if (is_chunk(&items[j]))
+            return forward_batch_rounds(m, items, n_items, rows, hidden_in, hidden_out, logits, err);
 
     const size_t e = (size_t)c->n_embd;
     workspace w;
@@ -646,5 +649,76 @@ int model_forward_batch(model *m, const model_batch_item *items, size_t n_items,
         run_head(m, w.attn, n_items, w.xn, logits);
     }
     workspace_free(&w);
+    return rc;
+}
+
+/* A step with prompt chunks that continue a sequence (chunked prefill): such a chunk goes through
+ * the decode path one token after another, as model_forward does for tokens on a non-empty
+ * sequence, so the step runs in rounds. Round 0 holds every other item and the first token of each
+ * chunk; round k the k-th token of the chunks still going. Every round is a batch of its own over
+ * all of this model's layers, and token k of a chunk reaches a layer after tokens < k were
+ * appended there, so each item's result is the one it gets alone. Rows are gathered from and
+ * scattered back to the step's layout; a chunk's logits are its last token's. */
+static int forward_batch_rounds(model *m, const model_batch_item *items, size_t n_items, size_t rows,
+                                const float *hidden_in, float *hidden_out, float *logits, strata_error *err)
+{
+    const model_config *c = &m->cfg;
+    const bool first = m->layer_begin == 0, last = m->layer_end == c->n_layers;
+    const size_t e = (size_t)c->n_embd, nv = (size_t)c->n_vocab;
+    size_t n_rounds = 1;
+    for (size_t j = 0; j < n_items; j++)
+        if (is_chunk(&items[j]) && items[j].n_tokens > n_rounds)
+            n_rounds = items[j].n_tokens;
+    model_batch_item *sub = malloc(n_items * sizeof *sub);
+    size_t *of_item = malloc(n_items * sizeof *of_item);   /* sub item -> step item */
+    size_t *row0 = malloc(n_items * sizeof *row0);         /* first row of each step item */
+    float *in = !first ? malloc(rows * e * sizeof *in) : NULL;
+    float *out = !last ? malloc(rows * e * sizeof *out) : NULL;
+    float *lg = last && logits ? malloc(n_items * nv * sizeof *lg) : NULL;
+    int rc = STRATA_OK;
+    if (!sub || !of_item || !row0 || (!first && !in) || (!last && !out) || (last && logits && !lg))
+        rc = strata_fail(err, STRATA_ENOMEM, "batch: out of memory for a step of %zu rows", rows);
+    for (size_t j = 0, r = 0; rc == STRATA_OK && j < n_items; j++) {
+        row0[j] = r;
+        r += items[j].n_tokens;
+    }
+    for (size_t k = 0; rc == STRATA_OK && k < n_rounds; k++) {
+        size_t n_sub = 0, sub_rows = 0;
+        for (size_t j = 0; j < n_items; j++) {
+            const model_batch_item *it = &items[j];
+            if (is_chunk(it) ? k >= it->n_tokens : k > 0)
+                continue;
+            model_batch_item s1 = *it;
+            size_t from = row0[j], n = it->n_tokens;
+            if (is_chunk(it)) {   /* token k of the chunk */
+                s1.tokens = it->tokens ? it->tokens + k : NULL;
+                s1.n_tokens = 1;
+                s1.pos0 = it->pos0 + k;
+                from += k;
+                n = 1;
+            }
+            if (in)
+                memcpy(in + sub_rows * e, hidden_in + from * e, n * e * sizeof(float));
+            sub[n_sub] = s1;
+            of_item[n_sub++] = j;
+            sub_rows += n;
+        }
+        rc = model_forward_batch(m, sub, n_sub, in, out, lg, err);
+        for (size_t i = 0, r = 0; rc == STRATA_OK && i < n_sub; i++) {
+            const size_t j = of_item[i];
+            if (out)
+                memcpy(hidden_out + (row0[j] + (is_chunk(&items[j]) ? k : 0)) * e, out + r * e,
+                       sub[i].n_tokens * e * sizeof(float));
+            if (lg && (!is_chunk(&items[j]) || k == items[j].n_tokens - 1))
+                memcpy(logits + j * nv, lg + i * nv, nv * sizeof(float));
+            r += sub[i].n_tokens;
+        }
+    }
+    free(sub);
+    free(of_item);
+    free(row0);
+    free(in);
+    free(out);
+    free(lg);
     return rc;
 }

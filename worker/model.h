@@ -84,8 +84,10 @@ typedef struct model_batch_item {
  *     its fp16-rounded K/V, as model_forward's prefill; or
  *   - one token (n_tokens == 1, pos0 == the sequence's length, also 0 for a one-token prompt):
  *     attention over the compressed cache (kv_seq_acquire_layer; the next layer is prefetched and
- *     the sequence unpinned after each layer), as model_forward's decode.
- * Chunked prefill (n_tokens > 1 on a non-empty sequence) is not supported yet: STRATA_EUNSUPPORTED.
+ *     the sequence unpinned after each layer), as model_forward's decode; or
+ *   - a prompt chunk continuing a sequence (n_tokens > 1, pos0 == its length > 0: chunked
+ *     prefill): its tokens go through the decode path one after another, as model_forward does
+ *     on a non-empty sequence (the step then runs in rounds, one chunk token per round).
  *
  * Rows: the step has T = sum of n_tokens rows, item after item, each [n_embd] floats.
  *   hidden_in: the T rows entering layer_begin; required when layer_begin > 0, unused (may be
@@ -109,8 +111,7 @@ int model_forward_batch(model *m, const model_batch_item *items, size_t n_items,
                         float *hidden_out, float *logits, strata_error *err);
 
 /* The checks model_forward_batch makes before its first layer, without running anything: the
- * buffers, every item (sequence, tokens, geometry, position, no chunked prefill, no sequence
- * twice) and every item's room. On failure *bad_item (if non-NULL) is the index of the item at
+ * buffers, every item (sequence, tokens, geometry, position, no sequence twice) and every item's room. On failure *bad_item (if non-NULL) is the index of the item at
  * fault, or n_items when the fault is not one item's (no items, a missing buffer); a scheduler
  * can drop or defer that item and run the rest. STRATA_OK leaves *bad_item = n_items. */
 int model_batch_check(const model *m, const model_batch_item *items, size_t n_items, const float *hidden_in,

@@ -17,6 +17,7 @@ typedef struct request {
     int replica;           /* -1 while unrouted */
     bool in_step;          /* part of the replica's outstanding plan */
     size_t step_tokens;
+    bool step_sample;      /* that step samples a token for it (decode, or the last prompt chunk) */
 } request;
 
 typedef struct replica {
@@ -291,12 +292,18 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
     plan->n_free = p->n_pending_free;
     p->n_pending_free = 0;
 
-    /* Running sequences decode one token each; the device must hold their blocks at once. */
+    /* Running sequences: those past their prompt decode one token each; those still prefilling
+     * (chunked prefill) take their next chunk below. The device must hold the blocks of every
+     * sequence of the step at once. */
     size_t n_run = collect(s, r, SCHED_RUNNING, idx), working = 0;
     for (size_t i = 0; i < n_run; i++)
         working += blocks_for(s, s->reqs[idx[i]].len + 1);
-    while (working > p->cfg.device_blocks && n_run > 1) {
-        request *victim = &s->reqs[idx[--n_run]];   /* the most recently admitted */
+    /* Preempt decoders, most recently admitted first (a prefilling sequence is never preempted:
+     * its next work is a chunk, not a token), keeping at least one sequence running. */
+    for (size_t i = n_run; i-- > 0 && working > p->cfg.device_blocks;) {
+        request *victim = &s->reqs[idx[i]];
+        if (victim->len < victim->prompt || n_run - plan->n_preempt <= 1)
+            continue;
         working -= blocks_for(s, victim->len + 1);
         victim->state = SCHED_PREEMPTED;
         p->preempt[plan->n_preempt++] = victim->id;
@@ -305,8 +312,28 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
     size_t n_work = 0, tokens = 0;
     for (size_t i = 0; i < n_run; i++) {
         request *q = &s->reqs[idx[i]];
-        p->work[n_work++] = (sched_work){.id = q->id, .pos0 = q->len, .n_tokens = 1};
-        tokens++;
+        if (q->state == SCHED_RUNNING && q->len >= q->prompt) {
+            p->work[n_work++] = (sched_work){.id = q->id, .pos0 = q->len, .n_tokens = 1, .sample = true};
+            tokens++;
+        }
+    }
+    /* Prompts already started continue, oldest first, with as large a chunk as the step's token
+     * budget and the device allow. */
+    for (size_t i = 0; i < n_run; i++) {
+        request *q = &s->reqs[idx[i]];
+        if (q->state != SCHED_RUNNING || q->len >= q->prompt)
+            continue;
+        size_t chunk = q->prompt - q->len, left = s->cfg.max_batch_tokens > tokens ? s->cfg.max_batch_tokens - tokens : 0;
+        chunk = chunk < left ? chunk : left;
+        const size_t others = working - blocks_for(s, q->len + 1);
+        while (chunk > 0 && others + blocks_for(s, q->len + chunk + (q->len + chunk == q->prompt)) > p->cfg.device_blocks)
+            chunk--;
+        if (chunk == 0)
+            continue;   /* it waits a step; its blocks stay counted */
+        working = others + blocks_for(s, q->len + chunk + (q->len + chunk == q->prompt));
+        p->work[n_work++] = (sched_work){.id = q->id, .pos0 = q->len, .n_tokens = chunk,
+                                         .sample = q->len + chunk == q->prompt};
+        tokens += chunk;
     }
     /* Preempted sequences come back, oldest first, before any new prompt. */
     size_t n_pre = collect(s, r, SCHED_PREEMPTED, idx);
@@ -325,33 +352,34 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
         q->state = SCHED_RUNNING;
         p->resume[plan->n_resume++] = q->id;
         p->resumptions++;
-        p->work[n_work++] = (sched_work){.id = q->id, .pos0 = q->len, .n_tokens = 1};
+        p->work[n_work++] = (sched_work){.id = q->id, .pos0 = q->len, .n_tokens = 1, .sample = true};
         working += need;
         tokens++;
     }
-    /* New prompts, FIFO, whole (a prompt larger than the token budget runs alone). */
+    /* New prompts, FIFO. A prompt starts when the step can give it a first chunk of at least
+     * min(prompt, max_batch_tokens / 2) tokens (the first chunk is the exact prefill; later ones
+     * continue it); the rest follows in later steps. */
     size_t n_wait = blocked ? 0 : collect(s, r, SCHED_WAITING, idx);
-    bool prompt_added = false;
     for (size_t i = 0; i < n_wait; i++) {
         request *q = &s->reqs[idx[i]];
-        size_t need = blocks_for(s, q->prompt + 1);
-        /* A prompt over the whole budget would never fit beside decode tokens: it joins as the
-         * only prompt of its step (the step then exceeds the budget once). */
-        bool fits_tokens = tokens + q->prompt <= s->cfg.max_batch_tokens ||
-                           (q->prompt > s->cfg.max_batch_tokens && !prompt_added);
-        if (!fits_tokens || n_work + 1 > s->cfg.max_seqs || working + need > p->cfg.device_blocks)
+        size_t left = s->cfg.max_batch_tokens > tokens ? s->cfg.max_batch_tokens - tokens : 0;
+        size_t chunk = q->prompt < left ? q->prompt : left;
+        size_t least = s->cfg.max_batch_tokens / 2 ? s->cfg.max_batch_tokens / 2 : 1;
+        least = q->prompt < least ? q->prompt : least;
+        size_t need = blocks_for(s, chunk + (chunk == q->prompt));
+        if (chunk < least || n_work + 1 > s->cfg.max_seqs || working + need > p->cfg.device_blocks)
             break;
         q->state = SCHED_RUNNING;
-        prompt_added = true;
-        p->work[n_work++] = (sched_work){.id = q->id, .pos0 = 0, .n_tokens = q->prompt};
+        p->work[n_work++] = (sched_work){.id = q->id, .pos0 = 0, .n_tokens = chunk, .sample = chunk == q->prompt};
         working += need;
-        tokens += q->prompt;
+        tokens += chunk;
     }
     free(idx);
     for (size_t i = 0; i < n_work; i++) {
         request *q = find(s, p->work[i].id);
         q->in_step = true;
         q->step_tokens = p->work[i].n_tokens;
+        q->step_sample = p->work[i].sample;
     }
     plan->work = p->work;
     plan->n_work = n_work;
@@ -382,7 +410,7 @@ int sched_step_done(scheduler *s, int r, const sched_outcome *out, size_t n, str
         if (q->state == SCHED_FINISHED)
             continue;
         q->len += q->step_tokens;
-        q->generated++;
+        q->generated += q->step_sample;
         if (out[i].finished || q->generated >= q->max_tokens)
             release(s, q);
     }

@@ -17,10 +17,12 @@
  *   never run: STRATA_EFULL at submit (RESOURCE_EXHAUSTED to the client). Otherwise it waits in
  *   FIFO order until a replica has room.
  * - Routing: the replica with the most unreserved blocks (ties: the lowest index).
- * - A step of a replica holds the decode token of every running sequence, then prompts of
- *   waiting sequences (FIFO, whole prompts: no chunked prefill yet) while the step's tokens stay
- *   within max_batch_tokens and the running count within max_seqs. A prompt larger than
- *   max_batch_tokens joins as the only prompt of its step (beside the decode tokens).
+ * - A step of a replica holds the decode token of every running sequence, then the next chunk of
+ *   every prompt already started (chunked prefill: as many tokens as the budget and the device
+ *   allow), then preempted sequences that resume, then new prompts (FIFO) while the step's tokens
+ *   stay within max_batch_tokens and the running count within max_seqs. A new prompt starts when
+ *   it can get a first chunk of at least min(prompt, max_batch_tokens / 2) tokens; only the step
+ *   with its last chunk samples a token. A prefilling sequence is never preempted.
  * - Device working set: a decode step brings every running sequence's blocks of a layer onto
  *   the device at once, so the blocks of the step's sequences must fit device_blocks. When they
  *   do not, the most recently admitted running sequence is preempted (spilled: its blocks and
@@ -77,7 +79,8 @@ bool sched_finish(scheduler *s, uint64_t id);
 typedef struct sched_work {
     uint64_t id;
     size_t pos0;        /* position of the first token of this step */
-    size_t n_tokens;    /* the whole prompt (pos0 == 0) or 1 decode token */
+    size_t n_tokens;    /* a prompt chunk (pos0 < prompt) or 1 decode token */
+    bool sample;        /* a token is sampled: decode, or the prompt's last chunk */
 } sched_work;
 
 /* A replica's next step. Arrays are owned by the scheduler, valid until the next call. */
@@ -97,8 +100,9 @@ typedef struct sched_plan {
 /* Plans the next step of replica r. An empty plan (n_work == 0) means nothing to do. */
 int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err);
 
-/* The outcome of one sequence in the step just planned: a token was produced (the sequence is
- * one token longer); finished: it ended (EOS, stop, length) and is released. */
+/* The outcome of one sequence in the step just planned: its work ran (the sequence is n_tokens
+ * longer, and one token was produced when the work sampled); finished: it ended (EOS, stop,
+ * length, failure) and is released. */
 typedef struct sched_outcome {
     uint64_t id;
     bool finished;

@@ -62,6 +62,7 @@ typedef struct creplica {
     uint64_t *work_ids;
     uint32_t *tokens;
     bool *sampled;
+    bool *expect;                /* the work samples (decode, or a prompt's last chunk) */
     int *status;
     char (*message)[256];
 } creplica;
@@ -587,6 +588,8 @@ static void finish_step(coord *c, uint32_t r)
             api_stream_fail(q->stream, rp->status[w], rp->message[w]);
             count_finish(c, FIN_ERROR);
             drop_req(c, q);
+        } else if (q && !rp->expect[w]) {
+            ended = false;   /* a prompt chunk ran; the next one (or the token) comes later */
         } else if (q && !rp->sampled[w]) {
             api_stream_fail(q->stream, STRATA_EIO, "the last stage returned no token for this request");
             count_finish(c, FIN_ERROR);
@@ -637,14 +640,15 @@ static bool start_step(coord *c, uint32_t r)
         w->pos0 = (uint32_t)sw->pos0;
         w->tokens = toks + at;
         w->n_tokens = sw->n_tokens;
-        w->sample = true;
-        if (sw->pos0 == 0) {
+        if (sw->pos0 < q->n_prompt) {   /* a prompt chunk (the whole prompt when it fits a step) */
             for (size_t k = 0; k < sw->n_tokens; k++)
-                toks[at + k] = (uint32_t)q->prompt[k];
-            w->last_chunk_of_prompt = true;
+                toks[at + k] = (uint32_t)q->prompt[sw->pos0 + k];
+            w->last_chunk_of_prompt = sw->pos0 + sw->n_tokens == q->n_prompt;
         } else {
             toks[at] = q->last_token;
         }
+        w->sample = sw->sample;
+        rp->expect[i] = sw->sample;
         const Strata__V1__SamplingParams *sp = q->req->sampling;
         w->temperature = sp->temperature;
         w->top_p = sp->top_p;
@@ -1350,9 +1354,10 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
         rp->work_ids = calloc(n, sizeof *rp->work_ids);
         rp->tokens = calloc(n, sizeof *rp->tokens);
         rp->sampled = calloc(n, sizeof *rp->sampled);
+        rp->expect = calloc(n, sizeof *rp->expect);
         rp->status = calloc(n, sizeof *rp->status);
         rp->message = calloc(n, sizeof *rp->message);
-        if (!rp->stages || !rp->work_ids || !rp->tokens || !rp->sampled || !rp->status || !rp->message)
+        if (!rp->stages || !rp->work_ids || !rp->tokens || !rp->sampled || !rp->expect || !rp->status || !rp->message)
             rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
     }
     c->cap = cap;
@@ -1467,6 +1472,7 @@ void coord_destroy(coord *c)
         free(rp->work_ids);
         free(rp->tokens);
         free(rp->sampled);
+        free(rp->expect);
         free(rp->status);
         free(rp->message);
     }

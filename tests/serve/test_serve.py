@@ -323,8 +323,9 @@ def test_sigterm_drains():
 def test_two_replicas_migration():
     """Two replicas of two stages: two requests are routed one per replica; draining a worker moves
     the request of its replica to the other one mid-generation (its KV blocks travel worker to
-    worker) and both still give exactly the single-process tokens."""
-    s = Serve("two", "--replicas", "2", "--stages", "2", "--ctx", "512")
+    worker) and both still give exactly the single-process tokens. A step budget of 64 tokens
+    makes a long prompt run as chunks."""
+    s = Serve("two", "--replicas", "2", "--stages", "2", "--ctx", "512", "--max-batch-tokens", "64")
     try:
         c = Client(s.addr())
         h = c.health(pb.HealthRequest(), timeout=T)
@@ -354,6 +355,10 @@ def test_two_replicas_migration():
         while time.time() < deadline and c.health(pb.HealthRequest(), timeout=T).status != pb.SERVING_STATUS_SERVING:
             time.sleep(0.5)
         assert c.health(pb.HealthRequest(), timeout=T).status == pb.SERVING_STATUS_SERVING
+        # a prompt over the step budget (64 tokens) runs as chunks (chunked prefill) and completes
+        ids, text, last = c.generate(req(PROMPTS[0] * 30, max_tokens=8, ignore_eos=True))
+        assert last.complete.prompt_tokens > 128 and last.complete.completion_tokens == 8 == len(ids), last
+        assert text.strip(), text
         out = subprocess.run([STRATA, "drain", "--server", s.addr(), "nosuch"], capture_output=True, timeout=60)
         assert out.returncode == 1 and b"INVALID_ARGUMENT" in out.stderr, out
     finally:
