@@ -757,16 +757,16 @@ void ctl_server_shutdown(ctl_server *s)
      * coordinator/server/README.md). Collect the peers under s->ps.mu with a hold each, then
      * work without it: on_gone may run here and take the handler's locks. */
     pthread_mutex_lock(&s->ps.mu);
-    ctl_peer *todo = NULL;
+    ctl_peer *to_end = NULL;
     for (ctl_peer *p = s->peers; p; p = p->next)
         if (peer_hold_if_live(p)) {
-            p->snext = todo;
-            todo = p;
+            p->snext = to_end;
+            to_end = p;
         }
     pthread_mutex_unlock(&s->ps.mu);
-    while (todo) {
-        ctl_peer *p = todo;
-        todo = p->snext;
+    while (to_end) {
+        ctl_peer *p = to_end;
+        to_end = p->snext;
         pthread_mutex_lock(&p->mu);
         peer_end(p, GRPC_STATUS_UNAVAILABLE, "coordinator shutting down", true, true);
         pthread_mutex_unlock(&p->mu);

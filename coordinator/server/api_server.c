@@ -977,16 +977,16 @@ void api_server_shutdown(api_server *s, int drain_ms)
      * in flight) and cancel them in the backend. Collect them under mu with a reference each,
      * then work without mu: the backend's cancel may take its own locks, and a backend thread
      * holding those may be releasing a stream (which needs mu). */
-    api_stream *todo = NULL;
+    api_stream *to_end = NULL;
     for (api_stream *st = s->streams; st; st = st->next)
         if (stream_ref_if_live(st)) {
-            st->snext = todo;
-            todo = st;
+            st->snext = to_end;
+            to_end = st;
         }
     pthread_mutex_unlock(&s->ps.mu);
-    while (todo) {
-        api_stream *st = todo;
-        todo = st->snext;
+    while (to_end) {
+        api_stream *st = to_end;
+        to_end = st->snext;
         stream_server_end(st, GRPC_STATUS_UNAVAILABLE, "server shutting down");
         stream_unref(st);
     }
