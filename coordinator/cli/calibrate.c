@@ -71,7 +71,7 @@ typedef struct cal_opts {
     cli_tier_opts tiers;
 } cal_opts;
 
-enum { OPT_TEXT = 1000, OPT_BUDGET, OPT_OUT, OPT_CANDIDATES, OPT_KV_GROUP, OPT_KV_RESIDUAL, OPT_BLOCK_TOKENS,
+enum { OPT_TEXT = 1000, OPT_BUDGET, OPT_OUT, OPT_CANDIDATES,
        OPT_PREFILL, OPT_TOKENS, OPT_THREADS };
 
 static int parse_opts(int argc, char **argv, cal_opts *o)
@@ -82,9 +82,7 @@ static int parse_opts(int argc, char **argv, cal_opts *o)
         {"budget", required_argument, NULL, OPT_BUDGET},
         {"out", required_argument, NULL, OPT_OUT},
         {"candidates", required_argument, NULL, OPT_CANDIDATES},
-        {"kv-group", required_argument, NULL, OPT_KV_GROUP},
-        {"kv-residual", required_argument, NULL, OPT_KV_RESIDUAL},
-        {"block-tokens", required_argument, NULL, OPT_BLOCK_TOKENS},
+        CLI_KV_SHAPE_OPTIONS,
         {"prefill", required_argument, NULL, OPT_PREFILL},
         {"tokens", required_argument, NULL, OPT_TOKENS},
         {"quiet", no_argument, NULL, 'q'},
@@ -110,15 +108,8 @@ static int parse_opts(int argc, char **argv, cal_opts *o)
             if (!cli_parse_float("--budget", optarg, 1.0, 1e9, &f)) return EXIT_USAGE;
             o->budget = f;
             break;
-        case OPT_KV_GROUP:
-            if (!cli_parse_long("--kv-group", optarg, 1, 4096, &o->kv.group)) return EXIT_USAGE;
-            break;
-        case OPT_KV_RESIDUAL:
-            if (!cli_parse_long("--kv-residual", optarg, 0, 65535, &o->kv.residual)) return EXIT_USAGE;
-            break;
-        case OPT_BLOCK_TOKENS:
-            if (!cli_parse_long("--block-tokens", optarg, 1, 4096, &v)) return EXIT_USAGE;
-            o->kv.block_tokens = (int)v;
+        case OPT_KV_GROUP: case OPT_KV_RESIDUAL: case OPT_BLOCK_TOKENS:
+            if (!cli_kv_shape_flag(c, optarg, &o->kv)) return EXIT_USAGE;
             break;
         case OPT_PREFILL:
             if (!cli_parse_long("--prefill", optarg, 1, 1 << 20, &o->prefill)) return EXIT_USAGE;

@@ -80,7 +80,7 @@ typedef struct eval_opts {
     cli_tier_opts tiers;
 } eval_opts;
 
-enum { OPT_TEXT = 1000, OPT_KV, OPT_KV_PLAN, OPT_KV_GROUP, OPT_KV_RESIDUAL, OPT_BLOCK_TOKENS, OPT_PREFILL,
+enum { OPT_TEXT = 1000, OPT_KV, OPT_KV_PLAN, OPT_PREFILL,
        OPT_TOKENS, OPT_JSON, OPT_THREADS };
 
 /* Splits a --kv list at commas, keeping a range list ("0-9:tada4,10-29:tada2") in one piece:
@@ -133,9 +133,7 @@ static int parse_opts(int argc, char **argv, eval_opts *o)
         {"text", required_argument, NULL, OPT_TEXT},
         {"kv", required_argument, NULL, OPT_KV},
         {"kv-plan", required_argument, NULL, OPT_KV_PLAN},
-        {"kv-group", required_argument, NULL, OPT_KV_GROUP},
-        {"kv-residual", required_argument, NULL, OPT_KV_RESIDUAL},
-        {"block-tokens", required_argument, NULL, OPT_BLOCK_TOKENS},
+        CLI_KV_SHAPE_OPTIONS,
         {"prefill", required_argument, NULL, OPT_PREFILL},
         {"tokens", required_argument, NULL, OPT_TOKENS},
         {"json", no_argument, NULL, OPT_JSON},
@@ -158,15 +156,8 @@ static int parse_opts(int argc, char **argv, eval_opts *o)
         case OPT_TEXT: o->text_path = optarg; break;
         case OPT_KV: list = optarg; break;
         case OPT_KV_PLAN: o->kv.plan_file = optarg; break;
-        case OPT_KV_GROUP:
-            if (!cli_parse_long("--kv-group", optarg, 1, 4096, &o->kv.group)) return EXIT_USAGE;
-            break;
-        case OPT_KV_RESIDUAL:
-            if (!cli_parse_long("--kv-residual", optarg, 0, 65535, &o->kv.residual)) return EXIT_USAGE;
-            break;
-        case OPT_BLOCK_TOKENS:
-            if (!cli_parse_long("--block-tokens", optarg, 1, 4096, &v)) return EXIT_USAGE;
-            o->kv.block_tokens = (int)v;
+        case OPT_KV_GROUP: case OPT_KV_RESIDUAL: case OPT_BLOCK_TOKENS:
+            if (!cli_kv_shape_flag(c, optarg, &o->kv)) return EXIT_USAGE;
             break;
         case OPT_PREFILL:
             if (!cli_parse_long("--prefill", optarg, 1, 1 << 20, &o->prefill)) return EXIT_USAGE;

@@ -89,8 +89,7 @@ typedef struct gen_opts {
 } gen_opts;
 
 enum {
-    OPT_CHAT = 1000, OPT_SYSTEM, OPT_TOP_K, OPT_TOP_P, OPT_STOP, OPT_IGNORE_EOS, OPT_KV, OPT_KV_GROUP,
-    OPT_KV_RESIDUAL, OPT_KV_PLAN, OPT_BLOCK_TOKENS, OPT_CTX, OPT_SAVE_KV, OPT_STATS, OPT_THREADS, OPT_NO_ECHO,
+    OPT_CHAT = 1000, OPT_SYSTEM, OPT_TOP_K, OPT_TOP_P, OPT_STOP, OPT_IGNORE_EOS, OPT_KV, OPT_KV_PLAN, OPT_CTX, OPT_SAVE_KV, OPT_STATS, OPT_THREADS, OPT_NO_ECHO,
     OPT_SERVER, OPT_TOKEN_FILE, OPT_TLS_CA,
 };
 
@@ -188,15 +187,8 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
         case OPT_IGNORE_EOS: o->ignore_eos = true; break;
         case OPT_KV: o->kv.kv = optarg; o->kv_given = true; break;
         case OPT_KV_PLAN: o->kv.plan_file = optarg; break;
-        case OPT_KV_GROUP:
-            if (!cli_parse_long("--kv-group", optarg, 1, 4096, &o->kv.group)) return EXIT_USAGE;
-            break;
-        case OPT_KV_RESIDUAL:
-            if (!cli_parse_long("--kv-residual", optarg, 0, 65535, &o->kv.residual)) return EXIT_USAGE;
-            break;
-        case OPT_BLOCK_TOKENS:
-            if (!cli_parse_long("--block-tokens", optarg, 1, 4096, &v)) return EXIT_USAGE;
-            o->kv.block_tokens = (int)v;
+        case OPT_KV_GROUP: case OPT_KV_RESIDUAL: case OPT_BLOCK_TOKENS:
+            if (!cli_kv_shape_flag(c, optarg, &o->kv)) return EXIT_USAGE;
             break;
         case OPT_CTX:
             if (!cli_parse_long("--ctx", optarg, 2, 1 << 22, &o->ctx)) return EXIT_USAGE;

@@ -59,3 +59,18 @@ int cli_kv_resolve(const char *cmd, const char *kv, const cli_kv_opts *o, const 
     }
     return 0;
 }
+
+bool cli_kv_shape_flag(int opt, const char *arg, cli_kv_opts *o)
+{
+    long v;
+    switch (opt) {
+    case OPT_KV_GROUP: return cli_parse_long("--kv-group", arg, 1, 4096, &o->group);
+    case OPT_KV_RESIDUAL: return cli_parse_long("--kv-residual", arg, 0, 65535, &o->residual);
+    case OPT_BLOCK_TOKENS:
+        if (!cli_parse_long("--block-tokens", arg, 1, 4096, &v))
+            return false;
+        o->block_tokens = (int)v;
+        return true;
+    default: return false;
+    }
+}

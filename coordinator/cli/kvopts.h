@@ -2,6 +2,8 @@
 #ifndef STRATA_CLI_KVOPTS_H
 #define STRATA_CLI_KVOPTS_H
 
+#include <getopt.h>
+#include <stdbool.h>
 #include <stdio.h>
 
 #include "kvstore/kv_cache.h"
@@ -12,6 +14,17 @@ typedef struct cli_kv_opts {
     long group, residual;    /* -1: each codec's default */
     int block_tokens;
 } cli_kv_opts;
+
+/* getopt values of the block-shape flags every command that builds a KV pool takes; a command
+ * adds CLI_KV_SHAPE_OPTIONS to its option table and hands these values to cli_kv_shape_flag. */
+enum { OPT_KV_GROUP = 3100, OPT_KV_RESIDUAL, OPT_BLOCK_TOKENS };
+#define CLI_KV_SHAPE_OPTIONS                                         \
+    {"kv-group", required_argument, NULL, OPT_KV_GROUP},             \
+    {"kv-residual", required_argument, NULL, OPT_KV_RESIDUAL},       \
+    {"block-tokens", required_argument, NULL, OPT_BLOCK_TOKENS}
+
+/* Applies one of CLI_KV_SHAPE_OPTIONS to o; false after printing why (exit with EXIT_USAGE). */
+bool cli_kv_shape_flag(int opt, const char *arg, cli_kv_opts *o);
 
 /* The help lines of these options, for a usage text. */
 void cli_kv_usage(FILE *out, const char *default_kv);
