@@ -7,20 +7,8 @@ set -uo pipefail
 strata=${1:?usage: test_cli.sh STRATA}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 text="$here/../shared/papers/ott.txt"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
-
-# expect STATUS PATTERN CMD...: runs CMD, checks its exit status and that stderr matches PATTERN
-expect() {
-  local status=$1 pattern=$2
-  shift 2
-  "$@" >"$tmp/out" 2>"$tmp/err"
-  local got=$?
-  [ "$got" -eq "$status" ] || fail "$* exited $got, expected $status: $(tail -2 "$tmp/err")"
-  grep -q -- "$pattern" "$tmp/err" || fail "$*: stderr lacks '$pattern': $(tail -2 "$tmp/err")"
-}
+# shellcheck source=tests/cli/lib.sh
+source "$(dirname "$0")/lib.sh"
 
 [ -f "$text" ] || { echo "test_cli: $text missing (../shared must sit beside the repository)" >&2; exit 1; }
 head -c 6000 "$text" > "$tmp/text.txt"

@@ -8,19 +8,8 @@ set -uo pipefail
 strata=${1:?usage: test_tiers.sh STRATA}
 here=$(cd "$(dirname "$0")/../.." && pwd)
 text="$here/../shared/papers/kivi.txt"
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
-failures=0
-fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
-
-expect() {
-  local status=$1 pattern=$2
-  shift 2
-  "$@" >"$tmp/out" 2>"$tmp/err"
-  local got=$?
-  [ "$got" -eq "$status" ] || fail "$* exited $got, expected $status: $(tail -2 "$tmp/err")"
-  grep -q -- "$pattern" "$tmp/err" || fail "$*: stderr lacks '$pattern': $(tail -2 "$tmp/err")"
-}
+# shellcheck source=tests/cli/lib.sh
+source "$(dirname "$0")/lib.sh"
 
 [ -f "$text" ] || { echo "test_tiers: $text missing (../shared must sit beside the repository)" >&2; exit 1; }
 head -c 2600 "$text" > "$tmp/prompt.txt"   # ~670 tokens: 8+ blocks per layer
