@@ -146,8 +146,12 @@ static void test_preempt_each_codec(void **state)
     /* fp16 (no residual window), a KIVI backbone, and the codecs with extra sections; the tiers
      * move every codec's bytes alike (test_offload_kvtier covers each codec's blocks). */
     const char *specs[] = {"fp16", "kivi2", "gear2", "tada"};
-    for (size_t i = 0; i < sizeof specs / sizeof *specs; i++)
-        run_codec(specs[i]);
+    /* Under the sanitizers (STRATA_SANITIZED=1, about 10x slower) two of them: the spill and
+     * resume paths are the same for every codec; the per-codec equality is the normal build's. */
+    const char *sanitized = getenv("STRATA_SANITIZED");
+    size_t n = sanitized && !strcmp(sanitized, "1") ? 2 : sizeof specs / sizeof *specs;
+    for (size_t i = 0; i < n; i++)
+        run_codec(specs[i + (n == 2 ? 1 : 0)]);   /* kivi2 and gear2 */
 }
 
 static int setup(void **state)
