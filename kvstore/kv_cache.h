@@ -225,13 +225,12 @@ bool kv_seq_is_spilled(const kv_seq *seq);
 
 /* Migration: the whole sequence as one byte image (docs/format.md, "Sequence image"): per
  * layer its blocks as their exact stored bytes (each still self-describing and CRC-protected),
- * its fp16 tail and its prompt length, with a CRC32C over the whole image. kv_seq_export reads
+ * its fp16 tail, its prompt length and OTT's pool state, with a CRC32C over the whole image. kv_seq_export reads
  * blocks that sit below the device from the lower tier (checking them) without moving them;
  * *out is malloc'd. kv_seq_import rebuilds the sequence in a pool of the same geometry and
  * codecs, checking every block's CRCs and place; the result is bit for bit the exported
- * sequence (appends and attention continue exactly as they would have). Sequences with an OTT
- * pool are refused (STRATA_EUNSUPPORTED: the tracker state does not travel yet); a spilled
- * sequence must be resumed first. */
+ * sequence (appends and attention continue exactly as they would have; OTT's pool state travels
+ * with its layer). A spilled sequence must be resumed first. */
 int kv_seq_export(kv_seq *seq, uint8_t **out, size_t *len, strata_error *err);
 kv_seq *kv_seq_import(kv_pool *pool, size_t max_tokens, const uint8_t *image, size_t len, strata_error *err);
 

@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvstore/bytes.h"
+
 typedef struct ott_member {
     uint64_t pos;
     double norm;
@@ -56,6 +58,56 @@ void kv_ott_tracker_copy(kv_ott_tracker *dst, const kv_ott_tracker *src)
     memcpy(dst->heads, src->heads, (size_t)src->n_kv_heads * sizeof *src->heads);
     memcpy(dst->members, src->members,
            (size_t)src->n_kv_heads * (size_t)(src->pool ? src->pool : 1) * sizeof *src->members);
+}
+
+static size_t pool_slots(const kv_ott_tracker *t) { return (size_t)(t->pool ? t->pool : 1); }
+
+size_t kv_ott_tracker_state_bytes(const kv_ott_tracker *t)
+{
+    return (size_t)t->n_kv_heads * (12 + pool_slots(t) * 16);
+}
+
+void kv_ott_tracker_save(const kv_ott_tracker *t, uint8_t *out)
+{
+    for (int h = 0; h < t->n_kv_heads; h++) {
+        const ott_head *hd = &t->heads[h];
+        kv_st32(out, (uint32_t)hd->n);
+        kv_st32(out + 4, (uint32_t)hd->aux_used);
+        kv_st32(out + 8, hd->stopped ? 1u : 0u);
+        out += 12;
+        for (size_t i = 0; i < pool_slots(t); i++) {
+            const ott_member *m = &t->members[(size_t)h * pool_slots(t) + i];
+            uint64_t bits;
+            memcpy(&bits, &m->norm, sizeof bits);
+            kv_st64(out, m->pos);
+            kv_st64(out + 8, bits);
+            out += 16;
+        }
+    }
+}
+
+bool kv_ott_tracker_load(kv_ott_tracker *t, const uint8_t *in, size_t len)
+{
+    if (len != kv_ott_tracker_state_bytes(t))
+        return false;
+    for (int h = 0; h < t->n_kv_heads; h++) {
+        ott_head *hd = &t->heads[h];
+        uint32_t n = kv_ld32(in), stopped = kv_ld32(in + 8);
+        if (n > (uint32_t)t->pool || stopped > 1)
+            return false;
+        hd->n = n;
+        hd->aux_used = kv_ld32(in + 4);
+        hd->stopped = stopped != 0;
+        in += 12;
+        for (size_t i = 0; i < pool_slots(t); i++) {
+            ott_member *m = &t->members[(size_t)h * pool_slots(t) + i];
+            uint64_t bits = kv_ld64(in + 8);
+            m->pos = kv_ld64(in);
+            memcpy(&m->norm, &bits, sizeof bits);
+            in += 16;
+        }
+    }
+    return true;
 }
 
 /* Smaller norm first; equal norms keep the earlier position (deterministic). */

@@ -9,6 +9,7 @@
 #ifndef STRATA_KVSTORE_OTT_H
 #define STRATA_KVSTORE_OTT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -20,6 +21,13 @@ kv_ott_tracker *kv_ott_tracker_create(int n_kv_heads, int pool_tokens, int aux_t
 void kv_ott_tracker_destroy(kv_ott_tracker *t);
 /* Copies the state of src into dst (same shape): a snapshot to roll back a failed append. */
 void kv_ott_tracker_copy(kv_ott_tracker *dst, const kv_ott_tracker *src);
+
+/* The tracker's state as bytes, for migration images (little-endian: per head u32 members, u32
+ * auxiliary tokens used, u32 stopped, then pool_tokens entries of u64 position and the f64 norm's
+ * bits). kv_ott_tracker_load checks the length and that member counts fit the pool. */
+size_t kv_ott_tracker_state_bytes(const kv_ott_tracker *t);
+void kv_ott_tracker_save(const kv_ott_tracker *t, uint8_t *out);
+bool kv_ott_tracker_load(kv_ott_tracker *t, const uint8_t *in, size_t len);
 
 /* Runs the pool update for a block of n_tokens rows k [token][head][head_dim] whose first token
  * is at first_pos. Writes the block's entries to out (room for n_kv_heads * pool_tokens), sorted

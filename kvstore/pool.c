@@ -1089,10 +1089,6 @@ int kv_seq_export(kv_seq *seq, uint8_t **out, size_t *out_len, strata_error *err
     const size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim;
     if (seq->spilled)
         return strata_fail(err, STRATA_EINVAL, "kv export: sequence %" PRIu64 " is spilled; resume it first", seq->id);
-    for (int l = 0; l < g->n_layers; l++)
-        if (seq->layers[l].ott)
-            return strata_fail(err, STRATA_EUNSUPPORTED, "kv export: layer %d uses an OTT pool, whose tracker state "
-                               "does not travel yet", l);
     image_writer w = {0};
     int rc = image_room(&w, SEQ_IMAGE_HEAD, err);
     if (rc == STRATA_OK) {
@@ -1113,6 +1109,14 @@ int kv_seq_export(kv_seq *seq, uint8_t **out, size_t *out_len, strata_error *err
         kv_st32(w.buf + w.len + 4, (uint32_t)L->tail_len);
         kv_st64(w.buf + w.len + 8, (uint64_t)L->prompt_end);
         w.len += SEQ_IMAGE_LAYER_HEAD;
+        /* OTT's pool state decides which tokens of future blocks stay fp16: it travels too. */
+        const size_t ott_bytes = L->ott ? kv_ott_tracker_state_bytes(L->ott) : 0;
+        if ((rc = image_room(&w, 4 + ott_bytes, err)) != STRATA_OK)
+            break;
+        kv_st32(w.buf + w.len, (uint32_t)ott_bytes);
+        if (L->ott)
+            kv_ott_tracker_save(L->ott, w.buf + w.len + 4);
+        w.len += 4 + ott_bytes;
         for (size_t b = 0; rc == STRATA_OK && b < L->n_blocks; b++) {
             kv_block_ref *r = &L->refs[b];
             if ((rc = image_room(&w, 4 + (size_t)r->bytes, err)) != STRATA_OK)
@@ -1210,8 +1214,16 @@ kv_seq *kv_seq_import(kv_pool *pool, size_t max_tokens, const uint8_t *img, size
                              "sequence takes at most %zu tokens", l, n_blocks, tail_len, max_tokens);
             break;
         }
-        if (pool->codecs[l].codec == KV_CODEC_OTT && pool->codecs[l].pool_tokens > 0) {
-            rc = strata_fail(err, STRATA_EUNSUPPORTED, "kv import: layer %d uses an OTT pool", l);
+        const uint8_t *osz = image_take(img, body, &at, 4);
+        size_t ott_bytes = osz ? kv_ld32(osz) : 0;
+        const uint8_t *ott = osz ? image_take(img, body, &at, ott_bytes) : NULL;
+        if (!osz || (ott_bytes && !ott)) {
+            rc = strata_fail(err, STRATA_EFORMAT, "kv import: the image ends in layer %d's OTT state", l);
+            break;
+        }
+        if ((ott_bytes != 0) != (L->ott != NULL) || (L->ott && !kv_ott_tracker_load(L->ott, ott, ott_bytes))) {
+            rc = strata_fail(err, STRATA_EINVAL, "kv import: layer %d's OTT state (%zu bytes) does not fit this "
+                             "pool's codec", l, ott_bytes);
             break;
         }
         for (size_t b = 0; rc == STRATA_OK && b < n_blocks; b++) {

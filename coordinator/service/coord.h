@@ -56,7 +56,7 @@ const proto_generate_limits *coord_limits(const coord *c);
 /* Drains the replica of a worker: no new requests go there; its running requests move to the
  * other replicas one by one (migration: each stage's KV blocks travel worker to worker over the
  * data plane, as their exact bytes), requests not started yet are re-routed, preempted ones
- * finish in place; then its workers are told to shut down (a supervisor restarts them and they
+ * move once they resume there; then its workers are told to shut down (a supervisor restarts them and they
  * join as a fresh replica). Starts the drain and returns at once; calling again with the same
  * worker reports the progress. STRATA_EINVAL: no such worker; STRATA_EFULL: no other replica to
  * move to, or another drain is running. */
