@@ -1385,16 +1385,23 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
     return c;
 }
 
+/* The CLOCK_REALTIME time ms from now (pthread_cond_timedwait's clock). */
+static struct timespec realtime_after_ms(int ms)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    t.tv_sec += ms / 1000;
+    t.tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (t.tv_nsec >= 1000000000L) {
+        t.tv_sec++;
+        t.tv_nsec -= 1000000000L;
+    }
+    return t;
+}
+
 bool coord_wait_ready(coord *c, int timeout_ms)
 {
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    until.tv_sec += timeout_ms / 1000;
-    until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (until.tv_nsec >= 1000000000L) {
-        until.tv_sec++;
-        until.tv_nsec -= 1000000000L;
-    }
+    const struct timespec until = realtime_after_ms(timeout_ms);
     pthread_mutex_lock(&c->mu);
     for (;;) {
         bool all = true;
@@ -1417,14 +1424,7 @@ void coord_worker_counts(coord *c, uint32_t *ready, uint32_t *total)
 
 int coord_drain(coord *c, int drain_ms)
 {
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    until.tv_sec += drain_ms / 1000;
-    until.tv_nsec += (long)(drain_ms % 1000) * 1000000L;
-    if (until.tv_nsec >= 1000000000L) {
-        until.tv_sec++;
-        until.tv_nsec -= 1000000000L;
-    }
+    const struct timespec until = realtime_after_ms(drain_ms);
     pthread_mutex_lock(&c->mu);
     c->draining = true;
     while (c->n_reqs && pthread_cond_timedwait(&c->changed, &c->mu, &until) != ETIMEDOUT) {
