@@ -34,19 +34,23 @@ to continental Europe and North America during the following decades. It replace
 with machines, introduced new chemical manufacturing and iron production processes, and made steam \
 power and water power far more widely used."
 echo
-echo "== four requests at once (continuous batching: they share the workers' steps) =="
+echo "== four questions at once (continuous batching: they share the workers' steps) =="
+# The server applies no chat template: a client sends the model's own format (ChatML for
+# SmolLM2-Instruct), control tokens included, as `strata generate --chat` would build it.
+# (printf -v: a command substitution would drop the final newline the template needs)
+chat() { printf -v prompt '<|im_start|>user\n%s<|im_end|>\n<|im_start|>assistant\n' "$1"; }
+questions=("In which country did the Industrial Revolution begin?" "What did it replace?"
+           "Which kinds of power did it make more widely used?" "To which continents did it spread?")
 pids=()
-i=0
-for q in "in which country did the Industrial Revolution begin?" "what did it replace?" \
-         "which industry was dominant?" "to which continents did it spread?"; do
-  build/strata generate --server "$addr" --prompt "$context Question: $q Answer:" --max-tokens 24 \
+for i in "${!questions[@]}"; do
+  chat "$context ${questions[$i]}"
+  build/strata generate --server "$addr" --prompt "$prompt" --max-tokens 40 \
     --stop $'\n' --no-echo > "$log.$i" &
   pids+=($!)
-  i=$((i + 1))
 done
 status=0
 for p in "${pids[@]}"; do wait "$p" || status=1; done
-for f in "$log".*; do cat "$f"; rm -f "$f"; done
+for i in "${!questions[@]}"; do echo "Q: ${questions[$i]}"; echo "A: $(cat "$log.$i")"; rm -f "$log.$i"; done
 [ "$status" -eq 0 ] || { echo "a request failed" >&2; exit 1; }
 echo
 echo "== metrics (curl http://127.0.0.1:9400/metrics | grep strata_) =="
