@@ -71,15 +71,64 @@ static const char *finish_name(Strata__V1__FinishReason r)
     }
 }
 
+/* A connection to a server for one command: the channel (TLS when a CA file is given), a pluck
+ * queue, and the bearer-token metadata every call sends. */
+typedef struct remote_conn {
+    grpc_channel *ch;
+    grpc_completion_queue *cq;
+    char *token;
+    grpc_metadata md;   /* authorization: Bearer <token>, when a token was given */
+    size_t n_md;
+} remote_conn;
+
+/* Reads the token and CA files and opens the channel; false (EXIT_USAGE) after a message. */
+static bool conn_open(remote_conn *c, const char *server, const char *token_file, const char *tls_ca)
+{
+    memset(c, 0, sizeof *c);
+    char *pem = NULL;
+    if (token_file && !(c->token = read_file("--token-file", token_file, true)))
+        return false;
+    if (tls_ca && !(pem = read_file("--tls-ca", tls_ca, false))) {
+        free(c->token);
+        return false;
+    }
+    grpc_init();
+    grpc_channel_credentials *creds = pem ? grpc_ssl_credentials_create(pem, NULL, NULL, NULL)
+                                          : grpc_insecure_credentials_create();
+    grpc_arg arg = proto_int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, (int)MAX_RESPONSE_BYTES);
+    grpc_channel_args args = {1, &arg};
+    c->ch = grpc_channel_create(server, creds, &args);
+    grpc_channel_credentials_release(creds);
+    free(pem);
+    c->cq = grpc_completion_queue_create_for_pluck(NULL);
+    if (c->token) {
+        char auth[1100];
+        snprintf(auth, sizeof auth, "Bearer %.1024s", c->token);
+        c->md.key = grpc_slice_from_static_string("authorization");
+        c->md.value = grpc_slice_from_copied_string(auth);
+        c->n_md = 1;
+    }
+    return true;
+}
+
+static void conn_close(remote_conn *c)
+{
+    if (c->n_md)
+        grpc_slice_unref(c->md.value);
+    grpc_completion_queue_shutdown(c->cq);
+    while (grpc_completion_queue_pluck(c->cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_completion_queue_destroy(c->cq);
+    grpc_channel_destroy(c->ch);
+    grpc_shutdown();
+    if (c->token)
+        memset(c->token, 0, strlen(c->token));
+    free(c->token);
+}
+
 int cli_remote_generate(const remote_request *r)
 {
-    char *token = NULL, *pem = NULL;
-    if (r->token_file && !(token = read_file("--token-file", r->token_file, true)))
-        return EXIT_USAGE;
-    if (r->tls_ca && !(pem = read_file("--tls-ca", r->tls_ca, false))) {
-        free(token);
-        return EXIT_USAGE;
-    }
     Strata__V1__SamplingParams sp = STRATA__V1__SAMPLING_PARAMS__INIT;
     sp.temperature = r->sampling.temperature;
     sp.top_p = r->sampling.top_p;
@@ -98,29 +147,17 @@ int cli_remote_generate(const remote_request *r)
     strata_error err = {0};
     if (proto_pack(&req.base, MAX_RESPONSE_BYTES, &send_bb, &err) != STRATA_OK) {
         fprintf(stderr, "strata generate: the request: %s\n", err.msg);
-        free(token);
-        free(pem);
         return EXIT_USAGE;
     }
-
-    grpc_init();
-    grpc_channel_credentials *creds = pem ? grpc_ssl_credentials_create(pem, NULL, NULL, NULL)
-                                          : grpc_insecure_credentials_create();
-    grpc_arg arg = proto_int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, (int)MAX_RESPONSE_BYTES);
-    grpc_channel_args args = {1, &arg};
-    grpc_channel *ch = grpc_channel_create(r->server, creds, &args);
-    grpc_channel_credentials_release(creds);
-    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
-    grpc_call *call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+    remote_conn conn;
+    if (!conn_open(&conn, r->server, r->token_file, r->tls_ca)) {
+        grpc_byte_buffer_destroy(send_bb);
+        return EXIT_USAGE;
+    }
+    grpc_completion_queue *cq = conn.cq;
+    grpc_call *call = grpc_channel_create_call(conn.ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
                                                grpc_slice_from_static_string("/strata.v1.Strata/Generate"), NULL,
                                                gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-    char auth[1100];
-    grpc_metadata md = {0};
-    if (token) {
-        snprintf(auth, sizeof auth, "Bearer %.1024s", token);
-        md.key = grpc_slice_from_static_string("authorization");
-        md.value = grpc_slice_from_copied_string(auth);
-    }
     grpc_metadata_array md_in, trailing;
     grpc_metadata_array_init(&md_in);
     grpc_metadata_array_init(&trailing);
@@ -131,8 +168,8 @@ int cli_remote_generate(const remote_request *r)
     grpc_op ops[4];
     memset(ops, 0, sizeof ops);
     ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops[0].data.send_initial_metadata.count = token ? 1 : 0;
-    ops[0].data.send_initial_metadata.metadata = token ? &md : NULL;
+    ops[0].data.send_initial_metadata.count = conn.n_md;
+    ops[0].data.send_initial_metadata.metadata = conn.n_md ? &conn.md : NULL;
     ops[1].op = GRPC_OP_SEND_MESSAGE;
     ops[1].data.send_message.send_message = send_bb;
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -218,26 +255,14 @@ int cli_remote_generate(const remote_request *r)
     grpc_slice_unref(details);
     grpc_metadata_array_destroy(&md_in);
     grpc_metadata_array_destroy(&trailing);
-    if (token)
-        grpc_slice_unref(md.value);
-    grpc_completion_queue_shutdown(cq);
-    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {
-    }
-    grpc_completion_queue_destroy(cq);
-    grpc_channel_destroy(ch);
-    grpc_shutdown();
-    if (token)
-        memset(token, 0, strlen(token));
-    free(token);
-    free(pem);
+    conn_close(&conn);
     return exit_code;
 }
 
 /* One unary call on an open channel; *resp is unpacked (free with
  * protobuf_c_message_free_unpacked) when the status is OK. Returns the gRPC status; *details is
  * the status message (gpr_free it). */
-static grpc_status_code unary(grpc_channel *ch, grpc_completion_queue *cq, const char *method, const char *token,
-                              const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
+static grpc_status_code unary(const remote_conn *c, const char *method, const ProtobufCMessage *req, const ProtobufCMessageDescriptor *resp_desc,
                               ProtobufCMessage **resp, char **details_out)
 {
     *resp = NULL;
@@ -249,15 +274,8 @@ static grpc_status_code unary(grpc_channel *ch, grpc_completion_queue *cq, const
         return GRPC_STATUS_INVALID_ARGUMENT;
     }
     gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_seconds(30, GPR_TIMESPAN));
-    grpc_call *call = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+    grpc_call *call = grpc_channel_create_call(c->ch, NULL, GRPC_PROPAGATE_DEFAULTS, c->cq,
                                                grpc_slice_from_static_string(method), NULL, deadline, NULL);
-    char auth[1100];
-    grpc_metadata md = {0};
-    if (token) {
-        snprintf(auth, sizeof auth, "Bearer %.1024s", token);
-        md.key = grpc_slice_from_static_string("authorization");
-        md.value = grpc_slice_from_copied_string(auth);
-    }
     grpc_metadata_array md_in, trailing;
     grpc_metadata_array_init(&md_in);
     grpc_metadata_array_init(&trailing);
@@ -266,8 +284,8 @@ static grpc_status_code unary(grpc_channel *ch, grpc_completion_queue *cq, const
     grpc_op ops[6];
     memset(ops, 0, sizeof ops);
     ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops[0].data.send_initial_metadata.count = token ? 1 : 0;
-    ops[0].data.send_initial_metadata.metadata = token ? &md : NULL;
+    ops[0].data.send_initial_metadata.count = c->n_md;
+    ops[0].data.send_initial_metadata.metadata = c->n_md ? (grpc_metadata *)&c->md : NULL;
     ops[1].op = GRPC_OP_SEND_MESSAGE;
     ops[1].data.send_message.send_message = send_bb;
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
@@ -280,7 +298,7 @@ static grpc_status_code unary(grpc_channel *ch, grpc_completion_queue *cq, const
     ops[5].data.recv_status_on_client.status = &status;
     ops[5].data.recv_status_on_client.status_details = &details;
     int tag;
-    if (!call || !run_batch(call, cq, ops, 6, &tag)) {
+    if (!call || !run_batch(call, c->cq, ops, 6, &tag)) {
         status = GRPC_STATUS_UNAVAILABLE;
         details = grpc_slice_from_static_string("the call could not be made");
     }
@@ -296,8 +314,6 @@ static grpc_status_code unary(grpc_channel *ch, grpc_completion_queue *cq, const
     grpc_byte_buffer_destroy(recv_bb);
     grpc_metadata_array_destroy(&md_in);
     grpc_metadata_array_destroy(&trailing);
-    if (token)
-        grpc_slice_unref(md.value);
     if (call)
         grpc_call_unref(call);
     return status;
@@ -305,19 +321,9 @@ static grpc_status_code unary(grpc_channel *ch, grpc_completion_queue *cq, const
 
 int cli_remote_drain(const remote_drain *r)
 {
-    char *token = NULL, *pem = NULL;
-    if (r->token_file && !(token = read_file("--token-file", r->token_file, true)))
+    remote_conn conn;
+    if (!conn_open(&conn, r->server, r->token_file, r->tls_ca))
         return EXIT_USAGE;
-    if (r->tls_ca && !(pem = read_file("--tls-ca", r->tls_ca, false))) {
-        free(token);
-        return EXIT_USAGE;
-    }
-    grpc_init();
-    grpc_channel_credentials *creds = pem ? grpc_ssl_credentials_create(pem, NULL, NULL, NULL)
-                                          : grpc_insecure_credentials_create();
-    grpc_channel *ch = grpc_channel_create(r->server, creds, NULL);
-    grpc_channel_credentials_release(creds);
-    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
     Strata__V1__DrainWorkerRequest req = STRATA__V1__DRAIN_WORKER_REQUEST__INIT;
     req.worker_name = (char *)r->worker;
     int exit_code = EXIT_RUNTIME;
@@ -326,7 +332,7 @@ int cli_remote_drain(const remote_drain *r)
     for (;;) {
         Strata__V1__DrainWorkerResponse *resp = NULL;
         char *details = NULL;
-        grpc_status_code st = unary(ch, cq, "/strata.v1.Strata/DrainWorker", token, &req.base,
+        grpc_status_code st = unary(&conn, "/strata.v1.Strata/DrainWorker", &req.base,
                                     &strata__v1__drain_worker_response__descriptor, (ProtobufCMessage **)&resp, &details);
         if (st != GRPC_STATUS_OK) {
             fprintf(stderr, "strata drain: %s: %s: %s\n", r->server, proto_grpc_status_name((int)st),
@@ -356,15 +362,6 @@ int cli_remote_drain(const remote_drain *r)
         struct timespec nap = {0, 200 * 1000000L};
         nanosleep(&nap, NULL);
     }
-    grpc_completion_queue_shutdown(cq);
-    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {
-    }
-    grpc_completion_queue_destroy(cq);
-    grpc_channel_destroy(ch);
-    grpc_shutdown();
-    if (token)
-        memset(token, 0, strlen(token));
-    free(token);
-    free(pem);
+    conn_close(&conn);
     return exit_code;
 }
