@@ -97,9 +97,7 @@ while (($#)); do
   shift
 done
 
-is_pos "$stages" || usage_error "--stages: '$stages' is not a positive integer"
-is_uint "$RESTART_DELAY" || usage_error "--restart-delay: '$RESTART_DELAY' is not a whole number of seconds"
-is_uint "$MAX_RESTART_DELAY" || usage_error "--max-restart-delay: '$MAX_RESTART_DELAY' is not a whole number of seconds"
+check_shared_options "$stages"
 if ! is_pos "$data_port" || ((data_port > 65535)); then usage_error "--data-port: '$data_port' is not a port"; fi
 [[ -n $control ]] || usage_error "--control HOST:PORT is required (this host's private-network address)"
 [[ $control =~ ^(.+):[0-9]+$ ]] || usage_error "--control: '$control' is not HOST:PORT"

@@ -76,9 +76,7 @@ while (($#)); do
   shift
 done
 
-is_pos "$stages" || usage_error "--stages: '$stages' is not a positive integer"
-is_uint "$RESTART_DELAY" || usage_error "--restart-delay: '$RESTART_DELAY' is not a whole number of seconds"
-is_uint "$MAX_RESTART_DELAY" || usage_error "--max-restart-delay: '$MAX_RESTART_DELAY' is not a whole number of seconds"
+check_shared_options "$stages"
 [[ $control =~ ^.+:[0-9]+$ ]] || usage_error "--control: '$control' is not HOST:PORT"
 for a in "${coord_args[@]}"; do
   case $a in

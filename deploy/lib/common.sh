@@ -22,6 +22,13 @@ need_value() { (($2 >= 2)) || usage_error "$1 needs a value"; }
 is_uint() { [[ $1 =~ ^(0|[1-9][0-9]{0,8})$ ]]; }
 is_pos() { [[ $1 =~ ^[1-9][0-9]{0,8}$ ]]; }
 
+# The checks both launchers make of the options they share: --stages ($1) and the restart delays.
+check_shared_options() {
+  is_pos "$1" || usage_error "--stages: '$1' is not a positive integer"
+  is_uint "$RESTART_DELAY" || usage_error "--restart-delay: '$RESTART_DELAY' is not a whole number of seconds"
+  is_uint "$MAX_RESTART_DELAY" || usage_error "--max-restart-delay: '$MAX_RESTART_DELAY' is not a whole number of seconds"
+}
+
 # shq WORD...: the words as one line for a POSIX shell (plain words as they are, others in
 # single quotes), used both to print commands and to build the command strings ssh runs remotely.
 shq() {
