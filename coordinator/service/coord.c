@@ -875,12 +875,6 @@ static void *step_thread(void *arg)
             if (c->reps[r].serving && !c->reps[r].in_flight &&
                 !(c->mig.active && (r == c->mig.from || r == c->mig.to)))
                 started |= start_step(c, r);
-        if (c->have_metrics) {
-            sched_stats st;
-            sched_get_stats(c->sched, -1, &st);
-            metrics_gauge_set(c->m.queue, (double)st.waiting);
-            metrics_gauge_set(c->m.running, (double)(st.running + st.preempted));
-        }
         if (!started)
             pthread_cond_wait(&c->wake, &c->mu);
     }
@@ -1090,10 +1084,11 @@ static int api_stats(void *ctx, Strata__V1__Stats *out, strata_error *err)
     }
     out->n_tiers = (size_t)n_tiers;
     uint64_t cached = 0, kv_bytes = bytes[0] + bytes[1] + bytes[2];
-    for (size_t i = 0; i < c->n_reqs; i++)
-        if (sched_get_state(c->sched, c->reqs[i]->id) == SCHED_RUNNING ||
-            sched_get_state(c->sched, c->reqs[i]->id) == SCHED_PREEMPTED)
+    for (size_t i = 0; i < c->n_reqs; i++) {
+        sched_state st = sched_get_state(c->sched, c->reqs[i]->id);
+        if (st == SCHED_RUNNING || st == SCHED_PREEMPTED)
             cached += c->reqs[i]->n_prompt + c->reqs[i]->n_generated;
+    }
     out->kv_bytes_per_token = cached ? (double)kv_bytes / (double)cached : 0.0;
     sched_stats st;
     sched_get_stats(c->sched, -1, &st);
