@@ -8,6 +8,10 @@
 
 #include <stddef.h>
 
+#ifdef __cplusplus
+extern "C" {  /* the CUDA sources (C++) report errors through these too */
+#endif
+
 enum strata_status {
     STRATA_OK = 0,
     STRATA_EINVAL,       /* bad argument or bad user input */
@@ -33,5 +37,9 @@ int strata_error_prefix(strata_error *err, const char *fmt, ...) __attribute__((
 
 /* Short name of a status code, e.g. "EFORMAT". */
 const char *strata_status_name(int code);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -1,0 +1,107 @@
+/* Host side of the CUDA attention kernel: the pool's block layout and the split plan. Plain C so
+ * that it is checked by the C compiler's warnings and runs in the CPU tests without a GPU. */
+#include <stdint.h>
+
+#include "kernels/cuda_kv_attention.h"
+#include "kvstore/block.h"
+
+enum { MAX_HEAD_DIM = 256, MAX_Q_PER_KV = 16, MAX_GRID_Y = 65535, CTAS_PER_SM = 2 };
+
+static int section_offset(const kv_block *b, uint16_t id, uint32_t *off, strata_error *err)
+{
+    for (int i = 0; i < b->n_sections; i++) {
+        if (b->sections[i].id == id) {
+            *off = b->sections[i].offset;
+            return STRATA_OK;
+        }
+    }
+    return strata_fail(err, STRATA_EFORMAT, "block has no %s section", kv_section_name(id));
+}
+
+int cuda_kv_layout_from_block(const kv_block *b, cuda_kv_layout *out, strata_error *err)
+{
+    if (!b || !out)
+        return strata_fail(err, STRATA_EINVAL, "cuda_kv_layout_from_block: NULL argument");
+    const kv_block_desc *d = &b->desc;
+    if (d->codec != KV_CODEC_FP16 && d->codec != KV_CODEC_KIVI)
+        return strata_fail(err, STRATA_EUNSUPPORTED,
+                           "the CUDA attention kernel reads fp16 and KIVI blocks; %s blocks need their "
+                           "correction sections, which it does not read yet",
+                           kv_codec_id_name((unsigned)d->codec));
+    if (d->head_dim < 1 || d->head_dim > MAX_HEAD_DIM)
+        return strata_fail(err, STRATA_EINVAL, "head_dim %d: the CUDA attention kernel handles 1..%d",
+                           d->head_dim, MAX_HEAD_DIM);
+    cuda_kv_layout l = {
+        .codec = d->codec,
+        .k_bits = d->k_bits,
+        .v_bits = d->v_bits,
+        .k_group = d->k_group,
+        .v_group = d->v_group,
+        .block_tokens = (int)d->n_tokens,
+        .n_kv_heads = d->n_kv_heads,
+        .head_dim = d->head_dim,
+        .layer = d->layer,
+        .block_bytes = b->block_bytes,
+    };
+    int rc;
+    if (d->codec == KV_CODEC_FP16) {
+        if ((rc = section_offset(b, KV_SEC_K_FP16, &l.off_k, err)) != STRATA_OK ||
+            (rc = section_offset(b, KV_SEC_V_FP16, &l.off_v, err)) != STRATA_OK)
+            return rc;
+    } else {
+        if ((rc = section_offset(b, KV_SEC_K_CODES, &l.off_k, err)) != STRATA_OK ||
+            (rc = section_offset(b, KV_SEC_K_SCALES, &l.off_k_scales, err)) != STRATA_OK ||
+            (rc = section_offset(b, KV_SEC_V_CODES, &l.off_v, err)) != STRATA_OK ||
+            (rc = section_offset(b, KV_SEC_V_SCALES, &l.off_v_scales, err)) != STRATA_OK)
+            return rc;
+    }
+    *out = l;
+    return STRATA_OK;
+}
+
+int cuda_kv_attention_plan(const cuda_kv_layout *layout, int n_seqs, int n_q_heads, int max_blocks,
+                           int sm_count, cuda_kv_plan *plan, strata_error *err)
+{
+    if (!layout || !plan)
+        return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention_plan: NULL argument");
+    if (n_seqs < 1 || max_blocks < 0 || layout->n_kv_heads < 1)
+        return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention_plan: %d sequences, %d blocks", n_seqs,
+                           max_blocks);
+    if (n_q_heads < layout->n_kv_heads || n_q_heads % layout->n_kv_heads != 0)
+        return strata_fail(err, STRATA_EINVAL, "%d query heads are not a multiple of %d KV heads", n_q_heads,
+                           layout->n_kv_heads);
+    if (n_q_heads / layout->n_kv_heads > MAX_Q_PER_KV)
+        return strata_fail(err, STRATA_EINVAL, "%d query heads per KV head: the CUDA kernel handles up to %d",
+                           n_q_heads / layout->n_kv_heads, MAX_Q_PER_KV);
+    if (n_seqs > MAX_GRID_Y)
+        return strata_fail(err, STRATA_EINVAL, "%d sequences in one launch: at most %d", n_seqs, MAX_GRID_Y);
+    /* The tail is one more unit of work after the blocks. Enough splits that the whole grid gives
+     * every multiprocessor CTAS_PER_SM thread blocks, never more splits than units. */
+    const long units = (long)max_blocks + 1;
+    const long rows = (long)n_seqs * layout->n_kv_heads;
+    const long target = (long)(sm_count > 0 ? sm_count : 1) * CTAS_PER_SM;
+    long splits = (target + rows - 1) / rows;
+    if (splits > units)
+        splits = units;
+    if (splits > MAX_GRID_Y)
+        splits = MAX_GRID_Y;
+    const long per_split = (units + splits - 1) / splits;
+    *plan = (cuda_kv_plan){
+        .n_seqs = n_seqs,
+        .n_q_heads = n_q_heads,
+        .max_blocks = max_blocks,
+        .blocks_per_split = (int)per_split,
+        .n_splits = (int)((units + per_split - 1) / per_split),
+    };
+    return STRATA_OK;
+}
+
+size_t cuda_kv_attention_workspace(const cuda_kv_layout *layout, const cuda_kv_plan *plan)
+{
+    if (!layout || !plan)
+        return 0;
+    /* Per (sequence, query head, split): head_dim partial value sums, then the running max and
+     * normalizer. */
+    const size_t partials = (size_t)plan->n_seqs * (size_t)plan->n_q_heads * (size_t)plan->n_splits;
+    return partials * ((size_t)layout->head_dim + 2) * sizeof(float);
+}

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Builds the GPU test and benchmark programs here (where the build dependencies are) and packs
+# them with the shared libraries the GPU machine lacks into build-gpu-bundle/, for a lent GPU
+# machine that has the CUDA driver and toolkit but none of the Debian packages (cmocka,
+# OpenBLAS). Run them there with scripts/gpu-run.sh. See docs/gpu.md.
+#   scripts/gpu-bundle.sh            # build-gpu/ (Release, sm_90) -> build-gpu-bundle/
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh >/dev/null
+programs=(tests/cuda/test_cuda_plan tests/cuda/test_cuda_ops tests/cuda/test_cuda_attention
+          bench/strata-bench-attention)
+cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DSTRATA_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
+targets=()
+for p in "${programs[@]}"; do targets+=(--target "$(basename "$p")"); done
+cmake --build build-gpu -j"$(nproc)" "${targets[@]}"
+
+out=build-gpu-bundle
+rm -rf "$out"
+mkdir -p "$out/bin" "$out/lib"
+for p in "${programs[@]}"; do
+  cp "build-gpu/$p" "$out/bin/"
+  strip --strip-unneeded "$out/bin/$(basename "$p")"
+done
+# Every library the programs load except the C/C++ runtime and the CUDA driver, which the GPU
+# machine has in versions at least as new as these.
+for p in "$out"/bin/*; do
+  ldd "$p" | awk '/=> \// { print $1, $3 }'
+done | sort -u | while read -r name path; do
+  case "$name" in
+    libc.so.*|libm.so.*|libdl.so.*|libpthread.so.*|librt.so.*|libstdc++.so.*|libgcc_s.so.*|libcuda.so.*) ;;
+    *) cp -L "$path" "$out/lib/$name" ;;
+  esac
+done
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+git diff --quiet HEAD 2>/dev/null || commit="$commit+uncommitted changes"
+echo "$commit" > "$out/COMMIT"
+size=$(du -sm "$out" | cut -f1)
+echo "gpu bundle: $out ($size MiB; the device tool carries at most 64 MiB in all)"
+ls -la "$out/bin" "$out/lib"

@@ -1,0 +1,435 @@
+/* cuda_kv_attention (kernels/cuda/kv_attention.cu) against an fp64 reference written here over
+ * the blocks' dequantized values (kv_block_decode) and the fp16 tail, and against the CPU kernel
+ * (kern_kv_attention) on the same blocks. Fresh random K/V/q for every case; the output is
+ * poisoned (all NaN) before every launch, so an unwritten element fails. Shapes: SmolLM2's
+ * (9 query heads on 3 KV heads, head_dim 64) and Llama-3-8B's (32 on 8, head_dim 128); batches
+ * of sequences of unequal lengths, from an empty sequence to hundreds of blocks (many splits),
+ * tails longer than a block. Bound: ||gpu - ref|| / ||ref|| <= 1e-4 (fp32 arithmetic against
+ * fp64). Bad block tables (swapped blocks, a NULL entry) must raise the status flag.
+ * Without a CUDA device only the harness check runs (reference vs CPU kernel), then the test exits
+ * 77 (skipped). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "cuda_test_util.h"
+#include "kernels/cuda_kv_attention.h"
+#include "kernels/kv_attention.h"
+#include "kvstore/block.h"
+#include "kvstore/half.h"
+#include "kvstore/kv_cache.h"
+
+#define REL_BOUND 1e-4
+
+typedef struct host_seq {
+    int n_blocks, tail;
+    uint8_t *blocks;      /* n_blocks slots of slot_bytes, 64-aligned */
+    uint16_t *tail_k, *tail_v;
+} host_seq;
+
+typedef struct test_case {
+    const char *codec;
+    int nq, nkv, D;
+    int n_seqs;
+    const int *n_blocks, *tails;
+} test_case;
+
+static uint64_t seed = 0x5eed;
+
+/* Keys get a per-channel offset and scale (the outlier channels KIVI quantizes per channel for). */
+static void random_rows(float *k, float *v, size_t tokens, int nkv, int D)
+{
+    for (size_t t = 0; t < tokens; t++)
+        for (int h = 0; h < nkv; h++)
+            for (int c = 0; c < D; c++) {
+                const size_t i = (t * (size_t)nkv + (size_t)h) * (size_t)D + (size_t)c;
+                const float chan = (c % 7 == 0) ? 4.0f : 1.0f;
+                k[i] = strata_round_half(chan * cuda_test_uniform(&seed) + 0.25f * (float)(c % 5));
+                v[i] = strata_round_half(cuda_test_uniform(&seed));
+            }
+}
+
+static void make_seq(const kv_codec_params *p, const kv_geometry *g, int n_blocks, int tail, size_t slot,
+                     host_seq *s)
+{
+    const size_t rows = (size_t)g->block_tokens * g->n_kv_heads * g->head_dim;
+    const size_t tail_n = (size_t)tail * g->n_kv_heads * g->head_dim;
+    s->n_blocks = n_blocks;
+    s->tail = tail;
+    s->blocks = aligned_alloc(64, slot * (size_t)(n_blocks ? n_blocks : 1));
+    s->tail_k = malloc((tail_n ? tail_n : 1) * sizeof(uint16_t));
+    s->tail_v = malloc((tail_n ? tail_n : 1) * sizeof(uint16_t));
+    float *k = malloc(rows * sizeof *k), *v = malloc(rows * sizeof *v);
+    assert_true(s->blocks && s->tail_k && s->tail_v && k && v);
+    for (int b = 0; b < n_blocks; b++) {
+        random_rows(k, v, (size_t)g->block_tokens, g->n_kv_heads, g->head_dim);
+        kv_block_desc d;
+        kv_block_desc_init(&d, p, g, 0, (uint64_t)b * (uint64_t)g->block_tokens);
+        strata_error err;
+        assert_int_equal(kv_block_encode(&d, k, v, s->blocks + (size_t)b * slot, slot, NULL, &err), STRATA_OK);
+    }
+    for (size_t i = 0; i < tail_n; i++) {
+        s->tail_k[i] = strata_float_to_half(2.0f * cuda_test_uniform(&seed));
+        s->tail_v[i] = strata_float_to_half(cuda_test_uniform(&seed));
+    }
+    free(k);
+    free(v);
+}
+
+static void free_seq(host_seq *s)
+{
+    free(s->blocks);
+    free(s->tail_k);
+    free(s->tail_v);
+}
+
+/* fp64 attention over the dequantized blocks then the tail: out [nq][D]. */
+static void reference(const host_seq *s, const kv_geometry *g, size_t slot, const float *q, int nq, double *out)
+{
+    const int nkv = g->n_kv_heads, D = g->head_dim, BT = g->block_tokens;
+    const size_t T = (size_t)s->n_blocks * BT + (size_t)s->tail;
+    float *k = malloc((T ? T : 1) * nkv * D * sizeof *k), *v = malloc((T ? T : 1) * nkv * D * sizeof *v);
+    double *w = malloc((T ? T : 1) * sizeof *w);
+    assert_true(k && v && w);
+    for (int b = 0; b < s->n_blocks; b++) {
+        kv_block blk;
+        strata_error err;
+        assert_int_equal(kv_block_parse(s->blocks + (size_t)b * slot, slot, &blk, &err), STRATA_OK);
+        const size_t at = (size_t)b * BT * nkv * D;
+        assert_int_equal(kv_block_decode(&blk, k + at, v + at, &err), STRATA_OK);
+    }
+    const size_t at = (size_t)s->n_blocks * BT * nkv * D;
+    for (size_t i = 0; i < (size_t)s->tail * nkv * D; i++) {
+        k[at + i] = strata_half_to_float(s->tail_k[i]);
+        v[at + i] = strata_half_to_float(s->tail_v[i]);
+    }
+    for (int h = 0; h < nq; h++) {
+        const int kh = h / (nq / nkv);
+        double mx = -INFINITY, sum = 0.0;
+        for (size_t t = 0; t < T; t++) {
+            double dot = 0.0;
+            for (int c = 0; c < D; c++)
+                dot += (double)q[h * D + c] * (double)k[(t * nkv + kh) * D + c];
+            w[t] = dot / sqrt((double)D);
+            mx = w[t] > mx ? w[t] : mx;
+        }
+        for (size_t t = 0; t < T; t++)
+            sum += (w[t] = exp(w[t] - mx));
+        for (int c = 0; c < D; c++) {
+            double a = 0.0;
+            for (size_t t = 0; t < T; t++)
+                a += w[t] * (double)v[(t * nkv + kh) * D + c];
+            out[h * D + c] = T ? a / sum : 0.0;
+        }
+    }
+    free(k);
+    free(v);
+    free(w);
+}
+
+/* The CPU kernel on the same blocks, as a second opinion (it must agree with the reference too). */
+static void cpu_kernel(const host_seq *s, const kv_geometry *g, size_t slot, const float *q, int nq, float *out)
+{
+    const uint8_t **ptrs = malloc((size_t)(s->n_blocks ? s->n_blocks : 1) * sizeof *ptrs);
+    assert_non_null(ptrs);
+    for (int b = 0; b < s->n_blocks; b++)
+        ptrs[b] = s->blocks + (size_t)b * slot;
+    kv_layer_view view = {.layer = 0, .n_kv_heads = g->n_kv_heads, .head_dim = g->head_dim,
+                          .block_tokens = g->block_tokens, .n_blocks = (size_t)s->n_blocks, .blocks = ptrs,
+                          .block_bytes = slot, .tail_tokens = (size_t)s->tail, .tail_k = s->tail_k,
+                          .tail_v = s->tail_v};
+    void *scratch = aligned_alloc(64, (kern_kv_attention_scratch(&view, nq) + 63) & ~(size_t)63);
+    assert_non_null(scratch);
+    strata_error err;
+    assert_int_equal(kern_kv_attention(&view, q, nq, out, scratch, &err), STRATA_OK);
+    free(scratch);
+    free(ptrs);
+}
+
+/* Device copies of a batch; returns the device array of cuda_kv_seq. Everything allocated is
+ * appended to allocs (freed by the caller). */
+static cuda_kv_seq *upload(const host_seq *hs, int n_seqs, size_t slot, const kv_geometry *g, void **allocs,
+                           int *n_allocs)
+{
+    cuda_kv_seq *seqs = calloc((size_t)n_seqs, sizeof *seqs);
+    assert_non_null(seqs);
+    for (int i = 0; i < n_seqs; i++) {
+        const host_seq *s = &hs[i];
+        const size_t tail_bytes = (size_t)s->tail * g->n_kv_heads * g->head_dim * 2;
+        uint8_t *d_blocks = NULL;
+        const uint8_t **table = malloc((size_t)(s->n_blocks ? s->n_blocks : 1) * sizeof *table);
+        assert_non_null(table);
+        if (s->n_blocks) {
+            CUDA_CHECK(cudaMalloc((void **)&d_blocks, slot * (size_t)s->n_blocks));
+            CUDA_CHECK(cudaMemcpy(d_blocks, s->blocks, slot * (size_t)s->n_blocks, cudaMemcpyHostToDevice));
+            allocs[(*n_allocs)++] = d_blocks;
+        }
+        for (int b = 0; b < s->n_blocks; b++)
+            table[b] = d_blocks + (size_t)b * slot;
+        void *d_table = NULL, *d_tk = NULL, *d_tv = NULL;
+        CUDA_CHECK(cudaMalloc(&d_table, (size_t)(s->n_blocks ? s->n_blocks : 1) * sizeof *table));
+        CUDA_CHECK(cudaMemcpy(d_table, table, (size_t)s->n_blocks * sizeof *table, cudaMemcpyHostToDevice));
+        allocs[(*n_allocs)++] = d_table;
+        if (tail_bytes) {
+            CUDA_CHECK(cudaMalloc(&d_tk, tail_bytes));
+            CUDA_CHECK(cudaMalloc(&d_tv, tail_bytes));
+            CUDA_CHECK(cudaMemcpy(d_tk, s->tail_k, tail_bytes, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(d_tv, s->tail_v, tail_bytes, cudaMemcpyHostToDevice));
+            allocs[(*n_allocs)++] = d_tk;
+            allocs[(*n_allocs)++] = d_tv;
+        }
+        seqs[i] = (cuda_kv_seq){.blocks = d_table, .tail_k = d_tk, .tail_v = d_tv, .n_blocks = s->n_blocks,
+                                .tail_tokens = s->tail};
+        free(table);
+    }
+    cuda_kv_seq *d_seqs = NULL;
+    CUDA_CHECK(cudaMalloc((void **)&d_seqs, (size_t)n_seqs * sizeof *seqs));
+    CUDA_CHECK(cudaMemcpy(d_seqs, seqs, (size_t)n_seqs * sizeof *seqs, cudaMemcpyHostToDevice));
+    allocs[(*n_allocs)++] = d_seqs;
+    free(seqs);
+    return d_seqs;
+}
+
+typedef struct gpu_run {
+    cuda_kv_layout layout;
+    cuda_kv_plan plan;
+    float *d_q, *d_out;
+    void *d_ws;
+    int *d_status;
+} gpu_run;
+
+/* Launches on the batch and returns the status flag; out gets n_seqs * nq * D floats. */
+static int run_gpu(gpu_run *r, const cuda_kv_seq *d_seqs, const float *q, float *out)
+{
+    const size_t n = (size_t)r->plan.n_seqs * r->plan.n_q_heads * r->layout.head_dim;
+    CUDA_CHECK(cudaMemcpy(r->d_q, q, n * sizeof *q, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemset(r->d_out, 0xff, n * sizeof *out)); /* NaN everywhere */
+    CUDA_CHECK(cudaMemset(r->d_status, 0, sizeof(int)));
+    strata_error err = {0};
+    if (cuda_kv_attention(&r->layout, &r->plan, d_seqs, r->d_q, r->d_out, r->d_ws, r->d_status, NULL, &err) !=
+        STRATA_OK)
+        fail_msg("cuda_kv_attention: %s", err.msg);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(out, r->d_out, n * sizeof *out, cudaMemcpyDeviceToHost));
+    int status = -1;
+    CUDA_CHECK(cudaMemcpy(&status, r->d_status, sizeof status, cudaMemcpyDeviceToHost));
+    return status;
+}
+
+static void run_case(const test_case *tc)
+{
+    kv_codec_params p;
+    strata_error err;
+    assert_int_equal(kv_codec_parse(tc->codec, &p, &err), STRATA_OK);
+    const kv_geometry g = {.n_layers = 1, .n_kv_heads = tc->nkv, .head_dim = tc->D, .block_tokens = 64};
+    assert_int_equal(kv_codec_validate(&p, &g, &err), STRATA_OK);
+    const size_t slot = kv_block_size(&p, &g);
+    host_seq *hs = calloc((size_t)tc->n_seqs, sizeof *hs);
+    assert_non_null(hs);
+    int max_blocks = 0;
+    for (int i = 0; i < tc->n_seqs; i++) {
+        make_seq(&p, &g, tc->n_blocks[i], tc->tails[i], slot, &hs[i]);
+        max_blocks = tc->n_blocks[i] > max_blocks ? tc->n_blocks[i] : max_blocks;
+    }
+    /* The layout comes from a block of the pool; a batch without blocks borrows a fresh one. */
+    host_seq tmpl;
+    make_seq(&p, &g, 1, 0, slot, &tmpl);
+    kv_block b;
+    assert_int_equal(kv_block_parse(tmpl.blocks, slot, &b, &err), STRATA_OK);
+
+    gpu_run r;
+    assert_int_equal(cuda_kv_layout_from_block(&b, &r.layout, &err), STRATA_OK);
+    int sms = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    assert_int_equal(cuda_kv_attention_plan(&r.layout, tc->n_seqs, tc->nq, max_blocks, sms, &r.plan, &err), STRATA_OK);
+    const size_t per_seq = (size_t)tc->nq * tc->D, n = per_seq * tc->n_seqs;
+    CUDA_CHECK(cudaMalloc((void **)&r.d_q, n * sizeof(float)));
+    CUDA_CHECK(cudaMalloc((void **)&r.d_out, n * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&r.d_ws, cuda_kv_attention_workspace(&r.layout, &r.plan)));
+    CUDA_CHECK(cudaMalloc((void **)&r.d_status, sizeof(int)));
+    void *allocs[512];
+    int n_allocs = 0;
+    const cuda_kv_seq *d_seqs = upload(hs, tc->n_seqs, slot, &g, allocs, &n_allocs);
+
+    float *q = malloc(n * sizeof *q), *out = malloc(n * sizeof *out), *cpu = malloc(per_seq * sizeof *cpu);
+    double *ref = malloc(per_seq * sizeof *ref);
+    assert_true(q && out && cpu && ref);
+    for (size_t i = 0; i < n; i++)
+        q[i] = 2.0f * cuda_test_uniform(&seed);
+    assert_int_equal(run_gpu(&r, d_seqs, q, out), 0);
+    for (int i = 0; i < tc->n_seqs; i++) {
+        reference(&hs[i], &g, slot, q + i * per_seq, tc->nq, ref);
+        const double e = cuda_test_rel_error(out + i * per_seq, ref, per_seq);
+        printf("  %s nq %d nkv %d D %d seq %d (%d blocks + %d tail, %d splits of %d): rel error %.2e\n", tc->codec,
+               tc->nq, tc->nkv, tc->D, i, hs[i].n_blocks, hs[i].tail, r.plan.n_splits, r.plan.blocks_per_split, e);
+        if (!(e <= REL_BOUND))
+            fail_msg("GPU vs fp64 reference: %.3e > %.0e", e, REL_BOUND);
+        if (hs[i].n_blocks + hs[i].tail > 0) {
+            cpu_kernel(&hs[i], &g, slot, q + i * per_seq, tc->nq, cpu);
+            if (!(cuda_test_rel_error(cpu, ref, per_seq) <= REL_BOUND))
+                fail_msg("CPU kernel vs fp64 reference disagree: the reference is suspect");
+        } else {
+            for (size_t x = 0; x < per_seq; x++)
+                assert_true(out[i * per_seq + x] == 0.0f);
+        }
+    }
+    for (int i = 0; i < n_allocs; i++)
+        CUDA_CHECK(cudaFree(allocs[i]));
+    cudaFree(r.d_q);
+    cudaFree(r.d_out);
+    cudaFree(r.d_ws);
+    cudaFree(r.d_status);
+    for (int i = 0; i < tc->n_seqs; i++)
+        free_seq(&hs[i]);
+    free_seq(&tmpl);
+    free(hs);
+    free(q);
+    free(out);
+    free(cpu);
+    free(ref);
+}
+
+static void test_single_sequences(void **state)
+{
+    (void)state;
+    const char *codecs[] = {"fp16", "kivi2", "kivi4"};
+    static const int blocks[] = {5}, tails[] = {17};
+    static const int blocks0[] = {0}, tails0[] = {1};
+    for (size_t c = 0; c < 3; c++) {
+        const test_case smol = {codecs[c], 9, 3, 64, 1, blocks, tails};
+        run_case(&smol);
+        const test_case one = {codecs[c], 32, 8, 128, 1, blocks0, tails0};
+        run_case(&one);
+    }
+}
+
+static void test_batches_of_unequal_lengths(void **state)
+{
+    (void)state;
+    const char *codecs[] = {"fp16", "kivi2", "kivi4"};
+    static const int blocks[] = {0, 3, 37, 0, 130}, tails[] = {40, 0, 100, 0, 191};
+    for (size_t c = 0; c < 3; c++) {
+        const test_case llama = {codecs[c], 32, 8, 128, 5, blocks, tails};
+        run_case(&llama);
+        const test_case smol = {codecs[c], 9, 3, 64, 5, blocks, tails};
+        run_case(&smol);
+    }
+}
+
+static void test_group_shapes(void **state)
+{
+    (void)state;
+    static const int blocks[] = {9, 2}, tails[] = {63, 64};
+    const test_case mha = {"kivi2", 4, 4, 128, 2, blocks, tails};  /* one query head per KV head */
+    run_case(&mha);
+    const test_case wide = {"kivi4", 16, 1, 128, 2, blocks, tails}; /* 16 per KV head, the limit */
+    run_case(&wide);
+    const test_case d256 = {"fp16", 8, 2, 256, 2, blocks, tails};
+    run_case(&d256);
+}
+
+/* A table entry pointing at the wrong block (swapped positions) or at nothing must be reported. */
+static void test_bad_tables_raise_status(void **state)
+{
+    (void)state;
+    kv_codec_params p;
+    strata_error err;
+    assert_int_equal(kv_codec_parse("kivi2", &p, &err), STRATA_OK);
+    const kv_geometry g = {.n_layers = 1, .n_kv_heads = 2, .head_dim = 64, .block_tokens = 64};
+    const size_t slot = kv_block_size(&p, &g);
+    host_seq hs;
+    make_seq(&p, &g, 4, 5, slot, &hs);
+    kv_block b;
+    assert_int_equal(kv_block_parse(hs.blocks, slot, &b, &err), STRATA_OK);
+    gpu_run r;
+    assert_int_equal(cuda_kv_layout_from_block(&b, &r.layout, &err), STRATA_OK);
+    assert_int_equal(cuda_kv_attention_plan(&r.layout, 1, 4, 4, 1, &r.plan, &err), STRATA_OK);
+    CUDA_CHECK(cudaMalloc((void **)&r.d_q, 4 * 64 * sizeof(float)));
+    CUDA_CHECK(cudaMalloc((void **)&r.d_out, 4 * 64 * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&r.d_ws, cuda_kv_attention_workspace(&r.layout, &r.plan)));
+    CUDA_CHECK(cudaMalloc((void **)&r.d_status, sizeof(int)));
+    void *allocs[8];
+    int n_allocs = 0;
+    cuda_kv_seq *d_seqs = upload(&hs, 1, slot, &g, allocs, &n_allocs);
+    cuda_kv_seq seq;
+    CUDA_CHECK(cudaMemcpy(&seq, d_seqs, sizeof seq, cudaMemcpyDeviceToHost));
+    const uint8_t *table[4];
+    CUDA_CHECK(cudaMemcpy(table, seq.blocks, sizeof table, cudaMemcpyDeviceToHost));
+    float q[4 * 64], out[4 * 64];
+    for (int i = 0; i < 4 * 64; i++)
+        q[i] = cuda_test_uniform(&seed);
+    assert_int_equal(run_gpu(&r, d_seqs, q, out), 0);
+
+    const uint8_t *swapped[4] = {table[1], table[0], table[2], table[3]};
+    CUDA_CHECK(cudaMemcpy((void *)seq.blocks, swapped, sizeof swapped, cudaMemcpyHostToDevice));
+    assert_int_equal(run_gpu(&r, d_seqs, q, out), 1);
+
+    const uint8_t *holed[4] = {table[0], NULL, table[2], table[3]};
+    CUDA_CHECK(cudaMemcpy((void *)seq.blocks, holed, sizeof holed, cudaMemcpyHostToDevice));
+    assert_int_equal(run_gpu(&r, d_seqs, q, out), 2);
+
+    for (int i = 0; i < n_allocs; i++)
+        CUDA_CHECK(cudaFree(allocs[i]));
+    cudaFree(r.d_q);
+    cudaFree(r.d_out);
+    cudaFree(r.d_ws);
+    cudaFree(r.d_status);
+    free_seq(&hs);
+}
+
+/* The harness itself, without a GPU: the fp64 reference and the CPU kernel agree on the blocks
+ * this file builds, so a GPU failure points at the GPU kernel, not at the test. */
+static void test_reference_matches_cpu_kernel(void **state)
+{
+    (void)state;
+    const char *codecs[] = {"fp16", "kivi2", "kivi4"};
+    const int shapes[][3] = {{9, 3, 64}, {32, 8, 128}};
+    for (size_t c = 0; c < 3; c++) {
+        for (size_t sh = 0; sh < 2; sh++) {
+            kv_codec_params p;
+            strata_error err;
+            assert_int_equal(kv_codec_parse(codecs[c], &p, &err), STRATA_OK);
+            const int nq = shapes[sh][0], D = shapes[sh][2];
+            const kv_geometry g = {.n_layers = 1, .n_kv_heads = shapes[sh][1], .head_dim = D, .block_tokens = 64};
+            const size_t slot = kv_block_size(&p, &g), n = (size_t)nq * D;
+            host_seq hs;
+            make_seq(&p, &g, 6, 100, slot, &hs);
+            float *q = malloc(n * sizeof *q), *cpu = malloc(n * sizeof *cpu);
+            double *ref = malloc(n * sizeof *ref);
+            assert_true(q && cpu && ref);
+            for (size_t i = 0; i < n; i++)
+                q[i] = 2.0f * cuda_test_uniform(&seed);
+            reference(&hs, &g, slot, q, nq, ref);
+            cpu_kernel(&hs, &g, slot, q, nq, cpu);
+            const double e = cuda_test_rel_error(cpu, ref, n);
+            printf("  harness %s nq %d D %d: CPU kernel vs fp64 reference %.2e\n", codecs[c], nq, D, e);
+            assert_true(e <= REL_BOUND);
+            free_seq(&hs);
+            free(q);
+            free(cpu);
+            free(ref);
+        }
+    }
+}
+
+int main(void)
+{
+    const struct CMUnitTest harness[] = {cmocka_unit_test(test_reference_matches_cpu_kernel)};
+    const int harness_rc = cmocka_run_group_tests(harness, NULL, NULL);
+    if (harness_rc != 0)
+        return harness_rc;
+    if (!cuda_test_have_device("test_cuda_attention"))
+        return CUDA_TEST_SKIP;
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_single_sequences),
+        cmocka_unit_test(test_batches_of_unequal_lengths),
+        cmocka_unit_test(test_group_shapes),
+        cmocka_unit_test(test_bad_tables_raise_status),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

@@ -1,0 +1,157 @@
+/* The host side of the CUDA attention kernel, which runs without a GPU: the layout read from a
+ * real block of each codec (offsets equal the block's own section table, unsupported codecs
+ * refused by name) and the split plan (every block and the tail covered exactly once, the grid
+ * filled, limits refused). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "kernels/cuda_kv_attention.h"
+#include "kvstore/block.h"
+#include "kvstore/kv_cache.h"
+
+static uint8_t *encode_block(const char *codec, const kv_geometry *g, kv_block *b)
+{
+    kv_codec_params p;
+    strata_error err;
+    assert_int_equal(kv_codec_parse(codec, &p, &err), STRATA_OK);
+    assert_int_equal(kv_codec_validate(&p, g, &err), STRATA_OK);
+    kv_block_desc d;
+    kv_block_desc_init(&d, &p, g, 3, 128);
+    const size_t n = (size_t)g->block_tokens * g->n_kv_heads * g->head_dim;
+    float *k = malloc(n * sizeof *k), *v = malloc(n * sizeof *v);
+    assert_non_null(k);
+    assert_non_null(v);
+    for (size_t i = 0; i < n; i++) {
+        k[i] = (float)((i * 37) % 101) / 50.0f - 1.0f;
+        v[i] = (float)((i * 53) % 97) / 48.0f - 1.0f;
+    }
+    const size_t cap = kv_block_size(&p, g);
+    uint8_t *buf = aligned_alloc(64, cap);
+    assert_non_null(buf);
+    kv_block_extra extra = {0};
+    kv_ott_entry ott[1] = {{0, 0}};
+    if (p.codec == KV_CODEC_OTT) {
+        d.ott_tokens = 1;
+        extra.ott = ott;
+    }
+    assert_int_equal(kv_block_encode_ex(&d, k, v, &extra, buf, cap, NULL, &err), STRATA_OK);
+    assert_int_equal(kv_block_parse(buf, cap, b, &err), STRATA_OK);
+    free(k);
+    free(v);
+    return buf;
+}
+
+static const kv_geometry geometry = {.n_layers = 4, .n_kv_heads = 8, .head_dim = 128, .block_tokens = 64};
+
+static void expect_offset(const kv_block *b, uint16_t id, uint32_t off)
+{
+    uint32_t len;
+    const uint8_t *data = kv_block_section_data(b, id, &len);
+    assert_non_null(data);
+    assert_int_equal((uint32_t)(data - b->bytes), off);
+}
+
+static void test_layout_fp16_and_kivi(void **state)
+{
+    (void)state;
+    const char *codecs[] = {"fp16", "kivi2", "kivi4"};
+    for (size_t i = 0; i < sizeof codecs / sizeof *codecs; i++) {
+        kv_block b;
+        uint8_t *buf = encode_block(codecs[i], &geometry, &b);
+        cuda_kv_layout l;
+        strata_error err;
+        assert_int_equal(cuda_kv_layout_from_block(&b, &l, &err), STRATA_OK);
+        assert_int_equal(l.codec, b.desc.codec);
+        assert_int_equal(l.block_tokens, 64);
+        assert_int_equal(l.n_kv_heads, 8);
+        assert_int_equal(l.head_dim, 128);
+        assert_int_equal(l.layer, 3);
+        assert_int_equal(l.block_bytes, b.block_bytes);
+        if (l.codec == KV_CODEC_FP16) {
+            expect_offset(&b, KV_SEC_K_FP16, l.off_k);
+            expect_offset(&b, KV_SEC_V_FP16, l.off_v);
+        } else {
+            assert_int_equal(l.k_bits, b.desc.k_bits);
+            assert_int_equal(l.v_group, b.desc.v_group);
+            expect_offset(&b, KV_SEC_K_CODES, l.off_k);
+            expect_offset(&b, KV_SEC_K_SCALES, l.off_k_scales);
+            expect_offset(&b, KV_SEC_V_CODES, l.off_v);
+            expect_offset(&b, KV_SEC_V_SCALES, l.off_v_scales);
+        }
+        free(buf);
+    }
+}
+
+static void test_layout_refuses_corrected_codecs(void **state)
+{
+    (void)state;
+    const char *codecs[] = {"gear2", "ott2", "tada4"};
+    for (size_t i = 0; i < sizeof codecs / sizeof *codecs; i++) {
+        kv_block b;
+        uint8_t *buf = encode_block(codecs[i], &geometry, &b);
+        cuda_kv_layout l;
+        strata_error err = {0};
+        assert_int_equal(cuda_kv_layout_from_block(&b, &l, &err), STRATA_EUNSUPPORTED);
+        assert_non_null(strstr(err.msg, kv_codec_id_name((unsigned)b.desc.codec)));
+        free(buf);
+    }
+    assert_int_equal(cuda_kv_layout_from_block(NULL, NULL, NULL), STRATA_EINVAL);
+}
+
+static void test_plan_covers_every_block_once(void **state)
+{
+    (void)state;
+    const cuda_kv_layout l = {.codec = KV_CODEC_KIVI, .n_kv_heads = 8, .head_dim = 128, .block_tokens = 64};
+    const int seqs[] = {1, 3, 64};
+    const int blocks[] = {0, 1, 7, 63, 64, 511, 2047};
+    for (size_t a = 0; a < 3; a++) {
+        for (size_t b = 0; b < sizeof blocks / sizeof *blocks; b++) {
+            cuda_kv_plan p;
+            strata_error err;
+            assert_int_equal(cuda_kv_attention_plan(&l, seqs[a], 32, blocks[b], 132, &p, &err), STRATA_OK);
+            const long units = blocks[b] + 1;
+            /* Covered, and no split is empty for the longest sequence. */
+            assert_true((long)p.n_splits * p.blocks_per_split >= units);
+            assert_true((long)(p.n_splits - 1) * p.blocks_per_split < units);
+            assert_true(p.n_splits >= 1 && p.n_splits <= units);
+            /* The grid fills 132 multiprocessors twice when there is enough work. */
+            const long ctas = (long)p.n_splits * seqs[a] * l.n_kv_heads;
+            if (units * seqs[a] * l.n_kv_heads >= 264)
+                assert_true(ctas >= 264 - (long)seqs[a] * l.n_kv_heads);
+            assert_int_equal(cuda_kv_attention_workspace(&l, &p),
+                             (size_t)seqs[a] * 32 * (size_t)p.n_splits * 130 * sizeof(float));
+        }
+    }
+}
+
+static void test_plan_refuses_bad_shapes(void **state)
+{
+    (void)state;
+    const cuda_kv_layout l = {.codec = KV_CODEC_KIVI, .n_kv_heads = 2, .head_dim = 64, .block_tokens = 64};
+    cuda_kv_plan p;
+    strata_error err = {0};
+    assert_int_equal(cuda_kv_attention_plan(&l, 1, 3, 4, 132, &p, &err), STRATA_EINVAL);  /* 3 % 2 */
+    assert_non_null(strstr(err.msg, "multiple"));
+    assert_int_equal(cuda_kv_attention_plan(&l, 1, 34, 4, 132, &p, &err), STRATA_EINVAL); /* 17 per KV head */
+    assert_non_null(strstr(err.msg, "up to 16"));
+    assert_int_equal(cuda_kv_attention_plan(&l, 0, 4, 4, 132, &p, &err), STRATA_EINVAL);
+    assert_int_equal(cuda_kv_attention_plan(&l, 1, 4, -1, 132, &p, &err), STRATA_EINVAL);
+    assert_int_equal(cuda_kv_attention_plan(&l, 1, 32, 4, 132, &p, &err), STRATA_OK);     /* 16 per KV head */
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_layout_fp16_and_kivi),
+        cmocka_unit_test(test_layout_refuses_corrected_codecs),
+        cmocka_unit_test(test_plan_covers_every_block_once),
+        cmocka_unit_test(test_plan_refuses_bad_shapes),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
