@@ -1,5 +1,7 @@
 #include "kvstore/crc32c.h"
 
+#include "kvstore/crc32c_math.h"
+
 #include <string.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -167,4 +169,9 @@ uint32_t kv_crc32c(uint32_t crc, const void *data, size_t n)
     }
 #endif
     return kv_crc32c_sw(crc, data, n);
+}
+
+uint32_t kv_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b)
+{
+    return kv_crc32c_combine_op(crc_a, crc_b, kv_crc32c_shift_op(len_b));
 }

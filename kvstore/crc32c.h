@@ -11,6 +11,10 @@
  * Uses the SSE4.2 crc32 instruction when the CPU has it, else a table. */
 uint32_t kv_crc32c(uint32_t crc, const void *data, size_t n);
 
+/* The CRC of A followed by B, from crc_a = CRC(A), crc_b = CRC(B) and the length of B, without
+ * the bytes (pieces checksummed in parallel, then joined). */
+uint32_t kv_crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+
 /* The same function, always in portable software (exposed so tests can compare the paths). */
 uint32_t kv_crc32c_sw(uint32_t crc, const void *data, size_t n);
 

@@ -6,10 +6,12 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline uint32_t strata_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float strata_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+#include "kvstore/hd.h"
 
-static inline float strata_half_to_float(uint16_t h)
+STRATA_HD static inline uint32_t strata_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+STRATA_HD static inline float strata_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+STRATA_HD static inline float strata_half_to_float(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1fu;
@@ -26,7 +28,7 @@ static inline float strata_half_to_float(uint16_t h)
     return strata_bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
 }
 
-static inline uint16_t strata_float_to_half(float f)
+STRATA_HD static inline uint16_t strata_float_to_half(float f)
 {
     uint32_t x = strata_f32_bits(f);
     uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
@@ -52,9 +54,9 @@ static inline uint16_t strata_float_to_half(float f)
     return (uint16_t)(sign | ((rounded - 0x38000000u) >> 13));
 }
 
-static inline float strata_bf16_to_float(uint16_t b) { return strata_bits_f32((uint32_t)b << 16); }
+STRATA_HD static inline float strata_bf16_to_float(uint16_t b) { return strata_bits_f32((uint32_t)b << 16); }
 
 /* Rounds x to the nearest fp16 value and back: the precision the KV cache keeps. */
-static inline float strata_round_half(float x) { return strata_half_to_float(strata_float_to_half(x)); }
+STRATA_HD static inline float strata_round_half(float x) { return strata_half_to_float(strata_float_to_half(x)); }
 
 #endif

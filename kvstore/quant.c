@@ -6,21 +6,9 @@
 #include "kvstore/bytes.h"
 #include "kvstore/half.h"
 
-uint16_t kv_half_next_up(uint16_t h)
-{
-    if ((h & 0x7fffu) == 0)
-        return 0x0001u;                 /* from either zero to the smallest positive subnormal */
-    return (h & 0x8000u) ? (uint16_t)(h - 1u) : (uint16_t)(h + 1u);
-}
+uint16_t kv_half_next_up(uint16_t h) { return kv_half_step_up(h); }
 
-uint16_t kv_half_next_down(uint16_t h)
-{
-    if ((h & 0x7fffu) == 0)
-        return 0x8001u;
-    return (h & 0x8000u) ? (uint16_t)(h + 1u) : (uint16_t)(h - 1u);
-}
-
-static int half_is_finite(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
+uint16_t kv_half_next_down(uint16_t h) { return kv_half_step_down(h); }
 
 void kv_quant_fit(const float *x, size_t n, size_t stride, int bits, kv_qgroup *g)
 {
@@ -34,46 +22,10 @@ void kv_quant_fit(const float *x, size_t n, size_t stride, int bits, kv_qgroup *
         if (v > mx)
             mx = v;
     }
-    if (!finite) {
-        g->zero_h = g->scale_h = 0x7e00u;   /* NaN: a poisoned group stays visibly poisoned */
-        g->zero = g->scale = NAN;
-        return;
-    }
-    const double qmax = (double)((1u << bits) - 1u);
-    /* Outward rounding keeps every element inside the stored grid, which is what makes the
-     * s/2 bound hold against the stored (not the ideal) parameters. */
-    uint16_t zh = strata_float_to_half(mn);
-    if (half_is_finite(zh) && strata_half_to_float(zh) > mn)
-        zh = kv_half_next_down(zh);
-    double zf = strata_half_to_float(zh);
-    uint16_t sh = 0;
-    if ((double)mx > zf) {
-        sh = strata_float_to_half((float)(((double)mx - zf) / qmax));
-        /* zf + qmax*sf is exact in double: both are fp16 numbers and qmax has 8 bits at most. */
-        while (half_is_finite(sh) && zf + qmax * strata_half_to_float(sh) < (double)mx)
-            sh = kv_half_next_up(sh);
-    }
-    g->zero_h = zh;
-    g->scale_h = sh;
-    g->zero = (float)zf;
-    g->scale = strata_half_to_float(sh);
+    kv_qgroup_from_range(mn, mx, finite, bits, g);
 }
 
-uint32_t kv_quant_code(float x, const kv_qgroup *g, int bits)
-{
-    const uint32_t qmax = (1u << bits) - 1u;
-    if (!(g->scale > 0.0f))
-        return 0;                       /* constant group (or NaN parameters) */
-    double t = ((double)x - (double)g->zero) / (double)g->scale;
-    if (!(t > 0.0))
-        return 0;                       /* also catches NaN, whose conversion would be undefined */
-    if (t >= (double)qmax)
-        return qmax;
-    uint32_t q = (uint32_t)t;
-    if (t - (double)q >= 0.5)
-        q++;
-    return q;
-}
+uint32_t kv_quant_code(float x, const kv_qgroup *g, int bits) { return kv_qgroup_code(x, g, bits); }
 
 void kv_quant_group(const float *x, size_t n, size_t stride, int bits, kv_qgroup *g, uint32_t *codes)
 {

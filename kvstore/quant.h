@@ -18,12 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef struct kv_qgroup {
-    uint16_t scale_h;  /* fp16 bit patterns as stored */
-    uint16_t zero_h;
-    float scale;       /* their values */
-    float zero;
-} kv_qgroup;
+#include "kvstore/quant_math.h"   /* kv_qgroup and the arithmetic shared with the CUDA encoder */
 
 /* Fits the group x[i * stride], i < n (n >= 1), at bits (1..8). */
 void kv_quant_fit(const float *x, size_t n, size_t stride, int bits, kv_qgroup *g);

@@ -25,7 +25,7 @@ export PATH="$PATH:/usr/local/cuda/bin"   # compute-sanitizer lives with the too
 echo "bundle built from commit $(cat "$bundle/COMMIT")" | tee "$out/summary.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$out/summary.txt"
 status=0
-for t in test_cuda_plan test_cuda_ops test_cuda_attention; do
+for t in test_cuda_plan test_cuda_ops test_cuda_attention test_cuda_encode; do
   "$bundle/bin/$t" > "$out/$t.log" 2>&1
   rc=$?
   echo "$t: exit $rc" | tee -a "$out/summary.txt"
@@ -33,7 +33,7 @@ for t in test_cuda_plan test_cuda_ops test_cuda_attention; do
 done
 if [ $sanitize = 1 ]; then
   if command -v compute-sanitizer >/dev/null; then
-    for t in test_cuda_ops test_cuda_attention; do
+    for t in test_cuda_ops test_cuda_attention test_cuda_encode; do
       for tool in memcheck racecheck; do
         compute-sanitizer --tool "$tool" --error-exitcode 99 "$bundle/bin/$t" > "$out/$t.$tool.log" 2>&1
         rc=$?

@@ -10,6 +10,7 @@
 #include <cmocka.h>
 
 #include "kvstore/crc32c.h"
+#include "kvstore/crc32c_math.h"
 
 /* Straight from the definition: reflected register, polynomial 0x82F63B78, init/xorout ~0. */
 static uint32_t crc_bitwise(const uint8_t *p, size_t n)
@@ -171,6 +172,40 @@ static void test_fast_path_constant_buffers(void **state)
     free(buf);
 }
 
+/* Joining CRCs of pieces (what the CUDA encoder does with one piece per thread) equals the CRC of
+ * the whole, for random splits including empty pieces, and the table entries computed from the
+ * polynomial equal the ones the CPU path uses (checked through whole-buffer CRCs). */
+static void test_combine_pieces(void **state)
+{
+    (void)state;
+    uint8_t *buf = big_buffer(99);
+    uint64_t seed = 7;
+    for (int trial = 0; trial < 300; trial++) {
+        const size_t n = (size_t)(rng_next(&seed) % 70000);
+        const size_t cut = n ? (size_t)(rng_next(&seed) % (n + 1)) : 0;
+        const uint32_t whole = kv_crc32c(0, buf, n);
+        const uint32_t a = kv_crc32c(0, buf, cut), b = kv_crc32c(0, buf + cut, n - cut);
+        assert_int_equal(kv_crc32c_combine(a, b, n - cut), whole);
+        assert_int_equal(crc_bitwise(buf, n), whole);
+        /* Equal pieces joined with one shift operator, as the GPU does. */
+        const size_t pieces = 1 + (size_t)(rng_next(&seed) % 200), len = (n + pieces - 1) / pieces;
+        uint32_t joined = 0;
+        for (size_t p = 0, at = 0; p < pieces; p++, at += len) {
+            const size_t this_len = at >= n ? 0 : (n - at < len ? n - at : len);
+            const uint32_t c = kv_crc32c(0, buf + (at < n ? at : n), this_len);
+            joined = p == 0 ? c : kv_crc32c_combine_op(joined, c, kv_crc32c_shift_op(this_len));
+        }
+        assert_int_equal(joined, whole);
+    }
+    for (uint32_t byte = 0; byte < 256; byte++) {
+        uint8_t one = (uint8_t)byte;
+        /* crc of one byte from the register ~0: ~(T[(~0 ^ byte) & 0xff] ^ (~0 >> 8)) */
+        const uint32_t via_entry = ~(kv_crc32c_table_entry((0xffffffffu ^ byte) & 0xffu) ^ 0x00ffffffu);
+        assert_int_equal(via_entry, kv_crc32c_sw(0, &one, 1));
+    }
+    free(buf);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -180,6 +215,7 @@ int main(void)
         cmocka_unit_test(test_fast_path_random_lengths),
         cmocka_unit_test(test_fast_path_chained),
         cmocka_unit_test(test_fast_path_constant_buffers),
+        cmocka_unit_test(test_combine_pieces),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,8 +1,12 @@
-/* Host side of the CUDA attention kernel: the pool's block layout and the split plan. Plain C so
- * that it is checked by the C compiler's warnings and runs in the CPU tests without a GPU. */
+/* Host side of the CUDA KV kernels: the pool's block layout, the attention's split plan and the
+ * encoder's shared header. Plain C so that it is checked by the C compiler's warnings and runs in
+ * the CPU tests without a GPU. */
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kernels/cuda_kv_attention.h"
+#include "kernels/cuda_kv_encode.h"
 #include "kvstore/block.h"
 
 enum { MAX_HEAD_DIM = 256, MAX_Q_PER_KV = 16, MAX_GRID_Y = 65535, CTAS_PER_SM = 2 };
@@ -104,4 +108,45 @@ size_t cuda_kv_attention_workspace(const cuda_kv_layout *layout, const cuda_kv_p
      * normalizer. */
     const size_t partials = (size_t)plan->n_seqs * (size_t)plan->n_q_heads * (size_t)plan->n_splits;
     return partials * ((size_t)layout->head_dim + 2) * sizeof(float);
+}
+
+int cuda_kv_encoder_init(const kv_codec_params *p, const kv_geometry *g, cuda_kv_encoder *out, strata_error *err)
+{
+    if (!p || !g || !out)
+        return strata_fail(err, STRATA_EINVAL, "cuda_kv_encoder_init: NULL argument");
+    int rc = kv_codec_validate(p, g, err);
+    if (rc != STRATA_OK)
+        return rc;
+    kv_block_desc d;
+    kv_block_desc_init(&d, p, g, 0, 0);
+    const size_t bytes = kv_block_bytes(&d);
+    const size_t rows = (size_t)g->block_tokens * (size_t)g->n_kv_heads * (size_t)g->head_dim;
+    uint8_t *block = calloc(1, bytes ? bytes : 1);
+    float *zeros = calloc(rows ? rows : 1, sizeof *zeros);
+    if (!block || !zeros) {
+        free(block);
+        free(zeros);
+        return strata_fail(err, STRATA_ENOMEM, "cuda_kv_encoder_init: out of memory");
+    }
+    kv_block b;
+    rc = kv_block_encode(&d, zeros, zeros, block, bytes, NULL, err);
+    if (rc == STRATA_OK)
+        rc = kv_block_parse(block, bytes, &b, err);
+    if (rc == STRATA_OK)
+        rc = cuda_kv_layout_from_block(&b, &out->layout, err);
+    if (rc == STRATA_OK && b.header_bytes > CUDA_KV_MAX_HEADER)
+        rc = strata_fail(err, STRATA_EUNSUPPORTED, "a %u-byte block header (at most %d)", b.header_bytes,
+                         CUDA_KV_MAX_HEADER);
+    if (rc == STRATA_OK) {
+        out->header_bytes = b.header_bytes;
+        memset(out->header, 0, sizeof out->header);
+        memcpy(out->header, block, b.header_bytes);
+        /* Filled per block by the kernel. */
+        memset(out->header + KV_HDR_LAYER, 0, 4);
+        memset(out->header + KV_HDR_FIRST_POS, 0, 8);
+        memset(out->header + KV_HDR_PAYLOAD_CRC, 0, 8);
+    }
+    free(block);
+    free(zeros);
+    return rc;
 }

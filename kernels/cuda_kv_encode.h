@@ -1,0 +1,55 @@
+/* Quantize-on-append on a CUDA device: full blocks written in place in device memory from the
+ * fp16 rows of the tail, byte for byte the block kv_block_encode writes on the CPU from the same
+ * values (header, section table, sections, padding and both CRC32Cs). The quantizer's rounding
+ * and the CRC arithmetic are the CPU's own inline functions (kvstore/quant_math.h,
+ * kvstore/crc32c_math.h) compiled for the device, so equality is by construction and is tested.
+ *
+ * Supported codecs: fp16 and KIVI (GEAR, OTT and TaDA refused: STRATA_EUNSUPPORTED).
+ * Status: compiled in every build with nvcc; see docs/benchmarks.md for whether it has run. */
+#ifndef STRATA_KERNELS_CUDA_KV_ENCODE_H
+#define STRATA_KERNELS_CUDA_KV_ENCODE_H
+
+#include <stdint.h>
+
+#include "kernels/cuda_kv_attention.h"
+#include "kvstore/error.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define CUDA_KV_MAX_HEADER 256
+
+/* Everything the kernel needs about the pool's blocks: the section layout and the header bytes
+ * every block shares (all fields but layer, first position and the CRCs, which it fills in). */
+typedef struct cuda_kv_encoder {
+    cuda_kv_layout layout;
+    uint32_t header_bytes;
+    uint8_t header[CUDA_KV_MAX_HEADER];
+} cuda_kv_encoder;
+
+/* From the pool's codec and geometry (one zero block encoded on the CPU gives the header). */
+struct kv_codec_params;
+struct kv_geometry;
+int cuda_kv_encoder_init(const struct kv_codec_params *p, const struct kv_geometry *g, cuda_kv_encoder *out,
+                         strata_error *err);
+
+/* One block to write. */
+typedef struct cuda_kv_encode_job {
+    const uint16_t *k;   /* device fp16 [block_tokens][n_kv_heads][head_dim] (the tail's layout) */
+    const uint16_t *v;
+    uint8_t *dst;        /* device slot of layout.block_bytes bytes, 16-byte aligned */
+    uint64_t first_pos;  /* position of the block's first token */
+    uint32_t layer;
+} cuda_kv_encode_job;
+
+/* Writes n_jobs blocks (d_jobs: device array), one thread block each, asynchronously on stream.
+ * STRATA_EINVAL for bad arguments, STRATA_EIO when the launch fails. */
+int cuda_kv_encode_blocks(const cuda_kv_encoder *enc, const cuda_kv_encode_job *d_jobs, int n_jobs,
+                          strata_cuda_stream stream, strata_error *err);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
