@@ -9,6 +9,7 @@
 #include "kernels/ops.h"
 #include "kvstore/half.h"
 #include "worker/gguf.h"
+#include "worker/synthetic.h"
 
 typedef struct layer_weights {
     float *attn_norm, *wq, *wk, *wv, *wo;
@@ -83,9 +84,58 @@ static int read_config(gguf_file *f, model_config *c, strata_error *err)
     return STRATA_OK;
 }
 
-/* Dequantizes the named tensor after checking its shape is exactly [ne1][ne0]. */
-static float *load_tensor(model *m, gguf_file *f, const char *name, uint64_t ne0, uint64_t ne1,
-                          strata_error *err)
+/* ---- Where a model comes from: a GGUF file or a synthetic spec (worker/synthetic.h) ---------- */
+
+typedef struct model_source {
+    gguf_file *gguf;      /* NULL for a synthetic model */
+    synthetic_spec syn;
+} model_source;
+
+/* Opens the GGUF, or parses the synthetic spec. Its messages name the path already. */
+static int source_open(const char *path, model_source *src, strata_error *err)
+{
+    memset(src, 0, sizeof *src);
+    if (synthetic_is_path(path))
+        return synthetic_parse(path, &src->syn, err);
+    src->gguf = gguf_open(path, err);
+    return src->gguf ? STRATA_OK : err ? err->code : STRATA_EIO;
+}
+
+static void source_close(model_source *src)
+{
+    gguf_close(src->gguf);
+    src->gguf = NULL;
+}
+
+/* The configuration (n_vocab is the tokenizer's; tied_output: no separate head) and the
+ * tokenizer (*tok NULL on failure). */
+static int source_meta(const model_source *src, model_config *cfg, tokenizer **tok, strata_error *err)
+{
+    *tok = NULL;
+    memset(cfg, 0, sizeof *cfg);
+    if (!src->gguf) {
+        synthetic_config(&src->syn, cfg);
+        *tok = synthetic_tokenizer(&src->syn, err);
+        return *tok ? STRATA_OK : err ? err->code : STRATA_ENOMEM;
+    }
+    int rc = read_config(src->gguf, cfg, err);
+    if (rc == STRATA_OK && !(*tok = tokenizer_from_gguf(src->gguf, err)))
+        rc = err ? err->code : STRATA_EFORMAT;
+    if (rc == STRATA_OK && tokenizer_n_vocab(*tok) <= 0)
+        rc = strata_fail(err, STRATA_EFORMAT, "model has an empty vocabulary");
+    if (rc == STRATA_OK) {
+        cfg->n_vocab = tokenizer_n_vocab(*tok);
+        cfg->tied_output = gguf_find_tensor(src->gguf, "output.weight") == NULL;
+    }
+    if (rc != STRATA_OK) {
+        tokenizer_free(*tok);
+        *tok = NULL;
+    }
+    return rc;
+}
+
+/* Dequantizes the named GGUF tensor after checking its shape is exactly [ne1][ne0]. */
+static float *read_gguf_tensor(gguf_file *f, const char *name, uint64_t ne0, uint64_t ne1, strata_error *err)
 {
     const gguf_tensor *t = gguf_find_tensor(f, name);
     if (!t) {
@@ -119,11 +169,29 @@ static float *load_tensor(model *m, gguf_file *f, const char *name, uint64_t ne0
             return NULL;
         }
     }
-    m->weight_bytes += (size_t)t->n_elements * sizeof *out;
     return out;
 }
 
-static int load_layer(model *m, gguf_file *f, int il, layer_weights *L, strata_error *err)
+/* The fp32 values of the named [ne1][ne0] tensor, from the file or generated; counted in the
+ * model's weight bytes. */
+static float *load_tensor(model *m, const model_source *src, const char *name, uint64_t ne0, uint64_t ne1,
+                          strata_error *err)
+{
+    float *out;
+    if (src->gguf) {
+        out = read_gguf_tensor(src->gguf, name, ne0, ne1, err);
+    } else if ((out = malloc((size_t)(ne0 * ne1) * sizeof *out))) {
+        synthetic_fill(&src->syn, name, ne0, ne1, out);
+    } else {
+        strata_fail(err, STRATA_ENOMEM, "out of memory generating tensor '%s' (%llu elements)", name,
+                    (unsigned long long)(ne0 * ne1));
+    }
+    if (out)
+        m->weight_bytes += (size_t)(ne0 * ne1) * sizeof *out;
+    return out;
+}
+
+static int load_layer(model *m, const model_source *src, int il, layer_weights *L, strata_error *err)
 {
     const model_config *c = &m->cfg;
     const uint64_t e = (uint64_t)c->n_embd, kvd = (uint64_t)c->n_kv_heads * (uint64_t)c->head_dim;
@@ -141,69 +209,92 @@ static int load_layer(model *m, gguf_file *f, int il, layer_weights *L, strata_e
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
         char name[96];
         snprintf(name, sizeof name, "blk.%d.%s.weight", il, want[i].suffix);
-        *want[i].dst = load_tensor(m, f, name, want[i].ne0, want[i].ne1, err);
+        *want[i].dst = load_tensor(m, src, name, want[i].ne0, want[i].ne1, err);
         if (!*want[i].dst)
             return err ? err->code : STRATA_EFORMAT;
     }
     return STRATA_OK;
 }
 
+size_t model_weight_bytes_for(const model_config *c, int layer_begin, int layer_end)
+{
+    if (layer_end < 0)
+        layer_end = c->n_layers;
+    if (layer_begin < 0 || layer_begin >= layer_end || layer_end > c->n_layers)
+        return 0;
+    const uint64_t e = (uint64_t)c->n_embd, kvd = (uint64_t)c->n_kv_heads * (uint64_t)c->head_dim;
+    const uint64_t nv = (uint64_t)c->n_vocab, ff = (uint64_t)c->n_ff;
+    /* the nine tensors of load_layer */
+    const uint64_t per_layer = 2 * e + 2 * e * e + 2 * e * kvd + 3 * e * ff;
+    uint64_t n = per_layer * (uint64_t)(layer_end - layer_begin);
+    const bool first = layer_begin == 0, last = layer_end == c->n_layers;
+    if (first || (last && c->tied_output))
+        n += nv * e;   /* token embedding (also the head when tied) */
+    if (last)
+        n += e + (c->tied_output ? 0 : nv * e);   /* output norm, separate head */
+    return n > SIZE_MAX / sizeof(float) ? SIZE_MAX : (size_t)n * sizeof(float);
+}
+
+/* The embedding, output norm and head this model's range needs, then its layers. */
+static int load_weights(model *m, const model_source *src, strata_error *err)
+{
+    const bool first = m->layer_begin == 0, last = m->layer_end == m->cfg.n_layers;
+    const uint64_t e = (uint64_t)m->cfg.n_embd, nv = (uint64_t)m->cfg.n_vocab;
+    if ((first || (last && m->cfg.tied_output)) &&
+        !(m->tok_embd = load_tensor(m, src, "token_embd.weight", e, nv, err)))
+        return err ? err->code : STRATA_EFORMAT;
+    if (last) {
+        if (!(m->output_norm = load_tensor(m, src, "output_norm.weight", e, 1, err)))
+            return err ? err->code : STRATA_EFORMAT;
+        if (m->cfg.tied_output)
+            m->output = m->tok_embd;
+        else if (!(m->output = load_tensor(m, src, "output.weight", e, nv, err)))
+            return err ? err->code : STRATA_EFORMAT;
+    }
+    m->layers = calloc((size_t)(m->layer_end - m->layer_begin), sizeof *m->layers);
+    if (!m->layers)
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    int rc = STRATA_OK;
+    for (int il = m->layer_begin; rc == STRATA_OK && il < m->layer_end; il++)
+        rc = load_layer(m, src, il, &m->layers[il - m->layer_begin], err);
+    return rc;
+}
+
+/* The layer range (layer_end -1: to the last layer) within the model's layers. */
+static int set_layer_range(model *m, int layer_begin, int layer_end, strata_error *err)
+{
+    if (layer_end < 0)
+        layer_end = m->cfg.n_layers;
+    if (layer_begin < 0 || layer_begin >= layer_end || layer_end > m->cfg.n_layers)
+        return strata_fail(err, STRATA_EINVAL, "layer range [%d, %d) is outside the model's %d layers", layer_begin,
+                           layer_end, m->cfg.n_layers);
+    m->layer_begin = layer_begin;
+    m->layer_end = layer_end;
+    return STRATA_OK;
+}
+
 model *model_load(const char *path, int layer_begin, int layer_end, strata_error *err)
 {
-    gguf_file *f = gguf_open(path, err);
-    if (!f)
+    model_source src;
+    if (source_open(path, &src, err) != STRATA_OK)
         return NULL;
     model *m = calloc(1, sizeof *m);
     if (!m) {
         strata_fail(err, STRATA_ENOMEM, "out of memory");
-        gguf_close(f);
+        source_close(&src);
         return NULL;
     }
-    int rc = read_config(f, &m->cfg, err);
-    if (rc == STRATA_OK) {
-        if (layer_end < 0)
-            layer_end = m->cfg.n_layers;
-        if (layer_begin < 0 || layer_begin >= layer_end || layer_end > m->cfg.n_layers)
-            rc = strata_fail(err, STRATA_EINVAL, "layer range [%d, %d) is outside the model's %d layers",
-                             layer_begin, layer_end, m->cfg.n_layers);
-    }
-    if (rc == STRATA_OK) {
-        m->layer_begin = layer_begin;
-        m->layer_end = layer_end;
-        m->tok = tokenizer_from_gguf(f, err);
-        if (!m->tok)
-            rc = err ? err->code : STRATA_EFORMAT;
-    }
-    if (rc == STRATA_OK && tokenizer_n_vocab(m->tok) <= 0)
-        rc = strata_fail(err, STRATA_EFORMAT, "model has an empty vocabulary");
-    if (rc == STRATA_OK) {
-        m->cfg.n_vocab = tokenizer_n_vocab(m->tok);
-        m->cfg.tied_output = gguf_find_tensor(f, "output.weight") == NULL;
-        bool first = layer_begin == 0, last = layer_end == m->cfg.n_layers;
-        const uint64_t e = (uint64_t)m->cfg.n_embd, nv = (uint64_t)m->cfg.n_vocab;
-        if (first || (last && m->cfg.tied_output)) {
-            m->tok_embd = load_tensor(m, f, "token_embd.weight", e, nv, err);
-            if (!m->tok_embd)
-                rc = err ? err->code : STRATA_EFORMAT;
-        }
-        if (rc == STRATA_OK && last) {
-            m->output_norm = load_tensor(m, f, "output_norm.weight", e, 1, err);
-            if (!m->output_norm)
-                rc = err ? err->code : STRATA_EFORMAT;
-            else if (m->cfg.tied_output)
-                m->output = m->tok_embd;
-            else if (!(m->output = load_tensor(m, f, "output.weight", e, nv, err)))
-                rc = err ? err->code : STRATA_EFORMAT;
-        }
-    }
-    if (rc == STRATA_OK) {
-        m->layers = calloc((size_t)(layer_end - layer_begin), sizeof *m->layers);
-        if (!m->layers)
-            rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
-        for (int il = layer_begin; rc == STRATA_OK && il < layer_end; il++)
-            rc = load_layer(m, f, il, &m->layers[il - layer_begin], err);
-    }
-    gguf_close(f);
+    int rc = source_meta(&src, &m->cfg, &m->tok, err);
+    if (rc == STRATA_OK)
+        rc = set_layer_range(m, layer_begin, layer_end, err);
+    /* Generated weights would take whatever is asked: refuse what cannot fit rather than be
+     * killed part way. (A GGUF's own size bounds what it can ask.) */
+    if (rc == STRATA_OK && !src.gguf)
+        rc = synthetic_check_memory(&src.syn, m->layer_begin, m->layer_end,
+                                    model_weight_bytes_for(&m->cfg, m->layer_begin, m->layer_end), err);
+    if (rc == STRATA_OK)
+        rc = load_weights(m, &src, err);
+    source_close(&src);
     if (rc != STRATA_OK) {
         if (err)
             strata_error_prefix(err, "loading model '%s'", path);
@@ -217,25 +308,14 @@ int model_read_meta(const char *path, model_config *cfg, tokenizer **tok, strata
 {
     *tok = NULL;
     memset(cfg, 0, sizeof *cfg);
-    gguf_file *f = gguf_open(path, err);
-    if (!f)
-        return err ? err->code : STRATA_EIO;
-    int rc = read_config(f, cfg, err);
-    if (rc == STRATA_OK && !(*tok = tokenizer_from_gguf(f, err)))
-        rc = err ? err->code : STRATA_EFORMAT;
-    if (rc == STRATA_OK && tokenizer_n_vocab(*tok) <= 0)
-        rc = strata_fail(err, STRATA_EFORMAT, "model has an empty vocabulary");
-    if (rc == STRATA_OK) {
-        cfg->n_vocab = tokenizer_n_vocab(*tok);
-        cfg->tied_output = gguf_find_tensor(f, "output.weight") == NULL;
-    }
-    gguf_close(f);
-    if (rc != STRATA_OK) {
-        tokenizer_free(*tok);
-        *tok = NULL;
-        if (err)
-            strata_error_prefix(err, "reading model '%s'", path);
-    }
+    model_source src;
+    int rc = source_open(path, &src, err);
+    if (rc != STRATA_OK)
+        return rc;
+    rc = source_meta(&src, cfg, tok, err);
+    source_close(&src);
+    if (rc != STRATA_OK && err)
+        strata_error_prefix(err, "reading model '%s'", path);
     return rc;
 }
 

@@ -1,4 +1,5 @@
-/* A Llama-family model (SmolLM2, Llama 2/3 shapes) loaded from GGUF, run on the CPU backend.
+/* A Llama-family model (SmolLM2, Llama 2/3 shapes) loaded from GGUF (or synthetic: random
+ * weights of a known shape, worker/synthetic.h), run on the CPU backend.
  *
  * A model can hold only the layers [layer_begin, layer_end) so that a pipeline stage loads its
  * slice; the embedding lives with the stage that has layer 0 and the output norm and head
@@ -35,13 +36,20 @@ typedef struct model_config {
 typedef struct model model;
 
 /* Loads layers [layer_begin, layer_end) of the GGUF at path (layer_end = -1: to the last
- * layer). Fails with a message naming the missing tensor, wrong shape or unsupported type. */
+ * layer). Fails with a message naming the missing tensor, wrong shape or unsupported type.
+ *
+ * A path "synthetic:NAME" or "synthetic:NAME:seed=N" instead builds a model of a known shape
+ * (llama3-8b, smollm2-135m, tiny, ...) with random weights from the seed (worker/synthetic.h).
+ * Its weights are checked against the available memory before anything is allocated:
+ * STRATA_ENOMEM with a message naming both sizes when they cannot fit; a malformed spec or an
+ * unknown NAME is STRATA_EINVAL (the message lists the known names). */
 model *model_load(const char *path, int layer_begin, int layer_end, strata_error *err);
 void model_free(model *m);
 
-/* Reads only the configuration and the tokenizer of the GGUF at path, no weights: what the
- * coordinator needs to tokenize, check requests and plan KV capacity. *tok is the caller's
- * (tokenizer_free). cfg->n_vocab is the tokenizer's vocabulary. */
+/* Reads only the configuration and the tokenizer of the GGUF at path (or of a synthetic model,
+ * as model_load), no weights: what the coordinator needs to tokenize, check requests and plan
+ * KV capacity. *tok is the caller's (tokenizer_free). cfg->n_vocab is the tokenizer's
+ * vocabulary. */
 int model_read_meta(const char *path, model_config *cfg, tokenizer **tok, strata_error *err);
 
 const model_config *model_get_config(const model *m);
@@ -50,6 +58,12 @@ int model_layer_begin(const model *m);
 int model_layer_end(const model *m);
 /* Bytes of weights held in memory (fp32). */
 size_t model_weight_bytes(const model *m);
+/* Bytes of fp32 weights that loading layers [layer_begin, layer_end) (layer_end -1: to the last)
+ * of a model of configuration c takes: the layers' nine tensors each, the token embedding on
+ * the first stage (and on the last when the head is tied to it), the output norm and untied
+ * head on the last. Equals model_weight_bytes of such a model; 0 for a range outside the
+ * model, SIZE_MAX when it does not fit a size_t. */
+size_t model_weight_bytes_for(const model_config *c, int layer_begin, int layer_end);
 
 /* KV geometry of this model for a block size (all layers of the model). */
 kv_geometry model_kv_geometry(const model *m, int block_tokens);

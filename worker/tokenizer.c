@@ -186,14 +186,27 @@ static size_t put_utf8(uint32_t cp, uint8_t *out)
 
 /* GPT-2's bytes_to_unicode: printable Latin-1 bytes map to themselves, the other 68 bytes to
  * U+0100.. in byte order. */
+static bool byte_is_printable(uint32_t b)
+{
+    return (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174);
+}
+
+static uint32_t byte_cp(uint32_t b)
+{
+    if (byte_is_printable(b))
+        return b;
+    uint32_t before = 0;   /* non-printable bytes below b */
+    for (uint32_t i = 0; i < b; i++)
+        before += !byte_is_printable(i);
+    return 256 + before;
+}
+
 static void build_byte_map(tokenizer *t)
 {
     for (int i = 0; i < 324; i++)
         t->cp_to_byte[i] = -1;
-    uint32_t extra = 0;
     for (uint32_t b = 0; b < 256; b++) {
-        bool keep = (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || (b >= 174);
-        uint32_t cp = keep ? b : 256 + extra++;
+        uint32_t cp = byte_cp(b);
         t->byte_enc_len[b] = (uint8_t)put_utf8(cp, t->byte_enc[b]);
         t->cp_to_byte[cp] = (int16_t)b;
     }
@@ -280,15 +293,255 @@ static int sort_specials(tokenizer *t)
     return STRATA_OK;
 }
 
-static bool str_eq(gguf_str s, const char *lit)
-{
-    size_t n = strlen(lit);
-    return s.len == n && memcmp(s.ptr, lit, n) == 0;
-}
-
 static int clamp_len(size_t n)
 {
     return n > 64 ? 64 : (int)n;
+}
+
+static bool text_eq(tokenizer_str s, const char *lit)
+{
+    size_t n = strlen(lit);
+    return s.len == n && (n == 0 || (s.ptr && memcmp(s.ptr, lit, n) == 0));
+}
+
+static int encode_fffd(tokenizer *t);
+
+/* ---- The builder: one path from a tokenizer_vocab, whatever it was read from ---------------- */
+
+static int build_pre(tokenizer *t, const tokenizer_vocab *v, strata_error *err)
+{
+    if (text_eq(v->pre, "smollm") || text_eq(v->pre, "starcoder"))
+        t->digit_split = true;
+    else if (text_eq(v->pre, "gpt2"))
+        t->digit_split = false;
+    else
+        return strata_fail(err, STRATA_EUNSUPPORTED,
+                           "tokenizer: pre-tokenizer '%.*s' is not supported (smollm, starcoder, gpt2)",
+                           clamp_len(v->pre.len), v->pre.ptr ? v->pre.ptr : "");
+    return STRATA_OK;
+}
+
+static int build_types(tokenizer *t, const tokenizer_vocab *v, strata_error *err)
+{
+    const int32_t n = v->n_tokens;
+    t->type = malloc((size_t)n);
+    if (!t->type)
+        return strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
+    memset(t->type, TOKENIZER_TYPE_NORMAL, (size_t)n);
+    for (int32_t i = 0; v->types && i < n; i++) {
+        if (v->types[i] > TOKENIZER_TYPE_BYTE)
+            return strata_fail(err, STRATA_EFORMAT, "tokenizer: token %d has invalid type %d", (int)i,
+                               (int)v->types[i]);
+        t->type[i] = v->types[i];
+    }
+    return STRATA_OK;
+}
+
+/* Token texts, the text -> id table, the byte mapping and every token's raw bytes. */
+static int build_texts(tokenizer *t, const tokenizer_vocab *v, strata_error *err)
+{
+    const int32_t n = v->n_tokens;
+    size_t total = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (v->tokens[i].len && !v->tokens[i].ptr)
+            return strata_fail(err, STRATA_EFORMAT, "tokenizer: token %d has no text", (int)i);
+        if (v->tokens[i].len > SIZE_MAX - total - 1)
+            return strata_fail(err, STRATA_EFORMAT, "tokenizer: token texts too large");
+        total += v->tokens[i].len;
+    }
+    t->text = malloc(total + 1);
+    t->text_off = malloc(((size_t)n + 1) * sizeof *t->text_off);
+    t->bytes = malloc(total + 1);
+    t->bytes_off = malloc(((size_t)n + 1) * sizeof *t->bytes_off);
+    if (!t->text || !t->text_off || !t->bytes || !t->bytes_off)
+        return strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory for %zu bytes of token text", total);
+    size_t o = 0;
+    for (int32_t i = 0; i < n; i++) {
+        t->text_off[i] = o;
+        if (v->tokens[i].len)
+            memcpy(t->text + o, v->tokens[i].ptr, v->tokens[i].len);
+        o += v->tokens[i].len;
+    }
+    t->text_off[n] = o;
+
+    size_t cap = table_size_for((size_t)n);
+    t->tok_slots = malloc(cap * sizeof *t->tok_slots);
+    if (!t->tok_slots)
+        return strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
+    memset(t->tok_slots, 0xff, cap * sizeof *t->tok_slots);
+    t->tok_mask = cap - 1;
+    for (int32_t i = 0; i < n; i++)
+        if (t->text_off[i + 1] > t->text_off[i])   /* empty texts can never be produced */
+            tok_insert(t, i);
+
+    build_byte_map(t);
+    for (int b = 0; b < 256; b++)
+        t->byte_tok[b] = tokenizer_find_token(t, (const char *)t->byte_enc[b], t->byte_enc_len[b]);
+    o = 0;
+    for (int32_t i = 0; i < n; i++) {
+        size_t len;
+        const char *s = tok_text(t, i, &len);
+        t->bytes_off[i] = o;
+        o += token_raw_bytes(t, t->type[i], s, len, t->bytes + o);
+    }
+    t->bytes_off[n] = o;
+    return STRATA_OK;
+}
+
+/* One "left right" rule of rank `rank`; *joined (of *joined_cap bytes) is scratch for left+right. */
+static int build_merge(tokenizer *t, tokenizer_str m, size_t rank, char **joined, size_t *joined_cap,
+                       strata_error *err)
+{
+    if (m.len && !m.ptr)
+        return strata_fail(err, STRATA_EFORMAT, "tokenizer: merge %zu has no text", rank);
+    /* split at the first space after the first byte, as llama.cpp does */
+    const char *sp = m.len > 1 ? memchr(m.ptr + 1, ' ', m.len - 1) : NULL;
+    if (!sp)
+        return strata_fail(err, STRATA_EFORMAT, "tokenizer: merge %zu ('%.*s') has no space", rank,
+                           clamp_len(m.len), m.len ? m.ptr : "");
+    size_t ll = (size_t)(sp - m.ptr), rl = m.len - ll - 1;
+    int32_t left = tokenizer_find_token(t, m.ptr, ll);
+    int32_t right = tokenizer_find_token(t, sp + 1, rl);
+    if (left < 0 || right < 0)
+        return strata_fail(err, STRATA_EFORMAT, "tokenizer: merge %zu names unknown token '%.*s'", rank,
+                           clamp_len(left < 0 ? ll : rl), left < 0 ? m.ptr : sp + 1);
+    if (ll + rl > *joined_cap) {
+        size_t nc = (ll + rl) * 2;
+        char *g = realloc(*joined, nc);
+        if (!g)
+            return strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
+        *joined = g;
+        *joined_cap = nc;
+    }
+    memcpy(*joined, m.ptr, ll);
+    memcpy(*joined + ll, sp + 1, rl);
+    merge_insert(t, left, right, (int32_t)rank, tokenizer_find_token(t, *joined, ll + rl));
+    return STRATA_OK;
+}
+
+static int build_merges(tokenizer *t, const tokenizer_vocab *v, strata_error *err)
+{
+    if (v->n_merges > (size_t)INT32_MAX / 2)
+        return strata_fail(err, STRATA_EFORMAT, "tokenizer: %zu merges", v->n_merges);
+    if (v->n_merges && !v->merges)
+        return strata_fail(err, STRATA_EINVAL, "tokenizer: %zu merges but no merge array", v->n_merges);
+    size_t cap = table_size_for(v->n_merges);
+    t->merge_slots = malloc(cap * sizeof *t->merge_slots);
+    if (!t->merge_slots)
+        return strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
+    for (size_t i = 0; i < cap; i++)
+        t->merge_slots[i].key = MERGE_EMPTY;
+    t->merge_mask = cap - 1;
+    char *joined = NULL;
+    size_t joined_cap = 0;
+    int rc = STRATA_OK;
+    for (size_t i = 0; i < v->n_merges && rc == STRATA_OK; i++)
+        rc = build_merge(t, v->merges[i], i, &joined, &joined_cap, err);
+    free(joined);
+    return rc;
+}
+
+static bool is_matchable_special(const tokenizer *t, int32_t id)
+{
+    uint8_t ty = t->type[id];
+    return (ty == TOKENIZER_TYPE_CONTROL || ty == TOKENIZER_TYPE_USER_DEFINED || ty == TOKENIZER_TYPE_UNKNOWN) &&
+           t->text_off[id + 1] > t->text_off[id];
+}
+
+/* The special tokens that the input can name, longest first. */
+static int build_specials(tokenizer *t, strata_error *err)
+{
+    size_t ns = 0;
+    for (int32_t i = 0; i < t->n_vocab; i++)
+        ns += is_matchable_special(t, i);
+    t->special = malloc((ns ? ns : 1) * sizeof *t->special);
+    if (!t->special)
+        return strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
+    for (int32_t i = 0; i < t->n_vocab; i++)
+        if (is_matchable_special(t, i))
+            t->special[t->n_special++] = i;
+    if (sort_specials(t) != STRATA_OK)
+        return strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
+    return STRATA_OK;
+}
+
+static int build_extras(tokenizer *t, const tokenizer_vocab *v, strata_error *err)
+{
+    if (v->bos < -1 || v->bos >= t->n_vocab || v->eos < -1 || v->eos >= t->n_vocab)
+        return strata_fail(err, STRATA_EFORMAT, "tokenizer: bos %d or eos %d is out of range (vocabulary of %d)",
+                           (int)v->bos, (int)v->eos, (int)t->n_vocab);
+    t->bos = v->bos;
+    t->eos = v->eos;
+    t->add_bos = v->add_bos;
+    if (!v->chat_template.ptr)
+        return STRATA_OK;
+    if (v->chat_template.len == SIZE_MAX)
+        return strata_fail(err, STRATA_EFORMAT, "tokenizer: chat template too large");
+    t->chat_template = malloc(v->chat_template.len + 1);
+    if (!t->chat_template)
+        return strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
+    if (v->chat_template.len)
+        memcpy(t->chat_template, v->chat_template.ptr, v->chat_template.len);
+    t->chat_template[v->chat_template.len] = '\0';
+    t->chat_template_len = v->chat_template.len;
+    return STRATA_OK;
+}
+
+static int build(tokenizer *t, const tokenizer_vocab *v, strata_error *err)
+{
+    if (v->n_tokens <= 0 || v->n_tokens > INT32_MAX / 2 || !v->tokens)
+        return strata_fail(err, STRATA_EFORMAT, "tokenizer: a vocabulary of %d tokens", (int)v->n_tokens);
+    t->n_vocab = v->n_tokens;
+    int rc;
+    if ((rc = build_pre(t, v, err)) || (rc = build_types(t, v, err)) || (rc = build_texts(t, v, err)) ||
+        (rc = build_merges(t, v, err)))
+        return rc;
+    if (encode_fffd(t) != STRATA_OK)
+        return strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
+    if ((rc = build_specials(t, err)) || (rc = build_extras(t, v, err)))
+        return rc;
+    return STRATA_OK;
+}
+
+tokenizer *tokenizer_from_vocab(const tokenizer_vocab *v, strata_error *err)
+{
+    if (!v) {
+        strata_fail(err, STRATA_EINVAL, "tokenizer: no vocabulary");
+        return NULL;
+    }
+    tokenizer *t = calloc(1, sizeof *t);
+    if (!t) {
+        strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
+        return NULL;
+    }
+    t->bos = t->eos = -1;
+    if (build(t, v, err) != STRATA_OK) {
+        tokenizer_free(t);
+        return NULL;
+    }
+    return t;
+}
+
+size_t tokenizer_byte_text(uint8_t b, char *out)
+{
+    uint8_t u[4];
+    size_t n = put_utf8(byte_cp(b), u);
+    memcpy(out, u, n);
+    return n;
+}
+
+/* ---- GGUF: the tokenizer.* keys read into a tokenizer_vocab --------------------------------- */
+
+/* The arrays a tokenizer_vocab points to while it is built from a GGUF. */
+typedef struct gguf_vocab {
+    tokenizer_vocab v;
+    tokenizer_str *tokens, *merges;
+    uint8_t *types;
+} gguf_vocab;
+
+static tokenizer_str from_gguf_str(gguf_str s)
+{
+    return (tokenizer_str){s.ptr, s.len};
 }
 
 static int get_optional_id(const gguf_file *f, const char *key, int32_t n_vocab, int32_t *out,
@@ -308,41 +561,35 @@ static int get_optional_id(const gguf_file *f, const char *key, int32_t n_vocab,
     return STRATA_OK;
 }
 
-static int encode_fffd(tokenizer *t);
-
-static int load_vocab(tokenizer *t, const gguf_file *f, strata_error *err)
+/* Required keys, the tokenizer model and the pre-tokenizer's name. */
+static int gguf_read_kind(const gguf_file *f, gguf_vocab *g, strata_error *err)
 {
-    int rc;
     strata_error e = {0};   /* the reader's own messages; ours replace them */
     static const char *const required[] = {"tokenizer.ggml.model", "tokenizer.ggml.tokens",
                                            "tokenizer.ggml.merges"};
     for (size_t i = 0; i < sizeof required / sizeof required[0]; i++)
         if (!gguf_has_key(f, required[i]))
             return strata_fail(err, STRATA_EFORMAT, "tokenizer: missing key %s", required[i]);
-
     gguf_str model;
     if (gguf_get_str(f, "tokenizer.ggml.model", &model, &e) != STRATA_OK)
         return strata_fail(err, STRATA_EFORMAT, "tokenizer: tokenizer.ggml.model is not a string");
-    if (!str_eq(model, "gpt2"))
+    if (!text_eq(from_gguf_str(model), "gpt2"))
         return strata_fail(err, STRATA_EUNSUPPORTED,
                            "tokenizer: tokenizer.ggml.model '%.*s' is not supported (only byte-level BPE, 'gpt2')",
                            clamp_len(model.len), model.ptr);
-
     if (!gguf_has_key(f, "tokenizer.ggml.pre"))
         return strata_fail(err, STRATA_EUNSUPPORTED,
                            "tokenizer: no tokenizer.ggml.pre key; cannot choose a pre-tokenizer");
     gguf_str pre;
     if (gguf_get_str(f, "tokenizer.ggml.pre", &pre, &e) != STRATA_OK)
         return strata_fail(err, STRATA_EFORMAT, "tokenizer: tokenizer.ggml.pre is not a string");
-    if (str_eq(pre, "smollm") || str_eq(pre, "starcoder"))
-        t->digit_split = true;
-    else if (str_eq(pre, "gpt2"))
-        t->digit_split = false;
-    else
-        return strata_fail(err, STRATA_EUNSUPPORTED,
-                           "tokenizer: pre-tokenizer '%.*s' is not supported (smollm, starcoder, gpt2)",
-                           clamp_len(pre.len), pre.ptr);
+    g->v.pre = from_gguf_str(pre);
+    return STRATA_OK;
+}
 
+static int gguf_read_tokens(const gguf_file *f, gguf_vocab *g, strata_error *err)
+{
+    strata_error e = {0};
     gguf_array toks;
     if (gguf_get_array(f, "tokenizer.ggml.tokens", &toks, &e) != STRATA_OK)
         return strata_fail(err, STRATA_EFORMAT, "tokenizer: tokenizer.ggml.tokens is not an array");
@@ -353,91 +600,55 @@ static int load_vocab(tokenizer *t, const gguf_file *f, strata_error *err)
     if (toks.n == 0 || toks.n > (uint64_t)INT32_MAX / 2)
         return strata_fail(err, STRATA_EFORMAT, "tokenizer: tokenizer.ggml.tokens has %llu entries",
                            (unsigned long long)toks.n);
-    int32_t n = (int32_t)toks.n;
-    t->n_vocab = n;
-
-    /* token types (optional: all normal when absent) */
-    t->type = malloc((size_t)n);
-    if (!t->type)
+    g->tokens = malloc((size_t)toks.n * sizeof *g->tokens);
+    if (!g->tokens)
         return strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
-    memset(t->type, TOKENIZER_TYPE_NORMAL, (size_t)n);
-    if (gguf_has_key(f, "tokenizer.ggml.token_type")) {
-        gguf_array types;
-        if (gguf_get_array(f, "tokenizer.ggml.token_type", &types, &e) != STRATA_OK)
-            return strata_fail(err, STRATA_EFORMAT, "tokenizer: tokenizer.ggml.token_type is not an array");
-        switch (types.elem_type) {
-        case GGUF_UINT8: case GGUF_INT8: case GGUF_UINT16: case GGUF_INT16: case GGUF_UINT32:
-        case GGUF_INT32: case GGUF_UINT64: case GGUF_INT64:
-            break;
-        default:
-            return strata_fail(err, STRATA_EFORMAT,
-                               "tokenizer: tokenizer.ggml.token_type is an array of type %d, not of integers",
-                               (int)types.elem_type);
-        }
-        if (types.n != toks.n)
-            return strata_fail(err, STRATA_EFORMAT,
-                               "tokenizer: tokenizer.ggml.token_type has %llu entries for %llu tokens",
-                               (unsigned long long)types.n, (unsigned long long)toks.n);
-        for (int32_t i = 0; i < n; i++) {
-            int64_t v = gguf_array_int(&types, (uint64_t)i);
-            if (v < 0 || v > TOKENIZER_TYPE_BYTE)
-                return strata_fail(err, STRATA_EFORMAT,
-                                   "tokenizer: token %d has invalid type %lld", (int)i, (long long)v);
-            t->type[i] = (uint8_t)v;
-        }
-    }
+    for (uint64_t i = 0; i < toks.n; i++)
+        g->tokens[i] = from_gguf_str(gguf_array_str(&toks, i));
+    g->v.tokens = g->tokens;
+    g->v.n_tokens = (int32_t)toks.n;
+    return STRATA_OK;
+}
 
-    /* token texts */
-    size_t total = 0;
-    for (int32_t i = 0; i < n; i++) {
-        gguf_str s = gguf_array_str(&toks, (uint64_t)i);
-        if (s.len && !s.ptr)
-            return strata_fail(err, STRATA_EFORMAT, "tokenizer: token %d has no text", (int)i);
-        if (s.len > SIZE_MAX - total - 1)
-            return strata_fail(err, STRATA_EFORMAT, "tokenizer: token texts too large");
-        total += s.len;
+/* Token types are optional: all normal when absent. */
+static int gguf_read_types(const gguf_file *f, gguf_vocab *g, strata_error *err)
+{
+    if (!gguf_has_key(f, "tokenizer.ggml.token_type"))
+        return STRATA_OK;
+    strata_error e = {0};
+    gguf_array types;
+    if (gguf_get_array(f, "tokenizer.ggml.token_type", &types, &e) != STRATA_OK)
+        return strata_fail(err, STRATA_EFORMAT, "tokenizer: tokenizer.ggml.token_type is not an array");
+    switch (types.elem_type) {
+    case GGUF_UINT8: case GGUF_INT8: case GGUF_UINT16: case GGUF_INT16: case GGUF_UINT32:
+    case GGUF_INT32: case GGUF_UINT64: case GGUF_INT64:
+        break;
+    default:
+        return strata_fail(err, STRATA_EFORMAT,
+                           "tokenizer: tokenizer.ggml.token_type is an array of type %d, not of integers",
+                           (int)types.elem_type);
     }
-    t->text = malloc(total + 1);
-    t->text_off = malloc(((size_t)n + 1) * sizeof *t->text_off);
-    t->bytes = malloc(total + 1);
-    t->bytes_off = malloc(((size_t)n + 1) * sizeof *t->bytes_off);
-    if (!t->text || !t->text_off || !t->bytes || !t->bytes_off)
-        return strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory for %zu bytes of token text", total);
-    size_t o = 0;
-    for (int32_t i = 0; i < n; i++) {
-        gguf_str s = gguf_array_str(&toks, (uint64_t)i);
-        t->text_off[i] = o;
-        if (s.len)
-            memcpy(t->text + o, s.ptr, s.len);
-        o += s.len;
-    }
-    t->text_off[n] = o;
-
-    /* text -> id */
-    size_t cap = table_size_for((size_t)n);
-    t->tok_slots = malloc(cap * sizeof *t->tok_slots);
-    if (!t->tok_slots)
+    if (types.n != (uint64_t)g->v.n_tokens)
+        return strata_fail(err, STRATA_EFORMAT,
+                           "tokenizer: tokenizer.ggml.token_type has %llu entries for %d tokens",
+                           (unsigned long long)types.n, (int)g->v.n_tokens);
+    g->types = malloc((size_t)types.n);
+    if (!g->types)
         return strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
-    memset(t->tok_slots, 0xff, cap * sizeof *t->tok_slots);
-    t->tok_mask = cap - 1;
-    for (int32_t i = 0; i < n; i++)
-        if (t->text_off[i + 1] > t->text_off[i])   /* empty texts can never be produced */
-            tok_insert(t, i);
-
-    /* byte mapping, raw bytes of every token */
-    build_byte_map(t);
-    for (int b = 0; b < 256; b++)
-        t->byte_tok[b] = tokenizer_find_token(t, (const char *)t->byte_enc[b], t->byte_enc_len[b]);
-    o = 0;
-    for (int32_t i = 0; i < n; i++) {
-        size_t len;
-        const char *s = tok_text(t, i, &len);
-        t->bytes_off[i] = o;
-        o += token_raw_bytes(t, t->type[i], s, len, t->bytes + o);
+    for (int32_t i = 0; i < g->v.n_tokens; i++) {
+        int64_t v = gguf_array_int(&types, (uint64_t)i);
+        if (v < 0 || v > TOKENIZER_TYPE_BYTE)
+            return strata_fail(err, STRATA_EFORMAT, "tokenizer: token %d has invalid type %lld", (int)i,
+                               (long long)v);
+        g->types[i] = (uint8_t)v;
     }
-    t->bytes_off[n] = o;
+    g->v.types = g->types;
+    return STRATA_OK;
+}
 
-    /* merges */
+static int gguf_read_merges(const gguf_file *f, gguf_vocab *g, strata_error *err)
+{
+    strata_error e = {0};
     gguf_array merges;
     if (gguf_get_array(f, "tokenizer.ggml.merges", &merges, &e) != STRATA_OK)
         return strata_fail(err, STRATA_EFORMAT, "tokenizer: tokenizer.ggml.merges is not an array");
@@ -448,94 +659,33 @@ static int load_vocab(tokenizer *t, const gguf_file *f, strata_error *err)
     if (merges.n > (uint64_t)INT32_MAX / 2)
         return strata_fail(err, STRATA_EFORMAT, "tokenizer: tokenizer.ggml.merges has %llu entries",
                            (unsigned long long)merges.n);
-    cap = table_size_for((size_t)merges.n);
-    t->merge_slots = malloc(cap * sizeof *t->merge_slots);
-    if (!t->merge_slots)
+    g->merges = malloc((merges.n ? (size_t)merges.n : 1) * sizeof *g->merges);
+    if (!g->merges)
         return strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
-    for (size_t i = 0; i < cap; i++)
-        t->merge_slots[i].key = MERGE_EMPTY;
-    t->merge_mask = cap - 1;
-    char *joined = NULL;
-    size_t joined_cap = 0;
-    rc = STRATA_OK;
-    for (uint64_t i = 0; i < merges.n; i++) {
-        gguf_str m = gguf_array_str(&merges, i);
-        /* split at the first space after the first byte, as llama.cpp does */
-        const char *sp = m.len > 1 ? memchr(m.ptr + 1, ' ', m.len - 1) : NULL;
-        if (!sp) {
-            rc = strata_fail(err, STRATA_EFORMAT, "tokenizer: merge %llu ('%.*s') has no space",
-                             (unsigned long long)i, clamp_len(m.len), m.len ? m.ptr : "");
-            break;
-        }
-        size_t ll = (size_t)(sp - m.ptr), rl = m.len - ll - 1;
-        int32_t left = tokenizer_find_token(t, m.ptr, ll);
-        int32_t right = tokenizer_find_token(t, sp + 1, rl);
-        if (left < 0 || right < 0) {
-            const char *bad = left < 0 ? m.ptr : sp + 1;
-            rc = strata_fail(err, STRATA_EFORMAT, "tokenizer: merge %llu names unknown token '%.*s'",
-                             (unsigned long long)i, clamp_len(left < 0 ? ll : rl), bad);
-            break;
-        }
-        if (ll + rl > joined_cap) {
-            size_t nc = (ll + rl) * 2;
-            char *g = realloc(joined, nc);
-            if (!g) {
-                rc = strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
-                break;
-            }
-            joined = g;
-            joined_cap = nc;
-        }
-        memcpy(joined, m.ptr, ll);
-        memcpy(joined + ll, sp + 1, rl);
-        merge_insert(t, left, right, (int32_t)i, tokenizer_find_token(t, joined, ll + rl));
-    }
-    free(joined);
-    if (rc)
-        return rc;
-    if (encode_fffd(t) != STRATA_OK)
-        return strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
+    for (uint64_t i = 0; i < merges.n; i++)
+        g->merges[i] = from_gguf_str(gguf_array_str(&merges, i));
+    g->v.merges = g->merges;
+    g->v.n_merges = (size_t)merges.n;
+    return STRATA_OK;
+}
 
-    /* special tokens that the input can name */
-    size_t ns = 0;
-    for (int32_t i = 0; i < n; i++) {
-        uint8_t ty = t->type[i];
-        if ((ty == TOKENIZER_TYPE_CONTROL || ty == TOKENIZER_TYPE_USER_DEFINED ||
-             ty == TOKENIZER_TYPE_UNKNOWN) && t->text_off[i + 1] > t->text_off[i])
-            ns++;
-    }
-    t->special = malloc((ns ? ns : 1) * sizeof *t->special);
-    if (!t->special)
-        return strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
-    for (int32_t i = 0; i < n; i++) {
-        uint8_t ty = t->type[i];
-        if ((ty == TOKENIZER_TYPE_CONTROL || ty == TOKENIZER_TYPE_USER_DEFINED ||
-             ty == TOKENIZER_TYPE_UNKNOWN) && t->text_off[i + 1] > t->text_off[i])
-            t->special[t->n_special++] = i;
-    }
-    if (sort_specials(t) != STRATA_OK)
-        return strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
-
-    if ((rc = get_optional_id(f, "tokenizer.ggml.bos_token_id", n, &t->bos, err)) != STRATA_OK)
+/* BOS, EOS, add_bos and the chat template, all optional. */
+static int gguf_read_extras(const gguf_file *f, gguf_vocab *g, strata_error *err)
+{
+    strata_error e = {0};
+    int rc;
+    if ((rc = get_optional_id(f, "tokenizer.ggml.bos_token_id", g->v.n_tokens, &g->v.bos, err)) != STRATA_OK ||
+        (rc = get_optional_id(f, "tokenizer.ggml.eos_token_id", g->v.n_tokens, &g->v.eos, err)) != STRATA_OK)
         return rc;
-    if ((rc = get_optional_id(f, "tokenizer.ggml.eos_token_id", n, &t->eos, err)) != STRATA_OK)
-        return rc;
-    t->add_bos = false;
     if (gguf_has_key(f, "tokenizer.ggml.add_bos_token") &&
-        gguf_get_bool(f, "tokenizer.ggml.add_bos_token", &t->add_bos, &e) != STRATA_OK)
+        gguf_get_bool(f, "tokenizer.ggml.add_bos_token", &g->v.add_bos, &e) != STRATA_OK)
         return strata_fail(err, STRATA_EFORMAT, "tokenizer: tokenizer.ggml.add_bos_token is not a bool");
-
     if (gguf_has_key(f, "tokenizer.chat_template")) {
         gguf_str tpl;
         if (gguf_get_str(f, "tokenizer.chat_template", &tpl, &e) != STRATA_OK)
             return strata_fail(err, STRATA_EFORMAT, "tokenizer: tokenizer.chat_template is not a string");
-        t->chat_template = malloc(tpl.len + 1);
-        if (!t->chat_template)
-            return strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
-        if (tpl.len)
-            memcpy(t->chat_template, tpl.ptr, tpl.len);
-        t->chat_template[tpl.len] = '\0';
-        t->chat_template_len = tpl.len;
+        /* an empty template is still a template: keep a non-NULL pointer */
+        g->v.chat_template = (tokenizer_str){tpl.len ? tpl.ptr : "", tpl.len};
     }
     return STRATA_OK;
 }
@@ -546,16 +696,16 @@ tokenizer *tokenizer_from_gguf(const gguf_file *f, strata_error *err)
         strata_fail(err, STRATA_EINVAL, "tokenizer: no GGUF file");
         return NULL;
     }
-    tokenizer *t = calloc(1, sizeof *t);
-    if (!t) {
-        strata_fail(err, STRATA_ENOMEM, "tokenizer: out of memory");
-        return NULL;
-    }
-    t->bos = t->eos = -1;
-    if (load_vocab(t, f, err) != STRATA_OK) {
-        tokenizer_free(t);
-        return NULL;
-    }
+    gguf_vocab g = {.v = {.bos = -1, .eos = -1}};
+    int rc;
+    tokenizer *t = NULL;
+    if (!(rc = gguf_read_kind(f, &g, err)) && !(rc = gguf_read_tokens(f, &g, err)) &&
+        !(rc = gguf_read_types(f, &g, err)) && !(rc = gguf_read_merges(f, &g, err)) &&
+        !(rc = gguf_read_extras(f, &g, err)))
+        t = tokenizer_from_vocab(&g.v, err);
+    free(g.tokens);
+    free(g.types);
+    free(g.merges);
     return t;
 }
 

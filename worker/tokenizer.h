@@ -53,6 +53,39 @@ enum tokenizer_token_type {
  * entry), STRATA_EUNSUPPORTED for another tokenizer model or pre-tokenizer, STRATA_ENOMEM,
  * STRATA_EINVAL for f == NULL. Returns NULL on failure. */
 tokenizer *tokenizer_from_gguf(const gguf_file *f, strata_error *err);
+
+/* A string that need not be NUL-terminated. */
+typedef struct tokenizer_str {
+    const char *ptr;
+    size_t len;
+} tokenizer_str;
+
+/* A vocabulary held in memory: what tokenizer_from_gguf reads from the tokenizer.* keys (the
+ * tokenizer model is always byte-level BPE). tokenizer_from_gguf builds through
+ * tokenizer_from_vocab, so both behave the same. */
+typedef struct tokenizer_vocab {
+    tokenizer_str pre;             /* pre-tokenizer name: "smollm", "starcoder" or "gpt2" */
+    const tokenizer_str *tokens;   /* n_tokens stored texts: GPT-2 byte-encoded for normal tokens
+                                    * (see tokenizer_byte_text), literal text for control tokens */
+    int32_t n_tokens;
+    const uint8_t *types;          /* n_tokens enum tokenizer_token_type values; NULL: all normal */
+    const tokenizer_str *merges;   /* n_merges rules "left right", highest priority first */
+    size_t n_merges;
+    int32_t bos, eos;              /* -1: none */
+    bool add_bos;
+    tokenizer_str chat_template;   /* .ptr NULL: none */
+} tokenizer_vocab;
+
+/* Builds a tokenizer from v, copying everything it needs (v's arrays may be freed afterwards).
+ * Errors as tokenizer_from_gguf: STRATA_EFORMAT for a malformed vocabulary (no tokens, a type
+ * out of range, a merge without a space or naming an unknown token, bos/eos out of range),
+ * STRATA_EUNSUPPORTED for another pre-tokenizer, STRATA_ENOMEM, STRATA_EINVAL for v == NULL. */
+tokenizer *tokenizer_from_vocab(const tokenizer_vocab *v, strata_error *err);
+
+/* The stored text of raw byte b's token in a GPT-2 byte-level vocabulary (b mapped through
+ * bytes_to_unicode, as UTF-8): written to out (room for 2 bytes); returns its length, 1 or 2. */
+size_t tokenizer_byte_text(uint8_t b, char *out);
+
 void tokenizer_free(tokenizer *t);
 
 /* Number of tokens in the vocabulary. */

@@ -86,8 +86,10 @@ if [[ ! -x $py ]] || ! "$py" -c 'import grpc, google.protobuf' 2>/dev/null; then
   exit 1
 fi
 command -v protoc >/dev/null || { echo "run.sh: protoc is needed (apt-get install protobuf-compiler)" >&2; exit 1; }
-[ -f "$model" ] || { echo "run.sh: model $model not found; run scripts/setup.sh or pass --model" >&2; exit 1; }
-model=$(cd "$(dirname "$model")" && pwd)/$(basename "$model")
+if [[ $model != synthetic:* ]]; then
+  [ -f "$model" ] || { echo "run.sh: model $model not found; run scripts/setup.sh or pass --model" >&2; exit 1; }
+  model=$(cd "$(dirname "$model")" && pwd)/$(basename "$model")
+fi
 
 if [ "$do_build" = 1 ]; then
   blog=$(mktemp)

@@ -22,6 +22,7 @@
 #include "coordinator/metrics/metrics.h"
 #include "coordinator/server/api_server.h"
 #include "coordinator/service/coord.h"
+#include "worker/synthetic.h"
 
 enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
 #define MAX_LOCAL_WORKERS 64
@@ -276,7 +277,7 @@ static int parse(int argc, char **argv, const char *prog, bool local, serve_opts
         fprintf(stderr, "%s: %ld local workers; at most %d\n", prog, o->replicas * o->stages, MAX_LOCAL_WORKERS);
         return EXIT_USAGE;
     }
-    if (access(o->model, R_OK) != 0) {
+    if (!synthetic_is_path(o->model) && access(o->model, R_OK) != 0) {
         fprintf(stderr, "%s: model %s: %s%s\n", prog, o->model, strerror(errno),
                 errno == ENOENT ? " (run scripts/setup.sh to download the default model, or pass --model)" : "");
         return EXIT_USAGE;
