@@ -1,10 +1,12 @@
-/* CUDA versions of the elementwise ops of kernels/ops.h, on device pointers, on a stream.
- * Compiled whenever nvcc is present (strata_kernels_cuda); not yet called by the model and
- * never yet run on a GPU (see docs/benchmarks.md). Each returns 0 or a cudaError_t value. */
+/* CUDA versions of the elementwise ops of kernels/ops.h, on device pointers, on a stream, and
+ * the conversions the GPU forward pass needs. Compiled whenever nvcc is present
+ * (strata_kernels_cuda); never yet run on a GPU (see docs/benchmarks.md). Each returns 0 or a
+ * cudaError_t value. */
 #ifndef STRATA_KERNELS_CUDA_OPS_H
 #define STRATA_KERNELS_CUDA_OPS_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -17,6 +19,12 @@ int cuda_rmsnorm(const float *x, const float *weight, size_t n_rows, size_t dim,
 int cuda_rope(float *x, size_t n_tokens, size_t n_heads, size_t head_dim, size_t pos0, float theta,
               strata_cuda_stream stream);
 int cuda_swiglu(const float *gate, const float *up, size_t n, float *out, strata_cuda_stream stream);
+
+/* y[i] += x[i] */
+int cuda_add(float *y, const float *x, size_t n, strata_cuda_stream stream);
+
+/* dst[i] = fp16 of src[i], round to nearest even (the cache's and the fp16 GEMMs' precision). */
+int cuda_f32_to_f16(const float *src, uint16_t *dst, size_t n, strata_cuda_stream stream);
 
 #ifdef __cplusplus
 }

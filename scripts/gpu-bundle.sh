@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh >/dev/null
 programs=(tests/cuda/test_cuda_plan tests/cuda/test_cuda_ops tests/cuda/test_cuda_attention
-          tests/cuda/test_cuda_encode bench/strata-bench-attention)
+          tests/cuda/test_cuda_encode tests/cuda/test_cuda_model bench/strata-bench-attention)
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DSTRATA_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
 targets=()
 for p in "${programs[@]}"; do targets+=(--target "$(basename "$p")"); done
@@ -21,13 +21,14 @@ for p in "${programs[@]}"; do
   cp "build-gpu/$p" "$out/bin/"
   strip --strip-unneeded "$out/bin/$(basename "$p")"
 done
-# Every library the programs load except the C/C++ runtime and the CUDA driver, which the GPU
-# machine has in versions at least as new as these.
+# Every library the programs load except the C/C++ runtime, the CUDA driver and cuBLAS (600 MiB),
+# which the GPU machine has (its CUDA toolkit is the same 13.0) in versions at least as new.
 for p in "$out"/bin/*; do
   ldd "$p" | awk '/=> \// { print $1, $3 }'
 done | sort -u | while read -r name path; do
   case "$name" in
     libc.so.*|libm.so.*|libdl.so.*|libpthread.so.*|librt.so.*|libstdc++.so.*|libgcc_s.so.*|libcuda.so.*) ;;
+    libcublas.so.*|libcublasLt.so.*) ;;
     *) cp -L "$path" "$out/lib/$name" ;;
   esac
 done
@@ -36,4 +37,5 @@ git diff --quiet HEAD 2>/dev/null || commit="$commit+uncommitted changes"
 echo "$commit" > "$out/COMMIT"
 size=$(du -sm "$out" | cut -f1)
 echo "gpu bundle: $out ($size MiB; the device tool carries at most 64 MiB in all)"
+[ "$size" -lt 60 ] || { echo "gpu-bundle: $out is too large to carry" >&2; exit 1; }
 ls -la "$out/bin" "$out/lib"

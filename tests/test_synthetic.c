@@ -283,6 +283,32 @@ static void test_meta_equals_load(void **state)
 }
 
 /* model_weight_bytes_for is what loading takes, for every range of an untied and a tied shape. */
+/* The weight accessors another backend copies from: every held layer, none other; the embedding
+ * on the first stage, the head on the last. */
+static void test_weight_accessors(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    model *first = load_ok("synthetic:tiny", 0, 2), *last = load_ok("synthetic:tiny", 2, -1);
+    model_layer_weights w;
+    for (int il = 0; il < 2; il++) {
+        assert_int_equal(model_get_layer_weights(first, il, &w, &err), STRATA_OK);
+        assert_true(w.attn_norm && w.wq && w.wk && w.wv && w.wo && w.ffn_norm && w.w_gate && w.w_up && w.w_down);
+        assert_true(w.attn_norm[0] == 1.0f);   /* norms are 1 */
+    }
+    assert_int_equal(model_get_layer_weights(first, 2, &w, &err), STRATA_EINVAL);
+    assert_int_equal(model_get_layer_weights(last, 1, &w, &err), STRATA_EINVAL);
+    assert_int_equal(model_get_layer_weights(last, 3, &w, &err), STRATA_OK);
+    assert_non_null(model_get_token_embedding(first));
+    assert_null(model_get_output_weights(first));
+    assert_null(model_get_output_norm(first));
+    assert_null(model_get_token_embedding(last));   /* untied: the embedding stays with stage 0 */
+    assert_non_null(model_get_output_weights(last));
+    assert_non_null(model_get_output_norm(last));
+    model_free(first);
+    model_free(last);
+}
+
 static void test_weight_bytes(void **state)
 {
     (void)state;
@@ -695,6 +721,7 @@ int main(void)
         cmocka_unit_test(test_smollm2_matches_gguf),
         cmocka_unit_test(test_meta_equals_load),
         cmocka_unit_test(test_weight_bytes),
+        cmocka_unit_test(test_weight_accessors),
         cmocka_unit_test(test_same_seed_same_logits),
         cmocka_unit_test(test_stages_equal_whole_model),
         cmocka_unit_test(test_long_decode_is_finite),

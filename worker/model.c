@@ -346,6 +346,20 @@ int model_layer_begin(const model *m) { return m->layer_begin; }
 int model_layer_end(const model *m) { return m->layer_end; }
 size_t model_weight_bytes(const model *m) { return m->weight_bytes; }
 
+int model_get_layer_weights(const model *m, int layer, model_layer_weights *out, strata_error *err)
+{
+    if (!m || !out || layer < m->layer_begin || layer >= m->layer_end)
+        return strata_fail(err, STRATA_EINVAL, "layer %d is not held by this model (layers [%d, %d))", layer,
+                           m ? m->layer_begin : 0, m ? m->layer_end : 0);
+    const layer_weights *L = &m->layers[layer - m->layer_begin];
+    *out = (model_layer_weights){L->attn_norm, L->wq, L->wk, L->wv, L->wo, L->ffn_norm, L->w_gate, L->w_up, L->w_down};
+    return STRATA_OK;
+}
+
+const float *model_get_token_embedding(const model *m) { return m->tok_embd; }
+const float *model_get_output_norm(const model *m) { return m->output_norm; }
+const float *model_get_output_weights(const model *m) { return m->output_norm ? m->output : NULL; }
+
 kv_geometry model_kv_geometry(const model *m, int block_tokens)
 {
     return (kv_geometry){.n_layers = m->cfg.n_layers, .n_kv_heads = m->cfg.n_kv_heads,

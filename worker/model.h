@@ -65,6 +65,21 @@ size_t model_weight_bytes(const model *m);
  * model, SIZE_MAX when it does not fit a size_t. */
 size_t model_weight_bytes_for(const model_config *c, int layer_begin, int layer_end);
 
+/* The fp32 weights of one held layer (layer_begin <= layer < layer_end), GGUF layout ([out][in],
+ * the input dimension contiguous), owned by m: what another backend copies (the CUDA forward
+ * pass uploads them). STRATA_EINVAL for a layer m does not hold. */
+typedef struct model_layer_weights {
+    const float *attn_norm, *wq, *wk, *wv, *wo;
+    const float *ffn_norm, *w_gate, *w_up, *w_down;
+} model_layer_weights;
+int model_get_layer_weights(const model *m, int layer, model_layer_weights *out, strata_error *err);
+/* [n_vocab][n_embd], NULL when m does not hold the embedding (a later stage of an untied model). */
+const float *model_get_token_embedding(const model *m);
+/* Output norm [n_embd] and head [n_vocab][n_embd] (the embedding when tied); NULL unless m holds
+ * the last layer. */
+const float *model_get_output_norm(const model *m);
+const float *model_get_output_weights(const model *m);
+
 /* KV geometry of this model for a block size (all layers of the model). */
 kv_geometry model_kv_geometry(const model *m, int block_tokens);
 

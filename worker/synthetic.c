@@ -338,8 +338,8 @@ static double gib(size_t b) { return (double)b / (1024.0 * 1024.0 * 1024.0); }
 int synthetic_check_memory(const synthetic_spec *s, int layer_begin, int layer_end, size_t need,
                            strata_error *err)
 {
-    size_t avail;
-    const char *source;
+    size_t avail = 0;
+    const char *source = "unknown";
     int rc = synthetic_available_memory(&avail, &source, err);
     if (rc != STRATA_OK)
         return rc;

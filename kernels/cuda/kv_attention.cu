@@ -268,6 +268,48 @@ __global__ void __launch_bounds__(kThreads) merge_splits(cuda_kv_plan P, int D, 
     }
 }
 
+constexpr int kPrefillChunk = 64;
+
+// grid (n_kv_heads, n): query token i of the group kvh over keys 0..i in chunks, the same
+// online softmax as decode. Reads every earlier key once per query token: a first version,
+// quadratic in bytes (docs/gpu.md).
+__global__ void __launch_bounds__(kThreads) prefill_causal(const float *q, const uint16_t *k, const uint16_t *v,
+                                                           int nq, int nkv, int D, float *out)
+{
+    extern __shared__ float smem[];
+    const int qpk = nq / nkv, kvh = blockIdx.x, i = blockIdx.y;
+    Shared s;
+    s.q = smem;
+    s.acc = s.q + qpk * D;
+    s.p = s.acc + qpk * D;
+    s.m = s.p + qpk * kPrefillChunk;
+    s.l = s.m + qpk;
+    s.alpha = s.l + qpk;
+    const float inv_sqrt_d = rsqrtf((float)D);
+    const float *qs = q + ((size_t)i * nq + (size_t)kvh * qpk) * D;
+    for (int x = threadIdx.x; x < qpk * D; x += blockDim.x) {
+        s.q[x] = qs[x] * inv_sqrt_d;
+        s.acc[x] = 0.0f;
+    }
+    for (int h = threadIdx.x; h < qpk; h += blockDim.x) {
+        s.m[h] = -CUDART_INF_F;
+        s.l[h] = 0.0f;
+    }
+    __syncthreads();
+    for (int t0 = 0; t0 <= i; t0 += kPrefillChunk) {
+        const int n = min(kPrefillChunk, i + 1 - t0);
+        attend_chunk(
+            s, qpk, D, kPrefillChunk, n,
+            [&](int t, int c) { return __half2float(__ushort_as_half(k[((size_t)(t0 + t) * nkv + kvh) * D + c])); },
+            [&](int t, int c) { return __half2float(__ushort_as_half(v[((size_t)(t0 + t) * nkv + kvh) * D + c])); });
+    }
+    for (int h = 0; h < qpk; h++) {
+        float *o = out + ((size_t)i * nq + (size_t)kvh * qpk + h) * D;
+        for (int c = threadIdx.x; c < D; c += blockDim.x)
+            o[c] = s.acc[h * D + c] / s.l[h];
+    }
+}
+
 int launch_failed(strata_error *err, const char *what)
 {
     const cudaError_t e = cudaGetLastError();
@@ -329,4 +371,23 @@ extern "C" int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_pla
     merge_splits<<<dim3((unsigned)plan->n_q_heads, (unsigned)plan->n_seqs), kThreads, 0, st>>>(*plan, D, ws_acc, ws_ml,
                                                                                               d_out);
     return launch_failed(err, "merge_splits");
+}
+
+extern "C" int cuda_attention_prefill(const float *d_q, const uint16_t *d_k, const uint16_t *d_v, int n, int n_q_heads,
+                                      int n_kv_heads, int head_dim, float *d_out, strata_cuda_stream stream,
+                                      strata_error *err)
+{
+    if (!d_q || !d_k || !d_v || !d_out || n < 1 || n > 65535 || n_kv_heads < 1 || n_q_heads % n_kv_heads != 0 ||
+        n_q_heads / n_kv_heads > kMaxQpk || head_dim < 1 || head_dim > 256)
+        return strata_fail(err, STRATA_EINVAL,
+                           "cuda_attention_prefill: %d tokens (1..65535), %d query / %d KV heads, head_dim %d", n,
+                           n_q_heads, n_kv_heads, head_dim);
+    const int qpk = n_q_heads / n_kv_heads;
+    const size_t smem = (size_t)(2 * qpk * head_dim + qpk * kPrefillChunk + 3 * qpk) * sizeof(float);
+    if (smem > 48 * 1024 &&
+        cudaFuncSetAttribute(prefill_causal, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess)
+        return launch_failed(err, "raising the shared-memory limit");
+    prefill_causal<<<dim3((unsigned)n_kv_heads, (unsigned)n), kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(
+        d_q, d_k, d_v, n_q_heads, n_kv_heads, head_dim, d_out);
+    return launch_failed(err, "prefill_causal");
 }

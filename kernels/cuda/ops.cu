@@ -1,5 +1,6 @@
 // Elementwise CUDA kernels mirroring kernels/cpu/ops.c (the reference they will be tested
 // against once a GPU runs them).
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "kernels/cuda_ops.h"
@@ -54,6 +55,20 @@ __global__ void swiglu_kernel(const float *gate, const float *up, size_t n, floa
     }
 }
 
+__global__ void add_kernel(float *y, const float *x, size_t n)
+{
+    const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i < n)
+        y[i] += x[i];
+}
+
+__global__ void f32_to_f16_kernel(const float *src, uint16_t *dst, size_t n)
+{
+    const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i < n)
+        dst[i] = __half_as_ushort(__float2half_rn(src[i]));
+}
+
 unsigned grid_for(size_t n) { return (unsigned)((n + kBlock - 1) / kBlock); }
 
 }  // namespace
@@ -82,5 +97,21 @@ extern "C" int cuda_swiglu(const float *gate, const float *up, size_t n, float *
     if (n == 0)
         return 0;
     swiglu_kernel<<<grid_for(n), kBlock, 0, (cudaStream_t)stream>>>(gate, up, n, out);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int cuda_add(float *y, const float *x, size_t n, strata_cuda_stream stream)
+{
+    if (n == 0)
+        return 0;
+    add_kernel<<<grid_for(n), kBlock, 0, (cudaStream_t)stream>>>(y, x, n);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int cuda_f32_to_f16(const float *src, uint16_t *dst, size_t n, strata_cuda_stream stream)
+{
+    if (n == 0)
+        return 0;
+    f32_to_f16_kernel<<<grid_for(n), kBlock, 0, (cudaStream_t)stream>>>(src, dst, n);
     return (int)cudaGetLastError();
 }

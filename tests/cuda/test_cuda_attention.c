@@ -20,6 +20,7 @@
 #include "cuda_test_util.h"
 #include "kernels/cuda_kv_attention.h"
 #include "kernels/kv_attention.h"
+#include "kernels/ops.h"
 #include "kvstore/block.h"
 #include "kvstore/half.h"
 #include "kvstore/kv_cache.h"
@@ -382,6 +383,80 @@ static void test_bad_tables_raise_status(void **state)
     free_seq(&hs);
 }
 
+/* Prefill: causal attention over fp16 K/V against kern_attention_causal on the same (fp16) values
+ * and against fp64, prompts around the 64-key chunk boundaries. */
+static void test_prefill(void **state)
+{
+    (void)state;
+    const int shapes[][3] = {{9, 3, 64}, {32, 8, 128}, {16, 1, 128}};
+    const int lengths[] = {2, 63, 64, 65, 200};
+    for (size_t sh = 0; sh < 3; sh++) {
+        for (size_t li = 0; li < 5; li++) {
+            const int nq = shapes[sh][0], nkv = shapes[sh][1], D = shapes[sh][2], n = lengths[li];
+            const size_t nqd = (size_t)n * nq * D, nkd = (size_t)n * nkv * D;
+            float *q = malloc(nqd * sizeof *q), *k = malloc(nkd * sizeof *k), *v = malloc(nkd * sizeof *v);
+            float *out = malloc(nqd * sizeof *out), *scratch = malloc(kern_attention_causal_scratch((size_t)n) * 4);
+            float *cpu = malloc(nqd * sizeof *cpu);
+            uint16_t *k16 = malloc(nkd * 2), *v16 = malloc(nkd * 2);
+            double *ref = malloc(nqd * sizeof *ref);
+            assert_true(q && k && v && out && scratch && cpu && k16 && v16 && ref);
+            for (size_t i = 0; i < nqd; i++)
+                q[i] = 2.0f * cuda_test_uniform(&seed);
+            for (size_t i = 0; i < nkd; i++) {
+                k16[i] = strata_float_to_half(2.0f * cuda_test_uniform(&seed));
+                v16[i] = strata_float_to_half(cuda_test_uniform(&seed));
+                k[i] = strata_half_to_float(k16[i]);
+                v[i] = strata_half_to_float(v16[i]);
+            }
+            kern_attention_causal(q, k, v, (size_t)n, (size_t)nq, (size_t)nkv, (size_t)D, cpu, scratch);
+            for (int i = 0; i < n; i++)
+                for (int h = 0; h < nq; h++) {
+                    const int kh = h / (nq / nkv);
+                    double w[256], mx = -INFINITY, sum = 0.0;
+                    for (int j = 0; j <= i; j++) {
+                        double dot = 0.0;
+                        for (int c = 0; c < D; c++)
+                            dot += (double)q[((size_t)i * nq + h) * D + c] * k[((size_t)j * nkv + kh) * D + c];
+                        w[j] = dot / sqrt((double)D);
+                        mx = w[j] > mx ? w[j] : mx;
+                    }
+                    for (int j = 0; j <= i; j++)
+                        sum += (w[j] = exp(w[j] - mx));
+                    for (int c = 0; c < D; c++) {
+                        double a = 0.0;
+                        for (int j = 0; j <= i; j++)
+                            a += w[j] * v[((size_t)j * nkv + kh) * D + c];
+                        ref[((size_t)i * nq + h) * D + c] = a / sum;
+                    }
+                }
+            float *dq, *dout;
+            uint16_t *dk, *dv;
+            CUDA_CHECK(cudaMalloc((void **)&dq, nqd * 4));
+            CUDA_CHECK(cudaMalloc((void **)&dout, nqd * 4));
+            CUDA_CHECK(cudaMalloc((void **)&dk, nkd * 2));
+            CUDA_CHECK(cudaMalloc((void **)&dv, nkd * 2));
+            CUDA_CHECK(cudaMemcpy(dq, q, nqd * 4, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(dk, k16, nkd * 2, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(dv, v16, nkd * 2, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemset(dout, 0xff, nqd * 4));
+            strata_error err = {0};
+            if (cuda_attention_prefill(dq, dk, dv, n, nq, nkv, D, dout, NULL, &err) != STRATA_OK)
+                fail_msg("cuda_attention_prefill: %s", err.msg);
+            CUDA_CHECK(cudaDeviceSynchronize());
+            CUDA_CHECK(cudaMemcpy(out, dout, nqd * 4, cudaMemcpyDeviceToHost));
+            const double e = cuda_test_rel_error(out, ref, nqd), ec = cuda_test_rel_error(cpu, ref, nqd);
+            printf("  prefill n %d nq %d nkv %d D %d: gpu %.2e, cpu %.2e vs fp64\n", n, nq, nkv, D, e, ec);
+            if (!(e <= REL_BOUND) || !(ec <= REL_BOUND))
+                fail_msg("prefill n %d: gpu %.3e cpu %.3e > %.0e", n, e, ec, REL_BOUND);
+            cudaFree(dq);
+            cudaFree(dout);
+            cudaFree(dk);
+            cudaFree(dv);
+            free(q); free(k); free(v); free(out); free(scratch); free(cpu); free(k16); free(v16); free(ref);
+        }
+    }
+}
+
 /* The harness itself, without a GPU: the fp64 reference and the CPU kernel agree on the blocks
  * this file builds, so a GPU failure points at the GPU kernel, not at the test. */
 static void test_reference_matches_cpu_kernel(void **state)
@@ -430,6 +505,7 @@ int main(void)
         cmocka_unit_test(test_batches_of_unequal_lengths),
         cmocka_unit_test(test_group_shapes),
         cmocka_unit_test(test_bad_tables_raise_status),
+        cmocka_unit_test(test_prefill),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

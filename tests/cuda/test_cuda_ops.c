@@ -1,19 +1,22 @@
 /* The elementwise CUDA ops (kernels/cuda/ops.cu) against the CPU reference ops (kernels/ops.h)
  * on fresh random inputs, outputs poisoned with NaN before each launch. Bounds (relative
  * ||gpu - cpu|| / ||cpu||): RMSNorm 1e-6 (block-tree vs sequential sum of squares), RoPE 1e-6
- * (both take the angle in double), SwiGLU 1e-6 (expf on either side). Skipped (exit 77) when no
+ * (both take the angle in double), SwiGLU 1e-6 (expf on either side), add exact, fp32 -> fp16 bit
+ * for bit (NaNs as NaNs). Skipped (exit 77) when no
  * CUDA device is present. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <cmocka.h>
 
 #include "cuda_test_util.h"
 #include "kernels/cuda_ops.h"
 #include "kernels/ops.h"
+#include "kvstore/half.h"
 
 static uint64_t seed = 0xc0ffee;
 
@@ -126,6 +129,66 @@ static void test_swiglu(void **state)
     }
 }
 
+static void test_add(void **state)
+{
+    (void)state;
+    const size_t n = 100003;
+    float *y = random_floats(n, 3.0f), *x = random_floats(n, 3.0f), *want = malloc(n * sizeof *want);
+    assert_non_null(want);
+    for (size_t i = 0; i < n; i++)
+        want[i] = y[i];
+    kern_add(want, x, n);
+    float *dy = to_device(y, n), *dx = to_device(x, n);
+    assert_int_equal(cuda_add(dy, dx, n, NULL), 0);
+    expect_close(dy, want, n, 0.0, "add (exact)");
+    cudaFree(dy);
+    cudaFree(dx);
+    free(y);
+    free(x);
+    free(want);
+}
+
+/* Round to nearest even, bit for bit as the CPU's strata_float_to_half, on random values of every
+ * magnitude plus the edges: subnormals, the largest half, overflow to inf, NaN, signed zero. */
+static void test_f32_to_f16(void **state)
+{
+    (void)state;
+    const size_t n = 1 << 20;
+    float *x = malloc(n * sizeof *x);
+    uint16_t *want = malloc(n * sizeof *want), *got = malloc(n * sizeof *got);
+    assert_true(x && want && got);
+    for (size_t i = 0; i < n; i++) {
+        const uint32_t bits = (uint32_t)cuda_test_rng(&seed);
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        x[i] = (i % 4 == 0) ? f : cuda_test_uniform(&seed) * ldexpf(1.0f, (int)(cuda_test_rng(&seed) % 50) - 30);
+    }
+    const float edges[] = {0.0f, -0.0f, 65504.0f, 65519.99f, 65520.0f, 1e9f, -1e9f, 5.96e-8f, 2.98e-8f, 2.99e-8f,
+                           6.1e-5f, INFINITY, -INFINITY, NAN};
+    memcpy(x, edges, sizeof edges);
+    for (size_t i = 0; i < n; i++)
+        want[i] = strata_float_to_half(x[i]);
+    float *dx = to_device(x, n);
+    uint16_t *dh = NULL;
+    CUDA_CHECK(cudaMalloc((void **)&dh, n * sizeof *dh));
+    CUDA_CHECK(cudaMemset(dh, 0xff, n * sizeof *dh));
+    assert_int_equal(cuda_f32_to_f16(dx, dh, n, NULL), 0);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(got, dh, n * sizeof *got, cudaMemcpyDeviceToHost));
+    for (size_t i = 0; i < n; i++) {
+        const int both_nan = (want[i] & 0x7c00u) == 0x7c00u && (want[i] & 0x3ffu) && (got[i] & 0x7c00u) == 0x7c00u &&
+                             (got[i] & 0x3ffu);
+        if (got[i] != want[i] && !both_nan)
+            fail_msg("f32_to_f16(%a): gpu 0x%04x, cpu 0x%04x", (double)x[i], got[i], want[i]);
+    }
+    printf("  f32_to_f16: %zu values bit-identical to the CPU conversion\n", n);
+    cudaFree(dx);
+    cudaFree(dh);
+    free(x);
+    free(want);
+    free(got);
+}
+
 int main(void)
 {
     if (!cuda_test_have_device("test_cuda_ops"))
@@ -134,6 +197,8 @@ int main(void)
         cmocka_unit_test(test_rmsnorm),
         cmocka_unit_test(test_rope),
         cmocka_unit_test(test_swiglu),
+        cmocka_unit_test(test_add),
+        cmocka_unit_test(test_f32_to_f16),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,53 @@
+/* The forward pass on a CUDA device: a loaded model's layers with their weights on the GPU
+ * (fp16, or fp32 for validation), projections through cuBLAS, the elementwise kernels of
+ * kernels/cuda_ops.h, and the KV cache on the device as real compressed blocks (written by
+ * kernels/cuda_kv_encode.h, attended by kernels/cuda_kv_attention.h) behind an fp16 tail, with
+ * the CPU pool's rule for when a block forms. It computes what model_forward computes on the CPU;
+ * tests/cuda/test_cuda_model.c compares the logits.
+ *
+ * First version: one sequence per call, the whole model on one device, fp16 and KIVI caches; the
+ * embedding lookup stays on the host (a row copy per token). Not yet: batches, pipeline stages,
+ * the worker's use of it, GEAR/OTT/TaDA, tiers below the device.
+ * Status: compiled in every build with nvcc; see docs/benchmarks.md for whether it has run. */
+#ifndef STRATA_WORKER_CUDA_MODEL_CUDA_H
+#define STRATA_WORKER_CUDA_MODEL_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvstore/error.h"
+#include "kvstore/kv_cache.h"
+#include "worker/model.h"
+
+typedef struct cuda_model cuda_model;
+typedef struct cuda_seq cuda_seq;
+
+typedef enum cuda_weight_dtype {
+    CUDA_WEIGHTS_F16 = 0,   /* what serving uses: half the bytes, fp32 accumulation */
+    CUDA_WEIGHTS_F32 = 1,   /* the CPU's own weights, fp32 GEMMs without TF32: for validation */
+} cuda_weight_dtype;
+
+/* Copies the weights of m (which must hold every layer) to device 0. m must outlive the result
+ * (its embedding table is read from host memory). STRATA_EIO with the CUDA error when there is no
+ * device or memory runs out; STRATA_EINVAL for a model holding only some layers. */
+cuda_model *cuda_model_create(const model *m, cuda_weight_dtype dtype, strata_error *err);
+void cuda_model_free(cuda_model *cm);
+/* Device bytes of the weights. */
+size_t cuda_model_weight_bytes(const cuda_model *cm);
+
+/* A sequence's KV cache on the device for up to max_tokens positions: codec fp16 or KIVI (others
+ * STRATA_EUNSUPPORTED), block_tokens per block. */
+cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t max_tokens,
+                          strata_error *err);
+void cuda_seq_free(cuda_seq *s);
+size_t cuda_seq_length(const cuda_seq *s);
+
+/* Runs n tokens at the sequence's next positions, like model_forward: a prompt on an empty
+ * sequence (n > 1) goes through exact causal attention over its fp16 K/V, everything else token
+ * by token through attention over the compressed cache. logits: n_vocab floats (host) for the
+ * last token, or NULL. STRATA_EINVAL for a bad token or too many tokens; STRATA_EIO for a CUDA or
+ * cuBLAS failure; STRATA_EFORMAT if the attention kernel rejected a block of the cache. */
+int cuda_model_forward(cuda_model *cm, cuda_seq *s, const int32_t *tokens, size_t n, float *logits,
+                       strata_error *err);
+
+#endif
