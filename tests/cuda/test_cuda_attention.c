@@ -6,8 +6,9 @@
  * of sequences of unequal lengths, from an empty sequence to hundreds of blocks (many splits),
  * tails longer than a block. Bound: ||gpu - ref|| / ||ref|| <= 1e-4 (fp32 arithmetic against
  * fp64). Bad block tables (swapped blocks, a NULL entry) must raise the status flag.
- * Without a CUDA device only the harness check runs (reference vs CPU kernel), then the test exits
- * 77 (skipped). */
+ * The kernels' phases (kernels/cuda/kv_attention_block.h) also run emulated on the CPU, thread
+ * after thread, against the same reference: that part and the harness check (reference vs CPU
+ * kernel) run in CI; without a CUDA device the test then exits 77 (skipped). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -18,6 +19,7 @@
 #include <cmocka.h>
 
 #include "cuda_test_util.h"
+#include "kernels/cuda/kv_attention_block.h"
 #include "kernels/cuda_kv_attention.h"
 #include "kernels/kv_attention.h"
 #include "kernels/ops.h"
@@ -222,6 +224,102 @@ static int run_gpu(gpu_run *r, const cuda_kv_seq *d_seqs, const float *q, float 
     return status;
 }
 
+/* ---- The kernels' phases on the CPU: the loops of attend_split, merge_splits and prefill_causal
+ * (kernels/cuda/kv_attention.cu), each phase run for every thread before the next (what the
+ * barriers guarantee), on host pointers. */
+#define EMU_THREADS 128u
+
+static void emu_chunk(const kv_att_shared *s, const cuda_kv_layout *L, const kv_att_src *src, int h, int qpk, int chunk,
+                      int n)
+{
+    for (unsigned t = 0; t < EMU_THREADS; t++)
+        kv_att_scores(s, L, src, h, qpk, chunk, n, t, EMU_THREADS);
+    for (unsigned t = 0; t < EMU_THREADS; t++)
+        kv_att_max_parts(s, qpk, chunk, n, t, EMU_THREADS);
+    for (unsigned t = 0; t < EMU_THREADS; t++)
+        kv_att_max(s, qpk, t, EMU_THREADS);
+    for (unsigned t = 0; t < EMU_THREADS; t++)
+        kv_att_exp_parts(s, qpk, chunk, n, t, EMU_THREADS);
+    for (unsigned t = 0; t < EMU_THREADS; t++)
+        kv_att_norm(s, qpk, t, EMU_THREADS);
+    for (unsigned t = 0; t < EMU_THREADS; t++)
+        kv_att_values(s, L, src, h, qpk, chunk, n, t, EMU_THREADS);
+}
+
+static int emu_attention(const cuda_kv_layout *L, const cuda_kv_plan *P, const cuda_kv_seq *seqs, const float *q,
+                         float *out)
+{
+    const int D = L->head_dim, BT = L->block_tokens, qpk = P->n_q_heads / L->n_kv_heads;
+    float *ws = malloc(cuda_kv_attention_workspace(L, P));
+    float *smem = malloc(kv_att_shared_floats(qpk, D, BT, EMU_THREADS) * sizeof(float));
+    assert_true(ws && smem);
+    float *ws_acc = ws, *ws_ml = ws + (size_t)P->n_seqs * P->n_q_heads * P->n_splits * D;
+    int status = 0;
+    for (int si = 0; si < P->n_seqs; si++)
+        for (int split = 0; split < P->n_splits; split++)
+            for (int kvh = 0; kvh < L->n_kv_heads; kvh++) {
+                const cuda_kv_seq *seq = &seqs[si];
+                const kv_att_shared sh = kv_att_shared_at(smem, qpk, D, BT, EMU_THREADS);
+                const size_t row0 = (size_t)si * P->n_q_heads + (size_t)kvh * qpk;
+                for (unsigned t = 0; t < EMU_THREADS; t++)
+                    kv_att_init(&sh, q + row0 * D, qpk, D, t, EMU_THREADS);
+                const int first = split * P->blocks_per_split;
+                const int last = first + P->blocks_per_split < seq->n_blocks + 1 ? first + P->blocks_per_split
+                                                                                   : seq->n_blocks + 1;
+                for (int u = first; u < last; u++) {
+                    if (u < seq->n_blocks) {
+                        const int bad = kv_att_block_status(L, seq->blocks[u], u);
+                        if (bad) {
+                            status = bad;
+                            continue;
+                        }
+                        const kv_att_src src = {seq->blocks[u], NULL, NULL};
+                        emu_chunk(&sh, L, &src, kvh, qpk, BT, BT);
+                    } else {
+                        const size_t row = (size_t)L->n_kv_heads * D;
+                        for (int t0 = 0; t0 < seq->tail_tokens; t0 += BT) {
+                            const kv_att_src src = {NULL, seq->tail_k + t0 * row, seq->tail_v + t0 * row};
+                            emu_chunk(&sh, L, &src, kvh, qpk, BT,
+                                      seq->tail_tokens - t0 < BT ? seq->tail_tokens - t0 : BT);
+                        }
+                    }
+                }
+                for (unsigned t = 0; t < EMU_THREADS; t++)
+                    kv_att_write_partials(&sh, qpk, D, row0, P->n_splits, split, ws_acc, ws_ml, t, EMU_THREADS);
+            }
+    for (size_t row = 0; row < (size_t)P->n_seqs * P->n_q_heads; row++)
+        for (unsigned t = 0; t < EMU_THREADS; t++)
+            kv_att_merge_row(P->n_splits, D, row, ws_acc, ws_ml, out, t, EMU_THREADS);
+    free(ws);
+    free(smem);
+    return status;
+}
+
+/* Host-pointer views of a batch, what the kernel gets as device pointers. */
+static cuda_kv_seq *host_views(const host_seq *hs, int n_seqs, size_t slot)
+{
+    cuda_kv_seq *seqs = calloc((size_t)n_seqs, sizeof *seqs);
+    assert_non_null(seqs);
+    for (int i = 0; i < n_seqs; i++) {
+        const uint8_t **table = malloc((size_t)(hs[i].n_blocks ? hs[i].n_blocks : 1) * sizeof *table);
+        assert_non_null(table);
+        for (int b = 0; b < hs[i].n_blocks; b++)
+            table[b] = hs[i].blocks + (size_t)b * slot;
+        seqs[i] = (cuda_kv_seq){.blocks = table, .tail_k = hs[i].tail_k, .tail_v = hs[i].tail_v,
+                                .n_blocks = hs[i].n_blocks, .tail_tokens = hs[i].tail};
+    }
+    return seqs;
+}
+
+static void free_host_views(cuda_kv_seq *seqs, int n_seqs)
+{
+    for (int i = 0; i < n_seqs; i++)
+        free((void *)(uintptr_t)seqs[i].blocks);
+    free(seqs);
+}
+
+static bool emulated;   /* run_case: the kernels emulated on the CPU instead of the GPU */
+
 static void run_case(const test_case *tc)
 {
     kv_codec_params p;
@@ -243,33 +341,42 @@ static void run_case(const test_case *tc)
     kv_block b;
     assert_int_equal(kv_block_parse(tmpl.blocks, slot, &b, &err), STRATA_OK);
 
-    gpu_run r;
+    gpu_run r = {0};
     assert_int_equal(cuda_kv_layout_from_block(&b, &r.layout, &err), STRATA_OK);
-    int sms = 0;
-    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    int sms = 132;   /* the emulation plans for an H100's multiprocessors */
+    if (!emulated)
+        CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     assert_int_equal(cuda_kv_attention_plan(&r.layout, tc->n_seqs, tc->nq, max_blocks, sms, &r.plan, &err), STRATA_OK);
     const size_t per_seq = (size_t)tc->nq * tc->D, n = per_seq * tc->n_seqs;
-    CUDA_CHECK(cudaMalloc((void **)&r.d_q, n * sizeof(float)));
-    CUDA_CHECK(cudaMalloc((void **)&r.d_out, n * sizeof(float)));
-    CUDA_CHECK(cudaMalloc(&r.d_ws, cuda_kv_attention_workspace(&r.layout, &r.plan)));
-    CUDA_CHECK(cudaMalloc((void **)&r.d_status, sizeof(int)));
-    void *allocs[512];
-    int n_allocs = 0;
-    const cuda_kv_seq *d_seqs = upload(hs, tc->n_seqs, slot, &g, allocs, &n_allocs);
-
     float *q = malloc(n * sizeof *q), *out = malloc(n * sizeof *out), *cpu = malloc(per_seq * sizeof *cpu);
     double *ref = malloc(per_seq * sizeof *ref);
     assert_true(q && out && cpu && ref);
     for (size_t i = 0; i < n; i++)
         q[i] = 2.0f * cuda_test_uniform(&seed);
-    assert_int_equal(run_gpu(&r, d_seqs, q, out), 0);
+    void *allocs[512];
+    int n_allocs = 0;
+    if (emulated) {
+        cuda_kv_seq *views = host_views(hs, tc->n_seqs, slot);
+        for (size_t i = 0; i < n; i++)
+            out[i] = NAN;
+        assert_int_equal(emu_attention(&r.layout, &r.plan, views, q, out), 0);
+        free_host_views(views, tc->n_seqs);
+    } else {
+        CUDA_CHECK(cudaMalloc((void **)&r.d_q, n * sizeof(float)));
+        CUDA_CHECK(cudaMalloc((void **)&r.d_out, n * sizeof(float)));
+        CUDA_CHECK(cudaMalloc(&r.d_ws, cuda_kv_attention_workspace(&r.layout, &r.plan)));
+        CUDA_CHECK(cudaMalloc((void **)&r.d_status, sizeof(int)));
+        const cuda_kv_seq *d_seqs = upload(hs, tc->n_seqs, slot, &g, allocs, &n_allocs);
+        assert_int_equal(run_gpu(&r, d_seqs, q, out), 0);
+    }
     for (int i = 0; i < tc->n_seqs; i++) {
         reference(&hs[i], &g, slot, q + i * per_seq, tc->nq, ref);
         const double e = cuda_test_rel_error(out + i * per_seq, ref, per_seq);
-        printf("  %s nq %d nkv %d D %d seq %d (%d blocks + %d tail, %d splits of %d): rel error %.2e\n", tc->codec,
-               tc->nq, tc->nkv, tc->D, i, hs[i].n_blocks, hs[i].tail, r.plan.n_splits, r.plan.blocks_per_split, e);
+        printf("  %s%s nq %d nkv %d D %d seq %d (%d blocks + %d tail, %d splits of %d): rel error %.2e\n",
+               emulated ? "emulated " : "", tc->codec, tc->nq, tc->nkv, tc->D, i, hs[i].n_blocks, hs[i].tail,
+               r.plan.n_splits, r.plan.blocks_per_split, e);
         if (!(e <= REL_BOUND))
-            fail_msg("GPU vs fp64 reference: %.3e > %.0e", e, REL_BOUND);
+            fail_msg("%s vs fp64 reference: %.3e > %.0e", emulated ? "emulated kernel" : "GPU", e, REL_BOUND);
         if (hs[i].n_blocks + hs[i].tail > 0) {
             cpu_kernel(&hs[i], &g, slot, q + i * per_seq, tc->nq, cpu);
             if (!(cuda_test_rel_error(cpu, ref, per_seq) <= REL_BOUND))
@@ -279,12 +386,14 @@ static void run_case(const test_case *tc)
                 assert_true(out[i * per_seq + x] == 0.0f);
         }
     }
-    for (int i = 0; i < n_allocs; i++)
-        CUDA_CHECK(cudaFree(allocs[i]));
-    cudaFree(r.d_q);
-    cudaFree(r.d_out);
-    cudaFree(r.d_ws);
-    cudaFree(r.d_status);
+    if (!emulated) {
+        for (int i = 0; i < n_allocs; i++)
+            CUDA_CHECK(cudaFree(allocs[i]));
+        cudaFree(r.d_q);
+        cudaFree(r.d_out);
+        cudaFree(r.d_ws);
+        cudaFree(r.d_status);
+    }
     for (int i = 0; i < tc->n_seqs; i++)
         free_seq(&hs[i]);
     free_seq(&tmpl);
@@ -492,9 +601,123 @@ static void test_reference_matches_cpu_kernel(void **state)
     }
 }
 
+/* The same cases with the kernels' phases emulated on the CPU (smaller batches: the emulation is
+ * slow), and the status for a bad table. */
+static void test_emulated_kernels(void **state)
+{
+    (void)state;
+    emulated = true;
+    const char *codecs[] = {"fp16", "kivi2", "kivi4"};
+    static const int blocks[] = {0, 3, 9, 0}, tails[] = {40, 0, 191, 0};
+    static const int blocks1[] = {5}, tails1[] = {17};
+    for (size_t c = 0; c < 3; c++) {
+        const test_case smol = {codecs[c], 9, 3, 64, 1, blocks1, tails1};
+        run_case(&smol);
+        const test_case llama = {codecs[c], 32, 8, 128, 4, blocks, tails};
+        run_case(&llama);
+    }
+    static const int blocks2[] = {9, 2}, tails2[] = {63, 64};
+    const test_case wide = {"kivi4", 16, 1, 128, 2, blocks2, tails2};
+    run_case(&wide);
+    emulated = false;
+
+    /* A swapped table raises status 1 in the emulation as on the GPU. */
+    kv_codec_params p;
+    strata_error err;
+    assert_int_equal(kv_codec_parse("kivi2", &p, &err), STRATA_OK);
+    const kv_geometry g = {.n_layers = 1, .n_kv_heads = 2, .head_dim = 64, .block_tokens = 64};
+    const size_t slot = kv_block_size(&p, &g);
+    host_seq hs;
+    make_seq(&p, &g, 3, 5, slot, &hs);
+    kv_block b;
+    cuda_kv_layout layout;
+    cuda_kv_plan plan;
+    assert_int_equal(kv_block_parse(hs.blocks, slot, &b, &err), STRATA_OK);
+    assert_int_equal(cuda_kv_layout_from_block(&b, &layout, &err), STRATA_OK);
+    assert_int_equal(cuda_kv_attention_plan(&layout, 1, 4, 3, 132, &plan, &err), STRATA_OK);
+    cuda_kv_seq *views = host_views(&hs, 1, slot);
+    const uint8_t **table = (const uint8_t **)(uintptr_t)views[0].blocks;
+    const uint8_t *t0 = table[0];
+    table[0] = table[1];
+    table[1] = t0;
+    float q[4 * 64], out[4 * 64];
+    for (int i = 0; i < 4 * 64; i++)
+        q[i] = cuda_test_uniform(&seed);
+    assert_int_equal(emu_attention(&layout, &plan, views, q, out), 1);
+    free_host_views(views, 1);
+    free_seq(&hs);
+}
+
+/* Prefill's loop emulated: causal attention over fp16 rows against fp64. */
+static void test_emulated_prefill(void **state)
+{
+    (void)state;
+    const int nq = 9, nkv = 3, D = 64, n = 70;
+    const size_t nqd = (size_t)n * nq * D, nkd = (size_t)n * nkv * D;
+    float *q = malloc(nqd * sizeof *q), *out = malloc(nqd * sizeof *out);
+    uint16_t *k16 = malloc(nkd * 2), *v16 = malloc(nkd * 2);
+    double *ref = malloc(nqd * sizeof *ref);
+    assert_true(q && out && k16 && v16 && ref);
+    for (size_t i = 0; i < nqd; i++)
+        q[i] = 2.0f * cuda_test_uniform(&seed);
+    for (size_t i = 0; i < nkd; i++) {
+        k16[i] = strata_float_to_half(2.0f * cuda_test_uniform(&seed));
+        v16[i] = strata_float_to_half(cuda_test_uniform(&seed));
+    }
+    const cuda_kv_layout rows = {.codec = KV_CODEC_FP16, .n_kv_heads = nkv, .head_dim = D};
+    const int qpk = nq / nkv, chunk = 64;
+    float *smem = malloc(kv_att_shared_floats(qpk, D, chunk, EMU_THREADS) * sizeof(float));
+    assert_non_null(smem);
+    for (int i = 0; i < n; i++)
+        for (int kvh = 0; kvh < nkv; kvh++) {
+            const kv_att_shared sh = kv_att_shared_at(smem, qpk, D, chunk, EMU_THREADS);
+            const size_t row0 = (size_t)i * nq + (size_t)kvh * qpk, row = (size_t)nkv * D;
+            for (unsigned t = 0; t < EMU_THREADS; t++)
+                kv_att_init(&sh, q + row0 * D, qpk, D, t, EMU_THREADS);
+            for (int t0 = 0; t0 <= i; t0 += chunk) {
+                const kv_att_src src = {NULL, k16 + t0 * row, v16 + t0 * row};
+                emu_chunk(&sh, &rows, &src, kvh, qpk, chunk, i + 1 - t0 < chunk ? i + 1 - t0 : chunk);
+            }
+            for (unsigned t = 0; t < EMU_THREADS; t++)
+                kv_att_write_normalized(&sh, qpk, D, out + row0 * D, t, EMU_THREADS);
+        }
+    for (int i = 0; i < n; i++)
+        for (int h = 0; h < nq; h++) {
+            const int kh = h / qpk;
+            double w[128], mx = -INFINITY, sum = 0.0;
+            for (int j = 0; j <= i; j++) {
+                double dot = 0.0;
+                for (int c = 0; c < D; c++)
+                    dot += (double)q[((size_t)i * nq + h) * D + c] *
+                           strata_half_to_float(k16[((size_t)j * nkv + kh) * D + c]);
+                w[j] = dot / sqrt((double)D);
+                mx = w[j] > mx ? w[j] : mx;
+            }
+            for (int j = 0; j <= i; j++)
+                sum += (w[j] = exp(w[j] - mx));
+            for (int c = 0; c < D; c++) {
+                double a = 0.0;
+                for (int j = 0; j <= i; j++)
+                    a += w[j] * strata_half_to_float(v16[((size_t)j * nkv + kh) * D + c]);
+                ref[((size_t)i * nq + h) * D + c] = a / sum;
+            }
+        }
+    const double e = cuda_test_rel_error(out, ref, nqd);
+    printf("  emulated prefill n %d: rel error %.2e\n", n, e);
+    assert_true(e <= REL_BOUND);
+    free(q);
+    free(out);
+    free(k16);
+    free(v16);
+    free(ref);
+    free(smem);
+}
+
 int main(void)
 {
-    const struct CMUnitTest harness[] = {cmocka_unit_test(test_reference_matches_cpu_kernel)};
+    const struct CMUnitTest harness[] = {cmocka_unit_test(test_reference_matches_cpu_kernel),
+                                         cmocka_unit_test(test_emulated_kernels),
+                                         cmocka_unit_test(test_emulated_prefill)};
     const int harness_rc = cmocka_run_group_tests(harness, NULL, NULL);
     if (harness_rc != 0)
         return harness_rc;
