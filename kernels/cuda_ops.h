@@ -20,6 +20,11 @@ int cuda_rope(float *x, size_t n_tokens, size_t n_heads, size_t head_dim, size_t
               strata_cuda_stream stream);
 int cuda_swiglu(const float *gate, const float *up, size_t n, float *out, strata_cuda_stream stream);
 
+/* Rotary embedding of n_rows rows of n_heads vectors, row r at position d_pos[r] (device array):
+ * a batch's rows each at its own sequence's position. */
+int cuda_rope_rows(float *x, size_t n_rows, size_t n_heads, size_t head_dim, const int32_t *d_pos, float theta,
+                   strata_cuda_stream stream);
+
 /* y[i] += x[i] */
 int cuda_add(float *y, const float *x, size_t n, strata_cuda_stream stream);
 

@@ -46,6 +46,23 @@ __global__ void rope_kernel(float *x, size_t n_tokens, size_t n_heads, size_t he
     p[1] = a * s + b * c;
 }
 
+// The same rotation with each row's own position.
+__global__ void rope_rows_kernel(float *x, size_t n_rows, size_t n_heads, size_t head_dim, const int32_t *pos,
+                                 float theta)
+{
+    const size_t half = head_dim / 2;
+    const size_t idx = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (idx >= n_rows * n_heads * half)
+        return;
+    const size_t i = idx % half, h = (idx / half) % n_heads, t = idx / (half * n_heads);
+    const double angle = (double)pos[t] * pow((double)theta, -2.0 * (double)i / (double)head_dim);
+    const float c = (float)cos(angle), s = (float)sin(angle);
+    float *p = x + (t * n_heads + h) * head_dim + 2 * i;
+    const float a = p[0], b = p[1];
+    p[0] = a * c - b * s;
+    p[1] = a * s + b * c;
+}
+
 __global__ void swiglu_kernel(const float *gate, const float *up, size_t n, float *out)
 {
     const size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
@@ -113,5 +130,15 @@ extern "C" int cuda_f32_to_f16(const float *src, uint16_t *dst, size_t n, strata
     if (n == 0)
         return 0;
     f32_to_f16_kernel<<<grid_for(n), kBlock, 0, (cudaStream_t)stream>>>(src, dst, n);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int cuda_rope_rows(float *x, size_t n_rows, size_t n_heads, size_t head_dim, const int32_t *d_pos,
+                              float theta, strata_cuda_stream stream)
+{
+    const size_t pairs = n_rows * n_heads * (head_dim / 2);
+    if (pairs == 0)
+        return 0;
+    rope_rows_kernel<<<grid_for(pairs), kBlock, 0, (cudaStream_t)stream>>>(x, n_rows, n_heads, head_dim, d_pos, theta);
     return (int)cudaGetLastError();
 }

@@ -11,12 +11,16 @@
  * fp32 weights 2e-3 with an fp16 cache and 3e-2 with KIVI (a rounding difference can move a value
  * across a quantization step); fp16 weights 5e-2 and 1e-1. NaN never passes. The greedy tokens of
  * the fp32-weight runs must agree with the CPU's on at least 90% of the steps.
- * Without a CUDA device only the no-device error path runs, then the test exits 77 (skipped). */
+ * Batched steps (cuda_model_forward_batch) are checked the same way per sequence, with prompts of
+ * different lengths prefilled together, decoding together, and a prompt joining mid-way; bad
+ * batches are refused. Without a CUDA device only the no-device error path runs, then the test
+ * exits 77 (skipped). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <stdbool.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -150,6 +154,128 @@ static void test_default_model(void **state)
     compare_model(path);
 }
 
+/* Batched steps: four prompts of different lengths prefilled in one step, then decoded together,
+ * blocks forming in different sequences at different steps; a fifth prompt joins mid-way (a step
+ * mixing decode and prefill). Each sequence's logits against its own CPU run. */
+static void batched(model *m, const char *codec_name)
+{
+    enum { N = 5, STEPS = 80, JOIN = 30 };
+    static const size_t prompt[N] = {10, 150, 200, 193, 61};
+    strata_error err = {0};
+    const model_config *c = model_get_config(m);
+    const size_t nv = (size_t)c->n_vocab, max_tokens = 200 + STEPS + 1;
+    kv_codec_params codec;
+    assert_int_equal(kv_codec_parse(codec_name, &codec, &err), STRATA_OK);
+    kv_geometry geo = model_kv_geometry(m, 64);
+    kv_pool *pool = kv_pool_create(&geo, &codec, N * (max_tokens / 64 + 1) * (size_t)geo.n_layers, &err);
+    assert_non_null(pool);
+    cuda_model *cm = cuda_model_create(m, CUDA_WEIGHTS_F32, &err);
+    if (!cm)
+        fail_msg("cuda_model_create: %s", err.msg);
+    kv_seq *cpu_seq[N];
+    cuda_seq *gpu_seq[N];
+    int32_t *tokens[N];
+    size_t len[N] = {0};
+    uint64_t seed = 9;
+    for (int i = 0; i < N; i++) {
+        cpu_seq[i] = kv_seq_create(pool, max_tokens, &err);
+        gpu_seq[i] = cuda_seq_create(cm, &codec, 64, max_tokens, &err);
+        tokens[i] = malloc(max_tokens * sizeof **tokens);
+        assert_true(cpu_seq[i] && gpu_seq[i] && tokens[i]);
+        for (size_t t = 0; t < prompt[i]; t++)
+            tokens[i][t] = (int32_t)(32 + cuda_test_rng(&seed) % 90);
+    }
+    float *cpu = malloc(nv * sizeof *cpu), *gpu = malloc(N * nv * sizeof *gpu);
+    assert_true(cpu && gpu);
+    const double bound = codec.codec == KV_CODEC_FP16 ? 2e-3 : 3e-2;
+    double worst = 0.0;
+    for (int step = 0; step <= STEPS; step++) {
+        cuda_batch_item items[N];
+        int who[N], n_items = 0;
+        for (int i = 0; i < N; i++) {
+            const bool joins = i == N - 1 ? step == JOIN : step == 0;
+            const bool decodes = len[i] > 0;
+            if (!joins && !decodes)
+                continue;
+            items[n_items] = (cuda_batch_item){gpu_seq[i], tokens[i] + len[i], joins ? prompt[i] : 1};
+            who[n_items++] = i;
+        }
+        for (size_t x = 0; x < (size_t)n_items * nv; x++)
+            gpu[x] = NAN;
+        if (cuda_model_forward_batch(cm, items, (size_t)n_items, gpu, &err) != STRATA_OK)
+            fail_msg("%s step %d: %s", codec_name, step, err.msg);
+        for (int k = 0; k < n_items; k++) {
+            const int i = who[k];
+            const size_t n = items[k].n_tokens;
+            assert_int_equal(model_forward(m, cpu_seq[i], tokens[i] + len[i], n, len[i], cpu, false, &err), STRATA_OK);
+            const double e = rel_error(gpu + (size_t)k * nv, cpu, nv);
+            worst = e > worst ? e : worst;
+            if (!(e <= bound))
+                fail_msg("%s batched step %d, sequence %d at position %zu: %.3e > %.0e", codec_name, step, i,
+                         len[i] + n - 1, e, bound);
+            len[i] += n;
+            tokens[i][len[i]] = (int32_t)argmax(cpu, nv);
+            assert_int_equal(cuda_seq_length(gpu_seq[i]), len[i]);
+        }
+    }
+    printf("  batched %s (5 sequences, one joining at step %d): worst logits error %.2e\n", codec_name, JOIN, worst);
+    for (int i = 0; i < N; i++) {
+        kv_seq_destroy(cpu_seq[i]);
+        cuda_seq_free(gpu_seq[i]);
+        free(tokens[i]);
+    }
+    free(cpu);
+    free(gpu);
+    cuda_model_free(cm);
+    kv_pool_destroy(pool);
+}
+
+static void test_batched_steps(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    model *m = model_load("synthetic:smollm2-135m:seed=5", 0, -1, &err);
+    assert_non_null(m);
+    batched(m, "fp16");
+    batched(m, "kivi2");
+    model_free(m);
+}
+
+/* Bad batches are refused before anything runs. */
+static void test_bad_batches(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    model *m = model_load("synthetic:tiny", 0, -1, &err);
+    assert_non_null(m);
+    cuda_model *cm = cuda_model_create(m, CUDA_WEIGHTS_F16, &err);
+    assert_non_null(cm);
+    kv_codec_params k2, f16;
+    assert_int_equal(kv_codec_parse("kivi2", &k2, &err), STRATA_OK);
+    assert_int_equal(kv_codec_parse("fp16", &f16, &err), STRATA_OK);
+    cuda_seq *a = cuda_seq_create(cm, &k2, 64, 100, &err), *b = cuda_seq_create(cm, &f16, 64, 100, &err);
+    assert_true(a && b);
+    const int32_t toks[3] = {1, 2, 3}, bad[1] = {100000};
+    cuda_batch_item items[2] = {{a, toks, 2}, {a, toks, 1}};
+    assert_int_equal(cuda_model_forward_batch(cm, items, 2, NULL, &err), STRATA_EINVAL);   /* same sequence twice */
+    assert_non_null(strstr(err.msg, "same sequence"));
+    items[0] = (cuda_batch_item){a, bad, 1};
+    assert_int_equal(cuda_model_forward_batch(cm, items, 1, NULL, &err), STRATA_EINVAL);   /* token out of range */
+    items[0] = (cuda_batch_item){a, toks, 2};
+    items[1] = (cuda_batch_item){b, toks, 2};
+    assert_int_equal(cuda_model_forward_batch(cm, items, 2, NULL, &err), STRATA_OK);       /* two prompts */
+    items[0] = (cuda_batch_item){a, toks, 1};
+    items[1] = (cuda_batch_item){b, toks, 1};
+    assert_int_equal(cuda_model_forward_batch(cm, items, 2, NULL, &err), STRATA_EINVAL);   /* codecs differ */
+    assert_non_null(strstr(err.msg, "share codec"));
+    items[0] = (cuda_batch_item){a, toks, 3};
+    assert_int_equal(cuda_model_forward_batch(cm, items, 1, NULL, &err), STRATA_EINVAL);   /* a chunk */
+    cuda_seq_free(a);
+    cuda_seq_free(b);
+    cuda_model_free(cm);
+    model_free(m);
+}
+
 /* Without a device: a clear error, no crash. */
 static void test_no_device_error(void **state)
 {
@@ -175,6 +301,8 @@ int main(void)
         cmocka_unit_test(test_synthetic_tiny),
         cmocka_unit_test(test_synthetic_smollm2_shape),
         cmocka_unit_test(test_default_model),
+        cmocka_unit_test(test_batched_steps),
+        cmocka_unit_test(test_bad_batches),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

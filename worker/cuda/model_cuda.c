@@ -10,6 +10,7 @@
 
 #include "kernels/cuda_kv_attention.h"
 #include "kernels/cuda_kv_encode.h"
+#include "kernels/cuda_kv_tail.h"
 #include "kernels/cuda_ops.h"
 
 typedef struct cuda_layer {
@@ -28,11 +29,23 @@ struct cuda_model {
     float *output_norm;
     void *output;
     size_t weight_bytes;
-    /* Activations for up to cap tokens. */
+    /* Activations for up to cap rows (tokens of a step). */
     size_t cap;
-    float *x, *xn, *q, *k, *v, *attn, *proj, *gate, *up, *logits;
+    float *x, *xn, *q, *k, *v, *attn, *proj, *gate, *up;
     uint16_t *act16, *k16, *v16;
+    int32_t *d_pos;
     float *h_rows;   /* host staging of embedding rows */
+    int32_t *h_pos;
+    /* Per-item buffers for up to cap_items items of a step. */
+    size_t cap_items;
+    float *head_x, *logits, *h_logits;        /* [items][n_embd], [items][n_vocab] device, host */
+    cuda_kv_seq *d_views, *h_views;           /* [layer][decode item] */
+    cuda_kv_append_job *d_append, *h_append;  /* [layer][decode item] */
+    cuda_kv_encode_job *d_encode, *h_encode;  /* [layer][decode item whose tail fills] */
+    cuda_kv_shift_job *d_shift, *h_shift;
+    void *d_ws;                               /* attention workspace */
+    size_t ws_bytes;
+    int *d_status;
 };
 
 struct cuda_seq {
@@ -43,12 +56,9 @@ struct cuda_seq {
     size_t max_tokens, len, max_blocks, slot, row;  /* row: elements of one token's K (H * D) */
     uint8_t *arena;                  /* device: n_layers * max_blocks slots */
     uint16_t *tail_k, *tail_v, *tmp;  /* device: n_layers * (R + BT) rows; tmp: R rows */
-    int *tail_len, *n_blocks;        /* host, per layer */
+    int *tail_len, *n_blocks;        /* host, per layer (equal across layers between steps) */
     const uint8_t **d_tables;        /* device: n_layers * max_blocks block pointers */
-    cuda_kv_seq *d_views;            /* device: one per layer */
-    cuda_kv_encode_job *d_job;
-    void *d_ws;
-    int *d_status;
+    cuda_kv_encode_job *d_job;       /* prefill's block formation, one at a time */
 };
 
 #define CU(call, what)                                                                                     \
@@ -165,6 +175,9 @@ cuda_model *cuda_model_create(const model *m, cuda_weight_dtype dtype, strata_er
         if (!cm->blas_ok)
             rc = strata_fail(err, STRATA_EIO, "cuBLAS: cublasCreate failed (status %d)", (int)st);
     }
+    if (rc == STRATA_OK && ((e = cudaMalloc((void **)&cm->d_status, sizeof(int))) != cudaSuccess ||
+                            (e = cudaMemset(cm->d_status, 0, sizeof(int))) != cudaSuccess))
+        rc = strata_fail(err, STRATA_EIO, "CUDA: %s", cudaGetErrorString(e));
     if (rc == STRATA_OK)
         rc = upload_layers(cm, err);
     const size_t e_ = (size_t)c->n_embd, nv = (size_t)c->n_vocab;
@@ -181,15 +194,35 @@ cuda_model *cuda_model_create(const model *m, cuda_weight_dtype dtype, strata_er
 
 static void free_workspace(cuda_model *cm)
 {
-    void *bufs[] = {cm->x, cm->xn, cm->q, cm->k, cm->v, cm->attn, cm->proj, cm->gate, cm->up, cm->logits,
-                    cm->act16, cm->k16, cm->v16};
+    void *bufs[] = {cm->x, cm->xn, cm->q, cm->k, cm->v, cm->attn, cm->proj, cm->gate, cm->up, cm->act16, cm->k16,
+                    cm->v16, cm->d_pos};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         cudaFree(bufs[i]);
     free(cm->h_rows);
-    cm->x = cm->xn = cm->q = cm->k = cm->v = cm->attn = cm->proj = cm->gate = cm->up = cm->logits = NULL;
+    free(cm->h_pos);
+    cm->x = cm->xn = cm->q = cm->k = cm->v = cm->attn = cm->proj = cm->gate = cm->up = NULL;
     cm->act16 = cm->k16 = cm->v16 = NULL;
+    cm->d_pos = cm->h_pos = NULL;
     cm->h_rows = NULL;
     cm->cap = 0;
+}
+
+static void free_item_buffers(cuda_model *cm)
+{
+    void *bufs[] = {cm->head_x, cm->logits, cm->d_views, cm->d_append, cm->d_encode, cm->d_shift};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+        cudaFree(bufs[i]);
+    free(cm->h_logits);
+    free(cm->h_views);
+    free(cm->h_append);
+    free(cm->h_encode);
+    free(cm->h_shift);
+    cm->head_x = cm->logits = cm->h_logits = NULL;
+    cm->d_views = cm->h_views = NULL;
+    cm->d_append = cm->h_append = NULL;
+    cm->d_encode = cm->h_encode = NULL;
+    cm->d_shift = cm->h_shift = NULL;
+    cm->cap_items = 0;
 }
 
 void cuda_model_free(cuda_model *cm)
@@ -197,6 +230,9 @@ void cuda_model_free(cuda_model *cm)
     if (!cm)
         return;
     free_workspace(cm);
+    free_item_buffers(cm);
+    cudaFree(cm->d_ws);
+    cudaFree(cm->d_status);
     for (int il = 0; cm->layers && il < cm->cfg.n_layers; il++) {
         cuda_layer *L = &cm->layers[il];
         void *bufs[] = {L->attn_norm, L->ffn_norm, L->wq, L->wk, L->wv, L->wo, L->w_gate, L->w_up, L->w_down};
@@ -225,8 +261,8 @@ static int ensure_workspace(cuda_model *cm, size_t n, strata_error *err)
         {(void **)&cm->x, n * e * 4},     {(void **)&cm->xn, n * e * 4},      {(void **)&cm->q, n * e * 4},
         {(void **)&cm->k, n * kvd * 4},   {(void **)&cm->v, n * kvd * 4},     {(void **)&cm->attn, n * e * 4},
         {(void **)&cm->proj, n * e * 4},  {(void **)&cm->gate, n * ff * 4},   {(void **)&cm->up, n * ff * 4},
-        {(void **)&cm->logits, (size_t)c->n_vocab * 4}, {(void **)&cm->act16, n * wide * 2},
-        {(void **)&cm->k16, n * kvd * 2}, {(void **)&cm->v16, n * kvd * 2},
+        {(void **)&cm->act16, n * wide * 2}, {(void **)&cm->k16, n * kvd * 2}, {(void **)&cm->v16, n * kvd * 2},
+        {(void **)&cm->d_pos, n * sizeof(int32_t)},
     };
     for (size_t i = 0; i < sizeof want / sizeof *want; i++) {
         cudaError_t e_ = cudaMalloc(want[i].p, want[i].bytes);
@@ -235,11 +271,53 @@ static int ensure_workspace(cuda_model *cm, size_t n, strata_error *err)
             return strata_fail(err, STRATA_EIO, "CUDA: activations for %zu tokens: %s", n, cudaGetErrorString(e_));
         }
     }
-    if (!(cm->h_rows = malloc(n * e * sizeof(float)))) {
+    if (!(cm->h_rows = malloc(n * e * sizeof(float))) || !(cm->h_pos = malloc(n * sizeof(int32_t)))) {
         free_workspace(cm);
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
     }
     cm->cap = n;
+    return STRATA_OK;
+}
+
+static int ensure_items(cuda_model *cm, size_t n, strata_error *err)
+{
+    if (n <= cm->cap_items)
+        return STRATA_OK;
+    free_item_buffers(cm);
+    const model_config *c = &cm->cfg;
+    const size_t L = (size_t)c->n_layers;
+    struct { void **d; void **h; size_t bytes; } want[] = {
+        {(void **)&cm->head_x, NULL, n * (size_t)c->n_embd * 4},
+        {(void **)&cm->logits, (void **)&cm->h_logits, n * (size_t)c->n_vocab * 4},
+        {(void **)&cm->d_views, (void **)&cm->h_views, L * n * sizeof(cuda_kv_seq)},
+        {(void **)&cm->d_append, (void **)&cm->h_append, L * n * sizeof(cuda_kv_append_job)},
+        {(void **)&cm->d_encode, (void **)&cm->h_encode, L * n * sizeof(cuda_kv_encode_job)},
+        {(void **)&cm->d_shift, (void **)&cm->h_shift, L * n * sizeof(cuda_kv_shift_job)},
+    };
+    for (size_t i = 0; i < sizeof want / sizeof *want; i++) {
+        cudaError_t e_ = cudaMalloc(want[i].d, want[i].bytes);
+        if (e_ != cudaSuccess) {
+            free_item_buffers(cm);
+            return strata_fail(err, STRATA_EIO, "CUDA: buffers for %zu sequences: %s", n, cudaGetErrorString(e_));
+        }
+        if (want[i].h && !(*want[i].h = malloc(want[i].bytes))) {
+            free_item_buffers(cm);
+            return strata_fail(err, STRATA_ENOMEM, "out of memory");
+        }
+    }
+    cm->cap_items = n;
+    return STRATA_OK;
+}
+
+static int ensure_attention_workspace(cuda_model *cm, size_t bytes, strata_error *err)
+{
+    if (bytes <= cm->ws_bytes)
+        return STRATA_OK;
+    cudaFree(cm->d_ws);
+    cm->d_ws = NULL;
+    cm->ws_bytes = 0;
+    CU(cudaMalloc(&cm->d_ws, bytes), "attention workspace");
+    cm->ws_bytes = bytes;
     return STRATA_OK;
 }
 
@@ -304,11 +382,8 @@ cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int bloc
         (e = cudaMalloc((void **)&s->tail_k, L * tail_rows * s->row * 2)) == cudaSuccess &&
         (e = cudaMalloc((void **)&s->tail_v, L * tail_rows * s->row * 2)) == cudaSuccess &&
         (e = cudaMalloc((void **)&s->tmp, ((size_t)s->residual + 1) * s->row * 2)) == cudaSuccess &&
-        (e = cudaMalloc((void **)&s->d_tables, L * s->max_blocks * sizeof(void *))) == cudaSuccess &&
-        (e = cudaMalloc((void **)&s->d_views, L * sizeof(cuda_kv_seq))) == cudaSuccess &&
-        (e = cudaMalloc((void **)&s->d_job, sizeof(cuda_kv_encode_job))) == cudaSuccess &&
-        (e = cudaMalloc((void **)&s->d_status, sizeof(int))) == cudaSuccess)
-        e = cudaMemset(s->d_status, 0, sizeof(int));
+        (e = cudaMalloc((void **)&s->d_tables, L * s->max_blocks * sizeof(void *))) == cudaSuccess)
+        e = cudaMalloc((void **)&s->d_job, sizeof(cuda_kv_encode_job));
     if (rc == STRATA_OK && e != cudaSuccess)
         rc = strata_fail(err, STRATA_EIO, "CUDA: KV cache for %zu tokens: %s", max_tokens, cudaGetErrorString(e));
     /* Block b of layer l always lives in slot l * max_blocks + b: the tables never change. */
@@ -323,11 +398,6 @@ cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int bloc
             rc = strata_fail(err, STRATA_EIO, "CUDA: block tables: %s", cudaGetErrorString(e));
         free(table);
     }
-    cuda_kv_plan plan;
-    if (rc == STRATA_OK)
-        rc = cuda_kv_attention_plan(&s->enc.layout, 1, c->n_heads, (int)s->max_blocks, cm->sm_count, &plan, err);
-    if (rc == STRATA_OK && (e = cudaMalloc(&s->d_ws, cuda_kv_attention_workspace(&s->enc.layout, &plan))) != cudaSuccess)
-        rc = strata_fail(err, STRATA_EIO, "CUDA: attention workspace: %s", cudaGetErrorString(e));
     if (rc != STRATA_OK) {
         cuda_seq_free(s);
         return NULL;
@@ -339,8 +409,7 @@ void cuda_seq_free(cuda_seq *s)
 {
     if (!s)
         return;
-    void *bufs[] = {s->arena, s->tail_k, s->tail_v, s->tmp, (void *)s->d_tables, s->d_views, s->d_job, s->d_ws,
-                    s->d_status};
+    void *bufs[] = {s->arena, s->tail_k, s->tail_v, s->tmp, (void *)(uintptr_t)s->d_tables, s->d_job};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         cudaFree(bufs[i]);
     free(s->tail_len);
@@ -401,112 +470,296 @@ static int append_layer(cuda_seq *s, int layer, const uint16_t *k16, const uint1
     return STRATA_OK;
 }
 
-/* Decode attention of one token over layer's cache (its blocks and tail, the new token included). */
-static int attend_cache(cuda_seq *s, int layer, strata_error *err)
+/* One step's plan: items reordered so that the decode items (one token on a non-empty sequence)
+ * come first, their rows contiguous for the batched attention, then the prompts. */
+typedef struct step_plan {
+    size_t n_items, n_dec, rows;
+    size_t *order;     /* internal position -> caller's item index */
+    size_t *row0;      /* internal position -> first row */
+    size_t n_full;     /* decode items whose tail fills this step (a block forms) */
+} step_plan;
+
+static int check_items(cuda_model *cm, const cuda_batch_item *items, size_t n_items, strata_error *err)
 {
-    cuda_model *cm = s->cm;
-    const cuda_kv_seq view = {
-        .blocks = s->d_tables + (size_t)layer * s->max_blocks,
-        .tail_k = tail_at(s, s->tail_k, layer, 0),
-        .tail_v = tail_at(s, s->tail_v, layer, 0),
-        .n_blocks = s->n_blocks[layer],
-        .tail_tokens = s->tail_len[layer],
-    };
-    cuda_kv_seq *d_view = s->d_views + layer;
-    CU(cudaMemcpy(d_view, &view, sizeof view, cudaMemcpyHostToDevice), "attention view");
-    cuda_kv_layout layout = s->enc.layout;
-    layout.layer = (uint32_t)layer;
-    cuda_kv_plan plan;
-    int rc = cuda_kv_attention_plan(&layout, 1, cm->cfg.n_heads, s->n_blocks[layer], cm->sm_count, &plan, err);
-    if (rc == STRATA_OK)
-        rc = cuda_kv_attention(&layout, &plan, d_view, cm->q, cm->attn, s->d_ws, s->d_status, NULL, err);
-    return rc;
+    const cuda_seq *first_dec = NULL;
+    for (size_t i = 0; i < n_items; i++) {
+        const cuda_batch_item *it = &items[i];
+        if (!it->seq || it->seq->cm != cm || !it->tokens || it->n_tokens == 0)
+            return strata_fail(err, STRATA_EINVAL, "batch item %zu: no sequence of this model, or no tokens", i);
+        const cuda_seq *s = it->seq;
+        if (s->len > 0 && it->n_tokens != 1)
+            return strata_fail(err, STRATA_EINVAL,
+                               "batch item %zu: %zu tokens on a sequence of %zu: only a prompt on an empty sequence "
+                               "may have more than one (use cuda_model_forward for a chunk)", i, it->n_tokens, s->len);
+        if (it->n_tokens > s->max_tokens - s->len)
+            return strata_fail(err, STRATA_EINVAL, "batch item %zu: %zu tokens after %zu exceed the sequence's %zu", i,
+                               it->n_tokens, s->len, s->max_tokens);
+        if (s->len == 0 && it->n_tokens > 65535)
+            return strata_fail(err, STRATA_EINVAL, "batch item %zu: a prompt of %zu tokens (at most 65535)", i,
+                               it->n_tokens);
+        for (size_t t = 0; t < it->n_tokens; t++)
+            if (it->tokens[t] < 0 || it->tokens[t] >= cm->cfg.n_vocab)
+                return strata_fail(err, STRATA_EINVAL, "batch item %zu: token %d out of range 0..%d", i,
+                                   (int)it->tokens[t], cm->cfg.n_vocab - 1);
+        for (size_t j = 0; j < i; j++)
+            if (items[j].seq == s)
+                return strata_fail(err, STRATA_EINVAL, "batch items %zu and %zu are the same sequence", j, i);
+        if (s->len > 0) {
+            if (!first_dec)
+                first_dec = s;
+            else if (memcmp(&first_dec->enc, &s->enc, sizeof s->enc) != 0)
+                return strata_fail(err, STRATA_EINVAL,
+                                   "batch item %zu: decoding sequences of one step must share codec and block size", i);
+        }
+    }
+    return STRATA_OK;
 }
 
-static int run_layer(cuda_seq *s, int il, size_t n, size_t pos0, bool prefill, strata_error *err)
+/* Host side of the decode items' KV for every layer: append jobs, the blocks that form, the
+ * tail moves, and the attention views after the append; uploaded in four copies. */
+static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_plan *sp, int *max_blocks,
+                             strata_error *err)
 {
-    cuda_model *cm = s->cm;
+    const size_t L = (size_t)cm->cfg.n_layers, nd = sp->n_dec;
+    size_t n_full = 0;
+    *max_blocks = 0;
+    for (size_t j = 0; j < nd; j++) {
+        cuda_seq *s = items[sp->order[j]].seq;
+        const int full = s->tail_len[0] + 1 == s->residual + s->block_tokens;
+        const int blocks_after = s->n_blocks[0] + full, tail_after = full ? s->residual : s->tail_len[0] + 1;
+        if (full && (size_t)s->n_blocks[0] >= s->max_blocks)
+            return strata_fail(err, STRATA_EFULL, "sequence at %zu tokens: no block slot left", s->len);
+        if (blocks_after > *max_blocks)
+            *max_blocks = blocks_after;
+        for (size_t l = 0; l < L; l++) {
+            const int il = (int)l;
+            cm->h_append[l * nd + j] = (cuda_kv_append_job){
+                .dst_k = tail_at(s, s->tail_k, il, (size_t)s->tail_len[0]),
+                .dst_v = tail_at(s, s->tail_v, il, (size_t)s->tail_len[0]),
+                .src_row = (int)j,
+                .n_rows = 1,
+            };
+            cm->h_views[l * nd + j] = (cuda_kv_seq){
+                .blocks = s->d_tables + l * s->max_blocks,
+                .tail_k = tail_at(s, s->tail_k, il, 0),
+                .tail_v = tail_at(s, s->tail_v, il, 0),
+                .n_blocks = blocks_after,
+                .tail_tokens = tail_after,
+            };
+            if (full) {
+                cm->h_encode[l * nd + n_full] = (cuda_kv_encode_job){
+                    .k = tail_at(s, s->tail_k, il, 0),
+                    .v = tail_at(s, s->tail_v, il, 0),
+                    .dst = s->arena + (l * s->max_blocks + (size_t)s->n_blocks[0]) * s->slot,
+                    .first_pos = (uint64_t)s->n_blocks[0] * (uint64_t)s->block_tokens,
+                    .layer = (uint32_t)l,
+                };
+                cm->h_shift[l * nd + n_full] = (cuda_kv_shift_job){tail_at(s, s->tail_k, il, 0),
+                                                                   tail_at(s, s->tail_v, il, 0)};
+            }
+        }
+        n_full += (size_t)full;
+    }
+    sp->n_full = n_full;
+    if (nd == 0)
+        return STRATA_OK;
+    CU(cudaMemcpy(cm->d_append, cm->h_append, L * nd * sizeof *cm->h_append, cudaMemcpyHostToDevice), "append jobs");
+    CU(cudaMemcpy(cm->d_views, cm->h_views, L * nd * sizeof *cm->h_views, cudaMemcpyHostToDevice), "views");
+    if (n_full) {
+        /* Jobs of layer l start at l * nd: copy the whole strided arrays. */
+        CU(cudaMemcpy(cm->d_encode, cm->h_encode, L * nd * sizeof *cm->h_encode, cudaMemcpyHostToDevice), "encoder jobs");
+        CU(cudaMemcpy(cm->d_shift, cm->h_shift, L * nd * sizeof *cm->h_shift, cudaMemcpyHostToDevice), "tail jobs");
+    }
+    return STRATA_OK;
+}
+
+/* The decode items' K/V of one layer into their tails, the blocks that fill, then attention over
+ * every decode item's cache at once. */
+static int decode_layer(cuda_model *cm, const cuda_batch_item *items, const step_plan *sp, const cuda_kv_plan *plan,
+                        int il, strata_error *err)
+{
+    const size_t nd = sp->n_dec, l = (size_t)il;
+    const cuda_seq *s0 = items[sp->order[0]].seq;
+    KERNEL(cuda_kv_append_rows(cm->d_append + l * nd, (int)nd, cm->k16, cm->v16, s0->row, NULL), "appending K/V");
+    if (sp->n_full) {
+        int rc = cuda_kv_encode_blocks(&s0->enc, cm->d_encode + l * nd, (int)sp->n_full, NULL, err);
+        if (rc != STRATA_OK)
+            return rc;
+        KERNEL(cuda_kv_shift_tails(cm->d_shift + l * nd, (int)sp->n_full, s0->block_tokens, s0->residual, s0->row,
+                                   NULL),
+               "moving tails");
+    }
+    cuda_kv_layout layout = s0->enc.layout;
+    layout.layer = (uint32_t)il;
+    return cuda_kv_attention(&layout, plan, cm->d_views + l * nd, cm->q, cm->attn, cm->d_ws, cm->d_status, NULL, err);
+}
+
+static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_plan *sp, const cuda_kv_plan *plan,
+                     int il, strata_error *err)
+{
     const model_config *c = &cm->cfg;
     const cuda_layer *L = &cm->layers[il];
-    const size_t e = (size_t)c->n_embd, hd = (size_t)c->head_dim, kvd = (size_t)c->n_kv_heads * hd;
+    const size_t T = sp->rows, e = (size_t)c->n_embd, hd = (size_t)c->head_dim, kvd = (size_t)c->n_kv_heads * hd;
     const size_t ff = (size_t)c->n_ff;
     int rc;
-    KERNEL(cuda_rmsnorm(cm->x, L->attn_norm, n, e, c->rms_eps, cm->xn, NULL), "rmsnorm");
-    if ((rc = gemm(cm, cm->xn, n, e, L->wq, e, cm->q, err)) || (rc = gemm(cm, cm->xn, n, e, L->wk, kvd, cm->k, err)) ||
-        (rc = gemm(cm, cm->xn, n, e, L->wv, kvd, cm->v, err)))
+    KERNEL(cuda_rmsnorm(cm->x, L->attn_norm, T, e, c->rms_eps, cm->xn, NULL), "rmsnorm");
+    if ((rc = gemm(cm, cm->xn, T, e, L->wq, e, cm->q, err)) || (rc = gemm(cm, cm->xn, T, e, L->wk, kvd, cm->k, err)) ||
+        (rc = gemm(cm, cm->xn, T, e, L->wv, kvd, cm->v, err)))
         return rc;
-    KERNEL(cuda_rope(cm->q, n, (size_t)c->n_heads, hd, pos0, c->rope_theta, NULL), "rope");
-    KERNEL(cuda_rope(cm->k, n, (size_t)c->n_kv_heads, hd, pos0, c->rope_theta, NULL), "rope");
-    KERNEL(cuda_f32_to_f16(cm->k, cm->k16, n * kvd, NULL), "keys to fp16");
-    KERNEL(cuda_f32_to_f16(cm->v, cm->v16, n * kvd, NULL), "values to fp16");
-    if ((rc = append_layer(s, il, cm->k16, cm->v16, n, err)) != STRATA_OK)
+    KERNEL(cuda_rope_rows(cm->q, T, (size_t)c->n_heads, hd, cm->d_pos, c->rope_theta, NULL), "rope");
+    KERNEL(cuda_rope_rows(cm->k, T, (size_t)c->n_kv_heads, hd, cm->d_pos, c->rope_theta, NULL), "rope");
+    KERNEL(cuda_f32_to_f16(cm->k, cm->k16, T * kvd, NULL), "keys to fp16");
+    KERNEL(cuda_f32_to_f16(cm->v, cm->v16, T * kvd, NULL), "values to fp16");
+    if (sp->n_dec && (rc = decode_layer(cm, items, sp, plan, il, err)) != STRATA_OK)
         return rc;
-    if (prefill)
-        rc = cuda_attention_prefill(cm->q, cm->k16, cm->v16, (int)n, c->n_heads, c->n_kv_heads, c->head_dim, cm->attn,
-                                    NULL, err);
-    else
-        rc = attend_cache(s, il, err);
-    if (rc != STRATA_OK)
+    for (size_t p = sp->n_dec; p < sp->n_items; p++) {
+        const cuda_batch_item *it = &items[sp->order[p]];
+        const size_t r0 = sp->row0[p];
+        if ((rc = append_layer(it->seq, il, cm->k16 + r0 * kvd, cm->v16 + r0 * kvd, it->n_tokens, err)) != STRATA_OK ||
+            (rc = cuda_attention_prefill(cm->q + r0 * e, cm->k16 + r0 * kvd, cm->v16 + r0 * kvd, (int)it->n_tokens,
+                                         c->n_heads, c->n_kv_heads, c->head_dim, cm->attn + r0 * e, NULL, err)) !=
+                STRATA_OK)
+            return rc;
+    }
+    if ((rc = gemm(cm, cm->attn, T, e, L->wo, e, cm->proj, err)))
         return rc;
-    if ((rc = gemm(cm, cm->attn, n, e, L->wo, e, cm->proj, err)))
+    KERNEL(cuda_add(cm->x, cm->proj, T * e, NULL), "residual");
+    KERNEL(cuda_rmsnorm(cm->x, L->ffn_norm, T, e, c->rms_eps, cm->xn, NULL), "rmsnorm");
+    if ((rc = gemm(cm, cm->xn, T, e, L->w_gate, ff, cm->gate, err)) || (rc = gemm(cm, cm->xn, T, e, L->w_up, ff, cm->up, err)))
         return rc;
-    KERNEL(cuda_add(cm->x, cm->proj, n * e, NULL), "residual");
-    KERNEL(cuda_rmsnorm(cm->x, L->ffn_norm, n, e, c->rms_eps, cm->xn, NULL), "rmsnorm");
-    if ((rc = gemm(cm, cm->xn, n, e, L->w_gate, ff, cm->gate, err)) || (rc = gemm(cm, cm->xn, n, e, L->w_up, ff, cm->up, err)))
+    KERNEL(cuda_swiglu(cm->gate, cm->up, T * ff, cm->gate, NULL), "swiglu");
+    if ((rc = gemm(cm, cm->gate, T, ff, L->w_down, e, cm->proj, err)))
         return rc;
-    KERNEL(cuda_swiglu(cm->gate, cm->up, n * ff, cm->gate, NULL), "swiglu");
-    if ((rc = gemm(cm, cm->gate, n, ff, L->w_down, e, cm->proj, err)))
-        return rc;
-    KERNEL(cuda_add(cm->x, cm->proj, n * e, NULL), "residual");
+    KERNEL(cuda_add(cm->x, cm->proj, T * e, NULL), "residual");
     return STRATA_OK;
 }
 
-/* n tokens at positions len.. through every layer, all at once (prefill) or one (decode). */
-static int run_tokens(cuda_seq *s, const int32_t *tokens, size_t n, bool prefill, float *logits, strata_error *err)
+/* The last row of every item through the output norm and head; logits in the caller's order. */
+static int run_head(cuda_model *cm, const cuda_batch_item *items, const step_plan *sp, float *logits,
+                    strata_error *err)
 {
-    cuda_model *cm = s->cm;
     const model_config *c = &cm->cfg;
-    const size_t e = (size_t)c->n_embd;
-    int rc = ensure_workspace(cm, n, err);
+    const size_t e = (size_t)c->n_embd, nv = (size_t)c->n_vocab, n = sp->n_items;
+    const float *rows = cm->x;   /* decode items only: rows 0..n-1 are already the last rows */
+    if (sp->n_dec < n) {
+        for (size_t p = 0; p < n; p++) {
+            const size_t last = sp->row0[p] + items[sp->order[p]].n_tokens - 1;
+            CU(cudaMemcpy(cm->head_x + p * e, cm->x + last * e, e * sizeof(float), cudaMemcpyDeviceToDevice),
+               "gathering last rows");
+        }
+        rows = cm->head_x;
+    }
+    KERNEL(cuda_rmsnorm(rows, cm->output_norm, n, e, c->rms_eps, cm->xn, NULL), "output norm");
+    int rc = gemm(cm, cm->xn, n, e, cm->output, nv, cm->logits, err);
     if (rc != STRATA_OK)
         return rc;
-    const float *table = model_get_token_embedding(cm->host);
-    for (size_t i = 0; i < n; i++)
-        memcpy(cm->h_rows + i * e, table + (size_t)tokens[i] * e, e * sizeof(float));
-    CU(cudaMemcpy(cm->x, cm->h_rows, n * e * sizeof(float), cudaMemcpyHostToDevice), "embedding rows");
-    for (int il = 0; il < c->n_layers; il++)
-        if ((rc = run_layer(s, il, n, s->len, prefill, err)) != STRATA_OK)
-            return strata_error_prefix(err, "layer %d", il);
-    s->len += n;
-    int status = 0;
-    CU(cudaMemcpy(&status, s->d_status, sizeof status, cudaMemcpyDeviceToHost), "attention status");
-    if (status)
-        return strata_fail(err, STRATA_EFORMAT, "the CUDA attention kernel rejected a block of the cache (status %d)",
-                           status);
-    if (!logits)
-        return STRATA_OK;
-    const float *last = cm->x + (n - 1) * e;
-    KERNEL(cuda_rmsnorm(last, cm->output_norm, 1, e, c->rms_eps, cm->xn, NULL), "output norm");
-    if ((rc = gemm(cm, cm->xn, 1, e, cm->output, (size_t)c->n_vocab, cm->logits, err)))
-        return rc;
-    CU(cudaMemcpy(logits, cm->logits, (size_t)c->n_vocab * sizeof(float), cudaMemcpyDeviceToHost), "logits");
+    CU(cudaMemcpy(cm->h_logits, cm->logits, n * nv * sizeof(float), cudaMemcpyDeviceToHost), "logits");
+    for (size_t p = 0; p < n; p++)
+        memcpy(logits + sp->order[p] * nv, cm->h_logits + p * nv, nv * sizeof(float));
     return STRATA_OK;
+}
+
+static void after_step(const cuda_batch_item *items, const step_plan *sp)
+{
+    for (size_t p = 0; p < sp->n_items; p++) {
+        cuda_seq *s = items[sp->order[p]].seq;
+        if (p < sp->n_dec) {   /* the decode bookkeeping staged before the layers, now true */
+            const int full = s->tail_len[0] + 1 == s->residual + s->block_tokens;
+            for (int l = 0; l < s->n_layers; l++) {
+                s->n_blocks[l] += full;
+                s->tail_len[l] = full ? s->residual : s->tail_len[l] + 1;
+            }
+        }
+        s->len += items[sp->order[p]].n_tokens;   /* prompts: append_layer kept their layers' state */
+    }
+}
+
+int cuda_model_forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_items, float *logits,
+                             strata_error *err)
+{
+    if (!cm || !items || n_items == 0 || n_items > 65535)
+        return strata_fail(err, STRATA_EINVAL, "cuda_model_forward_batch: 1..65535 items");
+    int rc = check_items(cm, items, n_items, err);
+    if (rc != STRATA_OK)
+        return rc;
+    step_plan sp = {.n_items = n_items};
+    sp.order = malloc(n_items * sizeof *sp.order);
+    sp.row0 = malloc(n_items * sizeof *sp.row0);
+    if (!sp.order || !sp.row0) {
+        free(sp.order);
+        free(sp.row0);
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    }
+    for (size_t i = 0; i < n_items; i++)
+        sp.n_dec += items[i].seq->len > 0;
+    size_t at = 0;
+    for (int pass = 0; pass < 2; pass++)   /* decode items first, then prompts */
+        for (size_t i = 0; i < n_items; i++)
+            if ((items[i].seq->len > 0) == (pass == 0)) {
+                sp.order[at] = i;
+                sp.row0[at] = sp.rows;
+                sp.rows += items[i].n_tokens;
+                at++;
+            }
+
+    const model_config *c = &cm->cfg;
+    const size_t e = (size_t)c->n_embd;
+    int max_blocks = 0;
+    cuda_kv_plan plan = {0};
+    if ((rc = ensure_workspace(cm, sp.rows, err)) == STRATA_OK && (rc = ensure_items(cm, n_items, err)) == STRATA_OK)
+        rc = stage_decode_jobs(cm, items, &sp, &max_blocks, err);
+    if (rc == STRATA_OK && sp.n_dec) {
+        const cuda_seq *s0 = items[sp.order[0]].seq;
+        rc = cuda_kv_attention_plan(&s0->enc.layout, (int)sp.n_dec, c->n_heads, max_blocks, cm->sm_count, &plan, err);
+        if (rc == STRATA_OK)
+            rc = ensure_attention_workspace(cm, cuda_kv_attention_workspace(&s0->enc.layout, &plan), err);
+    }
+    if (rc == STRATA_OK) {
+        const float *table = model_get_token_embedding(cm->host);
+        for (size_t p = 0; p < n_items; p++) {
+            const cuda_batch_item *it = &items[sp.order[p]];
+            for (size_t t = 0; t < it->n_tokens; t++) {
+                memcpy(cm->h_rows + (sp.row0[p] + t) * e, table + (size_t)it->tokens[t] * e, e * sizeof(float));
+                cm->h_pos[sp.row0[p] + t] = (int32_t)(it->seq->len + t);
+            }
+        }
+        cudaError_t ce = cudaMemcpy(cm->x, cm->h_rows, sp.rows * e * sizeof(float), cudaMemcpyHostToDevice);
+        if (ce == cudaSuccess)
+            ce = cudaMemcpy(cm->d_pos, cm->h_pos, sp.rows * sizeof(int32_t), cudaMemcpyHostToDevice);
+        if (ce != cudaSuccess)
+            rc = strata_fail(err, STRATA_EIO, "CUDA: embedding rows: %s", cudaGetErrorString(ce));
+    }
+    for (int il = 0; rc == STRATA_OK && il < c->n_layers; il++)
+        if ((rc = run_layer(cm, items, &sp, &plan, il, err)) != STRATA_OK)
+            strata_error_prefix(err, "layer %d", il);
+    if (rc == STRATA_OK) {
+        after_step(items, &sp);
+        int status = 0;
+        cudaError_t ce = cudaMemcpy(&status, cm->d_status, sizeof status, cudaMemcpyDeviceToHost);
+        if (ce != cudaSuccess)
+            rc = strata_fail(err, STRATA_EIO, "CUDA: %s", cudaGetErrorString(ce));
+        else if (status)
+            rc = strata_fail(err, STRATA_EFORMAT, "the CUDA attention kernel rejected a block of a cache (status %d)",
+                             status);
+    }
+    if (rc == STRATA_OK && logits)
+        rc = run_head(cm, items, &sp, logits, err);
+    free(sp.order);
+    free(sp.row0);
+    return rc;
 }
 
 int cuda_model_forward(cuda_model *cm, cuda_seq *s, const int32_t *tokens, size_t n, float *logits, strata_error *err)
 {
-    if (!cm || !s || s->cm != cm || !tokens || n == 0)
+    if (!cm || !s || !tokens || n == 0)
         return strata_fail(err, STRATA_EINVAL, "cuda_model_forward: bad arguments");
-    if (n > s->max_tokens - s->len)
-        return strata_fail(err, STRATA_EINVAL, "%zu tokens after %zu exceed the sequence's %zu", n, s->len,
-                           s->max_tokens);
-    for (size_t i = 0; i < n; i++)
-        if (tokens[i] < 0 || tokens[i] >= cm->cfg.n_vocab)
-            return strata_fail(err, STRATA_EINVAL, "token %d out of range 0..%d", (int)tokens[i], cm->cfg.n_vocab - 1);
-    if (s->len == 0 && n > 1)
-        return run_tokens(s, tokens, n, true, logits, err);
+    if (s->len == 0) {
+        const cuda_batch_item prompt = {s, tokens, n};
+        return cuda_model_forward_batch(cm, &prompt, 1, logits, err);
+    }
     for (size_t i = 0; i < n; i++) {
-        int rc = run_tokens(s, tokens + i, 1, false, i + 1 == n ? logits : NULL, err);
+        const cuda_batch_item one = {s, tokens + i, 1};
+        int rc = cuda_model_forward_batch(cm, &one, 1, i + 1 == n ? logits : NULL, err);
         if (rc != STRATA_OK)
             return rc;
     }

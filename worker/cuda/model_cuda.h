@@ -5,9 +5,10 @@
  * the CPU pool's rule for when a block forms. It computes what model_forward computes on the CPU;
  * tests/cuda/test_cuda_model.c compares the logits.
  *
- * First version: one sequence per call, the whole model on one device, fp16 and KIVI caches; the
- * embedding lookup stays on the host (a row copy per token). Not yet: batches, pipeline stages,
- * the worker's use of it, GEAR/OTT/TaDA, tiers below the device.
+ * First version: batches of sequences over the whole model on one device, fp16 and KIVI caches,
+ * each sequence with its own device arena sized for its max_tokens; the embedding lookup stays on
+ * the host (a row copy per token). Not yet: a block pool shared by sequences, pipeline stages, the
+ * worker's use of it, GEAR/OTT/TaDA, tiers below the device, sampling on the device.
  * Status: compiled in every build with nvcc; see docs/benchmarks.md for whether it has run. */
 #ifndef STRATA_WORKER_CUDA_MODEL_CUDA_H
 #define STRATA_WORKER_CUDA_MODEL_CUDA_H
@@ -49,5 +50,22 @@ size_t cuda_seq_length(const cuda_seq *s);
  * cuBLAS failure; STRATA_EFORMAT if the attention kernel rejected a block of the cache. */
 int cuda_model_forward(cuda_model *cm, cuda_seq *s, const int32_t *tokens, size_t n, float *logits,
                        strata_error *err);
+
+/* One item of a batched step. */
+typedef struct cuda_batch_item {
+    cuda_seq *seq;          /* at most once per step */
+    const int32_t *tokens;
+    size_t n_tokens;        /* a prompt on an empty sequence (>= 1), or 1 on a non-empty one */
+} cuda_batch_item;
+
+/* One step of continuous batching: the projections and FFN run once over every item's rows, the
+ * decoding items' K/V go into their tails in one launch per layer (blocks forming where a tail
+ * fills) and their attention is one launch per layer over all their caches; each prompt gets
+ * causal prefill attention. Decoding sequences of one step must share codec and block size.
+ * logits: n_items rows of n_vocab floats (host), the last token of each item in the items'
+ * order, or NULL. On failure after the checks the sequences of the step are left inconsistent:
+ * the caller discards them (as with model_forward_batch). */
+int cuda_model_forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_items, float *logits,
+                             strata_error *err);
 
 #endif
