@@ -25,6 +25,10 @@ int cuda_swiglu(const float *gate, const float *up, size_t n, float *out, strata
 int cuda_rope_rows(float *x, size_t n_rows, size_t n_heads, size_t head_dim, const int32_t *d_pos, float theta,
                    strata_cuda_stream stream);
 
+/* out[r] = the column of the largest value of row r (the lowest such column on ties; NaN never
+ * wins over a number): greedy sampling on the device, so only n_rows ids cross to the host. */
+int cuda_argmax_rows(const float *x, size_t n_rows, size_t n_cols, int32_t *out, strata_cuda_stream stream);
+
 /* y[i] += x[i] */
 int cuda_add(float *y, const float *x, size_t n, strata_cuda_stream stream);
 

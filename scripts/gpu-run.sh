@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # On a GPU machine, with build-gpu-bundle/ from scripts/gpu-bundle.sh beside it: the GPU tests
-# (GPU against the CPU reference), the same under compute-sanitizer, then the attention benchmark.
-# Logs and the benchmark's CSV go to $OUT (or ./gpu-out). Arguments after -- go to the benchmark.
-#   scripts/gpu-run.sh [--no-sanitizer] [--no-bench] [-- BENCH ARGS]
+# (GPU against the CPU reference), the same under compute-sanitizer, then the attention benchmark;
+# with --decode instead, only the end-to-end decode benchmark (strata-bench-decode-gpu, then the
+# same workload through Hugging Face transformers at strata's fp16 batch). Logs, CSV and JSON go to
+# $OUT (or ./gpu-out). Arguments after -- go to the benchmark that runs.
+#   scripts/gpu-run.sh [--no-sanitizer] [--no-bench] [-- ATTENTION BENCH ARGS]
+#   scripts/gpu-run.sh --decode [-- DECODE BENCH ARGS]
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-sanitize=1 bench=1
+sanitize=1 bench=1 decode=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-sanitizer) sanitize=0 ;;
     --no-bench) bench=0 ;;
+    --decode) decode=1 ;;
     --) shift; break ;;
-    -h|--help) sed -n '2,6p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
     *) echo "gpu-run: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -31,6 +35,29 @@ export PATH="$PATH:/usr/local/cuda/bin"   # compute-sanitizer lives with the too
 echo "bundle built from commit $(cat "$bundle/COMMIT")" | tee "$out/summary.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$out/summary.txt"
 status=0
+if ldd "$bundle/bin/test_cuda_model" | grep -q "not found"; then
+  echo "gpu-run: libraries not found:" >&2
+  ldd "$bundle/bin/test_cuda_model" | grep "not found" >&2
+  exit 1
+fi
+if [ $decode = 1 ]; then
+  "$bundle/bin/strata-bench-decode-gpu" --json "$out/decode.json" "$@" 2>&1 | tee "$out/decode.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  field() { sed -n "s/.*\"$1\":\"\{0,1\}\([^,\"]*\).*/\1/p" "$out/decode.json" 2>/dev/null | head -1; }
+  batch=$(grep '"codec":"fp16"' "$out/decode.json" 2>/dev/null | sed -n 's/.*"batch":\([0-9]*\).*/\1/p' | head -1)
+  prompt=$(field prompt)
+  gen=$(field gen)
+  shape=$(sed -n 's/.*"model":"synthetic \([a-z0-9.-]*\) seed.*/\1/p' "$out/decode.json" 2>/dev/null | head -1)
+  if [ -n "$batch" ] && [ "$batch" -gt 0 ] && [ -n "$shape" ]; then
+    echo "== the same workload through Hugging Face transformers (batch $batch, fp16 cache) =="
+    python3 bench/gpu/hf_decode.py --shape "$shape" --batch "$batch" --prompt "$prompt" --gen "$gen" \
+      2>"$out/hf.log" | tee "$out/hf.json"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; tail -n 20 "$out/hf.log"; }
+  else
+    echo "gpu-run: no fp16 row from a synthetic model in decode.json: the transformers run is skipped" >&2
+  fi
+  exit $status
+fi
 # test_cuda_model compares with the CPU on synthetic models, and on the real one when STRATA_MODEL
 # names it (the model file does not fit one device call's 64 MiB: docs/gpu.md).
 for t in test_cuda_plan test_cuda_ops test_cuda_attention test_cuda_encode test_cuda_model; do

@@ -86,6 +86,41 @@ __global__ void f32_to_f16_kernel(const float *src, uint16_t *dst, size_t n)
         dst[i] = __half_as_ushort(__float2half_rn(src[i]));
 }
 
+// (value, column) pairs: the larger value wins, the lower column on ties, a number over NaN.
+__device__ __forceinline__ bool beats(float v, int i, float bv, int bi)
+{
+    if (isnan(v))
+        return false;
+    return isnan(bv) || v > bv || (v == bv && i < bi);
+}
+
+__global__ void argmax_kernel(const float *x, size_t n_cols, int32_t *out)
+{
+    __shared__ float best_v[kBlock];
+    __shared__ int best_i[kBlock];
+    const float *row = x + blockIdx.x * n_cols;
+    float bv = NAN;
+    int bi = 0x7fffffff;
+    for (size_t c = threadIdx.x; c < n_cols; c += blockDim.x)
+        if (beats(row[c], (int)c, bv, bi)) {
+            bv = row[c];
+            bi = (int)c;
+        }
+    best_v[threadIdx.x] = bv;
+    best_i[threadIdx.x] = bi;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s && beats(best_v[threadIdx.x + s], best_i[threadIdx.x + s], best_v[threadIdx.x],
+                                     best_i[threadIdx.x])) {
+            best_v[threadIdx.x] = best_v[threadIdx.x + s];
+            best_i[threadIdx.x] = best_i[threadIdx.x + s];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0)
+        out[blockIdx.x] = best_i[0] == 0x7fffffff ? 0 : best_i[0];
+}
+
 unsigned grid_for(size_t n) { return (unsigned)((n + kBlock - 1) / kBlock); }
 
 }  // namespace
@@ -140,5 +175,13 @@ extern "C" int cuda_rope_rows(float *x, size_t n_rows, size_t n_heads, size_t he
     if (pairs == 0)
         return 0;
     rope_rows_kernel<<<grid_for(pairs), kBlock, 0, (cudaStream_t)stream>>>(x, n_rows, n_heads, head_dim, d_pos, theta);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int cuda_argmax_rows(const float *x, size_t n_rows, size_t n_cols, int32_t *out, strata_cuda_stream stream)
+{
+    if (n_rows == 0)
+        return 0;
+    argmax_kernel<<<(unsigned)n_rows, kBlock, 0, (cudaStream_t)stream>>>(x, n_cols, out);
     return (int)cudaGetLastError();
 }

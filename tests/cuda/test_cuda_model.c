@@ -241,6 +241,49 @@ static void test_batched_steps(void **state)
     model_free(m);
 }
 
+/* Greedy sampling on the device picks the argmax of the logits the other call returns, and a
+ * KIVI sequence needs fewer device bytes than an fp16 one. */
+static void test_greedy_and_sizes(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    model *m = model_load("synthetic:smollm2-135m:seed=2", 0, -1, &err);
+    assert_non_null(m);
+    cuda_model *cm = cuda_model_create(m, CUDA_WEIGHTS_F16, &err);
+    assert_non_null(cm);
+    kv_codec_params k2, f16;
+    assert_int_equal(kv_codec_parse("kivi2", &k2, &err), STRATA_OK);
+    assert_int_equal(kv_codec_parse("fp16", &f16, &err), STRATA_OK);
+    cuda_seq *a = cuda_seq_create(cm, &k2, 64, 300, &err), *b = cuda_seq_create(cm, &k2, 64, 300, &err);
+    assert_true(a && b);
+    const size_t nv = (size_t)model_get_config(m)->n_vocab;
+    float *logits = malloc(nv * sizeof *logits);
+    assert_non_null(logits);
+    int32_t tok[64];
+    for (int i = 0; i < 64; i++)
+        tok[i] = 40 + i;
+    for (int step = 0; step < 150; step++) {
+        const cuda_batch_item ia = {a, step == 0 ? tok : &tok[63], step == 0 ? 64 : 1};
+        const cuda_batch_item ib = {b, ia.tokens, ia.n_tokens};
+        int32_t next = -1;
+        assert_int_equal(cuda_model_forward_batch(cm, &ia, 1, logits, &err), STRATA_OK);
+        assert_int_equal(cuda_model_forward_batch_greedy(cm, &ib, 1, &next, &err), STRATA_OK);
+        assert_int_equal(next, (int32_t)argmax(logits, nv));
+        tok[63] = next;
+    }
+    size_t bytes_k2, bytes_f16;
+    assert_int_equal(cuda_seq_device_bytes(cm, &k2, 64, 32768, &bytes_k2, &err), STRATA_OK);
+    assert_int_equal(cuda_seq_device_bytes(cm, &f16, 64, 32768, &bytes_f16, &err), STRATA_OK);
+    printf("  device bytes for 32768 tokens of the smollm2 shape: fp16 %zu, kivi2 %zu (%.2fx)\n", bytes_f16,
+           bytes_k2, (double)bytes_f16 / (double)bytes_k2);
+    assert_true(bytes_k2 * 4 < bytes_f16);
+    free(logits);
+    cuda_seq_free(a);
+    cuda_seq_free(b);
+    cuda_model_free(cm);
+    model_free(m);
+}
+
 /* Bad batches are refused before anything runs. */
 static void test_bad_batches(void **state)
 {
@@ -303,6 +346,7 @@ int main(void)
         cmocka_unit_test(test_default_model),
         cmocka_unit_test(test_batched_steps),
         cmocka_unit_test(test_bad_batches),
+        cmocka_unit_test(test_greedy_and_sizes),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

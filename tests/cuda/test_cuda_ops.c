@@ -189,6 +189,45 @@ static void test_f32_to_f16(void **state)
     free(got);
 }
 
+/* Greedy choice per row against a CPU scan (same tie and NaN rules). */
+static void test_argmax(void **state)
+{
+    (void)state;
+    const size_t rows = 37, cols = 128256;
+    float *x = random_floats(rows * cols, 10.0f);
+    x[3 * cols + 5] = x[3 * cols + 9] = 1e6f;      /* a tie: the lower column */
+    x[4 * cols + 0] = NAN;                         /* NaN never wins */
+    x[4 * cols + 77] = 1e6f;
+    for (size_t c = 0; c < cols; c++)
+        x[5 * cols + c] = -1.0f;                   /* all equal: column 0 */
+    int32_t want[37], got[37];
+    for (size_t r = 0; r < rows; r++) {
+        size_t best = (size_t)-1;
+        for (size_t c = 0; c < cols; c++) {
+            const float v = x[r * cols + c];
+            if (!isnan(v) && (best == (size_t)-1 || v > x[r * cols + best]))
+                best = c;
+        }
+        want[r] = (int32_t)best;
+    }
+    float *dx = to_device(x, rows * cols);
+    int32_t *dout = NULL;
+    CUDA_CHECK(cudaMalloc((void **)&dout, sizeof got));
+    CUDA_CHECK(cudaMemset(dout, 0xff, sizeof got));
+    assert_int_equal(cuda_argmax_rows(dx, rows, cols, dout, NULL), 0);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(got, dout, sizeof got, cudaMemcpyDeviceToHost));
+    for (size_t r = 0; r < rows; r++)
+        if (got[r] != want[r])
+            fail_msg("argmax row %zu: gpu %d, cpu %d", r, got[r], want[r]);
+    assert_int_equal(got[3], 5);
+    assert_int_equal(got[4], 77);
+    assert_int_equal(got[5], 0);
+    cudaFree(dx);
+    cudaFree(dout);
+    free(x);
+}
+
 int main(void)
 {
     if (!cuda_test_have_device("test_cuda_ops"))
@@ -199,6 +238,7 @@ int main(void)
         cmocka_unit_test(test_swiglu),
         cmocka_unit_test(test_add),
         cmocka_unit_test(test_f32_to_f16),
+        cmocka_unit_test(test_argmax),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

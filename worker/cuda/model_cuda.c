@@ -39,6 +39,7 @@ struct cuda_model {
     /* Per-item buffers for up to cap_items items of a step. */
     size_t cap_items;
     float *head_x, *logits, *h_logits;        /* [items][n_embd], [items][n_vocab] device, host */
+    int32_t *d_next, *h_next;                 /* [items] greedy choices */
     cuda_kv_seq *d_views, *h_views;           /* [layer][decode item] */
     cuda_kv_append_job *d_append, *h_append;  /* [layer][decode item] */
     cuda_kv_encode_job *d_encode, *h_encode;  /* [layer][decode item whose tail fills] */
@@ -209,10 +210,12 @@ static void free_workspace(cuda_model *cm)
 
 static void free_item_buffers(cuda_model *cm)
 {
-    void *bufs[] = {cm->head_x, cm->logits, cm->d_views, cm->d_append, cm->d_encode, cm->d_shift};
+    void *bufs[] = {cm->head_x, cm->logits, cm->d_next, cm->d_views, cm->d_append, cm->d_encode, cm->d_shift};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         cudaFree(bufs[i]);
     free(cm->h_logits);
+    free(cm->h_next);
+    cm->d_next = cm->h_next = NULL;
     free(cm->h_views);
     free(cm->h_append);
     free(cm->h_encode);
@@ -289,6 +292,7 @@ static int ensure_items(cuda_model *cm, size_t n, strata_error *err)
     struct { void **d; void **h; size_t bytes; } want[] = {
         {(void **)&cm->head_x, NULL, n * (size_t)c->n_embd * 4},
         {(void **)&cm->logits, (void **)&cm->h_logits, n * (size_t)c->n_vocab * 4},
+        {(void **)&cm->d_next, (void **)&cm->h_next, n * sizeof(int32_t)},
         {(void **)&cm->d_views, (void **)&cm->h_views, L * n * sizeof(cuda_kv_seq)},
         {(void **)&cm->d_append, (void **)&cm->h_append, L * n * sizeof(cuda_kv_append_job)},
         {(void **)&cm->d_encode, (void **)&cm->h_encode, L * n * sizeof(cuda_kv_encode_job)},
@@ -634,8 +638,9 @@ static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_pl
     return STRATA_OK;
 }
 
-/* The last row of every item through the output norm and head; logits in the caller's order. */
-static int run_head(cuda_model *cm, const cuda_batch_item *items, const step_plan *sp, float *logits,
+/* The last row of every item through the output norm and head, then either the logits or the
+ * greedy choices (argmax on the device) to the host, in the caller's order. */
+static int run_head(cuda_model *cm, const cuda_batch_item *items, const step_plan *sp, float *logits, int32_t *next,
                     strata_error *err)
 {
     const model_config *c = &cm->cfg;
@@ -653,9 +658,17 @@ static int run_head(cuda_model *cm, const cuda_batch_item *items, const step_pla
     int rc = gemm(cm, cm->xn, n, e, cm->output, nv, cm->logits, err);
     if (rc != STRATA_OK)
         return rc;
-    CU(cudaMemcpy(cm->h_logits, cm->logits, n * nv * sizeof(float), cudaMemcpyDeviceToHost), "logits");
-    for (size_t p = 0; p < n; p++)
-        memcpy(logits + sp->order[p] * nv, cm->h_logits + p * nv, nv * sizeof(float));
+    if (next) {
+        KERNEL(cuda_argmax_rows(cm->logits, n, nv, cm->d_next, NULL), "argmax");
+        CU(cudaMemcpy(cm->h_next, cm->d_next, n * sizeof(int32_t), cudaMemcpyDeviceToHost), "greedy tokens");
+        for (size_t p = 0; p < n; p++)
+            next[sp->order[p]] = cm->h_next[p];
+    }
+    if (logits) {
+        CU(cudaMemcpy(cm->h_logits, cm->logits, n * nv * sizeof(float), cudaMemcpyDeviceToHost), "logits");
+        for (size_t p = 0; p < n; p++)
+            memcpy(logits + sp->order[p] * nv, cm->h_logits + p * nv, nv * sizeof(float));
+    }
     return STRATA_OK;
 }
 
@@ -674,8 +687,8 @@ static void after_step(const cuda_batch_item *items, const step_plan *sp)
     }
 }
 
-int cuda_model_forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_items, float *logits,
-                             strata_error *err)
+static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_items, float *logits, int32_t *next,
+                         strata_error *err)
 {
     if (!cm || !items || n_items == 0 || n_items > 65535)
         return strata_fail(err, STRATA_EINVAL, "cuda_model_forward_batch: 1..65535 items");
@@ -742,10 +755,47 @@ int cuda_model_forward_batch(cuda_model *cm, const cuda_batch_item *items, size_
             rc = strata_fail(err, STRATA_EFORMAT, "the CUDA attention kernel rejected a block of a cache (status %d)",
                              status);
     }
-    if (rc == STRATA_OK && logits)
-        rc = run_head(cm, items, &sp, logits, err);
+    if (rc == STRATA_OK && (logits || next))
+        rc = run_head(cm, items, &sp, logits, next, err);
     free(sp.order);
     free(sp.row0);
+    return rc;
+}
+
+int cuda_model_forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_items, float *logits,
+                             strata_error *err)
+{
+    return forward_batch(cm, items, n_items, logits, NULL, err);
+}
+
+int cuda_model_forward_batch_greedy(cuda_model *cm, const cuda_batch_item *items, size_t n_items, int32_t *next,
+                                    strata_error *err)
+{
+    if (!next)
+        return strata_fail(err, STRATA_EINVAL, "cuda_model_forward_batch_greedy: NULL output");
+    return forward_batch(cm, items, n_items, NULL, next, err);
+}
+
+/* What cuda_seq_create allocates on the device. */
+static size_t seq_bytes(const cuda_model *cm, size_t slot, int block_tokens, int residual, size_t max_tokens)
+{
+    const size_t L = (size_t)cm->cfg.n_layers, row = (size_t)cm->cfg.n_kv_heads * (size_t)cm->cfg.head_dim;
+    const size_t max_blocks = (max_tokens + (size_t)block_tokens - 1) / (size_t)block_tokens;
+    return L * max_blocks * slot + 2 * L * (size_t)(residual + block_tokens) * row * 2 + (size_t)(residual + 1) * row * 2 +
+           L * max_blocks * sizeof(void *) + sizeof(cuda_kv_encode_job);
+}
+
+int cuda_seq_device_bytes(const cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t max_tokens,
+                          size_t *bytes, strata_error *err)
+{
+    if (!cm || !codec || !bytes || block_tokens < 1 || max_tokens < 1)
+        return strata_fail(err, STRATA_EINVAL, "cuda_seq_device_bytes: bad arguments");
+    const kv_geometry g = {.n_layers = cm->cfg.n_layers, .n_kv_heads = cm->cfg.n_kv_heads,
+                           .head_dim = cm->cfg.head_dim, .block_tokens = block_tokens};
+    cuda_kv_encoder enc;
+    int rc = cuda_kv_encoder_init(codec, &g, &enc, err);
+    if (rc == STRATA_OK)
+        *bytes = seq_bytes(cm, enc.layout.block_bytes, block_tokens, codec->residual, max_tokens);
     return rc;
 }
 

@@ -68,4 +68,14 @@ typedef struct cuda_batch_item {
 int cuda_model_forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_items, float *logits,
                              strata_error *err);
 
+/* The same step with greedy sampling on the device: next[i] is the argmax of item i's logits
+ * (only the ids cross to the host). */
+int cuda_model_forward_batch_greedy(cuda_model *cm, const cuda_batch_item *items, size_t n_items, int32_t *next,
+                                    strata_error *err);
+
+/* Device bytes cuda_seq_create(cm, codec, block_tokens, max_tokens) takes: what a memory budget
+ * divides by to size a batch. */
+int cuda_seq_device_bytes(const cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t max_tokens,
+                          size_t *bytes, strata_error *err);
+
 #endif
