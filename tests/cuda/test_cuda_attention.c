@@ -492,6 +492,36 @@ static void test_bad_tables_raise_status(void **state)
     free_seq(&hs);
 }
 
+/* Causal attention in fp64 over fp16 K/V [n][nkv][D]: query i attends to keys 0..i. */
+static void prefill_reference(const float *q, const uint16_t *k16, const uint16_t *v16, int n, int nq, int nkv, int D,
+                              double *ref)
+{
+    double *w = malloc((size_t)n * sizeof *w);
+    assert_non_null(w);
+    for (int i = 0; i < n; i++)
+        for (int h = 0; h < nq; h++) {
+            const int kh = h / (nq / nkv);
+            double mx = -INFINITY, sum = 0.0;
+            for (int j = 0; j <= i; j++) {
+                double dot = 0.0;
+                for (int c = 0; c < D; c++)
+                    dot += (double)q[((size_t)i * nq + h) * D + c] *
+                           strata_half_to_float(k16[((size_t)j * nkv + kh) * D + c]);
+                w[j] = dot / sqrt((double)D);
+                mx = w[j] > mx ? w[j] : mx;
+            }
+            for (int j = 0; j <= i; j++)
+                sum += (w[j] = exp(w[j] - mx));
+            for (int c = 0; c < D; c++) {
+                double a = 0.0;
+                for (int j = 0; j <= i; j++)
+                    a += w[j] * strata_half_to_float(v16[((size_t)j * nkv + kh) * D + c]);
+                ref[((size_t)i * nq + h) * D + c] = a / sum;
+            }
+        }
+    free(w);
+}
+
 /* Prefill: causal attention over fp16 K/V against kern_attention_causal on the same (fp16) values
  * and against fp64, prompts around the 64-key chunk boundaries. */
 static void test_prefill(void **state)
@@ -518,26 +548,7 @@ static void test_prefill(void **state)
                 v[i] = strata_half_to_float(v16[i]);
             }
             kern_attention_causal(q, k, v, (size_t)n, (size_t)nq, (size_t)nkv, (size_t)D, cpu, scratch);
-            for (int i = 0; i < n; i++)
-                for (int h = 0; h < nq; h++) {
-                    const int kh = h / (nq / nkv);
-                    double w[256], mx = -INFINITY, sum = 0.0;
-                    for (int j = 0; j <= i; j++) {
-                        double dot = 0.0;
-                        for (int c = 0; c < D; c++)
-                            dot += (double)q[((size_t)i * nq + h) * D + c] * k[((size_t)j * nkv + kh) * D + c];
-                        w[j] = dot / sqrt((double)D);
-                        mx = w[j] > mx ? w[j] : mx;
-                    }
-                    for (int j = 0; j <= i; j++)
-                        sum += (w[j] = exp(w[j] - mx));
-                    for (int c = 0; c < D; c++) {
-                        double a = 0.0;
-                        for (int j = 0; j <= i; j++)
-                            a += w[j] * v[((size_t)j * nkv + kh) * D + c];
-                        ref[((size_t)i * nq + h) * D + c] = a / sum;
-                    }
-                }
+            prefill_reference(q, k16, v16, n, nq, nkv, D, ref);
             float *dq, *dout;
             uint16_t *dk, *dv;
             CUDA_CHECK(cudaMalloc((void **)&dq, nqd * 4));
@@ -681,27 +692,7 @@ static void test_emulated_prefill(void **state)
             for (unsigned t = 0; t < EMU_THREADS; t++)
                 kv_att_write_normalized(&sh, qpk, D, out + row0 * D, t, EMU_THREADS);
         }
-    for (int i = 0; i < n; i++)
-        for (int h = 0; h < nq; h++) {
-            const int kh = h / qpk;
-            double w[128], mx = -INFINITY, sum = 0.0;
-            for (int j = 0; j <= i; j++) {
-                double dot = 0.0;
-                for (int c = 0; c < D; c++)
-                    dot += (double)q[((size_t)i * nq + h) * D + c] *
-                           strata_half_to_float(k16[((size_t)j * nkv + kh) * D + c]);
-                w[j] = dot / sqrt((double)D);
-                mx = w[j] > mx ? w[j] : mx;
-            }
-            for (int j = 0; j <= i; j++)
-                sum += (w[j] = exp(w[j] - mx));
-            for (int c = 0; c < D; c++) {
-                double a = 0.0;
-                for (int j = 0; j <= i; j++)
-                    a += w[j] * strata_half_to_float(v16[((size_t)j * nkv + kh) * D + c]);
-                ref[((size_t)i * nq + h) * D + c] = a / sum;
-            }
-        }
+    prefill_reference(q, k16, v16, n, nq, nkv, D, ref);
     const double e = cuda_test_rel_error(out, ref, nqd);
     printf("  emulated prefill n %d: rel error %.2e\n", n, e);
     assert_true(e <= REL_BOUND);
