@@ -9,8 +9,9 @@
  * normalizer, weighted value sum) and a second kernel merges the splits. The fp16 tail (the
  * residual window) is read by the split that holds the sequence's last positions.
  *
- * Supported codecs: fp16 and KIVI (k and v bits 2 or 4). GEAR, OTT and TaDA carry correction
- * sections on top of the KIVI backbone that this kernel does not read yet: their layouts are
+ * Supported codecs: fp16, KIVI (k and v bits 2 or 4) and TaDA (the KIVI backbone over the
+ * deviations, bits 2, 4 or 8, plus each token's fp16 mean). GEAR and OTT carry correction sections
+ * whose size varies from block to block, which this kernel does not read yet: their layouts are
  * refused (STRATA_EUNSUPPORTED) rather than attended without their corrections.
  *
  * Status: compiled in every build with nvcc; see docs/benchmarks.md for whether it has run on a
@@ -33,18 +34,19 @@ extern "C" {
  * nothing else, so the kernel needs no per-block parsing; it still checks each block's magic,
  * codec, layer, token count and first position against this and reports a mismatch. */
 typedef struct cuda_kv_layout {
-    int codec;             /* KV_CODEC_FP16 or KV_CODEC_KIVI */
-    int k_bits, v_bits;    /* 16 for fp16 */
+    int codec;             /* KV_CODEC_FP16, KV_CODEC_KIVI or KV_CODEC_TADA */
+    int k_bits, v_bits;    /* 16 for fp16; 2, 4 (KIVI, TaDA) or 8 (TaDA) */
     int k_group, v_group;  /* KIVI: tokens per key group, channels per value group */
     int block_tokens;      /* tokens of every block of the table */
     int n_kv_heads, head_dim;
     uint32_t layer;        /* the layer the blocks must belong to */
-    uint32_t off_k, off_k_scales, off_v, off_v_scales;  /* section offsets (scales: KIVI only) */
+    uint32_t off_k, off_k_scales, off_v, off_v_scales;  /* section offsets (scales: KIVI, TaDA) */
+    uint32_t off_k_mean, off_v_mean;                    /* TaDA: the per-token means */
     uint32_t block_bytes;
 } cuda_kv_layout;
 
 /* Fills *out from one parsed full block (host memory) of the pool: the template every other
- * block of the table must match. STRATA_EUNSUPPORTED for codecs other than fp16 and KIVI,
+ * block of the table must match. STRATA_EUNSUPPORTED for GEAR and OTT,
  * STRATA_EINVAL for shapes the kernel does not handle (head_dim > 256, more than 16 query heads
  * per KV head is checked at launch). */
 struct kv_block;

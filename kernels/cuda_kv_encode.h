@@ -4,7 +4,9 @@
  * and the CRC arithmetic are the CPU's own inline functions (kvstore/quant_math.h,
  * kvstore/crc32c_math.h) compiled for the device, so equality is by construction and is tested.
  *
- * Supported codecs: fp16 and KIVI (GEAR, OTT and TaDA refused: STRATA_EUNSUPPORTED).
+ * Supported codecs: fp16, KIVI and TaDA (GEAR and OTT refused: STRATA_EUNSUPPORTED; OTT's choice
+ * of pooled tokens is per-sequence state the CPU tracker keeps, GEAR's fit is a power iteration
+ * per block: both still to be ported).
  * Status: compiled in every build with nvcc; see docs/benchmarks.md for whether it has run. */
 #ifndef STRATA_KERNELS_CUDA_KV_ENCODE_H
 #define STRATA_KERNELS_CUDA_KV_ENCODE_H

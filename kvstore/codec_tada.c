@@ -53,18 +53,6 @@ static int tada_sections(const kv_block_desc *d, kv_section_spec *out)
     return n;
 }
 
-/* The fp16 nearest to x (ties to even), rounded once. Going through fp32 with round-to-nearest
- * could round twice (a double just above an fp16 midpoint may land exactly on it); rounding to
- * fp32 "to odd" first (an inexact result takes the neighbour with an odd last bit) keeps the
- * sticky information, and fp32 has more than 11 + 2 bits, so the second rounding is exact. */
-static uint16_t half_of_double(double x)
-{
-    float f = (float)x;
-    if (isfinite(f) && (double)f != x && (strata_f32_bits(f) & 1u) == 0)
-        f = nextafterf(f, (double)f < x ? INFINITY : -INFINITY);
-    return strata_float_to_half(f);
-}
-
 /* Splits rows x [T][H][D] into the fp16 per-token mean (stored at sec) and the deviations dev. */
 static void center(const float *x, size_t T, size_t H, size_t D, uint8_t *sec, float *dev)
 {
@@ -73,7 +61,7 @@ static void center(const float *x, size_t T, size_t H, size_t D, uint8_t *sec, f
             double sum = 0.0;
             for (size_t h = 0; h < H; h++)
                 sum += x[(t * H + h) * D + c];
-            const uint16_t mh = half_of_double(sum / (double)H);
+            const uint16_t mh = strata_double_to_half(sum / (double)H);
             const float m = strata_half_to_float(mh);
             kv_st16(sec + 2 * (t * D + c), mh);
             for (size_t h = 0; h < H; h++)

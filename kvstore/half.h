@@ -3,6 +3,7 @@
 #ifndef STRATA_KVSTORE_HALF_H
 #define STRATA_KVSTORE_HALF_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -55,6 +56,19 @@ STRATA_HD static inline uint16_t strata_float_to_half(float f)
 }
 
 STRATA_HD static inline float strata_bf16_to_float(uint16_t b) { return strata_bits_f32((uint32_t)b << 16); }
+
+/* The fp16 nearest to a double (ties to even), rounded once. Going through fp32 with
+ * round-to-nearest could round twice (a double just above an fp16 midpoint may land exactly on
+ * it); rounding to fp32 "to odd" first (an inexact result takes the neighbour with an odd last
+ * bit) keeps the sticky information, and fp32 has more than 11 + 2 bits, so the second rounding
+ * is exact. */
+STRATA_HD static inline uint16_t strata_double_to_half(double x)
+{
+    float f = (float)x;
+    if (isfinite(f) && (double)f != x && (strata_f32_bits(f) & 1u) == 0)
+        f = nextafterf(f, (double)f < x ? INFINITY : -INFINITY);
+    return strata_float_to_half(f);
+}
 
 /* Rounds x to the nearest fp16 value and back: the precision the KV cache keeps. */
 STRATA_HD static inline float strata_round_half(float x) { return strata_half_to_float(strata_float_to_half(x)); }

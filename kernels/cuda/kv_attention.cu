@@ -144,13 +144,15 @@ extern "C" int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_pla
     if ((long)plan->n_splits * plan->blocks_per_split < (long)plan->max_blocks + 1)
         return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention: the plan's splits do not cover %d blocks",
                            plan->max_blocks);
-    if (layout->codec == KV_CODEC_KIVI &&
-        (layout->k_group < 1 || layout->v_group < 1 || layout->block_tokens % layout->k_group != 0 ||
-         D % layout->v_group != 0 || (layout->k_bits != 2 && layout->k_bits != 4) ||
-         (layout->v_bits != 2 && layout->v_bits != 4)))
-        return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention: inconsistent KIVI layout");
-    if (layout->codec != KV_CODEC_FP16 && layout->codec != KV_CODEC_KIVI)
+    if (layout->codec != KV_CODEC_FP16 && layout->codec != KV_CODEC_KIVI && layout->codec != KV_CODEC_TADA)
         return strata_fail(err, STRATA_EUNSUPPORTED, "cuda_kv_attention: codec %d", layout->codec);
+    const int max_bits = layout->codec == KV_CODEC_TADA ? 8 : 4;
+    const bool bits_ok = (layout->k_bits == 2 || layout->k_bits == 4 || layout->k_bits == max_bits) &&
+                         (layout->v_bits == 2 || layout->v_bits == 4 || layout->v_bits == max_bits);
+    if (layout->codec != KV_CODEC_FP16 &&
+        (layout->k_group < 1 || layout->v_group < 1 || layout->block_tokens % layout->k_group != 0 ||
+         D % layout->v_group != 0 || !bits_ok))
+        return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention: inconsistent quantized layout");
     const int qpk = plan->n_q_heads / H;
     const size_t smem = kv_att_shared_floats(qpk, D, layout->block_tokens, kThreads) * sizeof(float);
     float *ws_acc = static_cast<float *>(d_workspace);

@@ -95,7 +95,10 @@ STRATA_HD static inline float kv_att_key(const cuda_kv_layout *L, const kv_att_s
     const size_t row_bytes = (size_t)L->block_tokens * (size_t)L->k_bits / 8;
     const size_t n_groups = (size_t)(L->block_tokens / L->k_group);
     const uint8_t *pair = blk + L->off_k_scales + 4 * (r * n_groups + (size_t)(t / L->k_group));
-    return kv_att_code(blk + L->off_k + r * row_bytes, t, L->k_bits) * kv_att_half_at(pair) + kv_att_half_at(pair + 2);
+    const float x = kv_att_code(blk + L->off_k + r * row_bytes, t, L->k_bits) * kv_att_half_at(pair) +
+                    kv_att_half_at(pair + 2);
+    /* TaDA: the backbone holds the deviation from the token's mean over the heads. */
+    return L->codec == KV_CODEC_TADA ? x + kv_att_half_at(blk + L->off_k_mean + 2 * ((size_t)t * D + (size_t)c)) : x;
 }
 
 STRATA_HD static inline float kv_att_value(const cuda_kv_layout *L, const kv_att_src *src, int h, int t, int c)
@@ -110,7 +113,9 @@ STRATA_HD static inline float kv_att_value(const cuda_kv_layout *L, const kv_att
     const size_t row_bytes = D * (size_t)L->v_bits / 8;
     const size_t n_groups = D / (size_t)L->v_group;
     const uint8_t *pair = blk + L->off_v_scales + 4 * (r * n_groups + (size_t)(c / L->v_group));
-    return kv_att_code(blk + L->off_v + r * row_bytes, c, L->v_bits) * kv_att_half_at(pair) + kv_att_half_at(pair + 2);
+    const float x = kv_att_code(blk + L->off_v + r * row_bytes, c, L->v_bits) * kv_att_half_at(pair) +
+                    kv_att_half_at(pair + 2);
+    return L->codec == KV_CODEC_TADA ? x + kv_att_half_at(blk + L->off_v_mean + 2 * ((size_t)t * D + (size_t)c)) : x;
 }
 
 /* 0 when the block at blk is the one the layout and table position expect; 2 for a NULL or

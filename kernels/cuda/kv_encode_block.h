@@ -7,8 +7,10 @@
  *
  * Phases, for thread tid of nthreads (one thread block per block):
  *   1. kv_enc_zero:     zero the slot (32-bit words)
- *   2. kv_enc_header:   copy the shared header; thread 0 also patches layer and first position
- *   3. kv_enc_sections: fp16 copy, or KIVI key rows and value rows (a thread per row)
+ *   2. kv_enc_header:   copy the shared header, with this block's layer and first position;
+ *                       kv_enc_means: TaDA's per-token means (a thread per token and channel)
+ *   3. kv_enc_sections: fp16 copy, or KIVI key rows and value rows (a thread per row; TaDA's
+ *                       rows are the deviations from the means written in phase 2)
  *   4. kv_enc_piece_crc: the CRC32C of this thread's piece of the payload
  *   5. kv_enc_finish:   thread 0 joins the pieces, stores the payload CRC, then the header CRC */
 #ifndef STRATA_KERNELS_CUDA_KV_ENCODE_BLOCK_H
@@ -37,20 +39,31 @@ STRATA_HD static inline void kv_enc_store32(uint8_t *p, uint32_t v)
         p[i] = (uint8_t)(v >> (8 * i));
 }
 
-/* n fp16 values src[i * stride] in groups of g at bits: (scale, zero) pairs at pairs, packed codes
- * at row. The reference writer's loop (kvstore/codec_kivi.c) on fp16 input; its fp32 input holds
- * the same fp16 numbers, so the bytes are the same. */
-STRATA_HD static inline void kv_enc_quantize_row(const uint16_t *src, size_t stride, int n, int g, int bits,
-                                                 uint8_t *row, uint8_t *pairs)
+STRATA_HD static inline float kv_enc_half_at(const uint8_t *p) { return strata_half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
+
+/* Value j of a row: an fp16 value, minus the fp16 mean at mean[2 * j * mean_stride] when mean is
+ * given (TaDA's deviation, in fp32 as the CPU writer computes it). */
+STRATA_HD static inline float kv_enc_value(const uint16_t *src, size_t stride, const uint8_t *mean, size_t mean_stride,
+                                           int j)
+{
+    const float x = strata_half_to_float(src[(size_t)j * stride]);
+    return mean ? x - kv_enc_half_at(mean + 2 * (size_t)j * mean_stride) : x;
+}
+
+/* n values of a row (kv_enc_value) in groups of g at bits: (scale, zero) pairs at pairs, packed
+ * codes at row. The reference writer's loop (kvstore/codec_kivi.c) on the same fp32 values, so
+ * the bytes are the same. */
+STRATA_HD static inline void kv_enc_quantize_row(const uint16_t *src, size_t stride, const uint8_t *mean,
+                                                 size_t mean_stride, int n, int g, int bits, uint8_t *row,
+                                                 uint8_t *pairs)
 {
     const int per = 32 / bits;
     uint32_t word = 0;
     for (int gi = 0; gi < n / g; gi++) {
-        const uint16_t *x = src + (size_t)gi * (size_t)g * stride;
-        float mn = strata_half_to_float(x[0]), mx = mn;
+        float mn = kv_enc_value(src, stride, mean, mean_stride, gi * g), mx = mn;
         int finite = isfinite(mn) ? 1 : 0;
         for (int j = 1; j < g; j++) {
-            const float v = strata_half_to_float(x[(size_t)j * stride]);
+            const float v = kv_enc_value(src, stride, mean, mean_stride, gi * g + j);
             finite &= isfinite(v) ? 1 : 0;
             if (v < mn)
                 mn = v;
@@ -63,7 +76,7 @@ STRATA_HD static inline void kv_enc_quantize_row(const uint16_t *src, size_t str
         kv_enc_store16(pairs + 4 * gi + 2, q.zero_h);
         for (int j = 0; j < g; j++) {
             const int i = gi * g + j;
-            word |= kv_qgroup_code(strata_half_to_float(x[(size_t)j * stride]), &q, bits) << ((i % per) * bits);
+            word |= kv_qgroup_code(kv_enc_value(src, stride, mean, mean_stride, i), &q, bits) << ((i % per) * bits);
             if (i % per == per - 1) {
                 kv_enc_store32(row + 4 * (i / per), word);
                 word = 0;
@@ -99,6 +112,27 @@ STRATA_HD static inline void kv_enc_header(const cuda_kv_encoder *E, const cuda_
     }
 }
 
+/* TaDA: each token's mean over the heads, per channel, summed in double and rounded once to fp16
+ * (the CPU writer's center()). No-op for other codecs. */
+STRATA_HD static inline void kv_enc_means(const cuda_kv_encoder *E, const cuda_kv_encode_job *job, uint8_t *dst,
+                                          unsigned tid, unsigned nthreads)
+{
+    const cuda_kv_layout *L = &E->layout;
+    if (L->codec != KV_CODEC_TADA)
+        return;
+    const size_t H = (size_t)L->n_kv_heads, D = (size_t)L->head_dim, T = (size_t)L->block_tokens;
+    for (size_t i = tid; i < T * D; i += nthreads) {
+        const size_t t = i / D, c = i % D;
+        double sk = 0.0, sv = 0.0;
+        for (size_t h = 0; h < H; h++) {
+            sk += strata_half_to_float(job->k[(t * H + h) * D + c]);
+            sv += strata_half_to_float(job->v[(t * H + h) * D + c]);
+        }
+        kv_enc_store16(dst + L->off_k_mean + 2 * i, strata_double_to_half(sk / (double)H));
+        kv_enc_store16(dst + L->off_v_mean + 2 * i, strata_double_to_half(sv / (double)H));
+    }
+}
+
 STRATA_HD static inline void kv_enc_sections(const cuda_kv_encoder *E, const cuda_kv_encode_job *job, uint8_t *dst,
                                              unsigned tid, unsigned nthreads)
 {
@@ -114,12 +148,13 @@ STRATA_HD static inline void kv_enc_sections(const cuda_kv_encoder *E, const cud
     }
     const size_t k_row = T * (size_t)L->k_bits / 8, k_groups = T / (size_t)L->k_group;
     const size_t v_row = D * (size_t)L->v_bits / 8, v_groups = D / (size_t)L->v_group;
-    for (size_t r = tid; r < H * D; r += nthreads)   /* key row r = head * D + channel */
-        kv_enc_quantize_row(job->k + r, H * D, (int)T, L->k_group, L->k_bits, dst + L->off_k + r * k_row,
-                            dst + L->off_k_scales + r * k_groups * 4);
-    for (size_t r = tid; r < T * H; r += nthreads)   /* value row r = token * H + head */
-        kv_enc_quantize_row(job->v + r * D, 1, (int)D, L->v_group, L->v_bits, dst + L->off_v + r * v_row,
-                            dst + L->off_v_scales + r * v_groups * 4);
+    const int tada = L->codec == KV_CODEC_TADA;
+    for (size_t r = tid; r < H * D; r += nthreads)   /* key row r = head * D + channel, over tokens */
+        kv_enc_quantize_row(job->k + r, H * D, tada ? dst + L->off_k_mean + 2 * (r % D) : NULL, D, (int)T,
+                            L->k_group, L->k_bits, dst + L->off_k + r * k_row, dst + L->off_k_scales + r * k_groups * 4);
+    for (size_t r = tid; r < T * H; r += nthreads)   /* value row r = token * H + head, over channels */
+        kv_enc_quantize_row(job->v + r * D, 1, tada ? dst + L->off_v_mean + 2 * (r / H) * D : NULL, 1, (int)D,
+                            L->v_group, L->v_bits, dst + L->off_v + r * v_row, dst + L->off_v_scales + r * v_groups * 4);
 }
 
 /* Bytes of payload piece p of nthreads (the last pieces may be short or empty). */

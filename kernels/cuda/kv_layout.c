@@ -27,10 +27,10 @@ int cuda_kv_layout_from_block(const kv_block *b, cuda_kv_layout *out, strata_err
     if (!b || !out)
         return strata_fail(err, STRATA_EINVAL, "cuda_kv_layout_from_block: NULL argument");
     const kv_block_desc *d = &b->desc;
-    if (d->codec != KV_CODEC_FP16 && d->codec != KV_CODEC_KIVI)
+    if (d->codec != KV_CODEC_FP16 && d->codec != KV_CODEC_KIVI && d->codec != KV_CODEC_TADA)
         return strata_fail(err, STRATA_EUNSUPPORTED,
-                           "the CUDA attention kernel reads fp16 and KIVI blocks; %s blocks need their "
-                           "correction sections, which it does not read yet",
+                           "the CUDA KV kernels read fp16, KIVI and TaDA blocks; %s blocks need their "
+                           "correction sections, which they do not read yet",
                            kv_codec_id_name((unsigned)d->codec));
     if (d->head_dim < 1 || d->head_dim > MAX_HEAD_DIM)
         return strata_fail(err, STRATA_EINVAL, "head_dim %d: the CUDA attention kernel handles 1..%d",
@@ -57,6 +57,10 @@ int cuda_kv_layout_from_block(const kv_block *b, cuda_kv_layout *out, strata_err
             (rc = section_offset(b, KV_SEC_K_SCALES, &l.off_k_scales, err)) != STRATA_OK ||
             (rc = section_offset(b, KV_SEC_V_CODES, &l.off_v, err)) != STRATA_OK ||
             (rc = section_offset(b, KV_SEC_V_SCALES, &l.off_v_scales, err)) != STRATA_OK)
+            return rc;
+        if (d->codec == KV_CODEC_TADA &&
+            ((rc = section_offset(b, KV_SEC_TADA_K_MEAN, &l.off_k_mean, err)) != STRATA_OK ||
+             (rc = section_offset(b, KV_SEC_TADA_V_MEAN, &l.off_v_mean, err)) != STRATA_OK))
             return rc;
     }
     *out = l;

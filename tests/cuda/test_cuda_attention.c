@@ -1,7 +1,8 @@
 /* cuda_kv_attention (kernels/cuda/kv_attention.cu) against an fp64 reference written here over
  * the blocks' dequantized values (kv_block_decode) and the fp16 tail, and against the CPU kernel
  * (kern_kv_attention) on the same blocks. Fresh random K/V/q for every case; the output is
- * poisoned (all NaN) before every launch, so an unwritten element fails. Shapes: SmolLM2's
+ * poisoned (all NaN) before every launch, so an unwritten element fails. Codecs: fp16, KIVI and
+ * TaDA (whose per-token means the kernel adds). Shapes: SmolLM2's
  * (9 query heads on 3 KV heads, head_dim 64) and Llama-3-8B's (32 on 8, head_dim 128); batches
  * of sequences of unequal lengths, from an empty sequence to hundreds of blocks (many splits),
  * tails longer than a block. Bound: ||gpu - ref|| / ||ref|| <= 1e-4 (fp32 arithmetic against
@@ -407,10 +408,10 @@ static void run_case(const test_case *tc)
 static void test_single_sequences(void **state)
 {
     (void)state;
-    const char *codecs[] = {"fp16", "kivi2", "kivi4"};
+    const char *codecs[] = {"fp16", "kivi2", "kivi4", "tada2", "tada4", "tada8"};
     static const int blocks[] = {5}, tails[] = {17};
     static const int blocks0[] = {0}, tails0[] = {1};
-    for (size_t c = 0; c < 3; c++) {
+    for (size_t c = 0; c < 6; c++) {
         const test_case smol = {codecs[c], 9, 3, 64, 1, blocks, tails};
         run_case(&smol);
         const test_case one = {codecs[c], 32, 8, 128, 1, blocks0, tails0};
@@ -421,9 +422,9 @@ static void test_single_sequences(void **state)
 static void test_batches_of_unequal_lengths(void **state)
 {
     (void)state;
-    const char *codecs[] = {"fp16", "kivi2", "kivi4"};
+    const char *codecs[] = {"fp16", "kivi2", "kivi4", "tada2", "tada4"};
     static const int blocks[] = {0, 3, 37, 0, 130}, tails[] = {40, 0, 100, 0, 191};
-    for (size_t c = 0; c < 3; c++) {
+    for (size_t c = 0; c < 5; c++) {
         const test_case llama = {codecs[c], 32, 8, 128, 5, blocks, tails};
         run_case(&llama);
         const test_case smol = {codecs[c], 9, 3, 64, 5, blocks, tails};
@@ -582,9 +583,9 @@ static void test_prefill(void **state)
 static void test_reference_matches_cpu_kernel(void **state)
 {
     (void)state;
-    const char *codecs[] = {"fp16", "kivi2", "kivi4"};
+    const char *codecs[] = {"fp16", "kivi2", "kivi4", "tada2", "tada8"};
     const int shapes[][3] = {{9, 3, 64}, {32, 8, 128}};
-    for (size_t c = 0; c < 3; c++) {
+    for (size_t c = 0; c < 5; c++) {
         for (size_t sh = 0; sh < 2; sh++) {
             kv_codec_params p;
             strata_error err;
@@ -618,10 +619,10 @@ static void test_emulated_kernels(void **state)
 {
     (void)state;
     emulated = true;
-    const char *codecs[] = {"fp16", "kivi2", "kivi4"};
+    const char *codecs[] = {"fp16", "kivi2", "kivi4", "tada4", "tada8"};
     static const int blocks[] = {0, 3, 9, 0}, tails[] = {40, 0, 191, 0};
     static const int blocks1[] = {5}, tails1[] = {17};
-    for (size_t c = 0; c < 3; c++) {
+    for (size_t c = 0; c < 5; c++) {
         const test_case smol = {codecs[c], 9, 3, 64, 1, blocks1, tails1};
         run_case(&smol);
         const test_case llama = {codecs[c], 32, 8, 128, 4, blocks, tails};

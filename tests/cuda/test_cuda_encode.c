@@ -1,6 +1,6 @@
 /* cuda_kv_encode_blocks (kernels/cuda/kv_encode.cu) against the CPU writer kv_block_encode: the
  * same fp16 rows must give the same block, byte for byte (header, section table, codes, scales,
- * padding, both CRCs), for fp16 and KIVI at 2 and 4 bits, other group sizes, SmolLM2's and
+ * padding, both CRCs), for fp16, KIVI at 2 and 4 bits, other group sizes, TaDA at 2, 4 and 8 bits, SmolLM2's and
  * Llama-3-8B's KV shapes, and inputs that exercise the quantizer's edges (constant groups,
  * subnormals, the largest fp16 numbers, a NaN, an infinity). Slots are poisoned (0xA5) first.
  * The kernel's phases (kernels/cuda/kv_encode_block.h) also run emulated on the CPU against the
@@ -92,8 +92,10 @@ static void encode_emulated(const cuda_kv_encoder *enc, const cuda_kv_encode_job
             kv_enc_zero(enc, jobs[b].dst, t, nthreads);
         for (unsigned t = 0; t < nthreads; t++) {
             kv_enc_header(enc, &jobs[b], jobs[b].dst, t, nthreads);
-            kv_enc_sections(enc, &jobs[b], jobs[b].dst, t, nthreads);
+            kv_enc_means(enc, &jobs[b], jobs[b].dst, t, nthreads);
         }
+        for (unsigned t = 0; t < nthreads; t++)
+            kv_enc_sections(enc, &jobs[b], jobs[b].dst, t, nthreads);
         for (unsigned t = 0; t < nthreads; t++)
             piece[t] = kv_enc_piece_crc(enc, table, jobs[b].dst, t, nthreads);
         kv_enc_finish(enc, table, piece, jobs[b].dst, nthreads);
@@ -183,7 +185,7 @@ compare:
     free(jobs);
 }
 
-static const char *const codecs[] = {"fp16", "kivi2", "kivi4", "kivi2-g64", "kivi4-g16"};
+static const char *const codecs[] = {"fp16", "kivi2", "kivi4", "kivi2-g64", "kivi4-g16", "tada2", "tada4", "tada8"};
 
 static void test_blocks_equal_cpu_writer(void **state)
 {

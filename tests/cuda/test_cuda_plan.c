@@ -57,10 +57,10 @@ static void expect_offset(const kv_block *b, uint16_t id, uint32_t off)
     assert_int_equal((uint32_t)(data - b->bytes), off);
 }
 
-static void test_layout_fp16_and_kivi(void **state)
+static void test_layout_fp16_kivi_tada(void **state)
 {
     (void)state;
-    const char *codecs[] = {"fp16", "kivi2", "kivi4"};
+    const char *codecs[] = {"fp16", "kivi2", "kivi4", "tada2", "tada8"};
     for (size_t i = 0; i < sizeof codecs / sizeof *codecs; i++) {
         kv_block b;
         uint8_t *buf = encode_block(codecs[i], &geometry, &b);
@@ -84,6 +84,10 @@ static void test_layout_fp16_and_kivi(void **state)
             expect_offset(&b, KV_SEC_V_CODES, l.off_v);
             expect_offset(&b, KV_SEC_V_SCALES, l.off_v_scales);
         }
+        if (l.codec == KV_CODEC_TADA) {
+            expect_offset(&b, KV_SEC_TADA_K_MEAN, l.off_k_mean);
+            expect_offset(&b, KV_SEC_TADA_V_MEAN, l.off_v_mean);
+        }
         free(buf);
     }
 }
@@ -91,7 +95,7 @@ static void test_layout_fp16_and_kivi(void **state)
 static void test_layout_refuses_corrected_codecs(void **state)
 {
     (void)state;
-    const char *codecs[] = {"gear2", "ott2", "tada4"};
+    const char *codecs[] = {"gear2", "gear4", "ott2"};
     for (size_t i = 0; i < sizeof codecs / sizeof *codecs; i++) {
         kv_block b;
         uint8_t *buf = encode_block(codecs[i], &geometry, &b);
@@ -148,7 +152,7 @@ static void test_plan_refuses_bad_shapes(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_layout_fp16_and_kivi),
+        cmocka_unit_test(test_layout_fp16_kivi_tada),
         cmocka_unit_test(test_layout_refuses_corrected_codecs),
         cmocka_unit_test(test_plan_covers_every_block_once),
         cmocka_unit_test(test_plan_refuses_bad_shapes),

@@ -5,10 +5,10 @@
  * the CPU pool's rule for when a block forms. It computes what model_forward computes on the CPU;
  * tests/cuda/test_cuda_model.c compares the logits.
  *
- * First version: batches of sequences over the whole model on one device, fp16 and KIVI caches,
+ * First version: batches of sequences over the whole model on one device, fp16, KIVI and TaDA caches,
  * each sequence with its own device arena sized for its max_tokens; the embedding lookup stays on
  * the host (a row copy per token). Not yet: a block pool shared by sequences, pipeline stages, the
- * worker's use of it, GEAR/OTT/TaDA, tiers below the device, sampling on the device.
+ * worker's use of it, GEAR and OTT, tiers below the device, sampling on the device.
  * Status: compiled in every build with nvcc; see docs/benchmarks.md for whether it has run. */
 #ifndef STRATA_WORKER_CUDA_MODEL_CUDA_H
 #define STRATA_WORKER_CUDA_MODEL_CUDA_H
@@ -36,8 +36,8 @@ void cuda_model_free(cuda_model *cm);
 /* Device bytes of the weights. */
 size_t cuda_model_weight_bytes(const cuda_model *cm);
 
-/* A sequence's KV cache on the device for up to max_tokens positions: codec fp16 or KIVI (others
- * STRATA_EUNSUPPORTED), block_tokens per block. */
+/* A sequence's KV cache on the device for up to max_tokens positions: codec fp16, KIVI or TaDA
+ * (GEAR, OTT: STRATA_EUNSUPPORTED), block_tokens per block. */
 cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t max_tokens,
                           strata_error *err);
 void cuda_seq_free(cuda_seq *s);
