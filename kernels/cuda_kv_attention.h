@@ -9,10 +9,10 @@
  * normalizer, weighted value sum) and a second kernel merges the splits. The fp16 tail (the
  * residual window) is read by the split that holds the sequence's last positions.
  *
- * Supported codecs: fp16, KIVI (k and v bits 2 or 4) and TaDA (the KIVI backbone over the
- * deviations, bits 2, 4 or 8, plus each token's fp16 mean). GEAR and OTT carry correction sections
- * whose size varies from block to block, which this kernel does not read yet: their layouts are
- * refused (STRATA_EUNSUPPORTED) rather than attended without their corrections.
+ * Codecs: fp16, KIVI (k and v bits 2 or 4), TaDA (the KIVI backbone over the deviations, bits 2,
+ * 4 or 8, plus each token's fp16 mean), GEAR (the backbone plus a low-rank term and outliers) and
+ * OTT (the backbone with pooled tokens' fp16 rows). GEAR and OTT blocks vary in size; each block's
+ * correction sections are read from its own section table and checked.
  *
  * Status: compiled in every build with nvcc; see docs/benchmarks.md for whether it has run on a
  * GPU. All pointers named d_* are device pointers. Calls are asynchronous on the given stream. */
@@ -42,12 +42,13 @@ typedef struct cuda_kv_layout {
     uint32_t layer;        /* the layer the blocks must belong to */
     uint32_t off_k, off_k_scales, off_v, off_v_scales;  /* section offsets (scales: KIVI, TaDA) */
     uint32_t off_k_mean, off_v_mean;                    /* TaDA: the per-token means */
-    uint32_t block_bytes;
+    uint32_t block_bytes;  /* every block's size; GEAR and OTT: the largest (the pool's slot size,
+                            * kv_block_size), which the caller sets after cuda_kv_layout_from_block */
 } cuda_kv_layout;
 
 /* Fills *out from one parsed full block (host memory) of the pool: the template every other
- * block of the table must match. STRATA_EUNSUPPORTED for GEAR and OTT,
- * STRATA_EINVAL for shapes the kernel does not handle (head_dim > 256, more than 16 query heads
+ * block of the table must match (for GEAR and OTT: the backbone's place; see block_bytes).
+ * STRATA_EINVAL for shapes the kernel does not handle (head_dim > 256; more than 16 query heads
  * per KV head is checked at launch). */
 struct kv_block;
 int cuda_kv_layout_from_block(const struct kv_block *b, cuda_kv_layout *out, strata_error *err);

@@ -48,6 +48,7 @@ __global__ void __launch_bounds__(kThreads) attend_split(cuda_kv_layout L, cuda_
 {
     extern __shared__ float smem[];
     __shared__ int block_ok;
+    __shared__ kv_att_block_info info;
     const int D = L.head_dim, BT = L.block_tokens;
     const int qpk = P.n_q_heads / L.n_kv_heads;
     const int kvh = blockIdx.x, split = blockIdx.y, si = blockIdx.z;
@@ -63,7 +64,9 @@ __global__ void __launch_bounds__(kThreads) attend_split(cuda_kv_layout L, cuda_
         if (u < seq.n_blocks) {
             const uint8_t *blk = seq.blocks[u];
             if (threadIdx.x == 0) {
-                const int bad = kv_att_block_status(&L, blk, u);
+                int bad = kv_att_block_status(&L, blk, u);
+                if (!bad)
+                    bad = kv_att_block_parse(&L, blk, &info);
                 if (bad)
                     atomicExch(status, bad);
                 block_ok = !bad;
@@ -71,12 +74,12 @@ __global__ void __launch_bounds__(kThreads) attend_split(cuda_kv_layout L, cuda_
             __syncthreads();
             if (!block_ok)
                 continue;
-            const kv_att_src src = {blk, nullptr, nullptr};
+            const kv_att_src src = {blk, &info, nullptr, nullptr};
             attend_chunk(s, L, src, kvh, qpk, BT, BT);
         } else {
             const size_t row = (size_t)L.n_kv_heads * D;
             for (int t0 = 0; t0 < seq.tail_tokens; t0 += BT) {
-                const kv_att_src src = {nullptr, seq.tail_k + t0 * row, seq.tail_v + t0 * row};
+                const kv_att_src src = {nullptr, nullptr, seq.tail_k + t0 * row, seq.tail_v + t0 * row};
                 attend_chunk(s, L, src, kvh, qpk, BT, min(BT, seq.tail_tokens - t0));
             }
         }
@@ -105,7 +108,7 @@ __global__ void __launch_bounds__(kThreads) prefill_causal(cuda_kv_layout L, con
     kv_att_init(&s, q + row0 * D, qpk, D, threadIdx.x, blockDim.x);
     __syncthreads();
     for (int t0 = 0; t0 <= i; t0 += kPrefillChunk) {
-        const kv_att_src src = {nullptr, k + t0 * row, v + t0 * row};
+        const kv_att_src src = {nullptr, nullptr, k + t0 * row, v + t0 * row};
         attend_chunk(s, L, src, kvh, qpk, kPrefillChunk, min(kPrefillChunk, i + 1 - t0));
     }
     kv_att_write_normalized(&s, qpk, D, out + row0 * D, threadIdx.x, blockDim.x);
@@ -144,7 +147,7 @@ extern "C" int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_pla
     if ((long)plan->n_splits * plan->blocks_per_split < (long)plan->max_blocks + 1)
         return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention: the plan's splits do not cover %d blocks",
                            plan->max_blocks);
-    if (layout->codec != KV_CODEC_FP16 && layout->codec != KV_CODEC_KIVI && layout->codec != KV_CODEC_TADA)
+    if (layout->codec < KV_CODEC_FP16 || layout->codec > KV_CODEC_TADA)
         return strata_fail(err, STRATA_EUNSUPPORTED, "cuda_kv_attention: codec %d", layout->codec);
     const int max_bits = layout->codec == KV_CODEC_TADA ? 8 : 4;
     const bool bits_ok = (layout->k_bits == 2 || layout->k_bits == 4 || layout->k_bits == max_bits) &&

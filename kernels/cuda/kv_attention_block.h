@@ -36,10 +36,19 @@
 
 #define KV_ATT_MAX_QPK 16
 
+/* What varies from block to block in GEAR and OTT blocks (their sizes do): the counts in the
+ * header and where the correction sections sit, read by kv_att_block_parse. Zero for the other
+ * codecs. */
+typedef struct kv_att_block_info {
+    int rank, k_sparse, v_sparse, n_ott;
+    uint32_t off_k_sparse, off_v_sparse, off_k_lowrank, off_v_lowrank, off_ott;
+} kv_att_block_info;
+
 /* Where a chunk's keys and values come from: a block of the layout's codec, or fp16 rows
  * [token][n_kv_heads][head_dim] (the tail, or a prompt's K/V). */
 typedef struct kv_att_src {
-    const uint8_t *block;          /* non-NULL: a block */
+    const uint8_t *block;            /* non-NULL: a block */
+    const kv_att_block_info *info;   /* with a block: its parsed corrections */
     const uint16_t *k_rows, *v_rows; /* else: rows, from the chunk's first token */
 } kv_att_src;
 
@@ -70,6 +79,8 @@ STRATA_HD static inline uint32_t kv_att_ld32(const uint8_t *p)
     return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
 }
 
+STRATA_HD static inline uint32_t kv_att_ld16(const uint8_t *p) { return (uint32_t)p[0] | ((uint32_t)p[1] << 8); }
+
 STRATA_HD static inline float kv_att_half_at(const uint8_t *p)
 {
     return strata_half_to_float((uint16_t)(p[0] | (p[1] << 8)));
@@ -81,6 +92,102 @@ STRATA_HD static inline float kv_att_code(const uint8_t *row, int i, int bits)
     const int per_word = 32 / bits;
     const uint32_t w = kv_att_ld32(row + 4 * (i / per_word));
     return (float)((w >> ((i % per_word) * bits)) & ((1u << bits) - 1u));
+}
+
+/* GEAR and OTT on top of the backbone's x for element (h, t, c) of K (value 0) or V (1):
+ *   GEAR: x + sum_k A_h[t][k] B_h[c][k], then an outlier of the element's vector replaces it;
+ *   OTT:  a pooled (head, token) takes its fp16 row (the backbone's placeholder is dropped).
+ * docs/format.md 4b and 4c. Indices were checked by kv_att_block_parse; entries are scanned. */
+STRATA_HD static inline float kv_att_correct(const cuda_kv_layout *L, const kv_att_block_info *info,
+                                             const uint8_t *blk, int value, int h, int t, int c, float x)
+{
+    const size_t H = (size_t)L->n_kv_heads, D = (size_t)L->head_dim, T = (size_t)L->block_tokens;
+    if (L->codec == KV_CODEC_GEAR) {
+        const size_t r = (size_t)info->rank;
+        if (r) {
+            const uint8_t *a = blk + (value ? info->off_v_lowrank : info->off_k_lowrank) + (size_t)h * (T + D) * r * 2;
+            const uint8_t *b = a + T * r * 2;
+            float lr = 0.0f;
+            for (size_t k = 0; k < r; k++)
+                lr += kv_att_half_at(a + 2 * ((size_t)t * r + k)) * kv_att_half_at(b + 2 * ((size_t)c * r + k));
+            x += lr;
+        }
+        const size_t n = (size_t)(value ? info->v_sparse : info->k_sparse);
+        if (n) {
+            /* A key vector is one channel over the tokens, a value vector one token over the channels. */
+            const size_t vec = value ? (size_t)t * H + (size_t)h : (size_t)h * D + (size_t)c;
+            const uint32_t want = value ? (uint32_t)c : (uint32_t)t;
+            const uint8_t *e = blk + (value ? info->off_v_sparse : info->off_k_sparse) + vec * n * 4;
+            for (size_t i = 0; i < n; i++)
+                if (kv_att_ld16(e + 4 * i) == want)
+                    x = kv_att_half_at(e + 4 * i + 2);
+        }
+        return x;
+    }
+    if (L->codec == KV_CODEC_OTT && info->n_ott) {
+        const size_t n = (size_t)info->n_ott;
+        const uint8_t *sec = blk + info->off_ott;
+        for (size_t i = 0; i < n; i++)
+            if (kv_att_ld16(sec + 4 * i) == (uint32_t)h && kv_att_ld16(sec + 4 * i + 2) == (uint32_t)t)
+                return kv_att_half_at(sec + 4 * n + (value ? 2 * D * n : 0) + 2 * (i * D + (size_t)c));
+    }
+    return x;
+}
+
+/* The correction sections of a GEAR or OTT block, checked against its header and bytes: 0, or 1
+ * when a count is out of range, a section the counts call for is missing, misplaced or of the
+ * wrong length, or an index in it points outside the block (the status flag's "does not match").
+ * The backbone must sit where the layout says. Other codecs: nothing to parse, 0. */
+STRATA_HD static inline int kv_att_block_parse(const cuda_kv_layout *L, const uint8_t *blk, kv_att_block_info *info)
+{
+    info->rank = info->k_sparse = info->v_sparse = info->n_ott = 0;
+    info->off_k_sparse = info->off_v_sparse = info->off_k_lowrank = info->off_v_lowrank = info->off_ott = 0;
+    if (L->codec != KV_CODEC_GEAR && L->codec != KV_CODEC_OTT)
+        return 0;
+    const uint64_t H = (uint64_t)L->n_kv_heads, D = (uint64_t)L->head_dim, T = (uint64_t)L->block_tokens;
+    const uint32_t bytes = kv_att_ld32(blk + 8);
+    const int n_sections = blk[15];
+    if (L->codec == KV_CODEC_GEAR) {
+        info->rank = blk[44];
+        info->k_sparse = (int)kv_att_ld16(blk + 46);
+        info->v_sparse = (int)kv_att_ld16(blk + 48);
+        if ((uint64_t)info->rank > (T < D ? T : D) || (uint64_t)info->k_sparse > T || (uint64_t)info->v_sparse > D)
+            return 1;
+    } else {
+        info->n_ott = (int)kv_att_ld16(blk + 50);
+        if ((uint64_t)info->n_ott > T * H)
+            return 1;
+    }
+    int backbone = 0;
+    for (int i = 0; i < n_sections && i < 16; i++) {
+        const uint8_t *e = blk + 64 + 12 * i;
+        const uint32_t id = kv_att_ld16(e), off = kv_att_ld32(e + 4), len = kv_att_ld32(e + 8);
+        if ((uint64_t)off + len > bytes)
+            return 1;
+        uint64_t want = 0;
+        switch (id) {
+        case 1: backbone += off == L->off_k; continue;
+        case 2: backbone += off == L->off_k_scales; continue;
+        case 3: backbone += off == L->off_v; continue;
+        case 4: backbone += off == L->off_v_scales; continue;
+        case 16: info->off_k_sparse = off; want = H * D * (uint64_t)info->k_sparse * 4; break;
+        case 17: info->off_v_sparse = off; want = T * H * (uint64_t)info->v_sparse * 4; break;
+        case 18: info->off_k_lowrank = off; want = H * (T + D) * (uint64_t)info->rank * 2; break;
+        case 19: info->off_v_lowrank = off; want = H * (T + D) * (uint64_t)info->rank * 2; break;
+        case 20: info->off_ott = off; want = (uint64_t)info->n_ott * (4 + 4 * D); break;
+        default: continue;
+        }
+        if (len != want)
+            return 1;
+    }
+    if (backbone != 4 || (info->k_sparse && !info->off_k_sparse) || (info->v_sparse && !info->off_v_sparse) ||
+        (info->rank && (!info->off_k_lowrank || !info->off_v_lowrank)) || (info->n_ott && !info->off_ott))
+        return 1;
+    /* Indices the lookups compare against: in range, so a match means the element. */
+    for (uint64_t i = 0; i < (uint64_t)info->n_ott; i++)
+        if (kv_att_ld16(blk + info->off_ott + 4 * i) >= H || kv_att_ld16(blk + info->off_ott + 4 * i + 2) >= T)
+            return 1;
+    return 0;
 }
 
 STRATA_HD static inline float kv_att_key(const cuda_kv_layout *L, const kv_att_src *src, int h, int t, int c)
@@ -98,7 +205,9 @@ STRATA_HD static inline float kv_att_key(const cuda_kv_layout *L, const kv_att_s
     const float x = kv_att_code(blk + L->off_k + r * row_bytes, t, L->k_bits) * kv_att_half_at(pair) +
                     kv_att_half_at(pair + 2);
     /* TaDA: the backbone holds the deviation from the token's mean over the heads. */
-    return L->codec == KV_CODEC_TADA ? x + kv_att_half_at(blk + L->off_k_mean + 2 * ((size_t)t * D + (size_t)c)) : x;
+    if (L->codec == KV_CODEC_TADA)
+        return x + kv_att_half_at(blk + L->off_k_mean + 2 * ((size_t)t * D + (size_t)c));
+    return kv_att_correct(L, src->info, blk, 0, h, t, c, x);
 }
 
 STRATA_HD static inline float kv_att_value(const cuda_kv_layout *L, const kv_att_src *src, int h, int t, int c)
@@ -115,7 +224,9 @@ STRATA_HD static inline float kv_att_value(const cuda_kv_layout *L, const kv_att
     const uint8_t *pair = blk + L->off_v_scales + 4 * (r * n_groups + (size_t)(c / L->v_group));
     const float x = kv_att_code(blk + L->off_v + r * row_bytes, c, L->v_bits) * kv_att_half_at(pair) +
                     kv_att_half_at(pair + 2);
-    return L->codec == KV_CODEC_TADA ? x + kv_att_half_at(blk + L->off_v_mean + 2 * ((size_t)t * D + (size_t)c)) : x;
+    if (L->codec == KV_CODEC_TADA)
+        return x + kv_att_half_at(blk + L->off_v_mean + 2 * ((size_t)t * D + (size_t)c));
+    return kv_att_correct(L, src->info, blk, 1, h, t, c, x);
 }
 
 /* 0 when the block at blk is the one the layout and table position expect; 2 for a NULL or
@@ -126,7 +237,11 @@ STRATA_HD static inline int kv_att_block_status(const cuda_kv_layout *L, const u
     if (!blk || ((uintptr_t)blk & 15u))
         return 2;
     const uint64_t first_pos = (uint64_t)kv_att_ld32(blk + 24) | ((uint64_t)kv_att_ld32(blk + 28) << 32);
-    const int ok = kv_att_ld32(blk + 0) == 0x42564b53u && kv_att_ld32(blk + 8) == L->block_bytes &&
+    /* GEAR and OTT blocks vary in size: kv_att_block_parse checks their sections against their own. */
+    const int varying = L->codec == KV_CODEC_GEAR || L->codec == KV_CODEC_OTT;
+    const uint32_t bytes = kv_att_ld32(blk + 8);
+    const int size_ok = varying ? bytes % 64 == 0 && bytes >= 128 && bytes <= L->block_bytes : bytes == L->block_bytes;
+    const int ok = kv_att_ld32(blk + 0) == 0x42564b53u && size_ok &&
                    blk[12] == (uint8_t)L->codec && blk[13] == (uint8_t)L->k_bits && blk[14] == (uint8_t)L->v_bits &&
                    kv_att_ld32(blk + 16) == L->layer && kv_att_ld32(blk + 20) == (uint32_t)L->block_tokens &&
                    first_pos == (uint64_t)index * (uint64_t)L->block_tokens;

@@ -27,11 +27,8 @@ int cuda_kv_layout_from_block(const kv_block *b, cuda_kv_layout *out, strata_err
     if (!b || !out)
         return strata_fail(err, STRATA_EINVAL, "cuda_kv_layout_from_block: NULL argument");
     const kv_block_desc *d = &b->desc;
-    if (d->codec != KV_CODEC_FP16 && d->codec != KV_CODEC_KIVI && d->codec != KV_CODEC_TADA)
-        return strata_fail(err, STRATA_EUNSUPPORTED,
-                           "the CUDA KV kernels read fp16, KIVI and TaDA blocks; %s blocks need their "
-                           "correction sections, which they do not read yet",
-                           kv_codec_id_name((unsigned)d->codec));
+    if (d->codec < KV_CODEC_FP16 || d->codec > KV_CODEC_TADA)
+        return strata_fail(err, STRATA_EUNSUPPORTED, "codec %d", d->codec);
     if (d->head_dim < 1 || d->head_dim > MAX_HEAD_DIM)
         return strata_fail(err, STRATA_EINVAL, "head_dim %d: the CUDA attention kernel handles 1..%d",
                            d->head_dim, MAX_HEAD_DIM);
@@ -121,6 +118,12 @@ int cuda_kv_encoder_init(const kv_codec_params *p, const kv_geometry *g, cuda_kv
     int rc = kv_codec_validate(p, g, err);
     if (rc != STRATA_OK)
         return rc;
+    if (p->codec == KV_CODEC_GEAR || p->codec == KV_CODEC_OTT)
+        return strata_fail(err, STRATA_EUNSUPPORTED,
+                           "the CUDA encoder writes fp16, KIVI and TaDA blocks; %s is not ported yet (%s)",
+                           kv_codec_id_name((unsigned)p->codec),
+                           p->codec == KV_CODEC_GEAR ? "its per-block power-iteration fit"
+                                                     : "the pooled-token tracker is per-sequence host state");
     kv_block_desc d;
     kv_block_desc_init(&d, p, g, 0, 0);
     const size_t bytes = kv_block_bytes(&d);

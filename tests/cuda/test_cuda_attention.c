@@ -1,8 +1,9 @@
 /* cuda_kv_attention (kernels/cuda/kv_attention.cu) against an fp64 reference written here over
  * the blocks' dequantized values (kv_block_decode) and the fp16 tail, and against the CPU kernel
  * (kern_kv_attention) on the same blocks. Fresh random K/V/q for every case; the output is
- * poisoned (all NaN) before every launch, so an unwritten element fails. Codecs: fp16, KIVI and
- * TaDA (whose per-token means the kernel adds). Shapes: SmolLM2's
+ * poisoned (all NaN) before every launch, so an unwritten element fails. Codecs: fp16, KIVI, TaDA
+ * (whose per-token means the kernel adds), GEAR (low-rank term and outliers; blocks of two ranks)
+ * and OTT (pooled tokens; blocks with 0, 1 and 2 of them). Shapes: SmolLM2's
  * (9 query heads on 3 KV heads, head_dim 64) and Llama-3-8B's (32 on 8, head_dim 128); batches
  * of sequences of unequal lengths, from an empty sequence to hundreds of blocks (many splits),
  * tails longer than a block. Bound: ||gpu - ref|| / ||ref|| <= 1e-4 (fp32 arithmetic against
@@ -74,8 +75,23 @@ static void make_seq(const kv_codec_params *p, const kv_geometry *g, int n_block
         random_rows(k, v, (size_t)g->block_tokens, g->n_kv_heads, g->head_dim);
         kv_block_desc d;
         kv_block_desc_init(&d, p, g, 0, (uint64_t)b * (uint64_t)g->block_tokens);
+        /* Blocks of one sequence differ in size: GEAR's prompt blocks carry a higher rank, and OTT
+         * blocks pool 0, 1 or 2 tokens. */
+        kv_ott_entry ott[2];
+        kv_block_extra extra = {NULL};
+        if (p->codec == KV_CODEC_GEAR && b % 2 == 0)
+            d.rank = p->rank_prompt;
+        if (p->codec == KV_CODEC_OTT && b % 3 != 2) {
+            const uint16_t t0 = (uint16_t)(b % g->block_tokens), t1 = (uint16_t)((b * 7 + 5) % g->block_tokens);
+            ott[0] = (kv_ott_entry){0, t0 < t1 ? t0 : t1};
+            ott[1] = (kv_ott_entry){(uint16_t)(g->n_kv_heads - 1), t0 < t1 ? t1 : t0};
+            d.ott_tokens = (b % 3 == 0 && t0 != t1) ? 2 : 1;
+            if (d.ott_tokens == 1)
+                ott[0] = (kv_ott_entry){(uint16_t)(b % g->n_kv_heads), t0};
+            extra.ott = ott;
+        }
         strata_error err;
-        assert_int_equal(kv_block_encode(&d, k, v, s->blocks + (size_t)b * slot, slot, NULL, &err), STRATA_OK);
+        assert_int_equal(kv_block_encode_ex(&d, k, v, &extra, s->blocks + (size_t)b * slot, slot, NULL, &err), STRATA_OK);
     }
     for (size_t i = 0; i < tail_n; i++) {
         s->tail_k[i] = strata_float_to_half(2.0f * cuda_test_uniform(&seed));
@@ -269,17 +285,20 @@ static int emu_attention(const cuda_kv_layout *L, const cuda_kv_plan *P, const c
                                                                                    : seq->n_blocks + 1;
                 for (int u = first; u < last; u++) {
                     if (u < seq->n_blocks) {
-                        const int bad = kv_att_block_status(L, seq->blocks[u], u);
+                        kv_att_block_info info;
+                        int bad = kv_att_block_status(L, seq->blocks[u], u);
+                        if (!bad)
+                            bad = kv_att_block_parse(L, seq->blocks[u], &info);
                         if (bad) {
                             status = bad;
                             continue;
                         }
-                        const kv_att_src src = {seq->blocks[u], NULL, NULL};
+                        const kv_att_src src = {seq->blocks[u], &info, NULL, NULL};
                         emu_chunk(&sh, L, &src, kvh, qpk, BT, BT);
                     } else {
                         const size_t row = (size_t)L->n_kv_heads * D;
                         for (int t0 = 0; t0 < seq->tail_tokens; t0 += BT) {
-                            const kv_att_src src = {NULL, seq->tail_k + t0 * row, seq->tail_v + t0 * row};
+                            const kv_att_src src = {NULL, NULL, seq->tail_k + t0 * row, seq->tail_v + t0 * row};
                             emu_chunk(&sh, L, &src, kvh, qpk, BT,
                                       seq->tail_tokens - t0 < BT ? seq->tail_tokens - t0 : BT);
                         }
@@ -344,6 +363,7 @@ static void run_case(const test_case *tc)
 
     gpu_run r = {0};
     assert_int_equal(cuda_kv_layout_from_block(&b, &r.layout, &err), STRATA_OK);
+    r.layout.block_bytes = (uint32_t)slot;   /* GEAR, OTT: the largest block; the others: every block */
     int sms = 132;   /* the emulation plans for an H100's multiprocessors */
     if (!emulated)
         CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -408,10 +428,10 @@ static void run_case(const test_case *tc)
 static void test_single_sequences(void **state)
 {
     (void)state;
-    const char *codecs[] = {"fp16", "kivi2", "kivi4", "tada2", "tada4", "tada8"};
+    const char *codecs[] = {"fp16", "kivi2", "kivi4", "tada2", "tada4", "tada8", "gear2", "gear4", "ott2", "ott4"};
     static const int blocks[] = {5}, tails[] = {17};
     static const int blocks0[] = {0}, tails0[] = {1};
-    for (size_t c = 0; c < 6; c++) {
+    for (size_t c = 0; c < 10; c++) {
         const test_case smol = {codecs[c], 9, 3, 64, 1, blocks, tails};
         run_case(&smol);
         const test_case one = {codecs[c], 32, 8, 128, 1, blocks0, tails0};
@@ -422,9 +442,9 @@ static void test_single_sequences(void **state)
 static void test_batches_of_unequal_lengths(void **state)
 {
     (void)state;
-    const char *codecs[] = {"fp16", "kivi2", "kivi4", "tada2", "tada4"};
+    const char *codecs[] = {"fp16", "kivi2", "kivi4", "tada2", "tada4", "gear2", "ott2"};
     static const int blocks[] = {0, 3, 37, 0, 130}, tails[] = {40, 0, 100, 0, 191};
-    for (size_t c = 0; c < 5; c++) {
+    for (size_t c = 0; c < 7; c++) {
         const test_case llama = {codecs[c], 32, 8, 128, 5, blocks, tails};
         run_case(&llama);
         const test_case smol = {codecs[c], 9, 3, 64, 5, blocks, tails};
@@ -583,9 +603,9 @@ static void test_prefill(void **state)
 static void test_reference_matches_cpu_kernel(void **state)
 {
     (void)state;
-    const char *codecs[] = {"fp16", "kivi2", "kivi4", "tada2", "tada8"};
+    const char *codecs[] = {"fp16", "kivi2", "kivi4", "tada2", "tada8", "gear2", "gear4", "ott2", "ott4"};
     const int shapes[][3] = {{9, 3, 64}, {32, 8, 128}};
-    for (size_t c = 0; c < 5; c++) {
+    for (size_t c = 0; c < 9; c++) {
         for (size_t sh = 0; sh < 2; sh++) {
             kv_codec_params p;
             strata_error err;
@@ -619,10 +639,10 @@ static void test_emulated_kernels(void **state)
 {
     (void)state;
     emulated = true;
-    const char *codecs[] = {"fp16", "kivi2", "kivi4", "tada4", "tada8"};
+    const char *codecs[] = {"fp16", "kivi2", "kivi4", "tada4", "tada8", "gear2", "gear4", "ott2", "ott4"};
     static const int blocks[] = {0, 3, 9, 0}, tails[] = {40, 0, 191, 0};
     static const int blocks1[] = {5}, tails1[] = {17};
-    for (size_t c = 0; c < 5; c++) {
+    for (size_t c = 0; c < 9; c++) {
         const test_case smol = {codecs[c], 9, 3, 64, 1, blocks1, tails1};
         run_case(&smol);
         const test_case llama = {codecs[c], 32, 8, 128, 4, blocks, tails};
@@ -658,6 +678,24 @@ static void test_emulated_kernels(void **state)
     assert_int_equal(emu_attention(&layout, &plan, views, q, out), 1);
     free_host_views(views, 1);
     free_seq(&hs);
+
+    /* An OTT block naming a head that does not exist is rejected, not read out of bounds. */
+    assert_int_equal(kv_codec_parse("ott2", &p, &err), STRATA_OK);
+    const size_t oslot = kv_block_size(&p, &g);
+    make_seq(&p, &g, 3, 5, oslot, &hs);
+    assert_int_equal(kv_block_parse(hs.blocks, oslot, &b, &err), STRATA_OK);
+    assert_true(b.desc.ott_tokens > 0);
+    uint8_t *entries = (uint8_t *)(uintptr_t)kv_block_section_data(&b, KV_SEC_OTT_TOKENS, NULL);
+    assert_non_null(entries);
+    assert_int_equal(cuda_kv_layout_from_block(&b, &layout, &err), STRATA_OK);
+    layout.block_bytes = (uint32_t)oslot;
+    assert_int_equal(cuda_kv_attention_plan(&layout, 1, 4, 3, 132, &plan, &err), STRATA_OK);
+    views = host_views(&hs, 1, oslot);
+    assert_int_equal(emu_attention(&layout, &plan, views, q, out), 0);
+    entries[0] = 99;   /* head 99 of 2 */
+    assert_int_equal(emu_attention(&layout, &plan, views, q, out), 1);
+    free_host_views(views, 1);
+    free_seq(&hs);
 }
 
 /* Prefill's loop emulated: causal attention over fp16 rows against fp64. */
@@ -687,7 +725,7 @@ static void test_emulated_prefill(void **state)
             for (unsigned t = 0; t < EMU_THREADS; t++)
                 kv_att_init(&sh, q + row0 * D, qpk, D, t, EMU_THREADS);
             for (int t0 = 0; t0 <= i; t0 += chunk) {
-                const kv_att_src src = {NULL, k16 + t0 * row, v16 + t0 * row};
+                const kv_att_src src = {NULL, NULL, k16 + t0 * row, v16 + t0 * row};
                 emu_chunk(&sh, &rows, &src, kvh, qpk, chunk, i + 1 - t0 < chunk ? i + 1 - t0 : chunk);
             }
             for (unsigned t = 0; t < EMU_THREADS; t++)
