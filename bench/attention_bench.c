@@ -1,7 +1,7 @@
 /* strata-bench-attention: the CUDA decode-attention kernel (kernels/cuda_kv_attention.h) over
  * paged compressed blocks, against the device's own copy bandwidth, in one run.
  *
- * For each codec, context and batch: every sequence holds context / block_tokens full blocks of
+ * For each codec (fp16, kivi2, kivi4, gear2 by default), context and batch: every sequence holds context / block_tokens full blocks of
  * one layer (no fp16 tail, so that only block bytes are counted), laid out in one device arena
  * in a shuffled order (a block table is not contiguous in a real pool). Block payloads are a few
  * dozen distinct encoded blocks of random fp16 K/V repeated over the arena, each copy with its own
@@ -46,7 +46,7 @@ static void usage(FILE *out)
     fprintf(out,
             "usage: strata-bench-attention [options]\n"
             "Times the CUDA decode attention over compressed KV blocks against the device's copy bandwidth.\n"
-            "  --codecs LIST        comma-separated KV codecs (default fp16,kivi2,kivi4)\n"
+            "  --codecs LIST        comma-separated KV codecs (default fp16,kivi2,kivi4,gear2)\n"
             "  --contexts LIST      tokens per sequence, multiples of --block-tokens\n"
             "                       (default 4096,8192,16384,32768,65536,131072)\n"
             "  --batches LIST       sequences per launch (default 1,8,32,64)\n"
@@ -98,12 +98,13 @@ static int parse_int(const char *arg, const char *flag, int lo, int hi, int *out
 
 static int parse_options(int argc, char **argv, options *o)
 {
-    *o = (options){.n_codecs = 3, .n_contexts = 6, .n_batches = 4, .q_heads = 32, .kv_heads = 8, .head_dim = 128,
+    *o = (options){.n_codecs = 4, .n_contexts = 6, .n_batches = 4, .q_heads = 32, .kv_heads = 8, .head_dim = 128,
                    .block_tokens = 64, .reps = 20, .mem_fraction = 0.85,
                    .contexts = {4096, 8192, 16384, 32768, 65536, 131072}, .batches = {1, 8, 32, 64}};
     strcpy(o->codecs[0], "fp16");
     strcpy(o->codecs[1], "kivi2");
     strcpy(o->codecs[2], "kivi4");
+    strcpy(o->codecs[3], "gear2");
     static const struct option longopts[] = {
         {"codecs", required_argument, 0, 'c'},   {"contexts", required_argument, 0, 'x'},
         {"batches", required_argument, 0, 'b'},  {"q-heads", required_argument, 0, 'q'},
@@ -261,7 +262,7 @@ static void put_u64(uint8_t *p, uint64_t v)
         p[i] = (uint8_t)(v >> (8 * i));
 }
 
-static result run_config(const options *o, long context, long batch, int sms,
+static result run_config(const options *o, long context, size_t block_bytes, long batch, int sms,
                          const uint8_t *templates, size_t slot, const cuda_kv_layout *layout)
 {
     result r = {0};
@@ -366,7 +367,7 @@ static result run_config(const options *o, long context, long batch, int sms,
     }
     const double t = median(times, o->reps) * 1e-3;
     r.ok = 1;
-    r.bytes = (double)total * layout->block_bytes + (double)total * sizeof(void *) + 2.0 * (double)qbytes;
+    r.bytes = (double)total * (double)block_bytes + (double)total * sizeof(void *) + 2.0 * (double)qbytes;
     r.us = t * 1e6;
     r.gbps = r.bytes / t / 1e9;
 
@@ -436,9 +437,12 @@ int main(int argc, char **argv)
             fprintf(stderr, "strata-bench-attention: %s: %s\n", o.codecs[c], err.msg);
             return 2;
         }
+        /* GEAR and OTT blocks vary in size: the kernel checks each against the slot. The bytes
+         * counted are the template blocks' own (every block here is one of them). */
+        layout.block_bytes = (uint32_t)slot;
         for (int x = 0; x < o.n_contexts; x++) {
             for (int b = 0; b < o.n_batches; b++) {
-                result r = run_config(&o, o.contexts[x], o.batches[b], prop.multiProcessorCount, templates, slot,
+                result r = run_config(&o, o.contexts[x], tb.block_bytes, o.batches[b], prop.multiProcessorCount, templates, slot,
                                       &layout);
                 if (!r.ok) {
                     printf("%-8s %8ld %6ld %12s (does not fit %.0f%% of free memory)\n", o.codecs[c], o.contexts[x],
