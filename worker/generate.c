@@ -39,13 +39,31 @@ static int emit(text_stream *ts, generate_text_fn on_text, void *user, bool *sto
     return len && on_text ? on_text(user, text, len) : 0;
 }
 
+typedef struct cpu_forward {
+    model *m;
+    kv_seq *seq;
+} cpu_forward;
+
+static int forward_on_cpu(void *ctx, const int32_t *tokens, size_t n, size_t pos, float *logits, strata_error *err)
+{
+    const cpu_forward *f = ctx;
+    return model_forward(f->m, f->seq, tokens, n, pos, logits, false, err);
+}
+
 int generate_run(model *m, kv_seq *seq, size_t seq_max_tokens, const int32_t *prompt, size_t n_prompt,
                  const generate_params *p, generate_text_fn on_text, void *user, generate_result *out,
                  strata_error *err)
 {
+    cpu_forward f = {m, seq};
+    return generate_run_with(model_get_config(m), model_get_tokenizer(m), forward_on_cpu, &f, seq_max_tokens, prompt,
+                             n_prompt, p, on_text, user, out, err);
+}
+
+int generate_run_with(const model_config *cfg, const tokenizer *tok, generate_forward_fn forward, void *forward_ctx,
+                      size_t seq_max_tokens, const int32_t *prompt, size_t n_prompt, const generate_params *p,
+                      generate_text_fn on_text, void *user, generate_result *out, strata_error *err)
+{
     memset(out, 0, sizeof *out);
-    const model_config *cfg = model_get_config(m);
-    const tokenizer *tok = model_get_tokenizer(m);
     if (n_prompt == 0)
         return strata_fail(err, STRATA_EINVAL, "the prompt is empty");
     if (p->max_tokens <= 0)
@@ -72,7 +90,7 @@ int generate_run(model *m, kv_seq *seq, size_t seq_max_tokens, const int32_t *pr
     out->finish = FINISH_LENGTH;
 
     double t0 = now_seconds();
-    rc = model_forward(m, seq, prompt, n_prompt, 0, logits, false, err);
+    rc = forward(forward_ctx, prompt, n_prompt, 0, logits, err);
     out->prefill_seconds = now_seconds() - t0;
     size_t pos = n_prompt;
     double t_decode = now_seconds();
@@ -104,7 +122,7 @@ int generate_run(model *m, kv_seq *seq, size_t seq_max_tokens, const int32_t *pr
             out->finish = FINISH_LENGTH;
             break;
         }
-        rc = model_forward(m, seq, &next, 1, pos, logits, false, err);
+        rc = forward(forward_ctx, &next, 1, pos, logits, err);
         pos++;
         out->decode_steps++;
     }

@@ -50,4 +50,15 @@ int generate_run(model *m, kv_seq *seq, size_t seq_max_tokens, const int32_t *pr
                  const generate_params *p, generate_text_fn on_text, void *user, generate_result *out,
                  strata_error *err);
 
+/* The forward pass generate_run_with drives: n tokens at positions pos.. of its one sequence,
+ * logits of the last (n_vocab floats) out, as model_forward does. */
+typedef int (*generate_forward_fn)(void *forward_ctx, const int32_t *tokens, size_t n, size_t pos, float *logits,
+                                   strata_error *err);
+
+/* generate_run over any backend's forward pass (the CUDA one: worker/cuda/model_cuda.h); cfg and
+ * tok are the model's. The sequence behind forward must be empty. */
+int generate_run_with(const model_config *cfg, const tokenizer *tok, generate_forward_fn forward, void *forward_ctx,
+                      size_t seq_max_tokens, const int32_t *prompt, size_t n_prompt, const generate_params *p,
+                      generate_text_fn on_text, void *user, generate_result *out, strata_error *err);
+
 #endif

@@ -7,6 +7,7 @@
 
 #include "coordinator/cli/cli.h"
 #include "kernels/ops.h"
+#include "coordinator/cli/generate_cuda.h"
 #include "coordinator/cli/kvopts.h"
 #include "coordinator/cli/remote.h"
 #include "coordinator/cli/tiers.h"
@@ -23,7 +24,8 @@ static void usage(FILE *out)
     fprintf(out,
             "usage: strata generate --prompt TEXT [options]\n"
             "\n"
-            "Generates a continuation of TEXT on the CPU, streaming it to stdout as it is produced.\n"
+            "Generates a continuation of TEXT on the CPU (or a CUDA GPU: --device), streaming it to\n"
+            "stdout as it is produced.\n"
             "The KV cache is kept compressed in blocks (fp16, KIVI, GEAR, OTT or TaDA, per layer).\n"
             "\n"
             "input:\n"
@@ -61,6 +63,10 @@ static void usage(FILE *out)
             "  -q, --quiet             no progress messages on stderr\n"
             "      --threads N         compute threads: matmul kernel and BLAS (default: the number\n"
             "                          OpenBLAS picks; keep it equal between runs you compare)\n"
+            "      --device cpu|cuda[:N]  where the forward pass runs (default cpu). cuda: fp16 weights\n"
+            "                          and the compressed KV cache on GPU N (default 0); one codec for\n"
+            "                          every layer (fp16, kivi or tada), no lower KV tiers, no --save-kv.\n"
+            "                          (never run on a GPU yet: docs/gpu.md)\n"
             "remote (send the request to `strata serve` or strata-coordinator instead):\n"
             "      --server HOST:PORT  the server's public API; the server's model, KV codec and\n"
             "                          context apply (--kv is sent as the request's kv_codec)\n"
@@ -86,13 +92,14 @@ typedef struct gen_opts {
     bool stats, quiet, no_echo;
     int threads;
     const char *server, *token_file, *tls_ca;   /* --server: send the request to a strata server */
+    int cuda_device;              /* --device cuda:N; -1: the CPU */
     const char *local_only;   /* the first flag given that only applies without --server */
     bool kv_given;
 } gen_opts;
 
 enum {
     OPT_CHAT = 1000, OPT_SYSTEM, OPT_TOP_K, OPT_TOP_P, OPT_STOP, OPT_IGNORE_EOS, OPT_KV, OPT_KV_PLAN, OPT_CTX, OPT_SAVE_KV, OPT_STATS, OPT_THREADS, OPT_NO_ECHO,
-    OPT_SERVER, OPT_TOKEN_FILE, OPT_TLS_CA,
+    OPT_SERVER, OPT_TOKEN_FILE, OPT_TLS_CA, OPT_DEVICE,
 };
 
 static int parse_opts(int argc, char **argv, gen_opts *o)
@@ -121,6 +128,7 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
         {"quiet", no_argument, NULL, 'q'},
         {"no-echo", no_argument, NULL, OPT_NO_ECHO},
         {"threads", required_argument, NULL, OPT_THREADS},
+        {"device", required_argument, NULL, OPT_DEVICE},
         {"server", required_argument, NULL, OPT_SERVER},
         {"token-file", required_argument, NULL, OPT_TOKEN_FILE},
         {"tls-ca", required_argument, NULL, OPT_TLS_CA},
@@ -129,7 +137,7 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
     };
     *o = (gen_opts){.model_path = cli_default_model(), .max_tokens = 128,
                     .sampling = {.temperature = 0.0f, .top_k = 0, .top_p = 1.0f, .seed = 42},
-                    .kv = {.kv = "kivi4", .group = -1, .residual = -1, .block_tokens = 64}};
+                    .kv = {.kv = "kivi4", .group = -1, .residual = -1, .block_tokens = 64}, .cuda_device = -1};
     cli_tier_opts_init(&o->tiers);
     long v;
     int c;
@@ -138,7 +146,7 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
     while ((c = getopt_long(argc, argv, "m:p:n:t:s:qh", opts, &idx)) != -1) {
         switch (c) {   /* flags that need the model in this process */
         case 'm': case OPT_CHAT: case OPT_SYSTEM: case OPT_KV_GROUP: case OPT_KV_RESIDUAL: case OPT_KV_PLAN:
-        case OPT_BLOCK_TOKENS: case OPT_CTX: case OPT_SAVE_KV: case OPT_THREADS: case OPT_TIER_DEVICE:
+        case OPT_BLOCK_TOKENS: case OPT_CTX: case OPT_SAVE_KV: case OPT_THREADS: case OPT_DEVICE: case OPT_TIER_DEVICE:
         case OPT_TIER_HOST: case OPT_TIER_NVME_DIR: case OPT_TIER_NVME: case OPT_TIER_CONFIG:
             if (!o->local_only)
                 o->local_only = c == 'm' ? "--model" : idx >= 0 ? opts[idx].name : "?";
@@ -206,6 +214,19 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
             if (!cli_parse_long("--threads", optarg, 1, 1024, &v)) return EXIT_USAGE;
             o->threads = (int)v;
             break;
+        case OPT_DEVICE:
+            if (!strcmp(optarg, "cpu")) {
+                o->cuda_device = -1;
+            } else if (!strcmp(optarg, "cuda")) {
+                o->cuda_device = 0;
+            } else if (!strncmp(optarg, "cuda:", 5) && optarg[5]) {
+                if (!cli_parse_long("--device cuda:N", optarg + 5, 0, 1023, &v)) return EXIT_USAGE;
+                o->cuda_device = (int)v;
+            } else {
+                fprintf(stderr, "strata generate: --device takes cpu, cuda or cuda:N (got '%s')\n", optarg);
+                return EXIT_USAGE;
+            }
+            break;
         case 'h': usage(stdout); return -1;
         default: usage(stderr); return EXIT_USAGE;
         }
@@ -235,7 +256,20 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
         fprintf(stderr, "strata generate: --system only applies with --chat\n");
         return EXIT_USAGE;
     }
-    return cli_tier_finish("generate", &o->tiers);
+    int rc = cli_tier_finish("generate", &o->tiers);
+    if (rc == 0 && o->cuda_device >= 0) {
+        const cli_tier_opts *t = &o->tiers;
+        const char *bad = t->device_mib >= 0 || t->host_mib >= 0 || t->nvme_dir || t->nvme_mib >= 0 || t->config
+                              ? "the KV tier options"
+                          : o->save_kv ? "--save-kv"
+                                       : NULL;
+        if (bad) {
+            fprintf(stderr, "strata generate: %s do not apply with --device cuda yet (the GPU keeps the whole cache)\n",
+                    bad);
+            rc = EXIT_USAGE;
+        }
+    }
+    return rc;
 }
 
 static double now_seconds(void)
@@ -427,6 +461,20 @@ int cmd_generate(int argc, char **argv)
         fprintf(stderr, "strata generate: the prompt has %zu tokens but the context holds %zu (raise --ctx)\n",
                 n_prompt, ctx);
         exit_code = EXIT_USAGE;
+        goto done;
+    }
+    if (o.cuda_device >= 0) {
+        for (int l = 1; l < geo.n_layers; l++)
+            if (memcmp(&codecs[l], &codecs[0], sizeof codecs[0]) != 0) {
+                fprintf(stderr, "strata generate: --device cuda takes one KV codec for every layer (got the plan %s)\n",
+                        plan_name);
+                exit_code = EXIT_USAGE;
+                goto done;
+            }
+        generate_params gpc = {.sampling = o.sampling, .max_tokens = o.max_tokens, .stop = o.stop,
+                               .n_stop = o.n_stop, .ignore_eos = o.ignore_eos};
+        exit_code = cli_generate_cuda(m, o.cuda_device, &codecs[0], o.kv.block_tokens, ctx, prompt, n_prompt, &gpc,
+                                      !o.chat && !o.no_echo ? o.prompt : NULL, print_text, o.stats, o.quiet);
         goto done;
     }
     if ((rc = cli_kv_memory_create("generate", &o.tiers, &geo, codecs, ctx, o.quiet, &mem)) != 0) {

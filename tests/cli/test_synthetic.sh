@@ -31,6 +31,27 @@ expect 1 "need 29.92 GiB of fp32 weights, but only 4.00 GiB" \
 expect 1 "STRATA_SYNTHETIC_MEM_LIMIT='lots' is not a byte count" \
   env STRATA_SYNTHETIC_MEM_LIMIT=lots "$strata" generate --model synthetic:tiny --prompt hi
 
+# --device: bad values are usage errors; cuda without a GPU (or in a build without CUDA) fails
+# with a message before anything is printed; codecs the GPU path cannot hold are refused first.
+expect 2 "takes cpu, cuda or cuda:N" "$strata" generate --model synthetic:tiny --prompt hi --device gpu
+expect 2 "do not apply with --device cuda" "$strata" generate --model synthetic:tiny --prompt hi --device cuda \
+  --host-kv-mib 8
+"$strata" generate --model synthetic:tiny --prompt hi --device cuda -n 1 >/dev/null 2>"$tmp/probe"
+if grep -q "no CUDA support" "$tmp/probe"; then
+  echo "test_synthetic: this build has no CUDA: --device cuda checked for its message only"
+  expect 1 "no CUDA support" "$strata" generate --model synthetic:tiny --prompt hi --device cuda
+else
+  expect 2 "gear is not ported yet" "$strata" generate --model synthetic:tiny --prompt hi --device cuda --kv gear2
+fi
+if grep -q "no CUDA support" "$tmp/probe"; then
+  :
+elif nvidia-smi -L >/dev/null 2>&1; then
+  expect 0 "cuda:0" "$strata" generate --model synthetic:tiny --prompt hi --device cuda -n 8
+else
+  expect 1 "no CUDA device" "$strata" generate --model synthetic:tiny --prompt hi --device cuda -n 8
+  [ -s "$tmp/out" ] && fail "--device cuda without a GPU printed to stdout: $(head -c 80 "$tmp/out")"
+fi
+
 # Served: the same tokens through two pipeline stages as from one local process.
 "$strata" generate --model synthetic:tiny:seed=4 --prompt "served?" --max-tokens 12 >"$tmp/local.raw" 2>/dev/null ||
   fail "local generate on synthetic:tiny:seed=4 failed"

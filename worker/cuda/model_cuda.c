@@ -136,6 +136,19 @@ static int upload_layers(cuda_model *cm, strata_error *err)
     return STRATA_OK;
 }
 
+int cuda_select_device(int device, strata_error *err)
+{
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0)
+        return strata_fail(err, STRATA_EIO, "no CUDA device (%s)", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+    if (device < 0 || device >= n)
+        return strata_fail(err, STRATA_EINVAL, "CUDA device %d does not exist (this machine has cuda:0..cuda:%d)", device,
+                           n - 1);
+    CU(cudaSetDevice(device), "selecting the device");
+    return STRATA_OK;
+}
+
 cuda_model *cuda_model_create(const model *m, cuda_weight_dtype dtype, strata_error *err)
 {
     if (!m || (dtype != CUDA_WEIGHTS_F16 && dtype != CUDA_WEIGHTS_F32)) {
@@ -168,7 +181,9 @@ cuda_model *cuda_model_create(const model *m, cuda_weight_dtype dtype, strata_er
     cm->dtype = dtype;
     cm->layers = calloc((size_t)c->n_layers, sizeof *cm->layers);
     int rc = cm->layers ? STRATA_OK : strata_fail(err, STRATA_ENOMEM, "out of memory");
-    if (rc == STRATA_OK && cudaDeviceGetAttribute(&cm->sm_count, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess)
+    int dev = 0;
+    if (rc == STRATA_OK && (cudaGetDevice(&dev) != cudaSuccess ||
+                            cudaDeviceGetAttribute(&cm->sm_count, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess))
         rc = strata_fail(err, STRATA_EIO, "CUDA: reading the multiprocessor count");
     if (rc == STRATA_OK) {
         cublasStatus_t st = cublasCreate(&cm->blas);

@@ -28,7 +28,11 @@ typedef enum cuda_weight_dtype {
     CUDA_WEIGHTS_F32 = 1,   /* the CPU's own weights, fp32 GEMMs without TF32: for validation */
 } cuda_weight_dtype;
 
-/* Copies the weights of m (which must hold every layer) to device 0. m must outlive the result
+/* Makes CUDA device `device` the calling thread's (cudaSetDevice): STRATA_EIO when there is no
+ * device, STRATA_EINVAL naming the valid range for a device that does not exist. */
+int cuda_select_device(int device, strata_error *err);
+
+/* Copies the weights of m (which must hold every layer) to the current device. m must outlive the result
  * (its embedding table is read from host memory). STRATA_EIO with the CUDA error when there is no
  * device or memory runs out; STRATA_EINVAL for a model holding only some layers. */
 cuda_model *cuda_model_create(const model *m, cuda_weight_dtype dtype, strata_error *err);

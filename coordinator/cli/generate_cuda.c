@@ -1,0 +1,93 @@
+#include "coordinator/cli/generate_cuda.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "coordinator/cli/cli.h"
+
+#ifdef STRATA_HAVE_CUDA
+
+#include "kernels/cuda_kv_encode.h"
+#include "worker/cuda/model_cuda.h"
+
+typedef struct cuda_forward {
+    cuda_model *cm;
+    cuda_seq *seq;
+} cuda_forward;
+
+static int forward_on_cuda(void *ctx, const int32_t *tokens, size_t n, size_t pos, float *logits, strata_error *err)
+{
+    const cuda_forward *f = ctx;
+    if (pos != cuda_seq_length(f->seq))
+        return strata_fail(err, STRATA_EINVAL, "position %zu on a sequence of %zu", pos, cuda_seq_length(f->seq));
+    return cuda_model_forward(f->cm, f->seq, tokens, n, logits, err);
+}
+
+int cli_generate_cuda(model *m, int device, const kv_codec_params *codec, int block_tokens, size_t ctx,
+                      const int32_t *prompt, size_t n_prompt, const generate_params *gp, const char *echo,
+                      generate_text_fn on_text, bool stats, bool quiet)
+{
+    strata_error err = {0};
+    int exit_code = EXIT_RUNTIME;
+    cuda_forward f = {0};
+    generate_result result = {0};
+    size_t kv_bytes = 0;
+    /* The codec first: a configuration the GPU path cannot run is refused on any machine. */
+    const model_config *cfg = model_get_config(m);
+    const kv_geometry g = {.n_layers = cfg->n_layers, .n_kv_heads = cfg->n_kv_heads, .head_dim = cfg->head_dim,
+                           .block_tokens = block_tokens};
+    cuda_kv_encoder enc;
+    if (cuda_kv_encoder_init(codec, &g, &enc, &err) != STRATA_OK) {
+        fprintf(stderr, "strata generate: --device cuda: %s\n", err.msg);
+        return EXIT_USAGE;
+    }
+    if (cuda_select_device(device, &err) != STRATA_OK || !(f.cm = cuda_model_create(m, CUDA_WEIGHTS_F16, &err)) ||
+        cuda_seq_device_bytes(f.cm, codec, block_tokens, ctx, &kv_bytes, &err) != STRATA_OK ||
+        !(f.seq = cuda_seq_create(f.cm, codec, block_tokens, ctx, &err))) {
+        fprintf(stderr, "strata generate: --device cuda:%d: %s\n", device, err.msg);
+        goto done;
+    }
+    if (!quiet)
+        fprintf(stderr, "strata: cuda:%d: %.0f MiB of fp16 weights, KV cache %.1f MiB for %zu tokens\n", device,
+                (double)cuda_model_weight_bytes(f.cm) / 1048576.0, (double)kv_bytes / 1048576.0, ctx);
+    if (echo)
+        on_text(NULL, echo, strlen(echo));
+    const int rc = generate_run_with(cfg, model_get_tokenizer(m), forward_on_cuda, &f, ctx, prompt,
+                                     n_prompt, gp, on_text, NULL, &result, &err);
+    printf("\n");
+    fflush(stdout);
+    if (rc != STRATA_OK) {
+        fprintf(stderr, "strata generate: %s\n", err.msg);
+        goto done;
+    }
+    if (stats) {
+        fprintf(stderr, "prefill: %zu tokens in %.3f s (%.1f tokens/s) on cuda:%d\n", result.prompt_tokens,
+                result.prefill_seconds,
+                result.prefill_seconds > 0 ? (double)result.prompt_tokens / result.prefill_seconds : 0.0, device);
+        fprintf(stderr, "decode:  %zu tokens in %.3f s (%.2f tokens/s)\n", result.decode_steps, result.decode_seconds,
+                result.decode_seconds > 0 ? (double)result.decode_steps / result.decode_seconds : 0.0);
+        fprintf(stderr, "finish:  %s after %zu tokens\n", finish_reason_name(result.finish), result.completion_tokens);
+    }
+    exit_code = 0;
+done:
+    generate_result_free(&result);
+    cuda_seq_free(f.seq);
+    cuda_model_free(f.cm);
+    return exit_code;
+}
+
+#else
+
+int cli_generate_cuda(model *m, int device, const kv_codec_params *codec, int block_tokens, size_t ctx,
+                      const int32_t *prompt, size_t n_prompt, const generate_params *gp, const char *echo,
+                      generate_text_fn on_text, bool stats, bool quiet)
+{
+    (void)m, (void)codec, (void)block_tokens, (void)ctx, (void)prompt, (void)n_prompt, (void)gp, (void)echo;
+    (void)on_text;
+    (void)stats, (void)quiet;
+    fprintf(stderr, "strata generate: --device cuda:%d: this build has no CUDA support (nvcc was not found when it "
+                    "was configured, or -DSTRATA_CUDA=OFF)\n", device);
+    return EXIT_RUNTIME;
+}
+
+#endif
