@@ -47,6 +47,7 @@ struct cuda_model {
     void *d_ws;                               /* attention workspace */
     size_t ws_bytes;
     int *d_status;
+    uint64_t step;                            /* steps checked so far: marks sequences seen in one */
 };
 
 struct cuda_seq {
@@ -60,6 +61,7 @@ struct cuda_seq {
     int *tail_len, *n_blocks;        /* host, per layer (equal across layers between steps) */
     const uint8_t **d_tables;        /* device: n_layers * max_blocks block pointers */
     cuda_kv_encode_job *d_job;       /* prefill's block formation, one at a time */
+    uint64_t seen_in_step;           /* cm->step of the last step that named this sequence */
 };
 
 #define CU(call, what)                                                                                     \
@@ -501,6 +503,7 @@ typedef struct step_plan {
 static int check_items(cuda_model *cm, const cuda_batch_item *items, size_t n_items, strata_error *err)
 {
     const cuda_seq *first_dec = NULL;
+    cm->step++;   /* a fresh mark for this step's sequences (never 0: new sequences start at 0) */
     for (size_t i = 0; i < n_items; i++) {
         const cuda_batch_item *it = &items[i];
         if (!it->seq || it->seq->cm != cm || !it->tokens || it->n_tokens == 0)
@@ -520,9 +523,9 @@ static int check_items(cuda_model *cm, const cuda_batch_item *items, size_t n_it
             if (it->tokens[t] < 0 || it->tokens[t] >= cm->cfg.n_vocab)
                 return strata_fail(err, STRATA_EINVAL, "batch item %zu: token %d out of range 0..%d", i,
                                    (int)it->tokens[t], cm->cfg.n_vocab - 1);
-        for (size_t j = 0; j < i; j++)
-            if (items[j].seq == s)
-                return strata_fail(err, STRATA_EINVAL, "batch items %zu and %zu are the same sequence", j, i);
+        if (s->seen_in_step == cm->step)
+            return strata_fail(err, STRATA_EINVAL, "batch item %zu: a sequence named twice in one step", i);
+        it->seq->seen_in_step = cm->step;
         if (s->len > 0) {
             if (!first_dec)
                 first_dec = s;
