@@ -4,9 +4,10 @@
  * and the CRC arithmetic are the CPU's own inline functions (kvstore/quant_math.h,
  * kvstore/crc32c_math.h) compiled for the device, so equality is by construction and is tested.
  *
- * Supported codecs: fp16, KIVI and TaDA (GEAR and OTT refused: STRATA_EUNSUPPORTED; OTT's choice
- * of pooled tokens is per-sequence state the CPU tracker keeps, GEAR's fit is a power iteration
- * per block: both still to be ported).
+ * Supported codecs: fp16, KIVI, TaDA and GEAR (its outliers and per-head low-rank fit, the CPU's
+ * own fp64 arithmetic from kvstore/gear_math.h, built without FMA contraction so the bytes match).
+ * OTT is refused (STRATA_EUNSUPPORTED): its choice of pooled tokens is per-sequence state the CPU
+ * tracker keeps.
  * Status: compiled in every build with nvcc; see docs/benchmarks.md for whether it has run. */
 #ifndef STRATA_KERNELS_CUDA_KV_ENCODE_H
 #define STRATA_KERNELS_CUDA_KV_ENCODE_H
@@ -28,6 +29,11 @@ typedef struct cuda_kv_encoder {
     cuda_kv_layout layout;
     uint32_t header_bytes;
     uint8_t header[CUDA_KV_MAX_HEADER];
+    /* GEAR with outliers or a low rank (gear = 1): this encoder's counts, where their sections sit,
+     * and the scratch each job needs (cuda_kv_encode_job.work). */
+    int gear, rank, k_sparse, v_sparse;
+    uint32_t off_k_sparse, off_v_sparse, off_k_lowrank, off_v_lowrank;
+    uint64_t work_bytes;
 } cuda_kv_encoder;
 
 /* From the pool's codec and geometry (one zero block encoded on the CPU gives the header). */
@@ -35,6 +41,10 @@ struct kv_codec_params;
 struct kv_geometry;
 int cuda_kv_encoder_init(const struct kv_codec_params *p, const struct kv_geometry *g, cuda_kv_encoder *out,
                          strata_error *err);
+/* The same for GEAR blocks of another low rank than the decode rank kv_block_desc_init gives (the
+ * CPU pool writes blocks made only of prompt tokens at rank_prompt); rank < 0: that default. */
+int cuda_kv_encoder_init_rank(const struct kv_codec_params *p, const struct kv_geometry *g, int rank,
+                              cuda_kv_encoder *out, strata_error *err);
 
 /* One block to write. */
 typedef struct cuda_kv_encode_job {
@@ -43,6 +53,8 @@ typedef struct cuda_kv_encode_job {
     uint8_t *dst;        /* device slot of layout.block_bytes bytes, 16-byte aligned */
     uint64_t first_pos;  /* position of the block's first token */
     uint32_t layer;
+    void *work;          /* GEAR: enc.work_bytes of device scratch, 8-byte aligned, this job's own;
+                          * NULL for the other codecs */
 } cuda_kv_encode_job;
 
 /* Writes n_jobs blocks (d_jobs: device array), one thread block each, asynchronously on stream.

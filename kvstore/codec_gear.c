@@ -56,10 +56,10 @@
 
 #include "kvstore/bytes.h"
 #include "kvstore/codec.h"
+#include "kvstore/gear_math.h"
 #include "kvstore/half.h"
 #include "kvstore/quant.h"
 
-#define GEAR_POWER_ITERS 3
 
 typedef struct gear_dims {
     size_t T, H, D, G, r, ks, vs;
@@ -134,90 +134,6 @@ static int gear_sections(const kv_block_desc *d, kv_section_spec *out)
 
 /* ---- encoding ---- */
 
-typedef struct sel_entry {
-    float x;
-    uint32_t i;
-} sel_entry;
-
-/* A total order on floats: NaN above everything (all NaNs equal), -0 == +0. */
-static int order(float a, float b)
-{
-    int an = isnan(a) != 0, bn = isnan(b) != 0;
-    if (an || bn)
-        return an - bn;
-    return (a > b) - (a < b);
-}
-
-static int cmp_largest_first(const void *pa, const void *pb)
-{
-    const sel_entry *a = pa, *b = pb;
-    int o = order(b->x, a->x);
-    return o ? o : (a->i > b->i) - (a->i < b->i);
-}
-
-static int cmp_smallest_first(const void *pa, const void *pb)
-{
-    const sel_entry *a = pa, *b = pb;
-    int o = order(a->x, b->x);
-    return o ? o : (a->i > b->i) - (a->i < b->i);
-}
-
-/* Marks the k outliers of the n values x[i * stride] in mask[i * stride] (k even, <= n). A few
- * are found by scanning (a strictly larger / smaller value replaces the candidate, so the lower
- * index wins ties), many by sorting with the same order. */
-static void select_outliers(const float *x, size_t n, size_t stride, size_t k, sel_entry *tmp, uint8_t *mask)
-{
-    if (k == 0)
-        return;
-    if (k <= 16) {
-        for (int side = 0; side < 2; side++)
-            for (size_t m = 0; m < k / 2; m++) {
-                size_t best = n;
-                for (size_t i = 0; i < n; i++) {
-                    if (mask[i * stride])
-                        continue;
-                    if (best == n || order(x[i * stride], x[best * stride]) == (side ? -1 : 1))
-                        best = i;
-                }
-                mask[best * stride] = 1;
-            }
-        return;
-    }
-    for (size_t i = 0; i < n; i++)
-        tmp[i] = (sel_entry){x[i * stride], (uint32_t)i};
-    qsort(tmp, n, sizeof *tmp, cmp_largest_first);
-    for (size_t i = 0; i < k / 2; i++)
-        mask[tmp[i].i * stride] = 1;
-    size_t m = 0;
-    for (size_t i = 0; i < n; i++)
-        if (!mask[i * stride])
-            tmp[m++] = (sel_entry){x[i * stride], (uint32_t)i};
-    qsort(tmp, m, sizeof *tmp, cmp_smallest_first);
-    for (size_t i = 0; i < k / 2; i++)
-        mask[tmp[i].i * stride] = 1;
-}
-
-/* Replaces the marked entries of the group x[i * stride], i < n, by the mean of the others. */
-static void fill_group(float *x, const uint8_t *mask, size_t n, size_t stride)
-{
-    double sum = 0.0;
-    size_t kept = 0, marked = 0;
-    for (size_t i = 0; i < n; i++) {
-        if (mask[i * stride])
-            marked++;
-        else {
-            sum += x[i * stride];
-            kept++;
-        }
-    }
-    if (!marked)
-        return;
-    float mean = kept ? (float)(sum / (double)kept) : 0.0f;
-    for (size_t i = 0; i < n; i++)
-        if (mask[i * stride])
-            x[i * stride] = mean;
-}
-
 /* The four backbone sections dequantized exactly as kv_kivi_decode_sections does it. */
 static void backbone_dequant(const kv_block_desc *d, const gear_dims *m, uint8_t *const *sec, float *k, float *v)
 {
@@ -241,165 +157,10 @@ static void backbone_dequant(const kv_block_desc *d, const gear_dims *m, uint8_t
         }
 }
 
-static uint64_t splitmix64(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-/* Workspace of one head's low-rank fit (fp64). The factors are kept transposed (one row per
- * rank component) so that every inner loop runs over contiguous memory. */
-typedef struct lr_work {
-    double *R;    /* [T][D] residual */
-    double *At;   /* [r][T]: column k of A is row k */
-    double *Bt;   /* [r][D] */
-    double *L;    /* [r][r] Gram matrix of the rounded A, then its Cholesky factor */
-    double *y;    /* [r] */
-    uint8_t *on;  /* [r] column in use */
-    uint16_t *Ah; /* [T][r] stored halves */
-    uint16_t *Bh; /* [D][r] */
-} lr_work;
-
-/* Four partial sums: the adds are independent, so this is not bound by their latency. */
-static double dot64(const double *restrict a, const double *restrict b, size_t n)
-{
-    double s[4] = {0.0, 0.0, 0.0, 0.0};
-    size_t i = 0;
-    for (; i + 4 <= n; i += 4)
-        for (size_t u = 0; u < 4; u++)
-            s[u] += a[i + u] * b[i + u];
-    for (; i < n; i++)
-        s[0] += a[i] * b[i];
-    return (s[0] + s[2]) + (s[1] + s[3]);
-}
-
-/* In fixed chunks so that -O2 vectorizes it (as kv_attn_axpy). */
-static void axpy64(double *restrict y, double a, const double *restrict x, size_t n)
-{
-    size_t i = 0;
-    for (; i + 4 <= n; i += 4)
-        for (size_t u = 0; u < 4; u++)
-            y[i + u] += a * x[i + u];
-    for (; i < n; i++)
-        y[i] += a * x[i];
-}
-
-/* Orthonormalizes the rows of At [r][n] in place: modified Gram-Schmidt, each row projected
- * twice against the previous rows in use; a row that loses (nearly) all its norm is zeroed. */
-static void orthonormalize(double *At, size_t n, size_t r, uint8_t *on)
-{
-    for (size_t k = 0; k < r; k++) {
-        double *a = At + k * n;
-        const double n0 = sqrt(dot64(a, a, n));
-        for (int pass = 0; pass < 2; pass++)
-            for (size_t j = 0; j < k; j++)
-                if (on[j])
-                    axpy64(a, -dot64(At + j * n, a, n), At + j * n, n);
-        const double nk = sqrt(dot64(a, a, n));
-        on[k] = n0 > 0.0 && nk > 1e-9 * n0 && isfinite(nk);
-        const double inv = on[k] ? 1.0 / nk : 0.0;
-        for (size_t t = 0; t < n; t++)
-            a[t] = on[k] ? a[t] * inv : 0.0;
-    }
-}
-
-static int half_finite(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
-
-/* Fits R (w->R, T x D) ~= A B^T at rank r and writes A_h then B_h as f16 at out. */
-static void lowrank_fit(lr_work *w, size_t T, size_t D, size_t r, uint64_t seed, uint8_t *out)
-{
-    const double *R = w->R;
-    double *At = w->At, *Bt = w->Bt, *L = w->L, *y = w->y;
-    for (size_t c = 0; c < D; c++)   /* B0 [D][r] row-major */
-        for (size_t k = 0; k < r; k++)
-            Bt[k * D + c] = (double)(splitmix64(&seed) >> 11) * 0x1p-52 - 1.0;
-    for (int l = 0; l < GEAR_POWER_ITERS; l++) {
-        for (size_t k = 0; k < r; k++)   /* A = R B */
-            for (size_t t = 0; t < T; t++)
-                At[k * T + t] = dot64(R + t * D, Bt + k * D, D);
-        orthonormalize(At, T, r, w->on);
-        if (l + 1 == GEAR_POWER_ITERS)
-            break;   /* the last B is computed below from the rounded A */
-        memset(Bt, 0, r * D * sizeof(double));   /* B = R^T A */
-        for (size_t k = 0; k < r; k++)
-            for (size_t t = 0; t < T; t++)
-                axpy64(Bt + k * D, At[k * T + t], R + t * D, D);
-    }
-    /* Round A; then B = R^T A^ (A^^T A^)^-1 over the columns in use (Cholesky of the r x r Gram
-     * matrix; A^ is orthonormal up to f16 rounding, so the pivots are ~1; a column whose pivot is
-     * not clearly positive is dropped). */
-    for (size_t k = 0; k < r; k++)
-        for (size_t t = 0; t < T; t++) {
-            const uint16_t h = strata_float_to_half((float)At[k * T + t]);
-            w->Ah[t * r + k] = h;
-            At[k * T + t] = strata_half_to_float(h);
-        }
-    for (size_t i = 0; i < r; i++)
-        for (size_t j = 0; j <= i; j++)
-            L[i * r + j] = dot64(At + i * T, At + j * T, T);
-    for (size_t i = 0; i < r; i++) {
-        for (size_t j = 0; j <= i && w->on[i]; j++) {
-            if (!w->on[j])
-                continue;
-            double s = L[i * r + j];
-            for (size_t k = 0; k < j; k++)
-                if (w->on[k])
-                    s -= L[i * r + k] * L[j * r + k];
-            if (j < i)
-                L[i * r + j] = s / L[j * r + j];
-            else if (s > 0.25 && isfinite(s))
-                L[i * r + i] = sqrt(s);
-            else
-                w->on[i] = 0;
-        }
-    }
-    memset(Bt, 0, r * D * sizeof(double));   /* R^T A^ */
-    for (size_t k = 0; k < r; k++)
-        if (w->on[k])
-            for (size_t t = 0; t < T; t++)
-                axpy64(Bt + k * D, At[k * T + t], R + t * D, D);
-    for (size_t c = 0; c < D; c++) {
-        for (size_t i = 0; i < r; i++) {   /* L y = (R^T A^)[c] */
-            if (!w->on[i]) {
-                y[i] = 0.0;
-                continue;
-            }
-            double s = Bt[i * D + c];
-            for (size_t k = 0; k < i; k++)
-                if (w->on[k])
-                    s -= L[i * r + k] * y[k];
-            y[i] = s / L[i * r + i];
-        }
-        for (size_t i = r; i-- > 0;) {   /* L^T x = y */
-            if (!w->on[i])
-                continue;
-            double s = y[i];
-            for (size_t k = i + 1; k < r; k++)
-                if (w->on[k])
-                    s -= L[k * r + i] * y[k];
-            y[i] = s / L[i * r + i];
-        }
-        for (size_t i = 0; i < r; i++)
-            w->Bh[c * r + i] = strata_float_to_half((float)y[i]);
-    }
-    int finite = 1;
-    for (size_t i = 0; i < T * r; i++)
-        finite &= half_finite(w->Ah[i]);
-    for (size_t i = 0; i < D * r; i++)
-        finite &= half_finite(w->Bh[i]);
-    uint8_t *bo = out + 2 * T * r;
-    for (size_t i = 0; i < T * r; i++)
-        kv_st16(out + 2 * i, finite ? w->Ah[i] : 0);
-    for (size_t i = 0; i < D * r; i++)
-        kv_st16(bo + 2 * i, finite ? w->Bh[i] : 0);
-}
-
 /* The low-rank sections of one of K (kv = 0) or V (kv = 1): x the input rows, dq the dequantized
  * backbone, mask the outlier positions. */
 static void lowrank_section(const kv_block_desc *d, const gear_dims *m, const float *x, const float *dq,
-                            const uint8_t *mask, int kv, lr_work *w, uint8_t *sec)
+                            const uint8_t *mask, int kv, const gear_lr_work *w, uint8_t *sec)
 {
     for (size_t h = 0; h < m->H; h++) {
         for (size_t t = 0; t < m->T; t++)
@@ -407,14 +168,8 @@ static void lowrank_section(const kv_block_desc *d, const gear_dims *m, const fl
                 const size_t o = (t * m->H + h) * m->D + c;
                 w->R[t * m->D + c] = mask[o] ? 0.0 : (double)x[o] - (double)dq[o];
             }
-        uint64_t seed = 0x4745415200000000ull;  /* "GEAR" */
-        uint64_t mix = splitmix64(&seed);
-        seed = mix ^ d->layer;
-        mix = splitmix64(&seed);
-        seed = mix ^ d->first_pos;
-        mix = splitmix64(&seed);
-        seed = mix ^ ((uint64_t)h << 1 | (uint64_t)kv);
-        lowrank_fit(w, m->T, m->D, m->r, seed, sec + h * (m->T + m->D) * m->r * 2);
+        gear_lowrank_fit(w, m->T, m->D, m->r, gear_fit_seed(d->layer, d->first_pos, h, kv),
+                         sec + h * (m->T + m->D) * m->r * 2);
     }
 }
 
@@ -443,13 +198,12 @@ static int gear_encode(const kv_block_desc *d, const float *k, const float *v, c
         kv_kivi_encode_sections(d, k, v, sec);
         return STRATA_OK;
     }
-    const size_t elems = m.T * m.H * m.D, wide = m.T > m.D ? m.T : m.D;
+    const size_t elems = m.T * m.H * m.D;
     float *kk = malloc(elems * sizeof(float));
     float *vv = malloc(elems * sizeof(float));
     uint8_t *kmask = calloc(elems, 1);
     uint8_t *vmask = calloc(elems, 1);
-    sel_entry *tmp = malloc(wide * sizeof(sel_entry));
-    lr_work w = {0};
+    gear_lr_work w = {0};
     if (m.r) {
         w.R = malloc(m.T * m.D * sizeof(double));
         w.At = malloc(m.T * m.r * sizeof(double));
@@ -461,7 +215,7 @@ static int gear_encode(const kv_block_desc *d, const float *k, const float *v, c
         w.Bh = malloc(m.D * m.r * sizeof(uint16_t));
     }
     int rc = STRATA_OK;
-    if (!kk || !vv || !kmask || !vmask || !tmp ||
+    if (!kk || !vv || !kmask || !vmask ||
         (m.r && (!w.R || !w.At || !w.Bt || !w.L || !w.y || !w.on || !w.Ah || !w.Bh))) {
         rc = strata_fail(err, STRATA_ENOMEM, "gear block: out of memory for %zu staging values", 2 * elems);
         goto out;
@@ -472,18 +226,18 @@ static int gear_encode(const kv_block_desc *d, const float *k, const float *v, c
     for (size_t h = 0; h < m.H; h++)
         for (size_t c = 0; c < m.D; c++) {
             const size_t first = h * m.D + c, stride = m.H * m.D;
-            select_outliers(k + first, m.T, stride, m.ks, tmp, kmask + first);
+            gear_select_outliers(k + first, m.T, stride, m.ks, kmask + first);
             if (m.ks)
                 for (size_t t0 = 0; t0 < m.T; t0 += m.G)
-                    fill_group(kk + first + t0 * stride, kmask + first + t0 * stride, m.G, stride);
+                    gear_fill_group(kk + first + t0 * stride, kmask + first + t0 * stride, m.G, stride);
         }
     for (size_t t = 0; t < m.T; t++)
         for (size_t h = 0; h < m.H; h++) {
             const size_t first = (t * m.H + h) * m.D;
-            select_outliers(v + first, m.D, 1, m.vs, tmp, vmask + first);
+            gear_select_outliers(v + first, m.D, 1, m.vs, vmask + first);
             if (m.vs)
                 for (size_t c0 = 0; c0 < m.D; c0 += m.G)
-                    fill_group(vv + first + c0, vmask + first + c0, m.G, 1);
+                    gear_fill_group(vv + first + c0, vmask + first + c0, m.G, 1);
         }
     kv_kivi_encode_sections(d, kk, vv, sec);
     int n = 4;
@@ -511,7 +265,6 @@ out:
     free(vv);
     free(kmask);
     free(vmask);
-    free(tmp);
     free(w.R);
     free(w.At);
     free(w.Bt);

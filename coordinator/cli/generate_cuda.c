@@ -37,7 +37,7 @@ int cli_generate_cuda(model *m, int device, const kv_codec_params *codec, int bl
     const kv_geometry g = {.n_layers = cfg->n_layers, .n_kv_heads = cfg->n_kv_heads, .head_dim = cfg->head_dim,
                            .block_tokens = block_tokens};
     cuda_kv_encoder enc;
-    if (cuda_kv_encoder_init(codec, &g, &enc, &err) != STRATA_OK) {
+    if (cuda_seq_check_codec(codec, &err) != STRATA_OK || cuda_kv_encoder_init(codec, &g, &enc, &err) != STRATA_OK) {
         fprintf(stderr, "strata generate: --device cuda: %s\n", err.msg);
         return EXIT_USAGE;
     }

@@ -1,5 +1,7 @@
 // Quantize-on-append (see kernels/cuda_kv_encode.h): one thread block writes one block, through
-// the phases of kernels/cuda/kv_encode_block.h with a barrier between them.
+// the phases of kernels/cuda/kv_encode_block.h with a barrier between them. Built with
+// --fmad=false (kernels/CMakeLists.txt): GEAR's fp64 fit must round each product and sum as the
+// CPU does, with no fused multiply-adds, for the bytes to match.
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/kv_encode_block.h"
@@ -22,9 +24,15 @@ __global__ void __launch_bounds__(kThreads) encode_blocks(cuda_kv_encoder E, con
     kv_enc_zero(&E, dst, tid, n);
     __syncthreads();
     kv_enc_header(&E, &job, dst, tid, n);
-    kv_enc_means(&E, &job, dst, tid, n);      // disjoint from the header: no barrier between them
-    __syncthreads();                          // the sections of TaDA read the means
+    kv_enc_means(&E, &job, dst, tid, n);        // disjoint from the header: no barrier between them
+    kv_enc_gear_select(&E, &job, tid, n);       // job scratch only
+    __syncthreads();                            // the sections read TaDA's means, GEAR's filled copies
     kv_enc_sections(&E, &job, dst, tid, n);
+    kv_enc_gear_sparse(&E, &job, dst, tid, n);  // its own sections
+    __syncthreads();
+    kv_enc_gear_residual(&E, &job, dst, tid, n);  // reads the backbone just written
+    __syncthreads();
+    kv_enc_gear_fit(&E, &job, dst, tid, n);
     __syncthreads();
     piece_crc[tid] = kv_enc_piece_crc(&E, table, dst, tid, n);
     __syncthreads();
@@ -40,7 +48,7 @@ extern "C" int cuda_kv_encode_blocks(const cuda_kv_encoder *enc, const cuda_kv_e
     if (!enc || (n_jobs > 0 && !d_jobs) || n_jobs < 0)
         return strata_fail(err, STRATA_EINVAL, "cuda_kv_encode_blocks: bad arguments");
     const cuda_kv_layout &L = enc->layout;
-    if ((L.codec != KV_CODEC_FP16 && L.codec != KV_CODEC_KIVI && L.codec != KV_CODEC_TADA) || L.block_bytes % 64 != 0 ||
+    if (L.codec == KV_CODEC_OTT || L.codec < KV_CODEC_FP16 || L.codec > KV_CODEC_TADA || L.block_bytes % 64 != 0 ||
         enc->header_bytes > CUDA_KV_MAX_HEADER || enc->header_bytes >= L.block_bytes)
         return strata_fail(err, STRATA_EINVAL, "cuda_kv_encode_blocks: encoder not from cuda_kv_encoder_init");
     if (n_jobs == 0)

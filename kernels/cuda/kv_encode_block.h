@@ -23,6 +23,7 @@
 #include "kernels/cuda_kv_encode.h"
 #include "kvstore/block.h"
 #include "kvstore/crc32c_math.h"
+#include "kvstore/gear_math.h"
 #include "kvstore/hd.h"
 #include "kvstore/kv_cache.h"
 #include "kvstore/quant_math.h"
@@ -39,31 +40,45 @@ STRATA_HD static inline void kv_enc_store32(uint8_t *p, uint32_t v)
         p[i] = (uint8_t)(v >> (8 * i));
 }
 
+STRATA_HD static inline uint32_t kv_enc_ld32(const uint8_t *p)
+{
+    return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16) | ((uint32_t)p[3] << 24);
+}
+
 STRATA_HD static inline float kv_enc_half_at(const uint8_t *p) { return strata_half_to_float((uint16_t)(p[0] | (p[1] << 8))); }
 
-/* Value j of a row: an fp16 value, minus the fp16 mean at mean[2 * j * mean_stride] when mean is
- * given (TaDA's deviation, in fp32 as the CPU writer computes it). */
-STRATA_HD static inline float kv_enc_value(const uint16_t *src, size_t stride, const uint8_t *mean, size_t mean_stride,
-                                           int j)
+/* Where the values of one row come from: fp16 values (minus TaDA's fp16 means when mean is set),
+ * or fp32 values (GEAR's input with its outliers filled), element j at index j * stride. */
+typedef struct kv_enc_row {
+    const uint16_t *h;     /* fp16 source, or NULL */
+    const float *f;        /* fp32 source when h is NULL */
+    size_t stride;
+    const uint8_t *mean;   /* TaDA: fp16 means, element j at byte 2 * j * mean_stride */
+    size_t mean_stride;
+} kv_enc_row;
+
+/* Value j of a row, in fp32 as the CPU writer computes it (TaDA: value - mean). */
+STRATA_HD static inline float kv_enc_value(const kv_enc_row *row, int j)
 {
-    const float x = strata_half_to_float(src[(size_t)j * stride]);
-    return mean ? x - kv_enc_half_at(mean + 2 * (size_t)j * mean_stride) : x;
+    if (!row->h)
+        return row->f[(size_t)j * row->stride];
+    const float x = strata_half_to_float(row->h[(size_t)j * row->stride]);
+    return row->mean ? x - kv_enc_half_at(row->mean + 2 * (size_t)j * row->mean_stride) : x;
 }
 
 /* n values of a row (kv_enc_value) in groups of g at bits: (scale, zero) pairs at pairs, packed
- * codes at row. The reference writer's loop (kvstore/codec_kivi.c) on the same fp32 values, so
+ * codes at out. The reference writer's loop (kvstore/codec_kivi.c) on the same fp32 values, so
  * the bytes are the same. */
-STRATA_HD static inline void kv_enc_quantize_row(const uint16_t *src, size_t stride, const uint8_t *mean,
-                                                 size_t mean_stride, int n, int g, int bits, uint8_t *row,
+STRATA_HD static inline void kv_enc_quantize_row(const kv_enc_row *row, int n, int g, int bits, uint8_t *out,
                                                  uint8_t *pairs)
 {
     const int per = 32 / bits;
     uint32_t word = 0;
     for (int gi = 0; gi < n / g; gi++) {
-        float mn = kv_enc_value(src, stride, mean, mean_stride, gi * g), mx = mn;
+        float mn = kv_enc_value(row, gi * g), mx = mn;
         int finite = isfinite(mn) ? 1 : 0;
         for (int j = 1; j < g; j++) {
-            const float v = kv_enc_value(src, stride, mean, mean_stride, gi * g + j);
+            const float v = kv_enc_value(row, gi * g + j);
             finite &= isfinite(v) ? 1 : 0;
             if (v < mn)
                 mn = v;
@@ -76,9 +91,9 @@ STRATA_HD static inline void kv_enc_quantize_row(const uint16_t *src, size_t str
         kv_enc_store16(pairs + 4 * gi + 2, q.zero_h);
         for (int j = 0; j < g; j++) {
             const int i = gi * g + j;
-            word |= kv_qgroup_code(kv_enc_value(src, stride, mean, mean_stride, i), &q, bits) << ((i % per) * bits);
+            word |= kv_qgroup_code(kv_enc_value(row, i), &q, bits) << ((i % per) * bits);
             if (i % per == per - 1) {
-                kv_enc_store32(row + 4 * (i / per), word);
+                kv_enc_store32(out + 4 * (i / per), word);
                 word = 0;
             }
         }
@@ -109,6 +124,186 @@ STRATA_HD static inline void kv_enc_header(const cuda_kv_encoder *E, const cuda_
             dst[i] = (uint8_t)(job->first_pos >> (8 * (i - KV_HDR_FIRST_POS)));
         else
             dst[i] = E->header[i];
+    }
+}
+
+/* ---- GEAR ----
+ * A job's scratch (cuda_kv_encode_job.work): the fp32 copies of K and V whose outliers are filled
+ * (what the backbone quantizes), the outlier masks, and one low-rank fit workspace per (K/V, head). */
+typedef struct kv_enc_gear_work {
+    float *kk, *vv;            /* [T][H][D] */
+    uint8_t *kmask, *vmask;    /* [T][H][D] */
+    double *fit;               /* 2H x gear_lr_doubles, (K heads, then V heads) */
+    uint8_t *small;            /* 2H x fit_small bytes */
+} kv_enc_gear_work;
+
+STRATA_HD static inline size_t kv_enc_gear_small(size_t T, size_t D, size_t r)
+{
+    return (gear_lr_small_bytes(T, D, r) + 7) & ~(size_t)7;
+}
+
+STRATA_HD static inline uint64_t kv_enc_gear_work_bytes(const cuda_kv_encoder *E)
+{
+    const size_t T = (size_t)E->layout.block_tokens, H = (size_t)E->layout.n_kv_heads, D = (size_t)E->layout.head_dim;
+    const size_t r = (size_t)E->rank, n = T * H * D;
+    const size_t floats = (2 * n * sizeof(float) + 7) & ~(size_t)7;
+    return floats + 2 * H * gear_lr_doubles(T, D, r) * sizeof(double) + 2 * n + 2 * H * kv_enc_gear_small(T, D, r);
+}
+
+STRATA_HD static inline kv_enc_gear_work kv_enc_gear_work_at(const cuda_kv_encoder *E, void *work)
+{
+    kv_enc_gear_work w = {NULL, NULL, NULL, NULL, NULL, NULL};
+    if (!E->gear || !work)
+        return w;
+    const size_t T = (size_t)E->layout.block_tokens, H = (size_t)E->layout.n_kv_heads, D = (size_t)E->layout.head_dim;
+    const size_t r = (size_t)E->rank, n = T * H * D;
+    uint8_t *base = (uint8_t *)work;
+    w.kk = (float *)(void *)base;
+    w.vv = w.kk + n;
+    w.fit = (double *)(void *)(base + ((2 * n * sizeof(float) + 7) & ~(size_t)7));
+    w.kmask = (uint8_t *)(w.fit + 2 * H * gear_lr_doubles(T, D, r));
+    w.vmask = w.kmask + n;
+    w.small = w.vmask + n;
+    return w;
+}
+
+/* The fit workspace of head h of K (kv = 0) or V (1). */
+STRATA_HD static inline gear_lr_work kv_enc_gear_fit_work(const kv_enc_gear_work *w, size_t T, size_t D, size_t r,
+                                                          size_t index)
+{
+    gear_lr_work f;
+    f.R = w->fit + index * gear_lr_doubles(T, D, r);
+    f.At = f.R + T * D;
+    f.Bt = f.At + r * T;
+    f.L = f.Bt + r * D;
+    f.y = f.L + r * r;
+    uint8_t *small = w->small + index * kv_enc_gear_small(T, D, r);
+    f.Ah = (uint16_t *)(void *)small;
+    f.Bh = f.Ah + T * r;
+    f.on = (uint8_t *)(f.Bh + D * r);
+    return f;
+}
+
+/* Phase 2 (GEAR): a thread per key vector (a channel over the tokens) and per value vector (a
+ * token over the channels): the fp32 copy, its outliers (gear_select_outliers), each quantization
+ * group's outliers replaced by the mean of the rest (gear_fill_group), as codec_gear.c does. */
+STRATA_HD static inline void kv_enc_gear_select(const cuda_kv_encoder *E, const cuda_kv_encode_job *job, unsigned tid,
+                                                unsigned nthreads)
+{
+    if (!E->gear)
+        return;
+    const kv_enc_gear_work w = kv_enc_gear_work_at(E, job->work);
+    const size_t T = (size_t)E->layout.block_tokens, H = (size_t)E->layout.n_kv_heads, D = (size_t)E->layout.head_dim;
+    const size_t G = (size_t)E->layout.k_group, ks = (size_t)E->k_sparse, vs = (size_t)E->v_sparse;
+    for (size_t i = tid; i < H * D + T * H; i += nthreads) {
+        if (i < H * D) {   /* key vector h * D + c: elements (t * H + h) * D + c */
+            const size_t first = i, stride = H * D;
+            for (size_t t = 0; t < T; t++) {
+                w.kk[first + t * stride] = strata_half_to_float(job->k[first + t * stride]);
+                w.kmask[first + t * stride] = 0;
+            }
+            if (ks) {
+                gear_select_outliers(w.kk + first, T, stride, ks, w.kmask + first);
+                for (size_t t0 = 0; t0 < T; t0 += G)
+                    gear_fill_group(w.kk + first + t0 * stride, w.kmask + first + t0 * stride, G, stride);
+            }
+        } else {           /* value vector t * H + h: elements [first, first + D) */
+            const size_t first = (i - H * D) * D;
+            for (size_t c = 0; c < D; c++) {
+                w.vv[first + c] = strata_half_to_float(job->v[first + c]);
+                w.vmask[first + c] = 0;
+            }
+            if (vs) {
+                gear_select_outliers(w.vv + first, D, 1, vs, w.vmask + first);
+                for (size_t c0 = 0; c0 < D; c0 += G)
+                    gear_fill_group(w.vv + first + c0, w.vmask + first + c0, G, 1);
+            }
+        }
+    }
+}
+
+/* Phase 3 (GEAR, beside the backbone): each vector's outliers, index ascending, as their exact
+ * fp16 inputs. */
+STRATA_HD static inline void kv_enc_gear_sparse(const cuda_kv_encoder *E, const cuda_kv_encode_job *job, uint8_t *dst,
+                                                unsigned tid, unsigned nthreads)
+{
+    if (!E->gear)
+        return;
+    const kv_enc_gear_work w = kv_enc_gear_work_at(E, job->work);
+    const size_t T = (size_t)E->layout.block_tokens, H = (size_t)E->layout.n_kv_heads, D = (size_t)E->layout.head_dim;
+    const size_t ks = (size_t)E->k_sparse, vs = (size_t)E->v_sparse;
+    for (size_t i = tid; i < H * D + T * H; i += nthreads) {
+        const int key = i < H * D;
+        const size_t k = key ? ks : vs, vec = key ? i : i - H * D;
+        if (!k)
+            continue;
+        const size_t n = key ? T : D, stride = key ? H * D : 1, first = key ? vec : vec * D;
+        const uint16_t *x = key ? job->k : job->v;
+        const uint8_t *mask = key ? w.kmask : w.vmask;
+        uint8_t *e = dst + (key ? E->off_k_sparse : E->off_v_sparse) + vec * k * 4;
+        size_t at = 0;
+        for (size_t j = 0; j < n && at < k; j++) {
+            const size_t o = first + j * stride;
+            if (!mask[o])
+                continue;
+            kv_enc_store16(e + 4 * at, (uint16_t)j);
+            kv_enc_store16(e + 4 * at + 2, strata_float_to_half(strata_half_to_float(x[o])));
+            at++;
+        }
+    }
+}
+
+/* Phase 4 (GEAR with a rank): the residual of every head, input minus the backbone as a reader
+ * dequantizes it (fp32), zero at the outliers, into each fit's R [T][D] (fp64). */
+STRATA_HD static inline void kv_enc_gear_residual(const cuda_kv_encoder *E, const cuda_kv_encode_job *job,
+                                                  const uint8_t *dst, unsigned tid, unsigned nthreads)
+{
+    if (!E->gear || !E->rank)
+        return;
+    const kv_enc_gear_work w = kv_enc_gear_work_at(E, job->work);
+    const cuda_kv_layout *L = &E->layout;
+    const size_t T = (size_t)L->block_tokens, H = (size_t)L->n_kv_heads, D = (size_t)L->head_dim, r = (size_t)E->rank;
+    const size_t G = (size_t)L->k_group, k_row = T * (size_t)L->k_bits / 8, v_row = D * (size_t)L->v_bits / 8;
+    for (size_t i = tid; i < 2 * H * T * D; i += nthreads) {
+        const size_t kv = i / (H * T * D), rem = i % (H * T * D), h = rem / (T * D), t = rem % (T * D) / D, c = rem % D;
+        const size_t o = (t * H + h) * D + c;
+        float dq;
+        if (kv == 0) {
+            const size_t row = h * D + c;
+            const uint8_t *pair = dst + L->off_k_scales + (row * (T / G) + t / G) * 4;
+            const uint32_t word = kv_enc_ld32(dst + L->off_k + row * k_row + 4 * (t / (32 / (size_t)L->k_bits)));
+            const uint32_t code = (word >> ((t % (32 / (size_t)L->k_bits)) * (size_t)L->k_bits)) & ((1u << L->k_bits) - 1u);
+            dq = (float)code * kv_enc_half_at(pair) + kv_enc_half_at(pair + 2);
+        } else {
+            const size_t row = t * H + h;
+            const uint8_t *pair = dst + L->off_v_scales + (row * (D / G) + c / G) * 4;
+            const uint32_t word = kv_enc_ld32(dst + L->off_v + row * v_row + 4 * (c / (32 / (size_t)L->v_bits)));
+            const uint32_t code = (word >> ((c % (32 / (size_t)L->v_bits)) * (size_t)L->v_bits)) & ((1u << L->v_bits) - 1u);
+            dq = (float)code * kv_enc_half_at(pair) + kv_enc_half_at(pair + 2);
+        }
+        const float x = strata_half_to_float(kv ? job->v[o] : job->k[o]);
+        const uint8_t masked = kv ? w.vmask[o] : w.kmask[o];
+        const gear_lr_work f = kv_enc_gear_fit_work(&w, T, D, r, kv * H + h);
+        f.R[t * D + c] = masked ? 0.0 : (double)x - (double)dq;
+    }
+}
+
+/* Phase 5 (GEAR with a rank): a thread per (K/V, head) runs that head's fit (gear_lowrank_fit)
+ * and writes its factors. */
+STRATA_HD static inline void kv_enc_gear_fit(const cuda_kv_encoder *E, const cuda_kv_encode_job *job, uint8_t *dst,
+                                             unsigned tid, unsigned nthreads)
+{
+    if (!E->gear || !E->rank)
+        return;
+    const kv_enc_gear_work w = kv_enc_gear_work_at(E, job->work);
+    const size_t T = (size_t)E->layout.block_tokens, H = (size_t)E->layout.n_kv_heads, D = (size_t)E->layout.head_dim;
+    const size_t r = (size_t)E->rank;
+    for (size_t i = tid; i < 2 * H; i += nthreads) {
+        const int kv = (int)(i / H);
+        const size_t h = i % H;
+        const gear_lr_work f = kv_enc_gear_fit_work(&w, T, D, r, i);
+        gear_lowrank_fit(&f, T, D, r, gear_fit_seed(job->layer, job->first_pos, h, kv),
+                         dst + (kv ? E->off_v_lowrank : E->off_k_lowrank) + h * (T + D) * r * 2);
     }
 }
 
@@ -149,12 +344,19 @@ STRATA_HD static inline void kv_enc_sections(const cuda_kv_encoder *E, const cud
     const size_t k_row = T * (size_t)L->k_bits / 8, k_groups = T / (size_t)L->k_group;
     const size_t v_row = D * (size_t)L->v_bits / 8, v_groups = D / (size_t)L->v_group;
     const int tada = L->codec == KV_CODEC_TADA;
-    for (size_t r = tid; r < H * D; r += nthreads)   /* key row r = head * D + channel, over tokens */
-        kv_enc_quantize_row(job->k + r, H * D, tada ? dst + L->off_k_mean + 2 * (r % D) : NULL, D, (int)T,
-                            L->k_group, L->k_bits, dst + L->off_k + r * k_row, dst + L->off_k_scales + r * k_groups * 4);
-    for (size_t r = tid; r < T * H; r += nthreads)   /* value row r = token * H + head, over channels */
-        kv_enc_quantize_row(job->v + r * D, 1, tada ? dst + L->off_v_mean + 2 * (r / H) * D : NULL, 1, (int)D,
-                            L->v_group, L->v_bits, dst + L->off_v + r * v_row, dst + L->off_v_scales + r * v_groups * 4);
+    const kv_enc_gear_work gw = kv_enc_gear_work_at(E, job->work);
+    for (size_t r = tid; r < H * D; r += nthreads) {   /* key row r = head * D + channel, over tokens */
+        const kv_enc_row row = {E->gear ? NULL : job->k + r, E->gear ? gw.kk + r : NULL, H * D,
+                                tada ? dst + L->off_k_mean + 2 * (r % D) : NULL, D};
+        kv_enc_quantize_row(&row, (int)T, L->k_group, L->k_bits, dst + L->off_k + r * k_row,
+                            dst + L->off_k_scales + r * k_groups * 4);
+    }
+    for (size_t r = tid; r < T * H; r += nthreads) {   /* value row r = token * H + head, over channels */
+        const kv_enc_row row = {E->gear ? NULL : job->v + r * D, E->gear ? gw.vv + r * D : NULL, 1,
+                                tada ? dst + L->off_v_mean + 2 * (r / H) * D : NULL, 1};
+        kv_enc_quantize_row(&row, (int)D, L->v_group, L->v_bits, dst + L->off_v + r * v_row,
+                            dst + L->off_v_scales + r * v_groups * 4);
+    }
 }
 
 /* Bytes of payload piece p of nthreads (the last pieces may be short or empty). */

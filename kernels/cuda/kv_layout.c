@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "kernels/cuda_kv_attention.h"
+#include "kernels/cuda/kv_encode_block.h"
 #include "kernels/cuda_kv_encode.h"
 #include "kvstore/block.h"
 
@@ -111,24 +112,35 @@ size_t cuda_kv_attention_workspace(const cuda_kv_layout *layout, const cuda_kv_p
     return partials * ((size_t)layout->head_dim + 2) * sizeof(float);
 }
 
-int cuda_kv_encoder_init(const kv_codec_params *p, const kv_geometry *g, cuda_kv_encoder *out, strata_error *err)
+static uint32_t section_at(const kv_block *b, uint16_t id)
+{
+    for (int i = 0; i < b->n_sections; i++)
+        if (b->sections[i].id == id)
+            return b->sections[i].offset;
+    return 0;
+}
+
+int cuda_kv_encoder_init_rank(const kv_codec_params *p, const kv_geometry *g, int rank, cuda_kv_encoder *out,
+                              strata_error *err)
 {
     if (!p || !g || !out)
         return strata_fail(err, STRATA_EINVAL, "cuda_kv_encoder_init: NULL argument");
     int rc = kv_codec_validate(p, g, err);
     if (rc != STRATA_OK)
         return rc;
-    if (p->codec == KV_CODEC_GEAR || p->codec == KV_CODEC_OTT)
+    if (p->codec == KV_CODEC_OTT)
         return strata_fail(err, STRATA_EUNSUPPORTED,
-                           "the CUDA encoder writes fp16, KIVI and TaDA blocks; %s is not ported yet (%s)",
-                           kv_codec_id_name((unsigned)p->codec),
-                           p->codec == KV_CODEC_GEAR ? "its per-block power-iteration fit"
-                                                     : "the pooled-token tracker is per-sequence host state");
+                           "the CUDA encoder writes fp16, KIVI, TaDA and GEAR blocks; ott is not ported yet (the "
+                           "pooled-token tracker is per-sequence host state)");
     kv_block_desc d;
     kv_block_desc_init(&d, p, g, 0, 0);
+    if (rank >= 0 && p->codec == KV_CODEC_GEAR)
+        d.rank = rank;
     const size_t bytes = kv_block_bytes(&d);
+    if (bytes == 0)
+        return strata_fail(err, STRATA_EINVAL, "rank %d: not a valid block", rank);
     const size_t rows = (size_t)g->block_tokens * (size_t)g->n_kv_heads * (size_t)g->head_dim;
-    uint8_t *block = calloc(1, bytes ? bytes : 1);
+    uint8_t *block = calloc(1, bytes);
     float *zeros = calloc(rows ? rows : 1, sizeof *zeros);
     if (!block || !zeros) {
         free(block);
@@ -136,6 +148,7 @@ int cuda_kv_encoder_init(const kv_codec_params *p, const kv_geometry *g, cuda_kv
         return strata_fail(err, STRATA_ENOMEM, "cuda_kv_encoder_init: out of memory");
     }
     kv_block b;
+    memset(out, 0, sizeof *out);
     rc = kv_block_encode(&d, zeros, zeros, block, bytes, NULL, err);
     if (rc == STRATA_OK)
         rc = kv_block_parse(block, bytes, &b, err);
@@ -146,14 +159,29 @@ int cuda_kv_encoder_init(const kv_codec_params *p, const kv_geometry *g, cuda_kv
                          CUDA_KV_MAX_HEADER);
     if (rc == STRATA_OK) {
         out->header_bytes = b.header_bytes;
-        memset(out->header, 0, sizeof out->header);
         memcpy(out->header, block, b.header_bytes);
         /* Filled per block by the kernel. */
         memset(out->header + KV_HDR_LAYER, 0, 4);
         memset(out->header + KV_HDR_FIRST_POS, 0, 8);
         memset(out->header + KV_HDR_PAYLOAD_CRC, 0, 8);
+        if (d.codec == KV_CODEC_GEAR && (d.rank || d.k_sparse || d.v_sparse)) {
+            out->gear = 1;
+            out->rank = d.rank;
+            out->k_sparse = d.k_sparse;
+            out->v_sparse = d.v_sparse;
+            out->off_k_sparse = section_at(&b, KV_SEC_GEAR_K_SPARSE);
+            out->off_v_sparse = section_at(&b, KV_SEC_GEAR_V_SPARSE);
+            out->off_k_lowrank = section_at(&b, KV_SEC_GEAR_K_LOWRANK);
+            out->off_v_lowrank = section_at(&b, KV_SEC_GEAR_V_LOWRANK);
+            out->work_bytes = kv_enc_gear_work_bytes(out);
+        }
     }
     free(block);
     free(zeros);
     return rc;
+}
+
+int cuda_kv_encoder_init(const kv_codec_params *p, const kv_geometry *g, cuda_kv_encoder *out, strata_error *err)
+{
+    return cuda_kv_encoder_init_rank(p, g, -1, out, err);
 }

@@ -41,7 +41,7 @@ if grep -q "no CUDA support" "$tmp/probe"; then
   echo "test_synthetic: this build has no CUDA: --device cuda checked for its message only"
   expect 1 "no CUDA support" "$strata" generate --model synthetic:tiny --prompt hi --device cuda
 else
-  expect 2 "gear is not ported yet" "$strata" generate --model synthetic:tiny --prompt hi --device cuda --kv gear2
+  expect 2 "gear caches are not supported" "$strata" generate --model synthetic:tiny --prompt hi --device cuda --kv gear2
 fi
 if grep -q "no CUDA support" "$tmp/probe"; then
   :

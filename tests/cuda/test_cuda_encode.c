@@ -9,6 +9,7 @@
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -74,8 +75,9 @@ static void test_encoder_header(void **state)
     free(zeros);
     free(block);
 
-    assert_int_equal(kv_codec_parse("gear2", &p, &err), STRATA_OK);
+    assert_int_equal(kv_codec_parse("ott2", &p, &err), STRATA_OK);
     assert_int_equal(cuda_kv_encoder_init(&p, &g, &enc, &err), STRATA_EUNSUPPORTED);
+    assert_non_null(strstr(err.msg, "ott"));
     assert_int_equal(cuda_kv_encode_blocks(NULL, NULL, 1, NULL, &err), STRATA_EINVAL);
 }
 
@@ -93,9 +95,16 @@ static void encode_emulated(const cuda_kv_encoder *enc, const cuda_kv_encode_job
         for (unsigned t = 0; t < nthreads; t++) {
             kv_enc_header(enc, &jobs[b], jobs[b].dst, t, nthreads);
             kv_enc_means(enc, &jobs[b], jobs[b].dst, t, nthreads);
+            kv_enc_gear_select(enc, &jobs[b], t, nthreads);
+        }
+        for (unsigned t = 0; t < nthreads; t++) {
+            kv_enc_sections(enc, &jobs[b], jobs[b].dst, t, nthreads);
+            kv_enc_gear_sparse(enc, &jobs[b], jobs[b].dst, t, nthreads);
         }
         for (unsigned t = 0; t < nthreads; t++)
-            kv_enc_sections(enc, &jobs[b], jobs[b].dst, t, nthreads);
+            kv_enc_gear_residual(enc, &jobs[b], jobs[b].dst, t, nthreads);
+        for (unsigned t = 0; t < nthreads; t++)
+            kv_enc_gear_fit(enc, &jobs[b], jobs[b].dst, t, nthreads);
         for (unsigned t = 0; t < nthreads; t++)
             piece[t] = kv_enc_piece_crc(enc, table, jobs[b].dst, t, nthreads);
         kv_enc_finish(enc, table, piece, jobs[b].dst, nthreads);
@@ -104,15 +113,21 @@ static void encode_emulated(const cuda_kv_encoder *enc, const cuda_kv_encode_job
 }
 
 /* threads == 0: on the GPU; otherwise emulated on the CPU with that many threads. */
-static void run_codec(const char *codec, int H, int D, int BT, int n_blocks, unsigned threads)
+/* threads == 0: on the GPU; otherwise emulated on the CPU with that many threads. prompt: GEAR
+ * blocks at the prompt rank (the CPU pool's blocks made only of prompt tokens). */
+static void run_codec_rank(const char *codec, int H, int D, int BT, int n_blocks, unsigned threads, bool prompt)
 {
     kv_codec_params p;
     strata_error err = {0};
     assert_int_equal(kv_codec_parse(codec, &p, &err), STRATA_OK);
     const kv_geometry g = {.n_layers = 32, .n_kv_heads = H, .head_dim = D, .block_tokens = BT};
+    const int rank = prompt ? p.rank_prompt : -1;
     cuda_kv_encoder enc;
-    if (cuda_kv_encoder_init(&p, &g, &enc, &err) != STRATA_OK)
+    if (cuda_kv_encoder_init_rank(&p, &g, rank, &enc, &err) != STRATA_OK)
         fail_msg("%s: %s", codec, err.msg);
+    const size_t work = (size_t)enc.work_bytes;
+    uint8_t *hwork = work ? aligned_alloc(64, ((work * (size_t)n_blocks) + 63) & ~(size_t)63) : NULL;
+    assert_true(!work || hwork);
     const size_t rows = (size_t)BT * H * D, slot = enc.layout.block_bytes;
     uint16_t *k = malloc(rows * n_blocks * sizeof *k), *v = malloc(rows * n_blocks * sizeof *v);
     float *kf = malloc(rows * sizeof *kf), *vf = malloc(rows * sizeof *vf);
@@ -128,13 +143,15 @@ static void run_codec(const char *codec, int H, int D, int BT, int n_blocks, uns
         for (int b = 0; b < n_blocks; b++)
             jobs[b] = (cuda_kv_encode_job){.k = k + rows * b, .v = v + rows * b, .dst = got + slot * b,
                                            .first_pos = (uint64_t)b * BT + ((uint64_t)b << 33),
-                                           .layer = (uint32_t)(b % 32)};
+                                           .layer = (uint32_t)(b % 32), .work = work ? hwork + work * b : NULL};
         encode_emulated(&enc, jobs, n_blocks, threads);
         goto compare;
     }
     uint16_t *dk, *dv;
-    uint8_t *dslots;
+    uint8_t *dslots, *dwork = NULL;
     cuda_kv_encode_job *djobs;
+    if (work)
+        CUDA_CHECK(cudaMalloc((void **)&dwork, work * (size_t)n_blocks));
     CUDA_CHECK(cudaMalloc((void **)&dk, rows * n_blocks * sizeof *dk));
     CUDA_CHECK(cudaMalloc((void **)&dv, rows * n_blocks * sizeof *dv));
     CUDA_CHECK(cudaMalloc((void **)&dslots, slot * n_blocks));
@@ -144,7 +161,8 @@ static void run_codec(const char *codec, int H, int D, int BT, int n_blocks, uns
     CUDA_CHECK(cudaMemset(dslots, 0xa5, slot * n_blocks));
     for (int b = 0; b < n_blocks; b++)
         jobs[b] = (cuda_kv_encode_job){.k = dk + rows * b, .v = dv + rows * b, .dst = dslots + slot * b,
-                                       .first_pos = (uint64_t)b * BT + ((uint64_t)b << 33), .layer = (uint32_t)(b % 32)};
+                                       .first_pos = (uint64_t)b * BT + ((uint64_t)b << 33), .layer = (uint32_t)(b % 32),
+                                       .work = work ? dwork + work * b : NULL};
     CUDA_CHECK(cudaMemcpy(djobs, jobs, n_blocks * sizeof *djobs, cudaMemcpyHostToDevice));
     if (cuda_kv_encode_blocks(&enc, djobs, n_blocks, NULL, &err) != STRATA_OK)
         fail_msg("%s: %s", codec, err.msg);
@@ -154,6 +172,7 @@ static void run_codec(const char *codec, int H, int D, int BT, int n_blocks, uns
     cudaFree(dv);
     cudaFree(dslots);
     cudaFree(djobs);
+    cudaFree(dwork);
 compare:
     for (int b = 0; b < n_blocks; b++) {
         for (size_t i = 0; i < rows; i++) {
@@ -162,6 +181,8 @@ compare:
         }
         kv_block_desc d;
         kv_block_desc_init(&d, &p, &g, jobs[b].layer, jobs[b].first_pos);
+        if (rank >= 0 && p.codec == KV_CODEC_GEAR)
+            d.rank = rank;
         assert_int_equal(kv_block_encode(&d, kf, vf, want, slot, NULL, &err), STRATA_OK);
         const uint8_t *mine = got + slot * b;
         size_t first_diff = slot;
@@ -174,8 +195,9 @@ compare:
                      want[first_diff]);
         assert_int_equal(kv_block_verify(mine, slot, NULL, &err), STRATA_OK);
     }
-    printf("  %s H %d D %d block_tokens %d: %d blocks of %zu bytes identical to the CPU writer's (%s)\n", codec, H,
-           D, BT, n_blocks, slot, threads ? "emulated" : "gpu");
+    printf("  %s%s H %d D %d block_tokens %d: %d blocks of %zu bytes identical to the CPU writer's (%s)\n", codec,
+           prompt ? " (prompt rank)" : "", H, D, BT, n_blocks, slot, threads ? "emulated" : "gpu");
+    free(hwork);
     free(k);
     free(v);
     free(kf);
@@ -185,7 +207,15 @@ compare:
     free(jobs);
 }
 
-static const char *const codecs[] = {"fp16", "kivi2", "kivi4", "kivi2-g64", "kivi4-g16", "tada2", "tada4", "tada8"};
+static void run_codec(const char *codec, int H, int D, int BT, int n_blocks, unsigned threads)
+{
+    run_codec_rank(codec, H, D, BT, n_blocks, threads, false);
+    if (!strncmp(codec, "gear", 4))
+        run_codec_rank(codec, H, D, BT, n_blocks, threads, true);
+}
+
+static const char *const codecs[] = {"fp16",  "kivi2", "kivi4",  "kivi2-g64", "kivi4-g16", "tada2",
+                                     "tada4", "tada8", "gear2", "gear4",     "gearl2",    "gear2-s50"};
 
 static void test_blocks_equal_cpu_writer(void **state)
 {

@@ -366,6 +366,20 @@ static int gemm(cuda_model *cm, const float *x, size_t n, size_t in, const void 
     return STRATA_OK;
 }
 
+int cuda_seq_check_codec(const kv_codec_params *codec, strata_error *err)
+{
+    if (!codec)
+        return strata_fail(err, STRATA_EINVAL, "no codec");
+    if (codec->codec == KV_CODEC_GEAR || codec->codec == KV_CODEC_OTT)
+        return strata_fail(err, STRATA_EUNSUPPORTED,
+                           "%s caches are not supported by the GPU forward pass yet (fp16, KIVI and TaDA are)%s",
+                           codec->codec == KV_CODEC_GEAR ? "gear" : "ott",
+                           codec->codec == KV_CODEC_GEAR ? ": the device encoder writes GEAR blocks, the forward "
+                                                           "pass does not drive it yet"
+                                                         : "");
+    return STRATA_OK;
+}
+
 cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t max_tokens,
                           strata_error *err)
 {
@@ -373,6 +387,8 @@ cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int bloc
         strata_fail(err, STRATA_EINVAL, "cuda_seq_create: bad arguments");
         return NULL;
     }
+    if (cuda_seq_check_codec(codec, err) != STRATA_OK)
+        return NULL;
     const model_config *c = &cm->cfg;
     const kv_geometry g = {.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
                            .block_tokens = block_tokens};
@@ -808,6 +824,8 @@ int cuda_seq_device_bytes(const cuda_model *cm, const kv_codec_params *codec, in
 {
     if (!cm || !codec || !bytes || block_tokens < 1 || max_tokens < 1)
         return strata_fail(err, STRATA_EINVAL, "cuda_seq_device_bytes: bad arguments");
+    if (cuda_seq_check_codec(codec, err) != STRATA_OK)
+        return err ? err->code : STRATA_EUNSUPPORTED;
     const kv_geometry g = {.n_layers = cm->cfg.n_layers, .n_kv_heads = cm->cfg.n_kv_heads,
                            .head_dim = cm->cfg.head_dim, .block_tokens = block_tokens};
     cuda_kv_encoder enc;

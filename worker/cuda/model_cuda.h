@@ -40,6 +40,11 @@ void cuda_model_free(cuda_model *cm);
 /* Device bytes of the weights. */
 size_t cuda_model_weight_bytes(const cuda_model *cm);
 
+/* STRATA_OK when the forward pass can keep a cache of this codec: fp16, KIVI, TaDA. GEAR and OTT:
+ * STRATA_EUNSUPPORTED with the reason (OTT has no device encoder; GEAR's needs a scratch per block
+ * and a prompt-rank encoder that the forward pass does not drive yet). Needs no device. */
+int cuda_seq_check_codec(const kv_codec_params *codec, strata_error *err);
+
 /* A sequence's KV cache on the device for up to max_tokens positions: codec fp16, KIVI or TaDA
  * (GEAR, OTT: STRATA_EUNSUPPORTED), block_tokens per block. */
 cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t max_tokens,
