@@ -45,7 +45,7 @@ static void usage(FILE *out)
             "usage: strata-bench-decode-gpu [options]\n"
             "Decode throughput at a fixed KV memory budget, one row per KV codec (needs a CUDA GPU).\n"
             "  --model PATH          GGUF or synthetic:NAME (default synthetic:llama3-8b)\n"
-            "  --codecs LIST         comma-separated (default fp16,kivi4,kivi2)\n"
+            "  --codecs LIST         comma-separated (default fp16,kivi4,kivi2,gear2)\n"
             "  --kv-budget-gib G     device memory for KV caches (default 40)\n"
             "  --prompt N            prompt tokens per sequence (default 512)\n"
             "  --gen N               generated tokens per sequence (default 128)\n"
@@ -73,7 +73,7 @@ static int parse_options(int argc, char **argv, options *o)
 {
     *o = (options){.model = "synthetic:llama3-8b", .budget_gib = 40.0, .prompt = 512, .gen = 128,
                    .max_batch = 1024, .prefill_batch = 8, .dtype = CUDA_WEIGHTS_F16};
-    strcpy(o->codecs, "fp16,kivi4,kivi2");
+    strcpy(o->codecs, "fp16,kivi4,kivi2,gear2");
     static const struct option longopts[] = {
         {"model", required_argument, 0, 'm'},      {"codecs", required_argument, 0, 'c'},
         {"kv-budget-gib", required_argument, 0, 'b'}, {"prompt", required_argument, 0, 'p'},

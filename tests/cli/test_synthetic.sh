@@ -41,7 +41,9 @@ if grep -q "no CUDA support" "$tmp/probe"; then
   echo "test_synthetic: this build has no CUDA: --device cuda checked for its message only"
   expect 1 "no CUDA support" "$strata" generate --model synthetic:tiny --prompt hi --device cuda
 else
-  expect 2 "gear caches are not supported" "$strata" generate --model synthetic:tiny --prompt hi --device cuda --kv gear2
+  echo "0-3:ott4" >"$tmp/ott.plan"   # one OTT codec on every layer (the name alone spares layers 0-1)
+  expect 2 "ott caches are not supported" "$strata" generate --model synthetic:tiny --prompt hi --device cuda \
+    --kv-plan "$tmp/ott.plan"
 fi
 if grep -q "no CUDA support" "$tmp/probe"; then
   :

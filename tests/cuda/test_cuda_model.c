@@ -2,7 +2,8 @@
  * the same prompt prefilled, then the same tokens decoded (the CPU's greedy choices, fed to both),
  * logits compared at every step by ||gpu - cpu|| / ||cpu||. Models: synthetic:tiny,
  * synthetic:smollm2-135m and the default model (SmolLM2-135M, when its file is present; set
- * STRATA_MODEL to point elsewhere). Caches: fp16, kivi4, kivi2, tada4, with a prompt long enough that
+ * STRATA_MODEL to point elsewhere). Caches: fp16, kivi4, kivi2, tada4, gear2 (prompt-rank and
+ * decode-rank blocks), with a prompt long enough that
  * blocks form during prefill and more during decode. Weights: fp32 on the device (fp32 GEMMs, no
  * TF32), where only summation order and the attention kernels' fp32 arithmetic differ from the
  * CPU, and fp16 (what serving uses).
@@ -123,8 +124,8 @@ static void compare_model(const char *path)
     model *m = model_load(path, 0, -1, &err);
     if (!m)
         fail_msg("%s: %s", path, err.msg);
-    const char *codecs[] = {"fp16", "kivi4", "kivi2", "tada4"};
-    for (size_t i = 0; i < 4; i++) {
+    const char *codecs[] = {"fp16", "kivi4", "kivi2", "tada4", "gear2"};
+    for (size_t i = 0; i < 5; i++) {
         compare(m, path, codecs[i], CUDA_WEIGHTS_F32);
         compare(m, path, codecs[i], CUDA_WEIGHTS_F16);
     }
@@ -238,6 +239,7 @@ static void test_batched_steps(void **state)
     assert_non_null(m);
     batched(m, "fp16");
     batched(m, "kivi2");
+    batched(m, "gear2");
     model_free(m);
 }
 

@@ -46,6 +46,8 @@ struct cuda_model {
     cuda_kv_shift_job *d_shift, *h_shift;
     void *d_ws;                               /* attention workspace */
     size_t ws_bytes;
+    uint8_t *d_gear_work;                     /* GEAR: a scratch per block forming in one step */
+    size_t gear_work_bytes;
     int *d_status;
     uint64_t step;                            /* steps checked so far: marks sequences seen in one */
 };
@@ -61,6 +63,10 @@ struct cuda_seq {
     int *tail_len, *n_blocks;        /* host, per layer (equal across layers between steps) */
     const uint8_t **d_tables;        /* device: n_layers * max_blocks block pointers */
     cuda_kv_encode_job *d_job;       /* prefill's block formation, one at a time */
+    cuda_kv_encoder enc_prompt;      /* GEAR: blocks made only of prompt tokens take rank_prompt */
+    size_t prompt_end;               /* the prompt's length (0 for a one-token prompt, as on the CPU) */
+    size_t work_bytes;               /* GEAR: the larger encoder scratch */
+    uint8_t *d_work;                 /* GEAR: prefill's scratch */
     uint64_t seen_in_step;           /* cm->step of the last step that named this sequence */
 };
 
@@ -252,6 +258,7 @@ void cuda_model_free(cuda_model *cm)
     free_workspace(cm);
     free_item_buffers(cm);
     cudaFree(cm->d_ws);
+    cudaFree(cm->d_gear_work);
     cudaFree(cm->d_status);
     for (int il = 0; cm->layers && il < cm->cfg.n_layers; il++) {
         cuda_layer *L = &cm->layers[il];
@@ -370,13 +377,10 @@ int cuda_seq_check_codec(const kv_codec_params *codec, strata_error *err)
 {
     if (!codec)
         return strata_fail(err, STRATA_EINVAL, "no codec");
-    if (codec->codec == KV_CODEC_GEAR || codec->codec == KV_CODEC_OTT)
+    if (codec->codec == KV_CODEC_OTT)
         return strata_fail(err, STRATA_EUNSUPPORTED,
-                           "%s caches are not supported by the GPU forward pass yet (fp16, KIVI and TaDA are)%s",
-                           codec->codec == KV_CODEC_GEAR ? "gear" : "ott",
-                           codec->codec == KV_CODEC_GEAR ? ": the device encoder writes GEAR blocks, the forward "
-                                                           "pass does not drive it yet"
-                                                         : "");
+                           "ott caches are not supported by the GPU forward pass yet (fp16, KIVI, TaDA and GEAR are): "
+                           "its pooled-token choice is per-sequence tracker state on the host");
     return STRATA_OK;
 }
 
@@ -406,7 +410,11 @@ cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int bloc
     s->max_blocks = (max_tokens + (size_t)block_tokens - 1) / (size_t)block_tokens;
     s->row = (size_t)c->n_kv_heads * (size_t)c->head_dim;
     int rc = cuda_kv_encoder_init(codec, &g, &s->enc, err);
-    s->slot = s->enc.layout.block_bytes;
+    if (rc == STRATA_OK && codec->codec == KV_CODEC_GEAR)
+        rc = cuda_kv_encoder_init_rank(codec, &g, codec->rank_prompt, &s->enc_prompt, err);
+    /* Slots hold the largest block: GEAR's prompt-rank blocks are larger than its decode-rank ones. */
+    s->slot = kv_block_size(codec, &g);
+    s->work_bytes = (size_t)(s->enc.work_bytes > s->enc_prompt.work_bytes ? s->enc.work_bytes : s->enc_prompt.work_bytes);
     const size_t L = (size_t)s->n_layers, tail_rows = (size_t)(s->residual + block_tokens);
     cudaError_t e = cudaSuccess;
     if (rc == STRATA_OK) {
@@ -419,8 +427,9 @@ cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int bloc
         (e = cudaMalloc((void **)&s->tail_k, L * tail_rows * s->row * 2)) == cudaSuccess &&
         (e = cudaMalloc((void **)&s->tail_v, L * tail_rows * s->row * 2)) == cudaSuccess &&
         (e = cudaMalloc((void **)&s->tmp, ((size_t)s->residual + 1) * s->row * 2)) == cudaSuccess &&
-        (e = cudaMalloc((void **)&s->d_tables, L * s->max_blocks * sizeof(void *))) == cudaSuccess)
-        e = cudaMalloc((void **)&s->d_job, sizeof(cuda_kv_encode_job));
+        (e = cudaMalloc((void **)&s->d_tables, L * s->max_blocks * sizeof(void *))) == cudaSuccess &&
+        (e = cudaMalloc((void **)&s->d_job, sizeof(cuda_kv_encode_job))) == cudaSuccess && s->work_bytes)
+        e = cudaMalloc((void **)&s->d_work, s->work_bytes);
     if (rc == STRATA_OK && e != cudaSuccess)
         rc = strata_fail(err, STRATA_EIO, "CUDA: KV cache for %zu tokens: %s", max_tokens, cudaGetErrorString(e));
     /* Block b of layer l always lives in slot l * max_blocks + b: the tables never change. */
@@ -446,7 +455,7 @@ void cuda_seq_free(cuda_seq *s)
 {
     if (!s)
         return;
-    void *bufs[] = {s->arena, s->tail_k, s->tail_v, s->tmp, (void *)(uintptr_t)s->d_tables, s->d_job};
+    void *bufs[] = {s->arena, s->tail_k, s->tail_v, s->tmp, (void *)(uintptr_t)s->d_tables, s->d_job, s->d_work};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         cudaFree(bufs[i]);
     free(s->tail_len);
@@ -459,6 +468,14 @@ size_t cuda_seq_length(const cuda_seq *s) { return s ? s->len : 0; }
 static uint16_t *tail_at(const cuda_seq *s, uint16_t *base, int layer, size_t token)
 {
     return base + ((size_t)layer * (size_t)(s->residual + s->block_tokens) + token) * s->row;
+}
+
+/* The encoder of block b: GEAR blocks made only of prompt tokens take the prompt rank (the CPU
+ * pool's rule in kv_seq_append). */
+static const cuda_kv_encoder *block_encoder(const cuda_seq *s, size_t b)
+{
+    const size_t bt = (size_t)s->block_tokens;
+    return s->codec.codec == KV_CODEC_GEAR && (b + 1) * bt <= s->prompt_end ? &s->enc_prompt : &s->enc;
 }
 
 /* Appends n fp16 rows to a layer: the tail and the new rows are one stream, and every time the
@@ -488,9 +505,10 @@ static int append_layer(cuda_seq *s, int layer, const uint16_t *k16, const uint1
             .dst = s->arena + ((size_t)layer * s->max_blocks + b) * s->slot,
             .first_pos = (uint64_t)b * bt,
             .layer = (uint32_t)layer,
+            .work = s->d_work,
         };
         CU(cudaMemcpy(s->d_job, &job, sizeof job, cudaMemcpyHostToDevice), "encoder job");
-        int rc = cuda_kv_encode_blocks(&s->enc, s->d_job, 1, NULL, err);
+        int rc = cuda_kv_encode_blocks(block_encoder(s, b), s->d_job, 1, NULL, err);
         if (rc != STRATA_OK)
             return rc;
         s->n_blocks[layer]++;
@@ -514,6 +532,7 @@ typedef struct step_plan {
     size_t *order;     /* internal position -> caller's item index */
     size_t *row0;      /* internal position -> first row */
     size_t n_full;     /* decode items whose tail fills this step (a block forms) */
+    size_t n_full_prompt;  /* of those, GEAR blocks at the prompt rank (their jobs come first) */
 } step_plan;
 
 static int check_items(cuda_model *cm, const cuda_batch_item *items, size_t n_items, strata_error *err)
@@ -559,8 +578,25 @@ static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_
                              strata_error *err)
 {
     const size_t L = (size_t)cm->cfg.n_layers, nd = sp->n_dec;
-    size_t n_full = 0;
+    size_t n_full = 0, n_prompt = 0;
     *max_blocks = 0;
+    /* The full tails first: how many blocks form, and how many of them at GEAR's prompt rank. */
+    for (size_t j = 0; j < nd; j++) {
+        const cuda_seq *s = items[sp->order[j]].seq;
+        if (s->tail_len[0] + 1 == s->residual + s->block_tokens) {
+            n_full++;
+            n_prompt += block_encoder(s, (size_t)s->n_blocks[0]) == &s->enc_prompt;
+        }
+    }
+    const size_t work = nd ? items[sp->order[0]].seq->work_bytes : 0;
+    if (n_full && work && n_full * work > cm->gear_work_bytes) {
+        cudaFree(cm->d_gear_work);
+        cm->d_gear_work = NULL;
+        cm->gear_work_bytes = 0;
+        CU(cudaMalloc((void **)&cm->d_gear_work, n_full * work), "GEAR encoder scratch");
+        cm->gear_work_bytes = n_full * work;
+    }
+    size_t at_prompt = 0, at_decode = n_prompt;   /* where each full tail's jobs go in a layer's slice */
     for (size_t j = 0; j < nd; j++) {
         cuda_seq *s = items[sp->order[j]].seq;
         const int full = s->tail_len[0] + 1 == s->residual + s->block_tokens;
@@ -569,6 +605,9 @@ static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_
             return strata_fail(err, STRATA_EFULL, "sequence at %zu tokens: no block slot left", s->len);
         if (blocks_after > *max_blocks)
             *max_blocks = blocks_after;
+        size_t slot_in_layer = 0;
+        if (full)
+            slot_in_layer = block_encoder(s, (size_t)s->n_blocks[0]) == &s->enc_prompt ? at_prompt++ : at_decode++;
         for (size_t l = 0; l < L; l++) {
             const int il = (int)l;
             cm->h_append[l * nd + j] = (cuda_kv_append_job){
@@ -585,19 +624,20 @@ static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_
                 .tail_tokens = tail_after,
             };
             if (full) {
-                cm->h_encode[l * nd + n_full] = (cuda_kv_encode_job){
+                cm->h_encode[l * nd + slot_in_layer] = (cuda_kv_encode_job){
                     .k = tail_at(s, s->tail_k, il, 0),
                     .v = tail_at(s, s->tail_v, il, 0),
                     .dst = s->arena + (l * s->max_blocks + (size_t)s->n_blocks[0]) * s->slot,
                     .first_pos = (uint64_t)s->n_blocks[0] * (uint64_t)s->block_tokens,
                     .layer = (uint32_t)l,
+                    .work = work ? cm->d_gear_work + slot_in_layer * work : NULL,
                 };
-                cm->h_shift[l * nd + n_full] = (cuda_kv_shift_job){tail_at(s, s->tail_k, il, 0),
-                                                                   tail_at(s, s->tail_v, il, 0)};
+                cm->h_shift[l * nd + slot_in_layer] = (cuda_kv_shift_job){tail_at(s, s->tail_k, il, 0),
+                                                                          tail_at(s, s->tail_v, il, 0)};
             }
         }
-        n_full += (size_t)full;
     }
+    sp->n_full_prompt = n_prompt;
     sp->n_full = n_full;
     if (nd == 0)
         return STRATA_OK;
@@ -620,7 +660,11 @@ static int decode_layer(cuda_model *cm, const cuda_batch_item *items, const step
     const cuda_seq *s0 = items[sp->order[0]].seq;
     KERNEL(cuda_kv_append_rows(cm->d_append + l * nd, (int)nd, cm->k16, cm->v16, s0->row, NULL), "appending K/V");
     if (sp->n_full) {
-        int rc = cuda_kv_encode_blocks(&s0->enc, cm->d_encode + l * nd, (int)sp->n_full, NULL, err);
+        /* GEAR's prompt-rank blocks first (their own encoder), then the rest. */
+        const size_t np = sp->n_full_prompt;
+        int rc = np ? cuda_kv_encode_blocks(&s0->enc_prompt, cm->d_encode + l * nd, (int)np, NULL, err) : STRATA_OK;
+        if (rc == STRATA_OK && sp->n_full > np)
+            rc = cuda_kv_encode_blocks(&s0->enc, cm->d_encode + l * nd + np, (int)(sp->n_full - np), NULL, err);
         if (rc != STRATA_OK)
             return rc;
         KERNEL(cuda_kv_shift_tails(cm->d_shift + l * nd, (int)sp->n_full, s0->block_tokens, s0->residual, s0->row,
@@ -629,6 +673,7 @@ static int decode_layer(cuda_model *cm, const cuda_batch_item *items, const step
     }
     cuda_kv_layout layout = s0->enc.layout;
     layout.layer = (uint32_t)il;
+    layout.block_bytes = (uint32_t)s0->slot;   /* GEAR: prompt-rank blocks are the larger ones */
     return cuda_kv_attention(&layout, plan, cm->d_views + l * nd, cm->q, cm->attn, cm->d_ws, cm->d_status, NULL, err);
 }
 
@@ -761,6 +806,11 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
         if (rc == STRATA_OK)
             rc = ensure_attention_workspace(cm, cuda_kv_attention_workspace(&s0->enc.layout, &plan), err);
     }
+    for (size_t p = sp.n_dec; rc == STRATA_OK && p < n_items; p++) {   /* as kv_seq_append records it */
+        const cuda_batch_item *it = &items[sp.order[p]];
+        if (it->n_tokens > 1)
+            it->seq->prompt_end = it->n_tokens;
+    }
     if (rc == STRATA_OK) {
         const float *table = model_get_token_embedding(cm->host);
         for (size_t p = 0; p < n_items; p++) {
@@ -828,10 +878,14 @@ int cuda_seq_device_bytes(const cuda_model *cm, const kv_codec_params *codec, in
         return err ? err->code : STRATA_EUNSUPPORTED;
     const kv_geometry g = {.n_layers = cm->cfg.n_layers, .n_kv_heads = cm->cfg.n_kv_heads,
                            .head_dim = cm->cfg.head_dim, .block_tokens = block_tokens};
-    cuda_kv_encoder enc;
+    cuda_kv_encoder enc, enc_prompt;
+    memset(&enc_prompt, 0, sizeof enc_prompt);
     int rc = cuda_kv_encoder_init(codec, &g, &enc, err);
+    if (rc == STRATA_OK && codec->codec == KV_CODEC_GEAR)
+        rc = cuda_kv_encoder_init_rank(codec, &g, codec->rank_prompt, &enc_prompt, err);
     if (rc == STRATA_OK)
-        *bytes = seq_bytes(cm, enc.layout.block_bytes, block_tokens, codec->residual, max_tokens);
+        *bytes = seq_bytes(cm, kv_block_size(codec, &g), block_tokens, codec->residual, max_tokens) +
+                 (size_t)(enc.work_bytes > enc_prompt.work_bytes ? enc.work_bytes : enc_prompt.work_bytes);
     return rc;
 }
 

@@ -5,10 +5,10 @@
  * the CPU pool's rule for when a block forms. It computes what model_forward computes on the CPU;
  * tests/cuda/test_cuda_model.c compares the logits.
  *
- * First version: batches of sequences over the whole model on one device, fp16, KIVI and TaDA caches,
+ * First version: batches of sequences over the whole model on one device, fp16, KIVI, TaDA and GEAR caches,
  * each sequence with its own device arena sized for its max_tokens; the embedding lookup stays on
  * the host (a row copy per token). Not yet: a block pool shared by sequences, pipeline stages, the
- * worker's use of it, GEAR and OTT, tiers below the device, sampling on the device.
+ * worker's use of it, OTT, tiers below the device, sampling on the device.
  * Status: compiled in every build with nvcc; see docs/benchmarks.md for whether it has run. */
 #ifndef STRATA_WORKER_CUDA_MODEL_CUDA_H
 #define STRATA_WORKER_CUDA_MODEL_CUDA_H
@@ -40,13 +40,14 @@ void cuda_model_free(cuda_model *cm);
 /* Device bytes of the weights. */
 size_t cuda_model_weight_bytes(const cuda_model *cm);
 
-/* STRATA_OK when the forward pass can keep a cache of this codec: fp16, KIVI, TaDA. GEAR and OTT:
- * STRATA_EUNSUPPORTED with the reason (OTT has no device encoder; GEAR's needs a scratch per block
- * and a prompt-rank encoder that the forward pass does not drive yet). Needs no device. */
+/* STRATA_OK when the forward pass can keep a cache of this codec: fp16, KIVI, TaDA, GEAR (blocks
+ * made only of prompt tokens at the prompt rank, as the CPU pool does). OTT: STRATA_EUNSUPPORTED
+ * with the reason (no device encoder: its pooled-token choice is host-side tracker state). Needs
+ * no device. */
 int cuda_seq_check_codec(const kv_codec_params *codec, strata_error *err);
 
-/* A sequence's KV cache on the device for up to max_tokens positions: codec fp16, KIVI or TaDA
- * (GEAR, OTT: STRATA_EUNSUPPORTED), block_tokens per block. */
+/* A sequence's KV cache on the device for up to max_tokens positions: codec fp16, KIVI, TaDA or
+ * GEAR (OTT: STRATA_EUNSUPPORTED), block_tokens per block. */
 cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t max_tokens,
                           strata_error *err);
 void cuda_seq_free(cuda_seq *s);
