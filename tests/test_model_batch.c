@@ -280,6 +280,12 @@ static void test_batch_equals_alone_kivi2(void **state)
 static void test_batch_equals_alone_fp16(void **state)
 {
     (void)state;
+    /* Under the sanitizers (STRATA_SANITIZED=1, about 10x slower) the KIVI run and the two-stage
+     * plan, which mixes fp16 layers in, cover the same batch paths; fp16 alone is the normal
+     * build's. */
+    const char *sanitized = getenv("STRATA_SANITIZED");
+    if (sanitized && !strcmp(sanitized, "1"))
+        skip();
     const char *plan[64];
     uniform_plan("fp16", plan);
     run_codec("fp16", plan, false);
