@@ -1,6 +1,7 @@
-/* The host side of the CUDA attention kernel, which runs without a GPU: the layout read from a
- * real block of each codec (offsets equal the block's own section table) and the split plan (every block and the tail covered exactly once, the grid
- * filled, limits refused). */
+/* The host side of the CUDA KV kernels, which runs without a GPU: the layout read from a real block
+ * of each codec (offsets equal the block's own section table), the split plan (every block and the
+ * tail covered exactly once, the grid filled, limits refused), and the tail kernels' bodies
+ * emulated thread after thread. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -10,6 +11,7 @@
 
 #include <cmocka.h>
 
+#include "kernels/cuda/kv_tail_block.h"
 #include "kernels/cuda_kv_attention.h"
 #include "kvstore/block.h"
 #include "kvstore/kv_cache.h"
@@ -152,6 +154,53 @@ static void test_plan_refuses_bad_shapes(void **state)
     assert_int_equal(cuda_kv_attention_plan(&l, 1, 32, 4, 132, &p, &err), STRATA_OK);     /* 16 per KV head */
 }
 
+/* The tail kernels' bodies (kernels/cuda/kv_tail_block.h), thread after thread: after a block's
+ * rows are encoded, the residual rows move to the front with the overlapping case (residual 128
+ * over block 64, and 160, not a multiple of it) as well as residual 32 and 0; appended rows land
+ * where the job points. Against a copy made the plain way. */
+static void test_tail_kernels_emulated(void **state)
+{
+    (void)state;
+    const size_t row = 8 * 16;   /* 8 KV heads x head_dim 16 */
+    const int bt = 64, keeps[] = {128, 160, 32, 0};
+    for (size_t x = 0; x < sizeof keeps / sizeof *keeps; x++) {
+        const int keep = keeps[x];
+        const size_t rows = (size_t)(keep + bt), n = rows * row;
+        uint16_t *k = malloc(n * 2), *v = malloc(n * 2), *want_k = malloc(n * 2), *want_v = malloc(n * 2);
+        assert_true(k && v && want_k && want_v);
+        for (size_t i = 0; i < n; i++) {
+            k[i] = (uint16_t)(i * 7 + 1);
+            v[i] = (uint16_t)(i * 13 + 5);
+        }
+        memcpy(want_k, k, n * 2);
+        memcpy(want_v, v, n * 2);
+        memmove(want_k, want_k + (size_t)bt * row, (size_t)keep * row * 2);
+        memmove(want_v, want_v + (size_t)bt * row, (size_t)keep * row * 2);
+        const cuda_kv_shift_job job = {k, v};
+        for (int r0 = 0; r0 < keep; r0 += bt)   /* the kernel's steps, a barrier after each */
+            for (unsigned t = 0; t < 256; t++)
+                kv_tail_shift_step(&job, bt, keep, r0, row, t, 256);
+        assert_memory_equal(k, want_k, (size_t)keep * row * 2);
+        assert_memory_equal(v, want_v, (size_t)keep * row * 2);
+
+        /* Append two rows of a step (rows 3 and 4) at the tail's row 5. */
+        uint16_t step_k[6 * 128], step_v[6 * 128];
+        for (size_t i = 0; i < 6 * row; i++) {
+            step_k[i] = (uint16_t)(40000 + i);
+            step_v[i] = (uint16_t)(50000 + i);
+        }
+        const cuda_kv_append_job app = {k + 5 * row, v + 5 * row, 3, 2};
+        for (unsigned t = 0; t < 256; t++)
+            kv_tail_append(&app, step_k, step_v, row, t, 256);
+        assert_memory_equal(k + 5 * row, step_k + 3 * row, 2 * row * 2);
+        assert_memory_equal(v + 5 * row, step_v + 3 * row, 2 * row * 2);
+        free(k);
+        free(v);
+        free(want_k);
+        free(want_v);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -159,6 +208,7 @@ int main(void)
         cmocka_unit_test(test_layout_gear_ott),
         cmocka_unit_test(test_plan_covers_every_block_once),
         cmocka_unit_test(test_plan_refuses_bad_shapes),
+        cmocka_unit_test(test_tail_kernels_emulated),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
