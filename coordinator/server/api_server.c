@@ -328,6 +328,13 @@ int api_stream_send_chunk(api_stream *st, const uint32_t *ids, size_t n, const c
 /* Queues m (may be NULL) and the final status; marks the backend released. */
 static void stream_terminal(api_stream *st, proto_msg *m, grpc_status_code code, const char *message)
 {
+    /* The id is free before the final status can reach the client: the completion-queue thread
+     * may send it before this thread gets to stream_backend_release, and a client that reuses the
+     * id as soon as its stream ended must not be told it is still running (seen in CI). */
+    api_server *s = st->srv;
+    pthread_mutex_lock(&s->ps.mu);
+    hash_remove(s, st);
+    pthread_mutex_unlock(&s->ps.mu);
     pthread_mutex_lock(&st->mu);
     if (st->backend == BK_RELEASED) {
         pthread_mutex_unlock(&st->mu);
