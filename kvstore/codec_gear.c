@@ -173,22 +173,6 @@ static void lowrank_section(const kv_block_desc *d, const gear_dims *m, const fl
     }
 }
 
-/* Writes the k sparse entries of vector vec (index ascending): its element i is x[first + i * stride]. */
-static void write_sparse(uint8_t *sec, size_t vec, size_t k, const float *x, const uint8_t *mask, size_t first,
-                         size_t n, size_t stride)
-{
-    uint8_t *e = sec + vec * k * 4;
-    size_t at = 0;
-    for (size_t i = 0; i < n && at < k; i++) {
-        const size_t o = first + i * stride;
-        if (!mask[o])
-            continue;
-        kv_st16(e + 4 * at, (uint16_t)i);
-        kv_st16(e + 4 * at + 2, strata_float_to_half(x[o]));
-        at++;
-    }
-}
-
 static int gear_encode(const kv_block_desc *d, const float *k, const float *v, const kv_block_extra *extra,
                        uint8_t *const *sec, strata_error *err)
 {
@@ -245,13 +229,15 @@ static int gear_encode(const kv_block_desc *d, const float *k, const float *v, c
     if (m.ks) {
         for (size_t h = 0; h < m.H; h++)
             for (size_t c = 0; c < m.D; c++)
-                write_sparse(sec[n], h * m.D + c, m.ks, k, kmask, h * m.D + c, m.T, m.H * m.D);
+                gear_write_sparse(sec[n] + (h * m.D + c) * m.ks * 4, m.ks, k, NULL, kmask, h * m.D + c, m.T,
+                                  m.H * m.D);
         n++;
     }
     if (m.vs) {
         for (size_t t = 0; t < m.T; t++)
             for (size_t h = 0; h < m.H; h++)
-                write_sparse(sec[n], t * m.H + h, m.vs, v, vmask, (t * m.H + h) * m.D, m.D, 1);
+                gear_write_sparse(sec[n] + (t * m.H + h) * m.vs * 4, m.vs, v, NULL, vmask, (t * m.H + h) * m.D,
+                                  m.D, 1);
         n++;
     }
     /* 3.-5. residual of the dequantized backbone, per-head low rank */

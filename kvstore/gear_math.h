@@ -1,9 +1,10 @@
 /* The arithmetic of the GEAR writer (kvstore/codec_gear.c), inline so that the CUDA encoder runs
  * the same code as the CPU one and writes the same bytes: the choice of outliers, the group fill
- * that keeps them out of the quantizer's range, and the per-head low-rank fit of the residual
- * (fp64 subspace iteration from a seeded start, modified Gram-Schmidt, f16 rounding of A, the
- * least-squares B for the rounded A by a Cholesky solve). docs/format.md 4b describes the
- * algorithm; the comments here say why the code is shaped as it is. */
+ * that keeps them out of the quantizer's range, the sparse entries that keep them exactly, and the
+ * per-head low-rank fit of the residual (fp64 subspace iteration from a seeded start, modified
+ * Gram-Schmidt, f16 rounding of A, the least-squares B for the rounded A by a Cholesky solve).
+ * docs/format.md 4b describes the algorithm; the comments here say why the code is shaped as it
+ * is. */
 #ifndef STRATA_KVSTORE_GEAR_MATH_H
 #define STRATA_KVSTORE_GEAR_MATH_H
 
@@ -150,6 +151,26 @@ STRATA_HD static inline void gear_store16(uint8_t *p, uint16_t v)
 {
     p[0] = (uint8_t)v;
     p[1] = (uint8_t)(v >> 8);
+}
+
+/* Writes one vector's k sparse entries at e, index ascending: its element i is at first + i * stride
+ * of the input and of mask. The CPU writer's input is fp32, the GPU's fp16, so the input is xf or,
+ * when xf is NULL, xh (a typed pair, as kv_enc_row: no function pointer on the device). An fp16
+ * input goes through fp32 as any other value would, which also gives every NaN the one quiet
+ * pattern strata_float_to_half stores. */
+STRATA_HD static inline void gear_write_sparse(uint8_t *e, size_t k, const float *xf, const uint16_t *xh,
+                                               const uint8_t *mask, size_t first, size_t n, size_t stride)
+{
+    size_t at = 0;
+    for (size_t i = 0; i < n && at < k; i++) {
+        const size_t o = first + i * stride;
+        if (!mask[o])
+            continue;
+        const float x = xf ? xf[o] : strata_half_to_float(xh[o]);
+        gear_store16(e + 4 * at, (uint16_t)i);
+        gear_store16(e + 4 * at + 2, strata_float_to_half(x));
+        at++;
+    }
 }
 
 /* Fits R (w->R, T x D) ~= A B^T at rank r and writes A_h then B_h as f16 at out. */

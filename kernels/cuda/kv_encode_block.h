@@ -223,7 +223,7 @@ STRATA_HD static inline void kv_enc_gear_select(const cuda_kv_encoder *E, const 
 }
 
 /* Phase 3 (GEAR, beside the backbone): each vector's outliers, index ascending, as their exact
- * fp16 inputs. */
+ * fp16 inputs (gear_write_sparse). */
 STRATA_HD static inline void kv_enc_gear_sparse(const cuda_kv_encoder *E, const cuda_kv_encode_job *job, uint8_t *dst,
                                                 unsigned tid, unsigned nthreads)
 {
@@ -241,15 +241,7 @@ STRATA_HD static inline void kv_enc_gear_sparse(const cuda_kv_encoder *E, const 
         const uint16_t *x = key ? job->k : job->v;
         const uint8_t *mask = key ? w.kmask : w.vmask;
         uint8_t *e = dst + (key ? E->off_k_sparse : E->off_v_sparse) + vec * k * 4;
-        size_t at = 0;
-        for (size_t j = 0; j < n && at < k; j++) {
-            const size_t o = first + j * stride;
-            if (!mask[o])
-                continue;
-            kv_enc_store16(e + 4 * at, (uint16_t)j);
-            kv_enc_store16(e + 4 * at + 2, strata_float_to_half(strata_half_to_float(x[o])));
-            at++;
-        }
+        gear_write_sparse(e, k, NULL, x, mask, first, n, stride);
     }
 }
 
