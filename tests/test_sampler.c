@@ -126,6 +126,43 @@ static void test_distributions(void **state)
     check_frequencies(0.8f, 6, 0.9f);
 }
 
+/* sampler_sample is sampler_pick with the PRNG's next draw, drawn only when not greedy; and the
+ * pick walks the sorted order: a draw just below a token's cumulative boundary picks it, just
+ * above picks the next (ties in logit go to the lower id). */
+static void test_pick_is_sample_with_draw(void **state)
+{
+    (void)state;
+    sampler_params ps[] = {{1.0f, 0, 1.0f, 7}, {0.7f, 5, 1.0f, 8}, {1.3f, 0, 0.8f, 9}, {0.0f, 0, 1.0f, 10}};
+    void *scratch = malloc(SAMPLER_SCRATCH_BYTES(V));
+    assert_non_null(scratch);
+    for (size_t k = 0; k < sizeof ps / sizeof ps[0]; k++) {
+        strata_error err = {0};
+        sampler *a = sampler_create(&ps[k], V, &err), *b = sampler_create(&ps[k], V, &err);
+        assert_non_null(a);
+        assert_non_null(b);
+        assert_int_equal(sampler_params_greedy(sampler_get_params(a)), ps[k].temperature == 0.0f);
+        for (int i = 0; i < 100; i++) {
+            double u = sampler_params_greedy(&ps[k]) ? 0.5 : sampler_next_draw(b);
+            assert_int_equal(sampler_sample(a, logits), sampler_pick(&ps[k], logits, V, u, scratch));
+        }
+        sampler_free(a);
+        sampler_free(b);
+    }
+    /* Two tied logits (ids 2 and 5) and weights 1 (ids 2, 5) and e^-1 elsewhere at T = 1. */
+    float tied[V];
+    for (int i = 0; i < V; i++)
+        tied[i] = i == 2 || i == 5 ? 1.0f : 0.0f;
+    sampler_params p = {1.0f, 0, 1.0f, 0};
+    double w = exp(-1.0), sum = 2.0 + (V - 2) * (double)expf(-1.0f);
+    assert_int_equal(sampler_pick(&p, tied, V, 0.0, scratch), 2);
+    assert_int_equal(sampler_pick(&p, tied, V, 0.999 / sum, scratch), 2);
+    assert_int_equal(sampler_pick(&p, tied, V, 1.001 / sum, scratch), 5);
+    assert_int_equal(sampler_pick(&p, tied, V, 2.001 / sum, scratch), 0);
+    assert_int_equal(sampler_pick(&p, tied, V, (2.0 + w + 0.001) / sum, scratch), 1);
+    assert_int_equal(sampler_pick(&p, tied, V, 0.999999999, scratch), V - 1);
+    free(scratch);
+}
+
 static void test_rejects_bad_params(void **state)
 {
     (void)state;
@@ -149,6 +186,7 @@ int main(void)
         cmocka_unit_test(test_greedy_is_argmax),
         cmocka_unit_test(test_same_seed_same_tokens),
         cmocka_unit_test(test_distributions),
+        cmocka_unit_test(test_pick_is_sample_with_draw),
         cmocka_unit_test(test_rejects_bad_params),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

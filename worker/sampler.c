@@ -6,11 +6,13 @@
 
 #include "kvstore/bytes.h"
 
+/* SAMPLER_SCRATCH_BYTES is sized for this. */
 typedef struct candidate {
     int32_t id;
     float logit;
     float p;
 } candidate;
+_Static_assert(sizeof(candidate) == 12, "SAMPLER_SCRATCH_BYTES assumes 12-byte candidates");
 
 struct sampler {
     sampler_params params;
@@ -105,30 +107,43 @@ static int32_t argmax(const float *logits, int n)
     return best;
 }
 
+const sampler_params *sampler_get_params(const sampler *s) { return &s->params; }
+
+int sampler_params_greedy(const sampler_params *p) { return p->temperature == 0.0f || p->top_k == 1; }
+
+double sampler_next_draw(sampler *s) { return next_unit(s->rng); }
+
 int32_t sampler_sample(sampler *s, const float *logits)
 {
-    const sampler_params *p = &s->params;
-    if (p->temperature == 0.0f || p->top_k == 1)
+    if (sampler_params_greedy(&s->params))
         return argmax(logits, s->n_vocab);
+    return sampler_pick(&s->params, logits, s->n_vocab, next_unit(s->rng), s->cand);
+}
 
-    int n = s->n_vocab;
+int32_t sampler_pick(const sampler_params *p, const float *logits, int n_vocab, double u, void *scratch)
+{
+    if (sampler_params_greedy(p))
+        return argmax(logits, n_vocab);
+
+    candidate *cand = scratch;
+    int n = n_vocab;
     for (int i = 0; i < n; i++)
-        s->cand[i] = (candidate){.id = i, .logit = logits[i]};
-    qsort(s->cand, (size_t)n, sizeof *s->cand, by_logit_desc);
+        cand[i] = (candidate){.id = i, .logit = logits[i]};
+    qsort(cand, (size_t)n, sizeof *cand, by_logit_desc);
     if (p->top_k > 0 && p->top_k < n)
         n = p->top_k;
 
     double sum = 0.0;
-    const float mx = s->cand[0].logit;
+    const float mx = cand[0].logit;
     for (int i = 0; i < n; i++) {
-        s->cand[i].p = expf((s->cand[i].logit - mx) / p->temperature);
-        sum += s->cand[i].p;
+        cand[i].p = expf((cand[i].logit - mx) / p->temperature);
+        sum += cand[i].p;
     }
     if (p->top_p < 1.0f) {
         double cum = 0.0;
         int keep = n;
         for (int i = 0; i < n; i++) {
-            cum += s->cand[i].p / sum;
+            cum += cand[i].p / sum;
             if (cum >= p->top_p) {
                 keep = i + 1;
                 break;
@@ -137,15 +152,15 @@ int32_t sampler_sample(sampler *s, const float *logits)
         n = keep;
         sum = 0.0;
         for (int i = 0; i < n; i++)
-            sum += s->cand[i].p;
+            sum += cand[i].p;
     }
-    double r = next_unit(s->rng) * sum;
+    double r = u * sum;
     for (int i = 0; i < n; i++) {
-        r -= s->cand[i].p;
+        r -= cand[i].p;
         if (r < 0.0)
-            return s->cand[i].id;
+            return cand[i].id;
     }
-    return s->cand[n - 1].id;
+    return cand[n - 1].id;
 }
 
 void sampler_save(const sampler *s, uint8_t out[SAMPLER_STATE_BYTES])

@@ -21,8 +21,29 @@ typedef struct sampler sampler;
 
 sampler *sampler_create(const sampler_params *p, int n_vocab, strata_error *err);
 void sampler_free(sampler *s);
-/* Picks the next token from n_vocab logits (not modified). */
+/* Picks the next token from n_vocab logits (not modified): sampler_pick with the next draw of
+ * the sampler's PRNG (no draw is taken when the parameters are greedy). */
 int32_t sampler_sample(sampler *s, const float *logits);
+
+/* The sampler's parameters. */
+const sampler_params *sampler_get_params(const sampler *s);
+
+/* True when the parameters pick the argmax (temperature 0 or top_k 1): no draw is needed. */
+int sampler_params_greedy(const sampler_params *p);
+
+/* The next uniform draw in [0, 1) from the sampler's PRNG (53 random bits), advancing it: what
+ * sampler_sample would use for its next non-greedy pick. A device that samples (kernels/
+ * cuda_sample.h) takes the draw from here, so the PRNG state stays on the host and
+ * sampler_save/restore cover it. */
+double sampler_next_draw(sampler *s);
+
+/* The pick itself, a pure function: the n logits sorted by value (descending; ties: lower id
+ * first), the first top_k kept (0: all), weights expf((logit - max) / temperature), the smallest
+ * prefix whose normalised cumulative weight reaches top_p kept, then the first token whose
+ * cumulative weight exceeds u * (the kept weight). Greedy parameters return the argmax (lowest id
+ * on ties) and ignore u. scratch: room for n (id, logit, weight) triples, SAMPLER_SCRATCH_BYTES(n). */
+#define SAMPLER_SCRATCH_BYTES(n) ((size_t)(n) * 12u)
+int32_t sampler_pick(const sampler_params *p, const float *logits, int n, double u, void *scratch);
 
 /* The whole state (parameters and PRNG position) in SAMPLER_STATE_BYTES little-endian bytes,
  * so that a sequence moved to another worker samples exactly the tokens it would have. */
