@@ -1,0 +1,320 @@
+/* The device tier's books and moves (device_pool.h). */
+#include "offload/device_pool.h"
+
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvstore/block.h"
+
+#define NO_SLOT SIZE_MAX
+
+typedef struct entry {
+    size_t slot;          /* NO_SLOT when not resident */
+    uint64_t lower;       /* lower-tier handle, 0 when none */
+    uint64_t owner;
+    uint64_t last_use;    /* pool clock of the last alloc or acquire */
+    uint64_t pin_step;    /* pinned while equal to the pool's step */
+    uint32_t gen;         /* handle generation: a freed handle is not a newer block */
+    uint32_t bytes;       /* the block's own size, once known (it has moved down) */
+    bool live, waiting;
+} entry;
+
+struct device_pool {
+    device_pool_mem mem;
+    kv_lower_tier lower;     /* put == NULL: none */
+    size_t slot_bytes, n_slots;
+    uint8_t *arena;
+    uint8_t *staging;
+    size_t *free_slots;      /* stack of free slot indices */
+    size_t n_free;
+    entry *entries;
+    size_t n_entries, cap_entries;
+    size_t *free_entries;    /* indices of dead entries for reuse */
+    size_t n_free_entries;
+    uint64_t clock, step;
+    device_pool_stats stats;
+};
+
+static bool has_lower(const device_pool *p) { return p->lower.put != NULL; }
+
+static device_block handle_of(const device_pool *p, size_t i)
+{
+    return ((uint64_t)p->entries[i].gen << 32) | (uint64_t)(i + 1);
+}
+
+static entry *lookup(const device_pool *p, device_block b)
+{
+    const uint64_t idx = b & 0xffffffffu;
+    if (idx == 0 || idx > p->n_entries)
+        return NULL;
+    entry *e = &p->entries[idx - 1];
+    return e->live && e->gen == (uint32_t)(b >> 32) ? e : NULL;
+}
+
+device_pool *device_pool_create(size_t slot_bytes, size_t n_slots, const device_pool_mem *mem,
+                                const kv_lower_tier *lower, strata_error *err)
+{
+    if (!mem || !mem->alloc_arena || !mem->free_arena || !mem->alloc_staging || !mem->free_staging ||
+        !mem->copy_out || !mem->copy_in) {
+        strata_fail(err, STRATA_EINVAL, "device pool: incomplete memory operations");
+        return NULL;
+    }
+    if (slot_bytes == 0 || slot_bytes % KV_BLOCK_ALIGN || slot_bytes > UINT32_MAX || n_slots == 0 ||
+        n_slots > SIZE_MAX / slot_bytes) {
+        strata_fail(err, STRATA_EINVAL, "device pool: %zu slots of %zu bytes (want at least one slot of a positive "
+                    "multiple of %u bytes)", n_slots, slot_bytes, KV_BLOCK_ALIGN);
+        return NULL;
+    }
+    if (lower && (!lower->put || !lower->get || !lower->release)) {
+        strata_fail(err, STRATA_EINVAL, "device pool: a lower tier needs put, get and release");
+        return NULL;
+    }
+    device_pool *p = calloc(1, sizeof *p);
+    if (!p || !(p->free_slots = malloc(n_slots * sizeof *p->free_slots))) {
+        free(p);
+        strata_fail(err, STRATA_ENOMEM, "out of memory for a device pool of %zu slots", n_slots);
+        return NULL;
+    }
+    p->mem = *mem;
+    if (lower)
+        p->lower = *lower;
+    p->slot_bytes = slot_bytes;
+    p->n_slots = n_slots;
+    for (size_t i = 0; i < n_slots; i++)   /* slot 0 on top: blocks fill the arena from its start */
+        p->free_slots[i] = n_slots - 1 - i;
+    p->n_free = n_slots;
+    p->step = 1;
+    if (!(p->arena = mem->alloc_arena(mem->ctx, slot_bytes * n_slots, err)) ||
+        !(p->staging = mem->alloc_staging(mem->ctx, slot_bytes, err))) {
+        strata_error_prefix(err, "device pool of %zu x %zu bytes on %s", n_slots, slot_bytes,
+                            mem->name ? mem->name : "?");
+        device_pool_destroy(p);
+        return NULL;
+    }
+    return p;
+}
+
+void device_pool_destroy(device_pool *p)
+{
+    if (!p)
+        return;
+    for (size_t i = 0; i < p->n_entries; i++)
+        if (p->entries[i].live && p->entries[i].lower)
+            p->lower.release(p->lower.ctx, p->entries[i].lower);
+    if (p->arena)
+        p->mem.free_arena(p->mem.ctx, p->arena);
+    if (p->staging)
+        p->mem.free_staging(p->mem.ctx, p->staging);
+    free(p->free_slots);
+    free(p->entries);
+    free(p->free_entries);
+    free(p);
+}
+
+static uint8_t *slot_addr(const device_pool *p, size_t slot) { return p->arena + slot * p->slot_bytes; }
+
+/* The resident, unpinned block to evict: a waiting sequence's first, then the least recently used. */
+static entry *pick_victim(device_pool *p)
+{
+    entry *best = NULL;
+    for (size_t i = 0; i < p->n_entries; i++) {
+        entry *e = &p->entries[i];
+        if (!e->live || e->slot == NO_SLOT || e->pin_step == p->step)
+            continue;
+        if (!best || (e->waiting && !best->waiting) ||
+            (e->waiting == best->waiting && e->last_use < best->last_use))
+            best = e;
+    }
+    return best;
+}
+
+static int evict_one(device_pool *p, strata_error *err)
+{
+    entry *v = pick_victim(p);
+    if (!v)
+        return strata_fail(err, STRATA_EFULL, "device KV pool too small: all %zu slots of %zu bytes hold blocks in "
+                           "use by this step; raise the device KV budget", p->n_slots, p->slot_bytes);
+    if (!v->lower) {
+        if (!has_lower(p))
+            return strata_fail(err, STRATA_EFULL, "device KV pool full: all %zu slots of %zu bytes are in use (no "
+                               "host/NVMe tier to evict to)", p->n_slots, p->slot_bytes);
+        int rc = p->mem.copy_out(p->mem.ctx, p->staging, slot_addr(p, v->slot), p->slot_bytes, err);
+        kv_block blk;
+        if (rc == STRATA_OK && (rc = kv_block_parse(p->staging, p->slot_bytes, &blk, err)) == STRATA_OK)
+            v->bytes = (uint32_t)blk.block_bytes;
+        if (rc == STRATA_OK)
+            rc = p->lower.put(p->lower.ctx, p->staging, v->bytes, v->owner, p->clock, &v->lower, err);
+        if (rc != STRATA_OK)
+            return strata_error_prefix(err, "moving a block of sequence %" PRIu64 " off the device (%s)", v->owner,
+                                       p->mem.name ? p->mem.name : "?");
+        p->stats.writebacks++;
+        p->stats.writeback_bytes += v->bytes;
+    }
+    p->free_slots[p->n_free++] = v->slot;
+    v->slot = NO_SLOT;
+    p->stats.evictions++;
+    return STRATA_OK;
+}
+
+static int take_slot(device_pool *p, size_t *slot, strata_error *err)
+{
+    if (p->n_free == 0) {
+        int rc = evict_one(p, err);
+        if (rc != STRATA_OK)
+            return rc;
+    }
+    *slot = p->free_slots[--p->n_free];
+    return STRATA_OK;
+}
+
+static int new_entry(device_pool *p, size_t *out, strata_error *err)
+{
+    if (p->n_free_entries) {
+        *out = p->free_entries[--p->n_free_entries];
+        return STRATA_OK;
+    }
+    if (p->n_entries == p->cap_entries) {
+        size_t cap = p->cap_entries ? 2 * p->cap_entries : 64;
+        if (cap > UINT32_MAX)
+            return strata_fail(err, STRATA_EFULL, "device pool: too many blocks");
+        entry *e = realloc(p->entries, cap * sizeof *e);
+        if (!e)
+            return strata_fail(err, STRATA_ENOMEM, "out of memory for the device pool's block list");
+        p->entries = e;
+        size_t *f = realloc(p->free_entries, cap * sizeof *f);
+        if (!f)
+            return strata_fail(err, STRATA_ENOMEM, "out of memory for the device pool's block list");
+        p->free_entries = f;
+        p->cap_entries = cap;
+    }
+    p->entries[p->n_entries] = (entry){.gen = 0};
+    *out = p->n_entries++;
+    return STRATA_OK;
+}
+
+int device_pool_alloc(device_pool *p, uint64_t owner, device_block *out, void **addr, strata_error *err)
+{
+    if (!p || !out || !addr)
+        return strata_fail(err, STRATA_EINVAL, "device pool: NULL argument");
+    size_t i = 0, slot = 0;
+    int rc = new_entry(p, &i, err);
+    if (rc != STRATA_OK)
+        return rc;
+    if ((rc = take_slot(p, &slot, err)) != STRATA_OK) {
+        p->free_entries[p->n_free_entries++] = i;
+        return rc;
+    }
+    entry *e = &p->entries[i];
+    const uint32_t gen = e->gen + 1;
+    *e = (entry){.slot = slot, .owner = owner, .last_use = ++p->clock, .pin_step = p->step, .gen = gen, .live = true};
+    *out = handle_of(p, i);
+    *addr = slot_addr(p, slot);
+    return STRATA_OK;
+}
+
+int device_pool_acquire(device_pool *p, const device_block *blocks, size_t n, void **addrs, strata_error *err)
+{
+    if (!p || (n && (!blocks || !addrs)))
+        return strata_fail(err, STRATA_EINVAL, "device pool: NULL argument");
+    if (n > p->n_slots) {
+        /* Duplicates would make this an overestimate; callers name each block once. */
+        return strata_fail(err, STRATA_EFULL, "the device KV pool holds %zu blocks of %zu bytes, but this step needs "
+                           "%zu at once; raise the device KV budget", p->n_slots, p->slot_bytes, n);
+    }
+    /* Pin them all first, so that bringing one back never evicts another of the same step. */
+    for (size_t i = 0; i < n; i++) {
+        entry *e = lookup(p, blocks[i]);
+        if (!e)
+            return strata_fail(err, STRATA_EINVAL, "device pool: unknown block %#" PRIx64, blocks[i]);
+        e->pin_step = p->step;
+        e->last_use = ++p->clock;
+    }
+    device_pool_prefetch(p, blocks, n);
+    for (size_t i = 0; i < n; i++) {
+        entry *e = lookup(p, blocks[i]);
+        if (e->slot == NO_SLOT) {
+            size_t slot;
+            int rc = take_slot(p, &slot, err);
+            if (rc == STRATA_OK) {
+                rc = p->lower.get(p->lower.ctx, e->lower, p->staging, p->slot_bytes, p->clock, err);
+                if (rc == STRATA_OK)
+                    rc = p->mem.copy_in(p->mem.ctx, slot_addr(p, slot), p->staging, e->bytes, err);
+                if (rc != STRATA_OK)
+                    p->free_slots[p->n_free++] = slot;
+            }
+            if (rc != STRATA_OK)
+                return strata_error_prefix(err, "bringing back a block of sequence %" PRIu64, e->owner);
+            e->slot = slot;
+            p->stats.fetches++;
+            p->stats.fetch_bytes += e->bytes;
+        }
+        addrs[i] = slot_addr(p, e->slot);
+    }
+    return STRATA_OK;
+}
+
+void device_pool_prefetch(device_pool *p, const device_block *blocks, size_t n)
+{
+    if (!p || !blocks || !p->lower.prefetch)
+        return;
+    for (size_t i = 0; i < n; i++) {
+        const entry *e = lookup(p, blocks[i]);
+        if (e && e->slot == NO_SLOT && e->lower)
+            p->lower.prefetch(p->lower.ctx, e->lower, p->clock);
+    }
+}
+
+void device_pool_unpin_all(device_pool *p)
+{
+    if (p)
+        p->step++;
+}
+
+void device_pool_free(device_pool *p, device_block b)
+{
+    entry *e = p ? lookup(p, b) : NULL;
+    if (!e)
+        return;
+    if (e->slot != NO_SLOT)
+        p->free_slots[p->n_free++] = e->slot;
+    if (e->lower)
+        p->lower.release(p->lower.ctx, e->lower);
+    e->live = false;
+    e->slot = NO_SLOT;
+    e->lower = 0;
+    p->free_entries[p->n_free_entries++] = (size_t)(e - p->entries);
+}
+
+void device_pool_set_waiting(device_pool *p, uint64_t owner, int waiting)
+{
+    if (!p)
+        return;
+    for (size_t i = 0; i < p->n_entries; i++)
+        if (p->entries[i].live && p->entries[i].owner == owner)
+            p->entries[i].waiting = waiting != 0;
+    if (p->lower.set_waiting)
+        p->lower.set_waiting(p->lower.ctx, owner, waiting);
+}
+
+void *device_pool_addr(const device_pool *p, device_block b)
+{
+    const entry *e = p ? lookup(p, b) : NULL;
+    return e && e->slot != NO_SLOT ? slot_addr(p, e->slot) : NULL;
+}
+
+void device_pool_get_stats(const device_pool *p, device_pool_stats *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!p)
+        return;
+    *out = p->stats;
+    out->slots = p->n_slots;
+    out->free_slots = p->n_free;
+    for (size_t i = 0; i < p->n_entries; i++)
+        if (p->entries[i].live) {
+            out->blocks++;
+            out->resident_blocks += p->entries[i].slot != NO_SLOT;
+        }
+}
