@@ -5,7 +5,8 @@
  * bad header CRC, garbage magic, a length over the maximum), timeouts (a plain timeout keeps the
  * link usable, a stall mid-frame breaks it), refused connects and sends to a closed peer. The NCCL
  * path runs when the build has NCCL and the host has CUDA devices; otherwise it is skipped with
- * the reason printed. */
+ * the reason printed: the two-rank test needs two GPUs (NCCL refuses two ranks of one communicator
+ * on one device), the loopback test (a one-rank link sending to itself) needs one. */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -803,6 +804,217 @@ static void test_nccl(void **state)
 #endif
 }
 
+/* ---- NCCL loopback: the NCCL path on one GPU ---- */
+
+#ifdef STRATA_HAVE_NCCL
+/* A device copy of n host bytes (NULL for 0 bytes). */
+static void *to_device(const uint8_t *host, size_t n)
+{
+    void *d = NULL;
+    if (n == 0)
+        return NULL;
+    assert_int_equal(cudaMalloc(&d, n), cudaSuccess);
+    assert_int_equal(cudaMemcpy(d, host, n, cudaMemcpyHostToDevice), cudaSuccess);
+    return d;
+}
+
+static void assert_device_bytes(const void *dev, const uint8_t *want, size_t n)
+{
+    uint8_t *back = malloc(n ? n : 1);
+    assert_non_null(back);
+    assert_int_equal(cudaMemcpy(back, dev, n, cudaMemcpyDeviceToHost), cudaSuccess);
+    assert_memory_equal(back, want, n);
+    free(back);
+}
+
+static void assert_same_header(const dp_msg_header *got, const dp_msg_header *sent, size_t len)
+{
+    assert_int_equal(got->kind, sent->kind);
+    assert_int_equal(got->dtype, sent->dtype);
+    assert_int_equal(got->layer, sent->layer);
+    assert_true(got->step == sent->step);
+    assert_true(got->seq == sent->seq);
+    assert_int_equal(got->n_rows, sent->n_rows);
+    assert_int_equal(got->row_bytes, sent->row_bytes);
+    assert_true(got->payload_len == len);
+    assert_int_equal(got->payload_crc, 0); /* NCCL carries no payload CRC */
+    assert_int_equal(got->flags, 0);
+}
+#endif
+
+static void test_nccl_loopback(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    dp_link *link = NULL;
+    uint8_t id[DP_NCCL_ID_BYTES] = {0};
+#ifndef STRATA_HAVE_NCCL
+    assert_int_equal(dp_nccl_create(id, sizeof id, 0, 1, 0, 0, NULL, &link, &err), STRATA_EUNSUPPORTED);
+    assert_contains(err.msg, "no NCCL");
+    assert_null(link);
+    print_message("built without NCCL: NCCL loopback link not exercised\n");
+    skip();
+#else
+    /* Which (rank, nranks, peer) make a link is decided before looking for a device: a 1-rank
+     * link is only rank 0 -> 0, a 2+-rank link never targets itself. */
+    static const int bad[][3] = {
+        {1, 1, 0}, {0, 1, 1}, {1, 1, 1}, {-1, 1, 0}, {0, 1, -1}, {0, 0, 0},
+        {0, -1, 0}, {0, 2, 0}, {1, 2, 1}, {0, 2, 2}, {2, 2, 0}, {0, 3, 3},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        link = NULL;
+        assert_int_equal(dp_nccl_create(id, sizeof id, bad[i][0], bad[i][1], bad[i][2], 0, NULL, &link, &err),
+                         STRATA_EINVAL);
+        assert_contains(err.msg, "bad NCCL link");
+        assert_null(link);
+    }
+    assert_int_equal(dp_nccl_create(id, sizeof id, 0, 1, 0, -1, NULL, &link, &err), STRATA_EINVAL);
+    assert_int_equal(dp_nccl_create(id, 5, 0, 1, 0, 0, NULL, &link, &err), STRATA_EINVAL);
+    assert_null(link);
+    int count = 0;
+    cudaError_t ce = cudaGetDeviceCount(&count);
+    if (ce != cudaSuccess || count == 0) {
+        (void)cudaGetLastError();
+        /* The loopback combination passes the argument checks: the missing device stops it. */
+        assert_int_equal(dp_nccl_create(id, sizeof id, 0, 1, 0, 0, NULL, &link, &err), STRATA_EIO);
+        assert_contains(err.msg, "nccl loopback rank 0 on cuda:0");
+        assert_contains(err.msg, "no CUDA device");
+        assert_null(link);
+        print_message("no CUDA device: NCCL loopback link not exercised (cudaGetDeviceCount: %s)\n",
+                      ce == cudaSuccess ? "0 devices" : cudaGetErrorString(ce));
+        skip();
+        return;
+    }
+    size_t idlen = sizeof id;
+    assert_int_equal(dp_nccl_unique_id(id, &idlen, &err), STRATA_OK);
+    const dp_options opts = {.io_timeout_ms = TIMEOUT};
+    if (dp_nccl_create(id, idlen, 0, 1, 0, 0, &opts, &link, &err) != STRATA_OK)
+        fail_msg("NCCL loopback link on cuda:0: %s", err.msg);
+    assert_string_equal(dp_link_describe(link), "nccl loopback rank 0 on cuda:0");
+    assert_int_equal(dp_link_backend(link), DP_BACKEND_NCCL);
+    assert_int_equal(dp_link_fd(link), -1);
+    assert_true(dp_link_peer_max_payload(link) == DP_DEFAULT_MAX_PAYLOAD);
+
+    enum { BIG = 3u << 20, SMALL = 1024 };
+    void *dbuf = NULL, *dsmall = NULL;
+    assert_int_equal(cudaSetDevice(0), cudaSuccess);
+    assert_int_equal(cudaMalloc(&dbuf, BIG), cudaSuccess);
+    assert_int_equal(cudaMalloc(&dsmall, SMALL), cudaSuccess);
+    uint8_t *hbuf = malloc(BIG);
+    assert_non_null(hbuf);
+
+    /* Nothing queued: a timeout at once, even when asked to wait forever; the link stays usable. */
+    dp_msg_header got;
+    size_t len = 7;
+    assert_int_equal(dp_recv(link, &got, dbuf, BIG, &len, -1, &err), STRATA_EIO);
+    assert_contains(err.msg, "timed out");
+    assert_int_equal(len, 0);
+    assert_null(dp_link_broken(link));
+    assert_int_equal(dp_recv_header(link, &got, 0, &err), STRATA_EIO);
+    assert_null(dp_link_broken(link));
+
+    /* Host memory is refused on send, the link stays usable. */
+    dp_msg_header hh = hdr(DP_MSG_CONTROL, 0, 0, 0);
+    assert_int_equal(dp_send(link, &hh, hbuf, 16, &err), STRATA_EINVAL);
+    assert_contains(err.msg, "host memory");
+    assert_null(dp_link_broken(link));
+
+    /* Four messages of different sizes and contents, all sent before the first receive. */
+    enum { LB_MSGS = 4 };
+    static const size_t lens[LB_MSGS] = {0, 5000, 3u << 20, 8 * 4096};
+    const dp_msg_header h[LB_MSGS] = {
+        hdr(DP_MSG_END, 10, 1, 0),
+        hdr(DP_MSG_CONTROL, 11, 2, 3),
+        hdr(DP_MSG_KV_BLOCK, 12, 3, 17),
+        {.kind = DP_MSG_HIDDEN, .dtype = DP_DTYPE_BF16, .layer = 9, .step = 13, .seq = 4, .n_rows = 8,
+         .row_bytes = 4096},
+    };
+    uint8_t *want[LB_MSGS];
+    void *src[LB_MSGS];
+    for (int i = 0; i < LB_MSGS; i++) {
+        want[i] = pattern(lens[i], (uint64_t)i + 900);
+        src[i] = to_device(want[i], lens[i]);
+        if (dp_send(link, &h[i], src[i], lens[i], &err) != STRATA_OK)
+            fail_msg("loopback send %d (%zu bytes): %s", i, lens[i], err.msg);
+        /* Clobber the source: what is received must come from the link's staging. */
+        if (lens[i])
+            assert_int_equal(cudaMemset(src[i], 0, lens[i]), cudaSuccess);
+    }
+    /* 0: an empty END. */
+    assert_int_equal(dp_recv(link, &got, dbuf, BIG, &len, 0, &err), STRATA_OK);
+    assert_int_equal(len, 0);
+    assert_same_header(&got, &h[0], 0);
+    /* 1: too small a buffer first (header filled, payload pending), then a host buffer (refused,
+     * still pending), a new receive (refused while pending), then a large enough device buffer. */
+    assert_int_equal(dp_recv(link, &got, dsmall, SMALL, &len, 0, &err), STRATA_EFULL);
+    assert_int_equal(len, 5000);
+    assert_contains(err.msg, "5000 bytes does not fit a 1024-byte buffer");
+    assert_same_header(&got, &h[1], 5000);
+    assert_int_equal(dp_recv_payload(link, hbuf, BIG, &err), STRATA_EINVAL);
+    assert_contains(err.msg, "host memory");
+    assert_int_equal(dp_recv_header(link, &got, 0, &err), STRATA_EINVAL);
+    assert_contains(err.msg, "pending");
+    assert_null(dp_link_broken(link));
+    assert_int_equal(dp_recv_payload(link, dbuf, BIG, &err), STRATA_OK);
+    assert_device_bytes(dbuf, want[1], 5000);
+    /* 2: two-step, 3 MiB. */
+    assert_int_equal(dp_recv_header(link, &got, 0, &err), STRATA_OK);
+    assert_same_header(&got, &h[2], lens[2]);
+    assert_int_equal(dp_recv_payload(link, dbuf, BIG, &err), STRATA_OK);
+    assert_device_bytes(dbuf, want[2], lens[2]);
+    /* 3: HIDDEN rows straight into dp_recv. */
+    assert_int_equal(dp_recv(link, &got, dbuf, BIG, &len, 0, &err), STRATA_OK);
+    assert_int_equal(len, lens[3]);
+    assert_same_header(&got, &h[3], lens[3]);
+    assert_device_bytes(dbuf, want[3], lens[3]);
+    assert_int_equal(dp_recv(link, &got, dbuf, BIG, &len, 0, &err), STRATA_EIO);
+    assert_contains(err.msg, "timed out");
+    assert_null(dp_link_broken(link));
+    for (int i = 0; i < LB_MSGS; i++) {
+        free(want[i]);
+        cudaFree(src[i]);
+    }
+
+    /* The queue bound: DP_NCCL_LOOPBACK_QUEUE messages wait, one more is refused with EFULL and
+     * the link stays usable; once one is received (here: skipped) the refused one goes through
+     * and comes out last, in order. */
+    enum { Q = DP_NCCL_LOOPBACK_QUEUE, QLEN = 256 };
+    uint8_t *qwant = pattern((Q + 1) * QLEN, 77);
+    uint8_t *qsrc = to_device(qwant, (Q + 1) * QLEN);
+    for (int i = 0; i < Q; i++) {
+        dp_msg_header qh = hdr(DP_MSG_CONTROL, 100 + (uint64_t)i, (uint64_t)i, 0);
+        if (dp_send(link, &qh, qsrc + (size_t)i * QLEN, QLEN, &err) != STRATA_OK)
+            fail_msg("loopback send %d of %d: %s", i, Q, err.msg);
+    }
+    dp_msg_header over = hdr(DP_MSG_CONTROL, 100 + Q, Q, 0);
+    assert_int_equal(dp_send(link, &over, qsrc + (size_t)Q * QLEN, QLEN, &err), STRATA_EFULL);
+    assert_contains(err.msg, "queue full");
+    assert_null(dp_link_broken(link));
+    assert_int_equal(dp_recv_header(link, &got, 0, &err), STRATA_OK);
+    assert_true(got.step == 100);
+    assert_int_equal(dp_recv_skip(link, &err), STRATA_OK);
+    assert_int_equal(dp_send(link, &over, qsrc + (size_t)Q * QLEN, QLEN, &err), STRATA_OK);
+    for (int i = 1; i <= Q; i++) {
+        assert_int_equal(dp_recv(link, &got, dsmall, SMALL, &len, 0, &err), STRATA_OK);
+        assert_true(got.step == 100 + (uint64_t)i);
+        assert_int_equal(len, QLEN);
+        assert_device_bytes(dsmall, qwant + (size_t)i * QLEN, QLEN);
+    }
+    assert_int_equal(dp_recv(link, &got, dsmall, SMALL, &len, 0, &err), STRATA_EIO);
+    assert_null(dp_link_broken(link));
+
+    /* Closing with a message still queued frees its staging with the link. */
+    assert_int_equal(dp_send(link, &over, qsrc, QLEN, &err), STRATA_OK);
+    dp_link_close(link);
+    free(qwant);
+    cudaFree(qsrc);
+    cudaFree(dbuf);
+    cudaFree(dsmall);
+    free(hbuf);
+    print_message("NCCL loopback link exercised on cuda:0\n");
+#endif
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -817,6 +1029,7 @@ int main(void)
         cmocka_unit_test(test_send_to_closed_peer),
         cmocka_unit_test(test_frame_codec),
         cmocka_unit_test(test_nccl),
+        cmocka_unit_test(test_nccl_loopback),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

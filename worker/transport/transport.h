@@ -12,6 +12,8 @@
  *        header travels as its own NCCL message before the payload. Payload pointers are DEVICE
  *        memory (cudaMalloc'd on the link's device, or managed memory); host pointers are
  *        refused with STRATA_EINVAL. Every call synchronises its stream before returning.
+ *        A one-rank "loopback" NCCL link (dp_nccl_create with nranks 1) sends to itself; it
+ *        exists only to test the NCCL path on a machine with one GPU (see dp_nccl_create).
  *
  * Messages: a header (dp_msg_header) and a payload of 0..max_payload bytes. Kinds: HIDDEN (the
  * activation rows of one pipeline step: n_rows rows of row_bytes bytes, dtype f32/f16/bf16),
@@ -31,7 +33,8 @@
  * dp_link_close. A recv that times out before the first byte of a message arrived is NOT an
  * error of the link (TCP): it returns STRATA_EIO with "timed out" in the message,
  * dp_link_broken() stays NULL, and the next recv picks up the next message normally. On NCCL an
- * enqueued ncclRecv cannot be cancelled, so every timeout breaks an NCCL link.
+ * enqueued ncclRecv cannot be cancelled, so every timeout breaks an NCCL link (except a receive
+ * on an NCCL loopback link with nothing queued, which enqueues nothing: see dp_nccl_create).
  *
  * Timeouts: timeout_ms < 0 waits forever, 0 polls once, > 0 is a bound in milliseconds.
  * dp_recv's timeout bounds the wait for a message to BEGIN; once its first byte arrived the rest
@@ -40,7 +43,8 @@
  *
  * Thread-safety: a link may be used by two threads at once only as one sender and one receiver
  * (TCP). NCCL operations of a link are serialised by NCCL itself; use an NCCL link in one
- * direction at a time. Listeners and links hold no global state. */
+ * direction at a time, and an NCCL loopback link from one thread. Listeners and links hold no
+ * global state. */
 #ifndef STRATA_WORKER_TRANSPORT_H
 #define STRATA_WORKER_TRANSPORT_H
 
@@ -144,17 +148,35 @@ int dp_nccl_unique_id(void *out, size_t *len, strata_error *err);
 /* Joins the NCCL communicator named by unique_id as rank of nranks, on CUDA device cuda_device,
  * and returns a link to rank peer of that communicator. Each link owns its communicator: for a
  * pipeline, the coordinator issues one unique id per adjacent pair of stages (nranks 2). Blocks
- * until every rank joined (ncclCommInitRank has no timeout). In a build without NCCL:
- * STRATA_EUNSUPPORTED. */
+ * until every rank joined (ncclCommInitRank has no timeout). rank and peer must be distinct ranks
+ * of nranks >= 2, or rank 0, peer 0 of nranks 1 (below); anything else is STRATA_EINVAL, checked
+ * before looking for a device. In a build without NCCL: STRATA_EUNSUPPORTED.
+ *
+ * Loopback (nranks 1, rank 0, peer 0; "nccl loopback rank 0 on cuda:N"): a link to itself, so
+ * that the whole NCCL path runs on a machine with ONE GPU, where NCCL refuses the two ranks of a
+ * two-rank link. It is a test vehicle only: a real pipeline needs >= 2 GPUs, and serving never
+ * creates one. dp_send sends the header and payload to this same rank, posting each send with its
+ * receive (the pair in one NCCL group) into a device staging buffer owned by the link, waits as
+ * usual, and queues the message; the receive calls take the oldest queued message (payload copied
+ * device-to-device into the caller's buffer on the link's stream), with every usual rule
+ * (EFULL keeping the payload pending, dp_recv_skip, device pointers only). At most
+ * DP_NCCL_LOOPBACK_QUEUE messages wait in the queue: one more send fails with STRATA_EFULL and
+ * the link stays usable. A receive with nothing queued returns STRATA_EIO "timed out" AT ONCE,
+ * whatever timeout_ms (nothing else can fill the queue), and the link stays usable. Use a loopback
+ * link from one thread. */
 int dp_nccl_create(const void *unique_id, size_t id_len, int rank, int nranks, int peer,
                    int cuda_device, const dp_options *opts, dp_link **out, strata_error *err);
+
+/* Messages an NCCL loopback link holds between dp_send and their receive. */
+#define DP_NCCL_LOOPBACK_QUEUE 8
 
 /* ---- both backends ---- */
 
 /* Sends one message: the header, then len payload bytes (host memory on TCP, device memory on
  * NCCL; NULL allowed when len is 0). Returns when the bytes are handed to the kernel (TCP) or the
- * NCCL send completed. A payload over the peer's max_payload (learnt in the handshake, TCP) is
- * refused with STRATA_EINVAL and the link stays usable. */
+ * NCCL send completed (loopback: received into the link's staging and queued). A payload over
+ * the peer's max_payload (learnt in the handshake, TCP) is refused with STRATA_EINVAL and the
+ * link stays usable. */
 int dp_send(dp_link *link, const dp_msg_header *h, const void *payload, size_t len,
             strata_error *err);
 
@@ -176,7 +198,8 @@ int dp_recv_skip(dp_link *link, strata_error *err);
 /* Closes the link (and frees it); NULL is a no-op. A broken NCCL link aborts its communicator. */
 void dp_link_close(dp_link *link);
 
-/* "tcp 127.0.0.1:4000 <-> 127.0.0.1:53122", "nccl rank 0 -> 1 on cuda:0". */
+/* "tcp 127.0.0.1:4000 <-> 127.0.0.1:53122", "nccl rank 0 -> 1 on cuda:0",
+ * "nccl loopback rank 0 on cuda:0". */
 const char *dp_link_describe(const dp_link *link);
 int dp_link_backend(const dp_link *link);
 /* NULL while the link is usable, else why it broke. */
