@@ -4,10 +4,11 @@
  * and the CRC arithmetic are the CPU's own inline functions (kvstore/quant_math.h,
  * kvstore/crc32c_math.h) compiled for the device, so equality is by construction and is tested.
  *
- * Supported codecs: fp16, KIVI, TaDA and GEAR (its outliers and per-head low-rank fit, the CPU's
- * own fp64 arithmetic from kvstore/gear_math.h, built without FMA contraction so the bytes match).
- * OTT is refused (STRATA_EUNSUPPORTED): its choice of pooled tokens is per-sequence state the CPU
- * tracker keeps.
+ * Supported codecs: fp16, KIVI, TaDA, GEAR (its outliers and per-head low-rank fit, the CPU's
+ * own fp64 arithmetic from kvstore/gear_math.h, built without FMA contraction so the bytes match)
+ * and OTT (the pool update of kvstore/ott_math.h run on the tracker state each job points at, in
+ * device memory, then the pooled tokens taken out of the quantized groups and kept in fp16; the
+ * block's size follows its number of entries, so its header is completed per block).
  * Status: compiled in every build with nvcc; see docs/benchmarks.md for whether it has run. */
 #ifndef STRATA_KERNELS_CUDA_KV_ENCODE_H
 #define STRATA_KERNELS_CUDA_KV_ENCODE_H
@@ -34,6 +35,12 @@ typedef struct cuda_kv_encoder {
     int gear, rank, k_sparse, v_sparse;
     uint32_t off_k_sparse, off_v_sparse, off_k_lowrank, off_v_lowrank;
     uint64_t work_bytes;
+    /* OTT with a pool (ott = 1): pool tokens and auxiliary tokens per head, the OTT_TOKENS
+     * section's offset and its table entry's place, the slot size (the largest block, zeroed
+     * first), and the tracker state bytes of one (sequence, layer) (cuda_kv_encode_job.ott_state). */
+    int ott, ott_pool, ott_aux;
+    uint32_t off_ott, ott_entry_at, slot_bytes;
+    uint64_t ott_state_bytes;
 } cuda_kv_encoder;
 
 /* From the pool's codec and geometry (one zero block encoded on the CPU gives the header). */
@@ -53,8 +60,11 @@ typedef struct cuda_kv_encode_job {
     uint8_t *dst;        /* device slot of layout.block_bytes bytes, 16-byte aligned */
     uint64_t first_pos;  /* position of the block's first token */
     uint32_t layer;
-    void *work;          /* GEAR: enc.work_bytes of device scratch, 8-byte aligned, this job's own;
+    void *work;          /* GEAR, OTT: enc.work_bytes of device scratch, 8-byte aligned, this job's own;
                           * NULL for the other codecs */
+    void *ott_state;     /* OTT: the (sequence, layer)'s tracker (enc.ott_state_bytes, 8-byte aligned,
+                          * zeroed before its first block); updated by the job, so jobs of one
+                          * launch must name different trackers */
 } cuda_kv_encode_job;
 
 /* Writes n_jobs blocks (d_jobs: device array), one thread block each, asynchronously on stream.

@@ -7,17 +7,10 @@
 #include <string.h>
 
 #include "kvstore/bytes.h"
+#include "kvstore/ott_math.h"
 
-typedef struct ott_member {
-    uint64_t pos;
-    double norm;
-} ott_member;
-
-typedef struct ott_head {
-    size_t n;          /* pool members */
-    size_t aux_used;   /* tokens pushed out of the pool so far */
-    bool stopped;      /* the auxiliary pool is full: no more tracing */
-} ott_head;
+typedef kv_ott_member ott_member;
+typedef kv_ott_head ott_head;
 
 struct kv_ott_tracker {
     int n_kv_heads, pool, aux;
@@ -27,7 +20,7 @@ struct kv_ott_tracker {
 
 kv_ott_tracker *kv_ott_tracker_create(int n_kv_heads, int pool_tokens, int aux_tokens)
 {
-    if (n_kv_heads < 1 || pool_tokens < 0 || pool_tokens > 64 || aux_tokens < 0)
+    if (n_kv_heads < 1 || pool_tokens < 0 || pool_tokens > KV_OTT_MAX_POOL || aux_tokens < 0)
         return NULL;   /* 64: the bound kv_codec_validate enforces, and kv_ott_select's buffer */
     kv_ott_tracker *t = calloc(1, sizeof *t);
     if (!t)
@@ -97,7 +90,7 @@ bool kv_ott_tracker_load(kv_ott_tracker *t, const uint8_t *in, size_t len)
             return false;
         hd->n = n;
         hd->aux_used = kv_ld32(in + 4);
-        hd->stopped = stopped != 0;
+        hd->stopped = stopped;
         in += 12;
         for (size_t i = 0; i < pool_slots(t); i++) {
             ott_member *m = &t->members[(size_t)h * pool_slots(t) + i];
@@ -110,64 +103,20 @@ bool kv_ott_tracker_load(kv_ott_tracker *t, const uint8_t *in, size_t len)
     return true;
 }
 
-/* Smaller norm first; equal norms keep the earlier position (deterministic). */
-static bool before(const ott_member *a, const ott_member *b)
-{
-    return a->norm < b->norm || (a->norm == b->norm && a->pos < b->pos);
-}
-
 size_t kv_ott_select(kv_ott_tracker *t, const float *k, size_t n_tokens, int head_dim, uint64_t first_pos,
                      kv_ott_entry *out)
 {
     const size_t H = (size_t)t->n_kv_heads, D = (size_t)head_dim, N = (size_t)t->pool;
     if (N == 0 || n_tokens == 0)
         return 0;
-    /* chosen[h * N + i]: the new pool of head h, at most N members. */
-    ott_member chosen[64];
+    ott_member chosen[KV_OTT_MAX_POOL];
+    uint16_t entered[KV_OTT_MAX_POOL];
     size_t n_out = 0;
     for (size_t h = 0; h < H; h++) {
-        ott_head *hd = &t->heads[h];
-        if (hd->stopped)
-            continue;
-        ott_member *pool = t->members + h * N;
-        size_t n = hd->n;
-        memcpy(chosen, pool, n * sizeof *pool);
-        /* Insertion into a sorted list of at most N: the pool is tiny (N <= 64). */
-        for (size_t j = 0; j < n_tokens; j++) {
-            const float *row = k + (j * H + h) * D;
-            double norm = 0.0;
-            for (size_t c = 0; c < D; c++)
-                norm += fabs((double)row[c]);
-            ott_member m = {first_pos + j, norm};
-            if (isnan(norm))
-                continue;   /* a NaN key cannot be ranked; it stays in its quantized group */
-            if (n == N && !before(&m, &chosen[n - 1]))
-                continue;
-            size_t at = n < N ? n++ : N - 1;
-            while (at > 0 && before(&m, &chosen[at - 1])) {
-                chosen[at] = chosen[at - 1];
-                at--;
-            }
-            chosen[at] = m;
-        }
-        /* Old members that fell out go to the auxiliary pool. */
-        size_t evicted = 0;
-        for (size_t i = 0; i < hd->n; i++) {
-            bool kept = false;
-            for (size_t u = 0; u < n && !kept; u++)
-                kept = chosen[u].pos == pool[i].pos;
-            evicted += !kept;
-        }
-        if (hd->aux_used + evicted > (size_t)t->aux) {
-            hd->stopped = true;
-            continue;
-        }
-        hd->aux_used += evicted;
-        memcpy(pool, chosen, n * sizeof *pool);
-        hd->n = n;
+        const size_t n = kv_ott_update_head(&t->heads[h], t->members + h * N, N, (size_t)t->aux, k, NULL, n_tokens,
+                                            H, D, h, first_pos, chosen, entered);
         for (size_t u = 0; u < n; u++)
-            if (chosen[u].pos >= first_pos)
-                out[n_out++] = (kv_ott_entry){(uint16_t)h, (uint16_t)(chosen[u].pos - first_pos)};
+            out[n_out++] = (kv_ott_entry){(uint16_t)h, entered[u]};
     }
     /* (token, head) order, as the block format requires. */
     for (size_t i = 1; i < n_out; i++) {

@@ -26,9 +26,13 @@ __global__ void __launch_bounds__(kThreads) encode_blocks(cuda_kv_encoder E, con
     kv_enc_header(&E, &job, dst, tid, n);
     kv_enc_means(&E, &job, dst, tid, n);        // disjoint from the header: no barrier between them
     kv_enc_gear_select(&E, &job, tid, n);       // job scratch only
-    __syncthreads();                            // the sections read TaDA's means, GEAR's filled copies
+    kv_enc_ott_select(&E, &job, tid, n);        // job scratch and its head of the tracker
+    __syncthreads();
+    kv_enc_ott_fill(&E, &job, dst, tid, n);     // reads the pooled marks; completes the header
+    __syncthreads();                            // the sections read TaDA's means, GEAR's and OTT's copies
     kv_enc_sections(&E, &job, dst, tid, n);
     kv_enc_gear_sparse(&E, &job, dst, tid, n);  // its own sections
+    kv_enc_ott_rows(&E, &job, dst, tid, n);     // its own section
     __syncthreads();
     kv_enc_gear_residual(&E, &job, dst, tid, n);  // reads the backbone just written
     __syncthreads();
@@ -48,7 +52,7 @@ extern "C" int cuda_kv_encode_blocks(const cuda_kv_encoder *enc, const cuda_kv_e
     if (!enc || (n_jobs > 0 && !d_jobs) || n_jobs < 0)
         return strata_fail(err, STRATA_EINVAL, "cuda_kv_encode_blocks: bad arguments");
     const cuda_kv_layout &L = enc->layout;
-    if (L.codec == KV_CODEC_OTT || L.codec < KV_CODEC_FP16 || L.codec > KV_CODEC_TADA || L.block_bytes % 64 != 0 ||
+    if (L.codec < KV_CODEC_FP16 || L.codec > KV_CODEC_TADA || L.block_bytes % 64 != 0 || enc->slot_bytes % 64 != 0 ||
         enc->header_bytes > CUDA_KV_MAX_HEADER || enc->header_bytes >= L.block_bytes)
         return strata_fail(err, STRATA_EINVAL, "cuda_kv_encode_blocks: encoder not from cuda_kv_encoder_init");
     if (n_jobs == 0)

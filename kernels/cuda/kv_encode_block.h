@@ -8,9 +8,15 @@
  * Phases, for thread tid of nthreads (one thread block per block):
  *   1. kv_enc_zero:     zero the slot (32-bit words)
  *   2. kv_enc_header:   copy the shared header, with this block's layer and first position;
- *                       kv_enc_means: TaDA's per-token means (a thread per token and channel)
+ *                       kv_enc_means: TaDA's per-token means (a thread per token and channel);
+ *                       kv_enc_gear_select: GEAR's outliers; kv_enc_ott_select: OTT's pool
+ *                       update (a thread per head)
+ *   2b. kv_enc_ott_fill: OTT's inputs with the pooled tokens taken out, the entries' order, and
+ *                       the header completed for this block's number of entries
  *   3. kv_enc_sections: fp16 copy, or KIVI key rows and value rows (a thread per row; TaDA's
- *                       rows are the deviations from the means written in phase 2)
+ *                       rows are the deviations from the means written in phase 2); GEAR's
+ *                       sparse entries; OTT's entries
+ *   (GEAR's residual and low-rank fit, two more phases)
  *   4. kv_enc_piece_crc: the CRC32C of this thread's piece of the payload
  *   5. kv_enc_finish:   thread 0 joins the pieces, stores the payload CRC, then the header CRC */
 #ifndef STRATA_KERNELS_CUDA_KV_ENCODE_BLOCK_H
@@ -26,6 +32,7 @@
 #include "kvstore/gear_math.h"
 #include "kvstore/hd.h"
 #include "kvstore/kv_cache.h"
+#include "kvstore/ott_math.h"
 #include "kvstore/quant_math.h"
 
 STRATA_HD static inline void kv_enc_store16(uint8_t *p, uint16_t v)
@@ -110,7 +117,8 @@ STRATA_HD static inline uint32_t kv_enc_crc(const uint32_t *table, const uint8_t
 
 STRATA_HD static inline void kv_enc_zero(const cuda_kv_encoder *E, uint8_t *dst, unsigned tid, unsigned nthreads)
 {
-    for (uint32_t w = tid; w < E->layout.block_bytes / 4; w += nthreads)
+    const uint32_t bytes = E->slot_bytes > E->layout.block_bytes ? E->slot_bytes : E->layout.block_bytes;
+    for (uint32_t w = tid; w < bytes / 4; w += nthreads)
         kv_enc_store32(dst + 4 * (size_t)w, 0);
 }
 
@@ -299,6 +307,160 @@ STRATA_HD static inline void kv_enc_gear_fit(const cuda_kv_encoder *E, const cud
     }
 }
 
+/* ---- OTT ----
+ * A job's scratch: the fp32 copies of K and V with the pooled tokens taken out (what the backbone
+ * quantizes), per head the tracker's chosen list and the tokens that entered, and per (token,
+ * head) whether it is pooled and its entry's index. The tracker state (job->ott_state): the heads'
+ * counters, then each head's pool of ott_pool members. */
+typedef struct kv_enc_ott_work {
+    float *kk, *vv;          /* [T][H][D] */
+    kv_ott_member *chosen;   /* [H][N] */
+    uint16_t *entered;       /* [H][N] */
+    uint16_t *index;         /* [T][H] */
+    uint8_t *pooled;         /* [T][H] */
+} kv_enc_ott_work;
+
+STRATA_HD static inline uint64_t kv_enc_ott_work_bytes(const cuda_kv_encoder *E)
+{
+    const size_t T = (size_t)E->layout.block_tokens, H = (size_t)E->layout.n_kv_heads, D = (size_t)E->layout.head_dim;
+    const size_t N = (size_t)E->ott_pool;
+    return (2 * T * H * D * sizeof(float) + H * N * (sizeof(kv_ott_member) + 2) + T * H * 3 + 7) & ~(uint64_t)7;
+}
+
+STRATA_HD static inline uint64_t kv_enc_ott_state_bytes(const cuda_kv_encoder *E)
+{
+    const size_t H = (size_t)E->layout.n_kv_heads;
+    return H * sizeof(kv_ott_head) + H * (size_t)E->ott_pool * sizeof(kv_ott_member);
+}
+
+STRATA_HD static inline kv_enc_ott_work kv_enc_ott_work_at(const cuda_kv_encoder *E, void *work)
+{
+    kv_enc_ott_work w = {NULL, NULL, NULL, NULL, NULL, NULL};
+    if (!E->ott || !work)
+        return w;
+    const size_t T = (size_t)E->layout.block_tokens, H = (size_t)E->layout.n_kv_heads, D = (size_t)E->layout.head_dim;
+    const size_t N = (size_t)E->ott_pool, n = T * H * D;
+    uint8_t *base = (uint8_t *)work;
+    w.kk = (float *)(void *)base;
+    w.vv = w.kk + n;
+    w.chosen = (kv_ott_member *)(void *)(w.vv + n);   /* 8 n bytes in: 8-byte aligned */
+    w.entered = (uint16_t *)(void *)(w.chosen + H * N);
+    w.index = w.entered + H * N;
+    w.pooled = (uint8_t *)(w.index + T * H);
+    return w;
+}
+
+/* Phase 2 (OTT): a thread per head runs the tracker's update on this block's keys and marks the
+ * tokens that entered the pool. */
+STRATA_HD static inline void kv_enc_ott_select(const cuda_kv_encoder *E, const cuda_kv_encode_job *job, unsigned tid,
+                                               unsigned nthreads)
+{
+    if (!E->ott)
+        return;
+    const kv_enc_ott_work w = kv_enc_ott_work_at(E, job->work);
+    const size_t T = (size_t)E->layout.block_tokens, H = (size_t)E->layout.n_kv_heads, D = (size_t)E->layout.head_dim;
+    const size_t N = (size_t)E->ott_pool;
+    kv_ott_head *heads = (kv_ott_head *)job->ott_state;
+    kv_ott_member *members = (kv_ott_member *)(void *)(heads + H);
+    for (size_t h = tid; h < H; h += nthreads) {
+        for (size_t t = 0; t < T; t++)
+            w.pooled[t * H + h] = 0;
+        const size_t n = kv_ott_update_head(&heads[h], members + h * N, N, (size_t)E->ott_aux, NULL, job->k, T, H, D,
+                                            h, job->first_pos, w.chosen + h * N, w.entered + h * N);
+        for (size_t u = 0; u < n; u++)
+            w.pooled[(size_t)w.entered[h * N + u] * H + h] = 1;
+    }
+}
+
+/* The header of an OTT block with n entries, from the encoder's (made for none): one more
+ * section, its table entry, the block's size and the count. The same function checks the
+ * template against the CPU writer at cuda_kv_encoder_init. */
+STRATA_HD static inline void kv_enc_ott_patch_header(const cuda_kv_encoder *E, uint8_t *hdr, uint32_t n)
+{
+    if (n == 0)
+        return;
+    const uint32_t len = n * (4u + 4u * (uint32_t)E->layout.head_dim);
+    hdr[KV_HDR_N_SECTIONS] = (uint8_t)(E->header[KV_HDR_N_SECTIONS] + 1);
+    uint8_t *e = hdr + E->ott_entry_at;
+    kv_enc_store16(e, KV_SEC_OTT_TOKENS);
+    kv_enc_store16(e + 2, 0);
+    kv_enc_store32(e + 4, E->off_ott);
+    kv_enc_store32(e + 8, len);
+    kv_enc_store32(hdr + KV_HDR_BLOCK_BYTES, (E->off_ott + len + (KV_BLOCK_ALIGN - 1)) & ~(KV_BLOCK_ALIGN - 1));
+    kv_enc_store16(hdr + KV_HDR_OTT_TOKENS, (uint16_t)n);
+}
+
+/* Phase 2b (OTT): a thread per key row (head, channel) and per value row (token, head) writes the
+ * fp32 input with the pooled tokens taken out, as codec_ott.c does: a pooled key takes the mean
+ * (summed in double, token order) of the other keys of its group, a pooled value row is zero.
+ * Thread 0 also numbers the entries in (token, head) order and completes the header. */
+STRATA_HD static inline void kv_enc_ott_fill(const cuda_kv_encoder *E, const cuda_kv_encode_job *job, uint8_t *dst,
+                                             unsigned tid, unsigned nthreads)
+{
+    if (!E->ott)
+        return;
+    const kv_enc_ott_work w = kv_enc_ott_work_at(E, job->work);
+    const size_t T = (size_t)E->layout.block_tokens, H = (size_t)E->layout.n_kv_heads, D = (size_t)E->layout.head_dim;
+    const size_t G = (size_t)E->layout.k_group;
+    for (size_t i = tid; i < H * D + T * H; i += nthreads) {
+        if (i < H * D) {   /* key row h * D + c, over the tokens */
+            const size_t h = i / D, c = i % D;
+            for (size_t g0 = 0; g0 < T; g0 += G) {
+                size_t kept = 0;
+                double sum = 0.0;
+                for (size_t t = g0; t < g0 + G; t++) {
+                    const size_t o = (t * H + h) * D + c;
+                    w.kk[o] = strata_half_to_float(job->k[o]);
+                    if (!w.pooled[t * H + h]) {
+                        kept++;
+                        sum += w.kk[o];
+                    }
+                }
+                if (kept == G)
+                    continue;
+                const float mean = kept ? (float)(sum / (double)kept) : 0.0f;
+                for (size_t t = g0; t < g0 + G; t++)
+                    if (w.pooled[t * H + h])
+                        w.kk[(t * H + h) * D + c] = mean;
+            }
+        } else {           /* value row t * H + h */
+            const size_t r = i - H * D;
+            for (size_t c = 0; c < D; c++)
+                w.vv[r * D + c] = w.pooled[r] ? 0.0f : strata_half_to_float(job->v[r * D + c]);
+        }
+    }
+    if (tid == 0) {
+        uint32_t n = 0;
+        for (size_t i = 0; i < T * H; i++)
+            if (w.pooled[i])
+                w.index[i] = (uint16_t)n++;
+        kv_enc_ott_patch_header(E, dst, n);
+    }
+}
+
+/* Phase 3 (OTT): each entry, (head, token) then its exact fp16 key and value rows. */
+STRATA_HD static inline void kv_enc_ott_rows(const cuda_kv_encoder *E, const cuda_kv_encode_job *job, uint8_t *dst,
+                                             unsigned tid, unsigned nthreads)
+{
+    if (!E->ott)
+        return;
+    const kv_enc_ott_work w = kv_enc_ott_work_at(E, job->work);
+    const size_t T = (size_t)E->layout.block_tokens, H = (size_t)E->layout.n_kv_heads, D = (size_t)E->layout.head_dim;
+    const size_t n = (size_t)(dst[KV_HDR_OTT_TOKENS] | (dst[KV_HDR_OTT_TOKENS + 1] << 8));
+    uint8_t *ids = dst + E->off_ott, *krows = ids + 4 * n, *vrows = krows + 2 * D * n;
+    for (size_t i = tid; i < T * H; i += nthreads) {
+        if (!w.pooled[i])
+            continue;
+        const size_t e = w.index[i], t = i / H, h = i % H;
+        kv_enc_store16(ids + 4 * e, (uint16_t)h);
+        kv_enc_store16(ids + 4 * e + 2, (uint16_t)t);
+        for (size_t c = 0; c < D; c++) {
+            kv_enc_store16(krows + 2 * (e * D + c), strata_float_to_half(strata_half_to_float(job->k[i * D + c])));
+            kv_enc_store16(vrows + 2 * (e * D + c), strata_float_to_half(strata_half_to_float(job->v[i * D + c])));
+        }
+    }
+}
+
 /* TaDA: each token's mean over the heads, per channel, summed in double and rounded once to fp16
  * (the CPU writer's center()). No-op for other codecs. */
 STRATA_HD static inline void kv_enc_means(const cuda_kv_encoder *E, const cuda_kv_encode_job *job, uint8_t *dst,
@@ -336,25 +498,30 @@ STRATA_HD static inline void kv_enc_sections(const cuda_kv_encoder *E, const cud
     const size_t k_row = T * (size_t)L->k_bits / 8, k_groups = T / (size_t)L->k_group;
     const size_t v_row = D * (size_t)L->v_bits / 8, v_groups = D / (size_t)L->v_group;
     const int tada = L->codec == KV_CODEC_TADA;
+    /* GEAR and OTT quantize fp32 copies of their input (outliers filled, pooled tokens out). */
     const kv_enc_gear_work gw = kv_enc_gear_work_at(E, job->work);
+    const kv_enc_ott_work ow = kv_enc_ott_work_at(E, job->work);
+    const float *fk = E->gear ? gw.kk : E->ott ? ow.kk : NULL, *fv = E->gear ? gw.vv : E->ott ? ow.vv : NULL;
     for (size_t r = tid; r < H * D; r += nthreads) {   /* key row r = head * D + channel, over tokens */
-        const kv_enc_row row = {E->gear ? NULL : job->k + r, E->gear ? gw.kk + r : NULL, H * D,
+        const kv_enc_row row = {fk ? NULL : job->k + r, fk ? fk + r : NULL, H * D,
                                 tada ? dst + L->off_k_mean + 2 * (r % D) : NULL, D};
         kv_enc_quantize_row(&row, (int)T, L->k_group, L->k_bits, dst + L->off_k + r * k_row,
                             dst + L->off_k_scales + r * k_groups * 4);
     }
     for (size_t r = tid; r < T * H; r += nthreads) {   /* value row r = token * H + head, over channels */
-        const kv_enc_row row = {E->gear ? NULL : job->v + r * D, E->gear ? gw.vv + r * D : NULL, 1,
+        const kv_enc_row row = {fv ? NULL : job->v + r * D, fv ? fv + r * D : NULL, 1,
                                 tada ? dst + L->off_v_mean + 2 * (r / H) * D : NULL, 1};
         kv_enc_quantize_row(&row, (int)D, L->v_group, L->v_bits, dst + L->off_v + r * v_row,
                             dst + L->off_v_scales + r * v_groups * 4);
     }
 }
 
-/* Bytes of payload piece p of nthreads (the last pieces may be short or empty). */
-STRATA_HD static inline size_t kv_enc_piece(const cuda_kv_encoder *E, unsigned p, unsigned nthreads, size_t *at)
+/* Bytes of payload piece p of nthreads (the last pieces may be short or empty), in the block at
+ * dst whose header is complete (an OTT block's size depends on its entries). */
+STRATA_HD static inline size_t kv_enc_piece(const cuda_kv_encoder *E, const uint8_t *dst, unsigned p,
+                                            unsigned nthreads, size_t *at)
 {
-    const size_t n = E->layout.block_bytes - E->header_bytes, piece = (n + nthreads - 1) / nthreads;
+    const size_t n = kv_enc_ld32(dst + KV_HDR_BLOCK_BYTES) - E->header_bytes, piece = (n + nthreads - 1) / nthreads;
     *at = (size_t)p * piece < n ? (size_t)p * piece : n;
     return n - *at < piece ? n - *at : piece;
 }
@@ -363,7 +530,7 @@ STRATA_HD static inline uint32_t kv_enc_piece_crc(const cuda_kv_encoder *E, cons
                                                   unsigned tid, unsigned nthreads)
 {
     size_t at;
-    const size_t len = kv_enc_piece(E, tid, nthreads, &at);
+    const size_t len = kv_enc_piece(E, dst, tid, nthreads, &at);
     return kv_enc_crc(table, dst + E->header_bytes + at, len);
 }
 
@@ -371,11 +538,11 @@ STRATA_HD static inline void kv_enc_finish(const cuda_kv_encoder *E, const uint3
                                            uint8_t *dst, unsigned nthreads)
 {
     size_t at;
-    const size_t full = kv_enc_piece(E, 0, nthreads, &at);
+    const size_t full = kv_enc_piece(E, dst, 0, nthreads, &at);
     const uint32_t full_op = kv_crc32c_shift_op(full);
     uint32_t crc = piece_crc[0];
     for (unsigned p = 1; p < nthreads; p++) {
-        const size_t len = kv_enc_piece(E, p, nthreads, &at);
+        const size_t len = kv_enc_piece(E, dst, p, nthreads, &at);
         crc = kv_crc32c_combine_op(crc, piece_crc[p], len == full ? full_op : kv_crc32c_shift_op(len));
     }
     kv_enc_store32(dst + KV_HDR_PAYLOAD_CRC, crc);

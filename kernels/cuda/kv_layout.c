@@ -120,6 +120,57 @@ static uint32_t section_at(const kv_block *b, uint16_t id)
     return 0;
 }
 
+/* OTT: where the OTT_TOKENS section goes and how the header changes with the number of entries
+ * (kv_enc_ott_patch_header), checked against the CPU writer's headers for one and for the most
+ * entries a block can hold, so that a change of the block format fails here, by name, rather
+ * than as different bytes on the device. */
+static int ott_template(const kv_codec_params *p, const kv_geometry *g, const kv_block_desc *d0, const kv_block *b0,
+                        cuda_kv_encoder *out, strata_error *err)
+{
+    out->ott = 1;
+    out->ott_pool = p->pool_tokens;
+    out->ott_aux = p->aux_tokens;
+    out->off_ott = b0->block_bytes;   /* the next 64-byte boundary after the KIVI sections */
+    out->ott_entry_at = KV_BLOCK_FIXED_BYTES + (uint32_t)b0->n_sections * KV_BLOCK_SECTION_ENTRY_BYTES;
+    out->slot_bytes = (uint32_t)kv_block_size(p, g);
+    out->work_bytes = kv_enc_ott_work_bytes(out);
+    out->ott_state_bytes = kv_enc_ott_state_bytes(out);
+    const int most = p->pool_tokens * g->n_kv_heads < g->block_tokens * g->n_kv_heads
+                         ? p->pool_tokens * g->n_kv_heads
+                         : g->block_tokens * g->n_kv_heads;
+    const size_t rows = (size_t)g->block_tokens * (size_t)g->n_kv_heads * (size_t)g->head_dim;
+    kv_ott_entry *entries = calloc((size_t)most, sizeof *entries);
+    float *zeros = calloc(rows, sizeof *zeros);
+    uint8_t *block = calloc(1, out->slot_bytes), hdr[CUDA_KV_MAX_HEADER];
+    int rc = entries && zeros && block ? STRATA_OK : strata_fail(err, STRATA_ENOMEM, "out of memory");
+    for (int i = 0; i < most; i++)   /* (token, head) order */
+        entries[i] = (kv_ott_entry){(uint16_t)(i % g->n_kv_heads), (uint16_t)(i / g->n_kv_heads)};
+    const int counts[2] = {1, most};
+    for (int c = 0; c < 2 && rc == STRATA_OK; c++) {
+        kv_block_desc d = *d0;
+        d.ott_tokens = counts[c];
+        const kv_block_extra extra = {entries};
+        kv_block b;
+        rc = kv_block_encode_ex(&d, zeros, zeros, &extra, block, out->slot_bytes, NULL, err);
+        if (rc == STRATA_OK)
+            rc = kv_block_parse(block, out->slot_bytes, &b, err);
+        if (rc != STRATA_OK)
+            break;
+        memcpy(hdr, out->header, out->header_bytes);
+        kv_enc_ott_patch_header(out, hdr, (uint32_t)counts[c]);
+        memset(block + KV_HDR_LAYER, 0, 4);
+        memset(block + KV_HDR_FIRST_POS, 0, 8);
+        memset(block + KV_HDR_PAYLOAD_CRC, 0, 8);
+        if (b.header_bytes != out->header_bytes || memcmp(hdr, block, out->header_bytes) != 0)
+            rc = strata_fail(err, STRATA_EFORMAT, "the CUDA encoder's OTT header for %d entries does not match the "
+                             "CPU writer's (block format changed?)", counts[c]);
+    }
+    free(entries);
+    free(zeros);
+    free(block);
+    return rc;
+}
+
 int cuda_kv_encoder_init_rank(const kv_codec_params *p, const kv_geometry *g, int rank, cuda_kv_encoder *out,
                               strata_error *err)
 {
@@ -128,10 +179,6 @@ int cuda_kv_encoder_init_rank(const kv_codec_params *p, const kv_geometry *g, in
     int rc = kv_codec_validate(p, g, err);
     if (rc != STRATA_OK)
         return rc;
-    if (p->codec == KV_CODEC_OTT)
-        return strata_fail(err, STRATA_EUNSUPPORTED,
-                           "the CUDA encoder writes fp16, KIVI, TaDA and GEAR blocks; ott is not ported yet (the "
-                           "pooled-token tracker is per-sequence host state)");
     kv_block_desc d;
     kv_block_desc_init(&d, p, g, 0, 0);
     if (rank >= 0 && p->codec == KV_CODEC_GEAR)
@@ -175,6 +222,9 @@ int cuda_kv_encoder_init_rank(const kv_codec_params *p, const kv_geometry *g, in
             out->off_v_lowrank = section_at(&b, KV_SEC_GEAR_V_LOWRANK);
             out->work_bytes = kv_enc_gear_work_bytes(out);
         }
+        out->slot_bytes = out->layout.block_bytes;
+        if (d.codec == KV_CODEC_OTT && p->pool_tokens > 0)
+            rc = ott_template(p, g, &d, &b, out, err);
     }
     free(block);
     free(zeros);

@@ -1,6 +1,8 @@
 /* cuda_kv_encode_blocks (kernels/cuda/kv_encode.cu) against the CPU writer kv_block_encode: the
  * same fp16 rows must give the same block, byte for byte (header, section table, codes, scales,
- * padding, both CRCs), for fp16, KIVI at 2 and 4 bits, other group sizes, TaDA at 2, 4 and 8 bits, SmolLM2's and
+ * padding, both CRCs), for fp16, KIVI at 2 and 4 bits, other group sizes, TaDA at 2, 4 and 8 bits, GEAR,
+ * OTT (consecutive blocks through one device tracker against the CPU tracker, pools of 0 to 64
+ * tokens, one small enough that tracing stops), SmolLM2's and
  * Llama-3-8B's KV shapes, and inputs that exercise the quantizer's edges (constant groups,
  * subnormals, the largest fp16 numbers, a NaN, an infinity). Slots are poisoned (0xA5) first.
  * The kernel's phases (kernels/cuda/kv_encode_block.h) also run emulated on the CPU against the
@@ -22,6 +24,7 @@
 #include "kvstore/block.h"
 #include "kvstore/half.h"
 #include "kvstore/kv_cache.h"
+#include "kvstore/ott.h"
 
 static uint64_t seed = 0xe17c0de;
 
@@ -75,9 +78,15 @@ static void test_encoder_header(void **state)
     free(zeros);
     free(block);
 
+    /* OTT: the header template checked at init against the CPU's for 1 and the most entries; a
+     * pool of 0 is a KIVI block under the OTT id, with no tracker. */
     assert_int_equal(kv_codec_parse("ott2", &p, &err), STRATA_OK);
-    assert_int_equal(cuda_kv_encoder_init(&p, &g, &enc, &err), STRATA_EUNSUPPORTED);
-    assert_non_null(strstr(err.msg, "ott"));
+    assert_int_equal(cuda_kv_encoder_init(&p, &g, &enc, &err), STRATA_OK);
+    assert_int_equal(enc.ott, 1);
+    assert_true(enc.slot_bytes > enc.layout.block_bytes && enc.ott_state_bytes > 0 && enc.work_bytes > 0);
+    assert_int_equal(kv_codec_parse("ott2-n0", &p, &err), STRATA_OK);
+    assert_int_equal(cuda_kv_encoder_init(&p, &g, &enc, &err), STRATA_OK);
+    assert_int_equal(enc.ott, 0);
     assert_int_equal(cuda_kv_encode_blocks(NULL, NULL, 1, NULL, &err), STRATA_EINVAL);
 }
 
@@ -96,10 +105,14 @@ static void encode_emulated(const cuda_kv_encoder *enc, const cuda_kv_encode_job
             kv_enc_header(enc, &jobs[b], jobs[b].dst, t, nthreads);
             kv_enc_means(enc, &jobs[b], jobs[b].dst, t, nthreads);
             kv_enc_gear_select(enc, &jobs[b], t, nthreads);
+            kv_enc_ott_select(enc, &jobs[b], t, nthreads);
         }
+        for (unsigned t = 0; t < nthreads; t++)
+            kv_enc_ott_fill(enc, &jobs[b], jobs[b].dst, t, nthreads);
         for (unsigned t = 0; t < nthreads; t++) {
             kv_enc_sections(enc, &jobs[b], jobs[b].dst, t, nthreads);
             kv_enc_gear_sparse(enc, &jobs[b], jobs[b].dst, t, nthreads);
+            kv_enc_ott_rows(enc, &jobs[b], jobs[b].dst, t, nthreads);
         }
         for (unsigned t = 0; t < nthreads; t++)
             kv_enc_gear_residual(enc, &jobs[b], jobs[b].dst, t, nthreads);
@@ -128,7 +141,14 @@ static void run_codec_rank(const char *codec, int H, int D, int BT, int n_blocks
     const size_t work = (size_t)enc.work_bytes;
     uint8_t *hwork = work ? aligned_alloc(64, ((work * (size_t)n_blocks) + 63) & ~(size_t)63) : NULL;
     assert_true(!work || hwork);
-    const size_t rows = (size_t)BT * H * D, slot = enc.layout.block_bytes;
+    const size_t rows = (size_t)BT * H * D, slot = enc.slot_bytes;
+    /* OTT: one tracker for all the blocks, which are consecutive blocks of one (sequence, layer):
+     * on the GPU they go one launch each, in order. */
+    uint8_t *hstate = enc.ott ? calloc(1, (size_t)enc.ott_state_bytes) : NULL;
+    kv_ott_tracker *tracker = enc.ott ? kv_ott_tracker_create(H, p.pool_tokens, p.aux_tokens) : NULL;
+    kv_ott_entry *entries = enc.ott ? calloc((size_t)H * 64, sizeof *entries) : NULL;
+    assert_true(!enc.ott || (hstate && tracker && entries));
+    int ott_entries = 0;
     uint16_t *k = malloc(rows * n_blocks * sizeof *k), *v = malloc(rows * n_blocks * sizeof *v);
     float *kf = malloc(rows * sizeof *kf), *vf = malloc(rows * sizeof *vf);
     uint8_t *want = malloc(slot), *got = malloc(slot * n_blocks);
@@ -143,12 +163,17 @@ static void run_codec_rank(const char *codec, int H, int D, int BT, int n_blocks
         for (int b = 0; b < n_blocks; b++)
             jobs[b] = (cuda_kv_encode_job){.k = k + rows * b, .v = v + rows * b, .dst = got + slot * b,
                                            .first_pos = (uint64_t)b * BT + ((uint64_t)b << 33),
-                                           .layer = (uint32_t)(b % 32), .work = work ? hwork + work * b : NULL};
+                                           .layer = (uint32_t)(b % 32), .work = work ? hwork + work * b : NULL,
+                                           .ott_state = hstate};
         encode_emulated(&enc, jobs, n_blocks, threads);
         goto compare;
     }
     uint16_t *dk, *dv;
-    uint8_t *dslots, *dwork = NULL;
+    uint8_t *dslots, *dwork = NULL, *dstate = NULL;
+    if (enc.ott) {
+        CUDA_CHECK(cudaMalloc((void **)&dstate, (size_t)enc.ott_state_bytes));
+        CUDA_CHECK(cudaMemset(dstate, 0, (size_t)enc.ott_state_bytes));
+    }
     cuda_kv_encode_job *djobs;
     if (work)
         CUDA_CHECK(cudaMalloc((void **)&dwork, work * (size_t)n_blocks));
@@ -162,10 +187,11 @@ static void run_codec_rank(const char *codec, int H, int D, int BT, int n_blocks
     for (int b = 0; b < n_blocks; b++)
         jobs[b] = (cuda_kv_encode_job){.k = dk + rows * b, .v = dv + rows * b, .dst = dslots + slot * b,
                                        .first_pos = (uint64_t)b * BT + ((uint64_t)b << 33), .layer = (uint32_t)(b % 32),
-                                       .work = work ? dwork + work * b : NULL};
+                                       .work = work ? dwork + work * b : NULL, .ott_state = dstate};
     CUDA_CHECK(cudaMemcpy(djobs, jobs, n_blocks * sizeof *djobs, cudaMemcpyHostToDevice));
-    if (cuda_kv_encode_blocks(&enc, djobs, n_blocks, NULL, &err) != STRATA_OK)
-        fail_msg("%s: %s", codec, err.msg);
+    for (int b = 0; b < n_blocks; b += enc.ott ? 1 : n_blocks)   /* OTT: the tracker's blocks in order */
+        if (cuda_kv_encode_blocks(&enc, djobs + b, enc.ott ? 1 : n_blocks, NULL, &err) != STRATA_OK)
+            fail_msg("%s: %s", codec, err.msg);
     CUDA_CHECK(cudaDeviceSynchronize());
     CUDA_CHECK(cudaMemcpy(got, dslots, slot * n_blocks, cudaMemcpyDeviceToHost));
     cudaFree(dk);
@@ -173,6 +199,7 @@ static void run_codec_rank(const char *codec, int H, int D, int BT, int n_blocks
     cudaFree(dslots);
     cudaFree(djobs);
     cudaFree(dwork);
+    cudaFree(dstate);
 compare:
     for (int b = 0; b < n_blocks; b++) {
         for (size_t i = 0; i < rows; i++) {
@@ -183,20 +210,37 @@ compare:
         kv_block_desc_init(&d, &p, &g, jobs[b].layer, jobs[b].first_pos);
         if (rank >= 0 && p.codec == KV_CODEC_GEAR)
             d.rank = rank;
-        assert_int_equal(kv_block_encode(&d, kf, vf, want, slot, NULL, &err), STRATA_OK);
+        kv_block_extra extra = {NULL};
+        if (tracker) {   /* the CPU pool's order: the tracker's choice, then the writer */
+            d.ott_tokens = (int)kv_ott_select(tracker, kf, (size_t)BT, D, jobs[b].first_pos, entries);
+            extra.ott = entries;
+            ott_entries += d.ott_tokens;
+        }
+        assert_int_equal(kv_block_encode_ex(&d, kf, vf, &extra, want, slot, NULL, &err), STRATA_OK);
         const uint8_t *mine = got + slot * b;
-        size_t first_diff = slot;
-        for (size_t i = 0; i < slot && first_diff == slot; i++)
+        kv_block wb;
+        assert_int_equal(kv_block_parse(want, slot, &wb, &err), STRATA_OK);
+        const size_t len = wb.block_bytes;   /* OTT: the size follows the entries; the slot holds the most */
+        size_t first_diff = len;
+        for (size_t i = 0; i < len && first_diff == len; i++)
             if (mine[i] != want[i])
                 first_diff = i;
-        if (first_diff != slot)
+        if (first_diff != len)
             fail_msg("%s H %d D %d block %d (edge kind %d, %s): block differs from the CPU's at byte %zu of %zu "
-                     "(ours %02x, cpu writer %02x)", codec, H, D, b, b % 4, threads ? "emulated" : "gpu", first_diff, slot, mine[first_diff],
+                     "(ours %02x, cpu writer %02x)", codec, H, D, b, b % 4, threads ? "emulated" : "gpu", first_diff, len, mine[first_diff],
                      want[first_diff]);
         assert_int_equal(kv_block_verify(mine, slot, NULL, &err), STRATA_OK);
     }
-    printf("  %s%s H %d D %d block_tokens %d: %d blocks of %zu bytes identical to the CPU writer's (%s)\n", codec,
+    printf("  %s%s H %d D %d block_tokens %d: %d blocks of up to %zu bytes identical to the CPU writer's (%s)", codec,
            prompt ? " (prompt rank)" : "", H, D, BT, n_blocks, slot, threads ? "emulated" : "gpu");
+    if (tracker)
+        printf(", %d pooled tokens", ott_entries);
+    printf("\n");
+    if (tracker && p.pool_tokens > 0 && n_blocks > 1)
+        assert_true(ott_entries > 0);   /* the case exercised the pool */
+    free(hstate);
+    free(entries);
+    kv_ott_tracker_destroy(tracker);
     free(hwork);
     free(k);
     free(v);
@@ -214,8 +258,9 @@ static void run_codec(const char *codec, int H, int D, int BT, int n_blocks, uns
         run_codec_rank(codec, H, D, BT, n_blocks, threads, true);
 }
 
-static const char *const codecs[] = {"fp16",  "kivi2", "kivi4",  "kivi2-g64", "kivi4-g16", "tada2",
-                                     "tada4", "tada8", "gear2", "gear4",     "gearl2",    "gear2-s50"};
+static const char *const codecs[] = {"fp16",  "kivi2", "kivi4", "kivi2-g64", "kivi4-g16", "tada2",   "tada4",
+                                     "tada8", "gear2", "gear4", "gearl2",    "gear2-s50", "ott2",    "ott4",
+                                     "ott2-n16-a8", "ott4-n64-a200", "ott2-n0"};
 
 static void test_blocks_equal_cpu_writer(void **state)
 {
