@@ -39,27 +39,38 @@ static int emit(text_stream *ts, generate_text_fn on_text, void *user, bool *sto
     return len && on_text ? on_text(user, text, len) : 0;
 }
 
-typedef struct cpu_forward {
+typedef struct cpu_step {
     model *m;
     kv_seq *seq;
-} cpu_forward;
+    float *logits;   /* n_vocab */
+} cpu_step;
 
-static int forward_on_cpu(void *ctx, const int32_t *tokens, size_t n, size_t pos, float *logits, strata_error *err)
+static int step_on_cpu(void *ctx, const int32_t *tokens, size_t n, size_t pos, sampler *smp, int32_t *next,
+                       strata_error *err)
 {
-    const cpu_forward *f = ctx;
-    return model_forward(f->m, f->seq, tokens, n, pos, logits, false, err);
+    const cpu_step *f = ctx;
+    int rc = model_forward(f->m, f->seq, tokens, n, pos, f->logits, false, err);
+    if (rc == STRATA_OK)
+        *next = sampler_sample(smp, f->logits);
+    return rc;
 }
 
 int generate_run(model *m, kv_seq *seq, size_t seq_max_tokens, const int32_t *prompt, size_t n_prompt,
                  const generate_params *p, generate_text_fn on_text, void *user, generate_result *out,
                  strata_error *err)
 {
-    cpu_forward f = {m, seq};
-    return generate_run_with(model_get_config(m), model_get_tokenizer(m), forward_on_cpu, &f, seq_max_tokens, prompt,
-                             n_prompt, p, on_text, user, out, err);
+    cpu_step f = {m, seq, malloc((size_t)model_get_config(m)->n_vocab * sizeof(float))};
+    if (!f.logits) {
+        memset(out, 0, sizeof *out);
+        return strata_fail(err, STRATA_ENOMEM, "out of memory for the logits");
+    }
+    int rc = generate_run_with(model_get_config(m), model_get_tokenizer(m), step_on_cpu, &f, seq_max_tokens, prompt,
+                               n_prompt, p, on_text, user, out, err);
+    free(f.logits);
+    return rc;
 }
 
-int generate_run_with(const model_config *cfg, const tokenizer *tok, generate_forward_fn forward, void *forward_ctx,
+int generate_run_with(const model_config *cfg, const tokenizer *tok, generate_step_fn step, void *step_ctx,
                       size_t seq_max_tokens, const int32_t *prompt, size_t n_prompt, const generate_params *p,
                       generate_text_fn on_text, void *user, generate_result *out, strata_error *err)
 {
@@ -76,13 +87,11 @@ int generate_run_with(const model_config *cfg, const tokenizer *tok, generate_fo
         return rc;
 
     sampler *smp = sampler_create(&p->sampling, cfg->n_vocab, err);
-    float *logits = malloc((size_t)cfg->n_vocab * sizeof *logits);
     out->tokens = malloc((size_t)p->max_tokens * sizeof *out->tokens);
     text_stream ts;
     text_stream_init(&ts, p->stop, p->n_stop, false);   /* the callback takes bytes as they come */
-    if (!smp || !logits || !out->tokens) {
+    if (!smp || !out->tokens) {
         sampler_free(smp);
-        free(logits);
         generate_result_free(out);
         return smp ? strata_fail(err, STRATA_ENOMEM, "out of memory") : (err ? err->code : STRATA_ENOMEM);
     }
@@ -90,12 +99,12 @@ int generate_run_with(const model_config *cfg, const tokenizer *tok, generate_fo
     out->finish = FINISH_LENGTH;
 
     double t0 = now_seconds();
-    rc = forward(forward_ctx, prompt, n_prompt, 0, logits, err);
+    int32_t next = 0;
+    rc = step(step_ctx, prompt, n_prompt, 0, smp, &next, err);
     out->prefill_seconds = now_seconds() - t0;
     size_t pos = n_prompt;
     double t_decode = now_seconds();
     while (rc == STRATA_OK) {
-        int32_t next = sampler_sample(smp, logits);
         if (!p->ignore_eos && tokenizer_is_eog(tok, next)) {
             out->finish = FINISH_EOS;
             break;
@@ -122,7 +131,8 @@ int generate_run_with(const model_config *cfg, const tokenizer *tok, generate_fo
             out->finish = FINISH_LENGTH;
             break;
         }
-        rc = forward(forward_ctx, &next, 1, pos, logits, err);
+        const int32_t last = next;
+        rc = step(step_ctx, &last, 1, pos, smp, &next, err);
         pos++;
         out->decode_steps++;
     }
@@ -135,7 +145,6 @@ int generate_run_with(const model_config *cfg, const tokenizer *tok, generate_fo
             on_text(user, text, len);
     }
     text_stream_free(&ts);
-    free(logits);
     sampler_free(smp);
     return rc;
 }

@@ -50,14 +50,16 @@ int generate_run(model *m, kv_seq *seq, size_t seq_max_tokens, const int32_t *pr
                  const generate_params *p, generate_text_fn on_text, void *user, generate_result *out,
                  strata_error *err);
 
-/* The forward pass generate_run_with drives: n tokens at positions pos.. of its one sequence,
- * logits of the last (n_vocab floats) out, as model_forward does. */
-typedef int (*generate_forward_fn)(void *forward_ctx, const int32_t *tokens, size_t n, size_t pos, float *logits,
-                                   strata_error *err);
+/* One step of the backend generate_run_with drives: n tokens at positions pos.. of its one
+ * sequence through the model, then the next token picked with smp from the last token's logits
+ * (sampler_sample on the CPU; a device may pick on the device with sampler_next_draw's draw,
+ * kernels/cuda_sample.h). */
+typedef int (*generate_step_fn)(void *step_ctx, const int32_t *tokens, size_t n, size_t pos, sampler *smp,
+                                int32_t *next, strata_error *err);
 
-/* generate_run over any backend's forward pass (the CUDA one: worker/cuda/model_cuda.h); cfg and
- * tok are the model's. The sequence behind forward must be empty. */
-int generate_run_with(const model_config *cfg, const tokenizer *tok, generate_forward_fn forward, void *forward_ctx,
+/* generate_run over any backend's steps (the CUDA one: coordinator/cli/generate_cuda.c); cfg and
+ * tok are the model's. The sequence behind step must be empty. */
+int generate_run_with(const model_config *cfg, const tokenizer *tok, generate_step_fn step, void *step_ctx,
                       size_t seq_max_tokens, const int32_t *prompt, size_t n_prompt, const generate_params *p,
                       generate_text_fn on_text, void *user, generate_result *out, strata_error *err);
 

@@ -10,17 +10,31 @@
 #include "kernels/cuda_kv_encode.h"
 #include "worker/cuda/model_cuda.h"
 
-typedef struct cuda_forward {
+typedef struct cuda_step {
     cuda_model *cm;
     cuda_seq *seq;
-} cuda_forward;
+} cuda_step;
 
-static int forward_on_cuda(void *ctx, const int32_t *tokens, size_t n, size_t pos, float *logits, strata_error *err)
+/* The step and the pick both on the device; only the draw (from the host's PRNG) goes down and
+ * the token id comes back. */
+static int step_on_cuda(void *ctx, const int32_t *tokens, size_t n, size_t pos, sampler *smp, int32_t *next,
+                        strata_error *err)
 {
-    const cuda_forward *f = ctx;
+    const cuda_step *f = ctx;
     if (pos != cuda_seq_length(f->seq))
         return strata_fail(err, STRATA_EINVAL, "position %zu on a sequence of %zu", pos, cuda_seq_length(f->seq));
-    return cuda_model_forward(f->cm, f->seq, tokens, n, logits, err);
+    int rc = STRATA_OK;
+    size_t done = 0;
+    if (n > 1 && pos > 0) {   /* more tokens on a non-empty sequence: one at a time, only the last picks */
+        if ((rc = cuda_model_forward(f->cm, f->seq, tokens, n - 1, NULL, err)) != STRATA_OK)
+            return rc;
+        done = n - 1;
+    }
+    const sampler_params *sp = sampler_get_params(smp);
+    const cuda_sample_row row = {.u = sampler_params_greedy(sp) ? 0.0 : sampler_next_draw(smp),
+                                 .temperature = sp->temperature, .top_p = sp->top_p, .top_k = sp->top_k};
+    const cuda_batch_item item = {f->seq, tokens + done, n - done};
+    return cuda_model_forward_batch_sample(f->cm, &item, 1, &row, next, err);
 }
 
 int cli_generate_cuda(model *m, int device, const kv_codec_params *codec, int block_tokens, size_t ctx,
@@ -29,7 +43,7 @@ int cli_generate_cuda(model *m, int device, const kv_codec_params *codec, int bl
 {
     strata_error err = {0};
     int exit_code = EXIT_RUNTIME;
-    cuda_forward f = {0};
+    cuda_step f = {0};
     generate_result result = {0};
     size_t kv_bytes = 0;
     /* The codec first: a configuration the GPU path cannot run is refused on any machine. */
@@ -52,7 +66,7 @@ int cli_generate_cuda(model *m, int device, const kv_codec_params *codec, int bl
                 (double)cuda_model_weight_bytes(f.cm) / 1048576.0, (double)kv_bytes / 1048576.0, ctx);
     if (echo)
         on_text(NULL, echo, strlen(echo));
-    const int rc = generate_run_with(cfg, model_get_tokenizer(m), forward_on_cuda, &f, ctx, prompt,
+    const int rc = generate_run_with(cfg, model_get_tokenizer(m), step_on_cuda, &f, ctx, prompt,
                                      n_prompt, gp, on_text, NULL, &result, &err);
     printf("\n");
     fflush(stdout);

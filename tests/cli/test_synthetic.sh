@@ -32,7 +32,7 @@ expect 1 "STRATA_SYNTHETIC_MEM_LIMIT='lots' is not a byte count" \
   env STRATA_SYNTHETIC_MEM_LIMIT=lots "$strata" generate --model synthetic:tiny --prompt hi
 
 # --device: bad values are usage errors; cuda without a GPU (or in a build without CUDA) fails
-# with a message before anything is printed; codecs the GPU path cannot hold are refused first.
+# with a message before anything is printed; KV plans the GPU path cannot hold are refused first.
 expect 2 "takes cpu, cuda or cuda:N" "$strata" generate --model synthetic:tiny --prompt hi --device gpu
 expect 2 "do not apply with --device cuda" "$strata" generate --model synthetic:tiny --prompt hi --device cuda \
   --host-kv-mib 8
@@ -41,9 +41,9 @@ if grep -q "no CUDA support" "$tmp/probe"; then
   echo "test_synthetic: this build has no CUDA: --device cuda checked for its message only"
   expect 1 "no CUDA support" "$strata" generate --model synthetic:tiny --prompt hi --device cuda
 else
-  echo "0-3:ott4" >"$tmp/ott.plan"   # one OTT codec on every layer (the name alone spares layers 0-1)
-  expect 2 "ott caches are not supported" "$strata" generate --model synthetic:tiny --prompt hi --device cuda \
-    --kv-plan "$tmp/ott.plan"
+  printf '0-1:kivi2\n2-3:kivi4\n' >"$tmp/mixed.plan"   # the GPU path holds one codec for every layer
+  expect 2 "takes one KV codec for every layer" "$strata" generate --model synthetic:tiny --prompt hi --device cuda \
+    --kv-plan "$tmp/mixed.plan"
 fi
 if grep -q "no CUDA support" "$tmp/probe"; then
   :

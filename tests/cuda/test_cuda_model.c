@@ -3,7 +3,7 @@
  * logits compared at every step by ||gpu - cpu|| / ||cpu||. Models: synthetic:tiny,
  * synthetic:smollm2-135m and the default model (SmolLM2-135M, when its file is present; set
  * STRATA_MODEL to point elsewhere). Caches: fp16, kivi4, kivi2, tada4, gear2 (prompt-rank and
- * decode-rank blocks), with a prompt long enough that
+ * decode-rank blocks), ott2 and ott4 (the tracker on the device), with a prompt long enough that
  * blocks form during prefill and more during decode. Weights: fp32 on the device (fp32 GEMMs, no
  * TF32), where only summation order and the attention kernels' fp32 arithmetic differ from the
  * CPU, and fp16 (what serving uses).
@@ -14,7 +14,8 @@
  * the fp32-weight runs must agree with the CPU's on at least 90% of the steps.
  * Batched steps (cuda_model_forward_batch) are checked the same way per sequence, with prompts of
  * different lengths prefilled together, decoding together, and a prompt joining mid-way; bad
- * batches are refused. Without a CUDA device only the no-device error path runs, then the test
+ * batches are refused. A shared block pool with a pinned host tier below gives the same logits as
+ * per-sequence arenas while blocks move off the device and back. Without a CUDA device only the no-device error path runs, then the test
  * exits 77 (skipped). */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -29,6 +30,8 @@
 
 #include "cuda_test_util.h"
 #include "kvstore/kv_cache.h"
+#include "offload/kv_tiers.h"
+#include "worker/cuda/device_mem.h"
 #include "worker/cuda/model_cuda.h"
 #include "worker/model.h"
 
@@ -124,7 +127,7 @@ static void compare_model(const char *path)
     model *m = model_load(path, 0, -1, &err);
     if (!m)
         fail_msg("%s: %s", path, err.msg);
-    const char *codecs[] = {"fp16", "kivi4", "kivi2", "tada4", "gear2"};
+    const char *codecs[] = {"fp16", "kivi4", "kivi2", "tada4", "gear2", "ott2"};
     for (size_t i = 0; i < 5; i++) {
         compare(m, path, codecs[i], CUDA_WEIGHTS_F32);
         compare(m, path, codecs[i], CUDA_WEIGHTS_F16);
@@ -240,6 +243,7 @@ static void test_batched_steps(void **state)
     batched(m, "fp16");
     batched(m, "kivi2");
     batched(m, "gear2");
+    batched(m, "ott4");
     model_free(m);
 }
 
@@ -283,6 +287,88 @@ static void test_greedy_and_sizes(void **state)
     cuda_seq_free(a);
     cuda_seq_free(b);
     cuda_model_free(cm);
+    model_free(m);
+}
+
+/* Three sequences through a shared block pool that holds about one of them, over a pinned host
+ * tier: each step runs one sequence, so the others' blocks leave the device and come back. The
+ * logits equal, bit for bit, those of the same sequences with arenas of their own (the same
+ * kernels over the same block bytes, wherever the bytes were in between); a pool too small for
+ * one step fails that step with STRATA_EFULL. */
+static void test_shared_pool(void **state)
+{
+    (void)state;
+    enum { SEQS = 3, TOKENS = 330, BT = 16 };
+    strata_error err = {0};
+    model *m = model_load("synthetic:tiny:seed=11", 0, -1, &err);
+    assert_non_null(m);
+    const int L = model_get_config(m)->n_layers;
+    const size_t nv = (size_t)model_get_config(m)->n_vocab;
+    kv_codec_params k2;
+    assert_int_equal(kv_codec_parse("kivi2", &k2, &err), STRATA_OK);
+    const size_t blocks_per_seq = (size_t)L * ((TOKENS - (size_t)k2.residual) / BT);
+    kv_tiers_options to = {.host_bytes = 64u << 20, .allocator = cuda_pinned_host_allocator()};
+    kv_tiers *tiers = kv_tiers_create(&to, &err);
+    if (!tiers)
+        fail_msg("%s", err.msg);
+    const kv_lower_tier lower = kv_tiers_lower(tiers);
+    cuda_model *own = cuda_model_create(m, CUDA_WEIGHTS_F16, &err), *shared = cuda_model_create(m, CUDA_WEIGHTS_F16, &err);
+    assert_true(own && shared);
+    if (cuda_model_create_kv_pool(shared, &k2, BT, blocks_per_seq + (size_t)L, &lower, &err) != STRATA_OK)
+        fail_msg("%s", err.msg);
+    cuda_seq *a[SEQS], *b[SEQS];
+    for (int i = 0; i < SEQS; i++) {
+        a[i] = cuda_seq_create(own, &k2, BT, TOKENS + 1, &err);
+        b[i] = cuda_seq_create(shared, &k2, BT, TOKENS + 1, &err);
+        assert_true(a[i] && b[i]);
+    }
+    float *la = malloc(nv * sizeof *la), *lb = malloc(nv * sizeof *lb);
+    assert_true(la && lb);
+    int32_t tok[SEQS][64];
+    for (int i = 0; i < SEQS; i++)
+        for (int t = 0; t < 64; t++)
+            tok[i][t] = 30 + 7 * i + t;
+    for (size_t pos = 0; pos < TOKENS - 64; pos++)
+        for (int i = 0; i < SEQS; i++) {   /* one sequence per step */
+            const int32_t *in = pos == 0 ? tok[i] : &tok[i][63];
+            const size_t n = pos == 0 ? 64 : 1;
+            const cuda_batch_item ia = {a[i], in, n}, ib = {b[i], in, n};
+            assert_int_equal(cuda_model_forward_batch(own, &ia, 1, la, &err), STRATA_OK);
+            if (cuda_model_forward_batch(shared, &ib, 1, lb, &err) != STRATA_OK)
+                fail_msg("sequence %d at %zu: %s", i, pos, err.msg);
+            assert_memory_equal(la, lb, nv * sizeof *la);
+            tok[i][63] = (int32_t)argmax(la, nv);
+        }
+    device_pool_stats st;
+    cuda_model_kv_pool_stats(shared, &st);
+    printf("  shared pool: %zu slots, %llu evictions (%llu copied down), %llu fetches\n", st.slots,
+           (unsigned long long)st.evictions, (unsigned long long)st.writebacks, (unsigned long long)st.fetches);
+    assert_true(st.evictions > 0 && st.fetches > 0);
+    for (int i = 0; i < SEQS; i++) {
+        cuda_seq_free(a[i]);
+        cuda_seq_free(b[i]);
+    }
+    cuda_model_free(shared);
+
+    /* A pool smaller than one sequence's blocks: the step that needs them all fails clearly. */
+    shared = cuda_model_create(m, CUDA_WEIGHTS_F16, &err);
+    assert_non_null(shared);
+    assert_int_equal(cuda_model_create_kv_pool(shared, &k2, BT, (size_t)L, &lower, &err), STRATA_OK);
+    cuda_seq *s = cuda_seq_create(shared, &k2, BT, TOKENS + 1, &err);
+    assert_non_null(s);
+    int rc = STRATA_OK;
+    for (size_t pos = 0; pos < TOKENS - 64 && rc == STRATA_OK; pos++) {
+        const cuda_batch_item it = {s, pos == 0 ? tok[0] : &tok[0][63], pos == 0 ? 64 : 1};
+        rc = cuda_model_forward_batch(shared, &it, 1, lb, &err);
+    }
+    assert_int_equal(rc, STRATA_EFULL);
+    assert_non_null(strstr(err.msg, "raise the device KV budget"));
+    cuda_seq_free(s);
+    cuda_model_free(shared);
+    cuda_model_free(own);
+    kv_tiers_destroy(tiers);
+    free(la);
+    free(lb);
     model_free(m);
 }
 
@@ -349,6 +435,7 @@ int main(void)
         cmocka_unit_test(test_batched_steps),
         cmocka_unit_test(test_bad_batches),
         cmocka_unit_test(test_greedy_and_sizes),
+        cmocka_unit_test(test_shared_pool),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

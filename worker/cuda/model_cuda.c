@@ -4,6 +4,7 @@
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,6 +13,9 @@
 #include "kernels/cuda_kv_encode.h"
 #include "kernels/cuda_kv_tail.h"
 #include "kernels/cuda_ops.h"
+#include "kernels/cuda_sample.h"
+#include "offload/device_pool.h"
+#include "worker/cuda/device_mem.h"
 
 typedef struct cuda_layer {
     float *attn_norm, *ffn_norm;               /* fp32 */
@@ -39,17 +43,26 @@ struct cuda_model {
     /* Per-item buffers for up to cap_items items of a step. */
     size_t cap_items;
     float *head_x, *logits, *h_logits;        /* [items][n_embd], [items][n_vocab] device, host */
-    int32_t *d_next, *h_next;                 /* [items] greedy choices */
+    int32_t *d_next, *h_next;                 /* [items] sampled tokens */
+    cuda_sample_row *d_sample, *h_sample;     /* [items] sampling parameters and draws */
     cuda_kv_seq *d_views, *h_views;           /* [layer][decode item] */
     cuda_kv_append_job *d_append, *h_append;  /* [layer][decode item] */
     cuda_kv_encode_job *d_encode, *h_encode;  /* [layer][decode item whose tail fills] */
     cuda_kv_shift_job *d_shift, *h_shift;
     void *d_ws;                               /* attention workspace */
     size_t ws_bytes;
-    uint8_t *d_gear_work;                     /* GEAR: a scratch per block forming in one step */
+    uint8_t *d_gear_work;                     /* GEAR, OTT: a scratch per block forming in one step */
     size_t gear_work_bytes;
     int *d_status;
     uint64_t step;                            /* steps checked so far: marks sequences seen in one */
+    /* The shared block pool (cuda_model_create_kv_pool), or NULL: each sequence has its arena. */
+    device_pool *pool;
+    cuda_device_mem *pool_mem;
+    size_t pool_slot;
+    uint64_t next_owner;
+    device_block *h_acquire;                  /* a step's blocks, and their addresses */
+    void **h_addrs;
+    size_t cap_acquire;
 };
 
 struct cuda_seq {
@@ -58,7 +71,11 @@ struct cuda_seq {
     cuda_kv_encoder enc;
     int n_layers, block_tokens, residual;
     size_t max_tokens, len, max_blocks, slot, row;  /* row: elements of one token's K (H * D) */
-    uint8_t *arena;                  /* device: n_layers * max_blocks slots */
+    uint8_t *arena;                  /* device: n_layers * max_blocks slots; NULL with the shared pool */
+    uint64_t owner;                  /* the shared pool's name for this sequence */
+    device_block *handles;           /* shared pool: block b of layer l is handles[l * max_blocks + b] */
+    const uint8_t **h_tables;        /* shared pool: the host copy of d_tables */
+    bool tables_dirty;               /* shared pool: h_tables changed since the last upload */
     uint16_t *tail_k, *tail_v, *tmp;  /* device: n_layers * (R + BT) rows; tmp: R rows */
     int *tail_len, *n_blocks;        /* host, per layer (equal across layers between steps) */
     const uint8_t **d_tables;        /* device: n_layers * max_blocks block pointers */
@@ -66,7 +83,8 @@ struct cuda_seq {
     cuda_kv_encoder enc_prompt;      /* GEAR: blocks made only of prompt tokens take rank_prompt */
     size_t prompt_end;               /* the prompt's length (0 for a one-token prompt, as on the CPU) */
     size_t work_bytes;               /* GEAR: the larger encoder scratch */
-    uint8_t *d_work;                 /* GEAR: prefill's scratch */
+    uint8_t *d_work;                 /* GEAR, OTT: prefill's scratch */
+    uint8_t *d_ott;                  /* OTT: n_layers trackers of enc.ott_state_bytes, device */
     uint64_t seen_in_step;           /* cm->step of the last step that named this sequence */
 };
 
@@ -233,12 +251,15 @@ static void free_workspace(cuda_model *cm)
 
 static void free_item_buffers(cuda_model *cm)
 {
-    void *bufs[] = {cm->head_x, cm->logits, cm->d_next, cm->d_views, cm->d_append, cm->d_encode, cm->d_shift};
+    void *bufs[] = {cm->head_x, cm->logits, cm->d_next, cm->d_sample, cm->d_views, cm->d_append, cm->d_encode,
+                    cm->d_shift};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         cudaFree(bufs[i]);
     free(cm->h_logits);
     free(cm->h_next);
+    free(cm->h_sample);
     cm->d_next = cm->h_next = NULL;
+    cm->d_sample = cm->h_sample = NULL;
     free(cm->h_views);
     free(cm->h_append);
     free(cm->h_encode);
@@ -255,6 +276,10 @@ void cuda_model_free(cuda_model *cm)
 {
     if (!cm)
         return;
+    device_pool_destroy(cm->pool);
+    cuda_device_mem_free(cm->pool_mem);
+    free(cm->h_acquire);
+    free(cm->h_addrs);
     free_workspace(cm);
     free_item_buffers(cm);
     cudaFree(cm->d_ws);
@@ -317,6 +342,7 @@ static int ensure_items(cuda_model *cm, size_t n, strata_error *err)
         {(void **)&cm->head_x, NULL, n * (size_t)c->n_embd * 4},
         {(void **)&cm->logits, (void **)&cm->h_logits, n * (size_t)c->n_vocab * 4},
         {(void **)&cm->d_next, (void **)&cm->h_next, n * sizeof(int32_t)},
+        {(void **)&cm->d_sample, (void **)&cm->h_sample, n * sizeof(cuda_sample_row)},
         {(void **)&cm->d_views, (void **)&cm->h_views, L * n * sizeof(cuda_kv_seq)},
         {(void **)&cm->d_append, (void **)&cm->h_append, L * n * sizeof(cuda_kv_append_job)},
         {(void **)&cm->d_encode, (void **)&cm->h_encode, L * n * sizeof(cuda_kv_encode_job)},
@@ -377,10 +403,7 @@ int cuda_seq_check_codec(const kv_codec_params *codec, strata_error *err)
 {
     if (!codec)
         return strata_fail(err, STRATA_EINVAL, "no codec");
-    if (codec->codec == KV_CODEC_OTT)
-        return strata_fail(err, STRATA_EUNSUPPORTED,
-                           "ott caches are not supported by the GPU forward pass yet (fp16, KIVI, TaDA and GEAR are): "
-                           "its pooled-token choice is per-sequence tracker state on the host");
+    (void)err;   /* every codec of this version: fp16, KIVI, GEAR, OTT, TaDA */
     return STRATA_OK;
 }
 
@@ -423,17 +446,29 @@ cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int bloc
         if (!s->tail_len || !s->n_blocks)
             rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
     }
-    if (rc == STRATA_OK && (e = cudaMalloc((void **)&s->arena, L * s->max_blocks * s->slot)) == cudaSuccess &&
+    if (rc == STRATA_OK && cm->pool) {
+        if (s->slot > cm->pool_slot)
+            rc = strata_fail(err, STRATA_EINVAL, "the shared KV pool's slots hold %zu bytes; this codec's blocks "
+                             "need %zu", cm->pool_slot, s->slot);
+        else if (!(s->handles = calloc(L * s->max_blocks, sizeof *s->handles)) ||
+                 !(s->h_tables = calloc(L * s->max_blocks, sizeof *s->h_tables)))
+            rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
+        s->owner = ++cm->next_owner;
+    }
+    if (rc == STRATA_OK && (cm->pool || (e = cudaMalloc((void **)&s->arena, L * s->max_blocks * s->slot)) == cudaSuccess) &&
         (e = cudaMalloc((void **)&s->tail_k, L * tail_rows * s->row * 2)) == cudaSuccess &&
         (e = cudaMalloc((void **)&s->tail_v, L * tail_rows * s->row * 2)) == cudaSuccess &&
         (e = cudaMalloc((void **)&s->tmp, ((size_t)s->residual + 1) * s->row * 2)) == cudaSuccess &&
         (e = cudaMalloc((void **)&s->d_tables, L * s->max_blocks * sizeof(void *))) == cudaSuccess &&
-        (e = cudaMalloc((void **)&s->d_job, sizeof(cuda_kv_encode_job))) == cudaSuccess && s->work_bytes)
-        e = cudaMalloc((void **)&s->d_work, s->work_bytes);
+        (e = cudaMalloc((void **)&s->d_job, sizeof(cuda_kv_encode_job))) == cudaSuccess &&
+        (!s->work_bytes || (e = cudaMalloc((void **)&s->d_work, s->work_bytes)) == cudaSuccess) && s->enc.ott &&
+        (e = cudaMalloc((void **)&s->d_ott, L * s->enc.ott_state_bytes)) == cudaSuccess)
+        e = cudaMemset(s->d_ott, 0, L * s->enc.ott_state_bytes);   /* empty pools, as the CPU tracker starts */
     if (rc == STRATA_OK && e != cudaSuccess)
         rc = strata_fail(err, STRATA_EIO, "CUDA: KV cache for %zu tokens: %s", max_tokens, cudaGetErrorString(e));
-    /* Block b of layer l always lives in slot l * max_blocks + b: the tables never change. */
-    if (rc == STRATA_OK) {
+    /* Own arena: block b of layer l always lives in slot l * max_blocks + b: the tables never
+     * change. Shared pool: entries are written as blocks form and move (upload_tables). */
+    if (rc == STRATA_OK && !cm->pool) {
         const uint8_t **table = malloc(L * s->max_blocks * sizeof *table);
         if (!table)
             rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
@@ -455,9 +490,14 @@ void cuda_seq_free(cuda_seq *s)
 {
     if (!s)
         return;
-    void *bufs[] = {s->arena, s->tail_k, s->tail_v, s->tmp, (void *)(uintptr_t)s->d_tables, s->d_job, s->d_work};
+    void *bufs[] = {s->arena, s->tail_k, s->tail_v, s->tmp, (void *)(uintptr_t)s->d_tables, s->d_job, s->d_work,
+                    s->d_ott};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         cudaFree(bufs[i]);
+    for (size_t i = 0; s->handles && i < (size_t)s->n_layers * s->max_blocks; i++)
+        device_pool_free(s->cm->pool, s->handles[i]);   /* 0 (never formed) is ignored */
+    free(s->handles);
+    free(s->h_tables);
     free(s->tail_len);
     free(s->n_blocks);
     free(s);
@@ -476,6 +516,87 @@ static const cuda_kv_encoder *block_encoder(const cuda_seq *s, size_t b)
 {
     const size_t bt = (size_t)s->block_tokens;
     return s->codec.codec == KV_CODEC_GEAR && (b + 1) * bt <= s->prompt_end ? &s->enc_prompt : &s->enc;
+}
+
+/* A layer's OTT tracker on the device, or NULL. */
+static void *ott_state(const cuda_seq *s, int layer)
+{
+    return s->d_ott ? s->d_ott + (size_t)layer * s->enc.ott_state_bytes : NULL;
+}
+
+/* Where block b of a layer is written: its slot in the sequence's arena, or a new block of the
+ * shared pool (pinned for this step; the table entry is uploaded before the next attention). */
+static int new_block(cuda_seq *s, int layer, size_t b, uint8_t **dst, strata_error *err)
+{
+    const size_t i = (size_t)layer * s->max_blocks + b;
+    if (!s->cm->pool) {
+        *dst = s->arena + i * s->slot;
+        return STRATA_OK;
+    }
+    void *addr = NULL;
+    int rc = device_pool_alloc(s->cm->pool, s->owner, &s->handles[i], &addr, err);
+    if (rc != STRATA_OK)
+        return strata_error_prefix(err, "layer %d block %zu", layer, b);
+    *dst = addr;
+    s->h_tables[i] = addr;
+    s->tables_dirty = true;
+    return STRATA_OK;
+}
+
+static int upload_tables(cuda_seq *s, strata_error *err)
+{
+    if (!s->tables_dirty)
+        return STRATA_OK;
+    CU(cudaMemcpy((void *)(uintptr_t)s->d_tables, s->h_tables, (size_t)s->n_layers * s->max_blocks * sizeof(void *),
+                  cudaMemcpyHostToDevice),
+       "block tables");
+    s->tables_dirty = false;
+    return STRATA_OK;
+}
+
+/* Shared pool: every block of the step's decoding sequences resident and pinned for the step
+ * (sequences not in the step may lose theirs to the lower tier), their tables current. */
+static int acquire_step_blocks(cuda_model *cm, const cuda_batch_item *items, const size_t *order, size_t n_dec,
+                               strata_error *err)
+{
+    size_t n = 0;
+    for (size_t j = 0; j < n_dec; j++) {
+        const cuda_seq *s = items[order[j]].seq;
+        n += (size_t)s->n_layers * (size_t)s->n_blocks[0];
+    }
+    if (n > cm->cap_acquire) {
+        device_block *h = realloc(cm->h_acquire, n * sizeof *h);
+        if (h)
+            cm->h_acquire = h;
+        void **a = h ? realloc(cm->h_addrs, n * sizeof *a) : NULL;
+        if (!h || !a)
+            return strata_fail(err, STRATA_ENOMEM, "out of memory");
+        cm->h_addrs = a;
+        cm->cap_acquire = n;
+    }
+    size_t at = 0;
+    for (size_t j = 0; j < n_dec; j++) {
+        const cuda_seq *s = items[order[j]].seq;
+        for (int l = 0; l < s->n_layers; l++)
+            for (int b = 0; b < s->n_blocks[0]; b++)
+                cm->h_acquire[at++] = s->handles[(size_t)l * s->max_blocks + (size_t)b];
+    }
+    int rc = device_pool_acquire(cm->pool, cm->h_acquire, n, cm->h_addrs, err);
+    if (rc != STRATA_OK)
+        return rc;
+    at = 0;
+    for (size_t j = 0; j < n_dec; j++) {
+        cuda_seq *s = items[order[j]].seq;
+        for (int l = 0; l < s->n_layers; l++)
+            for (int b = 0; b < s->n_blocks[0]; b++, at++) {
+                const size_t i = (size_t)l * s->max_blocks + (size_t)b;
+                if (s->h_tables[i] != cm->h_addrs[at]) {
+                    s->h_tables[i] = cm->h_addrs[at];
+                    s->tables_dirty = true;
+                }
+            }
+    }
+    return STRATA_OK;
 }
 
 /* Appends n fp16 rows to a layer: the tail and the new rows are one stream, and every time the
@@ -499,16 +620,21 @@ static int append_layer(cuda_seq *s, int layer, const uint16_t *k16, const uint1
         const size_t b = (size_t)s->n_blocks[layer];
         if (b >= s->max_blocks)
             return strata_fail(err, STRATA_EFULL, "layer %d: no block slot left", layer);
+        uint8_t *dst = NULL;
+        int rc = new_block(s, layer, b, &dst, err);
+        if (rc != STRATA_OK)
+            return rc;
         const cuda_kv_encode_job job = {
             .k = tail_at(s, s->tail_k, layer, 0),
             .v = tail_at(s, s->tail_v, layer, 0),
-            .dst = s->arena + ((size_t)layer * s->max_blocks + b) * s->slot,
+            .dst = dst,
             .first_pos = (uint64_t)b * bt,
             .layer = (uint32_t)layer,
             .work = s->d_work,
+            .ott_state = ott_state(s, layer),
         };
         CU(cudaMemcpy(s->d_job, &job, sizeof job, cudaMemcpyHostToDevice), "encoder job");
-        int rc = cuda_kv_encode_blocks(block_encoder(s, b), s->d_job, 1, NULL, err);
+        rc = cuda_kv_encode_blocks(block_encoder(s, b), s->d_job, 1, NULL, err);
         if (rc != STRATA_OK)
             return rc;
         s->n_blocks[layer]++;
@@ -593,7 +719,7 @@ static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_
         cudaFree(cm->d_gear_work);
         cm->d_gear_work = NULL;
         cm->gear_work_bytes = 0;
-        CU(cudaMalloc((void **)&cm->d_gear_work, n_full * work), "GEAR encoder scratch");
+        CU(cudaMalloc((void **)&cm->d_gear_work, n_full * work), "encoder scratch");
         cm->gear_work_bytes = n_full * work;
     }
     size_t at_prompt = 0, at_decode = n_prompt;   /* where each full tail's jobs go in a layer's slice */
@@ -624,13 +750,18 @@ static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_
                 .tail_tokens = tail_after,
             };
             if (full) {
+                uint8_t *dst = NULL;
+                int rc = new_block(s, il, (size_t)s->n_blocks[0], &dst, err);
+                if (rc != STRATA_OK)
+                    return rc;
                 cm->h_encode[l * nd + slot_in_layer] = (cuda_kv_encode_job){
                     .k = tail_at(s, s->tail_k, il, 0),
                     .v = tail_at(s, s->tail_v, il, 0),
-                    .dst = s->arena + (l * s->max_blocks + (size_t)s->n_blocks[0]) * s->slot,
+                    .dst = dst,
                     .first_pos = (uint64_t)s->n_blocks[0] * (uint64_t)s->block_tokens,
                     .layer = (uint32_t)l,
                     .work = work ? cm->d_gear_work + slot_in_layer * work : NULL,
+                    .ott_state = ott_state(s, il),
                 };
                 cm->h_shift[l * nd + slot_in_layer] = (cuda_kv_shift_job){tail_at(s, s->tail_k, il, 0),
                                                                           tail_at(s, s->tail_v, il, 0)};
@@ -641,6 +772,11 @@ static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_
     sp->n_full = n_full;
     if (nd == 0)
         return STRATA_OK;
+    for (size_t j = 0; cm->pool && j < nd; j++) {   /* the new blocks' entries, before attention reads them */
+        int rc = upload_tables(items[sp->order[j]].seq, err);
+        if (rc != STRATA_OK)
+            return rc;
+    }
     CU(cudaMemcpy(cm->d_append, cm->h_append, L * nd * sizeof *cm->h_append, cudaMemcpyHostToDevice), "append jobs");
     CU(cudaMemcpy(cm->d_views, cm->h_views, L * nd * sizeof *cm->h_views, cudaMemcpyHostToDevice), "views");
     if (n_full) {
@@ -717,10 +853,11 @@ static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_pl
     return STRATA_OK;
 }
 
-/* The last row of every item through the output norm and head, then either the logits or the
- * greedy choices (argmax on the device) to the host, in the caller's order. */
-static int run_head(cuda_model *cm, const cuda_batch_item *items, const step_plan *sp, float *logits, int32_t *next,
-                    strata_error *err)
+/* The last row of every item through the output norm and head, then the logits and/or the
+ * tokens picked on the device to the host, in the caller's order: the argmax when sample is NULL,
+ * else item i's pick with sample[i] (only the ids cross to the host). */
+static int run_head(cuda_model *cm, const cuda_batch_item *items, const step_plan *sp, float *logits,
+                    const cuda_sample_row *sample, int32_t *next, strata_error *err)
 {
     const model_config *c = &cm->cfg;
     const size_t e = (size_t)c->n_embd, nv = (size_t)c->n_vocab, n = sp->n_items;
@@ -737,11 +874,24 @@ static int run_head(cuda_model *cm, const cuda_batch_item *items, const step_pla
     int rc = gemm(cm, cm->xn, n, e, cm->output, nv, cm->logits, err);
     if (rc != STRATA_OK)
         return rc;
-    if (next) {
+    if (next && !sample) {
         KERNEL(cuda_argmax_rows(cm->logits, n, nv, cm->d_next, NULL), "argmax");
-        CU(cudaMemcpy(cm->h_next, cm->d_next, n * sizeof(int32_t), cudaMemcpyDeviceToHost), "greedy tokens");
+    } else if (next) {
         for (size_t p = 0; p < n; p++)
+            cm->h_sample[p] = sample[sp->order[p]];
+        CU(cudaMemcpy(cm->d_sample, cm->h_sample, n * sizeof(cuda_sample_row), cudaMemcpyHostToDevice),
+           "sampling parameters");
+        KERNEL(cuda_sample_rows(cm->logits, (int)n, (int)nv, cm->d_sample, cm->d_next, NULL), "sampling");
+    }
+    if (next) {
+        CU(cudaMemcpy(cm->h_next, cm->d_next, n * sizeof(int32_t), cudaMemcpyDeviceToHost), "sampled tokens");
+        for (size_t p = 0; p < n; p++) {
+            if (cm->h_next[p] < 0)
+                return strata_fail(err, STRATA_EIO,
+                                   "item %zu: its logits hold NaN or +inf, or nothing finite: no token to sample",
+                                   sp->order[p]);
             next[sp->order[p]] = cm->h_next[p];
+        }
     }
     if (logits) {
         CU(cudaMemcpy(cm->h_logits, cm->logits, n * nv * sizeof(float), cudaMemcpyDeviceToHost), "logits");
@@ -766,8 +916,8 @@ static void after_step(const cuda_batch_item *items, const step_plan *sp)
     }
 }
 
-static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_items, float *logits, int32_t *next,
-                         strata_error *err)
+static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_items, float *logits,
+                         const cuda_sample_row *sample, int32_t *next, strata_error *err)
 {
     if (!cm || !items || n_items == 0 || n_items > 65535)
         return strata_fail(err, STRATA_EINVAL, "cuda_model_forward_batch: 1..65535 items");
@@ -798,7 +948,8 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
     const size_t e = (size_t)c->n_embd;
     int max_blocks = 0;
     cuda_kv_plan plan = {0};
-    if ((rc = ensure_workspace(cm, sp.rows, err)) == STRATA_OK && (rc = ensure_items(cm, n_items, err)) == STRATA_OK)
+    if ((rc = ensure_workspace(cm, sp.rows, err)) == STRATA_OK && (rc = ensure_items(cm, n_items, err)) == STRATA_OK &&
+        (!cm->pool || (rc = acquire_step_blocks(cm, items, sp.order, sp.n_dec, err)) == STRATA_OK))
         rc = stage_decode_jobs(cm, items, &sp, &max_blocks, err);
     if (rc == STRATA_OK && sp.n_dec) {
         const cuda_seq *s0 = items[sp.order[0]].seq;
@@ -840,7 +991,8 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
                              status);
     }
     if (rc == STRATA_OK && (logits || next))
-        rc = run_head(cm, items, &sp, logits, next, err);
+        rc = run_head(cm, items, &sp, logits, sample, next, err);
+    device_pool_unpin_all(cm->pool);   /* after the step's kernels were enqueued: see device_mem.h */
     free(sp.order);
     free(sp.row0);
     return rc;
@@ -849,7 +1001,7 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
 int cuda_model_forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_items, float *logits,
                              strata_error *err)
 {
-    return forward_batch(cm, items, n_items, logits, NULL, err);
+    return forward_batch(cm, items, n_items, logits, NULL, NULL, err);
 }
 
 int cuda_model_forward_batch_greedy(cuda_model *cm, const cuda_batch_item *items, size_t n_items, int32_t *next,
@@ -857,7 +1009,24 @@ int cuda_model_forward_batch_greedy(cuda_model *cm, const cuda_batch_item *items
 {
     if (!next)
         return strata_fail(err, STRATA_EINVAL, "cuda_model_forward_batch_greedy: NULL output");
-    return forward_batch(cm, items, n_items, NULL, next, err);
+    return forward_batch(cm, items, n_items, NULL, NULL, next, err);
+}
+
+int cuda_model_forward_batch_sample(cuda_model *cm, const cuda_batch_item *items, size_t n_items,
+                                    const cuda_sample_row *sample, int32_t *next, strata_error *err)
+{
+    if (!next || !sample)
+        return strata_fail(err, STRATA_EINVAL, "cuda_model_forward_batch_sample: NULL parameters or output");
+    for (size_t i = 0; i < n_items && items; i++) {
+        const cuda_sample_row *r = &sample[i];
+        if (!(r->u >= 0.0 && r->u < 1.0) || !isfinite(r->temperature) || r->temperature < 0.0f || r->top_k < 0 ||
+            !(r->top_p > 0.0f && r->top_p <= 1.0f))
+            return strata_fail(err, STRATA_EINVAL,
+                               "cuda_model_forward_batch_sample: item %zu: draw %g, temperature %g, top-k %d, "
+                               "top-p %g (want a draw in [0, 1), temperature >= 0, top-k >= 0, top-p in (0, 1])",
+                               i, r->u, (double)r->temperature, (int)r->top_k, (double)r->top_p);
+    }
+    return forward_batch(cm, items, n_items, NULL, sample, next, err);
 }
 
 /* What cuda_seq_create allocates on the device. */
@@ -865,8 +1034,51 @@ static size_t seq_bytes(const cuda_model *cm, size_t slot, int block_tokens, int
 {
     const size_t L = (size_t)cm->cfg.n_layers, row = (size_t)cm->cfg.n_kv_heads * (size_t)cm->cfg.head_dim;
     const size_t max_blocks = (max_tokens + (size_t)block_tokens - 1) / (size_t)block_tokens;
-    return L * max_blocks * slot + 2 * L * (size_t)(residual + block_tokens) * row * 2 + (size_t)(residual + 1) * row * 2 +
+    const size_t blocks = cm->pool ? 0 : L * max_blocks * slot;   /* the shared pool holds them */
+    return blocks + 2 * L * (size_t)(residual + block_tokens) * row * 2 + (size_t)(residual + 1) * row * 2 +
            L * max_blocks * sizeof(void *) + sizeof(cuda_kv_encode_job);
+}
+
+int cuda_model_create_kv_pool(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t n_blocks,
+                              const kv_lower_tier *lower, strata_error *err)
+{
+    if (!cm || !codec || block_tokens < 1 || n_blocks < 1)
+        return strata_fail(err, STRATA_EINVAL, "cuda_model_create_kv_pool: bad arguments");
+    if (cm->pool)
+        return strata_fail(err, STRATA_EINVAL, "cuda_model_create_kv_pool: the model already has a pool");
+    if (cm->next_owner || cm->step)
+        return strata_fail(err, STRATA_EINVAL, "cuda_model_create_kv_pool: create the pool before any sequence");
+    int rc = cuda_seq_check_codec(codec, err);
+    if (rc != STRATA_OK)
+        return rc;
+    const kv_geometry g = {.n_layers = cm->cfg.n_layers, .n_kv_heads = cm->cfg.n_kv_heads,
+                           .head_dim = cm->cfg.head_dim, .block_tokens = block_tokens};
+    const size_t slot = kv_block_size(codec, &g);
+    if (slot == 0)
+        return strata_fail(err, STRATA_EINVAL, "cuda_model_create_kv_pool: no block size for this codec and geometry");
+    int device = 0;
+    CU(cudaGetDevice(&device), "current device");
+    device_pool_mem ops;
+    if (!(cm->pool_mem = cuda_device_mem_create(device, &ops, err)))
+        return err ? err->code : STRATA_EIO;
+    if (!(cm->pool = device_pool_create(slot, n_blocks, &ops, lower, err))) {
+        cuda_device_mem_free(cm->pool_mem);
+        cm->pool_mem = NULL;
+        return err ? err->code : STRATA_EIO;
+    }
+    cm->pool_slot = slot;
+    return STRATA_OK;
+}
+
+void cuda_model_kv_pool_stats(const cuda_model *cm, device_pool_stats *out)
+{
+    device_pool_get_stats(cm ? cm->pool : NULL, out);
+}
+
+void cuda_seq_set_waiting(cuda_seq *s, bool waiting)
+{
+    if (s && s->cm->pool)
+        device_pool_set_waiting(s->cm->pool, s->owner, waiting);
 }
 
 int cuda_seq_device_bytes(const cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t max_tokens,

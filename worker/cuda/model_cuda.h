@@ -7,17 +7,21 @@
  *
  * First version: batches of sequences over the whole model on one device, fp16, KIVI, TaDA and GEAR caches,
  * each sequence with its own device arena sized for its max_tokens; the embedding lookup stays on
- * the host (a row copy per token). Not yet: a block pool shared by sequences, pipeline stages, the
- * worker's use of it, OTT, tiers below the device, sampling on the device.
+ * the host (a row copy per token); optionally a block pool shared by the sequences, with tiers
+ * below the device (cuda_model_create_kv_pool). Not yet: pipeline stages, the worker's use of it,
+ * OTT.
  * Status: compiled in every build with nvcc; see docs/benchmarks.md for whether it has run. */
 #ifndef STRATA_WORKER_CUDA_MODEL_CUDA_H
 #define STRATA_WORKER_CUDA_MODEL_CUDA_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "kvstore/error.h"
+#include "kernels/cuda_sample.h"
 #include "kvstore/kv_cache.h"
+#include "offload/device_pool.h"
 #include "worker/model.h"
 
 typedef struct cuda_model cuda_model;
@@ -40,6 +44,19 @@ void cuda_model_free(cuda_model *cm);
 /* Device bytes of the weights. */
 size_t cuda_model_weight_bytes(const cuda_model *cm);
 
+/* Makes every sequence created afterwards keep its blocks in one pool of n_blocks slots shared
+ * by the model's sequences (offload/device_pool.h, on the current device, sized for codec and
+ * block_tokens), instead of an arena of its own sized for its max_tokens. With a lower tier
+ * (kv_tiers: pinned host memory via cuda_pinned_host_allocator, then NVMe), blocks of sequences
+ * not in a step move down when the pool is full and come back when they run again; without one,
+ * a full pool fails the step with STRATA_EFULL. Each step needs every block of its decoding
+ * sequences resident at once (a step asking for more than the pool holds is STRATA_EFULL). Call
+ * before creating any sequence. */
+int cuda_model_create_kv_pool(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t n_blocks,
+                              const kv_lower_tier *lower, strata_error *err);
+/* The shared pool's statistics (zeros without one). */
+void cuda_model_kv_pool_stats(const cuda_model *cm, device_pool_stats *out);
+
 /* STRATA_OK when the forward pass can keep a cache of this codec: fp16, KIVI, TaDA, GEAR (blocks
  * made only of prompt tokens at the prompt rank, as the CPU pool does). OTT: STRATA_EUNSUPPORTED
  * with the reason (no device encoder: its pooled-token choice is host-side tracker state). Needs
@@ -52,6 +69,8 @@ cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int bloc
                           strata_error *err);
 void cuda_seq_free(cuda_seq *s);
 size_t cuda_seq_length(const cuda_seq *s);
+/* Shared pool: marks a preempted sequence's blocks to leave the device first (or no longer). */
+void cuda_seq_set_waiting(cuda_seq *s, bool waiting);
 
 /* Runs n tokens at the sequence's next positions, like model_forward: a prompt on an empty
  * sequence (n > 1) goes through exact causal attention over its fp16 K/V, everything else token
@@ -82,6 +101,14 @@ int cuda_model_forward_batch(cuda_model *cm, const cuda_batch_item *items, size_
  * (only the ids cross to the host). */
 int cuda_model_forward_batch_greedy(cuda_model *cm, const cuda_batch_item *items, size_t n_items, int32_t *next,
                                     strata_error *err);
+
+/* The same step with sampling on the device (kernels/cuda_sample.h): next[i] is what
+ * sampler_pick would choose from item i's logits with sample[i]'s parameters and draw (the host
+ * keeps the PRNG: sampler_next_draw). Greedy rows take the argmax. STRATA_EINVAL for parameters
+ * sampler_params_validate would refuse or a draw outside [0, 1); STRATA_EIO naming the item when
+ * its logits hold NaN or +inf. */
+int cuda_model_forward_batch_sample(cuda_model *cm, const cuda_batch_item *items, size_t n_items,
+                                    const cuda_sample_row *sample, int32_t *next, strata_error *err);
 
 /* Device bytes cuda_seq_create(cm, codec, block_tokens, max_tokens) takes: what a memory budget
  * divides by to size a batch. */
