@@ -8,8 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh >/dev/null
 programs=(tests/cuda/test_cuda_plan tests/cuda/test_cuda_ops tests/cuda/test_cuda_attention
-          tests/cuda/test_cuda_encode tests/cuda/test_cuda_model bench/strata-bench-attention
-          bench/strata-bench-decode-gpu)
+          tests/cuda/test_cuda_encode tests/cuda/test_cuda_sample tests/cuda/test_cuda_model
+          tests/test_transport bench/strata-bench-attention bench/strata-bench-decode-gpu)
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DSTRATA_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null
 targets=()
 for p in "${programs[@]}"; do targets+=(--target "$(basename "$p")"); done
@@ -22,14 +22,15 @@ for p in "${programs[@]}"; do
   cp "build-gpu/$p" "$out/bin/"
   strip --strip-unneeded "$out/bin/$(basename "$p")"
 done
-# Every library the programs load except the C/C++ runtime, the CUDA driver and cuBLAS (600 MiB),
-# which the GPU machine has (its CUDA toolkit is the same 13.0) in versions at least as new.
+# Every library the programs load except the C/C++ runtime, the CUDA driver, cuBLAS (600 MiB) and
+# NCCL (210 MiB), which the GPU machine has (its CUDA toolkit is the same 13.0; NCCL comes with
+# PyTorch's wheels) in versions at least as new.
 for p in "$out"/bin/*; do
   ldd "$p" | awk '/=> \// { print $1, $3 }'
 done | sort -u | while read -r name path; do
   case "$name" in
     libc.so.*|libm.so.*|libdl.so.*|libpthread.so.*|librt.so.*|libstdc++.so.*|libgcc_s.so.*|libcuda.so.*) ;;
-    libcublas.so.*|libcublasLt.so.*) ;;
+    libcublas.so.*|libcublasLt.so.*|libnccl.so.*) ;;
     *) cp -L "$path" "$out/lib/$name" ;;
   esac
 done

@@ -30,6 +30,9 @@ for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
   [ -d "$d" ] && cublas_dirs+="$d:"
 done
 cublas_dirs+=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)
+# NCCL (for test_transport's NCCL cases) likewise: PyTorch's wheel.
+nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
+[ -n "$nccl_dir" ] && cublas_dirs="${cublas_dirs%:}:$nccl_dir"
 export LD_LIBRARY_PATH="$PWD/$bundle/lib:${cublas_dirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PATH="$PATH:/usr/local/cuda/bin"   # compute-sanitizer lives with the toolkit
 echo "bundle built from commit $(cat "$bundle/COMMIT")" | tee "$out/summary.txt"
@@ -60,15 +63,28 @@ if [ $decode = 1 ]; then
 fi
 # test_cuda_model compares with the CPU on synthetic models, and on the real one when STRATA_MODEL
 # names it (the model file does not fit one device call's 64 MiB: docs/gpu.md).
-for t in test_cuda_plan test_cuda_ops test_cuda_attention test_cuda_encode test_cuda_model; do
+for t in test_cuda_plan test_cuda_ops test_cuda_attention test_cuda_encode test_cuda_sample test_cuda_model; do
   "$bundle/bin/$t" > "$out/$t.log" 2>&1
   rc=$?
   echo "$t: exit $rc" | tee -a "$out/summary.txt"
   [ $rc -eq 0 ] || { status=1; tail -n 30 "$out/$t.log"; }
 done
+# The NCCL data plane: on one GPU the loopback link (a one-rank communicator sending to itself);
+# the two-rank test needs two GPUs and reports itself skipped on one.
+if ldd "$bundle/bin/test_transport" | grep -q "libnccl.*not found"; then
+  echo "test_transport: no libnccl on this machine (looked in PyTorch's nvidia.nccl wheel): not run" |
+    tee -a "$out/summary.txt"
+else
+  "$bundle/bin/test_transport" > "$out/test_transport.log" 2>&1
+  rc=$?
+  # Passing without the loopback case having run means it found no device: a failure here.
+  if [ $rc -eq 0 ] && ! grep -q "OK \] test_nccl_loopback" "$out/test_transport.log"; then rc=77; fi
+  echo "test_transport (NCCL loopback): exit $rc" | tee -a "$out/summary.txt"
+  [ $rc -eq 0 ] || { status=1; tail -n 30 "$out/test_transport.log"; }
+fi
 if [ $sanitize = 1 ]; then
   if command -v compute-sanitizer >/dev/null; then
-    for t in test_cuda_ops test_cuda_attention test_cuda_encode; do
+    for t in test_cuda_ops test_cuda_attention test_cuda_encode test_cuda_sample; do
       for tool in memcheck racecheck; do
         compute-sanitizer --tool "$tool" --error-exitcode 99 "$bundle/bin/$t" > "$out/$t.$tool.log" 2>&1
         rc=$?
