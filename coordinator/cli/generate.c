@@ -65,8 +65,9 @@ static void usage(FILE *out)
             "                          OpenBLAS picks; keep it equal between runs you compare)\n"
             "      --device cpu|cuda[:N]  where the forward pass runs (default cpu). cuda: fp16 weights\n"
             "                          and the compressed KV cache on GPU N (default 0); one codec for\n"
-            "                          every layer (fp16, kivi, tada or gear), no lower KV tiers, no\n"
-            "                          --save-kv.\n"
+            "                          every layer (fp16, kivi, tada, gear or ott); the tier options\n"
+            "                          make a device pool over pinned host memory and NVMe that holds\n"
+            "                          one layer's blocks at a time; no --save-kv.\n"
             "                          (never run on a GPU yet: docs/gpu.md)\n"
             "remote (send the request to `strata serve` or strata-coordinator instead):\n"
             "      --server HOST:PORT  the server's public API; the server's model, KV codec and\n"
@@ -258,17 +259,10 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
         return EXIT_USAGE;
     }
     int rc = cli_tier_finish("generate", &o->tiers);
-    if (rc == 0 && o->cuda_device >= 0) {
-        const cli_tier_opts *t = &o->tiers;
-        const char *bad = t->device_mib >= 0 || t->host_mib >= 0 || t->nvme_dir || t->nvme_mib >= 0 || t->config
-                              ? "the KV tier options"
-                          : o->save_kv ? "--save-kv"
-                                       : NULL;
-        if (bad) {
-            fprintf(stderr, "strata generate: %s do not apply with --device cuda yet (the GPU keeps the whole cache)\n",
-                    bad);
-            rc = EXIT_USAGE;
-        }
+    if (rc == 0 && o->cuda_device >= 0 && o->save_kv) {
+        fprintf(stderr, "strata generate: --save-kv does not apply with --device cuda yet (the blocks stay on the "
+                        "device)\n");
+        rc = EXIT_USAGE;
     }
     return rc;
 }
@@ -474,7 +468,7 @@ int cmd_generate(int argc, char **argv)
             }
         generate_params gpc = {.sampling = o.sampling, .max_tokens = o.max_tokens, .stop = o.stop,
                                .n_stop = o.n_stop, .ignore_eos = o.ignore_eos};
-        exit_code = cli_generate_cuda(m, o.cuda_device, &codecs[0], o.kv.block_tokens, ctx, prompt, n_prompt, &gpc,
+        exit_code = cli_generate_cuda(m, o.cuda_device, &codecs[0], o.kv.block_tokens, ctx, &o.tiers, prompt, n_prompt, &gpc,
                                       !o.chat && !o.no_echo ? o.prompt : NULL, print_text, o.stats, o.quiet);
         goto done;
     }

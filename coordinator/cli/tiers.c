@@ -162,11 +162,18 @@ size_t cli_tier_device_slots(const cli_tier_opts *o, const kv_geometry *g, const
 
 int cli_tier_create(const cli_tier_opts *o, kv_tiers **out, strata_error *err)
 {
+    return cli_tier_create_with(o, NULL, out, err);
+}
+
+int cli_tier_create_with(const cli_tier_opts *o, const host_arena_allocator *alloc, kv_tiers **out,
+                         strata_error *err)
+{
     *out = NULL;
     if (o->host_mib <= 0)
         return STRATA_OK;
     kv_tiers_options to = {.host_bytes = (size_t)(o->host_mib * 1048576.0), .nvme_dir = o->nvme_dir,
-                           .nvme_bytes = o->nvme_mib > 0 ? (uint64_t)(o->nvme_mib * 1048576.0) : 0};
+                           .nvme_bytes = o->nvme_mib > 0 ? (uint64_t)(o->nvme_mib * 1048576.0) : 0,
+                           .allocator = alloc};
     *out = kv_tiers_create(&to, err);
     return *out ? STRATA_OK : (err ? err->code : STRATA_EIO);
 }

@@ -55,6 +55,10 @@ size_t cli_tier_device_slots(const cli_tier_opts *o, const kv_geometry *g, const
 /* The host (and NVMe) tiers the options ask for in *out, or NULL without --host-kv-mib /
  * --nvme-dir. Fails with the kv_tiers_create error. */
 int cli_tier_create(const cli_tier_opts *o, kv_tiers **out, strata_error *err);
+/* The same with the host arena's memory from alloc (NULL: aligned host memory; a GPU passes
+ * pinned memory). */
+int cli_tier_create_with(const cli_tier_opts *o, const host_arena_allocator *alloc, kv_tiers **out,
+                         strata_error *err);
 
 /* A block pool sized by the options for ctx tokens, with the host/NVMe tiers attached when
  * asked for. */

@@ -34,8 +34,8 @@ expect 1 "STRATA_SYNTHETIC_MEM_LIMIT='lots' is not a byte count" \
 # --device: bad values are usage errors; cuda without a GPU (or in a build without CUDA) fails
 # with a message before anything is printed; KV plans the GPU path cannot hold are refused first.
 expect 2 "takes cpu, cuda or cuda:N" "$strata" generate --model synthetic:tiny --prompt hi --device gpu
-expect 2 "do not apply with --device cuda" "$strata" generate --model synthetic:tiny --prompt hi --device cuda \
-  --host-kv-mib 8
+expect 2 "save-kv does not apply with --device cuda" "$strata" generate --model synthetic:tiny --prompt hi \
+  --device cuda --save-kv "$tmp/kv.bin"
 "$strata" generate --model synthetic:tiny --prompt hi --device cuda -n 1 >/dev/null 2>"$tmp/probe"
 if grep -q "no CUDA support" "$tmp/probe"; then
   echo "test_synthetic: this build has no CUDA: --device cuda checked for its message only"
@@ -44,6 +44,11 @@ else
   printf '0-1:kivi2\n2-3:kivi4\n' >"$tmp/mixed.plan"   # the GPU path holds one codec for every layer
   expect 2 "takes one KV codec for every layer" "$strata" generate --model synthetic:tiny --prompt hi --device cuda \
     --kv-plan "$tmp/mixed.plan"
+  # A device pool too small for one layer's blocks of the context, with and without a tier below.
+  expect 2 "at once (one layer's blocks" "$strata" generate --model synthetic:tiny --prompt hi --device cuda \
+    --ctx 4096 --device-kv-mib 0.05 --host-kv-mib 8
+  expect 2 "without a tier below" "$strata" generate --model synthetic:tiny --prompt hi --device cuda \
+    --ctx 4096 --device-kv-mib 1
 fi
 if grep -q "no CUDA support" "$tmp/probe"; then
   :

@@ -290,11 +290,12 @@ static void test_greedy_and_sizes(void **state)
     model_free(m);
 }
 
-/* Three sequences through a shared block pool that holds about one of them, over a pinned host
- * tier: each step runs one sequence, so the others' blocks leave the device and come back. The
- * logits equal, bit for bit, those of the same sequences with arenas of their own (the same
- * kernels over the same block bytes, wherever the bytes were in between); a pool too small for
- * one step fails that step with STRATA_EFULL. */
+/* Three sequences through a shared block pool that holds one layer of one of them (plus two
+ * slots), over a pinned host tier: every layer of every step brings its blocks back and sends
+ * others down, so one sequence's cache lives mostly in host memory. The logits equal, bit for bit,
+ * those of the same sequences with arenas of their own (the same kernels over the same block
+ * bytes, wherever the bytes were in between); a pool smaller than one layer's blocks fails that
+ * step with STRATA_EFULL. */
 static void test_shared_pool(void **state)
 {
     (void)state;
@@ -306,7 +307,7 @@ static void test_shared_pool(void **state)
     const size_t nv = (size_t)model_get_config(m)->n_vocab;
     kv_codec_params k2;
     assert_int_equal(kv_codec_parse("kivi2", &k2, &err), STRATA_OK);
-    const size_t blocks_per_seq = (size_t)L * ((TOKENS - (size_t)k2.residual) / BT);
+    const size_t blocks_per_layer = (TOKENS - (size_t)k2.residual) / BT;
     kv_tiers_options to = {.host_bytes = 64u << 20, .allocator = cuda_pinned_host_allocator()};
     kv_tiers *tiers = kv_tiers_create(&to, &err);
     if (!tiers)
@@ -314,7 +315,7 @@ static void test_shared_pool(void **state)
     const kv_lower_tier lower = kv_tiers_lower(tiers);
     cuda_model *own = cuda_model_create(m, CUDA_WEIGHTS_F16, &err), *shared = cuda_model_create(m, CUDA_WEIGHTS_F16, &err);
     assert_true(own && shared);
-    if (cuda_model_create_kv_pool(shared, &k2, BT, blocks_per_seq + (size_t)L, &lower, &err) != STRATA_OK)
+    if (cuda_model_create_kv_pool(shared, &k2, BT, blocks_per_layer + 2, &lower, &err) != STRATA_OK)
         fail_msg("%s", err.msg);
     cuda_seq *a[SEQS], *b[SEQS];
     for (int i = 0; i < SEQS; i++) {
@@ -350,10 +351,12 @@ static void test_shared_pool(void **state)
     }
     cuda_model_free(shared);
 
-    /* A pool smaller than one sequence's blocks: the step that needs them all fails clearly. */
+    assert_true(st.fetches > (uint64_t)(L * SEQS));
+
+    /* A pool smaller than one layer's blocks: the step that needs them all fails clearly. */
     shared = cuda_model_create(m, CUDA_WEIGHTS_F16, &err);
     assert_non_null(shared);
-    assert_int_equal(cuda_model_create_kv_pool(shared, &k2, BT, (size_t)L, &lower, &err), STRATA_OK);
+    assert_int_equal(cuda_model_create_kv_pool(shared, &k2, BT, 4, &lower, &err), STRATA_OK);
     cuda_seq *s = cuda_seq_create(shared, &k2, BT, TOKENS + 1, &err);
     assert_non_null(s);
     int rc = STRATA_OK;

@@ -75,7 +75,7 @@ struct cuda_seq {
     uint64_t owner;                  /* the shared pool's name for this sequence */
     device_block *handles;           /* shared pool: block b of layer l is handles[l * max_blocks + b] */
     const uint8_t **h_tables;        /* shared pool: the host copy of d_tables */
-    bool tables_dirty;               /* shared pool: h_tables changed since the last upload */
+    uint8_t *row_dirty;              /* shared pool, per layer: its h_tables row changed since uploaded */
     uint16_t *tail_k, *tail_v, *tmp;  /* device: n_layers * (R + BT) rows; tmp: R rows */
     int *tail_len, *n_blocks;        /* host, per layer (equal across layers between steps) */
     const uint8_t **d_tables;        /* device: n_layers * max_blocks block pointers */
@@ -451,7 +451,7 @@ cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int bloc
             rc = strata_fail(err, STRATA_EINVAL, "the shared KV pool's slots hold %zu bytes; this codec's blocks "
                              "need %zu", cm->pool_slot, s->slot);
         else if (!(s->handles = calloc(L * s->max_blocks, sizeof *s->handles)) ||
-                 !(s->h_tables = calloc(L * s->max_blocks, sizeof *s->h_tables)))
+                 !(s->h_tables = calloc(L * s->max_blocks, sizeof *s->h_tables)) || !(s->row_dirty = calloc(L, 1)))
             rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
         s->owner = ++cm->next_owner;
     }
@@ -467,7 +467,7 @@ cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int bloc
     if (rc == STRATA_OK && e != cudaSuccess)
         rc = strata_fail(err, STRATA_EIO, "CUDA: KV cache for %zu tokens: %s", max_tokens, cudaGetErrorString(e));
     /* Own arena: block b of layer l always lives in slot l * max_blocks + b: the tables never
-     * change. Shared pool: entries are written as blocks form and move (upload_tables). */
+     * change. Shared pool: entries are written as blocks form and move (upload_row). */
     if (rc == STRATA_OK && !cm->pool) {
         const uint8_t **table = malloc(L * s->max_blocks * sizeof *table);
         if (!table)
@@ -498,6 +498,7 @@ void cuda_seq_free(cuda_seq *s)
         device_pool_free(s->cm->pool, s->handles[i]);   /* 0 (never formed) is ignored */
     free(s->handles);
     free(s->h_tables);
+    free(s->row_dirty);
     free(s->tail_len);
     free(s->n_blocks);
     free(s);
@@ -525,7 +526,8 @@ static void *ott_state(const cuda_seq *s, int layer)
 }
 
 /* Where block b of a layer is written: its slot in the sequence's arena, or a new block of the
- * shared pool (pinned for this step; the table entry is uploaded before the next attention). */
+ * shared pool (pinned until the layer ends; the table entry is uploaded before the layer's next
+ * attention). */
 static int new_block(cuda_seq *s, int layer, size_t b, uint8_t **dst, strata_error *err)
 {
     const size_t i = (size_t)layer * s->max_blocks + b;
@@ -539,63 +541,19 @@ static int new_block(cuda_seq *s, int layer, size_t b, uint8_t **dst, strata_err
         return strata_error_prefix(err, "layer %d block %zu", layer, b);
     *dst = addr;
     s->h_tables[i] = addr;
-    s->tables_dirty = true;
+    s->row_dirty[layer] = 1;
     return STRATA_OK;
 }
 
-static int upload_tables(cuda_seq *s, strata_error *err)
+/* One layer's row of a sequence's block table, n entries, to the device if it changed. */
+static int upload_row(cuda_seq *s, int layer, size_t n, strata_error *err)
 {
-    if (!s->tables_dirty)
+    if (!s->row_dirty[layer] || n == 0)
         return STRATA_OK;
-    CU(cudaMemcpy((void *)(uintptr_t)s->d_tables, s->h_tables, (size_t)s->n_layers * s->max_blocks * sizeof(void *),
-                  cudaMemcpyHostToDevice),
-       "block tables");
-    s->tables_dirty = false;
-    return STRATA_OK;
-}
-
-/* Shared pool: every block of the step's decoding sequences resident and pinned for the step
- * (sequences not in the step may lose theirs to the lower tier), their tables current. */
-static int acquire_step_blocks(cuda_model *cm, const cuda_batch_item *items, const size_t *order, size_t n_dec,
-                               strata_error *err)
-{
-    size_t n = 0;
-    for (size_t j = 0; j < n_dec; j++) {
-        const cuda_seq *s = items[order[j]].seq;
-        n += (size_t)s->n_layers * (size_t)s->n_blocks[0];
-    }
-    if (n > cm->cap_acquire) {
-        device_block *h = realloc(cm->h_acquire, n * sizeof *h);
-        if (h)
-            cm->h_acquire = h;
-        void **a = h ? realloc(cm->h_addrs, n * sizeof *a) : NULL;
-        if (!h || !a)
-            return strata_fail(err, STRATA_ENOMEM, "out of memory");
-        cm->h_addrs = a;
-        cm->cap_acquire = n;
-    }
-    size_t at = 0;
-    for (size_t j = 0; j < n_dec; j++) {
-        const cuda_seq *s = items[order[j]].seq;
-        for (int l = 0; l < s->n_layers; l++)
-            for (int b = 0; b < s->n_blocks[0]; b++)
-                cm->h_acquire[at++] = s->handles[(size_t)l * s->max_blocks + (size_t)b];
-    }
-    int rc = device_pool_acquire(cm->pool, cm->h_acquire, n, cm->h_addrs, err);
-    if (rc != STRATA_OK)
-        return rc;
-    at = 0;
-    for (size_t j = 0; j < n_dec; j++) {
-        cuda_seq *s = items[order[j]].seq;
-        for (int l = 0; l < s->n_layers; l++)
-            for (int b = 0; b < s->n_blocks[0]; b++, at++) {
-                const size_t i = (size_t)l * s->max_blocks + (size_t)b;
-                if (s->h_tables[i] != cm->h_addrs[at]) {
-                    s->h_tables[i] = cm->h_addrs[at];
-                    s->tables_dirty = true;
-                }
-            }
-    }
+    const size_t at = (size_t)layer * s->max_blocks;
+    CU(cudaMemcpy((void *)(uintptr_t)(s->d_tables + at), s->h_tables + at, n * sizeof(void *), cudaMemcpyHostToDevice),
+       "block table");
+    s->row_dirty[layer] = 0;
     return STRATA_OK;
 }
 
@@ -659,6 +617,7 @@ typedef struct step_plan {
     size_t *row0;      /* internal position -> first row */
     size_t n_full;     /* decode items whose tail fills this step (a block forms) */
     size_t n_full_prompt;  /* of those, GEAR blocks at the prompt rank (their jobs come first) */
+    cuda_seq **full_seq;   /* shared pool: the sequence of each forming block, in the jobs' order */
 } step_plan;
 
 static int check_items(cuda_model *cm, const cuda_batch_item *items, size_t n_items, strata_error *err)
@@ -722,6 +681,8 @@ static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_
         CU(cudaMalloc((void **)&cm->d_gear_work, n_full * work), "encoder scratch");
         cm->gear_work_bytes = n_full * work;
     }
+    if (cm->pool && n_full && !(sp->full_seq = malloc(n_full * sizeof *sp->full_seq)))
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
     size_t at_prompt = 0, at_decode = n_prompt;   /* where each full tail's jobs go in a layer's slice */
     for (size_t j = 0; j < nd; j++) {
         cuda_seq *s = items[sp->order[j]].seq;
@@ -750,10 +711,15 @@ static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_
                 .tail_tokens = tail_after,
             };
             if (full) {
+                /* Shared pool: the slot is taken when the layer runs (acquire_layer). */
                 uint8_t *dst = NULL;
-                int rc = new_block(s, il, (size_t)s->n_blocks[0], &dst, err);
-                if (rc != STRATA_OK)
-                    return rc;
+                if (!cm->pool) {
+                    int rc = new_block(s, il, (size_t)s->n_blocks[0], &dst, err);
+                    if (rc != STRATA_OK)
+                        return rc;
+                } else if (l == 0) {
+                    sp->full_seq[slot_in_layer] = s;
+                }
                 cm->h_encode[l * nd + slot_in_layer] = (cuda_kv_encode_job){
                     .k = tail_at(s, s->tail_k, il, 0),
                     .v = tail_at(s, s->tail_v, il, 0),
@@ -772,18 +738,76 @@ static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_
     sp->n_full = n_full;
     if (nd == 0)
         return STRATA_OK;
-    for (size_t j = 0; cm->pool && j < nd; j++) {   /* the new blocks' entries, before attention reads them */
-        int rc = upload_tables(items[sp->order[j]].seq, err);
-        if (rc != STRATA_OK)
-            return rc;
-    }
     CU(cudaMemcpy(cm->d_append, cm->h_append, L * nd * sizeof *cm->h_append, cudaMemcpyHostToDevice), "append jobs");
     CU(cudaMemcpy(cm->d_views, cm->h_views, L * nd * sizeof *cm->h_views, cudaMemcpyHostToDevice), "views");
-    if (n_full) {
+    if (n_full && !cm->pool) {   /* shared pool: per layer, once the new blocks have slots */
         /* Jobs of layer l start at l * nd: copy the whole strided arrays. */
         CU(cudaMemcpy(cm->d_encode, cm->h_encode, L * nd * sizeof *cm->h_encode, cudaMemcpyHostToDevice), "encoder jobs");
+    }
+    if (n_full) {
         CU(cudaMemcpy(cm->d_shift, cm->h_shift, L * nd * sizeof *cm->h_shift, cudaMemcpyHostToDevice), "tail jobs");
     }
+    return STRATA_OK;
+}
+
+/* Shared pool, before a layer's decode attention: the layer's blocks of every decoding sequence
+ * resident and pinned until the layer ends (blocks of other layers and sequences may move down to
+ * make room), the blocks forming in this step allocated, and the tables of that layer current on
+ * the device. Then the encoder jobs of the layer, which name the new blocks, go up. */
+static int acquire_layer(cuda_model *cm, const cuda_batch_item *items, const step_plan *sp, int il,
+                         strata_error *err)
+{
+    const size_t nd = sp->n_dec, l = (size_t)il;
+    size_t n = 0;
+    for (size_t j = 0; j < nd; j++)
+        n += (size_t)items[sp->order[j]].seq->n_blocks[0];
+    if (n > cm->cap_acquire) {
+        device_block *h = realloc(cm->h_acquire, n * sizeof *h);
+        if (h)
+            cm->h_acquire = h;
+        void **a = h ? realloc(cm->h_addrs, n * sizeof *a) : NULL;
+        if (!h || !a)
+            return strata_fail(err, STRATA_ENOMEM, "out of memory");
+        cm->h_addrs = a;
+        cm->cap_acquire = n;
+    }
+    size_t at = 0;
+    for (size_t j = 0; j < nd; j++) {
+        const cuda_seq *s = items[sp->order[j]].seq;
+        for (int b = 0; b < s->n_blocks[0]; b++)
+            cm->h_acquire[at++] = s->handles[l * s->max_blocks + (size_t)b];
+    }
+    int rc = device_pool_acquire(cm->pool, cm->h_acquire, n, cm->h_addrs, err);
+    if (rc != STRATA_OK)
+        return rc;
+    at = 0;
+    for (size_t j = 0; j < nd; j++) {
+        cuda_seq *s = items[sp->order[j]].seq;
+        for (int b = 0; b < s->n_blocks[0]; b++, at++) {
+            const size_t i = l * s->max_blocks + (size_t)b;
+            if (s->h_tables[i] != cm->h_addrs[at]) {
+                s->h_tables[i] = cm->h_addrs[at];
+                s->row_dirty[il] = 1;
+            }
+        }
+    }
+    for (size_t f = 0; f < sp->n_full; f++) {   /* the blocks this step forms, in the jobs' order */
+        cuda_seq *s = sp->full_seq[f];
+        uint8_t *dst = NULL;
+        if ((rc = new_block(s, il, (size_t)s->n_blocks[0], &dst, err)) != STRATA_OK)
+            return rc;
+        cm->h_encode[l * nd + f].dst = dst;
+    }
+    for (size_t j = 0; j < nd; j++) {
+        cuda_seq *s = items[sp->order[j]].seq;
+        const int full = s->tail_len[0] + 1 == s->residual + s->block_tokens;
+        if ((rc = upload_row(s, il, (size_t)s->n_blocks[0] + (size_t)full, err)) != STRATA_OK)
+            return rc;
+    }
+    if (sp->n_full)
+        CU(cudaMemcpy(cm->d_encode + l * nd, cm->h_encode + l * nd, sp->n_full * sizeof *cm->h_encode,
+                      cudaMemcpyHostToDevice),
+           "encoder jobs");
     return STRATA_OK;
 }
 
@@ -794,6 +818,11 @@ static int decode_layer(cuda_model *cm, const cuda_batch_item *items, const step
 {
     const size_t nd = sp->n_dec, l = (size_t)il;
     const cuda_seq *s0 = items[sp->order[0]].seq;
+    if (cm->pool) {
+        int rc = acquire_layer(cm, items, sp, il, err);
+        if (rc != STRATA_OK)
+            return rc;
+    }
     KERNEL(cuda_kv_append_rows(cm->d_append + l * nd, (int)nd, cm->k16, cm->v16, s0->row, NULL), "appending K/V");
     if (sp->n_full) {
         /* GEAR's prompt-rank blocks first (their own encoder), then the rest. */
@@ -850,6 +879,8 @@ static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_pl
     if ((rc = gemm(cm, cm->gate, T, ff, L->w_down, e, cm->proj, err)))
         return rc;
     KERNEL(cuda_add(cm->x, cm->proj, T * e, NULL), "residual");
+    /* The layer's kernels are enqueued: its blocks may leave now (a copy out waits for them). */
+    device_pool_unpin_all(cm->pool);
     return STRATA_OK;
 }
 
@@ -948,8 +979,7 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
     const size_t e = (size_t)c->n_embd;
     int max_blocks = 0;
     cuda_kv_plan plan = {0};
-    if ((rc = ensure_workspace(cm, sp.rows, err)) == STRATA_OK && (rc = ensure_items(cm, n_items, err)) == STRATA_OK &&
-        (!cm->pool || (rc = acquire_step_blocks(cm, items, sp.order, sp.n_dec, err)) == STRATA_OK))
+    if ((rc = ensure_workspace(cm, sp.rows, err)) == STRATA_OK && (rc = ensure_items(cm, n_items, err)) == STRATA_OK)
         rc = stage_decode_jobs(cm, items, &sp, &max_blocks, err);
     if (rc == STRATA_OK && sp.n_dec) {
         const cuda_seq *s0 = items[sp.order[0]].seq;
@@ -992,7 +1022,8 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
     }
     if (rc == STRATA_OK && (logits || next))
         rc = run_head(cm, items, &sp, logits, sample, next, err);
-    device_pool_unpin_all(cm->pool);   /* after the step's kernels were enqueued: see device_mem.h */
+    device_pool_unpin_all(cm->pool);   /* also after a failure mid-layer */
+    free(sp.full_seq);
     free(sp.order);
     free(sp.row0);
     return rc;

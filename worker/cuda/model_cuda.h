@@ -46,12 +46,13 @@ size_t cuda_model_weight_bytes(const cuda_model *cm);
 
 /* Makes every sequence created afterwards keep its blocks in one pool of n_blocks slots shared
  * by the model's sequences (offload/device_pool.h, on the current device, sized for codec and
- * block_tokens), instead of an arena of its own sized for its max_tokens. With a lower tier
- * (kv_tiers: pinned host memory via cuda_pinned_host_allocator, then NVMe), blocks of sequences
- * not in a step move down when the pool is full and come back when they run again; without one,
- * a full pool fails the step with STRATA_EFULL. Each step needs every block of its decoding
- * sequences resident at once (a step asking for more than the pool holds is STRATA_EFULL). Call
- * before creating any sequence. */
+ * block_tokens), instead of an arena of its own sized for its max_tokens. Residency is per layer:
+ * before a layer's attention its blocks of the step's decoding sequences are brought back, and
+ * after the layer they may leave again, so the pool needs to hold one layer's blocks of a step
+ * (plus the blocks forming), not the whole cache. With a lower tier (kv_tiers: pinned host memory
+ * via cuda_pinned_host_allocator, then NVMe) blocks move down when the pool is full; without one,
+ * a full pool fails the step with STRATA_EFULL, as does a layer asking for more blocks than the
+ * pool holds. Call before creating any sequence. */
 int cuda_model_create_kv_pool(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t n_blocks,
                               const kv_lower_tier *lower, strata_error *err);
 /* The shared pool's statistics (zeros without one). */
