@@ -15,7 +15,8 @@
  * Batched steps (cuda_model_forward_batch) are checked the same way per sequence, with prompts of
  * different lengths prefilled together, decoding together, and a prompt joining mid-way; bad
  * batches are refused. A shared block pool with a pinned host tier below gives the same logits as
- * per-sequence arenas while blocks move off the device and back. Without a CUDA device only the no-device error path runs, then the test
+ * per-sequence arenas while blocks move off the device and back. Two pipeline stages, their rows
+ * through an NCCL loopback link, give the whole model's logits. Without a CUDA device only the no-device error path runs, then the test
  * exits 77 (skipped). */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -34,6 +35,7 @@
 #include "worker/cuda/device_mem.h"
 #include "worker/cuda/model_cuda.h"
 #include "worker/model.h"
+#include "worker/transport/transport.h"
 
 #define PROMPT 200  /* > R + block_tokens = 192 for the KIVI codecs: a block forms in prefill */
 #define DECODE 72   /* crosses 256 positions: another block forms while decoding */
@@ -375,6 +377,117 @@ static void test_shared_pool(void **state)
     model_free(m);
 }
 
+/* Two pipeline stages of one model on one GPU, the rows between them through an NCCL loopback
+ * link when the build has NCCL (else a device copy): two sequences, prompts prefilled together,
+ * then decoded together, give the logits of the whole model on the GPU (the same kernels on the
+ * same rows: equal within 1e-6, and reported when not bit for bit). */
+static void test_pipeline_stages(void **state)
+{
+    (void)state;
+    enum { SEQS = 2, STEPS = 90, CTX = 400, BT = 16 };
+    const char *path = "synthetic:tiny:seed=21";
+    strata_error err = {0};
+    model *whole = model_load(path, 0, -1, &err), *first = model_load(path, 0, 2, &err),
+          *last = model_load(path, 2, -1, &err);
+    assert_true(whole && first && last);
+    const model_config *c = model_get_config(whole);
+    const size_t nv = (size_t)c->n_vocab, e = (size_t)c->n_embd;
+    cuda_model *cw = cuda_model_create(whole, CUDA_WEIGHTS_F16, &err), *c0 = cuda_model_create(first, CUDA_WEIGHTS_F16, &err),
+               *c1 = cuda_model_create(last, CUDA_WEIGHTS_F16, &err);
+    if (!cw || !c0 || !c1)
+        fail_msg("%s", err.msg);
+    /* A stage misses its rows or hands them nowhere: refused. */
+    kv_codec_params k2;
+    assert_int_equal(kv_codec_parse("kivi2", &k2, &err), STRATA_OK);
+    cuda_seq *w[SEQS], *s0[SEQS], *s1[SEQS];
+    for (int i = 0; i < SEQS; i++) {
+        w[i] = cuda_seq_create(cw, &k2, BT, CTX, &err);
+        s0[i] = cuda_seq_create(c0, &k2, BT, CTX, &err);
+        s1[i] = cuda_seq_create(c1, &k2, BT, CTX, &err);
+        assert_true(w[i] && s0[i] && s1[i]);
+    }
+    const size_t prompt[SEQS] = {40, 23}, max_rows = 64;
+    float *d_mid = NULL, *d_recv = NULL;
+    CUDA_CHECK(cudaMalloc((void **)&d_mid, max_rows * e * sizeof(float)));
+    CUDA_CHECK(cudaMalloc((void **)&d_recv, max_rows * e * sizeof(float)));
+    int32_t tok[SEQS][64];
+    for (int i = 0; i < SEQS; i++)
+        for (int t = 0; t < 64; t++)
+            tok[i][t] = 5 + 11 * i + 3 * t;
+    const cuda_batch_item none = {s1[0], NULL, 1};
+    const cuda_stage_io no_rows = {NULL, d_mid};
+    assert_int_equal(cuda_model_stage_step(c1, &none, 1, &no_rows, NULL, &err), STRATA_EINVAL);
+    assert_int_equal(cuda_model_forward_batch(c0, &none, 1, NULL, &err), STRATA_EINVAL);
+    dp_link *link = NULL;
+#ifdef STRATA_HAVE_NCCL
+    uint8_t id[DP_NCCL_ID_BYTES];
+    size_t idlen = sizeof id;
+    if (dp_nccl_unique_id(id, &idlen, &err) != STRATA_OK || dp_nccl_create(id, idlen, 0, 1, 0, 0, NULL, &link, &err) != STRATA_OK)
+        fail_msg("NCCL loopback link: %s", err.msg);
+#endif
+    float *lw = malloc(SEQS * nv * sizeof *lw), *l1 = malloc(SEQS * nv * sizeof *l1);
+    assert_true(lw && l1);
+    double worst = 0.0;
+    int identical = 1;
+    for (int step = 0; step < STEPS; step++) {
+        cuda_batch_item iw[SEQS], i0[SEQS], i1[SEQS];
+        size_t rows = 0;
+        for (int i = 0; i < SEQS; i++) {
+            const int32_t *in = step == 0 ? tok[i] : &tok[i][63];
+            const size_t n = step == 0 ? prompt[i] : 1;
+            iw[i] = (cuda_batch_item){w[i], in, n};
+            i0[i] = (cuda_batch_item){s0[i], in, n};
+            i1[i] = (cuda_batch_item){s1[i], NULL, n};   /* later stages need no token ids */
+            rows += n;
+        }
+        assert_int_equal(cuda_model_forward_batch(cw, iw, SEQS, lw, &err), STRATA_OK);
+        const cuda_stage_io io0 = {NULL, d_mid}, io1 = {d_recv, NULL};
+        if (cuda_model_stage_step(c0, i0, SEQS, &io0, NULL, &err) != STRATA_OK)
+            fail_msg("stage 0, step %d: %s", step, err.msg);
+        const size_t bytes = rows * e * sizeof(float);
+        if (link) {
+            const dp_msg_header h = {.kind = DP_MSG_HIDDEN, .dtype = DP_DTYPE_F32, .step = (uint64_t)step,
+                                     .n_rows = (uint32_t)rows, .row_bytes = (uint32_t)(e * sizeof(float))};
+            dp_msg_header got;
+            size_t len = 0;
+            if (dp_send(link, &h, d_mid, bytes, &err) != STRATA_OK ||
+                dp_recv(link, &got, d_recv, max_rows * e * sizeof(float), &len, 10000, &err) != STRATA_OK)
+                fail_msg("NCCL, step %d: %s", step, err.msg);
+            assert_int_equal(len, bytes);
+            assert_int_equal(got.n_rows, rows);
+        } else {
+            CUDA_CHECK(cudaMemcpy(d_recv, d_mid, bytes, cudaMemcpyDeviceToDevice));
+        }
+        if (cuda_model_stage_step(c1, i1, SEQS, &io1, l1, &err) != STRATA_OK)
+            fail_msg("stage 1, step %d: %s", step, err.msg);
+        for (int i = 0; i < SEQS; i++) {
+            const double r = rel_error(l1 + i * nv, lw + i * nv, nv);
+            worst = r > worst ? r : worst;
+            identical &= memcmp(l1 + i * nv, lw + i * nv, nv * sizeof *lw) == 0;
+            tok[i][63] = (int32_t)argmax(lw + i * nv, nv);
+        }
+    }
+    printf("  two stages over %s: %d steps, worst relative error %.3g against the whole model (%s)\n",
+           link ? "an NCCL loopback link" : "a device copy", STEPS, worst, identical ? "bit for bit" : "not bit for bit");
+    assert_true(worst <= 1e-6);
+    dp_link_close(link);
+    for (int i = 0; i < SEQS; i++) {
+        cuda_seq_free(w[i]);
+        cuda_seq_free(s0[i]);
+        cuda_seq_free(s1[i]);
+    }
+    cudaFree(d_mid);
+    cudaFree(d_recv);
+    free(lw);
+    free(l1);
+    cuda_model_free(cw);
+    cuda_model_free(c0);
+    cuda_model_free(c1);
+    model_free(whole);
+    model_free(first);
+    model_free(last);
+}
+
 /* Bad batches are refused before anything runs. */
 static void test_bad_batches(void **state)
 {
@@ -439,6 +552,7 @@ int main(void)
         cmocka_unit_test(test_bad_batches),
         cmocka_unit_test(test_greedy_and_sizes),
         cmocka_unit_test(test_shared_pool),
+        cmocka_unit_test(test_pipeline_stages),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

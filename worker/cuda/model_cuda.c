@@ -25,6 +25,10 @@ typedef struct cuda_layer {
 struct cuda_model {
     const model *host;
     model_config cfg;
+    /* The layers held, [layer_begin, layer_begin + n_local): a whole model or a pipeline stage.
+     * Sequences and their blocks number them from 0, as the CPU stages do. */
+    int layer_begin, n_local;
+    bool first, last;   /* embeds the tokens / holds the output head */
     cuda_weight_dtype dtype;
     cublasHandle_t blas;
     bool blas_ok;
@@ -134,9 +138,9 @@ static int upload_layers(cuda_model *cm, strata_error *err)
 {
     const model_config *c = &cm->cfg;
     const size_t e = (size_t)c->n_embd, kvd = (size_t)c->n_kv_heads * (size_t)c->head_dim, ff = (size_t)c->n_ff;
-    for (int il = 0; il < c->n_layers; il++) {
+    for (int il = 0; il < cm->n_local; il++) {
         model_layer_weights w;
-        int rc = model_get_layer_weights(cm->host, il, &w, err);
+        int rc = model_get_layer_weights(cm->host, cm->layer_begin + il, &w, err);
         cuda_layer *L = &cm->layers[il];
         if (rc == STRATA_OK)
             rc = upload_f32(cm, w.attn_norm, e, &L->attn_norm, err);
@@ -157,7 +161,7 @@ static int upload_layers(cuda_model *cm, strata_error *err)
         if (rc == STRATA_OK)
             rc = upload(cm, w.w_down, e * ff, cm->dtype, &L->w_down, err);
         if (rc != STRATA_OK)
-            return strata_error_prefix(err, "layer %d", il);
+            return strata_error_prefix(err, "layer %d", cm->layer_begin + il);
     }
     return STRATA_OK;
 }
@@ -182,9 +186,11 @@ cuda_model *cuda_model_create(const model *m, cuda_weight_dtype dtype, strata_er
         return NULL;
     }
     const model_config *c = model_get_config(m);
-    if (model_layer_begin(m) != 0 || model_layer_end(m) != c->n_layers || !model_get_token_embedding(m)) {
-        strata_fail(err, STRATA_EINVAL, "the CUDA forward pass needs a model holding every layer (this one holds [%d, %d))",
-                    model_layer_begin(m), model_layer_end(m));
+    const int begin = model_layer_begin(m), end = model_layer_end(m);
+    if (begin < 0 || end <= begin || end > c->n_layers || (begin == 0 && !model_get_token_embedding(m)) ||
+        (end == c->n_layers && !model_get_output_weights(m))) {
+        strata_fail(err, STRATA_EINVAL, "the CUDA forward pass needs a model holding layers [%d, %d) with the embedding "
+                    "on the first stage and the head on the last", begin, end);
         return NULL;
     }
     if (c->head_dim * c->n_heads != c->n_embd) {
@@ -205,7 +211,11 @@ cuda_model *cuda_model_create(const model *m, cuda_weight_dtype dtype, strata_er
     cm->host = m;
     cm->cfg = *c;
     cm->dtype = dtype;
-    cm->layers = calloc((size_t)c->n_layers, sizeof *cm->layers);
+    cm->layer_begin = begin;
+    cm->n_local = end - begin;
+    cm->first = begin == 0;
+    cm->last = end == c->n_layers;
+    cm->layers = calloc((size_t)cm->n_local, sizeof *cm->layers);
     int rc = cm->layers ? STRATA_OK : strata_fail(err, STRATA_ENOMEM, "out of memory");
     int dev = 0;
     if (rc == STRATA_OK && (cudaGetDevice(&dev) != cudaSuccess ||
@@ -223,9 +233,9 @@ cuda_model *cuda_model_create(const model *m, cuda_weight_dtype dtype, strata_er
     if (rc == STRATA_OK)
         rc = upload_layers(cm, err);
     const size_t e_ = (size_t)c->n_embd, nv = (size_t)c->n_vocab;
-    if (rc == STRATA_OK)
+    if (rc == STRATA_OK && cm->last)
         rc = upload_f32(cm, model_get_output_norm(m), e_, &cm->output_norm, err);
-    if (rc == STRATA_OK)
+    if (rc == STRATA_OK && cm->last)
         rc = upload(cm, model_get_output_weights(m), nv * e_, dtype, &cm->output, err);
     if (rc != STRATA_OK) {
         cuda_model_free(cm);
@@ -285,7 +295,7 @@ void cuda_model_free(cuda_model *cm)
     cudaFree(cm->d_ws);
     cudaFree(cm->d_gear_work);
     cudaFree(cm->d_status);
-    for (int il = 0; cm->layers && il < cm->cfg.n_layers; il++) {
+    for (int il = 0; cm->layers && il < cm->n_local; il++) {
         cuda_layer *L = &cm->layers[il];
         void *bufs[] = {L->attn_norm, L->ffn_norm, L->wq, L->wk, L->wv, L->wo, L->w_gate, L->w_up, L->w_down};
         for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
@@ -337,7 +347,7 @@ static int ensure_items(cuda_model *cm, size_t n, strata_error *err)
         return STRATA_OK;
     free_item_buffers(cm);
     const model_config *c = &cm->cfg;
-    const size_t L = (size_t)c->n_layers;
+    const size_t L = (size_t)cm->n_local;
     struct { void **d; void **h; size_t bytes; } want[] = {
         {(void **)&cm->head_x, NULL, n * (size_t)c->n_embd * 4},
         {(void **)&cm->logits, (void **)&cm->h_logits, n * (size_t)c->n_vocab * 4},
@@ -417,7 +427,7 @@ cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int bloc
     if (cuda_seq_check_codec(codec, err) != STRATA_OK)
         return NULL;
     const model_config *c = &cm->cfg;
-    const kv_geometry g = {.n_layers = c->n_layers, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
+    const kv_geometry g = {.n_layers = cm->n_local, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
                            .block_tokens = block_tokens};
     cuda_seq *s = calloc(1, sizeof *s);
     if (!s) {
@@ -426,7 +436,7 @@ cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int bloc
     }
     s->cm = cm;
     s->codec = *codec;
-    s->n_layers = c->n_layers;
+    s->n_layers = cm->n_local;
     s->block_tokens = block_tokens;
     s->residual = codec->residual;
     s->max_tokens = max_tokens;
@@ -626,7 +636,7 @@ static int check_items(cuda_model *cm, const cuda_batch_item *items, size_t n_it
     cm->step++;   /* a fresh mark for this step's sequences (never 0: new sequences start at 0) */
     for (size_t i = 0; i < n_items; i++) {
         const cuda_batch_item *it = &items[i];
-        if (!it->seq || it->seq->cm != cm || !it->tokens || it->n_tokens == 0)
+        if (!it->seq || it->seq->cm != cm || (!it->tokens && cm->first) || it->n_tokens == 0)
             return strata_fail(err, STRATA_EINVAL, "batch item %zu: no sequence of this model, or no tokens", i);
         const cuda_seq *s = it->seq;
         if (s->len > 0 && it->n_tokens != 1)
@@ -639,7 +649,7 @@ static int check_items(cuda_model *cm, const cuda_batch_item *items, size_t n_it
         if (s->len == 0 && it->n_tokens > 65535)
             return strata_fail(err, STRATA_EINVAL, "batch item %zu: a prompt of %zu tokens (at most 65535)", i,
                                it->n_tokens);
-        for (size_t t = 0; t < it->n_tokens; t++)
+        for (size_t t = 0; it->tokens && t < it->n_tokens; t++)
             if (it->tokens[t] < 0 || it->tokens[t] >= cm->cfg.n_vocab)
                 return strata_fail(err, STRATA_EINVAL, "batch item %zu: token %d out of range 0..%d", i,
                                    (int)it->tokens[t], cm->cfg.n_vocab - 1);
@@ -662,7 +672,7 @@ static int check_items(cuda_model *cm, const cuda_batch_item *items, size_t n_it
 static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_plan *sp, int *max_blocks,
                              strata_error *err)
 {
-    const size_t L = (size_t)cm->cfg.n_layers, nd = sp->n_dec;
+    const size_t L = (size_t)cm->n_local, nd = sp->n_dec;
     size_t n_full = 0, n_prompt = 0;
     *max_blocks = 0;
     /* The full tails first: how many blocks form, and how many of them at GEAR's prompt rank. */
@@ -947,11 +957,38 @@ static void after_step(const cuda_batch_item *items, const step_plan *sp)
     }
 }
 
-static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_items, float *logits,
-                         const cuda_sample_row *sample, int32_t *next, strata_error *err)
+/* Copies each item's rows between the step's internal order (sp) and the caller's (items one
+ * after another): into cm->x from src, or from cm->x to dst. */
+static int move_rows(cuda_model *cm, const cuda_batch_item *items, const step_plan *sp, const float *src, float *dst,
+                     strata_error *err)
+{
+    const size_t e = (size_t)cm->cfg.n_embd;
+    for (size_t p = 0; p < sp->n_items; p++) {
+        size_t caller_row = 0;   /* rows of the items before it in the caller's order */
+        for (size_t i = 0; i < sp->order[p]; i++)
+            caller_row += items[i].n_tokens;
+        const size_t n = items[sp->order[p]].n_tokens * e * sizeof(float);
+        if (src)
+            CU(cudaMemcpy(cm->x + sp->row0[p] * e, src + caller_row * e, n, cudaMemcpyDeviceToDevice), "stage input rows");
+        else
+            CU(cudaMemcpy(dst + caller_row * e, cm->x + sp->row0[p] * e, n, cudaMemcpyDeviceToDevice), "stage output rows");
+    }
+    return STRATA_OK;
+}
+
+static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_items, const cuda_stage_io *io,
+                         float *logits, const cuda_sample_row *sample, int32_t *next, strata_error *err)
 {
     if (!cm || !items || n_items == 0 || n_items > 65535)
         return strata_fail(err, STRATA_EINVAL, "cuda_model_forward_batch: 1..65535 items");
+    const float *hidden_in = io ? io->hidden_in : NULL;
+    float *hidden_out = io ? io->hidden_out : NULL;
+    if (!cm->first && !hidden_in)
+        return strata_fail(err, STRATA_EINVAL, "a stage holding layers from %d takes its rows from the stage before it "
+                           "(cuda_model_stage_step's hidden_in)", cm->layer_begin);
+    if (!cm->last && (!hidden_out || logits || next))
+        return strata_fail(err, STRATA_EINVAL, "a stage ending before the last layer hands its rows on (hidden_out) "
+                           "and has no head (no logits or tokens)");
     int rc = check_items(cm, items, n_items, err);
     if (rc != STRATA_OK)
         return rc;
@@ -992,24 +1029,28 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
         if (it->n_tokens > 1)
             it->seq->prompt_end = it->n_tokens;
     }
-    if (rc == STRATA_OK) {
-        const float *table = model_get_token_embedding(cm->host);
+    if (rc == STRATA_OK) {   /* the rows entering the first layer: embedded here, or the stage before's */
+        const float *table = cm->first ? model_get_token_embedding(cm->host) : NULL;
         for (size_t p = 0; p < n_items; p++) {
             const cuda_batch_item *it = &items[sp.order[p]];
             for (size_t t = 0; t < it->n_tokens; t++) {
-                memcpy(cm->h_rows + (sp.row0[p] + t) * e, table + (size_t)it->tokens[t] * e, e * sizeof(float));
+                if (table)
+                    memcpy(cm->h_rows + (sp.row0[p] + t) * e, table + (size_t)it->tokens[t] * e, e * sizeof(float));
                 cm->h_pos[sp.row0[p] + t] = (int32_t)(it->seq->len + t);
             }
         }
-        cudaError_t ce = cudaMemcpy(cm->x, cm->h_rows, sp.rows * e * sizeof(float), cudaMemcpyHostToDevice);
+        cudaError_t ce = table ? cudaMemcpy(cm->x, cm->h_rows, sp.rows * e * sizeof(float), cudaMemcpyHostToDevice)
+                               : cudaSuccess;
         if (ce == cudaSuccess)
             ce = cudaMemcpy(cm->d_pos, cm->h_pos, sp.rows * sizeof(int32_t), cudaMemcpyHostToDevice);
         if (ce != cudaSuccess)
             rc = strata_fail(err, STRATA_EIO, "CUDA: embedding rows: %s", cudaGetErrorString(ce));
+        if (rc == STRATA_OK && !table)
+            rc = move_rows(cm, items, &sp, hidden_in, NULL, err);
     }
-    for (int il = 0; rc == STRATA_OK && il < c->n_layers; il++)
+    for (int il = 0; rc == STRATA_OK && il < cm->n_local; il++)
         if ((rc = run_layer(cm, items, &sp, &plan, il, err)) != STRATA_OK)
-            strata_error_prefix(err, "layer %d", il);
+            strata_error_prefix(err, "layer %d", cm->layer_begin + il);
     if (rc == STRATA_OK) {
         after_step(items, &sp);
         int status = 0;
@@ -1020,6 +1061,8 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
             rc = strata_fail(err, STRATA_EFORMAT, "the CUDA attention kernel rejected a block of a cache (status %d)",
                              status);
     }
+    if (rc == STRATA_OK && hidden_out)
+        rc = move_rows(cm, items, &sp, NULL, hidden_out, err);
     if (rc == STRATA_OK && (logits || next))
         rc = run_head(cm, items, &sp, logits, sample, next, err);
     device_pool_unpin_all(cm->pool);   /* also after a failure mid-layer */
@@ -1032,7 +1075,7 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
 int cuda_model_forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_items, float *logits,
                              strata_error *err)
 {
-    return forward_batch(cm, items, n_items, logits, NULL, NULL, err);
+    return forward_batch(cm, items, n_items, NULL, logits, NULL, NULL, err);
 }
 
 int cuda_model_forward_batch_greedy(cuda_model *cm, const cuda_batch_item *items, size_t n_items, int32_t *next,
@@ -1040,7 +1083,7 @@ int cuda_model_forward_batch_greedy(cuda_model *cm, const cuda_batch_item *items
 {
     if (!next)
         return strata_fail(err, STRATA_EINVAL, "cuda_model_forward_batch_greedy: NULL output");
-    return forward_batch(cm, items, n_items, NULL, NULL, next, err);
+    return forward_batch(cm, items, n_items, NULL, NULL, NULL, next, err);
 }
 
 int cuda_model_forward_batch_sample(cuda_model *cm, const cuda_batch_item *items, size_t n_items,
@@ -1057,13 +1100,21 @@ int cuda_model_forward_batch_sample(cuda_model *cm, const cuda_batch_item *items
                                "top-p %g (want a draw in [0, 1), temperature >= 0, top-k >= 0, top-p in (0, 1])",
                                i, r->u, (double)r->temperature, (int)r->top_k, (double)r->top_p);
     }
-    return forward_batch(cm, items, n_items, NULL, sample, next, err);
+    return forward_batch(cm, items, n_items, NULL, NULL, sample, next, err);
+}
+
+int cuda_model_stage_step(cuda_model *cm, const cuda_batch_item *items, size_t n_items, const cuda_stage_io *io,
+                          float *logits, strata_error *err)
+{
+    if (!io)
+        return strata_fail(err, STRATA_EINVAL, "cuda_model_stage_step: NULL io");
+    return forward_batch(cm, items, n_items, io, logits, NULL, NULL, err);
 }
 
 /* What cuda_seq_create allocates on the device. */
 static size_t seq_bytes(const cuda_model *cm, size_t slot, int block_tokens, int residual, size_t max_tokens)
 {
-    const size_t L = (size_t)cm->cfg.n_layers, row = (size_t)cm->cfg.n_kv_heads * (size_t)cm->cfg.head_dim;
+    const size_t L = (size_t)cm->n_local, row = (size_t)cm->cfg.n_kv_heads * (size_t)cm->cfg.head_dim;
     const size_t max_blocks = (max_tokens + (size_t)block_tokens - 1) / (size_t)block_tokens;
     const size_t blocks = cm->pool ? 0 : L * max_blocks * slot;   /* the shared pool holds them */
     return blocks + 2 * L * (size_t)(residual + block_tokens) * row * 2 + (size_t)(residual + 1) * row * 2 +
@@ -1082,7 +1133,7 @@ int cuda_model_create_kv_pool(cuda_model *cm, const kv_codec_params *codec, int 
     int rc = cuda_seq_check_codec(codec, err);
     if (rc != STRATA_OK)
         return rc;
-    const kv_geometry g = {.n_layers = cm->cfg.n_layers, .n_kv_heads = cm->cfg.n_kv_heads,
+    const kv_geometry g = {.n_layers = cm->n_local, .n_kv_heads = cm->cfg.n_kv_heads,
                            .head_dim = cm->cfg.head_dim, .block_tokens = block_tokens};
     const size_t slot = kv_block_size(codec, &g);
     if (slot == 0)
@@ -1119,7 +1170,7 @@ int cuda_seq_device_bytes(const cuda_model *cm, const kv_codec_params *codec, in
         return strata_fail(err, STRATA_EINVAL, "cuda_seq_device_bytes: bad arguments");
     if (cuda_seq_check_codec(codec, err) != STRATA_OK)
         return err ? err->code : STRATA_EUNSUPPORTED;
-    const kv_geometry g = {.n_layers = cm->cfg.n_layers, .n_kv_heads = cm->cfg.n_kv_heads,
+    const kv_geometry g = {.n_layers = cm->n_local, .n_kv_heads = cm->cfg.n_kv_heads,
                            .head_dim = cm->cfg.head_dim, .block_tokens = block_tokens};
     cuda_kv_encoder enc, enc_prompt;
     memset(&enc_prompt, 0, sizeof enc_prompt);

@@ -5,11 +5,11 @@
  * the CPU pool's rule for when a block forms. It computes what model_forward computes on the CPU;
  * tests/cuda/test_cuda_model.c compares the logits.
  *
- * First version: batches of sequences over the whole model on one device, fp16, KIVI, TaDA and GEAR caches,
- * each sequence with its own device arena sized for its max_tokens; the embedding lookup stays on
- * the host (a row copy per token); optionally a block pool shared by the sequences, with tiers
- * below the device (cuda_model_create_kv_pool). Not yet: pipeline stages, the worker's use of it,
- * OTT.
+ * First version: batches of sequences over the whole model or a pipeline stage of it on one
+ * device (cuda_model_stage_step), caches of every codec, each sequence with its own device arena
+ * sized for its max_tokens or a block pool shared by the sequences with tiers below the device
+ * (cuda_model_create_kv_pool); the embedding lookup stays on the host (a row copy per token).
+ * Not yet: the worker's use of it (strata-worker computes on the CPU).
  * Status: compiled in every build with nvcc; see docs/benchmarks.md for whether it has run. */
 #ifndef STRATA_WORKER_CUDA_MODEL_CUDA_H
 #define STRATA_WORKER_CUDA_MODEL_CUDA_H
@@ -36,9 +36,12 @@ typedef enum cuda_weight_dtype {
  * device, STRATA_EINVAL naming the valid range for a device that does not exist. */
 int cuda_select_device(int device, strata_error *err);
 
-/* Copies the weights of m (which must hold every layer) to the current device. m must outlive the result
- * (its embedding table is read from host memory). STRATA_EIO with the CUDA error when there is no
- * device or memory runs out; STRATA_EINVAL for a model holding only some layers. */
+/* Copies the weights of m to the current device: a whole model, or a pipeline stage holding
+ * layers [layer_begin, layer_end) (model_load with a layer range), whose sequences hold only
+ * those layers, numbered from 0 as on the CPU. m must outlive the result (the first stage reads
+ * its embedding table from host memory). STRATA_EIO with the CUDA error when there is no device
+ * or memory runs out; STRATA_EINVAL for a first stage without the embedding or a last stage
+ * without the head. */
 cuda_model *cuda_model_create(const model *m, cuda_weight_dtype dtype, strata_error *err);
 void cuda_model_free(cuda_model *cm);
 /* Device bytes of the weights. */
@@ -110,6 +113,22 @@ int cuda_model_forward_batch_greedy(cuda_model *cm, const cuda_batch_item *items
  * its logits hold NaN or +inf. */
 int cuda_model_forward_batch_sample(cuda_model *cm, const cuda_batch_item *items, size_t n_items,
                                     const cuda_sample_row *sample, int32_t *next, strata_error *err);
+
+/* A pipeline stage's rows: device memory, [rows][n_embd] fp32, the items' rows one item after
+ * another in the caller's order (prompt items all their tokens, decode items one). */
+typedef struct cuda_stage_io {
+    const float *hidden_in;   /* the rows entering the stage's first layer (every stage but the first) */
+    float *hidden_out;        /* the rows leaving its last layer (every stage but the last) */
+} cuda_stage_io;
+
+/* One step of a pipeline stage (or of a whole model, with zero io): cuda_model_forward_batch over
+ * the layers the stage holds, taking its rows from io->hidden_in instead of embedding tokens
+ * (items' tokens may then be NULL) and handing them on in io->hidden_out; logits only on the last
+ * stage. The stages of one model, run in order on the same items, compute what the whole model
+ * computes (the same kernels on the same rows); between two GPUs the rows cross by NCCL
+ * (worker/transport). STRATA_EINVAL when a stage misses its input or output. */
+int cuda_model_stage_step(cuda_model *cm, const cuda_batch_item *items, size_t n_items, const cuda_stage_io *io,
+                          float *logits, strata_error *err);
 
 /* Device bytes cuda_seq_create(cm, codec, block_tokens, max_tokens) takes: what a memory budget
  * divides by to size a batch. */
