@@ -141,7 +141,9 @@ static int set_device(dp_link *link, strata_error *err)
     return e == cudaSuccess ? STRATA_OK : cuda_fail(err, e, "cudaSetDevice", link->desc);
 }
 
-static int nccl_send(dp_link *link, const dp_msg_header *h, const void *payload, size_t len, strata_error *err)
+/* What both kinds of send do before enqueueing anything: the link's device, a device payload, the
+ * frame header in the pinned host buffer. A failure here leaves the link in sync. */
+static int prepare_send(dp_link *link, const dp_msg_header *h, const void *payload, size_t len, strata_error *err)
 {
     nccl_state *s = link->impl;
     int rc = set_device(link, err);
@@ -149,6 +151,13 @@ static int nccl_send(dp_link *link, const dp_msg_header *h, const void *payload,
         rc = check_device_ptr(link, payload, "payload", err);
     if (rc == STRATA_OK)
         rc = dp_frame_encode(h, len, 0, 0, s->host_hdr, err);
+    return rc;
+}
+
+static int nccl_send(dp_link *link, const dp_msg_header *h, const void *payload, size_t len, strata_error *err)
+{
+    nccl_state *s = link->impl;
+    int rc = prepare_send(link, h, payload, len, err);
     if (rc != STRATA_OK)
         return rc; /* nothing enqueued: the link is still in sync */
     cudaError_t e = cudaMemcpyAsync(s->dev_hdr, s->host_hdr, DP_FRAME_HEADER_BYTES, cudaMemcpyHostToDevice,
@@ -288,11 +297,7 @@ static int lb_send(dp_link *link, const dp_msg_header *h, const void *payload, s
     if (len > SIZE_MAX - 256 - DP_FRAME_HEADER_BYTES)
         return strata_fail(err, STRATA_EINVAL, "data plane (%s): a %zu-byte payload is too large to stage",
                            link->desc, len);
-    int rc = set_device(link, err);
-    if (rc == STRATA_OK && len > 0)
-        rc = check_device_ptr(link, payload, "payload", err);
-    if (rc == STRATA_OK)
-        rc = dp_frame_encode(h, len, 0, 0, s->host_hdr, err);
+    int rc = prepare_send(link, h, payload, len, err);
     if (rc != STRATA_OK)
         return rc; /* nothing enqueued: the link is still in sync */
     /* Bounded so that a sender that never receives fails loudly instead of filling the device
