@@ -65,9 +65,14 @@ cat >"$stubs/strata-coordinator" <<'EOF'
 #!/usr/bin/env bash
 # Stub coordinator: logs its arguments; SIGTERM "drains" for 0.3 s and exits 0.
 echo "coordinator start $*" >>"$STUB_LOG"
-# STUB_COORD_STUCK=1: it ignores SIGTERM (a drain that hangs).
-if [[ -n ${STUB_COORD_STUCK:-} ]]; then trap '' TERM; fi
-trap 'echo "coordinator TERM" >>"$STUB_LOG"; sleep 0.3; echo "coordinator drained" >>"$STUB_LOG"; exit 0' TERM
+# STUB_COORD_STUCK=1: it ignores SIGTERM (a drain that hangs). (Setting the draining trap after
+# the ignoring one replaced it: the "stuck" stub drained in 0.3 s, and the test raced the second
+# signal against that exit.)
+if [[ -n ${STUB_COORD_STUCK:-} ]]; then
+  trap '' TERM
+else
+  trap 'echo "coordinator TERM" >>"$STUB_LOG"; sleep 0.3; echo "coordinator drained" >>"$STUB_LOG"; exit 0' TERM
+fi
 while :; do sleep 0.05; done
 EOF
 cat >"$stubs/strata-worker" <<'EOF'
