@@ -182,7 +182,8 @@ worker_command() {
   local k=$1 dest=${w_dest[$1]} slot=${w_slot[$1]} host remote
   host=${dest#*@}
   remote=(exec env "CUDA_VISIBLE_DEVICES=${w_dev[k]}" "$worker_bin" --coordinator "$control"
-    --secret-file "$remote_secret" --name "$host-w$slot" --data "$host:$((data_port + slot))")
+    --secret-file "$remote_secret" --name "$host-w$slot" --data "$host:$((data_port + slot))"
+    --device cuda:0)   # the one GPU it sees
   [[ -z $nvme_dir ]] || remote+=(--nvme-dir "$nvme_dir/worker-$slot")
   remote+=("${worker_args[@]}")
   WCMD=(ssh -n "${ssh_opts[@]}" "$dest" "$(shq "${remote[@]}")")

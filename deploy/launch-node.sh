@@ -125,6 +125,8 @@ worker_command() {
   local k=$1
   WCMD=(env "CUDA_VISIBLE_DEVICES=${devices[k]}" "$worker_bin" --coordinator "$control"
     --secret-file "$secret_file" --name "${host:-node}-w$k")
+  # A GPU worker computes on the one device it sees (its index there is 0).
+  [[ -z ${devices[k]} ]] || WCMD+=(--device cuda:0)
   [[ -z $nvme_dir ]] || WCMD+=(--nvme-dir "$nvme_dir/worker-$k")
   WCMD+=("${worker_args[@]}")
 }

@@ -21,6 +21,7 @@
 #include "kvstore/plan.h"
 #include "worker/model.h"
 #include "worker/stage/stage.h"
+#include "worker/stage/stage_gpu.h"
 
 static model *full, *front, *back;
 static const char *model_path(void) { return getenv("STRATA_MODEL") ? getenv("STRATA_MODEL") : STRATA_DEFAULT_MODEL; }
@@ -175,9 +176,13 @@ static void *run_accept(void *arg)
     return NULL;
 }
 
-static void test_two_stages_equal_whole_model(void **state)
+/* Two stages over a TCP link; o NULL: the CPU, whose tokens equal the whole model's bit for bit.
+ * With o->cuda (only where a GPU is present) the stages run on the GPU with fp16 weights: every
+ * step must run, and the tokens are compared with the CPU's (first tokens equal; the agreement is
+ * printed, since fp16 weights may turn a greedy choice later on). */
+static void two_stages(const stage_options *o)
 {
-    (void)state;
+    const bool gpu = o && o->cuda;
     const char *kv = "kivi2";
     seq_spec seqs[3] = {{.id = 11, .n_prompt = 40, .join_step = 1},
                         {.id = 22, .n_prompt = 150, .join_step = 1},
@@ -201,10 +206,10 @@ static void test_two_stages_equal_whole_model(void **state)
     assert_int_equal(aj.rc, STRATA_OK);
 
     Strata__Internal__V1__Assignment a0 = assignment(front, kv), a1 = assignment(back, kv);
-    stage *s0 = stage_create(&a0, front, NULL, NULL, to_back, &err);
+    stage *s0 = stage_create(&a0, front, o, NULL, to_back, &err);
     if (!s0)
         fail_msg("%s", err.msg);
-    stage *s1 = stage_create(&a1, back, NULL, aj.link, NULL, &err);
+    stage *s1 = stage_create(&a1, back, o, aj.link, NULL, &err);
     if (!s1)
         fail_msg("%s", err.msg);
     plan_buf b;
@@ -226,13 +231,18 @@ static void test_two_stages_equal_whole_model(void **state)
         assert_int_equal(r0.n_seqs, 0);   /* the first stage samples nothing and failed nothing */
         apply(&bj.res, seqs, 3, &b);
     }
+    int agree = 0;
     for (size_t i = 0; i < 3; i++) {
         assert_int_equal(seqs[i].n_got, STEPS);
-        for (int k = 0; k < STEPS; k++)
-            if (seqs[i].got[k] != seqs[i].want[k])
+        for (int k = 0; k < STEPS; k++) {
+            agree += seqs[i].got[k] == seqs[i].want[k];
+            if (seqs[i].got[k] != seqs[i].want[k] && (!gpu || k == 0))
                 fail_msg("sequence %llu token %d: %d in the pipeline, %d alone", (unsigned long long)seqs[i].id, k,
                          seqs[i].got[k], seqs[i].want[k]);
+        }
     }
+    if (gpu)
+        print_message("GPU stages: %d of %d tokens equal to the CPU's\n", agree, 3 * STEPS);
 
     /* A plan that is wrong for one sequence (position) fails it on both stages; the others go on. */
     build_plan(&b, 100, seqs, 2, 100, STEPS + 1);
@@ -259,6 +269,35 @@ static void test_two_stages_equal_whole_model(void **state)
     dp_link_close(to_back);
     dp_link_close(aj.link);
     dp_listener_close(aj.l);
+}
+
+static void test_two_stages_equal_whole_model(void **state)
+{
+    (void)state;
+    two_stages(NULL);
+}
+
+/* A GPU stage: without a device (or in a build without CUDA) stage_create says so and nothing is
+ * left behind; with one, the two-stage pipeline runs on it. */
+static void test_gpu_stage(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    const stage_options o = {.cuda = true, .cuda_device = 0};
+    if (stage_gpu_probe(0, &err) == STRATA_OK) {
+        two_stages(&o);
+        return;
+    }
+    assert_true(err.code == STRATA_EIO || err.code == STRATA_EUNSUPPORTED);
+    Strata__Internal__V1__Assignment a = assignment(full, "kivi2");
+    assert_null(stage_create(&a, full, &o, NULL, NULL, &err));
+    assert_non_null(strstr(err.msg, "CUDA"));
+    /* A per-layer plan is refused on a GPU stage before any device is touched. */
+    Strata__Internal__V1__Assignment mixed = assignment(full, "0-9:kivi2,10-29:kivi4");
+    assert_null(stage_create(&mixed, full, &o, NULL, NULL, &err));
+    assert_int_equal(err.code, STRATA_EUNSUPPORTED);
+    assert_non_null(strstr(err.msg, "one KV codec"));
+    print_message("no CUDA device or no CUDA in this build: the GPU stage checked for its errors only\n");
 }
 
 static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
@@ -435,6 +474,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_two_stages_equal_whole_model),
+        cmocka_unit_test(test_gpu_stage),
         cmocka_unit_test(test_one_stage_tiers_preempt),
         cmocka_unit_test(test_migrate),
     };

@@ -59,6 +59,15 @@ else
   [ -s "$tmp/out" ] && fail "--device cuda without a GPU printed to stdout: $(head -c 80 "$tmp/out")"
 fi
 
+# strata-worker --device: a bad value is a usage error; cuda without a device (or CUDA in the
+# build) fails before joining, with the reason.
+worker="$(dirname "$strata")/strata-worker"
+printf 'a cluster secret of 32 bytes....' >"$tmp/secret"
+expect 2 "takes cpu, cuda or cuda:N" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" --device gpu
+if ! nvidia-smi -L >/dev/null 2>&1; then
+  expect 1 "CUDA" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" --device cuda:0
+fi
+
 # Served: the same tokens through two pipeline stages as from one local process.
 "$strata" generate --model synthetic:tiny:seed=4 --prompt "served?" --max-tokens 12 >"$tmp/local.raw" 2>/dev/null ||
   fail "local generate on synthetic:tiny:seed=4 failed"

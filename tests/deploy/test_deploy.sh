@@ -149,6 +149,7 @@ grep -Eq -- "^$stubs/strata-coordinator --secret-file [^ ]+/cluster.secret --con
 [[ $(count 'strata-worker ' "$out") == 2 ]] || fail "node dry run --gpus 0,1: not 2 workers"
 [[ $(grep -oE 'CUDA_VISIBLE_DEVICES=[^ ]*' "$out" | tr '\n' ' ') == "CUDA_VISIBLE_DEVICES=0 CUDA_VISIBLE_DEVICES=1 " ]] ||
   fail "node dry run --gpus 0,1: CUDA_VISIBLE_DEVICES per worker: $(cat "$out")"
+[[ $(count 'strata-worker .* --device cuda:0( |$)' "$out") == 2 ]] || fail "node dry run --gpus 0,1: GPU workers not given --device cuda:0: $(cat "$out")"
 [[ $(count "--secret-file $secret( |\$)" "$out") == 3 ]] || fail "node dry run: --secret-file $secret not on all 3 commands"
 grep -q -- '--replicas 2 --stages 1' "$out" || fail "node dry run --gpus 0,1: coordinator not told 2 replicas"
 grep -q 'would write' "$out" && fail "node dry run: a secret would be generated although --secret-file was given"
@@ -189,7 +190,7 @@ expect 2 'no executable strata-coordinator' "$node" --cpu-workers 2 --bin-dir "$
   fail "multinode dry run: not 4 workers with the remote secret: $(cat "$out")"
 for w in "a 0 50060" "a 1 50061" "u@b 0 50060" "u@b 1 50061"; do
   read -r dest gpu port <<<"$w"
-  grep -Eq -- "^ssh -n -o BatchMode=yes $dest 'exec env CUDA_VISIBLE_DEVICES=$gpu .* --data ${dest#*@}:$port'\$" "$out" ||
+  grep -Eq -- "^ssh -n -o BatchMode=yes $dest 'exec env CUDA_VISIBLE_DEVICES=$gpu .* --data ${dest#*@}:$port --device cuda:0'\$" "$out" ||
     fail "multinode dry run: worker on $dest GPU $gpu port $port: $(cat "$out")"
 done
 grep -q -- "--secret-file $secret --control 10.0.0.1:50052 --replicas 4 --stages 1" "$out" || fail "multinode dry run: coordinator"

@@ -20,6 +20,7 @@
 #include "worker/control/control_client.h"
 #include "worker/model.h"
 #include "worker/stage/stage.h"
+#include "worker/stage/stage_gpu.h"
 #include "worker/transport/transport.h"
 
 enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
@@ -30,7 +31,8 @@ static void usage(FILE *out)
             "usage: strata-worker --coordinator HOST:PORT --secret-file FILE [options]\n"
             "\n"
             "A strata worker: joins the coordinator, loads the layers it is assigned and runs their\n"
-            "steps (CPU). Usually started by `strata serve` or deploy/ units, not by hand.\n"
+            "steps (on the CPU, or a GPU with --device). Usually started by `strata serve` or deploy/\n"
+            "units, not by hand.\n"
             "\n"
             "  --coordinator HOST:PORT  the coordinator's worker endpoint (required)\n"
             "  --secret-file FILE       file holding the cluster secret, 16-256 bytes (required;\n"
@@ -38,6 +40,10 @@ static void usage(FILE *out)
             "  --name NAME              worker name in logs and metrics (default: worker-<pid>)\n"
             "  --data HOST:PORT         data-plane listen address for pipeline neighbours\n"
             "                           (default 127.0.0.1:0, an ephemeral port)\n"
+            "  --device cpu|cuda[:N]    where the layers and the KV run (default cpu); cuda: GPU N's\n"
+            "                           fp16 weights and compressed KV (one codec for the stage's\n"
+            "                           layers; rows to the neighbours over TCP; no migration; never\n"
+            "                           run on a GPU yet: docs/gpu.md)\n"
             "  --device-kv-mib N        device KV memory offered (default 256)\n"
             "  --host-kv-mib N          host tier offered (default 0: none)\n"
             "  --nvme-dir DIR           spill directory of the NVMe tier (default: none)\n"
@@ -53,6 +59,7 @@ static void usage(FILE *out)
 typedef struct worker_opts {
     const char *coordinator, *secret_file, *name, *data, *nvme_dir;
     long device_mib, host_mib, nvme_mib, connect_timeout_ms, threads;
+    long cuda_device;   /* -1: the CPU */
     bool quiet;
 } worker_opts;
 
@@ -77,10 +84,11 @@ static int parse(int argc, char **argv, worker_opts *o)
         {"device-kv-mib", required_argument, NULL, 'D'}, {"host-kv-mib", required_argument, NULL, 'H'},
         {"nvme-dir", required_argument, NULL, 'N'},    {"nvme-kv-mib", required_argument, NULL, 'M'},
         {"connect-timeout-ms", required_argument, NULL, 'T'}, {"quiet", no_argument, NULL, 'q'},
-        {"threads", required_argument, NULL, 'P'},
+        {"threads", required_argument, NULL, 'P'},     {"device", required_argument, NULL, 'G'},
         {"help", no_argument, NULL, 'h'},              {NULL, 0, NULL, 0},
     };
-    *o = (worker_opts){.data = "127.0.0.1:0", .device_mib = 256, .nvme_mib = -1, .connect_timeout_ms = 30000};
+    *o = (worker_opts){.data = "127.0.0.1:0", .device_mib = 256, .nvme_mib = -1, .connect_timeout_ms = 30000,
+                       .cuda_device = -1};
     int c;
     while ((c = getopt_long(argc, argv, "qh", opts, NULL)) != -1) {
         switch (c) {
@@ -94,6 +102,18 @@ static int parse(int argc, char **argv, worker_opts *o)
         case 'M': if (!parse_long("--nvme-kv-mib", optarg, 1, 1L << 24, &o->nvme_mib)) return EXIT_USAGE; break;
         case 'T': if (!parse_long("--connect-timeout-ms", optarg, 1, 3600000, &o->connect_timeout_ms)) return EXIT_USAGE; break;
         case 'P': if (!parse_long("--threads", optarg, 1, 1024, &o->threads)) return EXIT_USAGE; break;
+        case 'G':
+            if (!strcmp(optarg, "cpu")) {
+                o->cuda_device = -1;
+            } else if (!strcmp(optarg, "cuda")) {
+                o->cuda_device = 0;
+            } else if (!strncmp(optarg, "cuda:", 5)) {
+                if (!parse_long("--device cuda:N", optarg + 5, 0, 1023, &o->cuda_device)) return EXIT_USAGE;
+            } else {
+                fprintf(stderr, "strata-worker: --device takes cpu, cuda or cuda:N (got '%s')\n", optarg);
+                return EXIT_USAGE;
+            }
+            break;
         case 'q': o->quiet = true; break;
         case 'h': usage(stdout); return -1;
         default: usage(stderr); return EXIT_USAGE;
@@ -421,6 +441,14 @@ int main(int argc, char **argv)
     sigaction(SIGINT, &sa, NULL);
 
     strata_error err = {0};
+    char device[32] = "cpu";
+    if (o.cuda_device >= 0) {   /* before joining: a worker that cannot compute must not take layers */
+        snprintf(device, sizeof device, "cuda:%ld", o.cuda_device);
+        if (stage_gpu_probe((int)o.cuda_device, &err) != STRATA_OK) {
+            fprintf(stderr, "strata-worker %s: --device %s: %s\n", o.name, device, err.msg);
+            return EXIT_RUNTIME;
+        }
+    }
     dp_listener *listener = NULL;
     if (dp_tcp_listen(o.data, &listener, &err) != STRATA_OK) {
         fprintf(stderr, "strata-worker %s: data plane: %s\n", o.name, err.msg);
@@ -434,7 +462,7 @@ int main(int argc, char **argv)
     Strata__Internal__V1__Join join = STRATA__INTERNAL__V1__JOIN__INIT;
     join.cluster_secret = (ProtobufCBinaryData){secret_len, secret};
     join.worker_name = (char *)o.name;
-    join.device = (char *)"cpu";
+    join.device = device;
     join.device_kv_bytes = (uint64_t)o.device_mib << 20;
     join.host_kv_bytes = (uint64_t)o.host_mib << 20;
     join.nvme_kv_bytes = o.nvme_dir ? (uint64_t)o.nvme_mib << 20 : 0;
@@ -491,7 +519,10 @@ int main(int argc, char **argv)
             int le = (int)a->layer_end;
             if (!(m = model_load(a->model_path, (int)a->layer_begin, le, &err)) ||
                 connect_links(a, listener, &auth, &prev, &next, &err) != STRATA_OK ||
-                !(st = stage_create(a, m, &(stage_options){.nvme_dir = o.nvme_dir}, prev, next, &err)) ||
+                !(st = stage_create(a, m,
+                                    &(stage_options){.nvme_dir = o.nvme_dir, .cuda = o.cuda_device >= 0,
+                                                     .cuda_device = (int)(o.cuda_device >= 0 ? o.cuda_device : 0)},
+                                    prev, next, &err)) ||
                 send_kv_report(cc, st, &err) != STRATA_OK) {
                 fprintf(stderr, "strata-worker %s: %s\n", o.name, err.msg);
                 done = true;

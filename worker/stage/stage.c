@@ -11,10 +11,13 @@
 #include "kvstore/plan.h"
 #include "offload/kv_tiers.h"
 #include "worker/sampler.h"
+#include "worker/stage/stage_gpu.h"
 
 typedef struct seq_entry {
     uint64_t id;
-    kv_seq *kv;
+    kv_seq *kv;            /* CPU stage */
+    stage_gpu_seq *gpu;    /* GPU stage */
+    bool waiting;          /* GPU stage: preempted */
     sampler *smp;
 } seq_entry;
 
@@ -29,6 +32,9 @@ struct stage {
     size_t max_seq_tokens;
     kv_pool *pool;
     kv_tiers *tiers;
+    stage_gpu *gpu;            /* a GPU stage: its compute and KV (pool and tiers stay NULL) */
+    stage_gpu_item *gpu_items;
+    size_t cap_gpu_items;
     seq_entry *seqs;
     size_t n_seqs, cap_seqs;
     dp_link *prev, *next;
@@ -109,7 +115,22 @@ stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const s
         if ((rc = kv_codec_validate(&codecs[l], &geo, err)) != STRATA_OK)
             strata_error_prefix(err, "layer %u", a->layer_begin + (unsigned)l);
     const size_t per_seq_blocks = (a->max_seq_tokens + a->block_tokens - 1) / a->block_tokens;
-    if (rc == STRATA_OK && a->host_kv_bytes > 0) {
+    if (rc == STRATA_OK && o && o->cuda) {
+        for (int l = 1; rc == STRATA_OK && l < geo.n_layers; l++)
+            if (memcmp(&codecs[l], &codecs[0], sizeof codecs[0]) != 0)
+                rc = strata_fail(err, STRATA_EUNSUPPORTED, "stage: a GPU stage takes one KV codec for its layers "
+                                 "(the plan '%s' changes within [%u, %u))", a->kv_plan && *a->kv_plan ? a->kv_plan : "kivi4",
+                                 a->layer_begin, a->layer_end);
+        kv_tiers_options to = {.host_bytes = (size_t)a->host_kv_bytes,
+                               .nvme_dir = o->nvme_dir && a->nvme_kv_bytes ? o->nvme_dir : NULL,
+                               .nvme_bytes = a->nvme_kv_bytes};
+        const stage_gpu_config gc = {.device = o->cuda_device, .codec = codecs[0], .block_tokens = (int)a->block_tokens,
+                                     .max_seq_tokens = a->max_seq_tokens, .max_batch_seqs = a->max_batch_seqs,
+                                     .device_kv_bytes = a->device_kv_bytes,
+                                     .tiers = a->host_kv_bytes > 0 ? &to : NULL};
+        if (rc == STRATA_OK)
+            rc = stage_gpu_create(m, &gc, &s->gpu, err);
+    } else if (rc == STRATA_OK && a->host_kv_bytes > 0) {
         kv_tiers_options to = {.host_bytes = (size_t)a->host_kv_bytes,
                                .nvme_dir = o && o->nvme_dir && a->nvme_kv_bytes ? o->nvme_dir : NULL,
                                .nvme_bytes = a->nvme_kv_bytes};
@@ -147,8 +168,16 @@ stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const s
 static void entry_free(seq_entry *e)
 {
     kv_seq_destroy(e->kv);
+    stage_gpu_seq_free(e->gpu);
     sampler_free(e->smp);
 }
+
+/* The entry's sequence length, and whether it is preempted, on either kind of stage. */
+static size_t entry_length(const seq_entry *e)
+{
+    return e->gpu ? stage_gpu_seq_length(e->gpu) : kv_seq_length(e->kv, 0);
+}
+static bool entry_preempted(const seq_entry *e) { return e->gpu ? e->waiting : kv_seq_is_spilled(e->kv); }
 
 void stage_destroy(stage *s)
 {
@@ -159,6 +188,8 @@ void stage_destroy(stage *s)
     free(s->seqs);
     kv_pool_destroy(s->pool);
     kv_tiers_destroy(s->tiers);
+    stage_gpu_destroy(s->gpu);
+    free(s->gpu_items);
     free(s->res);
     free(s->items);
     free(s->plan_index);
@@ -224,7 +255,8 @@ static int fail_seq(stage *s, uint64_t id, int status, const char *msg)
 
 /* Sends this stage's table (a CONTROL frame) and rows (a HIDDEN frame, when there are any) to
  * the next stage. */
-static int send_rows(stage *s, uint64_t step, size_t n_run, size_t rows, strata_error *err)
+static int send_rows(stage *s, const Strata__Internal__V1__StepPlan *plan, size_t n_run, size_t rows,
+                     strata_error *err)
 {
     const size_t e = (size_t)s->cfg->n_embd;
     size_t len = TABLE_HEAD_BYTES + n_run * TABLE_ENTRY_BYTES;
@@ -234,9 +266,11 @@ static int send_rows(stage *s, uint64_t step, size_t n_run, size_t rows, strata_
     kv_st32(s->frame, (uint32_t)n_run);
     for (size_t i = 0; i < n_run; i++) {
         uint8_t *t = s->frame + TABLE_HEAD_BYTES + i * TABLE_ENTRY_BYTES;
-        kv_st64(t, kv_seq_id(s->items[i].seq));
-        kv_st32(t + 8, (uint32_t)s->items[i].n_tokens);
+        const Strata__Internal__V1__SeqWork *w = plan->seqs[s->plan_index[i]];
+        kv_st64(t, w->seq_id);
+        kv_st32(t + 8, (uint32_t)w->n_tokens);
     }
+    const uint64_t step = plan->step;
     dp_msg_header h = {.kind = DP_MSG_CONTROL, .dtype = DP_DTYPE_BYTES, .step = step};
     int rc = dp_send(s->next, &h, s->frame, len, err);
     if (rc == STRATA_OK && rows) {
@@ -306,13 +340,21 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
         drop(s, plan->free_seqs[i]);
     for (size_t i = 0; i < plan->n_preempt_seqs; i++) {
         seq_entry *e = find(s, plan->preempt_seqs[i]);
-        if (e && kv_seq_spill(e->kv, &e1) != STRATA_OK && fail_seq(s, e->id, e1.code, e1.msg) != STRATA_OK)
+        if (e && e->gpu) {
+            stage_gpu_seq_set_waiting(e->gpu, true);
+            e->waiting = true;
+        } else if (e && kv_seq_spill(e->kv, &e1) != STRATA_OK && fail_seq(s, e->id, e1.code, e1.msg) != STRATA_OK) {
             return strata_fail(err, STRATA_ENOMEM, "stage: out of memory");
+        }
     }
     for (size_t i = 0; i < plan->n_resume_seqs; i++) {
         seq_entry *e = find(s, plan->resume_seqs[i]);
-        if (e && kv_seq_resume(e->kv, &e1) != STRATA_OK && fail_seq(s, e->id, e1.code, e1.msg) != STRATA_OK)
+        if (e && e->gpu) {
+            stage_gpu_seq_set_waiting(e->gpu, false);
+            e->waiting = false;
+        } else if (e && kv_seq_resume(e->kv, &e1) != STRATA_OK && fail_seq(s, e->id, e1.code, e1.msg) != STRATA_OK) {
             return strata_fail(err, STRATA_ENOMEM, "stage: out of memory");
+        }
     }
     const size_t n_plan = plan->n_seqs;
     if (n_plan == 0)
@@ -339,25 +381,29 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
                 fail_seq(s, w->seq_id, STRATA_EUNSUPPORTED, "per-request KV plans are not supported by this worker yet");
                 continue;
             }
-            kv_seq *kv = kv_seq_create(s->pool, s->max_seq_tokens, &e1);
-            if (!kv || grow((void **)&s->seqs, &s->cap_seqs, s->n_seqs + 1, sizeof *s->seqs) != STRATA_OK) {
+            kv_seq *kv = s->gpu ? NULL : kv_seq_create(s->pool, s->max_seq_tokens, &e1);
+            stage_gpu_seq *gq = s->gpu ? stage_gpu_seq_create(s->gpu, &e1) : NULL;
+            const bool made = kv || gq;
+            if (!made || grow((void **)&s->seqs, &s->cap_seqs, s->n_seqs + 1, sizeof *s->seqs) != STRATA_OK) {
                 kv_seq_destroy(kv);
-                fail_seq(s, w->seq_id, kv ? STRATA_ENOMEM : e1.code, kv ? "out of memory" : e1.msg);
+                stage_gpu_seq_free(gq);
+                fail_seq(s, w->seq_id, made ? STRATA_ENOMEM : e1.code, made ? "out of memory" : e1.msg);
                 continue;
             }
-            kv_seq_set_id(kv, w->seq_id);
-            s->seqs[s->n_seqs++] = (seq_entry){.id = w->seq_id, .kv = kv};
+            if (kv)
+                kv_seq_set_id(kv, w->seq_id);
+            s->seqs[s->n_seqs++] = (seq_entry){.id = w->seq_id, .kv = kv, .gpu = gq};
             e = &s->seqs[s->n_seqs - 1];
         }
         if (!e) {
             snprintf(msg, sizeof msg, "sequence %" PRIu64 " is unknown to this stage (pos0 %u)", w->seq_id, w->pos0);
             fail_seq(s, w->seq_id, STRATA_EINVAL, msg);
-        } else if (kv_seq_is_spilled(e->kv)) {
+        } else if (entry_preempted(e)) {
             snprintf(msg, sizeof msg, "sequence %" PRIu64 " is preempted; resume it first", w->seq_id);
             fail_seq(s, w->seq_id, STRATA_EINVAL, msg);
-        } else if (w->n_tokens == 0 || kv_seq_length(e->kv, 0) != w->pos0) {
+        } else if (w->n_tokens == 0 || entry_length(e) != w->pos0) {
             snprintf(msg, sizeof msg, "sequence %" PRIu64 " holds %zu tokens here; the plan says %u (+%zu)", w->seq_id,
-                     kv_seq_length(e->kv, 0), w->pos0, w->n_tokens);
+                     entry_length(e), w->pos0, w->n_tokens);
             fail_seq(s, w->seq_id, STRATA_EINVAL, msg);
         } else {
             s->ok[i] = true;
@@ -392,21 +438,30 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
                 rows += plan->seqs[i]->n_tokens;
             }
     }
+    if (s->gpu && grow((void **)&s->gpu_items, &s->cap_gpu_items, n_plan, sizeof *s->gpu_items) != STRATA_OK)
+        return strata_fail(err, STRATA_ENOMEM, "stage: out of memory");
     size_t tok_at = 0;
     for (size_t r = 0; r < n_run; r++) {
         const Strata__Internal__V1__SeqWork *w = plan->seqs[s->plan_index[r]];
         for (size_t k = 0; k < w->n_tokens; k++)
             s->tokens[tok_at + k] = (int32_t)w->tokens[k];
-        s->items[r] = (model_batch_item){.seq = find(s, w->seq_id)->kv, .tokens = s->tokens + tok_at,
-                                         .n_tokens = w->n_tokens, .pos0 = w->pos0};
+        const seq_entry *e = find(s, w->seq_id);
+        s->items[r] = (model_batch_item){.seq = e->kv, .tokens = s->tokens + tok_at, .n_tokens = w->n_tokens,
+                                         .pos0 = w->pos0};
+        if (s->gpu)
+            s->gpu_items[r] = (stage_gpu_item){.seq = e->gpu, .tokens = s->tokens + tok_at, .n_tokens = w->n_tokens};
         tok_at += w->n_tokens;
     }
     if (n_run) {
         if (grow((void **)&s->hidden_out, &s->cap_out, rows * emb, sizeof(float)) != STRATA_OK ||
             (s->last && grow((void **)&s->logits, &s->cap_logits, n_run * (size_t)s->cfg->n_vocab, sizeof(float)) != STRATA_OK))
             return strata_fail(err, STRATA_ENOMEM, "stage: out of memory for %zu rows", rows);
-        rc = model_forward_batch(s->m, s->items, n_run, s->first ? NULL : s->hidden_in, s->last ? NULL : s->hidden_out,
-                                 s->last ? s->logits : NULL, &e1);
+        if (s->gpu)
+            rc = stage_gpu_forward(s->gpu, s->gpu_items, n_run, s->first ? NULL : s->hidden_in,
+                                   s->last ? NULL : s->hidden_out, s->last ? s->logits : NULL, &e1);
+        else
+            rc = model_forward_batch(s->m, s->items, n_run, s->first ? NULL : s->hidden_in,
+                                     s->last ? NULL : s->hidden_out, s->last ? s->logits : NULL, &e1);
         if (rc != STRATA_OK) {
             /* The batch's sequences may now hold uneven layers: they are lost on this stage. */
             for (size_t r = 0; r < n_run; r++) {
@@ -417,7 +472,7 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
             n_run = rows = 0;
         }
     }
-    if (!s->last && (rc = send_rows(s, plan->step, n_run, rows, err)) != STRATA_OK)
+    if (!s->last && (rc = send_rows(s, plan, n_run, rows, err)) != STRATA_OK)
         return rc;
     if (s->last)
         for (size_t r = 0; r < n_run; r++) {
@@ -451,6 +506,11 @@ void stage_get_kv_usage(const stage *s, stage_kv_usage *out)
     memset(out, 0, sizeof *out);
     if (!s)
         return;
+    if (s->gpu) {
+        stage_gpu_usage(s->gpu, out);
+        out->sequences = s->n_seqs;
+        return;
+    }
     kv_pool_stats ps;
     kv_pool_get_stats(s->pool, &ps);
     out->device_capacity_blocks = ps.slots;
@@ -459,17 +519,9 @@ void stage_get_kv_usage(const stage *s, stage_kv_usage *out)
     out->device_bytes = ps.slots ? out->device_capacity_bytes / ps.slots * out->device_blocks : 0;
     out->sequences = s->n_seqs;
     if (s->tiers) {
-        kv_tiers_stats ts;
-        kv_tiers_get_stats(s->tiers, &ts);
-        out->host_blocks = ts.host_blocks;
-        out->host_bytes = ts.host_used_bytes;
-        out->host_capacity_bytes = ts.host_capacity_bytes;
-        out->nvme_blocks = ts.nvme_blocks;
-        out->nvme_bytes = ts.nvme_stored_bytes;
-        out->nvme_capacity_bytes = ts.nvme_capacity_bytes;
-        out->spills = ts.spills + ps.evictions;
-        out->restores = ts.restores + ps.fetches;
-        out->crc_failures = ts.crc_failures;
+        stage_usage_add_tiers(s->tiers, out);
+        out->spills += ps.evictions;
+        out->restores += ps.fetches;
     }
 }
 
@@ -485,6 +537,8 @@ int stage_export_seq(stage *s, uint64_t id, uint8_t **img, size_t *len, strata_e
     seq_entry *e = find(s, id);
     if (!e)
         return strata_fail(err, STRATA_EINVAL, "sequence %" PRIu64 " is not on this stage", id);
+    if (e->gpu)
+        return strata_fail(err, STRATA_EUNSUPPORTED, "migrating a sequence off a GPU stage is not supported yet");
     uint8_t *kv = NULL;
     size_t kv_len = 0;
     int rc = kv_seq_export(e->kv, &kv, &kv_len, err);
@@ -511,6 +565,8 @@ int stage_import_seq(stage *s, uint64_t id, const uint8_t *img, size_t len, stra
 {
     if (find(s, id))
         return strata_fail(err, STRATA_EINVAL, "sequence %" PRIu64 " is already on this stage", id);
+    if (s->gpu)
+        return strata_fail(err, STRATA_EUNSUPPORTED, "migrating a sequence onto a GPU stage is not supported yet");
     if (len < MIGRATION_HEAD || kv_ld32(img) != MIGRATION_MAGIC || (kv_ld32(img + 4) & ~1u))
         return strata_fail(err, STRATA_EFORMAT, "not a migration image (%zu bytes)", len);
     if (grow((void **)&s->seqs, &s->cap_seqs, s->n_seqs + 1, sizeof *s->seqs) != STRATA_OK)

@@ -1,0 +1,333 @@
+/* The CUDA compute of a pipeline stage (stage_gpu.h). */
+#include "worker/stage/stage_gpu.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+void stage_usage_add_tiers(const kv_tiers *t, stage_kv_usage *out)
+{
+    kv_tiers_stats ts;
+    kv_tiers_get_stats(t, &ts);
+    out->host_blocks = ts.host_blocks;
+    out->host_bytes = ts.host_used_bytes;
+    out->host_capacity_bytes = ts.host_capacity_bytes;
+    out->nvme_blocks = ts.nvme_blocks;
+    out->nvme_bytes = ts.nvme_stored_bytes;
+    out->nvme_capacity_bytes = ts.nvme_capacity_bytes;
+    out->spills += ts.spills;
+    out->restores += ts.restores;
+    out->crc_failures = ts.crc_failures;
+}
+
+#ifdef STRATA_HAVE_CUDA
+
+#include <cuda_runtime.h>
+
+#include "offload/device_pool.h"
+#include "worker/cuda/device_mem.h"
+#include "worker/cuda/model_cuda.h"
+
+struct stage_gpu {
+    const model_config *cfg;
+    bool first, last;
+    cuda_model *cm;
+    kv_tiers *tiers;
+    stage_gpu_config c;
+    /* per-step scratch, grown on demand */
+    float *d_in, *d_out;          /* device rows of a round */
+    size_t cap_d;                 /* floats in each */
+    float *h_in, *h_out;          /* host rows of a round */
+    size_t cap_h;                 /* floats in each */
+    float *h_logits;              /* a round's logits */
+    size_t cap_logits;
+    cuda_batch_item *round;       /* a round's items */
+    size_t *round_item, *round_row;  /* their index in the step, and their first row in its layout */
+    bool *prompt;                 /* per step item: a prompt on an empty sequence */
+    size_t cap_items;
+};
+
+struct stage_gpu_seq {
+    cuda_seq *s;
+};
+
+int stage_gpu_probe(int device, strata_error *err) { return cuda_select_device(device, err); }
+
+int stage_gpu_create(model *m, const stage_gpu_config *c, stage_gpu **out, strata_error *err)
+{
+    *out = NULL;
+    int rc = cuda_select_device(c->device, err);
+    if (rc != STRATA_OK)
+        return rc;
+    stage_gpu *g = calloc(1, sizeof *g);
+    if (!g)
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    g->c = *c;
+    g->c.tiers = NULL;
+    g->cfg = model_get_config(m);
+    g->first = model_layer_begin(m) == 0;
+    g->last = model_layer_end(m) == g->cfg->n_layers;
+    const int n_layers = model_layer_end(m) - model_layer_begin(m);
+    const kv_geometry geo = {.n_layers = n_layers, .n_kv_heads = g->cfg->n_kv_heads, .head_dim = g->cfg->head_dim,
+                             .block_tokens = c->block_tokens};
+    const size_t slot = kv_block_size(&c->codec, &geo);
+    const size_t per_seq = (c->max_seq_tokens + (size_t)c->block_tokens - 1) / (size_t)c->block_tokens;
+    size_t slots = c->device_kv_bytes ? (size_t)(c->device_kv_bytes / (slot ? slot : 1))
+                                      : per_seq * c->max_batch_seqs * (size_t)n_layers;
+    if (slot == 0 || slots < per_seq + 1)
+        rc = strata_fail(err, STRATA_EINVAL, "GPU stage: a device KV budget of %llu bytes holds %zu blocks of %zu "
+                         "bytes; one layer of a %zu-token sequence needs %zu", (unsigned long long)c->device_kv_bytes,
+                         slots, slot, c->max_seq_tokens, per_seq + 1);
+    if (rc == STRATA_OK && !(g->cm = cuda_model_create(m, CUDA_WEIGHTS_F16, err)))
+        rc = err ? err->code : STRATA_EIO;
+    kv_lower_tier lower;
+    if (rc == STRATA_OK && c->tiers) {
+        kv_tiers_options to = *c->tiers;
+        to.allocator = cuda_pinned_host_allocator();
+        if (!(g->tiers = kv_tiers_create(&to, err)))
+            rc = err ? err->code : STRATA_EIO;
+        else
+            lower = kv_tiers_lower(g->tiers);
+    }
+    if (rc == STRATA_OK)
+        rc = cuda_model_create_kv_pool(g->cm, &c->codec, c->block_tokens, slots, g->tiers ? &lower : NULL, err);
+    if (rc != STRATA_OK) {
+        stage_gpu_destroy(g);
+        return rc;
+    }
+    *out = g;
+    return STRATA_OK;
+}
+
+void stage_gpu_destroy(stage_gpu *g)
+{
+    if (!g)
+        return;
+    cudaFree(g->d_in);
+    cudaFree(g->d_out);
+    cuda_model_free(g->cm);   /* the pool, and its copies in the tiers */
+    kv_tiers_destroy(g->tiers);
+    free(g->h_in);
+    free(g->h_out);
+    free(g->h_logits);
+    free(g->round);
+    free(g->round_item);
+    free(g->round_row);
+    free(g->prompt);
+    free(g);
+}
+
+stage_gpu_seq *stage_gpu_seq_create(stage_gpu *g, strata_error *err)
+{
+    stage_gpu_seq *q = calloc(1, sizeof *q);
+    if (!q) {
+        strata_fail(err, STRATA_ENOMEM, "out of memory");
+        return NULL;
+    }
+    if (!(q->s = cuda_seq_create(g->cm, &g->c.codec, g->c.block_tokens, g->c.max_seq_tokens, err))) {
+        free(q);
+        return NULL;
+    }
+    return q;
+}
+
+void stage_gpu_seq_free(stage_gpu_seq *q)
+{
+    if (!q)
+        return;
+    cuda_seq_free(q->s);
+    free(q);
+}
+
+size_t stage_gpu_seq_length(const stage_gpu_seq *q) { return q ? cuda_seq_length(q->s) : 0; }
+
+void stage_gpu_seq_set_waiting(stage_gpu_seq *q, bool waiting)
+{
+    if (q)
+        cuda_seq_set_waiting(q->s, waiting);
+}
+
+static int ensure(stage_gpu *g, size_t items, size_t rows, strata_error *err)
+{
+    const size_t floats = rows * (size_t)g->cfg->n_embd, nv = (size_t)g->cfg->n_vocab;
+    if (items > g->cap_items) {
+        void *p[4] = {realloc(g->round, items * sizeof *g->round), NULL, NULL, NULL};
+        if (p[0])
+            g->round = p[0];
+        p[1] = realloc(g->round_item, items * sizeof *g->round_item);
+        if (p[1])
+            g->round_item = p[1];
+        p[2] = realloc(g->round_row, items * sizeof *g->round_row);
+        if (p[2])
+            g->round_row = p[2];
+        p[3] = realloc(g->prompt, items * sizeof *g->prompt);
+        if (p[3])
+            g->prompt = p[3];
+        if (!p[0] || !p[1] || !p[2] || !p[3])
+            return strata_fail(err, STRATA_ENOMEM, "out of memory");
+        g->cap_items = items;
+    }
+    if (floats > g->cap_h) {
+        float *in = realloc(g->h_in, floats * sizeof(float));
+        if (in)
+            g->h_in = in;
+        float *out = in ? realloc(g->h_out, floats * sizeof(float)) : NULL;
+        if (out)
+            g->h_out = out;
+        if (!in || !out)
+            return strata_fail(err, STRATA_ENOMEM, "out of memory for %zu rows", rows);
+        g->cap_h = floats;
+    }
+    if (floats > g->cap_d) {
+        cudaFree(g->d_in);
+        cudaFree(g->d_out);
+        g->d_in = g->d_out = NULL;
+        g->cap_d = 0;
+        cudaError_t ce = cudaMalloc((void **)&g->d_in, floats * sizeof(float));
+        if (ce == cudaSuccess)
+            ce = cudaMalloc((void **)&g->d_out, floats * sizeof(float));
+        if (ce != cudaSuccess)
+            return strata_fail(err, STRATA_EIO, "CUDA: rows of a step: %s", cudaGetErrorString(ce));
+        g->cap_d = floats;
+    }
+    if (g->last && items * nv > g->cap_logits) {
+        float *l = realloc(g->h_logits, items * nv * sizeof(float));
+        if (!l)
+            return strata_fail(err, STRATA_ENOMEM, "out of memory for logits");
+        g->h_logits = l;
+        g->cap_logits = items * nv;
+    }
+    return STRATA_OK;
+}
+
+/* Rounds: in the first, a prompt on an empty sequence runs whole and every other item its first
+ * token; an item continuing a sequence with more tokens (a prompt chunk) then runs one token per
+ * round, as the CPU stage does (only an empty sequence takes several tokens at once). Rows are
+ * gathered from, and scattered to, the step's layout (items one after another) per round. */
+int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
+                      float *hidden_out, float *logits, strata_error *err)
+{
+    if (!g || !items || n_items == 0)
+        return strata_fail(err, STRATA_EINVAL, "GPU stage: no items");
+    if ((!g->first && !hidden_in) || (!g->last && !hidden_out))
+        return strata_fail(err, STRATA_EINVAL, "GPU stage: missing rows");
+    const size_t e = (size_t)g->cfg->n_embd, nv = (size_t)g->cfg->n_vocab;
+    size_t total = 0;
+    for (size_t i = 0; i < n_items; i++)
+        total += items[i].n_tokens;
+    int rc = ensure(g, n_items, total, err);
+    if (rc != STRATA_OK)
+        return rc;
+    size_t rounds = 1;
+    for (size_t i = 0; i < n_items; i++) {
+        g->prompt[i] = cuda_seq_length(items[i].seq->s) == 0;   /* before any round grows it */
+        if (!g->prompt[i] && items[i].n_tokens > rounds)
+            rounds = items[i].n_tokens;
+    }
+    for (size_t r = 0; r < rounds; r++) {
+        size_t n = 0, rows = 0, row0 = 0;
+        for (size_t i = 0; i < n_items; row0 += items[i].n_tokens, i++) {
+            const size_t count = g->prompt[i] ? items[i].n_tokens : 1;
+            if ((g->prompt[i] && r > 0) || (!g->prompt[i] && r >= items[i].n_tokens))
+                continue;
+            const size_t first = g->prompt[i] ? 0 : r;
+            g->round[n] = (cuda_batch_item){items[i].seq->s, items[i].tokens ? items[i].tokens + first : NULL, count};
+            g->round_item[n] = i;
+            g->round_row[n] = row0 + first;
+            if (!g->first)
+                memcpy(g->h_in + rows * e, hidden_in + (row0 + first) * e, count * e * sizeof(float));
+            rows += count;
+            n++;
+        }
+        if (!g->first) {
+            cudaError_t ce = cudaMemcpy(g->d_in, g->h_in, rows * e * sizeof(float), cudaMemcpyHostToDevice);
+            if (ce != cudaSuccess)
+                return strata_fail(err, STRATA_EIO, "CUDA: stage input rows: %s", cudaGetErrorString(ce));
+        }
+        const cuda_stage_io io = {g->first ? NULL : g->d_in, g->last ? NULL : g->d_out};
+        if ((rc = cuda_model_stage_step(g->cm, g->round, n, &io, g->last && logits ? g->h_logits : NULL, err)) !=
+            STRATA_OK)
+            return rc;
+        if (!g->last) {
+            cudaError_t ce = cudaMemcpy(g->h_out, g->d_out, rows * e * sizeof(float), cudaMemcpyDeviceToHost);
+            if (ce != cudaSuccess)
+                return strata_fail(err, STRATA_EIO, "CUDA: stage output rows: %s", cudaGetErrorString(ce));
+            size_t at = 0;
+            for (size_t k = 0; k < n; k++) {
+                memcpy(hidden_out + g->round_row[k] * e, g->h_out + at * e, g->round[k].n_tokens * e * sizeof(float));
+                at += g->round[k].n_tokens;
+            }
+        }
+        if (g->last && logits)   /* an item's logits: those of the round holding its last token */
+            for (size_t k = 0; k < n; k++)
+                memcpy(logits + g->round_item[k] * nv, g->h_logits + k * nv, nv * sizeof(float));
+    }
+    return STRATA_OK;
+}
+
+void stage_gpu_usage(const stage_gpu *g, stage_kv_usage *out)
+{
+    memset(out, 0, sizeof *out);
+    if (!g)
+        return;
+    device_pool_stats ps;
+    cuda_model_kv_pool_stats(g->cm, &ps);
+    out->device_capacity_blocks = ps.slots;
+    out->device_blocks = ps.slots - ps.free_slots;
+    if (g->tiers)
+        stage_usage_add_tiers(g->tiers, out);
+    out->spills += ps.evictions;
+    out->restores += ps.fetches;
+}
+
+#else   /* a build without CUDA */
+
+static int no_cuda(strata_error *err)
+{
+    return strata_fail(err, STRATA_EUNSUPPORTED, "this build has no CUDA support (nvcc was not found when it was "
+                       "configured, or -DSTRATA_CUDA=OFF): the worker can only compute on the CPU");
+}
+
+int stage_gpu_probe(int device, strata_error *err)
+{
+    (void)device;
+    return no_cuda(err);
+}
+
+int stage_gpu_create(model *m, const stage_gpu_config *c, stage_gpu **out, strata_error *err)
+{
+    (void)m, (void)c;
+    *out = NULL;
+    return no_cuda(err);
+}
+
+void stage_gpu_destroy(stage_gpu *g) { (void)g; }
+
+stage_gpu_seq *stage_gpu_seq_create(stage_gpu *g, strata_error *err)
+{
+    (void)g;
+    no_cuda(err);
+    return NULL;
+}
+
+void stage_gpu_seq_free(stage_gpu_seq *q) { (void)q; }
+size_t stage_gpu_seq_length(const stage_gpu_seq *q)
+{
+    (void)q;
+    return 0;
+}
+void stage_gpu_seq_set_waiting(stage_gpu_seq *q, bool waiting) { (void)q, (void)waiting; }
+
+int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
+                      float *hidden_out, float *logits, strata_error *err)
+{
+    (void)g, (void)items, (void)n_items, (void)hidden_in, (void)hidden_out, (void)logits;
+    return no_cuda(err);
+}
+
+void stage_gpu_usage(const stage_gpu *g, stage_kv_usage *out)
+{
+    (void)g;
+    memset(out, 0, sizeof *out);
+}
+
+#endif

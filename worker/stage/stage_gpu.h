@@ -1,0 +1,71 @@
+/* The CUDA compute of a pipeline stage (internal to worker/stage): the stage's layers on one GPU
+ * (worker/cuda/model_cuda.h), its sequences' KV in a device block pool shared by them, over
+ * pinned host memory and NVMe when the assignment grants those tiers. stage.c keeps the step
+ * plans, the data-plane frames (rows cross in host memory: TCP) and the samplers; this file only
+ * runs a step's items and keeps the device sequences.
+ *
+ * Differences from the CPU stage, version 1: one KV codec for all the stage's layers; a preempted
+ * sequence keeps its device tail and has its blocks marked to leave the device first (they move
+ * to the host tier when room is needed) instead of being spilled whole; migration is refused.
+ * In a build without CUDA every call fails with STRATA_EUNSUPPORTED.
+ * Status: compiled in every build; never run on a GPU (docs/gpu.md). */
+#ifndef STRATA_WORKER_STAGE_GPU_H
+#define STRATA_WORKER_STAGE_GPU_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvstore/error.h"
+#include "kvstore/kv_cache.h"
+#include "offload/kv_tiers.h"
+#include "worker/model.h"
+#include "worker/stage/stage.h"
+
+typedef struct stage_gpu stage_gpu;
+typedef struct stage_gpu_seq stage_gpu_seq;
+
+typedef struct stage_gpu_config {
+    int device;                    /* CUDA device index */
+    kv_codec_params codec;         /* every layer of the stage */
+    int block_tokens;
+    size_t max_seq_tokens, max_batch_seqs;
+    uint64_t device_kv_bytes;      /* 0: room for max_batch_seqs sequences of max_seq_tokens */
+    const kv_tiers_options *tiers; /* host (pinned here) and NVMe tiers below the pool, or NULL */
+} stage_gpu_config;
+
+/* Makes `device` current and checks it exists: STRATA_EIO "no CUDA device", STRATA_EINVAL for
+ * an index the machine lacks, STRATA_EUNSUPPORTED in a build without CUDA. */
+int stage_gpu_probe(int device, strata_error *err);
+
+/* m holds the stage's layers and must outlive the result. */
+int stage_gpu_create(model *m, const stage_gpu_config *c, stage_gpu **out, strata_error *err);
+void stage_gpu_destroy(stage_gpu *g);
+
+stage_gpu_seq *stage_gpu_seq_create(stage_gpu *g, strata_error *err);
+void stage_gpu_seq_free(stage_gpu_seq *q);
+size_t stage_gpu_seq_length(const stage_gpu_seq *q);
+/* Preempted (true) or running again (false): see the top of this file. */
+void stage_gpu_seq_set_waiting(stage_gpu_seq *q, bool waiting);
+
+typedef struct stage_gpu_item {
+    stage_gpu_seq *seq;
+    const int32_t *tokens;   /* n_tokens ids (the first stage embeds them) */
+    size_t n_tokens;
+} stage_gpu_item;
+
+/* One step of the items, as model_forward_batch: hidden_in / hidden_out are host rows in the
+ * items' order (every stage but the first / the last), logits the last token of each item (last
+ * stage). A prompt chunk continuing a sequence runs one token per round, as on the CPU. On a
+ * failure the items' sequences are inconsistent: the caller drops them. */
+int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
+                      float *hidden_out, float *logits, strata_error *err);
+
+/* The device pool and tiers, for the worker's KV report. */
+void stage_gpu_usage(const stage_gpu *g, stage_kv_usage *out);
+
+/* The host and NVMe tiers' part of a KV report (either kind of stage): their blocks, bytes and
+ * capacities, and their moves and CRC failures added to out's. */
+void stage_usage_add_tiers(const kv_tiers *t, stage_kv_usage *out);
+
+#endif
