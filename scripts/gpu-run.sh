@@ -82,6 +82,13 @@ else
   echo "test_transport (NCCL loopback): exit $rc" | tee -a "$out/summary.txt"
   [ $rc -eq 0 ] || { status=1; tail -n 30 "$out/test_transport.log"; }
 fi
+# A worker's stage on the GPU (test_stage's test_gpu_stage: two stages over TCP against the CPU),
+# on a synthetic model of SmolLM2's shape since the model file cannot travel (docs/gpu.md).
+STRATA_MODEL=synthetic:smollm2-135m:seed=3 "$bundle/bin/test_stage" > "$out/test_stage.log" 2>&1
+rc=$?
+if [ $rc -eq 0 ] && grep -q "GPU stage checked for its errors only" "$out/test_stage.log"; then rc=77; fi
+echo "test_stage (GPU stages): exit $rc" | tee -a "$out/summary.txt"
+[ $rc -eq 0 ] || { status=1; tail -n 30 "$out/test_stage.log"; }
 if [ $sanitize = 1 ]; then
   if command -v compute-sanitizer >/dev/null; then
     for t in test_cuda_ops test_cuda_attention test_cuda_encode test_cuda_sample; do
