@@ -639,6 +639,74 @@ static void test_frame_codec(void **state)
     assert_string_equal(dp_kind_name(DP_MSG_KV_TAIL), "KV_TAIL");
 }
 
+/* ---- agreeing on NCCL beside a TCP link ---- */
+
+typedef struct upgrade_job {
+    dp_link *tcp;
+    bool upstream;
+    int device;
+    dp_link *nccl;
+    int rc;
+    strata_error err;
+} upgrade_job;
+
+static void *upgrade_main(void *p)
+{
+    upgrade_job *j = p;
+    j->rc = dp_nccl_upgrade(j->tcp, j->upstream, j->device, NULL, &j->nccl, &j->err);
+    return NULL;
+}
+
+/* Where either side has no GPU (or the build no NCCL) the two sides agree on none, quickly, and
+ * the TCP link carries on with the next message; a peer that sends something else than the
+ * offer or the answer is refused. (Agreeing on a link needs two GPUs: not exercised here.) */
+static void test_nccl_upgrade(void **state)
+{
+    (void)state;
+    const int devices[][2] = {{-1, -1}, {0, -1}, {-1, 0}};
+    for (size_t k = 0; k < sizeof devices / sizeof devices[0]; k++) {
+        dp_link *server, *client;
+        pair(NULL, &server, &client);
+        upgrade_job up = {.tcp = client, .upstream = true, .device = devices[k][0]};
+        upgrade_job down = {.tcp = server, .upstream = false, .device = devices[k][1]};
+        pthread_t t;
+        assert_int_equal(pthread_create(&t, NULL, upgrade_main, &down), 0);
+        upgrade_main(&up);
+        assert_int_equal(pthread_join(t, NULL), 0);
+        if (up.rc != STRATA_OK || down.rc != STRATA_OK)
+            fail_msg("case %zu: %s / %s", k, up.err.msg, down.err.msg);
+        assert_null(up.nccl);
+        assert_null(down.nccl);
+        /* The link goes on: the next message is the caller's. */
+        strata_error err = {0};
+        uint8_t in[4] = {1, 2, 3, 4}, out[4] = {0};
+        dp_msg_header h = hdr(DP_MSG_CONTROL, 7, 0, 0), got;
+        size_t len = 0;
+        assert_int_equal(dp_send(client, &h, in, sizeof in, &err), STRATA_OK);
+        assert_int_equal(dp_recv(server, &got, out, sizeof out, &len, TIMEOUT, &err), STRATA_OK);
+        assert_int_equal(got.step, 7);
+        assert_memory_equal(in, out, sizeof in);
+        dp_link_close(server);
+        dp_link_close(client);
+    }
+    /* Something else than the offer. */
+    dp_link *server, *client;
+    pair(NULL, &server, &client);
+    strata_error err = {0};
+    float row[4] = {0};
+    dp_msg_header h = hdr(DP_MSG_HIDDEN, 1, 0, 0);
+    h.dtype = DP_DTYPE_F32;
+    h.n_rows = 1;
+    h.row_bytes = sizeof row;
+    assert_int_equal(dp_send(client, &h, row, sizeof row, &err), STRATA_OK);
+    dp_link *nccl = NULL;
+    assert_int_equal(dp_nccl_upgrade(server, false, -1, NULL, &nccl, &err), STRATA_EFORMAT);
+    assert_contains(err.msg, "NCCL offer");
+    assert_null(nccl);
+    dp_link_close(server);
+    dp_link_close(client);
+}
+
 /* ---- NCCL ---- */
 
 #ifdef STRATA_HAVE_NCCL
@@ -1028,6 +1096,7 @@ int main(void)
         cmocka_unit_test(test_connect_errors),
         cmocka_unit_test(test_send_to_closed_peer),
         cmocka_unit_test(test_frame_codec),
+        cmocka_unit_test(test_nccl_upgrade),
         cmocka_unit_test(test_nccl),
         cmocka_unit_test(test_nccl_loopback),
     };

@@ -254,6 +254,18 @@ static int connect_links(const Strata__Internal__V1__Assignment *a, dp_listener 
     return rc;
 }
 
+/* NCCL links beside the TCP ones where both neighbours compute on a GPU (dp_nccl_upgrade): the
+ * link from the previous stage first, then the one to the next, so a chain settles from stage 0
+ * on. A CPU worker takes part too (it declines). */
+static int nccl_links(int cuda_device, dp_link *prev, dp_link *next, dp_link **rows_prev, dp_link **rows_next,
+                      strata_error *err)
+{
+    int rc = prev ? dp_nccl_upgrade(prev, false, cuda_device, NULL, rows_prev, err) : STRATA_OK;
+    if (rc == STRATA_OK && next)
+        rc = dp_nccl_upgrade(next, true, cuda_device, NULL, rows_next, err);
+    return rc;
+}
+
 /* Migration over the data plane: the sender connects to the peer (the same stage of another
  * replica), sends the sequence's image (its blocks as their exact bytes) in one CONTROL message
  * and frees the sequence only when the receiver answered that it holds it; the receiver answers
@@ -488,7 +500,7 @@ int main(int argc, char **argv)
     model *m = NULL;
     stage *st = NULL;
     double last_report = 0;
-    dp_link *prev = NULL, *next = NULL;
+    dp_link *prev = NULL, *next = NULL, *rows_prev = NULL, *rows_next = NULL;   /* rows_*: NCCL, GPU neighbours */
     dp_auth auth = {secret, secret_len};
     for (;;) {
         Strata__Internal__V1__CoordinatorMessage *msg = NULL;
@@ -519,9 +531,11 @@ int main(int argc, char **argv)
             int le = (int)a->layer_end;
             if (!(m = model_load(a->model_path, (int)a->layer_begin, le, &err)) ||
                 connect_links(a, listener, &auth, &prev, &next, &err) != STRATA_OK ||
+                nccl_links((int)o.cuda_device, prev, next, &rows_prev, &rows_next, &err) != STRATA_OK ||
                 !(st = stage_create(a, m,
                                     &(stage_options){.nvme_dir = o.nvme_dir, .cuda = o.cuda_device >= 0,
-                                                     .cuda_device = (int)(o.cuda_device >= 0 ? o.cuda_device : 0)},
+                                                     .cuda_device = (int)(o.cuda_device >= 0 ? o.cuda_device : 0),
+                                                     .rows_prev = rows_prev, .rows_next = rows_next},
                                     prev, next, &err)) ||
                 send_kv_report(cc, st, &err) != STRATA_OK) {
                 fprintf(stderr, "strata-worker %s: %s\n", o.name, err.msg);
@@ -593,6 +607,8 @@ int main(int argc, char **argv)
     while (in.head != in.tail)
         protobuf_c_message_free_unpacked(&in.q[in.head++ % 64]->base, NULL);
     stage_destroy(st);
+    dp_link_close(rows_prev);
+    dp_link_close(rows_next);
     dp_link_close(prev);
     dp_link_close(next);
     dp_listener_close(listener);

@@ -38,6 +38,7 @@ struct stage {
     seq_entry *seqs;
     size_t n_seqs, cap_seqs;
     dp_link *prev, *next;
+    dp_link *rows_prev, *rows_next;   /* GPU stages: NCCL links for the rows (device memory), or NULL */
     int link_timeout_ms;
     /* per-step scratch, grown on demand */
     stage_seq_result *res;
@@ -82,6 +83,10 @@ stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const s
         return NULL;
     }
     bool first = a->layer_begin == 0, last = (int)a->layer_end == cfg->n_layers;
+    if (o && (o->rows_prev || o->rows_next) && !o->cuda) {
+        strata_fail(err, STRATA_EINVAL, "stage: rows on NCCL links need a GPU stage");
+        return NULL;
+    }
     if ((!first && !prev) || (!last && !next)) {
         strata_fail(err, STRATA_EINVAL, "stage %u of %u: missing data-plane link to the %s stage", a->stage, a->n_stages,
                     !first && !prev ? "previous" : "next");
@@ -105,6 +110,8 @@ stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const s
     s->last = last;
     s->prev = prev;
     s->next = next;
+    s->rows_prev = o ? o->rows_prev : NULL;
+    s->rows_next = o ? o->rows_next : NULL;
     s->max_seq_tokens = a->max_seq_tokens;
     s->link_timeout_ms = o && o->link_timeout_ms > 0 ? o->link_timeout_ms : 120000;
 
@@ -274,10 +281,13 @@ static int send_rows(stage *s, const Strata__Internal__V1__StepPlan *plan, size_
     dp_msg_header h = {.kind = DP_MSG_CONTROL, .dtype = DP_DTYPE_BYTES, .step = step};
     int rc = dp_send(s->next, &h, s->frame, len, err);
     if (rc == STRATA_OK && rows) {
-        /* fp32 rows in the machine's byte order (little-endian on the supported hosts) */
+        /* fp32 rows in the machine's byte order (little-endian on the supported hosts); on an NCCL
+         * link from the GPU stage's device buffer */
         dp_msg_header hh = {.kind = DP_MSG_HIDDEN, .dtype = DP_DTYPE_F32, .step = step, .n_rows = (uint32_t)rows,
                             .row_bytes = (uint32_t)(e * sizeof(float))};
-        rc = dp_send(s->next, &hh, s->hidden_out, rows * e * sizeof(float), err);
+        const float *out = s->rows_next ? stage_gpu_device_rows(s->gpu, 1, rows, err) : s->hidden_out;
+        rc = out ? dp_send(s->rows_next ? s->rows_next : s->next, &hh, out, rows * e * sizeof(float), err)
+                 : (err ? err->code : STRATA_EIO);
     }
     return rc == STRATA_OK ? rc : strata_error_prefix(err, "stage: sending step %" PRIu64 " to the next stage", step);
 }
@@ -308,14 +318,27 @@ static int recv_rows(stage *s, uint64_t step, size_t *n_table, size_t *rows, str
     if (total == 0)
         return STRATA_OK;
     const size_t e = (size_t)s->cfg->n_embd;
-    if (grow((void **)&s->hidden_in, &s->cap_in, total * e, sizeof(float)) != STRATA_OK)
-        return strata_fail(err, STRATA_ENOMEM, "stage: out of memory for %zu rows", total);
-    if ((rc = dp_recv_header(s->prev, &h, s->link_timeout_ms, err)) != STRATA_OK)
+    /* The rows: into host memory from the TCP link, or into the GPU stage's device buffer from
+     * the NCCL link beside it. */
+    dp_link *from = s->rows_prev ? s->rows_prev : s->prev;
+    float *into = NULL;
+    size_t cap = 0;
+    if (s->rows_prev) {
+        if (!(into = stage_gpu_device_rows(s->gpu, 0, total, err)))
+            return err ? err->code : STRATA_EIO;
+        cap = total * e * sizeof(float);
+    } else {
+        if (grow((void **)&s->hidden_in, &s->cap_in, total * e, sizeof(float)) != STRATA_OK)
+            return strata_fail(err, STRATA_ENOMEM, "stage: out of memory for %zu rows", total);
+        into = s->hidden_in;
+        cap = s->cap_in * sizeof(float);
+    }
+    if ((rc = dp_recv_header(from, &h, s->link_timeout_ms, err)) != STRATA_OK)
         return strata_error_prefix(err, "stage: waiting for the rows of step %" PRIu64, step);
     if (h.kind != DP_MSG_HIDDEN || h.step != step || h.n_rows != total || h.row_bytes != e * sizeof(float))
         return strata_fail(err, STRATA_EFORMAT, "stage: expected %zu rows of step %" PRIu64 ", got a %s frame of %u rows "
                            "(step %" PRIu64 ")", total, step, dp_kind_name(h.kind), h.n_rows, h.step);
-    return dp_recv_payload(s->prev, s->hidden_in, s->cap_in * sizeof(float), err);
+    return dp_recv_payload(from, into, cap, err);
 }
 
 static int plan_position(const Strata__Internal__V1__StepPlan *plan, uint64_t id, size_t *at)
@@ -424,8 +447,12 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
             uint64_t id = kv_ld64(ent);
             size_t n_tok = kv_ld32(ent + 8), at;
             if (plan_position(plan, id, &at) && s->ok[at] && plan->seqs[at]->n_tokens == n_tok) {
-                if (rows != src_row)
+                if (rows != src_row && s->rows_prev) {
+                    if ((rc = stage_gpu_compact_rows(s->gpu, rows, src_row, n_tok, err)) != STRATA_OK)
+                        return rc;
+                } else if (rows != src_row) {
                     memmove(s->hidden_in + rows * emb, s->hidden_in + src_row * emb, n_tok * emb * sizeof(float));
+                }
                 s->plan_index[n_run++] = at;
                 rows += n_tok;
             }
@@ -456,12 +483,17 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
         if (grow((void **)&s->hidden_out, &s->cap_out, rows * emb, sizeof(float)) != STRATA_OK ||
             (s->last && grow((void **)&s->logits, &s->cap_logits, n_run * (size_t)s->cfg->n_vocab, sizeof(float)) != STRATA_OK))
             return strata_fail(err, STRATA_ENOMEM, "stage: out of memory for %zu rows", rows);
-        if (s->gpu)
-            rc = stage_gpu_forward(s->gpu, s->gpu_items, n_run, s->first ? NULL : s->hidden_in,
-                                   s->last ? NULL : s->hidden_out, s->last ? s->logits : NULL, &e1);
-        else
+        if (s->gpu) {
+            const float *in = s->first ? NULL : s->rows_prev ? stage_gpu_device_rows(s->gpu, 0, rows, &e1) : s->hidden_in;
+            float *rows_out = s->last ? NULL : s->rows_next ? stage_gpu_device_rows(s->gpu, 1, rows, &e1) : s->hidden_out;
+            rc = (!s->first && !in) || (!s->last && !rows_out)
+                     ? e1.code
+                     : stage_gpu_forward(s->gpu, s->gpu_items, n_run, in, s->rows_prev != NULL, rows_out,
+                                         s->rows_next != NULL, s->last ? s->logits : NULL, &e1);
+        } else {
             rc = model_forward_batch(s->m, s->items, n_run, s->first ? NULL : s->hidden_in,
                                      s->last ? NULL : s->hidden_out, s->last ? s->logits : NULL, &e1);
+        }
         if (rc != STRATA_OK) {
             /* The batch's sequences may now hold uneven layers: they are lost on this stage. */
             for (size_t r = 0; r < n_run; r++) {

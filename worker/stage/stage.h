@@ -33,6 +33,9 @@ typedef struct stage_options {
     int link_timeout_ms;    /* waiting for the previous stage's rows; 0: 120000 */
     bool cuda;              /* compute on CUDA device cuda_device (stage_gpu.h) instead of the CPU */
     int cuda_device;
+    /* GPU stages: NCCL links beside prev / next (dp_nccl_upgrade) on which the activation rows
+     * cross in device memory; the tables stay on prev / next. NULL: rows on prev / next too. */
+    dp_link *rows_prev, *rows_next;
 } stage_options;
 
 /* m holds the assignment's layers [layer_begin, layer_end) (the stage keeps the pointer; the

@@ -44,13 +44,25 @@ struct stage_gpu {
     size_t *round_item, *round_row;  /* their index in the step, and their first row in its layout */
     bool *prompt;                 /* per step item: a prompt on an empty sequence */
     size_t cap_items;
+    float *d_step[2];             /* a step's entering and leaving rows when they cross on NCCL */
+    size_t cap_step[2];           /* floats */
 };
 
 struct stage_gpu_seq {
     cuda_seq *s;
+    int device;
 };
 
 int stage_gpu_probe(int device, strata_error *err) { return cuda_select_device(device, err); }
+
+/* The current device is per thread, and the worker may step the stage from another thread than
+ * the one that created it. */
+static int use_device(const stage_gpu *g, strata_error *err)
+{
+    cudaError_t e = cudaSetDevice(g->c.device);
+    return e == cudaSuccess ? STRATA_OK
+                            : strata_fail(err, STRATA_EIO, "CUDA: selecting cuda:%d: %s", g->c.device, cudaGetErrorString(e));
+}
 
 int stage_gpu_create(model *m, const stage_gpu_config *c, stage_gpu **out, strata_error *err)
 {
@@ -102,8 +114,11 @@ void stage_gpu_destroy(stage_gpu *g)
 {
     if (!g)
         return;
+    (void)use_device(g, NULL);
     cudaFree(g->d_in);
     cudaFree(g->d_out);
+    cudaFree(g->d_step[0]);
+    cudaFree(g->d_step[1]);
     cuda_model_free(g->cm);   /* the pool, and its copies in the tiers */
     kv_tiers_destroy(g->tiers);
     free(g->h_in);
@@ -118,11 +133,14 @@ void stage_gpu_destroy(stage_gpu *g)
 
 stage_gpu_seq *stage_gpu_seq_create(stage_gpu *g, strata_error *err)
 {
+    if (use_device(g, err) != STRATA_OK)
+        return NULL;
     stage_gpu_seq *q = calloc(1, sizeof *q);
     if (!q) {
         strata_fail(err, STRATA_ENOMEM, "out of memory");
         return NULL;
     }
+    q->device = g->c.device;
     if (!(q->s = cuda_seq_create(g->cm, &g->c.codec, g->c.block_tokens, g->c.max_seq_tokens, err))) {
         free(q);
         return NULL;
@@ -134,6 +152,7 @@ void stage_gpu_seq_free(stage_gpu_seq *q)
 {
     if (!q)
         return;
+    (void)cudaSetDevice(q->device);   /* its memory is on that device (see use_device) */
     cuda_seq_free(q->s);
     free(q);
 }
@@ -203,8 +222,48 @@ static int ensure(stage_gpu *g, size_t items, size_t rows, strata_error *err)
  * token; an item continuing a sequence with more tokens (a prompt chunk) then runs one token per
  * round, as the CPU stage does (only an empty sequence takes several tokens at once). Rows are
  * gathered from, and scattered to, the step's layout (items one after another) per round. */
+float *stage_gpu_device_rows(stage_gpu *g, int which, size_t rows, strata_error *err)
+{
+    if (!g || which < 0 || which > 1) {
+        strata_fail(err, STRATA_EINVAL, "stage_gpu_device_rows: bad arguments");
+        return NULL;
+    }
+    if (use_device(g, err) != STRATA_OK)
+        return NULL;
+    const size_t floats = rows * (size_t)g->cfg->n_embd;
+    if (floats > g->cap_step[which]) {
+        float *p = NULL;
+        cudaError_t ce = cudaMalloc((void **)&p, floats * sizeof(float));
+        if (ce == cudaSuccess && g->cap_step[which])
+            ce = cudaMemcpy(p, g->d_step[which], g->cap_step[which] * sizeof(float), cudaMemcpyDeviceToDevice);
+        if (ce != cudaSuccess) {
+            cudaFree(p);
+            strata_fail(err, STRATA_EIO, "CUDA: %zu rows of a step: %s", rows, cudaGetErrorString(ce));
+            return NULL;
+        }
+        cudaFree(g->d_step[which]);
+        g->d_step[which] = p;
+        g->cap_step[which] = floats;
+    }
+    return g->d_step[which];
+}
+
+int stage_gpu_compact_rows(stage_gpu *g, size_t dst, size_t src, size_t n, strata_error *err)
+{
+    const size_t e = (size_t)g->cfg->n_embd;
+    if (dst >= src || (src + n) * e > g->cap_step[0])
+        return strata_fail(err, STRATA_EINVAL, "stage_gpu_compact_rows: rows %zu..%zu to %zu", src, src + n, dst);
+    for (size_t r = 0; r < n; r++) {   /* one row at a time: a source row and its destination never overlap */
+        cudaError_t ce = cudaMemcpy(g->d_step[0] + (dst + r) * e, g->d_step[0] + (src + r) * e, e * sizeof(float),
+                                    cudaMemcpyDeviceToDevice);
+        if (ce != cudaSuccess)
+            return strata_fail(err, STRATA_EIO, "CUDA: moving rows: %s", cudaGetErrorString(ce));
+    }
+    return STRATA_OK;
+}
+
 int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
-                      float *hidden_out, float *logits, strata_error *err)
+                      bool in_on_device, float *hidden_out, bool out_on_device, float *logits, strata_error *err)
 {
     if (!g || !items || n_items == 0)
         return strata_fail(err, STRATA_EINVAL, "GPU stage: no items");
@@ -214,7 +273,9 @@ int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items,
     size_t total = 0;
     for (size_t i = 0; i < n_items; i++)
         total += items[i].n_tokens;
-    int rc = ensure(g, n_items, total, err);
+    int rc = use_device(g, err);
+    if (rc == STRATA_OK)
+        rc = ensure(g, n_items, total, err);
     if (rc != STRATA_OK)
         return rc;
     size_t rounds = 1;
@@ -233,12 +294,19 @@ int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items,
             g->round[n] = (cuda_batch_item){items[i].seq->s, items[i].tokens ? items[i].tokens + first : NULL, count};
             g->round_item[n] = i;
             g->round_row[n] = row0 + first;
-            if (!g->first)
-                memcpy(g->h_in + rows * e, hidden_in + (row0 + first) * e, count * e * sizeof(float));
+            const size_t bytes = count * e * sizeof(float);
+            if (!g->first && in_on_device) {
+                cudaError_t ce = cudaMemcpy(g->d_in + rows * e, hidden_in + (row0 + first) * e, bytes,
+                                            cudaMemcpyDeviceToDevice);
+                if (ce != cudaSuccess)
+                    return strata_fail(err, STRATA_EIO, "CUDA: stage input rows: %s", cudaGetErrorString(ce));
+            } else if (!g->first) {
+                memcpy(g->h_in + rows * e, hidden_in + (row0 + first) * e, bytes);
+            }
             rows += count;
             n++;
         }
-        if (!g->first) {
+        if (!g->first && !in_on_device) {
             cudaError_t ce = cudaMemcpy(g->d_in, g->h_in, rows * e * sizeof(float), cudaMemcpyHostToDevice);
             if (ce != cudaSuccess)
                 return strata_fail(err, STRATA_EIO, "CUDA: stage input rows: %s", cudaGetErrorString(ce));
@@ -248,14 +316,19 @@ int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items,
             STRATA_OK)
             return rc;
         if (!g->last) {
-            cudaError_t ce = cudaMemcpy(g->h_out, g->d_out, rows * e * sizeof(float), cudaMemcpyDeviceToHost);
-            if (ce != cudaSuccess)
-                return strata_fail(err, STRATA_EIO, "CUDA: stage output rows: %s", cudaGetErrorString(ce));
+            cudaError_t ce = out_on_device ? cudaSuccess
+                                           : cudaMemcpy(g->h_out, g->d_out, rows * e * sizeof(float), cudaMemcpyDeviceToHost);
             size_t at = 0;
-            for (size_t k = 0; k < n; k++) {
-                memcpy(hidden_out + g->round_row[k] * e, g->h_out + at * e, g->round[k].n_tokens * e * sizeof(float));
+            for (size_t k = 0; ce == cudaSuccess && k < n; k++) {
+                const size_t bytes = g->round[k].n_tokens * e * sizeof(float);
+                if (out_on_device)
+                    ce = cudaMemcpy(hidden_out + g->round_row[k] * e, g->d_out + at * e, bytes, cudaMemcpyDeviceToDevice);
+                else
+                    memcpy(hidden_out + g->round_row[k] * e, g->h_out + at * e, bytes);
                 at += g->round[k].n_tokens;
             }
+            if (ce != cudaSuccess)
+                return strata_fail(err, STRATA_EIO, "CUDA: stage output rows: %s", cudaGetErrorString(ce));
         }
         if (g->last && logits)   /* an item's logits: those of the round holding its last token */
             for (size_t k = 0; k < n; k++)
@@ -318,9 +391,23 @@ size_t stage_gpu_seq_length(const stage_gpu_seq *q)
 void stage_gpu_seq_set_waiting(stage_gpu_seq *q, bool waiting) { (void)q, (void)waiting; }
 
 int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
-                      float *hidden_out, float *logits, strata_error *err)
+                      bool in_on_device, float *hidden_out, bool out_on_device, float *logits, strata_error *err)
 {
-    (void)g, (void)items, (void)n_items, (void)hidden_in, (void)hidden_out, (void)logits;
+    (void)g, (void)items, (void)n_items, (void)hidden_in, (void)in_on_device, (void)hidden_out, (void)out_on_device;
+    (void)logits;
+    return no_cuda(err);
+}
+
+float *stage_gpu_device_rows(stage_gpu *g, int which, size_t rows, strata_error *err)
+{
+    (void)g, (void)which, (void)rows;
+    no_cuda(err);
+    return NULL;
+}
+
+int stage_gpu_compact_rows(stage_gpu *g, size_t dst, size_t src, size_t n, strata_error *err)
+{
+    (void)g, (void)dst, (void)src, (void)n;
     return no_cuda(err);
 }
 

@@ -54,12 +54,23 @@ typedef struct stage_gpu_item {
     size_t n_tokens;
 } stage_gpu_item;
 
-/* One step of the items, as model_forward_batch: hidden_in / hidden_out are host rows in the
- * items' order (every stage but the first / the last), logits the last token of each item (last
- * stage). A prompt chunk continuing a sequence runs one token per round, as on the CPU. On a
- * failure the items' sequences are inconsistent: the caller drops them. */
+/* One step of the items, as model_forward_batch: hidden_in / hidden_out are the rows in the
+ * items' order (every stage but the first / the last), in host memory, or in device memory when
+ * the matching *_on_device is set (rows that cross on NCCL: stage_gpu_device_rows); logits the
+ * last token of each item (last stage, host). A prompt chunk continuing a sequence runs one token
+ * per round, as on the CPU. On a failure the items' sequences are inconsistent: the caller drops
+ * them. */
 int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
-                      float *hidden_out, float *logits, strata_error *err);
+                      bool in_on_device, float *hidden_out, bool out_on_device, float *logits, strata_error *err);
+
+/* Device buffers of a step's rows for NCCL links: which 0, the entering rows (received into it);
+ * 1, the leaving rows (sent from it); room for `rows` rows (grown; earlier contents kept). NULL
+ * with err set when device memory runs out. */
+float *stage_gpu_device_rows(stage_gpu *g, int which, size_t rows, strata_error *err);
+
+/* Moves n entering rows from row src to row dst < src (dropping the rows of sequences that
+ * cannot run here), row by row in device memory. */
+int stage_gpu_compact_rows(stage_gpu *g, size_t dst, size_t src, size_t n, strata_error *err);
 
 /* The device pool and tiers, for the worker's KV report. */
 void stage_gpu_usage(const stage_gpu *g, stage_kv_usage *out);

@@ -343,6 +343,68 @@ const char *dp_link_broken(const dp_link *link)
 int dp_link_fd(const dp_link *link) { return link ? link->fd : -1; }
 uint64_t dp_link_peer_max_payload(const dp_link *link) { return link ? link->peer_max_payload : 0; }
 
+/* The upgrade's two CONTROL messages on the TCP link: the offer (u32 magic, u32 1 when the
+ * upstream side can, then the unique id when it can) and the answer (u32 magic, u32 1 to take). */
+#define UPGRADE_OFFER 0x4f4c434eu  /* "NCLO" */
+#define UPGRADE_ANSWER 0x414c434eu /* "NCLA" */
+#define UPGRADE_TIMEOUT_MS 60000
+
+static int upgrade_recv(dp_link *tcp, uint32_t magic, uint8_t *buf, size_t cap, size_t *len, strata_error *err)
+{
+    dp_msg_header h;
+    int rc = dp_recv(tcp, &h, buf, cap, len, UPGRADE_TIMEOUT_MS, err);
+    if (rc == STRATA_EFULL)
+        return strata_fail(err, STRATA_EFORMAT, "data plane (%s): an NCCL %s of %zu bytes (at most %zu)", tcp->desc,
+                           magic == UPGRADE_OFFER ? "offer" : "answer", *len, cap);
+    if (rc != STRATA_OK)
+        return strata_error_prefix(err, "data plane: agreeing on NCCL");
+    if (h.kind != DP_MSG_CONTROL || *len < 8 || kv_ld32(buf) != magic || kv_ld32(buf + 4) > 1)
+        return strata_fail(err, STRATA_EFORMAT, "data plane (%s): expected the peer's NCCL %s, got a %s message",
+                           tcp->desc, magic == UPGRADE_OFFER ? "offer" : "answer", dp_kind_name(h.kind));
+    return STRATA_OK;
+}
+
+int dp_nccl_upgrade(dp_link *tcp, bool upstream, int cuda_device, const dp_options *opts, dp_link **nccl,
+                    strata_error *err)
+{
+    if (!tcp || !nccl)
+        return strata_fail(err, STRATA_EINVAL, "dp_nccl_upgrade: NULL argument");
+    *nccl = NULL;
+    uint8_t msg[8 + DP_NCCL_ID_BYTES];
+    size_t len = 0;
+    const dp_msg_header ctl = {.kind = DP_MSG_CONTROL, .dtype = DP_DTYPE_BYTES};
+    int rc;
+    if (upstream) {
+        size_t id_len = DP_NCCL_ID_BYTES;
+        /* No device, or no NCCL in this build: offer nothing (the rows go over TCP). */
+        const bool can = cuda_device >= 0 && dp_nccl_unique_id(msg + 8, &id_len, NULL) == STRATA_OK;
+        kv_st32(msg, UPGRADE_OFFER);
+        kv_st32(msg + 4, can ? 1u : 0u);
+        uint8_t answer[8];
+        if ((rc = dp_send(tcp, &ctl, msg, can ? sizeof msg : 8, err)) != STRATA_OK ||
+            (rc = upgrade_recv(tcp, UPGRADE_ANSWER, answer, sizeof answer, &len, err)) != STRATA_OK)
+            return rc;
+        if (!can || kv_ld32(answer + 4) != 1)
+            return STRATA_OK;
+        return dp_nccl_create(msg + 8, DP_NCCL_ID_BYTES, 0, 2, 1, cuda_device, opts, nccl, err);
+    }
+    if ((rc = upgrade_recv(tcp, UPGRADE_OFFER, msg, sizeof msg, &len, err)) != STRATA_OK)
+        return rc;
+    const bool offered = kv_ld32(msg + 4) == 1;
+    if (offered && len != sizeof msg)
+        return strata_fail(err, STRATA_EFORMAT, "data plane (%s): an NCCL offer of %zu bytes", tcp->desc, len);
+    uint8_t probe[DP_NCCL_ID_BYTES];
+    size_t probe_len = sizeof probe;
+    /* This side can when it has a device and the build has NCCL (making an id is the probe). */
+    const bool take = offered && cuda_device >= 0 && dp_nccl_unique_id(probe, &probe_len, NULL) == STRATA_OK;
+    uint8_t answer[8];
+    kv_st32(answer, UPGRADE_ANSWER);
+    kv_st32(answer + 4, take ? 1u : 0u);
+    if ((rc = dp_send(tcp, &ctl, answer, sizeof answer, err)) != STRATA_OK || !take)
+        return rc;
+    return dp_nccl_create(msg + 8, DP_NCCL_ID_BYTES, 1, 2, 0, cuda_device, opts, nccl, err);
+}
+
 #ifndef STRATA_HAVE_NCCL
 /* Built without NCCL (no CUDA toolkit or libnccl at configure time). */
 int dp_nccl_unique_id(void *out, size_t *len, strata_error *err)

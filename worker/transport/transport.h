@@ -48,6 +48,7 @@
 #ifndef STRATA_WORKER_TRANSPORT_H
 #define STRATA_WORKER_TRANSPORT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -147,7 +148,8 @@ int dp_nccl_unique_id(void *out, size_t *len, strata_error *err);
 
 /* Joins the NCCL communicator named by unique_id as rank of nranks, on CUDA device cuda_device,
  * and returns a link to rank peer of that communicator. Each link owns its communicator: for a
- * pipeline, the coordinator issues one unique id per adjacent pair of stages (nranks 2). Blocks
+ * pipeline, one per adjacent pair of stages (nranks 2), its id made by the upstream stage and
+ * handed over their TCP link (dp_nccl_upgrade). Blocks
  * until every rank joined (ncclCommInitRank has no timeout). rank and peer must be distinct ranks
  * of nranks >= 2, or rank 0, peer 0 of nranks 1 (below); anything else is STRATA_EINVAL, checked
  * before looking for a device. In a build without NCCL: STRATA_EUNSUPPORTED.
@@ -169,6 +171,20 @@ int dp_nccl_create(const void *unique_id, size_t id_len, int rank, int nranks, i
 
 /* Messages an NCCL loopback link holds between dp_send and their receive. */
 #define DP_NCCL_LOOPBACK_QUEUE 8
+
+/* Over an established TCP link between two pipeline neighbours, agrees on an NCCL link beside it
+ * for the payloads that live on the GPUs (activation rows), while the TCP link keeps carrying the
+ * rest. The upstream side (the stage that sends rows on this link) offers, in one CONTROL
+ * message, whether it can (cuda_device >= 0 and a build with NCCL) and then a fresh unique id;
+ * the downstream side answers whether it takes it (it can too). When both can, each joins the
+ * two-rank communicator (upstream rank 0, downstream rank 1) on its device and *nccl is the new
+ * link; otherwise *nccl is NULL and STRATA_OK (the rows go over TCP). Both sides must call it,
+ * before any other message on the link: a worker calls it for its link from the previous stage
+ * first, then for its link to the next, so a chain of stages settles from the first stage on.
+ * Errors: the TCP link's, STRATA_EFORMAT for a malformed offer or answer, and dp_nccl_create's
+ * (the link is then unusable: the workers give up the assignment). */
+int dp_nccl_upgrade(dp_link *tcp, bool upstream, int cuda_device, const dp_options *opts, dp_link **nccl,
+                    strata_error *err);
 
 /* ---- both backends ---- */
 
