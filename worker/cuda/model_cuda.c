@@ -1086,21 +1086,37 @@ int cuda_model_forward_batch_greedy(cuda_model *cm, const cuda_batch_item *items
     return forward_batch(cm, items, n_items, NULL, NULL, NULL, next, err);
 }
 
-int cuda_model_forward_batch_sample(cuda_model *cm, const cuda_batch_item *items, size_t n_items,
-                                    const cuda_sample_row *sample, int32_t *next, strata_error *err)
+/* The sampling rows sampler_params_validate would accept, with a draw in [0, 1). */
+static int check_sample_rows(const char *fn, const cuda_sample_row *sample, size_t n, int32_t *next, strata_error *err)
 {
     if (!next || !sample)
-        return strata_fail(err, STRATA_EINVAL, "cuda_model_forward_batch_sample: NULL parameters or output");
-    for (size_t i = 0; i < n_items && items; i++) {
+        return strata_fail(err, STRATA_EINVAL, "%s: NULL parameters or output", fn);
+    for (size_t i = 0; i < n; i++) {
         const cuda_sample_row *r = &sample[i];
         if (!(r->u >= 0.0 && r->u < 1.0) || !isfinite(r->temperature) || r->temperature < 0.0f || r->top_k < 0 ||
             !(r->top_p > 0.0f && r->top_p <= 1.0f))
             return strata_fail(err, STRATA_EINVAL,
-                               "cuda_model_forward_batch_sample: item %zu: draw %g, temperature %g, top-k %d, "
-                               "top-p %g (want a draw in [0, 1), temperature >= 0, top-k >= 0, top-p in (0, 1])",
-                               i, r->u, (double)r->temperature, (int)r->top_k, (double)r->top_p);
+                               "%s: item %zu: draw %g, temperature %g, top-k %d, top-p %g (want a draw in [0, 1), "
+                               "temperature >= 0, top-k >= 0, top-p in (0, 1])",
+                               fn, i, r->u, (double)r->temperature, (int)r->top_k, (double)r->top_p);
     }
-    return forward_batch(cm, items, n_items, NULL, NULL, sample, next, err);
+    return STRATA_OK;
+}
+
+int cuda_model_forward_batch_sample(cuda_model *cm, const cuda_batch_item *items, size_t n_items,
+                                    const cuda_sample_row *sample, int32_t *next, strata_error *err)
+{
+    int rc = check_sample_rows("cuda_model_forward_batch_sample", sample, items ? n_items : 0, next, err);
+    return rc != STRATA_OK ? rc : forward_batch(cm, items, n_items, NULL, NULL, sample, next, err);
+}
+
+int cuda_model_stage_step_sample(cuda_model *cm, const cuda_batch_item *items, size_t n_items, const cuda_stage_io *io,
+                                 const cuda_sample_row *sample, int32_t *next, strata_error *err)
+{
+    if (!io)
+        return strata_fail(err, STRATA_EINVAL, "cuda_model_stage_step_sample: NULL io");
+    int rc = check_sample_rows("cuda_model_stage_step_sample", sample, items ? n_items : 0, next, err);
+    return rc != STRATA_OK ? rc : forward_batch(cm, items, n_items, io, NULL, sample, next, err);
 }
 
 int cuda_model_stage_step(cuda_model *cm, const cuda_batch_item *items, size_t n_items, const cuda_stage_io *io,

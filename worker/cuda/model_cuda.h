@@ -129,6 +129,10 @@ typedef struct cuda_stage_io {
  * (worker/transport). STRATA_EINVAL when a stage misses its input or output. */
 int cuda_model_stage_step(cuda_model *cm, const cuda_batch_item *items, size_t n_items, const cuda_stage_io *io,
                           float *logits, strata_error *err);
+/* The last stage's step with the tokens picked on the device (cuda_model_forward_batch_sample's
+ * rules) instead of the logits. */
+int cuda_model_stage_step_sample(cuda_model *cm, const cuda_batch_item *items, size_t n_items, const cuda_stage_io *io,
+                                 const cuda_sample_row *sample, int32_t *next, strata_error *err);
 
 /* Device bytes cuda_seq_create(cm, codec, block_tokens, max_tokens) takes: what a memory budget
  * divides by to size a batch. */

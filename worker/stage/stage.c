@@ -35,6 +35,9 @@ struct stage {
     stage_gpu *gpu;            /* a GPU stage: its compute and KV (pool and tiers stay NULL) */
     stage_gpu_item *gpu_items;
     size_t cap_gpu_items;
+    cuda_sample_row *gpu_sample;   /* last GPU stage: each item's sampling row, and its pick */
+    int32_t *gpu_next;
+    size_t cap_gpu_sample, cap_gpu_next;
     seq_entry *seqs;
     size_t n_seqs, cap_seqs;
     dp_link *prev, *next;
@@ -179,6 +182,9 @@ static void entry_free(seq_entry *e)
     sampler_free(e->smp);
 }
 
+/* The sequence's sampler, made from its first sampling work; NULL after recording why not. */
+static sampler *entry_sampler(stage *s, seq_entry *e, const Strata__Internal__V1__SeqWork *w);
+
 /* The entry's sequence length, and whether it is preempted, on either kind of stage. */
 static size_t entry_length(const seq_entry *e)
 {
@@ -197,6 +203,8 @@ void stage_destroy(stage *s)
     kv_tiers_destroy(s->tiers);
     stage_gpu_destroy(s->gpu);
     free(s->gpu_items);
+    free(s->gpu_sample);
+    free(s->gpu_next);
     free(s->res);
     free(s->items);
     free(s->plan_index);
@@ -237,6 +245,21 @@ static stage_seq_result *result(stage *s, uint64_t id)
     memset(r, 0, sizeof *r);
     r->seq_id = id;
     return r;
+}
+
+static bool failed(stage *s, uint64_t id);
+static int fail_seq(stage *s, uint64_t id, int status, const char *msg);
+
+static sampler *entry_sampler(stage *s, seq_entry *e, const Strata__Internal__V1__SeqWork *w)
+{
+    if (!e->smp) {
+        strata_error e1 = {0};
+        sampler_params sp = {.temperature = w->temperature, .top_k = (int)w->top_k,
+                             .top_p = w->top_p > 0.0f ? w->top_p : 1.0f, .seed = w->seed};
+        if (sampler_params_validate(&sp, &e1) != STRATA_OK || !(e->smp = sampler_create(&sp, s->cfg->n_vocab, &e1)))
+            fail_seq(s, w->seq_id, e1.code, e1.msg);
+    }
+    return e->smp;
 }
 
 static bool failed(stage *s, uint64_t id)
@@ -483,7 +506,24 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
         if (grow((void **)&s->hidden_out, &s->cap_out, rows * emb, sizeof(float)) != STRATA_OK ||
             (s->last && grow((void **)&s->logits, &s->cap_logits, n_run * (size_t)s->cfg->n_vocab, sizeof(float)) != STRATA_OK))
             return strata_fail(err, STRATA_ENOMEM, "stage: out of memory for %zu rows", rows);
-        if (s->gpu) {
+        if (s->gpu && s->last) {   /* the picks on the device: only the token ids come back */
+            if (grow((void **)&s->gpu_sample, &s->cap_gpu_sample, n_run, sizeof *s->gpu_sample) != STRATA_OK ||
+                grow((void **)&s->gpu_next, &s->cap_gpu_next, n_run, sizeof *s->gpu_next) != STRATA_OK)
+                return strata_fail(err, STRATA_ENOMEM, "stage: out of memory");
+            for (size_t r = 0; r < n_run; r++) {
+                const Strata__Internal__V1__SeqWork *w = plan->seqs[s->plan_index[r]];
+                sampler *smp = w->sample ? entry_sampler(s, find(s, w->seq_id), w) : NULL;
+                const sampler_params *sp = smp ? sampler_get_params(smp) : NULL;
+                s->gpu_sample[r] = sp ? (cuda_sample_row){.u = sampler_params_greedy(sp) ? 0.0 : sampler_next_draw(smp),
+                                                          .temperature = sp->temperature, .top_p = sp->top_p,
+                                                          .top_k = sp->top_k}
+                                      : (cuda_sample_row){.u = 0.0, .temperature = 0.0f, .top_p = 1.0f, .top_k = 0};
+            }
+            const float *in = s->first ? NULL : s->rows_prev ? stage_gpu_device_rows(s->gpu, 0, rows, &e1) : s->hidden_in;
+            rc = !s->first && !in ? e1.code
+                                  : stage_gpu_forward_sample(s->gpu, s->gpu_items, n_run, in, s->rows_prev != NULL,
+                                                             s->gpu_sample, s->gpu_next, &e1);
+        } else if (s->gpu) {
             const float *in = s->first ? NULL : s->rows_prev ? stage_gpu_device_rows(s->gpu, 0, rows, &e1) : s->hidden_in;
             float *rows_out = s->last ? NULL : s->rows_next ? stage_gpu_device_rows(s->gpu, 1, rows, &e1) : s->hidden_out;
             rc = (!s->first && !in) || (!s->last && !rows_out)
@@ -512,20 +552,14 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
             if (!w->sample)
                 continue;
             seq_entry *e = find(s, w->seq_id);
-            if (!e->smp) {
-                sampler_params sp = {.temperature = w->temperature, .top_k = (int)w->top_k,
-                                     .top_p = w->top_p > 0.0f ? w->top_p : 1.0f, .seed = w->seed};
-                if (sampler_params_validate(&sp, &e1) != STRATA_OK ||
-                    !(e->smp = sampler_create(&sp, s->cfg->n_vocab, &e1))) {
-                    fail_seq(s, w->seq_id, e1.code, e1.msg);
-                    continue;
-                }
-            }
+            if (!entry_sampler(s, e, w))
+                continue;   /* why is recorded */
             stage_seq_result *res = result(s, w->seq_id);
             if (!res)
                 return strata_fail(err, STRATA_ENOMEM, "stage: out of memory");
             res->sampled = true;
-            res->token = (uint32_t)sampler_sample(e->smp, s->logits + r * (size_t)s->cfg->n_vocab);
+            res->token = s->gpu ? (uint32_t)s->gpu_next[r]
+                                : (uint32_t)sampler_sample(e->smp, s->logits + r * (size_t)s->cfg->n_vocab);
         }
 done:
     out->seqs = s->res;

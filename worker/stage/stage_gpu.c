@@ -43,6 +43,8 @@ struct stage_gpu {
     cuda_batch_item *round;       /* a round's items */
     size_t *round_item, *round_row;  /* their index in the step, and their first row in its layout */
     bool *prompt;                 /* per step item: a prompt on an empty sequence */
+    cuda_sample_row *round_sample;   /* a round's sampling rows, and the tokens picked */
+    int32_t *round_next;
     size_t cap_items;
     float *d_step[2];             /* a step's entering and leaving rows when they cross on NCCL */
     size_t cap_step[2];           /* floats */
@@ -128,6 +130,8 @@ void stage_gpu_destroy(stage_gpu *g)
     free(g->round_item);
     free(g->round_row);
     free(g->prompt);
+    free(g->round_sample);
+    free(g->round_next);
     free(g);
 }
 
@@ -169,7 +173,7 @@ static int ensure(stage_gpu *g, size_t items, size_t rows, strata_error *err)
 {
     const size_t floats = rows * (size_t)g->cfg->n_embd, nv = (size_t)g->cfg->n_vocab;
     if (items > g->cap_items) {
-        void *p[4] = {realloc(g->round, items * sizeof *g->round), NULL, NULL, NULL};
+        void *p[6] = {realloc(g->round, items * sizeof *g->round), NULL, NULL, NULL, NULL, NULL};
         if (p[0])
             g->round = p[0];
         p[1] = realloc(g->round_item, items * sizeof *g->round_item);
@@ -181,8 +185,15 @@ static int ensure(stage_gpu *g, size_t items, size_t rows, strata_error *err)
         p[3] = realloc(g->prompt, items * sizeof *g->prompt);
         if (p[3])
             g->prompt = p[3];
-        if (!p[0] || !p[1] || !p[2] || !p[3])
-            return strata_fail(err, STRATA_ENOMEM, "out of memory");
+        p[4] = realloc(g->round_sample, items * sizeof *g->round_sample);
+        if (p[4])
+            g->round_sample = p[4];
+        p[5] = realloc(g->round_next, items * sizeof *g->round_next);
+        if (p[5])
+            g->round_next = p[5];
+        for (int i = 0; i < 6; i++)
+            if (!p[i])
+                return strata_fail(err, STRATA_ENOMEM, "out of memory");
         g->cap_items = items;
     }
     if (floats > g->cap_h) {
@@ -262,8 +273,9 @@ int stage_gpu_compact_rows(stage_gpu *g, size_t dst, size_t src, size_t n, strat
     return STRATA_OK;
 }
 
-int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
-                      bool in_on_device, float *hidden_out, bool out_on_device, float *logits, strata_error *err)
+static int forward_rounds(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
+                          bool in_on_device, float *hidden_out, bool out_on_device, float *logits,
+                          const cuda_sample_row *sample, int32_t *next, strata_error *err)
 {
     if (!g || !items || n_items == 0)
         return strata_fail(err, STRATA_EINVAL, "GPU stage: no items");
@@ -312,9 +324,21 @@ int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items,
                 return strata_fail(err, STRATA_EIO, "CUDA: stage input rows: %s", cudaGetErrorString(ce));
         }
         const cuda_stage_io io = {g->first ? NULL : g->d_in, g->last ? NULL : g->d_out};
-        if ((rc = cuda_model_stage_step(g->cm, g->round, n, &io, g->last && logits ? g->h_logits : NULL, err)) !=
-            STRATA_OK)
+        if (sample) {   /* an item's pick in the round of its last token; a greedy row, ignored, before */
+            const cuda_sample_row greedy = {.u = 0.0, .temperature = 0.0f, .top_p = 1.0f, .top_k = 0};
+            for (size_t k = 0; k < n; k++) {
+                const size_t i = g->round_item[k];
+                const bool final = g->prompt[i] || r + 1 == items[i].n_tokens;
+                g->round_sample[k] = final ? sample[i] : greedy;
+            }
+            rc = cuda_model_stage_step_sample(g->cm, g->round, n, &io, g->round_sample, g->round_next, err);
+        } else {
+            rc = cuda_model_stage_step(g->cm, g->round, n, &io, g->last && logits ? g->h_logits : NULL, err);
+        }
+        if (rc != STRATA_OK)
             return rc;
+        for (size_t k = 0; sample && k < n; k++)
+            next[g->round_item[k]] = g->round_next[k];   /* the last round holding an item's token wins */
         if (!g->last) {
             cudaError_t ce = out_on_device ? cudaSuccess
                                            : cudaMemcpy(g->h_out, g->d_out, rows * e * sizeof(float), cudaMemcpyDeviceToHost);
@@ -335,6 +359,21 @@ int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items,
                 memcpy(logits + g->round_item[k] * nv, g->h_logits + k * nv, nv * sizeof(float));
     }
     return STRATA_OK;
+}
+
+int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
+                      bool in_on_device, float *hidden_out, bool out_on_device, float *logits, strata_error *err)
+{
+    return forward_rounds(g, items, n_items, hidden_in, in_on_device, hidden_out, out_on_device, logits, NULL, NULL,
+                          err);
+}
+
+int stage_gpu_forward_sample(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
+                             bool in_on_device, const cuda_sample_row *sample, int32_t *next, strata_error *err)
+{
+    if (!g || !g->last || !sample || !next)
+        return strata_fail(err, STRATA_EINVAL, "GPU stage: sampling needs the last stage, rows and an output");
+    return forward_rounds(g, items, n_items, hidden_in, in_on_device, NULL, false, NULL, sample, next, err);
 }
 
 void stage_gpu_usage(const stage_gpu *g, stage_kv_usage *out)
@@ -395,6 +434,13 @@ int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items,
 {
     (void)g, (void)items, (void)n_items, (void)hidden_in, (void)in_on_device, (void)hidden_out, (void)out_on_device;
     (void)logits;
+    return no_cuda(err);
+}
+
+int stage_gpu_forward_sample(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
+                             bool in_on_device, const cuda_sample_row *sample, int32_t *next, strata_error *err)
+{
+    (void)g, (void)items, (void)n_items, (void)hidden_in, (void)in_on_device, (void)sample, (void)next;
     return no_cuda(err);
 }
 

@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "kvstore/error.h"
+#include "kernels/cuda_sample.h"
 #include "kvstore/kv_cache.h"
 #include "offload/kv_tiers.h"
 #include "worker/model.h"
@@ -62,6 +63,12 @@ typedef struct stage_gpu_item {
  * them. */
 int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
                       bool in_on_device, float *hidden_out, bool out_on_device, float *logits, strata_error *err);
+
+/* The last stage's step with each item's next token picked on the device (kernels/
+ * cuda_sample.h) from its last token's logits with sample[i] (a greedy row for items that do not
+ * sample; only the ids cross to the host), into next[i]. */
+int stage_gpu_forward_sample(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
+                             bool in_on_device, const cuda_sample_row *sample, int32_t *next, strata_error *err);
 
 /* Device buffers of a step's rows for NCCL links: which 0, the entering rows (received into it);
  * 1, the leaving rows (sent from it); room for `rows` rows (grown; earlier contents kept). NULL
