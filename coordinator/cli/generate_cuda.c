@@ -47,17 +47,18 @@ static int pool_slots(const cli_tier_opts *t, const kv_codec_params *codec, cons
     *slots = 0;
     if (t->device_mib < 0 && t->host_mib <= 0)
         return 0;
-    const size_t slot = kv_block_size(codec, g), per_layer = (ctx + (size_t)g->block_tokens - 1) / (size_t)g->block_tokens;
-    const size_t all = per_layer * (size_t)g->n_layers;
-    *slots = t->device_mib < 0 ? all : (size_t)(t->device_mib * 1048576.0) / slot;
-    if (*slots > all)
-        *slots = all;
-    /* With a tier below, a layer at a time: that layer's blocks and the one forming. */
-    const size_t need = t->host_mib > 0 ? per_layer + 1 : all;
-    if (*slots < need) {
+    cuda_kv_pool_size z;
+    strata_error err = {0};
+    if (cuda_kv_pool_sizing(codec, g, ctx, 1, t->device_mib < 0 ? 0 : (uint64_t)(t->device_mib * 1048576.0),
+                            t->host_mib > 0, &z, &err) != STRATA_OK) {
+        fprintf(stderr, "strata generate: %s\n", err.msg);
+        return EXIT_USAGE;
+    }
+    *slots = z.slots < z.seq_blocks ? z.slots : z.seq_blocks;   /* more than the context can use is no use */
+    if (*slots < z.need) {
         fprintf(stderr,
                 "strata generate: --device-kv-mib %g holds %zu blocks of %zu bytes; a context of %zu tokens needs %zu "
-                "%s\n", t->device_mib, *slots, slot, ctx, need,
+                "%s\n", t->device_mib, *slots, z.slot_bytes, ctx, z.need,
                 t->host_mib > 0 ? "at once (one layer's blocks and the one forming)"
                                 : "without a tier below (--host-kv-mib streams the layers from host memory)");
         return EXIT_USAGE;

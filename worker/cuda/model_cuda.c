@@ -963,16 +963,20 @@ static int move_rows(cuda_model *cm, const cuda_batch_item *items, const step_pl
                      strata_error *err)
 {
     const size_t e = (size_t)cm->cfg.n_embd;
-    for (size_t p = 0; p < sp->n_items; p++) {
-        size_t caller_row = 0;   /* rows of the items before it in the caller's order */
-        for (size_t i = 0; i < sp->order[p]; i++)
-            caller_row += items[i].n_tokens;
-        const size_t n = items[sp->order[p]].n_tokens * e * sizeof(float);
-        if (src)
-            CU(cudaMemcpy(cm->x + sp->row0[p] * e, src + caller_row * e, n, cudaMemcpyDeviceToDevice), "stage input rows");
-        else
-            CU(cudaMemcpy(dst + caller_row * e, cm->x + sp->row0[p] * e, n, cudaMemcpyDeviceToDevice), "stage output rows");
+    size_t *caller_row = malloc(sp->n_items * sizeof *caller_row);   /* each item's first row, caller's order */
+    if (!caller_row)
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    for (size_t i = 0, at = 0; i < sp->n_items; at += items[i].n_tokens, i++)
+        caller_row[i] = at;
+    cudaError_t ce = cudaSuccess;
+    for (size_t p = 0; ce == cudaSuccess && p < sp->n_items; p++) {
+        const size_t n = items[sp->order[p]].n_tokens * e * sizeof(float), at = caller_row[sp->order[p]] * e;
+        ce = src ? cudaMemcpy(cm->x + sp->row0[p] * e, src + at, n, cudaMemcpyDeviceToDevice)
+                 : cudaMemcpy(dst + at, cm->x + sp->row0[p] * e, n, cudaMemcpyDeviceToDevice);
     }
+    free(caller_row);
+    if (ce != cudaSuccess)
+        return strata_fail(err, STRATA_EIO, "CUDA stage %s rows: %s", src ? "input" : "output", cudaGetErrorString(ce));
     return STRATA_OK;
 }
 
@@ -1165,6 +1169,21 @@ int cuda_model_create_kv_pool(cuda_model *cm, const kv_codec_params *codec, int 
         return err ? err->code : STRATA_EIO;
     }
     cm->pool_slot = slot;
+    return STRATA_OK;
+}
+
+int cuda_kv_pool_sizing(const kv_codec_params *codec, const kv_geometry *g, size_t max_tokens, size_t n_seqs,
+                        uint64_t budget_bytes, bool tier_below, cuda_kv_pool_size *out, strata_error *err)
+{
+    const size_t slot = codec && g && g->block_tokens > 0 ? kv_block_size(codec, g) : 0;
+    if (slot == 0)
+        return strata_fail(err, STRATA_EINVAL, "KV pool: no block size for this codec and geometry");
+    const size_t per_layer = (max_tokens + (size_t)g->block_tokens - 1) / (size_t)g->block_tokens;
+    const size_t all = per_layer * (size_t)g->n_layers;
+    *out = (cuda_kv_pool_size){.slot_bytes = slot,
+                               .slots = budget_bytes ? (size_t)(budget_bytes / slot) : all * (n_seqs ? n_seqs : 1),
+                               .need = tier_below ? per_layer + 1 : all,
+                               .seq_blocks = all};
     return STRATA_OK;
 }
 

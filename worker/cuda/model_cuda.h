@@ -58,6 +58,17 @@ size_t cuda_model_weight_bytes(const cuda_model *cm);
  * pool holds. Call before creating any sequence. */
 int cuda_model_create_kv_pool(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t n_blocks,
                               const kv_lower_tier *lower, strata_error *err);
+/* Sizing a shared pool, on the host (no device needed): slots of slot_bytes (codec blocks of
+ * geometry g) that budget_bytes holds (0: room for n_seqs sequences of max_tokens), and the fewest a
+ * step of one sequence of max_tokens needs: one layer's blocks and the one forming with a tier
+ * below, every block of every layer without. STRATA_EINVAL when the codec has no blocks for g. */
+typedef struct cuda_kv_pool_size {
+    size_t slot_bytes, slots, need;
+    size_t seq_blocks;   /* every block of one sequence of max_tokens, all layers */
+} cuda_kv_pool_size;
+int cuda_kv_pool_sizing(const kv_codec_params *codec, const kv_geometry *g, size_t max_tokens, size_t n_seqs,
+                        uint64_t budget_bytes, bool tier_below, cuda_kv_pool_size *out, strata_error *err);
+
 /* The shared pool's statistics (zeros without one). */
 void cuda_model_kv_pool_stats(const cuda_model *cm, device_pool_stats *out);
 

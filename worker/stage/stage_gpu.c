@@ -83,14 +83,15 @@ int stage_gpu_create(model *m, const stage_gpu_config *c, stage_gpu **out, strat
     const int n_layers = model_layer_end(m) - model_layer_begin(m);
     const kv_geometry geo = {.n_layers = n_layers, .n_kv_heads = g->cfg->n_kv_heads, .head_dim = g->cfg->head_dim,
                              .block_tokens = c->block_tokens};
-    const size_t slot = kv_block_size(&c->codec, &geo);
-    const size_t per_seq = (c->max_seq_tokens + (size_t)c->block_tokens - 1) / (size_t)c->block_tokens;
-    size_t slots = c->device_kv_bytes ? (size_t)(c->device_kv_bytes / (slot ? slot : 1))
-                                      : per_seq * c->max_batch_seqs * (size_t)n_layers;
-    if (slot == 0 || slots < per_seq + 1)
+    cuda_kv_pool_size z = {0};
+    rc = cuda_kv_pool_sizing(&c->codec, &geo, c->max_seq_tokens, c->max_batch_seqs, c->device_kv_bytes,
+                             c->tiers != NULL, &z, err);
+    if (rc == STRATA_OK && z.slots < z.need)
         rc = strata_fail(err, STRATA_EINVAL, "GPU stage: a device KV budget of %llu bytes holds %zu blocks of %zu "
-                         "bytes; one layer of a %zu-token sequence needs %zu", (unsigned long long)c->device_kv_bytes,
-                         slots, slot, c->max_seq_tokens, per_seq + 1);
+                         "bytes; a %zu-token sequence needs %zu%s", (unsigned long long)c->device_kv_bytes, z.slots,
+                         z.slot_bytes, c->max_seq_tokens, z.need,
+                         c->tiers ? " (one layer's blocks and the one forming)" : " without a host tier below");
+    const size_t slots = z.slots;
     if (rc == STRATA_OK && !(g->cm = cuda_model_create(m, CUDA_WEIGHTS_F16, err)))
         rc = err ? err->code : STRATA_EIO;
     kv_lower_tier lower;
