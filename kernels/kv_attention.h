@@ -20,4 +20,14 @@ size_t kern_kv_attention_scratch(const kv_layer_view *view, int n_q_heads);
 int kern_kv_attention(const kv_layer_view *view, const float *q, int n_q_heads, float *out,
                       void *scratch, strata_error *err);
 
+/* Attention of n_rows consecutive tokens at once (a prompt chunk whose own K/V are the view's
+ * last positions, at the end of its fp16 tail), causal: row t sees the view's first
+ * visible0 + t positions. Needs 1 <= visible0 and visible0 + n_rows - 1 <= the view's
+ * positions. q, out: fp32 [n_rows][n_q_heads][head_dim]. Each packed row the kernel unpacks
+ * serves a tile of rows at once, so the cache is read once per tile rather than once per row.
+ * kern_kv_attention is the one-row case that sees every position, with the same results. */
+size_t kern_kv_attention_rows_scratch(const kv_layer_view *view, int n_q_heads, size_t n_rows);
+int kern_kv_attention_rows(const kv_layer_view *view, const float *q, size_t n_rows, int n_q_heads,
+                           size_t visible0, float *out, void *scratch, strata_error *err);
+
 #endif

@@ -18,6 +18,7 @@
 
 #include "kernels/kv_attention.h"
 #include "kvstore/block.h"
+#include "kvstore/half.h"
 #include "kvstore/kv_cache.h"
 
 enum { NQ = 9, NKV = 3, D = 64, BT = 64 };
@@ -466,6 +467,148 @@ static void test_key_axis_ablation(void **state)
     }
 }
 
+/* Causal attention of a chunk of rows (kern_kv_attention_rows), as the model runs a prompt chunk
+ * that continues a sequence: the chunk's own K/V appended to the view's fp16 tail, row t seeing
+ * the cache and chunk rows 0..t. Against fp64 on the dequantized cache for fp16/KIVI (including
+ * chunks whose first rows see only part of the blocks), and for every codec against the one-row
+ * kernel on the view cut where each row's sight ends. Outputs start as NaN. */
+static void rows_case(const char *codec_name, size_t T, size_t n_extra, size_t n_rows, size_t visible0,
+                      uint64_t seed, double *worst_ref, double *worst_single)
+{
+    kv_codec_params p;
+    strata_error err = {0};
+    assert_int_equal(kv_codec_parse(codec_name, &p, &err), STRATA_OK);
+    kv_geometry g = {1, NKV, D, BT};
+    kv_pool *pool = kv_pool_create(&g, &p, 64, &err);
+    assert_non_null(pool);
+    kv_seq *s = kv_seq_create(pool, 4096, &err);
+    assert_non_null(s);
+    const size_t row = NKV * D, all = T + n_extra;
+    float *k = malloc(all * row * sizeof(float)), *v = malloc(all * row * sizeof(float));
+    assert_non_null(k);
+    assert_non_null(v);
+    make_kv(all, seed, k, v);
+    const size_t prompt = T > 7 ? T - 7 : T;
+    assert_int_equal(kv_seq_append(s, 0, k, v, prompt, &err), STRATA_OK);
+    for (size_t t = prompt; t < T; t++)
+        assert_int_equal(kv_seq_append(s, 0, k + t * row, v + t * row, 1, &err), STRATA_OK);
+    kv_layer_view view;
+    kv_seq_layer_view(s, 0, &view);
+    /* the chunk's rows go after the cache's tail, in fp16 */
+    const size_t tail = view.tail_tokens + n_extra;
+    uint16_t *tk = malloc((tail ? tail : 1) * row * sizeof(uint16_t)), *tv = malloc((tail ? tail : 1) * row * sizeof(uint16_t));
+    assert_non_null(tk);
+    assert_non_null(tv);
+    if (view.tail_tokens) {
+        memcpy(tk, view.tail_k, view.tail_tokens * row * sizeof(uint16_t));
+        memcpy(tv, view.tail_v, view.tail_tokens * row * sizeof(uint16_t));
+    }
+    for (size_t i = 0; i < n_extra * row; i++) {
+        tk[view.tail_tokens * row + i] = strata_float_to_half(k[T * row + i]);
+        tv[view.tail_tokens * row + i] = strata_float_to_half(v[T * row + i]);
+    }
+    view.tail_tokens = tail;
+    view.tail_k = tk;
+    view.tail_v = tv;
+    assert_int_equal(view.n_blocks * BT + view.tail_tokens, all);
+
+    float *q = malloc(n_rows * NQ * D * sizeof(float)), *out = malloc(n_rows * NQ * D * sizeof(float));
+    assert_non_null(q);
+    assert_non_null(out);
+    for (size_t i = 0; i < n_rows * NQ * D; i++) {
+        q[i] = (float)(0.7 * rng_normal(&seed));
+        out[i] = NAN;
+    }
+    const size_t bytes = kern_kv_attention_rows_scratch(&view, NQ, n_rows);
+    void *scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    assert_non_null(scratch);
+    assert_int_equal(kern_kv_attention_rows(&view, q, n_rows, NQ, visible0, out, scratch, &err), STRATA_OK);
+
+    const bool has_ref = strncmp(codec_name, "fp16", 4) == 0 || strncmp(codec_name, "kivi", 4) == 0;
+    double *K = malloc(all * row * sizeof(double)), *V = malloc(all * row * sizeof(double));
+    assert_non_null(K);
+    assert_non_null(V);
+    size_t at = 0;
+    for (size_t i = 0; has_ref && i < view.n_blocks; i++)
+        at += ref_dequant(view.blocks[i], K + at * row, V + at * row);
+    for (size_t i = 0; has_ref && i < view.tail_tokens * row; i++) {
+        K[at * row + i] = ref_half(tk[i]);
+        V[at * row + i] = ref_half(tv[i]);
+    }
+    float one[NQ * D];
+    for (size_t t = 0; t < n_rows; t++) {
+        const float *got = out + t * NQ * D;
+        if (has_ref) {
+            double ref[NQ * D];
+            ref_attention(K, V, visible0 + t, q + t * NQ * D, ref);
+            *worst_ref = fmax(*worst_ref, max_rel(got, ref, NQ * D));
+        }
+        const size_t seen = visible0 + t, tail_pos = view.n_blocks * BT;
+        if (seen < tail_pos)
+            continue;   /* the one-row kernel cannot cut a view inside its blocks */
+        kv_layer_view cut = view;
+        cut.tail_tokens = seen - tail_pos;
+        for (int i = 0; i < NQ * D; i++)
+            one[i] = NAN;
+        if (cut.n_blocks * BT + cut.tail_tokens == 0)
+            continue;
+        assert_int_equal(kern_kv_attention(&cut, q + t * NQ * D, NQ, one, scratch, &err), STRATA_OK);
+        double want[NQ * D];
+        for (int i = 0; i < NQ * D; i++)
+            want[i] = one[i];
+        *worst_single = fmax(*worst_single, max_rel(got, want, NQ * D));
+    }
+    for (size_t i = 0; i < n_rows * NQ * D; i++)
+        assert_false(isnan(out[i]));
+    free(K);
+    free(V);
+    free(scratch);
+    free(q);
+    free(out);
+    free(tk);
+    free(tv);
+    free(k);
+    free(v);
+    kv_seq_destroy(s);
+    kv_pool_destroy(pool);
+}
+
+static void test_rows_causal(void **state)
+{
+    (void)state;
+    const char *codecs[] = {"fp16", "kivi2", "kivi4", "gear2", "ott2", "tada2"};
+    /* (cache tokens, chunk rows after them) around block and row-tile boundaries */
+    const size_t shapes[][2] = {{1, 1}, {10, 5}, {64, 16}, {130, 17}, {200, 100}, {300, 33}};
+    for (size_t c = 0; c < sizeof codecs / sizeof codecs[0]; c++) {
+        double worst_ref = 0, worst_single = 0;
+        for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+            const size_t T = shapes[i][0], n = shapes[i][1];
+            rows_case(codecs[c], T, n, n, T + 1, 50 + i, &worst_ref, &worst_single);
+        }
+        /* rows whose sight starts inside the blocks (the fp64 reference checks these) */
+        rows_case(codecs[c], 200, 0, 190, 10, 77, &worst_ref, &worst_single);
+        rows_case(codecs[c], 257, 3, 40, 150, 78, &worst_ref, &worst_single);
+        printf("  %-5s chunk rows: %.2e vs fp64 on dequantized (max), %.2e vs one row at a time\n", codecs[c],
+               worst_ref, worst_single);
+        assert_true(worst_ref <= 1e-5);
+        assert_true(worst_single <= 1e-6);
+    }
+    /* rows past the view, no rows, and a zero sight are refused */
+    kv_layer_view view = {.layer = 0, .n_kv_heads = NKV, .head_dim = D, .block_tokens = BT};
+    uint16_t tk[4 * NKV * D] = {0}, tv[4 * NKV * D] = {0};
+    view.tail_tokens = 4;
+    view.tail_k = tk;
+    view.tail_v = tv;
+    float q[2 * NQ * D] = {0}, out[2 * NQ * D];
+    void *scratch = aligned_alloc(64, (kern_kv_attention_rows_scratch(&view, NQ, 2) + 63) / 64 * 64);
+    strata_error err = {0};
+    assert_int_equal(kern_kv_attention_rows(&view, q, 2, NQ, 4, out, scratch, &err), STRATA_EINVAL);
+    assert_int_equal(kern_kv_attention_rows(&view, q, 0, NQ, 1, out, scratch, &err), STRATA_EINVAL);
+    assert_int_equal(kern_kv_attention_rows(&view, q, 1, NQ, 0, out, scratch, &err), STRATA_EINVAL);
+    assert_int_equal(kern_kv_attention_rows(&view, q, 2, NQ, 3, out, scratch, &err), STRATA_OK);
+    free(scratch);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -473,6 +616,7 @@ int main(void)
         cmocka_unit_test(test_errors),
         cmocka_unit_test(test_mixed_codecs),
         cmocka_unit_test(test_key_axis_ablation),
+        cmocka_unit_test(test_rows_causal),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -376,8 +376,10 @@ kv_geometry model_stage_kv_geometry(const model *m, int block_tokens)
 typedef struct workspace {
     float *x, *xn, *q, *k, *v, *attn, *proj, *gate, *up;
     float *att_scratch;   /* causal prefill: kern_attention_causal_scratch(n) floats */
-    void *kv_scratch;     /* decode attention over the cache, grown on demand */
+    void *kv_scratch;     /* attention over the cache, grown on demand */
     size_t kv_scratch_bytes;
+    uint16_t *chunk_k, *chunk_v;   /* a chunk's view of the tail: the cache's tail + the chunk, fp16 */
+    size_t chunk_cap;              /* halves each holds */
 } workspace;
 
 static void workspace_free(workspace *w)
@@ -386,6 +388,8 @@ static void workspace_free(workspace *w)
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         free(all[i]);
     free(w->kv_scratch);
+    free(w->chunk_k);
+    free(w->chunk_v);
 }
 
 static int workspace_alloc(workspace *w, const model_config *c, size_t n, strata_error *err)
@@ -425,71 +429,15 @@ static int ensure_kv_scratch(workspace *w, size_t bytes, strata_error *err)
     return STRATA_OK;
 }
 
-/* One transformer layer over n tokens at positions pos0.. . prefill: exact causal attention
- * over the n tokens themselves (the cache must be empty for this layer); otherwise n == 1 and
- * attention reads the compressed cache. */
-static int run_layer(model *m, kv_seq *seq, int il, workspace *w, size_t n, size_t pos0, bool prefill,
-                     strata_error *err)
-{
-    const model_config *c = &m->cfg;
-    const layer_weights *L = &m->layers[il - m->layer_begin];
-    const size_t e = (size_t)c->n_embd, hd = (size_t)c->head_dim;
-    const size_t kvd = (size_t)c->n_kv_heads * hd;
-
-    kern_rmsnorm(w->x, L->attn_norm, n, e, c->rms_eps, w->xn);
-    kern_matmul(w->xn, n, e, L->wq, e, w->q);
-    kern_matmul(w->xn, n, e, L->wk, kvd, w->k);
-    kern_matmul(w->xn, n, e, L->wv, kvd, w->v);
-    for (size_t i = 0; i < n; i++) {
-        kern_rope(w->q + i * e, (size_t)c->n_heads, hd, pos0 + i, c->rope_theta);
-        kern_rope(w->k + i * kvd, (size_t)c->n_kv_heads, hd, pos0 + i, c->rope_theta);
-    }
-    int rc = kv_seq_append(seq, il, w->k, w->v, n, err);
-    if (rc != STRATA_OK) {
-        kv_seq_unpin(seq);
-        return strata_error_prefix(err, "layer %d", il);
-    }
-    if (prefill) {
-        /* Exact attention at the precision the cache keeps recent tokens in (fp16). */
-        for (size_t i = 0; i < n * kvd; i++) {
-            w->k[i] = strata_round_half(w->k[i]);
-            w->v[i] = strata_round_half(w->v[i]);
-        }
-        kern_attention_causal(w->q, w->k, w->v, n, (size_t)c->n_heads, (size_t)c->n_kv_heads, hd,
-                              w->attn, w->att_scratch);
-    } else {
-        /* The next layer's blocks start coming back from NVMe while this one computes. */
-        kv_seq_prefetch_layer(seq, il + 1);
-        kv_layer_view view;
-        rc = kv_seq_acquire_layer(seq, il, &view, err);
-        if (rc == STRATA_OK)
-            rc = ensure_kv_scratch(w, kern_kv_attention_scratch(&view, c->n_heads), err);
-        if (rc == STRATA_OK)
-            rc = kern_kv_attention(&view, w->q, c->n_heads, w->attn, w->kv_scratch, err);
-        if (rc != STRATA_OK) {
-            kv_seq_unpin(seq);
-            return strata_error_prefix(err, "attention in layer %d", il);
-        }
-    }
-    kv_seq_unpin(seq);   /* this layer's blocks may now move down to make room for the next */
-    kern_matmul(w->attn, n, e, L->wo, e, w->proj);
-    kern_add(w->x, w->proj, n * e);
-
-    kern_rmsnorm(w->x, L->ffn_norm, n, e, c->rms_eps, w->xn);
-    kern_matmul(w->xn, n, e, L->w_gate, (size_t)c->n_ff, w->gate);
-    kern_matmul(w->xn, n, e, L->w_up, (size_t)c->n_ff, w->up);
-    kern_swiglu(w->gate, w->up, n * (size_t)c->n_ff, w->gate);
-    kern_matmul(w->gate, n, (size_t)c->n_ff, L->w_down, e, w->proj);
-    kern_add(w->x, w->proj, n * e);
-    return STRATA_OK;
-}
-
 static void run_head(const model *m, const float *x, size_t n, float *xn, float *logits)
 {
     const model_config *c = &m->cfg;
     kern_rmsnorm(x, m->output_norm, n, (size_t)c->n_embd, c->rms_eps, xn);
     kern_matmul(xn, n, (size_t)c->n_embd, m->output, (size_t)c->n_vocab, logits);
 }
+
+static int run_layer_batch(model *m, const model_batch_item *items, size_t n_items, int il, workspace *w,
+                           size_t rows, strata_error *err);
 
 int model_forward(model *m, kv_seq *seq, const int32_t *tokens, size_t n, size_t pos0, float *logits,
                   bool all_logits, strata_error *err)
@@ -513,25 +461,18 @@ int model_forward(model *m, kv_seq *seq, const int32_t *tokens, size_t n, size_t
     if (rc != STRATA_OK)
         return rc;
 
-    const bool prefill = pos0 == 0 && n > 1;
-    const size_t rows = prefill ? n : 1;
     const size_t e = (size_t)c->n_embd;
+    const model_batch_item item = {.seq = seq, .tokens = tokens, .n_tokens = n, .pos0 = pos0};
     workspace w;
-    rc = workspace_alloc(&w, c, rows, err);
+    rc = workspace_alloc(&w, c, n, err);
     if (rc != STRATA_OK)
         return rc;
-    for (size_t start = 0; start < n && rc == STRATA_OK; start += rows) {
-        for (size_t i = 0; i < rows; i++)
-            memcpy(w.x + i * e, m->tok_embd + (size_t)tokens[start + i] * e, e * sizeof(float));
-        for (int il = 0; il < c->n_layers && rc == STRATA_OK; il++)
-            rc = run_layer(m, seq, il, &w, rows, pos0 + start, prefill, err);
-        if (rc != STRATA_OK || !logits)
-            continue;
-        if (all_logits)
-            run_head(m, w.x, rows, w.xn, logits + start * (size_t)c->n_vocab);
-        else if (start + rows == n)
-            run_head(m, w.x + (rows - 1) * e, 1, w.xn, logits);
-    }
+    for (size_t i = 0; i < n; i++)
+        memcpy(w.x + i * e, m->tok_embd + (size_t)tokens[i] * e, e * sizeof(float));
+    for (int il = 0; il < c->n_layers && rc == STRATA_OK; il++)
+        rc = run_layer_batch(m, &item, 1, il, &w, n, err);
+    if (rc == STRATA_OK && logits)
+        run_head(m, w.x + (all_logits ? 0 : (n - 1) * e), all_logits ? n : 1, w.xn, logits);
     workspace_free(&w);
     return rc;
 }
@@ -602,9 +543,52 @@ static int fail_item(strata_error *err, int rc, const char *what, size_t item, i
     return rc;
 }
 
+/* A prompt chunk continuing a sequence: its n rows attend the layer's cache as it was before the
+ * chunk (compressed blocks + fp16 tail) followed by the chunk's own K/V rounded to fp16, row t
+ * seeing chunk rows 0..t, all in one pass over the cache (kern_kv_attention_rows). The chunk is
+ * appended afterwards by the caller. So chunk tokens see one another exactly as a first prompt's
+ * tokens do, and only the earlier chunks compressed. Leaves the sequence unpinned. */
+static int attend_chunk(workspace *w, kv_seq *seq, int layer, const float *q, const float *k, const float *v,
+                        size_t n, int n_heads, float *attn, strata_error *err)
+{
+    kv_seq_prefetch_layer(seq, layer + 1);
+    kv_layer_view view;
+    int rc = kv_seq_acquire_layer(seq, layer, &view, err);
+    const size_t kvd = (size_t)view.n_kv_heads * (size_t)view.head_dim, tail = view.tail_tokens + n;
+    if (rc == STRATA_OK && tail * kvd > w->chunk_cap) {
+        free(w->chunk_k);
+        free(w->chunk_v);
+        w->chunk_k = malloc(tail * kvd * sizeof(uint16_t));
+        w->chunk_v = malloc(tail * kvd * sizeof(uint16_t));
+        w->chunk_cap = w->chunk_k && w->chunk_v ? tail * kvd : 0;
+        if (!w->chunk_cap)
+            rc = strata_fail(err, STRATA_ENOMEM, "out of memory for a chunk of %zu tokens", n);
+    }
+    if (rc == STRATA_OK) {
+        const size_t had = view.tail_tokens * kvd;
+        if (had) {
+            memcpy(w->chunk_k, view.tail_k, had * sizeof(uint16_t));
+            memcpy(w->chunk_v, view.tail_v, had * sizeof(uint16_t));
+        }
+        for (size_t i = 0; i < n * kvd; i++) {
+            w->chunk_k[had + i] = strata_float_to_half(k[i]);
+            w->chunk_v[had + i] = strata_float_to_half(v[i]);
+        }
+        const size_t before = view.n_blocks * (size_t)view.block_tokens + view.tail_tokens;
+        view.tail_tokens = tail;
+        view.tail_k = w->chunk_k;
+        view.tail_v = w->chunk_v;
+        rc = ensure_kv_scratch(w, kern_kv_attention_rows_scratch(&view, n_heads, n), err);
+        if (rc == STRATA_OK)
+            rc = kern_kv_attention_rows(&view, q, n, n_heads, before + 1, attn, w->kv_scratch, err);
+    }
+    kv_seq_unpin(seq);
+    return rc;
+}
+
 /* Layer il (of the whole model) over all rows of a batch: the matmuls over every row at once,
- * then attention item by item exactly as run_layer does for one sequence, on the sequences'
- * local layer il - layer_begin. */
+ * then attention item by item (a prompt on an empty sequence, a prompt chunk continuing one, or
+ * one token), on the sequences' local layer il - layer_begin. */
 static int run_layer_batch(model *m, const model_batch_item *items, size_t n_items, int il, workspace *w,
                            size_t rows, strata_error *err)
 {
@@ -631,19 +615,25 @@ static int run_layer_batch(model *m, const model_batch_item *items, size_t n_ite
         kv_seq *seq = items[j].seq;
         const size_t n = items[j].n_tokens;
         float *q = w->q + r0 * e, *k = w->k + r0 * kvd, *v = w->v + r0 * kvd, *attn = w->attn + r0 * e;
-        int rc = kv_seq_append(seq, ll, k, v, n, err);
+        int rc;
+        if (n > 1 && items[j].pos0 > 0) {
+            rc = attend_chunk(w, seq, ll, q, k, v, n, c->n_heads, attn, err);
+            if (rc != STRATA_OK)
+                return fail_item(err, rc, "a prompt chunk's attention in", j, il);
+        }
+        rc = kv_seq_append(seq, ll, k, v, n, err);
         if (rc != STRATA_OK) {
             kv_seq_unpin(seq);
             return fail_item(err, rc, "appending K/V in", j, il);
         }
-        if (n > 1) {
+        if (n > 1 && items[j].pos0 == 0) {
             /* A whole prompt: exact attention at the precision the cache keeps recent tokens in. */
             for (size_t i = 0; i < n * kvd; i++) {
                 k[i] = strata_round_half(k[i]);
                 v[i] = strata_round_half(v[i]);
             }
             kern_attention_causal(q, k, v, n, (size_t)c->n_heads, (size_t)c->n_kv_heads, hd, attn, w->att_scratch);
-        } else {
+        } else if (n == 1) {
             kv_seq_prefetch_layer(seq, ll + 1);
             kv_layer_view view;
             rc = kv_seq_acquire_layer(seq, ll, &view, err);
@@ -698,11 +688,6 @@ int model_batch_check(const model *m, const model_batch_item *items, size_t n_it
     return rc;
 }
 
-static bool is_chunk(const model_batch_item *it) { return it->n_tokens > 1 && it->pos0 > 0; }
-
-static int forward_batch_rounds(model *m, const model_batch_item *items, size_t n_items, size_t rows,
-                                const float *hidden_in, float *hidden_out, float *logits, strata_error *err);
-
 int model_forward_batch(model *m, const model_batch_item *items, size_t n_items, const float *hidden_in,
                         float *hidden_out, float *logits, strata_error *err)
 {
@@ -712,9 +697,6 @@ int model_forward_batch(model *m, const model_batch_item *items, size_t n_items,
     int rc = batch_check(m, items, n_items, hidden_in, hidden_out, &rows, &bad, err);
     if (rc != STRATA_OK)
         return rc;
-    for (size_t j = 0; j < n_items; j++)
-        if (is_chunk(&items[j]))
-            return forward_batch_rounds(m, items, n_items, rows, hidden_in, hidden_out, logits, err);
 
     const size_t e = (size_t)c->n_embd;
     workspace w;
@@ -743,76 +725,5 @@ int model_forward_batch(model *m, const model_batch_item *items, size_t n_items,
         run_head(m, w.attn, n_items, w.xn, logits);
     }
     workspace_free(&w);
-    return rc;
-}
-
-/* A step with prompt chunks that continue a sequence (chunked prefill): such a chunk goes through
- * the decode path one token after another, as model_forward does for tokens on a non-empty
- * sequence, so the step runs in rounds. Round 0 holds every other item and the first token of each
- * chunk; round k the k-th token of the chunks still going. Every round is a batch of its own over
- * all of this model's layers, and token k of a chunk reaches a layer after tokens < k were
- * appended there, so each item's result is the one it gets alone. Rows are gathered from and
- * scattered back to the step's layout; a chunk's logits are its last token's. */
-static int forward_batch_rounds(model *m, const model_batch_item *items, size_t n_items, size_t rows,
-                                const float *hidden_in, float *hidden_out, float *logits, strata_error *err)
-{
-    const model_config *c = &m->cfg;
-    const bool first = m->layer_begin == 0, last = m->layer_end == c->n_layers;
-    const size_t e = (size_t)c->n_embd, nv = (size_t)c->n_vocab;
-    size_t n_rounds = 1;
-    for (size_t j = 0; j < n_items; j++)
-        if (is_chunk(&items[j]) && items[j].n_tokens > n_rounds)
-            n_rounds = items[j].n_tokens;
-    model_batch_item *sub = malloc(n_items * sizeof *sub);
-    size_t *of_item = malloc(n_items * sizeof *of_item);   /* sub item -> step item */
-    size_t *row0 = malloc(n_items * sizeof *row0);         /* first row of each step item */
-    float *in = !first ? malloc(rows * e * sizeof *in) : NULL;
-    float *out = !last ? malloc(rows * e * sizeof *out) : NULL;
-    float *lg = last && logits ? malloc(n_items * nv * sizeof *lg) : NULL;
-    int rc = STRATA_OK;
-    if (!sub || !of_item || !row0 || (!first && !in) || (!last && !out) || (last && logits && !lg))
-        rc = strata_fail(err, STRATA_ENOMEM, "batch: out of memory for a step of %zu rows", rows);
-    for (size_t j = 0, r = 0; rc == STRATA_OK && j < n_items; j++) {
-        row0[j] = r;
-        r += items[j].n_tokens;
-    }
-    for (size_t k = 0; rc == STRATA_OK && k < n_rounds; k++) {
-        size_t n_sub = 0, sub_rows = 0;
-        for (size_t j = 0; j < n_items; j++) {
-            const model_batch_item *it = &items[j];
-            if (is_chunk(it) ? k >= it->n_tokens : k > 0)
-                continue;
-            model_batch_item s1 = *it;
-            size_t from = row0[j], n = it->n_tokens;
-            if (is_chunk(it)) {   /* token k of the chunk */
-                s1.tokens = it->tokens ? it->tokens + k : NULL;
-                s1.n_tokens = 1;
-                s1.pos0 = it->pos0 + k;
-                from += k;
-                n = 1;
-            }
-            if (in)
-                memcpy(in + sub_rows * e, hidden_in + from * e, n * e * sizeof(float));
-            sub[n_sub] = s1;
-            of_item[n_sub++] = j;
-            sub_rows += n;
-        }
-        rc = model_forward_batch(m, sub, n_sub, in, out, lg, err);
-        for (size_t i = 0, r = 0; rc == STRATA_OK && i < n_sub; i++) {
-            const size_t j = of_item[i];
-            if (out)
-                memcpy(hidden_out + (row0[j] + (is_chunk(&items[j]) ? k : 0)) * e, out + r * e,
-                       sub[i].n_tokens * e * sizeof(float));
-            if (lg && (!is_chunk(&items[j]) || k == items[j].n_tokens - 1))
-                memcpy(logits + j * nv, lg + i * nv, nv * sizeof(float));
-            r += sub[i].n_tokens;
-        }
-    }
-    free(sub);
-    free(of_item);
-    free(row0);
-    free(in);
-    free(out);
-    free(lg);
     return rc;
 }

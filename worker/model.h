@@ -90,8 +90,9 @@ kv_geometry model_stage_kv_geometry(const model *m, int block_tokens);
 
 /* Runs n tokens at positions pos0.. through the whole model (which must hold every layer) and
  * appends their K/V to seq. If seq is empty and n > 1 the prompt is prefilled with exact
- * attention over its fp16-rounded K/V; otherwise tokens go one by one through the decode path
- * (attention over the compressed cache). logits: n_vocab floats for the last token, or, with
+ * attention over its fp16-rounded K/V; one token on a non-empty sequence is a decode step
+ * (attention over the compressed cache, after its own K/V is appended); n > 1 tokens on a
+ * non-empty sequence are a prompt chunk (model_forward_batch says how it attends). logits: n_vocab floats for the last token, or, with
  * all_logits, n * n_vocab floats (one row per token). NULL to skip the head.
  * On failure (e.g. STRATA_EFULL from the block pool) the layers of seq may hold different
  * lengths: the caller discards the sequence. */
@@ -115,8 +116,9 @@ typedef struct model_batch_item {
  *     attention over the compressed cache (kv_seq_acquire_layer; the next layer is prefetched and
  *     the sequence unpinned after each layer), as model_forward's decode; or
  *   - a prompt chunk continuing a sequence (n_tokens > 1, pos0 == its length > 0: chunked
- *     prefill): its tokens go through the decode path one after another, as model_forward does
- *     on a non-empty sequence (the step then runs in rounds, one chunk token per round).
+ *     prefill): all its rows at once; attention over the cache as it was before the chunk
+ *     followed by the chunk's own K/V in fp16, causal within the chunk (kern_kv_attention_rows),
+ *     then the chunk is appended.
  *
  * Rows: the step has T = sum of n_tokens rows, item after item, each [n_embd] floats.
  *   hidden_in: the T rows entering layer_begin; required when layer_begin > 0, unused (may be

@@ -28,6 +28,7 @@ typedef struct attn_ctx {
     float *part;                /* [qpk][max(bt, D)] scratch */
     float *groups;              /* [qpk][max(bt, D)] scratch */
     float *row;                 /* [max(bt, D)] scratch: one unpacked or converted row */
+    float *qrows;               /* [nq][D]: a tile's query rows in the kernel's head order */
     void (*halves)(const uint8_t *src, size_t n, float *dst);
     bool native_is_le_halves;   /* the tail's uint16 array may go through halves() */
 } attn_ctx;
