@@ -23,9 +23,12 @@ int kern_kv_attention(const kv_layer_view *view, const float *q, int n_q_heads, 
 /* Attention of n_rows consecutive tokens at once (a prompt chunk whose own K/V are the view's
  * last positions, at the end of its fp16 tail), causal: row t sees the view's first
  * visible0 + t positions. Needs 1 <= visible0 and visible0 + n_rows - 1 <= the view's
- * positions. q, out: fp32 [n_rows][n_q_heads][head_dim]. Each packed row the kernel unpacks
- * serves a tile of rows at once, so the cache is read once per tile rather than once per row.
- * kern_kv_attention is the one-row case that sees every position, with the same results. */
+ * positions. q, out: fp32 [n_rows][n_q_heads][head_dim]. Unlike the decode kernel this one
+ * dequantizes: a span of blocks at a time into fp32 (kv_block_decode), each position then
+ * serving every row through BLAS, with an online softmax across spans; scratch stays one span
+ * and one tile of scores whatever the context (kernels/cpu/kv_attention_rows.c). Results agree
+ * with kern_kv_attention row by row up to fp32 rounding; one row that sees every position is
+ * kern_kv_attention itself. Like kern_attention_causal, the bits depend on BLAS's thread count. */
 size_t kern_kv_attention_rows_scratch(const kv_layer_view *view, int n_q_heads, size_t n_rows);
 int kern_kv_attention_rows(const kv_layer_view *view, const float *q, size_t n_rows, int n_q_heads,
                            size_t visible0, float *out, void *scratch, strata_error *err);

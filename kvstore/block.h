@@ -161,7 +161,8 @@ int kv_block_verify(const uint8_t *buf, size_t len, kv_block *out, strata_error 
 const uint8_t *kv_block_section_data(const kv_block *b, uint16_t id, uint32_t *len);
 
 /* Dequantizes a parsed block to fp32 rows [n_tokens][n_kv_heads][head_dim] (k and v each
- * n_tokens * n_kv_heads * head_dim floats). For inspection and tests; attention never does this. */
+ * n_tokens * n_kv_heads * head_dim floats). Decode attention never does this; the attention of a
+ * prompt chunk (kern_kv_attention_rows) decodes a span of blocks at a time. */
 int kv_block_decode(const kv_block *b, float *k, float *v, strata_error *err);
 
 /* Names for printing. */

@@ -30,15 +30,9 @@
 
 typedef struct scratch_plan {
     size_t positions;
-    size_t scores, acc, sums, part, groups, row, qrows, blocks;  /* byte offsets */
+    size_t scores, acc, sums, part, groups, row, blocks;  /* byte offsets */
     size_t total;
 } scratch_plan;
-
-/* Rows attended together: each unpacked cache row serves them all, and the score rows they
- * need (rows x query heads x positions floats) stay a few MiB at long contexts. */
-enum { KV_ATTN_ROW_TILE = 16 };
-
-static size_t tile_rows(size_t n_rows) { return n_rows < KV_ATTN_ROW_TILE ? n_rows : KV_ATTN_ROW_TILE; }
 
 static size_t align64(size_t x) { return (x + 63) & ~(size_t)63; }
 
@@ -61,6 +55,18 @@ __attribute__((target("avx,f16c"))) static void halves_f16c(const uint8_t *src, 
 }
 #endif
 
+void kv_attn_halves_to_f32(const uint16_t *src, size_t n, float *dst)
+{
+#ifdef KV_ATTN_HAVE_F16C
+    if (__builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c")) {
+        halves_f16c((const uint8_t *)src, n, dst);   /* x86: uint16 arrays are little-endian in memory */
+        return;
+    }
+#endif
+    for (size_t i = 0; i < n; i++)
+        dst[i] = strata_half_to_float(src[i]);
+}
+
 /* Saturates at SIZE_MAX so an absurd view asks for an impossible allocation instead of wrapping. */
 static size_t mul_sat(size_t a, size_t b)
 {
@@ -69,10 +75,9 @@ static size_t mul_sat(size_t a, size_t b)
 }
 static size_t add_sat(size_t a, size_t b) { return a > SIZE_MAX - b ? SIZE_MAX : a + b; }
 
-/* Scratch for a tile of rows: the kernel sees rows x n_q_heads query heads (see attend_tile). */
-static void plan_scratch(const kv_layer_view *v, int n_q_heads, size_t rows, scratch_plan *p)
+static void plan_scratch(const kv_layer_view *v, int n_q_heads, scratch_plan *p)
 {
-    size_t nq = mul_sat(n_q_heads > 0 ? (size_t)n_q_heads : 1, rows ? rows : 1);
+    size_t nq = n_q_heads > 0 ? (size_t)n_q_heads : 1;
     size_t nkv = v->n_kv_heads > 0 ? (size_t)v->n_kv_heads : 1;
     size_t qpk = nq / nkv ? nq / nkv : 1;
     size_t D = v->head_dim > 0 ? (size_t)v->head_dim : 1;
@@ -85,25 +90,19 @@ static void plan_scratch(const kv_layer_view *v, int n_q_heads, size_t rows, scr
     p->part = add_sat(p->sums, align64(mul_sat(nq, sizeof(double))));
     p->groups = add_sat(p->part, align64(mul_sat(mul_sat(qpk, wide), sizeof(float))));
     p->row = add_sat(p->groups, align64(mul_sat(mul_sat(qpk, wide), sizeof(float))));
-    p->qrows = add_sat(p->row, align64(mul_sat(wide, sizeof(float))));
-    p->blocks = add_sat(p->qrows, rows > 1 ? align64(mul_sat(mul_sat(nq, D), sizeof(float))) : 0);
+    p->blocks = add_sat(p->row, align64(mul_sat(wide, sizeof(float))));
     p->total = add_sat(p->blocks, align64(mul_sat(v->n_blocks, sizeof(kv_block))));
     if (p->acc == SIZE_MAX || p->total >= SIZE_MAX - 64)
         p->total = SIZE_MAX;
 }
 
-size_t kern_kv_attention_rows_scratch(const kv_layer_view *view, int n_q_heads, size_t n_rows)
+size_t kern_kv_attention_scratch(const kv_layer_view *view, int n_q_heads)
 {
     if (!view)
         return 0;
     scratch_plan p;
-    plan_scratch(view, n_q_heads, tile_rows(n_rows), &p);
+    plan_scratch(view, n_q_heads, &p);
     return p.total;
-}
-
-size_t kern_kv_attention_scratch(const kv_layer_view *view, int n_q_heads)
-{
-    return kern_kv_attention_rows_scratch(view, n_q_heads, 1);
 }
 
 void kv_attn_kivi_scores(attn_ctx *a, const kv_block *b, size_t pos)
@@ -223,9 +222,8 @@ static void half_values(attn_ctx *a, const half_rows *v, size_t n_tokens, size_t
     }
 }
 
-static int parse_view_block(const attn_ctx *a, size_t i, kv_block *b, strata_error *err)
+int kv_attn_parse_block(const kv_layer_view *v, size_t i, kv_block *b, strata_error *err)
 {
-    const kv_layer_view *v = a->view;
     int rc = kv_block_parse(v->blocks[i], v->block_bytes, b, err);
     if (rc) {
         if (err) {
@@ -284,76 +282,8 @@ static int block_pass(attn_ctx *a, const kv_block *b, size_t pos, bool values, s
     return rc;
 }
 
-/* One tile of rows. The kernel's passes are written for one query token whose heads share KV
- * heads by h / qpk; a tile of n rows is that with n x qpk heads per KV head, ordered
- * (kv head, row, head within the group), so every unpacked cache row serves the whole tile.
- * Positions past the last row's view are not read; the causal mask is applied at the softmax,
- * which gives a masked position weight 0. */
-static int attend_tile(attn_ctx *a, const kv_block *blocks, const float *q, size_t n_rows, size_t nq,
-                       size_t visible0, float *out, strata_error *err)
-{
-    const kv_layer_view *view = a->view;
-    const size_t D = a->D, nkv = a->nkv, qpk = nq / nkv, bt = (size_t)view->block_tokens;
-    a->nq = n_rows * nq;
-    a->qpk = n_rows * qpk;
-    a->q = q;
-    if (n_rows > 1) {
-        for (size_t kvh = 0; kvh < nkv; kvh++)
-            for (size_t t = 0; t < n_rows; t++)
-                memcpy(a->qrows + (kvh * a->qpk + t * qpk) * D, q + (t * nq + kvh * qpk) * D, qpk * D * sizeof(float));
-        a->q = a->qrows;
-    }
-    /* The last row sees positions [0, limit); the passes cover [0, cover), whole blocks. */
-    const size_t limit = visible0 + n_rows - 1, tail_pos = view->n_blocks * bt;
-    const size_t n_blk = limit >= tail_pos ? view->n_blocks : (limit + bt - 1) / bt;
-    const size_t n_tail = limit > tail_pos ? limit - tail_pos : 0;
-    const size_t cover = n_blk * bt + n_tail;
-    half_rows tk = {NULL, view->tail_k}, tv = {NULL, view->tail_v};
-
-    for (size_t i = 0; i < n_blk; i++) {
-        int rc = block_pass(a, &blocks[i], i * bt, false, err);
-        if (rc)
-            return rc;
-    }
-    half_scores(a, &tk, n_tail, tail_pos);
-
-    memset(a->acc, 0, a->nq * D * sizeof(double));
-    for (size_t h = 0; h < a->nq; h++) {
-        const size_t seen = visible0 + (h % a->qpk) / qpk;
-        float *s = a->scores + h * a->T;
-        float m = -INFINITY;
-        for (size_t j = 0; j < seen; j++)
-            if (s[j] > m)
-                m = s[j];
-        double sum = 0.0;
-        for (size_t j = 0; j < seen; j++) {
-            s[j] = expf(s[j] - m);
-            sum += s[j];
-        }
-        for (size_t j = seen; j < cover; j++)
-            s[j] = 0.0f;
-        a->sums[h] = sum;
-    }
-
-    for (size_t i = 0; i < n_blk; i++) {
-        int rc = block_pass(a, &blocks[i], i * bt, true, err);
-        if (rc)
-            return rc;
-    }
-    half_values(a, &tv, n_tail, tail_pos);
-
-    for (size_t h = 0; h < a->nq; h++) {
-        const size_t kvh = h / a->qpk, t = (h % a->qpk) / qpk, i = h % qpk;
-        const double inv = 1.0 / a->sums[h];
-        float *o = out + (t * nq + kvh * qpk + i) * D;
-        for (size_t c = 0; c < D; c++)
-            o[c] = (float)(a->acc[h * D + c] * inv);
-    }
-    return STRATA_OK;
-}
-
-int kern_kv_attention_rows(const kv_layer_view *view, const float *q, size_t n_rows, int n_q_heads,
-                           size_t visible0, float *out, void *scratch, strata_error *err)
+int kern_kv_attention(const kv_layer_view *view, const float *q, int n_q_heads, float *out,
+                      void *scratch, strata_error *err)
 {
     if (!view || !q || !out || !scratch)
         return strata_fail(err, STRATA_EINVAL, "attention: NULL argument");
@@ -367,22 +297,20 @@ int kern_kv_attention_rows(const kv_layer_view *view, const float *q, size_t n_r
                            view->n_blocks);
     if (view->tail_tokens && (!view->tail_k || !view->tail_v))
         return strata_fail(err, STRATA_EINVAL, "attention: %zu tail tokens without tail buffers", view->tail_tokens);
-    const size_t tile = tile_rows(n_rows);
     scratch_plan plan;
-    plan_scratch(view, n_q_heads, tile, &plan);
+    plan_scratch(view, n_q_heads, &plan);
     if (plan.total == SIZE_MAX)
         return strata_fail(err, STRATA_EINVAL, "attention: view too large");
     if (plan.positions == 0)
         return strata_fail(err, STRATA_EINVAL, "attention: layer %d holds no tokens", view->layer);
-    if (n_rows == 0 || visible0 == 0 || visible0 > plan.positions || n_rows - 1 > plan.positions - visible0)
-        return strata_fail(err, STRATA_EINVAL,
-                           "attention: %zu rows seeing %zu positions and more do not fit layer %d's %zu positions",
-                           n_rows, visible0, view->layer, plan.positions);
 
     uint8_t *base = scratch;
     attn_ctx a = {
         .view = view,
+        .q = q,
+        .nq = (size_t)n_q_heads,
         .nkv = (size_t)view->n_kv_heads,
+        .qpk = (size_t)(n_q_heads / view->n_kv_heads),
         .D = (size_t)view->head_dim,
         .T = plan.positions,
         .inv_sqrt_d = (float)(1.0 / sqrt((double)view->head_dim)),
@@ -392,7 +320,6 @@ int kern_kv_attention_rows(const kv_layer_view *view, const float *q, size_t n_r
         .part = (float *)(void *)(base + plan.part),
         .groups = (float *)(void *)(base + plan.groups),
         .row = (float *)(void *)(base + plan.row),
-        .qrows = (float *)(void *)(base + plan.qrows),
         .halves = halves_sw,
     };
 #ifdef KV_ATTN_HAVE_F16C
@@ -401,30 +328,48 @@ int kern_kv_attention_rows(const kv_layer_view *view, const float *q, size_t n_r
         a.native_is_le_halves = true;   /* x86: uint16 arrays are little-endian in memory */
     }
 #endif
+    const size_t bt = (size_t)view->block_tokens;
 
-    /* Each header is parsed once; every tile and both passes read the parsed table. */
+    /* Each header is parsed once; both passes read the parsed table. */
     kv_block *blocks = (kv_block *)(void *)(base + plan.blocks);
     for (size_t i = 0; i < view->n_blocks; i++) {
-        int rc = parse_view_block(&a, i, &blocks[i], err);
+        int rc = kv_attn_parse_block(view, i, &blocks[i], err);
+        if (rc)
+            return rc;
+        rc = block_pass(&a, &blocks[i], i * bt, false, err);
         if (rc)
             return rc;
     }
-    const size_t nq = (size_t)n_q_heads, row_floats = nq * a.D;
-    for (size_t r0 = 0; r0 < n_rows; r0 += tile) {
-        const size_t n = n_rows - r0 < tile ? n_rows - r0 : tile;
-        int rc = attend_tile(&a, blocks, q + r0 * row_floats, n, nq, visible0 + r0, out + r0 * row_floats, err);
+    const size_t tail_pos = view->n_blocks * bt;
+    half_rows tk = {NULL, view->tail_k}, tv = {NULL, view->tail_v};
+    half_scores(&a, &tk, view->tail_tokens, tail_pos);
+
+    memset(a.acc, 0, a.nq * a.D * sizeof(double));
+    for (size_t h = 0; h < a.nq; h++) {
+        float *s = a.scores + h * a.T;
+        float m = -INFINITY;
+        for (size_t j = 0; j < a.T; j++)
+            if (s[j] > m)
+                m = s[j];
+        double sum = 0.0;
+        for (size_t j = 0; j < a.T; j++) {
+            s[j] = expf(s[j] - m);
+            sum += s[j];
+        }
+        a.sums[h] = sum;
+    }
+
+    for (size_t i = 0; i < view->n_blocks; i++) {
+        int rc = block_pass(&a, &blocks[i], i * bt, true, err);
         if (rc)
             return rc;
+    }
+    half_values(&a, &tv, view->tail_tokens, tail_pos);
+
+    for (size_t h = 0; h < a.nq; h++) {
+        const double inv = 1.0 / a.sums[h];
+        for (size_t c = 0; c < a.D; c++)
+            out[h * a.D + c] = (float)(a.acc[h * a.D + c] * inv);
     }
     return STRATA_OK;
-}
-
-int kern_kv_attention(const kv_layer_view *view, const float *q, int n_q_heads, float *out,
-                      void *scratch, strata_error *err)
-{
-    scratch_plan plan = {0};
-    if (view)
-        plan_scratch(view, n_q_heads, 1, &plan);
-    const size_t positions = plan.positions;
-    return kern_kv_attention_rows(view, q, 1, n_q_heads, positions ? positions : 1, out, scratch, err);
 }

@@ -28,7 +28,6 @@ typedef struct attn_ctx {
     float *part;                /* [qpk][max(bt, D)] scratch */
     float *groups;              /* [qpk][max(bt, D)] scratch */
     float *row;                 /* [max(bt, D)] scratch: one unpacked or converted row */
-    float *qrows;               /* [nq][D]: a tile's query rows in the kernel's head order */
     void (*halves)(const uint8_t *src, size_t n, float *dst);
     bool native_is_le_halves;   /* the tail's uint16 array may go through halves() */
 } attn_ctx;
@@ -57,6 +56,13 @@ static inline float kv_attn_dot(const float *restrict a, const float *restrict b
         s += a[i] * b[i];
     return s;
 }
+
+/* Parses block i of a view and checks it belongs there (layer, positions, shape): STRATA_EFORMAT
+ * with the block named otherwise. */
+int kv_attn_parse_block(const kv_layer_view *v, size_t i, kv_block *b, strata_error *err);
+
+/* n fp16 numbers (native uint16) to fp32, with F16C where the CPU has it. */
+void kv_attn_halves_to_f32(const uint16_t *src, size_t n, float *dst);
 
 /* The KIVI backbone (K_CODES..V_SCALES) of a block whose first token sits at position pos. */
 void kv_attn_kivi_scores(attn_ctx *a, const kv_block *b, size_t pos);
