@@ -147,28 +147,41 @@ static double max_rel(const float *got, const double *want, size_t n)
     return err / mag;
 }
 
-typedef struct case_result { double vs_dequant, vs_exact; } case_result;
-
-static case_result run_case(const char *codec_name, size_t T, uint64_t seed)
+/* A one-layer cache of T tokens of make_kv data: a prompt, then the last `steps` tokens one at a
+ * time. *k and *v hold T + extra tokens (the extra ones for the caller). */
+static kv_seq *make_cache(const char *codec_name, size_t T, size_t steps, size_t extra, uint64_t seed,
+                          kv_pool **pool, float **k, float **v)
 {
     kv_codec_params p;
     strata_error err = {0};
     assert_int_equal(kv_codec_parse(codec_name, &p, &err), STRATA_OK);
     kv_geometry g = {1, NKV, D, BT};
-    kv_pool *pool = kv_pool_create(&g, &p, 64, &err);
-    assert_non_null(pool);
-    kv_seq *s = kv_seq_create(pool, 4096, &err);
+    *pool = kv_pool_create(&g, &p, 64, &err);
+    assert_non_null(*pool);
+    kv_seq *s = kv_seq_create(*pool, 4096, &err);
     assert_non_null(s);
     const size_t row = NKV * D;
-    float *k = malloc(T * row * sizeof(float)), *v = malloc(T * row * sizeof(float));
-    assert_non_null(k);
-    assert_non_null(v);
-    make_kv(T, seed, k, v);
-    /* a prompt, then decode steps one token at a time */
-    size_t prompt = T > 20 ? T - 20 : T;
-    assert_int_equal(kv_seq_append(s, 0, k, v, prompt, &err), STRATA_OK);
+    *k = malloc((T + extra) * row * sizeof(float));
+    *v = malloc((T + extra) * row * sizeof(float));
+    assert_non_null(*k);
+    assert_non_null(*v);
+    make_kv(T + extra, seed, *k, *v);
+    const size_t prompt = T > steps ? T - steps : T;
+    assert_int_equal(kv_seq_append(s, 0, *k, *v, prompt, &err), STRATA_OK);
     for (size_t t = prompt; t < T; t++)
-        assert_int_equal(kv_seq_append(s, 0, k + t * row, v + t * row, 1, &err), STRATA_OK);
+        assert_int_equal(kv_seq_append(s, 0, *k + t * row, *v + t * row, 1, &err), STRATA_OK);
+    return s;
+}
+
+typedef struct case_result { double vs_dequant, vs_exact; } case_result;
+
+static case_result run_case(const char *codec_name, size_t T, uint64_t seed)
+{
+    strata_error err = {0};
+    kv_pool *pool;
+    float *k, *v;
+    kv_seq *s = make_cache(codec_name, T, 20, 0, seed, &pool, &k, &v);
+    const size_t row = NKV * D;
 
     kv_layer_view view;
     kv_seq_layer_view(s, 0, &view);
@@ -476,23 +489,11 @@ static void test_key_axis_ablation(void **state)
 static void rows_case(const char *codec_name, size_t T, size_t n_extra, size_t n_rows, size_t visible0,
                       uint64_t seed, double *worst_ref, double *worst_single)
 {
-    kv_codec_params p;
     strata_error err = {0};
-    assert_int_equal(kv_codec_parse(codec_name, &p, &err), STRATA_OK);
-    kv_geometry g = {1, NKV, D, BT};
-    kv_pool *pool = kv_pool_create(&g, &p, 64, &err);
-    assert_non_null(pool);
-    kv_seq *s = kv_seq_create(pool, 4096, &err);
-    assert_non_null(s);
+    kv_pool *pool;
+    float *k, *v;
+    kv_seq *s = make_cache(codec_name, T, 7, n_extra, seed, &pool, &k, &v);
     const size_t row = NKV * D, all = T + n_extra;
-    float *k = malloc(all * row * sizeof(float)), *v = malloc(all * row * sizeof(float));
-    assert_non_null(k);
-    assert_non_null(v);
-    make_kv(all, seed, k, v);
-    const size_t prompt = T > 7 ? T - 7 : T;
-    assert_int_equal(kv_seq_append(s, 0, k, v, prompt, &err), STRATA_OK);
-    for (size_t t = prompt; t < T; t++)
-        assert_int_equal(kv_seq_append(s, 0, k + t * row, v + t * row, 1, &err), STRATA_OK);
     kv_layer_view view;
     kv_seq_layer_view(s, 0, &view);
     /* the chunk's rows go after the cache's tail, in fp16 */
@@ -590,8 +591,11 @@ static void test_rows_causal(void **state)
         /* rows whose sight starts inside the blocks (the fp64 reference checks these) */
         rows_case(codecs[c], 200, 0, 190, 10, 77, &worst_ref, &worst_single);
         rows_case(codecs[c], 257, 3, 40, 150, 78, &worst_ref, &worst_single);
-        printf("  %-5s chunk rows: %.2e vs fp64 on dequantized (max), %.2e vs one row at a time\n", codecs[c],
-               worst_ref, worst_single);
+        if (c < 3)
+            printf("  %-5s chunk rows: %.2e vs fp64 on dequantized (max), %.2e vs one row at a time\n", codecs[c],
+                   worst_ref, worst_single);
+        else   /* this file's block reader knows fp16 and KIVI only */
+            printf("  %-5s chunk rows: %.2e vs one row at a time\n", codecs[c], worst_single);
         assert_true(worst_ref <= 1e-5);
         assert_true(worst_single <= 1e-5);
     }

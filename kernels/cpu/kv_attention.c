@@ -34,7 +34,6 @@ typedef struct scratch_plan {
     size_t total;
 } scratch_plan;
 
-static size_t align64(size_t x) { return (x + 63) & ~(size_t)63; }
 
 /* n little-endian fp16 numbers at src (any alignment) to fp32. */
 static void halves_sw(const uint8_t *src, size_t n, float *dst)
@@ -67,13 +66,6 @@ void kv_attn_halves_to_f32(const uint16_t *src, size_t n, float *dst)
         dst[i] = strata_half_to_float(src[i]);
 }
 
-/* Saturates at SIZE_MAX so an absurd view asks for an impossible allocation instead of wrapping. */
-static size_t mul_sat(size_t a, size_t b)
-{
-    size_t r;
-    return __builtin_mul_overflow(a, b, &r) ? SIZE_MAX : r;
-}
-static size_t add_sat(size_t a, size_t b) { return a > SIZE_MAX - b ? SIZE_MAX : a + b; }
 
 static void plan_scratch(const kv_layer_view *v, int n_q_heads, scratch_plan *p)
 {
@@ -83,15 +75,15 @@ static void plan_scratch(const kv_layer_view *v, int n_q_heads, scratch_plan *p)
     size_t D = v->head_dim > 0 ? (size_t)v->head_dim : 1;
     size_t bt = v->block_tokens > 0 ? (size_t)v->block_tokens : 1;
     size_t wide = bt > D ? bt : D;
-    p->positions = add_sat(mul_sat(v->n_blocks, bt), v->tail_tokens);
+    p->positions = kv_attn_add_sat(kv_attn_mul_sat(v->n_blocks, bt), v->tail_tokens);
     p->scores = 0;
-    p->acc = align64(mul_sat(mul_sat(nq, p->positions), sizeof(float)));
-    p->sums = add_sat(p->acc, align64(mul_sat(mul_sat(nq, D), sizeof(double))));
-    p->part = add_sat(p->sums, align64(mul_sat(nq, sizeof(double))));
-    p->groups = add_sat(p->part, align64(mul_sat(mul_sat(qpk, wide), sizeof(float))));
-    p->row = add_sat(p->groups, align64(mul_sat(mul_sat(qpk, wide), sizeof(float))));
-    p->blocks = add_sat(p->row, align64(mul_sat(wide, sizeof(float))));
-    p->total = add_sat(p->blocks, align64(mul_sat(v->n_blocks, sizeof(kv_block))));
+    p->acc = kv_attn_align64(kv_attn_mul_sat(kv_attn_mul_sat(nq, p->positions), sizeof(float)));
+    p->sums = kv_attn_add_sat(p->acc, kv_attn_align64(kv_attn_mul_sat(kv_attn_mul_sat(nq, D), sizeof(double))));
+    p->part = kv_attn_add_sat(p->sums, kv_attn_align64(kv_attn_mul_sat(nq, sizeof(double))));
+    p->groups = kv_attn_add_sat(p->part, kv_attn_align64(kv_attn_mul_sat(kv_attn_mul_sat(qpk, wide), sizeof(float))));
+    p->row = kv_attn_add_sat(p->groups, kv_attn_align64(kv_attn_mul_sat(kv_attn_mul_sat(qpk, wide), sizeof(float))));
+    p->blocks = kv_attn_add_sat(p->row, kv_attn_align64(kv_attn_mul_sat(wide, sizeof(float))));
+    p->total = kv_attn_add_sat(p->blocks, kv_attn_align64(kv_attn_mul_sat(v->n_blocks, sizeof(kv_block))));
     if (p->acc == SIZE_MAX || p->total >= SIZE_MAX - 64)
         p->total = SIZE_MAX;
 }
@@ -282,8 +274,8 @@ static int block_pass(attn_ctx *a, const kv_block *b, size_t pos, bool values, s
     return rc;
 }
 
-int kern_kv_attention(const kv_layer_view *view, const float *q, int n_q_heads, float *out,
-                      void *scratch, strata_error *err)
+int kv_attn_check_args(const kv_layer_view *view, const float *q, int n_q_heads, const float *out,
+                       const void *scratch, strata_error *err)
 {
     if (!view || !q || !out || !scratch)
         return strata_fail(err, STRATA_EINVAL, "attention: NULL argument");
@@ -297,6 +289,15 @@ int kern_kv_attention(const kv_layer_view *view, const float *q, int n_q_heads, 
                            view->n_blocks);
     if (view->tail_tokens && (!view->tail_k || !view->tail_v))
         return strata_fail(err, STRATA_EINVAL, "attention: %zu tail tokens without tail buffers", view->tail_tokens);
+    return STRATA_OK;
+}
+
+int kern_kv_attention(const kv_layer_view *view, const float *q, int n_q_heads, float *out,
+                      void *scratch, strata_error *err)
+{
+    int rc = kv_attn_check_args(view, q, n_q_heads, out, scratch, err);
+    if (rc)
+        return rc;
     scratch_plan plan;
     plan_scratch(view, n_q_heads, &plan);
     if (plan.total == SIZE_MAX)
@@ -333,7 +334,7 @@ int kern_kv_attention(const kv_layer_view *view, const float *q, int n_q_heads, 
     /* Each header is parsed once; both passes read the parsed table. */
     kv_block *blocks = (kv_block *)(void *)(base + plan.blocks);
     for (size_t i = 0; i < view->n_blocks; i++) {
-        int rc = kv_attn_parse_block(view, i, &blocks[i], err);
+        rc = kv_attn_parse_block(view, i, &blocks[i], err);
         if (rc)
             return rc;
         rc = block_pass(&a, &blocks[i], i * bt, false, err);
@@ -360,7 +361,7 @@ int kern_kv_attention(const kv_layer_view *view, const float *q, int n_q_heads, 
     }
 
     for (size_t i = 0; i < view->n_blocks; i++) {
-        int rc = block_pass(&a, &blocks[i], i * bt, true, err);
+        rc = block_pass(&a, &blocks[i], i * bt, true, err);
         if (rc)
             return rc;
     }

@@ -57,6 +57,21 @@ static inline float kv_attn_dot(const float *restrict a, const float *restrict b
     return s;
 }
 
+/* The argument checks both kernels make: NULLs, scratch alignment, head shapes, the block table
+ * and tail buffers the view claims. STRATA_EINVAL with a message. */
+int kv_attn_check_args(const kv_layer_view *view, const float *q, int n_q_heads, const float *out,
+                       const void *scratch, strata_error *err);
+
+/* Scratch arithmetic that saturates at SIZE_MAX, so that an absurd view asks for an impossible
+ * allocation instead of wrapping. */
+static inline size_t kv_attn_align64(size_t x) { return x > SIZE_MAX - 63 ? SIZE_MAX : (x + 63) & ~(size_t)63; }
+static inline size_t kv_attn_mul_sat(size_t a, size_t b)
+{
+    size_t r;
+    return __builtin_mul_overflow(a, b, &r) ? SIZE_MAX : r;
+}
+static inline size_t kv_attn_add_sat(size_t a, size_t b) { return a > SIZE_MAX - b ? SIZE_MAX : a + b; }
+
 /* Parses block i of a view and checks it belongs there (layer, positions, shape): STRATA_EFORMAT
  * with the block named otherwise. */
 int kv_attn_parse_block(const kv_layer_view *v, size_t i, kv_block *b, strata_error *err);

@@ -30,28 +30,21 @@ typedef struct rows_plan {
     size_t total;
 } rows_plan;
 
-static size_t align64(size_t x) { return (x + 63) & ~(size_t)63; }
-static size_t mul_sat(size_t a, size_t b)
-{
-    size_t r;
-    return __builtin_mul_overflow(a, b, &r) ? SIZE_MAX : r;
-}
-static size_t add_sat(size_t a, size_t b) { return a > SIZE_MAX - b ? SIZE_MAX : a + b; }
 
 static void plan_rows(const kv_layer_view *v, int n_q_heads, size_t n_rows, rows_plan *p)
 {
     const size_t nq = n_q_heads > 0 ? (size_t)n_q_heads : 1;
-    const size_t kvd = mul_sat(v->n_kv_heads > 0 ? (size_t)v->n_kv_heads : 1, v->head_dim > 0 ? (size_t)v->head_dim : 1);
+    const size_t kvd = kv_attn_mul_sat(v->n_kv_heads > 0 ? (size_t)v->n_kv_heads : 1, v->head_dim > 0 ? (size_t)v->head_dim : 1);
     const size_t bt = v->block_tokens > 0 ? (size_t)v->block_tokens : 1;
     const size_t rows = n_rows ? n_rows : 1, tile = rows < ROW_TILE ? rows : ROW_TILE;
-    p->span = mul_sat(SPAN_BLOCKS, bt);
+    p->span = kv_attn_mul_sat(SPAN_BLOCKS, bt);
     p->k = 0;
-    p->v = align64(mul_sat(mul_sat(p->span, kvd), sizeof(float)));
-    p->scores = add_sat(p->v, p->v);
-    p->max = add_sat(p->scores, align64(mul_sat(mul_sat(tile, p->span), sizeof(float))));
-    p->sum = add_sat(p->max, align64(mul_sat(mul_sat(rows, nq), sizeof(float))));
-    p->blocks = add_sat(p->sum, align64(mul_sat(mul_sat(rows, nq), sizeof(double))));
-    p->total = add_sat(p->blocks, align64(mul_sat(v->n_blocks, sizeof(kv_block))));
+    p->v = kv_attn_align64(kv_attn_mul_sat(kv_attn_mul_sat(p->span, kvd), sizeof(float)));
+    p->scores = kv_attn_add_sat(p->v, p->v);
+    p->max = kv_attn_add_sat(p->scores, kv_attn_align64(kv_attn_mul_sat(kv_attn_mul_sat(tile, p->span), sizeof(float))));
+    p->sum = kv_attn_add_sat(p->max, kv_attn_align64(kv_attn_mul_sat(kv_attn_mul_sat(rows, nq), sizeof(float))));
+    p->blocks = kv_attn_add_sat(p->sum, kv_attn_align64(kv_attn_mul_sat(kv_attn_mul_sat(rows, nq), sizeof(double))));
+    p->total = kv_attn_add_sat(p->blocks, kv_attn_align64(kv_attn_mul_sat(v->n_blocks, sizeof(kv_block))));
     if (p->v == SIZE_MAX || p->total >= SIZE_MAX - 64)
         p->total = SIZE_MAX;
 }
@@ -133,18 +126,9 @@ static void fold_span(rows_job *j, size_t p0, size_t len)
 int kern_kv_attention_rows(const kv_layer_view *view, const float *q, size_t n_rows, int n_q_heads,
                            size_t visible0, float *out, void *scratch, strata_error *err)
 {
-    if (!view || !q || !out || !scratch)
-        return strata_fail(err, STRATA_EINVAL, "attention: NULL argument");
-    if (((uintptr_t)scratch & 63u) != 0)
-        return strata_fail(err, STRATA_EINVAL, "attention: scratch is not 64-byte aligned");
-    if (view->n_kv_heads < 1 || view->head_dim < 1 || n_q_heads < 1 || n_q_heads % view->n_kv_heads)
-        return strata_fail(err, STRATA_EINVAL, "attention: %d query heads over %d kv heads of dim %d", n_q_heads,
-                           view->n_kv_heads, view->head_dim);
-    if (view->n_blocks && (!view->blocks || view->block_tokens < 1))
-        return strata_fail(err, STRATA_EINVAL, "attention: %zu blocks without a block table or block size",
-                           view->n_blocks);
-    if (view->tail_tokens && (!view->tail_k || !view->tail_v))
-        return strata_fail(err, STRATA_EINVAL, "attention: %zu tail tokens without tail buffers", view->tail_tokens);
+    int rc = kv_attn_check_args(view, q, n_q_heads, out, scratch, err);
+    if (rc)
+        return rc;
     rows_plan plan;
     plan_rows(view, n_q_heads, n_rows, &plan);
     const size_t bt = view->block_tokens > 0 ? (size_t)view->block_tokens : 0;
@@ -180,7 +164,7 @@ int kern_kv_attention_rows(const kv_layer_view *view, const float *q, size_t n_r
     };
     kv_block *blocks = (kv_block *)(void *)(base + plan.blocks);
     for (size_t i = 0; i < view->n_blocks; i++) {
-        int rc = kv_attn_parse_block(view, i, &blocks[i], err);
+        rc = kv_attn_parse_block(view, i, &blocks[i], err);
         if (rc)
             return rc;
     }
@@ -197,7 +181,7 @@ int kern_kv_attention_rows(const kv_layer_view *view, const float *q, size_t n_r
             const size_t first = p0 / bt, nb = view->n_blocks - first < SPAN_BLOCKS ? view->n_blocks - first : SPAN_BLOCKS;
             len = nb * bt;
             for (size_t b = 0; b < nb && b * bt < limit - p0; b++) {
-                int rc = kv_block_decode(&blocks[first + b], j.k + b * bt * j.kvd, j.v + b * bt * j.kvd, err);
+                rc = kv_block_decode(&blocks[first + b], j.k + b * bt * j.kvd, j.v + b * bt * j.kvd, err);
                 if (rc) {
                     if (err)
                         strata_error_prefix(err, "attention: layer %d block %zu", view->layer, first + b);
