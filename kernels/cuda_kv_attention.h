@@ -102,6 +102,16 @@ int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_plan *plan, co
 int cuda_attention_prefill(const float *d_q, const uint16_t *d_k, const uint16_t *d_v, int n, int n_q_heads,
                            int n_kv_heads, int head_dim, float *d_out, strata_cuda_stream stream, strata_error *err);
 
+/* A prompt chunk continuing a sequence, the counterpart of kern_kv_attention_rows: row i of the
+ * n chunk rows attends the sequence's cache as it was before the chunk (*seq: its block table,
+ * device pointers, and fp16 tail) and then the chunk's own K/V rows 0..i (d_k, d_v: fp16
+ * [n][n_kv_heads][head_dim], device). d_q, d_out: fp32 [n][n_q_heads][head_dim], device. seq is
+ * read on the host (passed to the kernel by value). d_status as for cuda_kv_attention. head_dim
+ * at most 256, at most 16 query heads per KV head, n at most 65535. */
+int cuda_kv_attention_chunk(const cuda_kv_layout *layout, const cuda_kv_seq *seq, const float *d_q,
+                            const uint16_t *d_k, const uint16_t *d_v, int n, int n_q_heads, float *d_out,
+                            int *d_status, strata_cuda_stream stream, strata_error *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -114,6 +114,50 @@ __global__ void __launch_bounds__(kThreads) prefill_causal(cuda_kv_layout L, con
     kv_att_write_normalized(&s, qpk, D, out + row0 * D, threadIdx.x, blockDim.x);
 }
 
+// grid (n_kv_heads, n): row i of a prompt chunk continuing a sequence, over the sequence's blocks
+// and fp16 tail as they were before the chunk, then the chunk's own rows 0..i, with the decode
+// kernel's phases and online softmax. Every row reads the whole cache: a first version (the CPU's
+// kern_kv_attention_rows decodes each block once for all rows instead; docs/gpu.md).
+__global__ void __launch_bounds__(kThreads) chunk_rows(cuda_kv_layout L, cuda_kv_seq seq, const float *q,
+                                                       const uint16_t *ck, const uint16_t *cv, int nq, float *out,
+                                                       int *status)
+{
+    extern __shared__ float smem[];
+    __shared__ int block_ok;
+    __shared__ kv_att_block_info info;
+    const int D = L.head_dim, BT = L.block_tokens, nkv = L.n_kv_heads, qpk = nq / nkv;
+    const int kvh = blockIdx.x, i = blockIdx.y;
+    const kv_att_shared s = kv_att_shared_at(smem, qpk, D, BT, blockDim.x);
+    const size_t row0 = (size_t)i * nq + (size_t)kvh * qpk, row = (size_t)nkv * D;
+    kv_att_init(&s, q + row0 * D, qpk, D, threadIdx.x, blockDim.x);
+    __syncthreads();
+    for (int u = 0; u < seq.n_blocks; u++) {
+        const uint8_t *blk = seq.blocks[u];
+        if (threadIdx.x == 0) {
+            int bad = kv_att_block_status(&L, blk, u);
+            if (!bad)
+                bad = kv_att_block_parse(&L, blk, &info);
+            if (bad)
+                atomicExch(status, bad);
+            block_ok = !bad;
+        }
+        __syncthreads();
+        if (!block_ok)
+            continue;
+        const kv_att_src src = {blk, &info, nullptr, nullptr};
+        attend_chunk(s, L, src, kvh, qpk, BT, BT);
+    }
+    for (int t0 = 0; t0 < seq.tail_tokens; t0 += BT) {
+        const kv_att_src src = {nullptr, nullptr, seq.tail_k + t0 * row, seq.tail_v + t0 * row};
+        attend_chunk(s, L, src, kvh, qpk, BT, min(BT, seq.tail_tokens - t0));
+    }
+    for (int t0 = 0; t0 <= i; t0 += BT) {
+        const kv_att_src src = {nullptr, nullptr, ck + t0 * row, cv + t0 * row};
+        attend_chunk(s, L, src, kvh, qpk, BT, min(BT, i + 1 - t0));
+    }
+    kv_att_write_normalized(&s, qpk, D, out + row0 * D, threadIdx.x, blockDim.x);
+}
+
 int launch_failed(strata_error *err, const char *what)
 {
     const cudaError_t e = cudaGetLastError();
@@ -132,6 +176,21 @@ int allow_smem(Kernel kernel, size_t smem, strata_error *err)
     return STRATA_OK;
 }
 
+// The codec and quantized shape both block-reading kernels handle.
+int check_codec(const cuda_kv_layout *layout, const char *fn, strata_error *err)
+{
+    if (layout->codec < KV_CODEC_FP16 || layout->codec > KV_CODEC_TADA)
+        return strata_fail(err, STRATA_EUNSUPPORTED, "%s: codec %d", fn, layout->codec);
+    const int max_bits = layout->codec == KV_CODEC_TADA ? 8 : 4;
+    const bool bits_ok = (layout->k_bits == 2 || layout->k_bits == 4 || layout->k_bits == max_bits) &&
+                         (layout->v_bits == 2 || layout->v_bits == 4 || layout->v_bits == max_bits);
+    if (layout->codec != KV_CODEC_FP16 &&
+        (layout->k_group < 1 || layout->v_group < 1 || layout->block_tokens % layout->k_group != 0 ||
+         layout->head_dim % layout->v_group != 0 || !bits_ok))
+        return strata_fail(err, STRATA_EINVAL, "%s: inconsistent quantized layout", fn);
+    return STRATA_OK;
+}
+
 }  // namespace
 
 extern "C" int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_plan *plan, const cuda_kv_seq *d_seqs,
@@ -147,15 +206,9 @@ extern "C" int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_pla
     if ((long)plan->n_splits * plan->blocks_per_split < (long)plan->max_blocks + 1)
         return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention: the plan's splits do not cover %d blocks",
                            plan->max_blocks);
-    if (layout->codec < KV_CODEC_FP16 || layout->codec > KV_CODEC_TADA)
-        return strata_fail(err, STRATA_EUNSUPPORTED, "cuda_kv_attention: codec %d", layout->codec);
-    const int max_bits = layout->codec == KV_CODEC_TADA ? 8 : 4;
-    const bool bits_ok = (layout->k_bits == 2 || layout->k_bits == 4 || layout->k_bits == max_bits) &&
-                         (layout->v_bits == 2 || layout->v_bits == 4 || layout->v_bits == max_bits);
-    if (layout->codec != KV_CODEC_FP16 &&
-        (layout->k_group < 1 || layout->v_group < 1 || layout->block_tokens % layout->k_group != 0 ||
-         D % layout->v_group != 0 || !bits_ok))
-        return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention: inconsistent quantized layout");
+    const int rc0 = check_codec(layout, "cuda_kv_attention", err);
+    if (rc0 != STRATA_OK)
+        return rc0;
     const int qpk = plan->n_q_heads / H;
     const size_t smem = kv_att_shared_floats(qpk, D, layout->block_tokens, kThreads) * sizeof(float);
     float *ws_acc = static_cast<float *>(d_workspace);
@@ -194,4 +247,31 @@ extern "C" int cuda_attention_prefill(const float *d_q, const uint16_t *d_k, con
     prefill_causal<<<dim3((unsigned)n_kv_heads, (unsigned)n), kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(
         rows, d_q, d_k, d_v, n_q_heads, d_out);
     return launch_failed(err, "prefill_causal");
+}
+
+extern "C" int cuda_kv_attention_chunk(const cuda_kv_layout *layout, const cuda_kv_seq *seq, const float *d_q,
+                                       const uint16_t *d_k, const uint16_t *d_v, int n, int n_q_heads, float *d_out,
+                                       int *d_status, strata_cuda_stream stream, strata_error *err)
+{
+    if (!layout || !seq || !d_q || !d_k || !d_v || !d_out || !d_status)
+        return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention_chunk: NULL argument");
+    const int H = layout->n_kv_heads, D = layout->head_dim;
+    if (n < 1 || n > 65535 || H < 1 || D < 1 || D > 256 || layout->block_tokens < 1 || n_q_heads % H != 0 ||
+        n_q_heads / H > kMaxQpk || seq->n_blocks < 0 || seq->tail_tokens < 0 || (seq->n_blocks && !seq->blocks) ||
+        (seq->tail_tokens && (!seq->tail_k || !seq->tail_v)))
+        return strata_fail(err, STRATA_EINVAL,
+                           "cuda_kv_attention_chunk: %d rows (1..65535), %d query / %d KV heads, head_dim %d, a view of "
+                           "%d blocks and %d tail tokens",
+                           n, n_q_heads, H, D, seq->n_blocks, seq->tail_tokens);
+    int rc = check_codec(layout, "cuda_kv_attention_chunk", err);
+    if (rc != STRATA_OK)
+        return rc;
+    const int qpk = n_q_heads / H;
+    const size_t smem = kv_att_shared_floats(qpk, D, layout->block_tokens, kThreads) * sizeof(float);
+    rc = allow_smem(chunk_rows, smem, err);
+    if (rc != STRATA_OK)
+        return rc;
+    chunk_rows<<<dim3((unsigned)H, (unsigned)n), kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(
+        *layout, *seq, d_q, d_k, d_v, n_q_heads, d_out, d_status);
+    return launch_failed(err, "chunk_rows");
 }

@@ -743,11 +743,173 @@ static void test_emulated_prefill(void **state)
     free(smem);
 }
 
+/* A prompt chunk continuing a sequence (cuda_kv_attention_chunk): n chunk rows over a cache of
+ * n_blocks blocks and a tail, then the chunk's own rows, causal. Against fp64 (reference() on the
+ * cache with the chunk's first i + 1 rows appended to its tail, per row) and against the CPU's
+ * kern_kv_attention_rows on the same view; emulated (the kernel's loop, phase after phase) or on
+ * the device. Output poisoned before. */
+static void chunk_case(const char *codec, int nq, int nkv, int D, int n_blocks, int tail, int n, bool on_gpu)
+{
+    kv_codec_params p;
+    strata_error err = {0};
+    assert_int_equal(kv_codec_parse(codec, &p, &err), STRATA_OK);
+    const kv_geometry g = {.n_layers = 1, .n_kv_heads = nkv, .head_dim = D, .block_tokens = 64};
+    const size_t slot = kv_block_size(&p, &g), row = (size_t)nkv * D, nqd = (size_t)n * nq * D;
+    host_seq hs;
+    make_seq(&p, &g, n_blocks, tail, slot, &hs);
+    /* the view with the chunk after the tail, as the model builds it for the CPU kernel */
+    host_seq ext = hs;
+    ext.tail = tail + n;
+    ext.tail_k = malloc((size_t)ext.tail * row * 2);
+    ext.tail_v = malloc((size_t)ext.tail * row * 2);
+    float *q = malloc(nqd * sizeof *q), *out = malloc(nqd * sizeof *out), *cpu = malloc(nqd * sizeof *cpu);
+    double *ref = malloc(nqd * sizeof *ref);
+    assert_true(ext.tail_k && ext.tail_v && q && out && cpu && ref);
+    memcpy(ext.tail_k, hs.tail_k, (size_t)tail * row * 2);
+    memcpy(ext.tail_v, hs.tail_v, (size_t)tail * row * 2);
+    uint16_t *ck = ext.tail_k + (size_t)tail * row, *cv = ext.tail_v + (size_t)tail * row;
+    for (size_t i = 0; i < (size_t)n * row; i++) {
+        ck[i] = strata_float_to_half(2.0f * cuda_test_uniform(&seed));
+        cv[i] = strata_float_to_half(cuda_test_uniform(&seed));
+    }
+    for (size_t i = 0; i < nqd; i++) {
+        q[i] = 2.0f * cuda_test_uniform(&seed);
+        out[i] = NAN;
+    }
+    for (int i = 0; i < n; i++) {   /* fp64: row i sees the cache and chunk rows 0..i */
+        host_seq cut = ext;
+        cut.tail = tail + i + 1;
+        reference(&cut, &g, slot, q + (size_t)i * nq * D, nq, ref + (size_t)i * nq * D);
+    }
+    const uint8_t **ptrs = malloc((size_t)(n_blocks ? n_blocks : 1) * sizeof *ptrs);
+    assert_non_null(ptrs);
+    for (int b = 0; b < n_blocks; b++)
+        ptrs[b] = hs.blocks + (size_t)b * slot;
+    const kv_layer_view view = {.layer = 0, .n_kv_heads = nkv, .head_dim = D, .block_tokens = 64,
+                                .n_blocks = (size_t)n_blocks, .blocks = ptrs, .block_bytes = slot,
+                                .tail_tokens = (size_t)ext.tail, .tail_k = ext.tail_k, .tail_v = ext.tail_v};
+    void *scratch = aligned_alloc(64, (kern_kv_attention_rows_scratch(&view, nq, (size_t)n) + 63) & ~(size_t)63);
+    assert_non_null(scratch);
+    assert_int_equal(kern_kv_attention_rows(&view, q, (size_t)n, nq, (size_t)n_blocks * 64 + (size_t)tail + 1, cpu,
+                                            scratch, &err), STRATA_OK);
+    cuda_kv_layout layout = {0};
+    if (n_blocks) {
+        kv_block b;
+        assert_int_equal(kv_block_parse(hs.blocks, slot, &b, &err), STRATA_OK);
+        assert_int_equal(cuda_kv_layout_from_block(&b, &layout, &err), STRATA_OK);
+    } else {
+        layout = (cuda_kv_layout){.codec = KV_CODEC_FP16, .block_tokens = 64, .n_kv_heads = nkv, .head_dim = D};
+    }
+    layout.block_bytes = (uint32_t)slot;
+    int status = 0;
+    if (!on_gpu) {   /* chunk_rows in kernels/cuda/kv_attention.cu, one thread after another */
+        const int qpk = nq / nkv, BT = 64;
+        float *smem = malloc(kv_att_shared_floats(qpk, D, BT, EMU_THREADS) * sizeof(float));
+        assert_non_null(smem);
+        for (int i = 0; i < n; i++)
+            for (int kvh = 0; kvh < nkv; kvh++) {
+                const kv_att_shared sh = kv_att_shared_at(smem, qpk, D, BT, EMU_THREADS);
+                const size_t row0 = (size_t)i * nq + (size_t)kvh * qpk;
+                for (unsigned t = 0; t < EMU_THREADS; t++)
+                    kv_att_init(&sh, q + row0 * D, qpk, D, t, EMU_THREADS);
+                for (int u = 0; u < n_blocks; u++) {
+                    kv_att_block_info info;
+                    int bad = kv_att_block_status(&layout, ptrs[u], u);
+                    if (!bad)
+                        bad = kv_att_block_parse(&layout, ptrs[u], &info);
+                    if (bad) {
+                        status = bad;
+                        continue;
+                    }
+                    const kv_att_src src = {ptrs[u], &info, NULL, NULL};
+                    emu_chunk(&sh, &layout, &src, kvh, qpk, BT, BT);
+                }
+                for (int t0 = 0; t0 < tail; t0 += BT) {
+                    const kv_att_src src = {NULL, NULL, hs.tail_k + t0 * row, hs.tail_v + t0 * row};
+                    emu_chunk(&sh, &layout, &src, kvh, qpk, BT, tail - t0 < BT ? tail - t0 : BT);
+                }
+                for (int t0 = 0; t0 <= i; t0 += BT) {
+                    const kv_att_src src = {NULL, NULL, ck + t0 * row, cv + t0 * row};
+                    emu_chunk(&sh, &layout, &src, kvh, qpk, BT, i + 1 - t0 < BT ? i + 1 - t0 : BT);
+                }
+                for (unsigned t = 0; t < EMU_THREADS; t++)
+                    kv_att_write_normalized(&sh, qpk, D, out + row0 * D, t, EMU_THREADS);
+            }
+        free(smem);
+    } else {
+        void *allocs[8];
+        int n_allocs = 0;
+        cuda_kv_seq *d_seq = upload(&hs, 1, slot, &g, allocs, &n_allocs), seq;
+        CUDA_CHECK(cudaMemcpy(&seq, d_seq, sizeof seq, cudaMemcpyDeviceToHost));
+        float *dq, *dout;
+        uint16_t *dk, *dv;
+        int *dstatus;
+        CUDA_CHECK(cudaMalloc((void **)&dq, nqd * 4));
+        CUDA_CHECK(cudaMalloc((void **)&dout, nqd * 4));
+        CUDA_CHECK(cudaMalloc((void **)&dk, (size_t)n * row * 2));
+        CUDA_CHECK(cudaMalloc((void **)&dv, (size_t)n * row * 2));
+        CUDA_CHECK(cudaMalloc((void **)&dstatus, sizeof(int)));
+        CUDA_CHECK(cudaMemcpy(dq, q, nqd * 4, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(dk, ck, (size_t)n * row * 2, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(dv, cv, (size_t)n * row * 2, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemset(dout, 0xff, nqd * 4));
+        CUDA_CHECK(cudaMemset(dstatus, 0, sizeof(int)));
+        if (cuda_kv_attention_chunk(&layout, &seq, dq, dk, dv, n, nq, dout, dstatus, NULL, &err) != STRATA_OK)
+            fail_msg("cuda_kv_attention_chunk: %s", err.msg);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        CUDA_CHECK(cudaMemcpy(out, dout, nqd * 4, cudaMemcpyDeviceToHost));
+        CUDA_CHECK(cudaMemcpy(&status, dstatus, sizeof status, cudaMemcpyDeviceToHost));
+        cudaFree(dq);
+        cudaFree(dout);
+        cudaFree(dk);
+        cudaFree(dv);
+        cudaFree(dstatus);
+        for (int i = 0; i < n_allocs; i++)
+            CUDA_CHECK(cudaFree(allocs[i]));
+    }
+    assert_int_equal(status, 0);
+    const double e = cuda_test_rel_error(out, ref, nqd), ec = cuda_test_rel_error(cpu, ref, nqd);
+    printf("  chunk %s nq %d nkv %d D %d, %d blocks + %d tail + %d rows (%s): %.2e, cpu %.2e vs fp64\n", codec, nq, nkv,
+           D, n_blocks, tail, n, on_gpu ? "gpu" : "emulated", e, ec);
+    if (!(e <= REL_BOUND) || !(ec <= REL_BOUND))
+        fail_msg("chunk %s: %.3e (cpu %.3e) > %.0e", codec, e, ec, REL_BOUND);
+    free(scratch);
+    free(ptrs);
+    free(q);
+    free(out);
+    free(cpu);
+    free(ref);
+    free(ext.tail_k);
+    free(ext.tail_v);
+    free_seq(&hs);
+}
+
+static void test_emulated_chunk(void **state)
+{
+    (void)state;
+    const char *codecs[] = {"fp16", "kivi2", "tada4", "gear2", "ott2"};
+    for (size_t c = 0; c < 5; c++)
+        chunk_case(codecs[c], 9, 3, 64, 3, 40, 70, false);
+    chunk_case("kivi4", 9, 3, 64, 0, 0, 5, false);     /* no cache yet but the chunk */
+    chunk_case("kivi2", 32, 8, 128, 2, 64, 3, false);   /* Llama-3-8B's heads */
+}
+
+static void test_chunk(void **state)
+{
+    (void)state;
+    const char *codecs[] = {"fp16", "kivi2", "kivi4", "tada4", "gear2", "ott2"};
+    for (size_t c = 0; c < 6; c++) {
+        chunk_case(codecs[c], 9, 3, 64, 5, 17, 130, true);
+        chunk_case(codecs[c], 32, 8, 128, 20, 100, 300, true);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest harness[] = {cmocka_unit_test(test_reference_matches_cpu_kernel),
                                          cmocka_unit_test(test_emulated_kernels),
-                                         cmocka_unit_test(test_emulated_prefill)};
+                                         cmocka_unit_test(test_emulated_prefill),
+                                         cmocka_unit_test(test_emulated_chunk)};
     const int harness_rc = cmocka_run_group_tests(harness, NULL, NULL);
     if (harness_rc != 0)
         return harness_rc;
@@ -759,6 +921,7 @@ int main(void)
         cmocka_unit_test(test_group_shapes),
         cmocka_unit_test(test_bad_tables_raise_status),
         cmocka_unit_test(test_prefill),
+        cmocka_unit_test(test_chunk),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -16,7 +16,8 @@
  * different lengths prefilled together, decoding together, and a prompt joining mid-way; bad
  * batches are refused. A shared block pool with a pinned host tier below gives the same logits as
  * per-sequence arenas while blocks move off the device and back. Two pipeline stages, their rows
- * through an NCCL loopback link, give the whole model's logits. Without a CUDA device only the no-device error path runs, then the test
+ * through an NCCL loopback link, give the whole model's logits. A prompt in chunks matches the
+ * CPU's chunked prefill, with arenas and with the shared pool. Without a CUDA device only the no-device error path runs, then the test
  * exits 77 (skipped). */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -308,7 +309,7 @@ static void test_shared_pool(void **state)
     const int L = model_get_config(m)->n_layers;
     const size_t nv = (size_t)model_get_config(m)->n_vocab;
     kv_codec_params k2;
-    assert_int_equal(kv_codec_parse("kivi2", &k2, &err), STRATA_OK);
+    assert_int_equal(kv_codec_parse("kivi2-g16", &k2, &err), STRATA_OK);
     const size_t blocks_per_layer = (TOKENS - (size_t)k2.residual) / BT;
     kv_tiers_options to = {.host_bytes = 64u << 20, .allocator = cuda_pinned_host_allocator()};
     kv_tiers *tiers = kv_tiers_create(&to, &err);
@@ -377,6 +378,81 @@ static void test_shared_pool(void **state)
     model_free(m);
 }
 
+/* A prompt in chunks (the first exact, the later ones attending the compressed cache plus
+ * themselves: cuda_kv_attention_chunk) against the CPU's model_forward with the same split, then
+ * decode steps; per-sequence arenas and the shared pool over a host tier (the chunk's layer
+ * blocks brought back before its attention), beside a decoding sequence in the same steps. */
+static void test_chunked_prompt(void **state)
+{
+    (void)state;
+    enum { BT = 16, TOKENS = 300 };
+    const size_t cuts[] = {0, 70, 150, 231, 240};   /* chunks of 70, 80, 81 and 9 tokens */
+    strata_error err = {0};
+    model *m = model_load("synthetic:tiny:seed=5", 0, -1, &err);
+    assert_non_null(m);
+    const size_t nv = (size_t)model_get_config(m)->n_vocab;
+    const char *codecs[] = {"fp16", "kivi2-g16", "gear2-g16", "ott2-g16", "tada4-g16"};   /* groups dividing BT */
+    kv_tiers_options to = {.host_bytes = 64u << 20, .allocator = cuda_pinned_host_allocator()};
+    kv_tiers *tiers = kv_tiers_create(&to, &err);
+    if (!tiers)
+        fail_msg("%s", err.msg);
+    const kv_lower_tier lower = kv_tiers_lower(tiers);
+    float *cpu = malloc(nv * sizeof *cpu), *gpu = malloc(2 * nv * sizeof *gpu);
+    int32_t *tok = malloc(TOKENS * sizeof *tok);
+    assert_true(cpu && gpu && tok);
+    for (size_t c = 0; c < 5; c++) {
+        kv_codec_params codec;
+        assert_int_equal(kv_codec_parse(codecs[c], &codec, &err), STRATA_OK);
+        for (int shared = 0; shared < 2; shared++) {
+            uint64_t seed = 7 + c;
+            for (size_t i = 0; i < TOKENS; i++)
+                tok[i] = (int32_t)(32 + cuda_test_rng(&seed) % 90);
+            kv_geometry geo = model_kv_geometry(m, BT);
+            kv_pool *pool = kv_pool_create(&geo, &codec, (TOKENS / BT + 2) * (size_t)geo.n_layers, &err);
+            kv_seq *seq = pool ? kv_seq_create(pool, TOKENS, &err) : NULL;
+            cuda_model *cm = cuda_model_create(m, CUDA_WEIGHTS_F32, &err);
+            assert_true(seq && cm);
+            if (shared &&
+                cuda_model_create_kv_pool(cm, &codec, BT, (TOKENS - (size_t)codec.residual) / BT + 8, &lower, &err) !=
+                    STRATA_OK)
+                fail_msg("%s", err.msg);
+            cuda_seq *gs = cuda_seq_create(cm, &codec, BT, TOKENS, &err), *other = cuda_seq_create(cm, &codec, BT, TOKENS, &err);
+            assert_true(gs && other);
+            const int32_t other_prompt[3] = {40, 41, 42};
+            const cuda_batch_item o0 = {other, other_prompt, 3};
+            assert_int_equal(cuda_model_forward_batch(cm, &o0, 1, NULL, &err), STRATA_OK);
+            double worst = 0.0;
+            for (size_t k = 0; k + 1 < sizeof cuts / sizeof cuts[0]; k++) {
+                const size_t at = cuts[k], n = cuts[k + 1] - cuts[k];
+                assert_int_equal(model_forward(m, seq, tok + at, n, at, cpu, false, &err), STRATA_OK);
+                for (size_t i = 0; i < 2 * nv; i++)
+                    gpu[i] = NAN;
+                const int32_t next_other = 50 + (int32_t)k;
+                const cuda_batch_item items[2] = {{other, &next_other, 1}, {gs, tok + at, n}};
+                if (cuda_model_forward_batch(cm, items, 2, gpu, &err) != STRATA_OK)
+                    fail_msg("%s%s chunk %zu: %s", codecs[c], shared ? " (shared pool)" : "", k, err.msg);
+                const double e = rel_error(gpu + nv, cpu, nv);
+                worst = e > worst ? e : worst;
+                if (!(e <= (codec.codec == KV_CODEC_FP16 ? 2e-3 : 3e-2)))
+                    fail_msg("%s chunk %zu (%zu tokens at %zu): logits differ by %.3e", codecs[c], k, n, at, e);
+            }
+            assert_int_equal(cuda_seq_length(gs), cuts[4]);
+            printf("  chunked prompt, %s cache%s: worst logits error %.2e vs the CPU\n", codecs[c],
+                   shared ? " (shared pool over a host tier)" : "", worst);
+            cuda_seq_free(gs);
+            cuda_seq_free(other);
+            cuda_model_free(cm);
+            kv_seq_destroy(seq);
+            kv_pool_destroy(pool);
+        }
+    }
+    kv_tiers_destroy(tiers);
+    free(cpu);
+    free(gpu);
+    free(tok);
+    model_free(m);
+}
+
 /* Two pipeline stages of one model on one GPU, the rows between them through an NCCL loopback
  * link when the build has NCCL (else a device copy): two sequences, prompts prefilled together,
  * then decoded together, give the logits of the whole model on the GPU (the same kernels on the
@@ -398,7 +474,7 @@ static void test_pipeline_stages(void **state)
         fail_msg("%s", err.msg);
     /* A stage misses its rows or hands them nowhere: refused. */
     kv_codec_params k2;
-    assert_int_equal(kv_codec_parse("kivi2", &k2, &err), STRATA_OK);
+    assert_int_equal(kv_codec_parse("kivi2-g16", &k2, &err), STRATA_OK);
     cuda_seq *w[SEQS], *s0[SEQS], *s1[SEQS];
     for (int i = 0; i < SEQS; i++) {
         w[i] = cuda_seq_create(cw, &k2, BT, CTX, &err);
@@ -516,7 +592,8 @@ static void test_bad_batches(void **state)
     assert_int_equal(cuda_model_forward_batch(cm, items, 2, NULL, &err), STRATA_EINVAL);   /* codecs differ */
     assert_non_null(strstr(err.msg, "share codec"));
     items[0] = (cuda_batch_item){a, toks, 3};
-    assert_int_equal(cuda_model_forward_batch(cm, items, 1, NULL, &err), STRATA_EINVAL);   /* a chunk */
+    assert_int_equal(cuda_model_forward_batch(cm, items, 1, NULL, &err), STRATA_OK);       /* a prompt chunk */
+    assert_int_equal(cuda_seq_length(a), 5);
     cuda_seq_free(a);
     cuda_seq_free(b);
     cuda_model_free(cm);
@@ -552,6 +629,7 @@ int main(void)
         cmocka_unit_test(test_bad_batches),
         cmocka_unit_test(test_greedy_and_sizes),
         cmocka_unit_test(test_shared_pool),
+        cmocka_unit_test(test_chunked_prompt),
         cmocka_unit_test(test_pipeline_stages),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

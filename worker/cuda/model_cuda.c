@@ -85,7 +85,7 @@ struct cuda_seq {
     const uint8_t **d_tables;        /* device: n_layers * max_blocks block pointers */
     cuda_kv_encode_job *d_job;       /* prefill's block formation, one at a time */
     cuda_kv_encoder enc_prompt;      /* GEAR: blocks made only of prompt tokens take rank_prompt */
-    size_t prompt_end;               /* the prompt's length (0 for a one-token prompt, as on the CPU) */
+    size_t prompt_end;               /* where the last multi-token append (prompt or chunk) ended, as on the CPU */
     size_t work_bytes;               /* GEAR: the larger encoder scratch */
     uint8_t *d_work;                 /* GEAR, OTT: prefill's scratch */
     uint8_t *d_ott;                  /* OTT: n_layers trackers of enc.ott_state_bytes, device */
@@ -639,15 +639,11 @@ static int check_items(cuda_model *cm, const cuda_batch_item *items, size_t n_it
         if (!it->seq || it->seq->cm != cm || (!it->tokens && cm->first) || it->n_tokens == 0)
             return strata_fail(err, STRATA_EINVAL, "batch item %zu: no sequence of this model, or no tokens", i);
         const cuda_seq *s = it->seq;
-        if (s->len > 0 && it->n_tokens != 1)
-            return strata_fail(err, STRATA_EINVAL,
-                               "batch item %zu: %zu tokens on a sequence of %zu: only a prompt on an empty sequence "
-                               "may have more than one (use cuda_model_forward for a chunk)", i, it->n_tokens, s->len);
         if (it->n_tokens > s->max_tokens - s->len)
             return strata_fail(err, STRATA_EINVAL, "batch item %zu: %zu tokens after %zu exceed the sequence's %zu", i,
                                it->n_tokens, s->len, s->max_tokens);
-        if (s->len == 0 && it->n_tokens > 65535)
-            return strata_fail(err, STRATA_EINVAL, "batch item %zu: a prompt of %zu tokens (at most 65535)", i,
+        if (it->n_tokens > 65535)
+            return strata_fail(err, STRATA_EINVAL, "batch item %zu: %zu tokens in one step (at most 65535)", i,
                                it->n_tokens);
         for (size_t t = 0; it->tokens && t < it->n_tokens; t++)
             if (it->tokens[t] < 0 || it->tokens[t] >= cm->cfg.n_vocab)
@@ -760,6 +756,22 @@ static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_
     return STRATA_OK;
 }
 
+/* Room for n blocks in the acquire arrays. */
+static int ensure_acquire(cuda_model *cm, size_t n, strata_error *err)
+{
+    if (n <= cm->cap_acquire)
+        return STRATA_OK;
+    device_block *h = realloc(cm->h_acquire, n * sizeof *h);
+    if (h)
+        cm->h_acquire = h;
+    void **a = h ? realloc(cm->h_addrs, n * sizeof *a) : NULL;
+    if (!h || !a)
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    cm->h_addrs = a;
+    cm->cap_acquire = n;
+    return STRATA_OK;
+}
+
 /* Shared pool, before a layer's decode attention: the layer's blocks of every decoding sequence
  * resident and pinned until the layer ends (blocks of other layers and sequences may move down to
  * make room), the blocks forming in this step allocated, and the tables of that layer current on
@@ -771,23 +783,16 @@ static int acquire_layer(cuda_model *cm, const cuda_batch_item *items, const ste
     size_t n = 0;
     for (size_t j = 0; j < nd; j++)
         n += (size_t)items[sp->order[j]].seq->n_blocks[0];
-    if (n > cm->cap_acquire) {
-        device_block *h = realloc(cm->h_acquire, n * sizeof *h);
-        if (h)
-            cm->h_acquire = h;
-        void **a = h ? realloc(cm->h_addrs, n * sizeof *a) : NULL;
-        if (!h || !a)
-            return strata_fail(err, STRATA_ENOMEM, "out of memory");
-        cm->h_addrs = a;
-        cm->cap_acquire = n;
-    }
+    int rc = ensure_acquire(cm, n, err);
+    if (rc != STRATA_OK)
+        return rc;
     size_t at = 0;
     for (size_t j = 0; j < nd; j++) {
         const cuda_seq *s = items[sp->order[j]].seq;
         for (int b = 0; b < s->n_blocks[0]; b++)
             cm->h_acquire[at++] = s->handles[l * s->max_blocks + (size_t)b];
     }
-    int rc = device_pool_acquire(cm->pool, cm->h_acquire, n, cm->h_addrs, err);
+    rc = device_pool_acquire(cm->pool, cm->h_acquire, n, cm->h_addrs, err);
     if (rc != STRATA_OK)
         return rc;
     at = 0;
@@ -852,6 +857,46 @@ static int decode_layer(cuda_model *cm, const cuda_batch_item *items, const step
     return cuda_kv_attention(&layout, plan, cm->d_views + l * nd, cm->q, cm->attn, cm->d_ws, cm->d_status, NULL, err);
 }
 
+/* A prompt chunk continuing a sequence, one layer: its rows attend the layer's blocks and tail as
+ * they were before the chunk, then the chunk's own K/V (kern_kv_attention_rows's semantics, the
+ * CPU stage's), and only then is the chunk appended. Shared pool: the layer's blocks are brought
+ * back and pinned first, and the table row uploaded. */
+static int chunk_layer(cuda_model *cm, cuda_seq *s, int il, const float *q, const uint16_t *k16, const uint16_t *v16,
+                       size_t n, float *attn, strata_error *err)
+{
+    const size_t l = (size_t)il, nb = (size_t)s->n_blocks[il];
+    int rc = STRATA_OK;
+    if (cm->pool && nb) {
+        if ((rc = ensure_acquire(cm, nb, err)) != STRATA_OK)
+            return rc;
+        for (size_t b = 0; b < nb; b++)
+            cm->h_acquire[b] = s->handles[l * s->max_blocks + b];
+        if ((rc = device_pool_acquire(cm->pool, cm->h_acquire, nb, cm->h_addrs, err)) != STRATA_OK)
+            return rc;
+        for (size_t b = 0; b < nb; b++)
+            if (s->h_tables[l * s->max_blocks + b] != cm->h_addrs[b]) {
+                s->h_tables[l * s->max_blocks + b] = cm->h_addrs[b];
+                s->row_dirty[il] = 1;
+            }
+        if ((rc = upload_row(s, il, nb, err)) != STRATA_OK)
+            return rc;
+    }
+    cuda_kv_layout layout = s->enc.layout;
+    layout.layer = (uint32_t)il;
+    layout.block_bytes = (uint32_t)s->slot;
+    const cuda_kv_seq view = {
+        .blocks = s->d_tables + l * s->max_blocks,
+        .tail_k = tail_at(s, s->tail_k, il, 0),
+        .tail_v = tail_at(s, s->tail_v, il, 0),
+        .n_blocks = (int)nb,
+        .tail_tokens = s->tail_len[il],
+    };
+    rc = cuda_kv_attention_chunk(&layout, &view, q, k16, v16, (int)n, cm->cfg.n_heads, attn, cm->d_status, NULL, err);
+    if (rc == STRATA_OK)
+        rc = append_layer(s, il, k16, v16, n, err);
+    return rc;
+}
+
 static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_plan *sp, const cuda_kv_plan *plan,
                      int il, strata_error *err)
 {
@@ -873,6 +918,12 @@ static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_pl
     for (size_t p = sp->n_dec; p < sp->n_items; p++) {
         const cuda_batch_item *it = &items[sp->order[p]];
         const size_t r0 = sp->row0[p];
+        if (it->seq->len > 0) {   /* a prompt chunk continuing the sequence */
+            if ((rc = chunk_layer(cm, it->seq, il, cm->q + r0 * e, cm->k16 + r0 * kvd, cm->v16 + r0 * kvd,
+                                  it->n_tokens, cm->attn + r0 * e, err)) != STRATA_OK)
+                return rc;
+            continue;
+        }
         if ((rc = append_layer(it->seq, il, cm->k16 + r0 * kvd, cm->v16 + r0 * kvd, it->n_tokens, err)) != STRATA_OK ||
             (rc = cuda_attention_prefill(cm->q + r0 * e, cm->k16 + r0 * kvd, cm->v16 + r0 * kvd, (int)it->n_tokens,
                                          c->n_heads, c->n_kv_heads, c->head_dim, cm->attn + r0 * e, NULL, err)) !=
@@ -980,6 +1031,10 @@ static int move_rows(cuda_model *cm, const cuda_batch_item *items, const step_pl
     return STRATA_OK;
 }
 
+/* One token on a non-empty sequence: batched decode attention. Everything else (a prompt on an
+ * empty sequence, a prompt chunk continuing one) runs item by item. */
+static bool is_decode(const cuda_batch_item *it) { return it->seq->len > 0 && it->n_tokens == 1; }
+
 static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_items, const cuda_stage_io *io,
                          float *logits, const cuda_sample_row *sample, int32_t *next, strata_error *err)
 {
@@ -1005,11 +1060,11 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
     }
     for (size_t i = 0; i < n_items; i++)
-        sp.n_dec += items[i].seq->len > 0;
+        sp.n_dec += is_decode(&items[i]);
     size_t at = 0;
-    for (int pass = 0; pass < 2; pass++)   /* decode items first, then prompts */
+    for (int pass = 0; pass < 2; pass++)   /* decode items first, then prompts and prompt chunks */
         for (size_t i = 0; i < n_items; i++)
-            if ((items[i].seq->len > 0) == (pass == 0)) {
+            if (is_decode(&items[i]) == (pass == 0)) {
                 sp.order[at] = i;
                 sp.row0[at] = sp.rows;
                 sp.rows += items[i].n_tokens;
@@ -1031,7 +1086,7 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
     for (size_t p = sp.n_dec; rc == STRATA_OK && p < n_items; p++) {   /* as kv_seq_append records it */
         const cuda_batch_item *it = &items[sp.order[p]];
         if (it->n_tokens > 1)
-            it->seq->prompt_end = it->n_tokens;
+            it->seq->prompt_end = it->seq->len + it->n_tokens;
     }
     if (rc == STRATA_OK) {   /* the rows entering the first layer: embedded here, or the stage before's */
         const float *table = cm->first ? model_get_token_embedding(cm->host) : NULL;
@@ -1222,15 +1277,6 @@ int cuda_model_forward(cuda_model *cm, cuda_seq *s, const int32_t *tokens, size_
 {
     if (!cm || !s || !tokens || n == 0)
         return strata_fail(err, STRATA_EINVAL, "cuda_model_forward: bad arguments");
-    if (s->len == 0) {
-        const cuda_batch_item prompt = {s, tokens, n};
-        return cuda_model_forward_batch(cm, &prompt, 1, logits, err);
-    }
-    for (size_t i = 0; i < n; i++) {
-        const cuda_batch_item one = {s, tokens + i, 1};
-        int rc = cuda_model_forward_batch(cm, &one, 1, i + 1 == n ? logits : NULL, err);
-        if (rc != STRATA_OK)
-            return rc;
-    }
-    return STRATA_OK;
+    const cuda_batch_item item = {s, tokens, n};   /* a prompt, a prompt chunk or one token */
+    return cuda_model_forward_batch(cm, &item, 1, logits, err);
 }

@@ -88,8 +88,9 @@ size_t cuda_seq_length(const cuda_seq *s);
 void cuda_seq_set_waiting(cuda_seq *s, bool waiting);
 
 /* Runs n tokens at the sequence's next positions, like model_forward: a prompt on an empty
- * sequence (n > 1) goes through exact causal attention over its fp16 K/V, everything else token
- * by token through attention over the compressed cache. logits: n_vocab floats (host) for the
+ * sequence (n > 1) goes through exact causal attention over its fp16 K/V, one token on a
+ * non-empty sequence through attention over the compressed cache, n > 1 tokens on a non-empty
+ * sequence as a prompt chunk (cuda_model_forward_batch). logits: n_vocab floats (host) for the
  * last token, or NULL. STRATA_EINVAL for a bad token or too many tokens; STRATA_EIO for a CUDA or
  * cuBLAS failure; STRATA_EFORMAT if the attention kernel rejected a block of the cache. */
 int cuda_model_forward(cuda_model *cm, cuda_seq *s, const int32_t *tokens, size_t n, float *logits,
@@ -99,13 +100,16 @@ int cuda_model_forward(cuda_model *cm, cuda_seq *s, const int32_t *tokens, size_
 typedef struct cuda_batch_item {
     cuda_seq *seq;          /* at most once per step */
     const int32_t *tokens;
-    size_t n_tokens;        /* a prompt on an empty sequence (>= 1), or 1 on a non-empty one */
+    size_t n_tokens;        /* >= 1: a prompt on an empty sequence, a prompt chunk or one token on a
+                             * non-empty one; at most 65535 */
 } cuda_batch_item;
 
 /* One step of continuous batching: the projections and FFN run once over every item's rows, the
  * decoding items' K/V go into their tails in one launch per layer (blocks forming where a tail
  * fills) and their attention is one launch per layer over all their caches; each prompt gets
- * causal prefill attention. Decoding sequences of one step must share codec and block size.
+ * causal prefill attention; each prompt chunk continuing a sequence attends its cache as it was
+ * before the chunk plus its own fp16 K/V, causal (cuda_kv_attention_chunk, the CPU's
+ * kern_kv_attention_rows semantics), and is then appended. Decoding sequences of one step must share codec and block size.
  * logits: n_items rows of n_vocab floats (host), the last token of each item in the items'
  * order, or NULL. On failure after the checks the sequences of the step are left inconsistent:
  * the caller discards them (as with model_forward_batch). */
@@ -126,7 +130,7 @@ int cuda_model_forward_batch_sample(cuda_model *cm, const cuda_batch_item *items
                                     const cuda_sample_row *sample, int32_t *next, strata_error *err);
 
 /* A pipeline stage's rows: device memory, [rows][n_embd] fp32, the items' rows one item after
- * another in the caller's order (prompt items all their tokens, decode items one). */
+ * another in the caller's order (each item all its tokens). */
 typedef struct cuda_stage_io {
     const float *hidden_in;   /* the rows entering the stage's first layer (every stage but the first) */
     float *hidden_out;        /* the rows leaving its last layer (every stage but the last) */

@@ -34,17 +34,9 @@ struct stage_gpu {
     kv_tiers *tiers;
     stage_gpu_config c;
     /* per-step scratch, grown on demand */
-    float *d_in, *d_out;          /* device rows of a round */
+    float *d_in, *d_out;          /* device rows of a step whose rows come or go through the host */
     size_t cap_d;                 /* floats in each */
-    float *h_in, *h_out;          /* host rows of a round */
-    size_t cap_h;                 /* floats in each */
-    float *h_logits;              /* a round's logits */
-    size_t cap_logits;
-    cuda_batch_item *round;       /* a round's items */
-    size_t *round_item, *round_row;  /* their index in the step, and their first row in its layout */
-    bool *prompt;                 /* per step item: a prompt on an empty sequence */
-    cuda_sample_row *round_sample;   /* a round's sampling rows, and the tokens picked */
-    int32_t *round_next;
+    cuda_batch_item *batch;       /* the step's items for the model */
     size_t cap_items;
     float *d_step[2];             /* a step's entering and leaving rows when they cross on NCCL */
     size_t cap_step[2];           /* floats */
@@ -124,15 +116,7 @@ void stage_gpu_destroy(stage_gpu *g)
     cudaFree(g->d_step[1]);
     cuda_model_free(g->cm);   /* the pool, and its copies in the tiers */
     kv_tiers_destroy(g->tiers);
-    free(g->h_in);
-    free(g->h_out);
-    free(g->h_logits);
-    free(g->round);
-    free(g->round_item);
-    free(g->round_row);
-    free(g->prompt);
-    free(g->round_sample);
-    free(g->round_next);
+    free(g->batch);
     free(g);
 }
 
@@ -172,41 +156,13 @@ void stage_gpu_seq_set_waiting(stage_gpu_seq *q, bool waiting)
 
 static int ensure(stage_gpu *g, size_t items, size_t rows, strata_error *err)
 {
-    const size_t floats = rows * (size_t)g->cfg->n_embd, nv = (size_t)g->cfg->n_vocab;
+    const size_t floats = rows * (size_t)g->cfg->n_embd;
     if (items > g->cap_items) {
-        void *p[6] = {realloc(g->round, items * sizeof *g->round), NULL, NULL, NULL, NULL, NULL};
-        if (p[0])
-            g->round = p[0];
-        p[1] = realloc(g->round_item, items * sizeof *g->round_item);
-        if (p[1])
-            g->round_item = p[1];
-        p[2] = realloc(g->round_row, items * sizeof *g->round_row);
-        if (p[2])
-            g->round_row = p[2];
-        p[3] = realloc(g->prompt, items * sizeof *g->prompt);
-        if (p[3])
-            g->prompt = p[3];
-        p[4] = realloc(g->round_sample, items * sizeof *g->round_sample);
-        if (p[4])
-            g->round_sample = p[4];
-        p[5] = realloc(g->round_next, items * sizeof *g->round_next);
-        if (p[5])
-            g->round_next = p[5];
-        for (int i = 0; i < 6; i++)
-            if (!p[i])
-                return strata_fail(err, STRATA_ENOMEM, "out of memory");
+        cuda_batch_item *b = realloc(g->batch, items * sizeof *b);
+        if (!b)
+            return strata_fail(err, STRATA_ENOMEM, "out of memory");
+        g->batch = b;
         g->cap_items = items;
-    }
-    if (floats > g->cap_h) {
-        float *in = realloc(g->h_in, floats * sizeof(float));
-        if (in)
-            g->h_in = in;
-        float *out = in ? realloc(g->h_out, floats * sizeof(float)) : NULL;
-        if (out)
-            g->h_out = out;
-        if (!in || !out)
-            return strata_fail(err, STRATA_ENOMEM, "out of memory for %zu rows", rows);
-        g->cap_h = floats;
     }
     if (floats > g->cap_d) {
         cudaFree(g->d_in);
@@ -220,20 +176,9 @@ static int ensure(stage_gpu *g, size_t items, size_t rows, strata_error *err)
             return strata_fail(err, STRATA_EIO, "CUDA: rows of a step: %s", cudaGetErrorString(ce));
         g->cap_d = floats;
     }
-    if (g->last && items * nv > g->cap_logits) {
-        float *l = realloc(g->h_logits, items * nv * sizeof(float));
-        if (!l)
-            return strata_fail(err, STRATA_ENOMEM, "out of memory for logits");
-        g->h_logits = l;
-        g->cap_logits = items * nv;
-    }
     return STRATA_OK;
 }
 
-/* Rounds: in the first, a prompt on an empty sequence runs whole and every other item its first
- * token; an item continuing a sequence with more tokens (a prompt chunk) then runs one token per
- * round, as the CPU stage does (only an empty sequence takes several tokens at once). Rows are
- * gathered from, and scattered to, the step's layout (items one after another) per round. */
 float *stage_gpu_device_rows(stage_gpu *g, int which, size_t rows, strata_error *err)
 {
     if (!g || which < 0 || which > 1) {
@@ -274,98 +219,50 @@ int stage_gpu_compact_rows(stage_gpu *g, size_t dst, size_t src, size_t n, strat
     return STRATA_OK;
 }
 
-static int forward_rounds(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
-                          bool in_on_device, float *hidden_out, bool out_on_device, float *logits,
-                          const cuda_sample_row *sample, int32_t *next, strata_error *err)
+/* One step: every item whole (a prompt, a prompt chunk continuing its sequence, or one token),
+ * the rows in the step's layout (items one after another), on the device or through it. */
+static int forward_step(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
+                        bool in_on_device, float *hidden_out, bool out_on_device, float *logits,
+                        const cuda_sample_row *sample, int32_t *next, strata_error *err)
 {
     if (!g || !items || n_items == 0)
         return strata_fail(err, STRATA_EINVAL, "GPU stage: no items");
     if ((!g->first && !hidden_in) || (!g->last && !hidden_out))
         return strata_fail(err, STRATA_EINVAL, "GPU stage: missing rows");
-    const size_t e = (size_t)g->cfg->n_embd, nv = (size_t)g->cfg->n_vocab;
-    size_t total = 0;
+    size_t rows = 0;
     for (size_t i = 0; i < n_items; i++)
-        total += items[i].n_tokens;
+        rows += items[i].n_tokens;
     int rc = use_device(g, err);
     if (rc == STRATA_OK)
-        rc = ensure(g, n_items, total, err);
+        rc = ensure(g, n_items, rows, err);
     if (rc != STRATA_OK)
         return rc;
-    size_t rounds = 1;
-    for (size_t i = 0; i < n_items; i++) {
-        g->prompt[i] = cuda_seq_length(items[i].seq->s) == 0;   /* before any round grows it */
-        if (!g->prompt[i] && items[i].n_tokens > rounds)
-            rounds = items[i].n_tokens;
+    for (size_t i = 0; i < n_items; i++)
+        g->batch[i] = (cuda_batch_item){items[i].seq->s, items[i].tokens, items[i].n_tokens};
+    const size_t bytes = rows * (size_t)g->cfg->n_embd * sizeof(float);
+    cuda_stage_io io = {NULL, NULL};
+    if (!g->first) {
+        io.hidden_in = in_on_device ? hidden_in : g->d_in;
+        cudaError_t ce = in_on_device ? cudaSuccess : cudaMemcpy(g->d_in, hidden_in, bytes, cudaMemcpyHostToDevice);
+        if (ce != cudaSuccess)
+            return strata_fail(err, STRATA_EIO, "CUDA: stage input rows: %s", cudaGetErrorString(ce));
     }
-    for (size_t r = 0; r < rounds; r++) {
-        size_t n = 0, rows = 0, row0 = 0;
-        for (size_t i = 0; i < n_items; row0 += items[i].n_tokens, i++) {
-            const size_t count = g->prompt[i] ? items[i].n_tokens : 1;
-            if ((g->prompt[i] && r > 0) || (!g->prompt[i] && r >= items[i].n_tokens))
-                continue;
-            const size_t first = g->prompt[i] ? 0 : r;
-            g->round[n] = (cuda_batch_item){items[i].seq->s, items[i].tokens ? items[i].tokens + first : NULL, count};
-            g->round_item[n] = i;
-            g->round_row[n] = row0 + first;
-            const size_t bytes = count * e * sizeof(float);
-            if (!g->first && in_on_device) {
-                cudaError_t ce = cudaMemcpy(g->d_in + rows * e, hidden_in + (row0 + first) * e, bytes,
-                                            cudaMemcpyDeviceToDevice);
-                if (ce != cudaSuccess)
-                    return strata_fail(err, STRATA_EIO, "CUDA: stage input rows: %s", cudaGetErrorString(ce));
-            } else if (!g->first) {
-                memcpy(g->h_in + rows * e, hidden_in + (row0 + first) * e, bytes);
-            }
-            rows += count;
-            n++;
-        }
-        if (!g->first && !in_on_device) {
-            cudaError_t ce = cudaMemcpy(g->d_in, g->h_in, rows * e * sizeof(float), cudaMemcpyHostToDevice);
-            if (ce != cudaSuccess)
-                return strata_fail(err, STRATA_EIO, "CUDA: stage input rows: %s", cudaGetErrorString(ce));
-        }
-        const cuda_stage_io io = {g->first ? NULL : g->d_in, g->last ? NULL : g->d_out};
-        if (sample) {   /* an item's pick in the round of its last token; a greedy row, ignored, before */
-            const cuda_sample_row greedy = {.u = 0.0, .temperature = 0.0f, .top_p = 1.0f, .top_k = 0};
-            for (size_t k = 0; k < n; k++) {
-                const size_t i = g->round_item[k];
-                const bool final = g->prompt[i] || r + 1 == items[i].n_tokens;
-                g->round_sample[k] = final ? sample[i] : greedy;
-            }
-            rc = cuda_model_stage_step_sample(g->cm, g->round, n, &io, g->round_sample, g->round_next, err);
-        } else {
-            rc = cuda_model_stage_step(g->cm, g->round, n, &io, g->last && logits ? g->h_logits : NULL, err);
-        }
-        if (rc != STRATA_OK)
-            return rc;
-        for (size_t k = 0; sample && k < n; k++)
-            next[g->round_item[k]] = g->round_next[k];   /* the last round holding an item's token wins */
-        if (!g->last) {
-            cudaError_t ce = out_on_device ? cudaSuccess
-                                           : cudaMemcpy(g->h_out, g->d_out, rows * e * sizeof(float), cudaMemcpyDeviceToHost);
-            size_t at = 0;
-            for (size_t k = 0; ce == cudaSuccess && k < n; k++) {
-                const size_t bytes = g->round[k].n_tokens * e * sizeof(float);
-                if (out_on_device)
-                    ce = cudaMemcpy(hidden_out + g->round_row[k] * e, g->d_out + at * e, bytes, cudaMemcpyDeviceToDevice);
-                else
-                    memcpy(hidden_out + g->round_row[k] * e, g->h_out + at * e, bytes);
-                at += g->round[k].n_tokens;
-            }
-            if (ce != cudaSuccess)
-                return strata_fail(err, STRATA_EIO, "CUDA: stage output rows: %s", cudaGetErrorString(ce));
-        }
-        if (g->last && logits)   /* an item's logits: those of the round holding its last token */
-            for (size_t k = 0; k < n; k++)
-                memcpy(logits + g->round_item[k] * nv, g->h_logits + k * nv, nv * sizeof(float));
+    if (!g->last)
+        io.hidden_out = out_on_device ? hidden_out : g->d_out;
+    rc = sample ? cuda_model_stage_step_sample(g->cm, g->batch, n_items, &io, sample, next, err)
+                : cuda_model_stage_step(g->cm, g->batch, n_items, &io, g->last ? logits : NULL, err);
+    if (rc == STRATA_OK && !g->last && !out_on_device) {
+        cudaError_t ce = cudaMemcpy(hidden_out, g->d_out, bytes, cudaMemcpyDeviceToHost);
+        if (ce != cudaSuccess)
+            rc = strata_fail(err, STRATA_EIO, "CUDA: stage output rows: %s", cudaGetErrorString(ce));
     }
-    return STRATA_OK;
+    return rc;
 }
 
 int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
                       bool in_on_device, float *hidden_out, bool out_on_device, float *logits, strata_error *err)
 {
-    return forward_rounds(g, items, n_items, hidden_in, in_on_device, hidden_out, out_on_device, logits, NULL, NULL,
+    return forward_step(g, items, n_items, hidden_in, in_on_device, hidden_out, out_on_device, logits, NULL, NULL,
                           err);
 }
 
@@ -374,7 +271,7 @@ int stage_gpu_forward_sample(stage_gpu *g, const stage_gpu_item *items, size_t n
 {
     if (!g || !g->last || !sample || !next)
         return strata_fail(err, STRATA_EINVAL, "GPU stage: sampling needs the last stage, rows and an output");
-    return forward_rounds(g, items, n_items, hidden_in, in_on_device, NULL, false, NULL, sample, next, err);
+    return forward_step(g, items, n_items, hidden_in, in_on_device, NULL, false, NULL, sample, next, err);
 }
 
 void stage_gpu_usage(const stage_gpu *g, stage_kv_usage *out)

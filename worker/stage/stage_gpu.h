@@ -58,8 +58,8 @@ typedef struct stage_gpu_item {
 /* One step of the items, as model_forward_batch: hidden_in / hidden_out are the rows in the
  * items' order (every stage but the first / the last), in host memory, or in device memory when
  * the matching *_on_device is set (rows that cross on NCCL: stage_gpu_device_rows); logits the
- * last token of each item (last stage, host). A prompt chunk continuing a sequence runs one token
- * per round, as on the CPU. On a failure the items' sequences are inconsistent: the caller drops
+ * last token of each item (last stage, host). A prompt chunk continuing a sequence runs whole, as
+ * on the CPU (cuda_model_forward_batch). On a failure the items' sequences are inconsistent: the caller drops
  * them. */
 int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
                       bool in_on_device, float *hidden_out, bool out_on_device, float *logits, strata_error *err);
