@@ -55,52 +55,70 @@ void kv_ott_tracker_copy(kv_ott_tracker *dst, const kv_ott_tracker *src)
 
 static size_t pool_slots(const kv_ott_tracker *t) { return (size_t)(t->pool ? t->pool : 1); }
 
-size_t kv_ott_tracker_state_bytes(const kv_ott_tracker *t)
+size_t kv_ott_state_bytes(size_t n_kv_heads, size_t pool_tokens)
 {
-    return (size_t)t->n_kv_heads * (12 + pool_slots(t) * 16);
+    return n_kv_heads * (12 + (pool_tokens ? pool_tokens : 1) * 16);
 }
 
-void kv_ott_tracker_save(const kv_ott_tracker *t, uint8_t *out)
+void kv_ott_state_save(const kv_ott_head *heads, const kv_ott_member *members, size_t n_kv_heads, size_t pool_tokens,
+                       size_t stride, uint8_t *out)
 {
-    for (int h = 0; h < t->n_kv_heads; h++) {
-        const ott_head *hd = &t->heads[h];
-        kv_st32(out, (uint32_t)hd->n);
-        kv_st32(out + 4, (uint32_t)hd->aux_used);
+    for (size_t h = 0; h < n_kv_heads; h++) {
+        const kv_ott_head *hd = &heads[h];
+        kv_st32(out, hd->n);
+        kv_st32(out + 4, hd->aux_used);
         kv_st32(out + 8, hd->stopped ? 1u : 0u);
         out += 12;
-        for (size_t i = 0; i < pool_slots(t); i++) {
-            const ott_member *m = &t->members[(size_t)h * pool_slots(t) + i];
+        for (size_t i = 0; i < (pool_tokens ? pool_tokens : 1); i++) {
+            const kv_ott_member m = i < pool_tokens ? members[h * stride + i] : (kv_ott_member){0, 0.0};
             uint64_t bits;
-            memcpy(&bits, &m->norm, sizeof bits);
-            kv_st64(out, m->pos);
+            memcpy(&bits, &m.norm, sizeof bits);
+            kv_st64(out, m.pos);
             kv_st64(out + 8, bits);
             out += 16;
         }
     }
 }
 
-bool kv_ott_tracker_load(kv_ott_tracker *t, const uint8_t *in, size_t len)
+bool kv_ott_state_load(kv_ott_head *heads, kv_ott_member *members, size_t n_kv_heads, size_t pool_tokens,
+                       size_t stride, const uint8_t *in, size_t len)
 {
-    if (len != kv_ott_tracker_state_bytes(t))
+    if (len != kv_ott_state_bytes(n_kv_heads, pool_tokens))
         return false;
-    for (int h = 0; h < t->n_kv_heads; h++) {
-        ott_head *hd = &t->heads[h];
-        uint32_t n = kv_ld32(in), stopped = kv_ld32(in + 8);
-        if (n > (uint32_t)t->pool || stopped > 1)
+    for (size_t h = 0; h < n_kv_heads; h++)   /* check everything before changing anything */
+        if (kv_ld32(in + h * (len / n_kv_heads)) > pool_tokens || kv_ld32(in + h * (len / n_kv_heads) + 8) > 1)
             return false;
-        hd->n = n;
+    for (size_t h = 0; h < n_kv_heads; h++) {
+        kv_ott_head *hd = &heads[h];
+        hd->n = kv_ld32(in);
         hd->aux_used = kv_ld32(in + 4);
-        hd->stopped = stopped;
+        hd->stopped = kv_ld32(in + 8);
         in += 12;
-        for (size_t i = 0; i < pool_slots(t); i++) {
-            ott_member *m = &t->members[(size_t)h * pool_slots(t) + i];
-            uint64_t bits = kv_ld64(in + 8);
+        for (size_t i = 0; i < (pool_tokens ? pool_tokens : 1); i++, in += 16) {
+            if (i >= pool_tokens)
+                continue;
+            kv_ott_member *m = &members[h * stride + i];
+            const uint64_t bits = kv_ld64(in + 8);
             m->pos = kv_ld64(in);
             memcpy(&m->norm, &bits, sizeof bits);
-            in += 16;
         }
     }
     return true;
+}
+
+size_t kv_ott_tracker_state_bytes(const kv_ott_tracker *t)
+{
+    return kv_ott_state_bytes((size_t)t->n_kv_heads, (size_t)t->pool);
+}
+
+void kv_ott_tracker_save(const kv_ott_tracker *t, uint8_t *out)
+{
+    kv_ott_state_save(t->heads, t->members, (size_t)t->n_kv_heads, (size_t)t->pool, pool_slots(t), out);
+}
+
+bool kv_ott_tracker_load(kv_ott_tracker *t, const uint8_t *in, size_t len)
+{
+    return kv_ott_state_load(t->heads, t->members, (size_t)t->n_kv_heads, (size_t)t->pool, pool_slots(t), in, len);
 }
 
 size_t kv_ott_select(kv_ott_tracker *t, const float *k, size_t n_tokens, int head_dim, uint64_t first_pos,

@@ -14,6 +14,7 @@
 #include <stdint.h>
 
 #include "kvstore/block.h"
+#include "kvstore/ott_math.h"
 
 typedef struct kv_ott_tracker kv_ott_tracker;
 
@@ -28,6 +29,16 @@ void kv_ott_tracker_copy(kv_ott_tracker *dst, const kv_ott_tracker *src);
 size_t kv_ott_tracker_state_bytes(const kv_ott_tracker *t);
 void kv_ott_tracker_save(const kv_ott_tracker *t, uint8_t *out);
 bool kv_ott_tracker_load(kv_ott_tracker *t, const uint8_t *in, size_t len);
+
+/* The same bytes from and to a tracker's plain state held elsewhere (the CUDA encoder keeps it in
+ * device memory): n_kv_heads counters, and head h's pool of pool_tokens members at
+ * members[h * stride]. A pool of 0 tokens still takes one (zero) entry per head in the bytes, as
+ * the CPU tracker writes it. kv_ott_state_load fails on a length or count that does not fit. */
+size_t kv_ott_state_bytes(size_t n_kv_heads, size_t pool_tokens);
+void kv_ott_state_save(const kv_ott_head *heads, const kv_ott_member *members, size_t n_kv_heads, size_t pool_tokens,
+                       size_t stride, uint8_t *out);
+bool kv_ott_state_load(kv_ott_head *heads, kv_ott_member *members, size_t n_kv_heads, size_t pool_tokens,
+                       size_t stride, const uint8_t *in, size_t len);
 
 /* Runs the pool update for a block of n_tokens rows k [token][head][head_dim] whose first token
  * is at first_pos. Writes the block's entries to out (room for n_kv_heads * pool_tokens), sorted

@@ -11,6 +11,7 @@
 #include "kvstore/half.h"
 #include "kvstore/kv_cache.h"
 #include "kvstore/ott.h"
+#include "kvstore/seq_image.h"
 
 /* Slots of one size. A bit plan's layers may need blocks of different sizes; layers with equal
  * slot sizes share a class. */
@@ -1048,33 +1049,52 @@ int kv_seq_resume(kv_seq *seq, strata_error *err)
     return STRATA_OK;
 }
 
-/* ---- migration: a sequence as one byte image (kv_cache.h; layout in docs/format.md) ---- */
+/* ---- migration: a sequence as one byte image (kv_cache.h, seq_image.h) ---- */
 
-#define SEQ_IMAGE_MAGIC 0x49564b53u   /* "SKVI" */
-#define SEQ_IMAGE_VERSION 1u
-#define SEQ_IMAGE_HEAD 24u            /* magic, version, flags, n_layers, heads, head_dim, block_tokens */
-#define SEQ_IMAGE_LAYER_HEAD 16u      /* n_blocks, tail_len, prompt_end */
-
-typedef struct image_writer {
-    uint8_t *buf;
-    size_t len, cap;
-} image_writer;
-
-static int image_room(image_writer *w, size_t more, strata_error *err)
+static int export_layer(void *ctx, int l, kv_image_layer *out, strata_error *err)
 {
-    if (more <= w->cap - w->len)
+    (void)err;
+    const kv_layer *L = &((kv_seq *)ctx)->layers[l];
+    *out = (kv_image_layer){.n_blocks = L->n_blocks, .tail_len = L->tail_len, .prompt_end = L->prompt_end,
+                            .ott_bytes = L->ott ? kv_ott_tracker_state_bytes(L->ott) : 0};
+    return STRATA_OK;
+}
+
+static int export_ott(void *ctx, int l, uint8_t *dst, strata_error *err)
+{
+    (void)err;
+    kv_ott_tracker_save(((kv_seq *)ctx)->layers[l].ott, dst);
+    return STRATA_OK;
+}
+
+static int export_block_bytes(void *ctx, int l, size_t b, uint32_t *bytes, strata_error *err)
+{
+    (void)err;
+    *bytes = ((kv_seq *)ctx)->layers[l].refs[b].bytes;
+    return STRATA_OK;
+}
+
+static int export_block(void *ctx, int l, size_t b, uint8_t *dst, strata_error *err)
+{
+    kv_seq *seq = ctx;
+    kv_pool *p = seq->pool;
+    const kv_block_ref *r = &seq->layers[l].refs[b];
+    if (r->slot) {
+        memcpy(dst, r->slot, r->bytes);
         return STRATA_OK;
-    size_t cap = w->cap ? w->cap : 4096;
-    while (cap - w->len < more) {
-        if (cap > SIZE_MAX / 2)
-            return strata_fail(err, STRATA_ENOMEM, "kv export: image too large");
-        cap *= 2;
     }
-    uint8_t *grown = realloc(w->buf, cap);
-    if (!grown)
-        return strata_fail(err, STRATA_ENOMEM, "kv export: out of memory for a %zu-byte image", cap);
-    w->buf = grown;
-    w->cap = cap;
+    /* below the device: read the copy there without moving the block (the writer checks it) */
+    return p->lower.get(p->lower.ctx, r->lower, dst, r->bytes, p->clock, err);
+}
+
+static int export_tail(void *ctx, int l, uint16_t *k, uint16_t *v, strata_error *err)
+{
+    (void)err;
+    kv_seq *seq = ctx;
+    const kv_layer *L = &seq->layers[l];
+    const size_t n = L->tail_len * (size_t)seq->pool->geom.n_kv_heads * (size_t)seq->pool->geom.head_dim;
+    memcpy(k, L->tail_k, n * sizeof *k);
+    memcpy(v, L->tail_v, n * sizeof *v);
     return STRATA_OK;
 }
 
@@ -1084,88 +1104,67 @@ int kv_seq_export(kv_seq *seq, uint8_t **out, size_t *out_len, strata_error *err
     *out_len = 0;
     if (!seq)
         return strata_fail(err, STRATA_EINVAL, "kv export: NULL sequence");
-    kv_pool *p = seq->pool;
-    const kv_geometry *g = &p->geom;
-    const size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim;
     if (seq->spilled)
         return strata_fail(err, STRATA_EINVAL, "kv export: sequence %" PRIu64 " is spilled; resume it first", seq->id);
-    image_writer w = {0};
-    int rc = image_room(&w, SEQ_IMAGE_HEAD, err);
-    if (rc == STRATA_OK) {
-        kv_st32(w.buf, SEQ_IMAGE_MAGIC);
-        kv_st16(w.buf + 4, SEQ_IMAGE_VERSION);
-        kv_st16(w.buf + 6, 0);
-        kv_st32(w.buf + 8, (uint32_t)g->n_layers);
-        kv_st32(w.buf + 12, (uint32_t)g->n_kv_heads);
-        kv_st32(w.buf + 16, (uint32_t)g->head_dim);
-        kv_st32(w.buf + 20, (uint32_t)g->block_tokens);
-        w.len = SEQ_IMAGE_HEAD;
-    }
-    for (int l = 0; rc == STRATA_OK && l < g->n_layers; l++) {
-        kv_layer *L = &seq->layers[l];
-        if ((rc = image_room(&w, SEQ_IMAGE_LAYER_HEAD, err)) != STRATA_OK)
-            break;
-        kv_st32(w.buf + w.len, (uint32_t)L->n_blocks);
-        kv_st32(w.buf + w.len + 4, (uint32_t)L->tail_len);
-        kv_st64(w.buf + w.len + 8, (uint64_t)L->prompt_end);
-        w.len += SEQ_IMAGE_LAYER_HEAD;
-        /* OTT's pool state decides which tokens of future blocks stay fp16: it travels too. */
-        const size_t ott_bytes = L->ott ? kv_ott_tracker_state_bytes(L->ott) : 0;
-        if ((rc = image_room(&w, 4 + ott_bytes, err)) != STRATA_OK)
-            break;
-        kv_st32(w.buf + w.len, (uint32_t)ott_bytes);
-        if (L->ott)
-            kv_ott_tracker_save(L->ott, w.buf + w.len + 4);
-        w.len += 4 + ott_bytes;
-        for (size_t b = 0; rc == STRATA_OK && b < L->n_blocks; b++) {
-            kv_block_ref *r = &L->refs[b];
-            if ((rc = image_room(&w, 4 + (size_t)r->bytes, err)) != STRATA_OK)
-                break;
-            kv_st32(w.buf + w.len, r->bytes);
-            if (r->slot) {
-                memcpy(w.buf + w.len + 4, r->slot, r->bytes);
-            } else {   /* below the device: read the copy there, checked like any fetch */
-                rc = p->lower.get(p->lower.ctx, r->lower, w.buf + w.len + 4, r->bytes, p->clock, err);
-                if (rc == STRATA_OK)
-                    rc = kv_block_verify(w.buf + w.len + 4, r->bytes, NULL, err);
-                if (rc != STRATA_OK) {
-                    strata_error_prefix(err, "kv export: layer %d block %zu", l, b);
-                    break;
-                }
-            }
-            w.len += 4 + (size_t)r->bytes;
-        }
-        const size_t tail_bytes = L->tail_len * row * sizeof(uint16_t);
-        if (rc == STRATA_OK && (rc = image_room(&w, 2 * tail_bytes, err)) == STRATA_OK) {
-            for (size_t i = 0; i < L->tail_len * row; i++)
-                kv_st16(w.buf + w.len + 2 * i, L->tail_k[i]);
-            w.len += tail_bytes;
-            for (size_t i = 0; i < L->tail_len * row; i++)
-                kv_st16(w.buf + w.len + 2 * i, L->tail_v[i]);
-            w.len += tail_bytes;
-        }
-    }
-    if (rc == STRATA_OK && (rc = image_room(&w, 4, err)) == STRATA_OK) {
-        kv_st32(w.buf + w.len, kv_crc32c(0, w.buf, w.len));
-        w.len += 4;
-    }
-    if (rc != STRATA_OK) {
-        free(w.buf);
-        return rc;
-    }
-    *out = w.buf;
-    *out_len = w.len;
+    const kv_image_source src = {seq, export_layer, export_ott, export_block_bytes, export_block, export_tail};
+    return kv_image_write(&seq->pool->geom, &src, out, out_len, err);
+}
+
+typedef struct import_ctx {
+    kv_seq *s;
+    size_t max_tokens;
+    size_t prompt_end;   /* of the layer being read */
+} import_ctx;
+
+static int import_layer(void *ctx, int l, const kv_image_layer *info, const uint8_t *ott, strata_error *err)
+{
+    import_ctx *c = ctx;
+    kv_layer *L = &c->s->layers[l];
+    const size_t bt = (size_t)c->s->pool->geom.block_tokens;
+    if (info->n_blocks > c->s->max_blocks || info->tail_len > L->tail_cap ||
+        info->n_blocks * bt + info->tail_len > c->max_tokens)
+        return strata_fail(err, STRATA_EINVAL, "kv import: layer %d holds %zu blocks and %zu tail tokens; this "
+                           "sequence takes at most %zu tokens", l, info->n_blocks, info->tail_len, c->max_tokens);
+    if ((info->ott_bytes != 0) != (L->ott != NULL) || (L->ott && !kv_ott_tracker_load(L->ott, ott, info->ott_bytes)))
+        return strata_fail(err, STRATA_EINVAL, "kv import: layer %d's OTT state (%zu bytes) does not fit this pool's "
+                           "codec", l, info->ott_bytes);
+    c->prompt_end = info->prompt_end;
     return STRATA_OK;
 }
 
-/* Reads n bytes at *at of an image of len bytes; NULL when it runs past the end. */
-static const uint8_t *image_take(const uint8_t *img, size_t len, size_t *at, size_t n)
+static int import_block(void *ctx, int l, size_t b, const kv_block *blk, strata_error *err)
 {
-    if (n > len - *at)
-        return NULL;
-    const uint8_t *p = img + *at;
-    *at += n;
-    return p;
+    import_ctx *c = ctx;
+    kv_pool *pool = c->s->pool;
+    kv_layer *L = &c->s->layers[l];
+    if ((int)blk->desc.codec != (int)pool->codecs[l].codec || blk->block_bytes > class_of(pool, l)->slot_bytes)
+        return strata_fail(err, STRATA_EINVAL, "kv import: layer %d block %zu (codec %s, %zu bytes) is not what this "
+                           "pool stores there", l, b, kv_codec_id_name(blk->desc.codec), (size_t)blk->block_bytes);
+    uint8_t *slot = NULL;
+    int rc = slot_take(pool, pool->layer_class[l], &slot, err);
+    if (rc != STRATA_OK)
+        return rc;
+    memcpy(slot, blk->bytes, blk->block_bytes);
+    L->refs[b] = (kv_block_ref){.slot = slot, .last_use = ++pool->clock, .bytes = (uint32_t)blk->block_bytes};
+    L->blocks[b] = slot;
+    L->n_blocks = b + 1;
+    kv_seq_unpin(c->s);   /* imported blocks may make room for the next ones */
+    return STRATA_OK;
+}
+
+static int import_tail(void *ctx, int l, const uint8_t *k, const uint8_t *v, size_t tail_len, strata_error *err)
+{
+    (void)err;
+    import_ctx *c = ctx;
+    kv_layer *L = &c->s->layers[l];
+    const size_t n = tail_len * (size_t)c->s->pool->geom.n_kv_heads * (size_t)c->s->pool->geom.head_dim;
+    for (size_t i = 0; i < n; i++) {
+        L->tail_k[i] = kv_ld16(k + 2 * i);
+        L->tail_v[i] = kv_ld16(v + 2 * i);
+    }
+    L->tail_len = tail_len;
+    L->prompt_end = c->prompt_end;
+    return STRATA_OK;
 }
 
 kv_seq *kv_seq_import(kv_pool *pool, size_t max_tokens, const uint8_t *img, size_t len, strata_error *err)
@@ -1174,106 +1173,12 @@ kv_seq *kv_seq_import(kv_pool *pool, size_t max_tokens, const uint8_t *img, size
         strata_fail(err, STRATA_EINVAL, "kv import: NULL argument");
         return NULL;
     }
-    const kv_geometry *g = &pool->geom;
-    const size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim, bt = (size_t)g->block_tokens;
-    if (len < SEQ_IMAGE_HEAD + 4 || kv_ld32(img) != SEQ_IMAGE_MAGIC) {
-        strata_fail(err, STRATA_EFORMAT, "kv import: not a sequence image (%zu bytes)", len);
-        return NULL;
-    }
-    if (kv_crc32c(0, img, len - 4) != kv_ld32(img + len - 4)) {
-        strata_fail(err, STRATA_ECRC, "kv import: the image's CRC32C does not match");
-        return NULL;
-    }
-    if (kv_ld16(img + 4) != SEQ_IMAGE_VERSION || kv_ld32(img + 8) != (uint32_t)g->n_layers ||
-        kv_ld32(img + 12) != (uint32_t)g->n_kv_heads || kv_ld32(img + 16) != (uint32_t)g->head_dim ||
-        kv_ld32(img + 20) != (uint32_t)g->block_tokens) {
-        strata_fail(err, STRATA_EINVAL, "kv import: the image (version %u, %u layers, %u x %u heads, %u-token blocks) "
-                    "does not fit this pool (%d layers, %d x %d, %d)", kv_ld16(img + 4), kv_ld32(img + 8),
-                    kv_ld32(img + 12), kv_ld32(img + 16), kv_ld32(img + 20), g->n_layers, g->n_kv_heads, g->head_dim,
-                    g->block_tokens);
-        return NULL;
-    }
     kv_seq *s = kv_seq_create(pool, max_tokens, err);
     if (!s)
         return NULL;
-    const size_t body = len - 4;
-    size_t at = SEQ_IMAGE_HEAD;
-    int rc = STRATA_OK;
-    for (int l = 0; rc == STRATA_OK && l < g->n_layers; l++) {
-        kv_layer *L = &s->layers[l];
-        const uint8_t *h = image_take(img, body, &at, SEQ_IMAGE_LAYER_HEAD);
-        if (!h) {
-            rc = strata_fail(err, STRATA_EFORMAT, "kv import: the image ends in layer %d", l);
-            break;
-        }
-        size_t n_blocks = kv_ld32(h), tail_len = kv_ld32(h + 4);
-        uint64_t prompt_end = kv_ld64(h + 8);
-        if (n_blocks > s->max_blocks || tail_len > L->tail_cap || n_blocks * bt + tail_len > max_tokens ||
-            prompt_end > n_blocks * bt + tail_len) {
-            rc = strata_fail(err, STRATA_EINVAL, "kv import: layer %d holds %zu blocks and %zu tail tokens; this "
-                             "sequence takes at most %zu tokens", l, n_blocks, tail_len, max_tokens);
-            break;
-        }
-        const uint8_t *osz = image_take(img, body, &at, 4);
-        size_t ott_bytes = osz ? kv_ld32(osz) : 0;
-        const uint8_t *ott = osz ? image_take(img, body, &at, ott_bytes) : NULL;
-        if (!osz || (ott_bytes && !ott)) {
-            rc = strata_fail(err, STRATA_EFORMAT, "kv import: the image ends in layer %d's OTT state", l);
-            break;
-        }
-        if ((ott_bytes != 0) != (L->ott != NULL) || (L->ott && !kv_ott_tracker_load(L->ott, ott, ott_bytes))) {
-            rc = strata_fail(err, STRATA_EINVAL, "kv import: layer %d's OTT state (%zu bytes) does not fit this "
-                             "pool's codec", l, ott_bytes);
-            break;
-        }
-        for (size_t b = 0; rc == STRATA_OK && b < n_blocks; b++) {
-            const uint8_t *szp = image_take(img, body, &at, 4);
-            size_t bytes = szp ? kv_ld32(szp) : 0;
-            const uint8_t *data = szp ? image_take(img, body, &at, bytes) : NULL;
-            kv_block blk;
-            if (!data) {
-                rc = strata_fail(err, STRATA_EFORMAT, "kv import: the image ends in layer %d block %zu", l, b);
-            } else if ((rc = kv_block_verify(data, bytes, &blk, err)) != STRATA_OK) {
-                strata_error_prefix(err, "kv import: layer %d block %zu", l, b);
-            } else if (blk.block_bytes != bytes || blk.desc.layer != (uint32_t)l || blk.desc.first_pos != b * bt ||
-                       blk.desc.n_tokens != bt || (int)blk.desc.codec != (int)pool->codecs[l].codec ||
-                       bytes > class_of(pool, l)->slot_bytes) {
-                rc = strata_fail(err, STRATA_EINVAL, "kv import: layer %d block %zu (layer %u, position %" PRIu64
-                                 ", %u tokens, codec %s, %zu bytes) is not what this pool stores there", l, b,
-                                 blk.desc.layer, blk.desc.first_pos, blk.desc.n_tokens,
-                                 kv_codec_id_name(blk.desc.codec), bytes);
-            } else {
-                uint8_t *slot = NULL;
-                if ((rc = slot_take(pool, pool->layer_class[l], &slot, err)) == STRATA_OK) {
-                    memcpy(slot, data, bytes);
-                    L->refs[b] = (kv_block_ref){.slot = slot, .last_use = ++pool->clock, .bytes = (uint32_t)bytes};
-                    L->blocks[b] = slot;
-                    L->n_blocks = b + 1;
-                    kv_seq_unpin(s);   /* imported blocks may make room for the next ones */
-                }
-            }
-        }
-        const uint8_t *tk = rc == STRATA_OK ? image_take(img, body, &at, tail_len * row * 2) : NULL;
-        const uint8_t *tv = tk ? image_take(img, body, &at, tail_len * row * 2) : NULL;
-        if (rc == STRATA_OK && !tv)
-            rc = strata_fail(err, STRATA_EFORMAT, "kv import: the image ends in layer %d's tail", l);
-        if (rc == STRATA_OK) {
-            for (size_t i = 0; i < tail_len * row; i++) {
-                L->tail_k[i] = kv_ld16(tk + 2 * i);
-                L->tail_v[i] = kv_ld16(tv + 2 * i);
-            }
-            L->tail_len = tail_len;
-            L->prompt_end = (size_t)prompt_end;
-        }
-    }
-    if (rc == STRATA_OK && at != body)
-        rc = strata_fail(err, STRATA_EFORMAT, "kv import: %zu bytes after the last layer", body - at);
-    if (rc == STRATA_OK)
-        for (int l = 1; l < g->n_layers; l++)
-            if (kv_seq_length(s, l) != kv_seq_length(s, 0))
-                rc = strata_fail(err, STRATA_EINVAL, "kv import: layer %d holds %zu tokens, layer 0 %zu", l,
-                                 kv_seq_length(s, l), kv_seq_length(s, 0));
-    if (rc != STRATA_OK) {
+    import_ctx c = {.s = s, .max_tokens = max_tokens};
+    const kv_image_sink sink = {&c, import_layer, import_block, import_tail};
+    if (kv_image_read(&pool->geom, img, len, &sink, err) != STRATA_OK) {
         kv_seq_destroy(s);
         return NULL;
     }

@@ -12,6 +12,7 @@
 #include <cmocka.h>
 
 #include "kvstore/block.h"
+#include "kvstore/crc32c.h"
 #include "kvstore/kv_cache.h"
 #include "kvstore/plan.h"
 
@@ -76,6 +77,14 @@ static void assert_same(const kv_seq *a, const kv_seq *b)
     }
 }
 
+/* The image CRC (the last four bytes) recomputed after a deliberate change. */
+static void recrc(uint8_t *img, size_t len)
+{
+    const uint32_t c = kv_crc32c(0, img, len - 4);
+    for (int i = 0; i < 4; i++)
+        img[len - 4 + (size_t)i] = (uint8_t)(c >> (8 * i));
+}
+
 static void round_trip(const char *spec)
 {
     kv_codec_params plan[LAYERS];
@@ -110,6 +119,39 @@ static void round_trip(const char *spec)
     assert_null(kv_seq_import(pb, 1024, img, len - 5, &err));
     assert_null(kv_seq_import(pb, 100, img, len, &err));   /* more tokens than max_tokens */
     assert_non_null(strstr(err.msg, "at most"));
+    /* Past the image CRC (recomputed after each change): a damaged block's own CRC, and a layer
+     * record that does not make a sequence. */
+    uint8_t *bad = malloc(len);
+    assert_non_null(bad);
+    memcpy(bad, img, len);
+    bad[len - 40] ^= 0x01;   /* inside the last layer's tail: only the image CRC guards it */
+    recrc(bad, len);
+    kv_seq *c = kv_seq_import(pb, 1024, bad, len, &err);
+    assert_non_null(c);
+    kv_seq_destroy(c);
+    memcpy(bad, img, len);
+    const size_t ott0 = (size_t)img[40] | (size_t)img[41] << 8 | (size_t)img[42] << 16 | (size_t)img[43] << 24;
+    bad[24 + 20 + ott0 + 4 + 200] ^= 0x01;   /* layer 0's first block, in its payload */
+    recrc(bad, len);
+    assert_null(kv_seq_import(pb, 1024, bad, len, &err));
+    assert_int_equal(err.code, STRATA_ECRC);
+    memcpy(bad, img, len);
+    bad[24 + 8] = 0xff;      /* layer 0's prompt_end beyond its tokens */
+    recrc(bad, len);
+    assert_null(kv_seq_import(pb, 1024, bad, len, &err));
+    assert_int_equal(err.code, STRATA_EINVAL);
+    free(bad);
+    /* A block damaged in the pool does not travel: the export checks every block. */
+    kv_layer_view view;
+    kv_seq_layer_view(a, 1, &view);
+    uint8_t *victim = (uint8_t *)(uintptr_t)view.blocks[0];
+    victim[200] ^= 0x01;
+    uint8_t *img2 = NULL;
+    size_t len2 = 0;
+    assert_int_equal(kv_seq_export(a, &img2, &len2, &err), STRATA_ECRC);
+    assert_null(img2);
+    assert_non_null(strstr(err.msg, "layer 1 block 0"));
+    victim[200] ^= 0x01;
     kv_seq_destroy(a);
     kv_seq_destroy(b);
     /* A pool of another geometry refuses the image. */

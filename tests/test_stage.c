@@ -277,6 +277,63 @@ static void test_two_stages_equal_whole_model(void **state)
     two_stages(NULL);
 }
 
+/* Migration with GPU stages (only where a GPU is present): two sequences move GPU stage to GPU
+ * stage at step 3 and give the tokens of the same sequences left where they were (same kernels,
+ * same bytes); at step 6 they move to a CPU stage and at step 9 back to a GPU stage, and every
+ * step after each move runs (the CPU's tokens may differ from fp16 weights' later on). */
+static void gpu_migration(const stage_options *o)
+{
+    const char *kv = "kivi2-r32";
+    seq_spec ref[2] = {{.id = 7, .n_prompt = 150, .join_step = 1}, {.id = 8, .n_prompt = 90, .join_step = 1}};
+    for (size_t i = 0; i < 2; i++)
+        for (size_t k = 0; k < ref[i].n_prompt; k++)
+            ref[i].prompt[k] = (int32_t)(9 + (k * 7919 + i * 31) % 40000);
+    seq_spec mov[2];
+    memcpy(mov, ref, sizeof mov);
+    Strata__Internal__V1__Assignment a = assignment(full, kv);
+    strata_error err = {0};
+    stage *g_ref = stage_create(&a, full, o, NULL, NULL, &err);
+    stage *g1 = g_ref ? stage_create(&a, full, o, NULL, NULL, &err) : NULL;
+    stage *g2 = g1 ? stage_create(&a, full, o, NULL, NULL, &err) : NULL;
+    stage *cpu = g2 ? stage_create(&a, full, NULL, NULL, NULL, &err) : NULL;
+    if (!cpu)
+        fail_msg("GPU migration stages: %s", err.msg);
+    plan_buf b;
+    stage_result r;
+    for (int step = 1; step <= STEPS; step++) {
+        build_plan(&b, (uint64_t)step, ref, 2, step, STEPS);
+        assert_int_equal(stage_step(g_ref, &b.plan, &r, &err), STRATA_OK);
+        apply(&r, ref, 2, &b);
+    }
+    stage *where = g1;
+    for (int step = 1; step <= STEPS; step++) {
+        stage *to = step == 3 ? g2 : step == 6 ? cpu : step == 9 ? g1 : NULL;
+        for (size_t i = 0; to && i < 2; i++) {
+            uint8_t *img = NULL;
+            size_t len = 0;
+            if (stage_export_seq(where, mov[i].id, &img, &len, &err) != STRATA_OK ||
+                stage_import_seq(to, mov[i].id, img, len, &err) != STRATA_OK)
+                fail_msg("step %d, sequence %llu: %s", step, (unsigned long long)mov[i].id, err.msg);
+            free(img);
+            stage_drop_seq(where, mov[i].id);
+        }
+        where = to ? to : where;
+        build_plan(&b, (uint64_t)step, mov, 2, step, STEPS);
+        if (stage_step(where, &b.plan, &r, &err) != STRATA_OK)
+            fail_msg("step %d after the moves: %s", step, err.msg);
+        apply(&r, mov, 2, &b);
+    }
+    for (size_t i = 0; i < 2; i++)
+        for (int k = 0; k < 5; k++)   /* up to the move to the CPU: GPU to GPU is exact */
+            if (mov[i].got[k] != ref[i].got[k])
+                fail_msg("sequence %llu token %d: %d after the GPU-to-GPU move, %d unmoved",
+                         (unsigned long long)mov[i].id, k, mov[i].got[k], ref[i].got[k]);
+    stage_destroy(g_ref);
+    stage_destroy(g1);
+    stage_destroy(g2);
+    stage_destroy(cpu);
+}
+
 /* A GPU stage: without a device (or in a build without CUDA) stage_create says so and nothing is
  * left behind; with one, the two-stage pipeline runs on it. */
 static void test_gpu_stage(void **state)
@@ -286,6 +343,7 @@ static void test_gpu_stage(void **state)
     const stage_options o = {.cuda = true, .cuda_device = 0};
     if (stage_gpu_probe(0, &err) == STRATA_OK) {
         two_stages(&o);
+        gpu_migration(&o);
         return;
     }
     assert_true(err.code == STRATA_EIO || err.code == STRATA_EUNSUPPORTED);

@@ -17,7 +17,8 @@
  * batches are refused. A shared block pool with a pinned host tier below gives the same logits as
  * per-sequence arenas while blocks move off the device and back. Two pipeline stages, their rows
  * through an NCCL loopback link, give the whole model's logits. A prompt in chunks matches the
- * CPU's chunked prefill, with arenas and with the shared pool. Without a CUDA device only the no-device error path runs, then the test
+ * CPU's chunked prefill, with arenas and with the shared pool. Migration images move sequences
+ * GPU to GPU bit for bit and between GPU and CPU. Without a CUDA device only the no-device error path runs, then the test
  * exits 77 (skipped). */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -453,6 +454,111 @@ static void test_chunked_prompt(void **state)
     model_free(m);
 }
 
+/* Migration images (cuda_seq_export / cuda_seq_import): a GPU sequence moved to another GPU
+ * sequence (own arena, and the shared pool over a host tier) continues bit for bit as the
+ * original; moved to a CPU pool (kv_seq_import) or from one (kv_seq_export), the two continue
+ * within the GPU-vs-CPU bounds; a damaged image is refused. Codecs with prompt-rank blocks
+ * (GEAR) and a tracker (OTT) included. */
+static void test_migration(void **state)
+{
+    (void)state;
+    enum { BT = 16, TOKENS = 260, START = 150, STEPS = 40 };
+    strata_error err = {0};
+    model *m = model_load("synthetic:tiny:seed=9", 0, -1, &err);
+    assert_non_null(m);
+    const size_t nv = (size_t)model_get_config(m)->n_vocab;
+    kv_tiers_options to = {.host_bytes = 64u << 20, .allocator = cuda_pinned_host_allocator()};
+    kv_tiers *tiers = kv_tiers_create(&to, &err);
+    if (!tiers)
+        fail_msg("%s", err.msg);
+    const kv_lower_tier lower = kv_tiers_lower(tiers);
+    float *la = malloc(nv * sizeof *la), *lb = malloc(nv * sizeof *lb), *lc = malloc(nv * sizeof *lc);
+    int32_t *tok = malloc(TOKENS * sizeof *tok);
+    assert_true(la && lb && lc && tok);
+    const char *codecs[] = {"kivi2-g16", "gear2-g16", "ott2-g16", "fp16"};
+    for (size_t ci = 0; ci < 4; ci++) {
+        kv_codec_params codec;
+        assert_int_equal(kv_codec_parse(codecs[ci], &codec, &err), STRATA_OK);
+        cuda_model *own = cuda_model_create(m, CUDA_WEIGHTS_F32, &err), *shared = cuda_model_create(m, CUDA_WEIGHTS_F32, &err);
+        assert_true(own && shared);
+        if (cuda_model_create_kv_pool(shared, &codec, BT, (TOKENS - (size_t)codec.residual) / BT + 8, &lower, &err) !=
+            STRATA_OK)
+            fail_msg("%s", err.msg);
+        uint64_t seed = 100 + ci;
+        for (size_t i = 0; i < TOKENS; i++)
+            tok[i] = (int32_t)(32 + cuda_test_rng(&seed) % 90);
+        cuda_seq *a = cuda_seq_create(own, &codec, BT, TOKENS, &err);
+        assert_non_null(a);
+        assert_int_equal(cuda_model_forward(own, a, tok, 100, la, &err), STRATA_OK);              /* a prompt */
+        assert_int_equal(cuda_model_forward(own, a, tok + 100, START - 100, la, &err), STRATA_OK); /* a chunk */
+        for (size_t t = START; t < START + 10; t++)
+            assert_int_equal(cuda_model_forward(own, a, tok + t, 1, la, &err), STRATA_OK);
+        uint8_t *img = NULL;
+        size_t len = 0;
+        if (cuda_seq_export(a, &img, &len, &err) != STRATA_OK)
+            fail_msg("%s: export: %s", codecs[ci], err.msg);
+        cuda_seq *b = cuda_seq_import(own, &codec, BT, TOKENS, img, len, &err);
+        cuda_seq *c = b ? cuda_seq_import(shared, &codec, BT, TOKENS, img, len, &err) : NULL;
+        if (!b || !c)
+            fail_msg("%s: import: %s", codecs[ci], err.msg);
+        assert_int_equal(cuda_seq_length(b), START + 10);
+        /* on the CPU too */
+        kv_geometry geo = model_kv_geometry(m, BT);
+        kv_pool *pool = kv_pool_create(&geo, &codec, (TOKENS / BT + 2) * (size_t)geo.n_layers, &err);
+        assert_non_null(pool);
+        kv_seq *cpu = kv_seq_import(pool, TOKENS, img, len, &err);
+        if (!cpu)
+            fail_msg("%s: the GPU image on the CPU: %s", codecs[ci], err.msg);
+        double worst = 0.0;
+        for (size_t t = START + 10; t < START + 10 + STEPS; t++) {
+            assert_int_equal(cuda_model_forward(own, a, tok + t, 1, la, &err), STRATA_OK);
+            assert_int_equal(cuda_model_forward(own, b, tok + t, 1, lb, &err), STRATA_OK);
+            if (cuda_model_forward(shared, c, tok + t, 1, lc, &err) != STRATA_OK)
+                fail_msg("%s: the imported sequence in the shared pool: %s", codecs[ci], err.msg);
+            assert_memory_equal(la, lb, nv * sizeof *la);
+            assert_memory_equal(la, lc, nv * sizeof *la);
+            assert_int_equal(model_forward(m, cpu, tok + t, 1, t, lb, false, &err), STRATA_OK);
+            const double e = rel_error(la, lb, nv);
+            worst = e > worst ? e : worst;
+        }
+        if (!(worst <= (codec.codec == KV_CODEC_FP16 ? 2e-3 : 3e-2)))
+            fail_msg("%s: continued on the CPU, logits differ from the GPU's by %.3e", codecs[ci], worst);
+        /* and back: the CPU's image continues on the GPU */
+        uint8_t *img2 = NULL;
+        size_t len2 = 0;
+        assert_int_equal(kv_seq_export(cpu, &img2, &len2, &err), STRATA_OK);
+        cuda_seq *d = cuda_seq_import(own, &codec, BT, TOKENS, img2, len2, &err);
+        if (!d)
+            fail_msg("%s: the CPU image on the GPU: %s", codecs[ci], err.msg);
+        const size_t t = START + 10 + STEPS;
+        assert_int_equal(model_forward(m, cpu, tok + t, 1, t, lb, false, &err), STRATA_OK);
+        assert_int_equal(cuda_model_forward(own, d, tok + t, 1, lc, &err), STRATA_OK);
+        if (!(rel_error(lc, lb, nv) <= (codec.codec == KV_CODEC_FP16 ? 2e-3 : 3e-2)))
+            fail_msg("%s: the CPU's sequence continued on the GPU differs by %.3e", codecs[ci], rel_error(lc, lb, nv));
+        img[len / 2] ^= 0x04;
+        assert_null(cuda_seq_import(own, &codec, BT, TOKENS, img, len, &err));
+        assert_int_equal(err.code, STRATA_ECRC);
+        printf("  migration %s: GPU to GPU bit for bit (own arena, shared pool), to the CPU within %.2e\n", codecs[ci],
+               worst);
+        free(img);
+        free(img2);
+        cuda_seq_free(a);
+        cuda_seq_free(b);
+        cuda_seq_free(c);
+        cuda_seq_free(d);
+        kv_seq_destroy(cpu);
+        kv_pool_destroy(pool);
+        cuda_model_free(shared);
+        cuda_model_free(own);
+    }
+    kv_tiers_destroy(tiers);
+    free(la);
+    free(lb);
+    free(lc);
+    free(tok);
+    model_free(m);
+}
+
 /* Two pipeline stages of one model on one GPU, the rows between them through an NCCL loopback
  * link when the build has NCCL (else a device copy): two sequences, prompts prefilled together,
  * then decoded together, give the logits of the whole model on the GPU (the same kernels on the
@@ -630,6 +736,7 @@ int main(void)
         cmocka_unit_test(test_greedy_and_sizes),
         cmocka_unit_test(test_shared_pool),
         cmocka_unit_test(test_chunked_prompt),
+        cmocka_unit_test(test_migration),
         cmocka_unit_test(test_pipeline_stages),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

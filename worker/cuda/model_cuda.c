@@ -2,102 +2,12 @@
  * host waits only where it reads results (logits, the attention status) or reuses a host buffer. */
 #include "worker/cuda/model_cuda.h"
 
-#include <cublas_v2.h>
-#include <cuda_runtime.h>
 #include <math.h>
-#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/cuda_kv_attention.h"
-#include "kernels/cuda_kv_encode.h"
-#include "kernels/cuda_kv_tail.h"
 #include "kernels/cuda_ops.h"
-#include "kernels/cuda_sample.h"
-#include "offload/device_pool.h"
-#include "worker/cuda/device_mem.h"
-
-typedef struct cuda_layer {
-    float *attn_norm, *ffn_norm;               /* fp32 */
-    void *wq, *wk, *wv, *wo, *w_gate, *w_up, *w_down;  /* dtype */
-} cuda_layer;
-
-struct cuda_model {
-    const model *host;
-    model_config cfg;
-    /* The layers held, [layer_begin, layer_begin + n_local): a whole model or a pipeline stage.
-     * Sequences and their blocks number them from 0, as the CPU stages do. */
-    int layer_begin, n_local;
-    bool first, last;   /* embeds the tokens / holds the output head */
-    cuda_weight_dtype dtype;
-    cublasHandle_t blas;
-    bool blas_ok;
-    int sm_count;
-    cuda_layer *layers;
-    float *output_norm;
-    void *output;
-    size_t weight_bytes;
-    /* Activations for up to cap rows (tokens of a step). */
-    size_t cap;
-    float *x, *xn, *q, *k, *v, *attn, *proj, *gate, *up;
-    uint16_t *act16, *k16, *v16;
-    int32_t *d_pos;
-    float *h_rows;   /* host staging of embedding rows */
-    int32_t *h_pos;
-    /* Per-item buffers for up to cap_items items of a step. */
-    size_t cap_items;
-    float *head_x, *logits, *h_logits;        /* [items][n_embd], [items][n_vocab] device, host */
-    int32_t *d_next, *h_next;                 /* [items] sampled tokens */
-    cuda_sample_row *d_sample, *h_sample;     /* [items] sampling parameters and draws */
-    cuda_kv_seq *d_views, *h_views;           /* [layer][decode item] */
-    cuda_kv_append_job *d_append, *h_append;  /* [layer][decode item] */
-    cuda_kv_encode_job *d_encode, *h_encode;  /* [layer][decode item whose tail fills] */
-    cuda_kv_shift_job *d_shift, *h_shift;
-    void *d_ws;                               /* attention workspace */
-    size_t ws_bytes;
-    uint8_t *d_gear_work;                     /* GEAR, OTT: a scratch per block forming in one step */
-    size_t gear_work_bytes;
-    int *d_status;
-    uint64_t step;                            /* steps checked so far: marks sequences seen in one */
-    /* The shared block pool (cuda_model_create_kv_pool), or NULL: each sequence has its arena. */
-    device_pool *pool;
-    cuda_device_mem *pool_mem;
-    size_t pool_slot;
-    uint64_t next_owner;
-    device_block *h_acquire;                  /* a step's blocks, and their addresses */
-    void **h_addrs;
-    size_t cap_acquire;
-};
-
-struct cuda_seq {
-    cuda_model *cm;
-    kv_codec_params codec;
-    cuda_kv_encoder enc;
-    int n_layers, block_tokens, residual;
-    size_t max_tokens, len, max_blocks, slot, row;  /* row: elements of one token's K (H * D) */
-    uint8_t *arena;                  /* device: n_layers * max_blocks slots; NULL with the shared pool */
-    uint64_t owner;                  /* the shared pool's name for this sequence */
-    device_block *handles;           /* shared pool: block b of layer l is handles[l * max_blocks + b] */
-    const uint8_t **h_tables;        /* shared pool: the host copy of d_tables */
-    uint8_t *row_dirty;              /* shared pool, per layer: its h_tables row changed since uploaded */
-    uint16_t *tail_k, *tail_v, *tmp;  /* device: n_layers * (R + BT) rows; tmp: R rows */
-    int *tail_len, *n_blocks;        /* host, per layer (equal across layers between steps) */
-    const uint8_t **d_tables;        /* device: n_layers * max_blocks block pointers */
-    cuda_kv_encode_job *d_job;       /* prefill's block formation, one at a time */
-    cuda_kv_encoder enc_prompt;      /* GEAR: blocks made only of prompt tokens take rank_prompt */
-    size_t prompt_end;               /* where the last multi-token append (prompt or chunk) ended, as on the CPU */
-    size_t work_bytes;               /* GEAR: the larger encoder scratch */
-    uint8_t *d_work;                 /* GEAR, OTT: prefill's scratch */
-    uint8_t *d_ott;                  /* OTT: n_layers trackers of enc.ott_state_bytes, device */
-    uint64_t seen_in_step;           /* cm->step of the last step that named this sequence */
-};
-
-#define CU(call, what)                                                                                     \
-    do {                                                                                                   \
-        cudaError_t e_ = (call);                                                                           \
-        if (e_ != cudaSuccess)                                                                             \
-            return strata_fail(err, STRATA_EIO, "CUDA %s: %s", (what), cudaGetErrorString(e_));            \
-    } while (0)
+#include "worker/cuda/model_cuda_impl.h"
 
 #define KERNEL(call, what) CU((cudaError_t)(call), (what))
 
@@ -516,7 +426,7 @@ void cuda_seq_free(cuda_seq *s)
 
 size_t cuda_seq_length(const cuda_seq *s) { return s ? s->len : 0; }
 
-static uint16_t *tail_at(const cuda_seq *s, uint16_t *base, int layer, size_t token)
+uint16_t *cuda_seq_tail_at(const cuda_seq *s, uint16_t *base, int layer, size_t token)
 {
     return base + ((size_t)layer * (size_t)(s->residual + s->block_tokens) + token) * s->row;
 }
@@ -538,7 +448,7 @@ static void *ott_state(const cuda_seq *s, int layer)
 /* Where block b of a layer is written: its slot in the sequence's arena, or a new block of the
  * shared pool (pinned until the layer ends; the table entry is uploaded before the layer's next
  * attention). */
-static int new_block(cuda_seq *s, int layer, size_t b, uint8_t **dst, strata_error *err)
+int cuda_seq_new_block(cuda_seq *s, int layer, size_t b, uint8_t **dst, strata_error *err)
 {
     const size_t i = (size_t)layer * s->max_blocks + b;
     if (!s->cm->pool) {
@@ -577,9 +487,9 @@ static int append_layer(cuda_seq *s, int layer, const uint16_t *k16, const uint1
         size_t take = full - (size_t)s->tail_len[layer];
         if (take > n - i)
             take = n - i;
-        CU(cudaMemcpy(tail_at(s, s->tail_k, layer, (size_t)s->tail_len[layer]), k16 + i * s->row, take * bytes,
+        CU(cudaMemcpy(cuda_seq_tail_at(s, s->tail_k, layer, (size_t)s->tail_len[layer]), k16 + i * s->row, take * bytes,
                       cudaMemcpyDeviceToDevice), "appending keys");
-        CU(cudaMemcpy(tail_at(s, s->tail_v, layer, (size_t)s->tail_len[layer]), v16 + i * s->row, take * bytes,
+        CU(cudaMemcpy(cuda_seq_tail_at(s, s->tail_v, layer, (size_t)s->tail_len[layer]), v16 + i * s->row, take * bytes,
                       cudaMemcpyDeviceToDevice), "appending values");
         s->tail_len[layer] += (int)take;
         i += take;
@@ -589,12 +499,12 @@ static int append_layer(cuda_seq *s, int layer, const uint16_t *k16, const uint1
         if (b >= s->max_blocks)
             return strata_fail(err, STRATA_EFULL, "layer %d: no block slot left", layer);
         uint8_t *dst = NULL;
-        int rc = new_block(s, layer, b, &dst, err);
+        int rc = cuda_seq_new_block(s, layer, b, &dst, err);
         if (rc != STRATA_OK)
             return rc;
         const cuda_kv_encode_job job = {
-            .k = tail_at(s, s->tail_k, layer, 0),
-            .v = tail_at(s, s->tail_v, layer, 0),
+            .k = cuda_seq_tail_at(s, s->tail_k, layer, 0),
+            .v = cuda_seq_tail_at(s, s->tail_v, layer, 0),
             .dst = dst,
             .first_pos = (uint64_t)b * bt,
             .layer = (uint32_t)layer,
@@ -609,10 +519,10 @@ static int append_layer(cuda_seq *s, int layer, const uint16_t *k16, const uint1
         /* The R newest rows move to the front (through tmp: the ranges overlap when R > bt). */
         if (s->residual > 0) {
             const size_t r = (size_t)s->residual;
-            CU(cudaMemcpy(s->tmp, tail_at(s, s->tail_k, layer, bt), r * bytes, cudaMemcpyDeviceToDevice), "tail");
-            CU(cudaMemcpy(tail_at(s, s->tail_k, layer, 0), s->tmp, r * bytes, cudaMemcpyDeviceToDevice), "tail");
-            CU(cudaMemcpy(s->tmp, tail_at(s, s->tail_v, layer, bt), r * bytes, cudaMemcpyDeviceToDevice), "tail");
-            CU(cudaMemcpy(tail_at(s, s->tail_v, layer, 0), s->tmp, r * bytes, cudaMemcpyDeviceToDevice), "tail");
+            CU(cudaMemcpy(s->tmp, cuda_seq_tail_at(s, s->tail_k, layer, bt), r * bytes, cudaMemcpyDeviceToDevice), "tail");
+            CU(cudaMemcpy(cuda_seq_tail_at(s, s->tail_k, layer, 0), s->tmp, r * bytes, cudaMemcpyDeviceToDevice), "tail");
+            CU(cudaMemcpy(s->tmp, cuda_seq_tail_at(s, s->tail_v, layer, bt), r * bytes, cudaMemcpyDeviceToDevice), "tail");
+            CU(cudaMemcpy(cuda_seq_tail_at(s, s->tail_v, layer, 0), s->tmp, r * bytes, cudaMemcpyDeviceToDevice), "tail");
         }
         s->tail_len[layer] = s->residual;
     }
@@ -704,15 +614,15 @@ static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_
         for (size_t l = 0; l < L; l++) {
             const int il = (int)l;
             cm->h_append[l * nd + j] = (cuda_kv_append_job){
-                .dst_k = tail_at(s, s->tail_k, il, (size_t)s->tail_len[0]),
-                .dst_v = tail_at(s, s->tail_v, il, (size_t)s->tail_len[0]),
+                .dst_k = cuda_seq_tail_at(s, s->tail_k, il, (size_t)s->tail_len[0]),
+                .dst_v = cuda_seq_tail_at(s, s->tail_v, il, (size_t)s->tail_len[0]),
                 .src_row = (int)j,
                 .n_rows = 1,
             };
             cm->h_views[l * nd + j] = (cuda_kv_seq){
                 .blocks = s->d_tables + l * s->max_blocks,
-                .tail_k = tail_at(s, s->tail_k, il, 0),
-                .tail_v = tail_at(s, s->tail_v, il, 0),
+                .tail_k = cuda_seq_tail_at(s, s->tail_k, il, 0),
+                .tail_v = cuda_seq_tail_at(s, s->tail_v, il, 0),
                 .n_blocks = blocks_after,
                 .tail_tokens = tail_after,
             };
@@ -720,23 +630,23 @@ static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_
                 /* Shared pool: the slot is taken when the layer runs (acquire_layer). */
                 uint8_t *dst = NULL;
                 if (!cm->pool) {
-                    int rc = new_block(s, il, (size_t)s->n_blocks[0], &dst, err);
+                    int rc = cuda_seq_new_block(s, il, (size_t)s->n_blocks[0], &dst, err);
                     if (rc != STRATA_OK)
                         return rc;
                 } else if (l == 0) {
                     sp->full_seq[slot_in_layer] = s;
                 }
                 cm->h_encode[l * nd + slot_in_layer] = (cuda_kv_encode_job){
-                    .k = tail_at(s, s->tail_k, il, 0),
-                    .v = tail_at(s, s->tail_v, il, 0),
+                    .k = cuda_seq_tail_at(s, s->tail_k, il, 0),
+                    .v = cuda_seq_tail_at(s, s->tail_v, il, 0),
                     .dst = dst,
                     .first_pos = (uint64_t)s->n_blocks[0] * (uint64_t)s->block_tokens,
                     .layer = (uint32_t)l,
                     .work = work ? cm->d_gear_work + slot_in_layer * work : NULL,
                     .ott_state = ott_state(s, il),
                 };
-                cm->h_shift[l * nd + slot_in_layer] = (cuda_kv_shift_job){tail_at(s, s->tail_k, il, 0),
-                                                                          tail_at(s, s->tail_v, il, 0)};
+                cm->h_shift[l * nd + slot_in_layer] = (cuda_kv_shift_job){cuda_seq_tail_at(s, s->tail_k, il, 0),
+                                                                          cuda_seq_tail_at(s, s->tail_v, il, 0)};
             }
         }
     }
@@ -809,7 +719,7 @@ static int acquire_layer(cuda_model *cm, const cuda_batch_item *items, const ste
     for (size_t f = 0; f < sp->n_full; f++) {   /* the blocks this step forms, in the jobs' order */
         cuda_seq *s = sp->full_seq[f];
         uint8_t *dst = NULL;
-        if ((rc = new_block(s, il, (size_t)s->n_blocks[0], &dst, err)) != STRATA_OK)
+        if ((rc = cuda_seq_new_block(s, il, (size_t)s->n_blocks[0], &dst, err)) != STRATA_OK)
             return rc;
         cm->h_encode[l * nd + f].dst = dst;
     }
@@ -886,8 +796,8 @@ static int chunk_layer(cuda_model *cm, cuda_seq *s, int il, const float *q, cons
     layout.block_bytes = (uint32_t)s->slot;
     const cuda_kv_seq view = {
         .blocks = s->d_tables + l * s->max_blocks,
-        .tail_k = tail_at(s, s->tail_k, il, 0),
-        .tail_v = tail_at(s, s->tail_v, il, 0),
+        .tail_k = cuda_seq_tail_at(s, s->tail_k, il, 0),
+        .tail_v = cuda_seq_tail_at(s, s->tail_v, il, 0),
         .n_blocks = (int)nb,
         .tail_tokens = s->tail_len[il],
     };

@@ -87,6 +87,17 @@ size_t cuda_seq_length(const cuda_seq *s);
 /* Shared pool: marks a preempted sequence's blocks to leave the device first (or no longer). */
 void cuda_seq_set_waiting(cuda_seq *s, bool waiting);
 
+/* Migration: the sequence as a sequence image (kvstore/seq_image.h, docs/format.md section 10),
+ * the same bytes kv_seq_export writes for a CPU sequence, so images move between GPU and CPU
+ * stages: its blocks as their exact bytes (with the shared pool, a block below the device is
+ * brought back for the copy), its fp16 tails, its prompt length and OTT's tracker state. *img is
+ * malloc'd. Call between steps. cuda_seq_import makes a new sequence of the given codec and
+ * size from an image, checking it as kv_seq_import does (STRATA_EINVAL for an image that does
+ * not fit, STRATA_EFORMAT / STRATA_ECRC for a malformed or damaged one). */
+int cuda_seq_export(cuda_seq *s, uint8_t **img, size_t *len, strata_error *err);
+cuda_seq *cuda_seq_import(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t max_tokens,
+                          const uint8_t *img, size_t len, strata_error *err);
+
 /* Runs n tokens at the sequence's next positions, like model_forward: a prompt on an empty
  * sequence (n > 1) goes through exact causal attention over its fp16 K/V, one token on a
  * non-empty sequence through attention over the compressed cache, n > 1 tokens on a non-empty

@@ -603,11 +603,9 @@ int stage_export_seq(stage *s, uint64_t id, uint8_t **img, size_t *len, strata_e
     seq_entry *e = find(s, id);
     if (!e)
         return strata_fail(err, STRATA_EINVAL, "sequence %" PRIu64 " is not on this stage", id);
-    if (e->gpu)
-        return strata_fail(err, STRATA_EUNSUPPORTED, "migrating a sequence off a GPU stage is not supported yet");
     uint8_t *kv = NULL;
     size_t kv_len = 0;
-    int rc = kv_seq_export(e->kv, &kv, &kv_len, err);
+    int rc = e->gpu ? stage_gpu_seq_export(s->gpu, e->gpu, &kv, &kv_len, err) : kv_seq_export(e->kv, &kv, &kv_len, err);
     if (rc != STRATA_OK)
         return rc;
     uint8_t *out = malloc(MIGRATION_HEAD + kv_len);
@@ -631,8 +629,6 @@ int stage_import_seq(stage *s, uint64_t id, const uint8_t *img, size_t len, stra
 {
     if (find(s, id))
         return strata_fail(err, STRATA_EINVAL, "sequence %" PRIu64 " is already on this stage", id);
-    if (s->gpu)
-        return strata_fail(err, STRATA_EUNSUPPORTED, "migrating a sequence onto a GPU stage is not supported yet");
     if (len < MIGRATION_HEAD || kv_ld32(img) != MIGRATION_MAGIC || (kv_ld32(img + 4) & ~1u))
         return strata_fail(err, STRATA_EFORMAT, "not a migration image (%zu bytes)", len);
     if (grow((void **)&s->seqs, &s->cap_seqs, s->n_seqs + 1, sizeof *s->seqs) != STRATA_OK)
@@ -640,13 +636,19 @@ int stage_import_seq(stage *s, uint64_t id, const uint8_t *img, size_t len, stra
     sampler *smp = NULL;
     if ((kv_ld32(img + 4) & 1u) && !(smp = sampler_restore(img + 8, s->cfg->n_vocab, err)))
         return err ? err->code : STRATA_EINVAL;
-    kv_seq *kv = kv_seq_import(s->pool, s->max_seq_tokens, img + MIGRATION_HEAD, len - MIGRATION_HEAD, err);
-    if (!kv) {
+    kv_seq *kv = NULL;
+    stage_gpu_seq *gq = NULL;
+    if (s->gpu)
+        gq = stage_gpu_seq_import(s->gpu, img + MIGRATION_HEAD, len - MIGRATION_HEAD, err);
+    else
+        kv = kv_seq_import(s->pool, s->max_seq_tokens, img + MIGRATION_HEAD, len - MIGRATION_HEAD, err);
+    if (!kv && !gq) {
         sampler_free(smp);
         return err ? err->code : STRATA_EFORMAT;
     }
-    kv_seq_set_id(kv, id);
-    s->seqs[s->n_seqs++] = (seq_entry){.id = id, .kv = kv, .smp = smp};
+    if (kv)
+        kv_seq_set_id(kv, id);
+    s->seqs[s->n_seqs++] = (seq_entry){.id = id, .kv = kv, .gpu = gq, .smp = smp};
     return STRATA_OK;
 }
 

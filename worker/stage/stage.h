@@ -41,8 +41,9 @@ typedef struct stage_options {
 /* m holds the assignment's layers [layer_begin, layer_end) (the stage keeps the pointer; the
  * caller frees m after stage_destroy). With o->cuda the layers and the KV run on that GPU (one KV
  * codec for the stage's layers; preemption marks a sequence's blocks to leave the device first;
- * migration is refused; never run on a GPU yet), else on the CPU. prev: the link from stage - 1 (NULL on stage 0); next:
- * the link to stage + 1 (NULL on the last stage); both stay the caller's. */
+ * migration images are the CPU stage's bytes, so sequences move between GPU and CPU stages; never
+ * run on a GPU yet), else on the CPU. prev: the link from stage - 1 (NULL on stage 0); next: the
+ * link to stage + 1 (NULL on the last stage); both stay the caller's. */
 stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const stage_options *o, dp_link *prev,
                     dp_link *next, strata_error *err);
 void stage_destroy(stage *s);

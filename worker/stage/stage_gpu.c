@@ -154,6 +154,31 @@ void stage_gpu_seq_set_waiting(stage_gpu_seq *q, bool waiting)
         cuda_seq_set_waiting(q->s, waiting);
 }
 
+int stage_gpu_seq_export(stage_gpu *g, stage_gpu_seq *q, uint8_t **img, size_t *len, strata_error *err)
+{
+    *img = NULL;
+    *len = 0;
+    int rc = use_device(g, err);
+    return rc == STRATA_OK ? cuda_seq_export(q->s, img, len, err) : rc;
+}
+
+stage_gpu_seq *stage_gpu_seq_import(stage_gpu *g, const uint8_t *img, size_t len, strata_error *err)
+{
+    if (use_device(g, err) != STRATA_OK)
+        return NULL;
+    stage_gpu_seq *q = calloc(1, sizeof *q);
+    if (!q) {
+        strata_fail(err, STRATA_ENOMEM, "out of memory");
+        return NULL;
+    }
+    q->device = g->c.device;
+    if (!(q->s = cuda_seq_import(g->cm, &g->c.codec, g->c.block_tokens, g->c.max_seq_tokens, img, len, err))) {
+        free(q);
+        return NULL;
+    }
+    return q;
+}
+
 static int ensure(stage_gpu *g, size_t items, size_t rows, strata_error *err)
 {
     const size_t floats = rows * (size_t)g->cfg->n_embd;
@@ -326,6 +351,21 @@ size_t stage_gpu_seq_length(const stage_gpu_seq *q)
     return 0;
 }
 void stage_gpu_seq_set_waiting(stage_gpu_seq *q, bool waiting) { (void)q, (void)waiting; }
+
+int stage_gpu_seq_export(stage_gpu *g, stage_gpu_seq *q, uint8_t **img, size_t *len, strata_error *err)
+{
+    (void)g, (void)q;
+    *img = NULL;
+    *len = 0;
+    return no_cuda(err);
+}
+
+stage_gpu_seq *stage_gpu_seq_import(stage_gpu *g, const uint8_t *img, size_t len, strata_error *err)
+{
+    (void)g, (void)img, (void)len;
+    no_cuda(err);
+    return NULL;
+}
 
 int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
                       bool in_on_device, float *hidden_out, bool out_on_device, float *logits, strata_error *err)

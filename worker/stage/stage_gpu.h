@@ -49,6 +49,11 @@ size_t stage_gpu_seq_length(const stage_gpu_seq *q);
 /* Preempted (true) or running again (false): see the top of this file. */
 void stage_gpu_seq_set_waiting(stage_gpu_seq *q, bool waiting);
 
+/* Migration: a sequence as a sequence image (cuda_seq_export: the bytes a CPU stage's
+ * kv_seq_export writes), and a sequence of this stage made from one (cuda_seq_import). */
+int stage_gpu_seq_export(stage_gpu *g, stage_gpu_seq *q, uint8_t **img, size_t *len, strata_error *err);
+stage_gpu_seq *stage_gpu_seq_import(stage_gpu *g, const uint8_t *img, size_t len, strata_error *err);
+
 typedef struct stage_gpu_item {
     stage_gpu_seq *seq;
     const int32_t *tokens;   /* n_tokens ids (the first stage embeds them) */

@@ -1,0 +1,213 @@
+/* The sequence image's writer and reader (seq_image.h; layout in docs/format.md section 10). */
+#include "kvstore/seq_image.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvstore/bytes.h"
+#include "kvstore/crc32c.h"
+
+#define SEQ_IMAGE_MAGIC 0x49564b53u   /* "SKVI" */
+#define SEQ_IMAGE_VERSION 1u
+#define SEQ_IMAGE_HEAD 24u            /* magic, version, flags, n_layers, heads, head_dim, block_tokens */
+#define SEQ_IMAGE_LAYER_HEAD 16u      /* n_blocks, tail_len, prompt_end */
+
+typedef struct image_writer {
+    uint8_t *buf;
+    size_t len, cap;
+} image_writer;
+
+static int image_room(image_writer *w, size_t more, strata_error *err)
+{
+    if (more <= w->cap - w->len)
+        return STRATA_OK;
+    size_t cap = w->cap ? w->cap : 4096;
+    while (cap - w->len < more) {
+        if (cap > SIZE_MAX / 2)
+            return strata_fail(err, STRATA_ENOMEM, "kv export: image too large");
+        cap *= 2;
+    }
+    uint8_t *grown = realloc(w->buf, cap);
+    if (!grown)
+        return strata_fail(err, STRATA_ENOMEM, "kv export: out of memory for a %zu-byte image", cap);
+    w->buf = grown;
+    w->cap = cap;
+    return STRATA_OK;
+}
+
+static int write_layer(const kv_geometry *g, const kv_image_source *src, int l, image_writer *w, uint16_t **rows,
+                       size_t *rows_cap, strata_error *err)
+{
+    const size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim;
+    kv_image_layer L;
+    int rc = src->layer(src->ctx, l, &L, err);
+    if (rc != STRATA_OK)
+        return rc;
+    if (L.n_blocks > UINT32_MAX || L.tail_len > UINT32_MAX || L.ott_bytes > UINT32_MAX)
+        return strata_fail(err, STRATA_EINVAL, "kv export: layer %d is too large for the image", l);
+    if ((rc = image_room(w, SEQ_IMAGE_LAYER_HEAD + 4 + L.ott_bytes, err)) != STRATA_OK)
+        return rc;
+    kv_st32(w->buf + w->len, (uint32_t)L.n_blocks);
+    kv_st32(w->buf + w->len + 4, (uint32_t)L.tail_len);
+    kv_st64(w->buf + w->len + 8, (uint64_t)L.prompt_end);
+    kv_st32(w->buf + w->len + 16, (uint32_t)L.ott_bytes);
+    w->len += SEQ_IMAGE_LAYER_HEAD + 4;
+    /* OTT's pool state decides which tokens of future blocks stay fp16: it travels too. */
+    if (L.ott_bytes && (rc = src->ott_state(src->ctx, l, w->buf + w->len, err)) != STRATA_OK)
+        return rc;
+    w->len += L.ott_bytes;
+    for (size_t b = 0; b < L.n_blocks; b++) {
+        uint32_t bytes = 0;
+        if ((rc = src->block_bytes(src->ctx, l, b, &bytes, err)) != STRATA_OK ||
+            (rc = image_room(w, 4 + (size_t)bytes, err)) != STRATA_OK)
+            return rc;
+        kv_st32(w->buf + w->len, bytes);
+        if ((rc = src->block(src->ctx, l, b, w->buf + w->len + 4, err)) == STRATA_OK)
+            rc = kv_block_verify(w->buf + w->len + 4, bytes, NULL, err);
+        if (rc != STRATA_OK)
+            return strata_error_prefix(err, "kv export: layer %d block %zu", l, b);
+        w->len += 4 + (size_t)bytes;
+    }
+    const size_t n = L.tail_len * row;
+    if (2 * n > *rows_cap) {
+        uint16_t *grown = realloc(*rows, 2 * n * sizeof *grown);
+        if (!grown)
+            return strata_fail(err, STRATA_ENOMEM, "kv export: out of memory for a tail of %zu rows", L.tail_len);
+        *rows = grown;
+        *rows_cap = 2 * n;
+    }
+    if (n && (rc = src->tail(src->ctx, l, *rows, *rows + n, err)) != STRATA_OK)
+        return rc;
+    if ((rc = image_room(w, 2 * n * sizeof(uint16_t), err)) != STRATA_OK)
+        return rc;
+    for (size_t i = 0; i < 2 * n; i++)   /* K rows then V rows, each value little-endian */
+        kv_st16(w->buf + w->len + 2 * i, (*rows)[i]);
+    w->len += 2 * n * sizeof(uint16_t);
+    return STRATA_OK;
+}
+
+int kv_image_write(const kv_geometry *g, const kv_image_source *src, uint8_t **out, size_t *out_len,
+                   strata_error *err)
+{
+    *out = NULL;
+    *out_len = 0;
+    if (!g || !src)
+        return strata_fail(err, STRATA_EINVAL, "kv export: NULL argument");
+    image_writer w = {0};
+    uint16_t *rows = NULL;
+    size_t rows_cap = 0;
+    int rc = image_room(&w, SEQ_IMAGE_HEAD, err);
+    if (rc == STRATA_OK) {
+        kv_st32(w.buf, SEQ_IMAGE_MAGIC);
+        kv_st16(w.buf + 4, SEQ_IMAGE_VERSION);
+        kv_st16(w.buf + 6, 0);
+        kv_st32(w.buf + 8, (uint32_t)g->n_layers);
+        kv_st32(w.buf + 12, (uint32_t)g->n_kv_heads);
+        kv_st32(w.buf + 16, (uint32_t)g->head_dim);
+        kv_st32(w.buf + 20, (uint32_t)g->block_tokens);
+        w.len = SEQ_IMAGE_HEAD;
+    }
+    for (int l = 0; rc == STRATA_OK && l < g->n_layers; l++)
+        rc = write_layer(g, src, l, &w, &rows, &rows_cap, err);
+    if (rc == STRATA_OK && (rc = image_room(&w, 4, err)) == STRATA_OK) {
+        kv_st32(w.buf + w.len, kv_crc32c(0, w.buf, w.len));
+        w.len += 4;
+    }
+    free(rows);
+    if (rc != STRATA_OK) {
+        free(w.buf);
+        return rc;
+    }
+    *out = w.buf;
+    *out_len = w.len;
+    return STRATA_OK;
+}
+
+/* Reads n bytes at *at of an image body of len bytes; NULL when it runs past the end. */
+static const uint8_t *image_take(const uint8_t *img, size_t len, size_t *at, size_t n)
+{
+    if (n > len - *at)
+        return NULL;
+    const uint8_t *p = img + *at;
+    *at += n;
+    return p;
+}
+
+static int read_layer(const kv_geometry *g, const uint8_t *img, size_t body, size_t *at, int l,
+                      const kv_image_sink *sink, size_t *tokens, strata_error *err)
+{
+    const size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim, bt = (size_t)g->block_tokens;
+    const uint8_t *h = image_take(img, body, at, SEQ_IMAGE_LAYER_HEAD + 4);
+    if (!h)
+        return strata_fail(err, STRATA_EFORMAT, "kv import: the image ends in layer %d", l);
+    kv_image_layer L = {.n_blocks = kv_ld32(h), .tail_len = kv_ld32(h + 4), .ott_bytes = kv_ld32(h + 16)};
+    const uint64_t prompt_end = kv_ld64(h + 8);
+    *tokens = L.n_blocks * bt + L.tail_len;   /* both < 2^32: no overflow in a 64-bit size_t */
+    if (L.n_blocks > SIZE_MAX / bt / 2 || prompt_end > *tokens)
+        return strata_fail(err, STRATA_EINVAL, "kv import: layer %d: %zu blocks, %zu tail tokens and a prompt of %llu "
+                           "do not make a sequence", l, L.n_blocks, L.tail_len, (unsigned long long)prompt_end);
+    L.prompt_end = (size_t)prompt_end;
+    const uint8_t *ott = L.ott_bytes ? image_take(img, body, at, L.ott_bytes) : NULL;
+    if (L.ott_bytes && !ott)
+        return strata_fail(err, STRATA_EFORMAT, "kv import: the image ends in layer %d's OTT state", l);
+    int rc = sink->layer(sink->ctx, l, &L, ott, err);
+    for (size_t b = 0; rc == STRATA_OK && b < L.n_blocks; b++) {
+        const uint8_t *szp = image_take(img, body, at, 4);
+        const size_t bytes = szp ? kv_ld32(szp) : 0;
+        const uint8_t *data = szp ? image_take(img, body, at, bytes) : NULL;
+        kv_block blk;
+        if (!data) {
+            rc = strata_fail(err, STRATA_EFORMAT, "kv import: the image ends in layer %d block %zu", l, b);
+        } else if ((rc = kv_block_verify(data, bytes, &blk, err)) != STRATA_OK) {
+            strata_error_prefix(err, "kv import: layer %d block %zu", l, b);
+        } else if (blk.block_bytes != bytes || blk.desc.layer != (uint32_t)l || blk.desc.first_pos != b * bt ||
+                   blk.desc.n_tokens != bt) {
+            rc = strata_fail(err, STRATA_EINVAL, "kv import: layer %d block %zu holds layer %u from position %llu, "
+                             "%u tokens in %zu bytes: not block %zu of layer %d", l, b, blk.desc.layer,
+                             (unsigned long long)blk.desc.first_pos, blk.desc.n_tokens, bytes, b, l);
+        } else {
+            rc = sink->block(sink->ctx, l, b, &blk, err);
+        }
+    }
+    const uint8_t *tk = rc == STRATA_OK ? image_take(img, body, at, L.tail_len * row * 2) : NULL;
+    const uint8_t *tv = tk ? image_take(img, body, at, L.tail_len * row * 2) : NULL;
+    if (rc == STRATA_OK && !tv)
+        rc = strata_fail(err, STRATA_EFORMAT, "kv import: the image ends in layer %d's tail", l);
+    if (rc == STRATA_OK)
+        rc = sink->tail(sink->ctx, l, tk, tv, L.tail_len, err);
+    return rc;
+}
+
+int kv_image_read(const kv_geometry *g, const uint8_t *img, size_t len, const kv_image_sink *sink,
+                  strata_error *err)
+{
+    if (!g || !img || !sink)
+        return strata_fail(err, STRATA_EINVAL, "kv import: NULL argument");
+    if (len < SEQ_IMAGE_HEAD + 4 || kv_ld32(img) != SEQ_IMAGE_MAGIC)
+        return strata_fail(err, STRATA_EFORMAT, "kv import: not a sequence image (%zu bytes)", len);
+    if (kv_crc32c(0, img, len - 4) != kv_ld32(img + len - 4))
+        return strata_fail(err, STRATA_ECRC, "kv import: the image's CRC32C does not match");
+    if (kv_ld16(img + 4) != SEQ_IMAGE_VERSION || kv_ld32(img + 8) != (uint32_t)g->n_layers ||
+        kv_ld32(img + 12) != (uint32_t)g->n_kv_heads || kv_ld32(img + 16) != (uint32_t)g->head_dim ||
+        kv_ld32(img + 20) != (uint32_t)g->block_tokens)
+        return strata_fail(err, STRATA_EINVAL, "kv import: the image (version %u, %u layers, %u x %u heads, %u-token "
+                           "blocks) does not fit this pool (%d layers, %d x %d, %d)", kv_ld16(img + 4),
+                           kv_ld32(img + 8), kv_ld32(img + 12), kv_ld32(img + 16), kv_ld32(img + 20), g->n_layers,
+                           g->n_kv_heads, g->head_dim, g->block_tokens);
+    const size_t body = len - 4;
+    size_t at = SEQ_IMAGE_HEAD, first = 0;
+    for (int l = 0; l < g->n_layers; l++) {
+        size_t tokens = 0;
+        int rc = read_layer(g, img, body, &at, l, sink, &tokens, err);
+        if (rc != STRATA_OK)
+            return rc;
+        if (l == 0)
+            first = tokens;
+        else if (tokens != first)
+            return strata_fail(err, STRATA_EINVAL, "kv import: layer %d holds %zu tokens, layer 0 %zu", l, tokens,
+                               first);
+    }
+    if (at != body)
+        return strata_fail(err, STRATA_EFORMAT, "kv import: %zu bytes after the last layer", body - at);
+    return STRATA_OK;
+}

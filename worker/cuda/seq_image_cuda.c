@@ -1,0 +1,237 @@
+/* Migration images of GPU sequences (model_cuda.h: cuda_seq_export, cuda_seq_import): the
+ * sequence image of kvstore/seq_image.h written from, and read into, a cuda_seq. Blocks travel as
+ * their exact bytes, copied between device slots (or, with the shared pool, wherever the block is:
+ * it is brought back first) and the image; the fp16 tails and OTT's tracker state likewise. So
+ * an image taken on a GPU imports on a CPU stage and the other way round. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvstore/bytes.h"
+#include "kvstore/ott.h"
+#include "kvstore/seq_image.h"
+#include "worker/cuda/model_cuda_impl.h"
+
+typedef struct image_ctx {
+    cuda_seq *s;
+    size_t max_tokens;
+    uint8_t *stage;        /* host staging: one slot, or one layer's OTT state */
+    size_t stage_bytes;
+    size_t prompt_end;     /* import: the layer being read */
+} image_ctx;
+
+static int grow(void **p, size_t *cap, size_t bytes, strata_error *err)
+{
+    if (bytes <= *cap)
+        return STRATA_OK;
+    void *q = realloc(*p, bytes);
+    if (!q)
+        return strata_fail(err, STRATA_ENOMEM, "out of memory for %zu bytes of a migration image", bytes);
+    *p = q;
+    *cap = bytes;
+    return STRATA_OK;
+}
+
+static size_t ott_image_bytes(const cuda_seq *s)
+{
+    return s->enc.ott ? kv_ott_state_bytes((size_t)s->enc.layout.n_kv_heads, (size_t)s->enc.ott_pool) : 0;
+}
+
+/* The device's tracker state of a layer: the heads' counters, then each head's pool. */
+static uint8_t *ott_device(const cuda_seq *s, int l) { return s->d_ott + (size_t)l * s->enc.ott_state_bytes; }
+
+/* ---- export ---- */
+
+static int ex_layer(void *ctx, int l, kv_image_layer *out, strata_error *err)
+{
+    (void)err;
+    const cuda_seq *s = ((image_ctx *)ctx)->s;
+    *out = (kv_image_layer){.n_blocks = (size_t)s->n_blocks[l], .tail_len = (size_t)s->tail_len[l],
+                            .prompt_end = s->prompt_end, .ott_bytes = ott_image_bytes(s)};
+    return STRATA_OK;
+}
+
+static int ex_ott(void *ctx, int l, uint8_t *dst, strata_error *err)
+{
+    image_ctx *c = ctx;
+    const cuda_seq *s = c->s;
+    const size_t H = (size_t)s->enc.layout.n_kv_heads, N = (size_t)s->enc.ott_pool;
+    int rc = grow((void **)&c->stage, &c->stage_bytes, s->enc.ott_state_bytes, err);
+    if (rc != STRATA_OK)
+        return rc;
+    CU(cudaMemcpy(c->stage, ott_device(s, l), s->enc.ott_state_bytes, cudaMemcpyDeviceToHost), "OTT state");
+    const kv_ott_head *heads = (const kv_ott_head *)(const void *)c->stage;
+    kv_ott_state_save(heads, (const kv_ott_member *)(const void *)(heads + H), H, N, N, dst);
+    return STRATA_OK;
+}
+
+/* Block b of layer l into c->stage (the whole slot), wherever it is. */
+static int ex_fetch(image_ctx *c, int l, size_t b, strata_error *err)
+{
+    cuda_seq *s = c->s;
+    const size_t i = (size_t)l * s->max_blocks + b;
+    int rc = grow((void **)&c->stage, &c->stage_bytes, s->slot, err);
+    if (rc != STRATA_OK)
+        return rc;
+    const void *src = s->arena ? (const void *)(s->arena + i * s->slot) : NULL;
+    void *addr = NULL;
+    if (!src) {   /* shared pool: resident again (and pinned) for the copy */
+        if ((rc = device_pool_acquire(s->cm->pool, &s->handles[i], 1, &addr, err)) != STRATA_OK)
+            return strata_error_prefix(err, "layer %d block %zu", l, b);
+        if (s->h_tables[i] != addr) {
+            s->h_tables[i] = addr;
+            s->row_dirty[l] = 1;
+        }
+        src = addr;
+    }
+    const cudaError_t e = cudaMemcpy(c->stage, src, s->slot, cudaMemcpyDeviceToHost);
+    if (!s->arena)
+        device_pool_unpin_all(s->cm->pool);   /* between steps nothing else is pinned */
+    if (e != cudaSuccess)
+        return strata_fail(err, STRATA_EIO, "CUDA: reading layer %d block %zu: %s", l, b, cudaGetErrorString(e));
+    return STRATA_OK;
+}
+
+static int ex_block_bytes(void *ctx, int l, size_t b, uint32_t *bytes, strata_error *err)
+{
+    image_ctx *c = ctx;
+    int rc = ex_fetch(c, l, b, err);
+    kv_block blk;
+    if (rc == STRATA_OK && (rc = kv_block_parse(c->stage, c->s->slot, &blk, err)) != STRATA_OK)
+        strata_error_prefix(err, "layer %d block %zu on the device", l, b);
+    if (rc == STRATA_OK)
+        *bytes = blk.block_bytes;
+    return rc;
+}
+
+static int ex_block(void *ctx, int l, size_t b, uint8_t *dst, strata_error *err)
+{
+    (void)l, (void)b, (void)err;
+    image_ctx *c = ctx;   /* ex_block_bytes fetched it just before */
+    kv_block blk;
+    int rc = kv_block_parse(c->stage, c->s->slot, &blk, err);
+    if (rc == STRATA_OK)
+        memcpy(dst, c->stage, blk.block_bytes);
+    return rc;
+}
+
+static int ex_tail(void *ctx, int l, uint16_t *k, uint16_t *v, strata_error *err)
+{
+    cuda_seq *s = ((image_ctx *)ctx)->s;
+    const size_t bytes = (size_t)s->tail_len[l] * s->row * sizeof(uint16_t);
+    CU(cudaMemcpy(k, cuda_seq_tail_at(s, s->tail_k, l, 0), bytes, cudaMemcpyDeviceToHost), "tail");
+    CU(cudaMemcpy(v, cuda_seq_tail_at(s, s->tail_v, l, 0), bytes, cudaMemcpyDeviceToHost), "tail");
+    return STRATA_OK;
+}
+
+int cuda_seq_export(cuda_seq *s, uint8_t **img, size_t *len, strata_error *err)
+{
+    *img = NULL;
+    *len = 0;
+    if (!s)
+        return strata_fail(err, STRATA_EINVAL, "cuda_seq_export: NULL sequence");
+    const model_config *cfg = &s->cm->cfg;
+    const kv_geometry g = {.n_layers = s->n_layers, .n_kv_heads = cfg->n_kv_heads, .head_dim = cfg->head_dim,
+                           .block_tokens = s->block_tokens};
+    image_ctx c = {.s = s};
+    const kv_image_source src = {&c, ex_layer, ex_ott, ex_block_bytes, ex_block, ex_tail};
+    int rc = kv_image_write(&g, &src, img, len, err);
+    free(c.stage);
+    return rc;
+}
+
+/* ---- import ---- */
+
+static int im_layer(void *ctx, int l, const kv_image_layer *info, const uint8_t *ott, strata_error *err)
+{
+    image_ctx *c = ctx;
+    cuda_seq *s = c->s;
+    const size_t bt = (size_t)s->block_tokens;
+    if (info->n_blocks > s->max_blocks || info->tail_len >= (size_t)(s->residual + s->block_tokens) ||
+        info->n_blocks * bt + info->tail_len > c->max_tokens)
+        return strata_fail(err, STRATA_EINVAL, "kv import: layer %d holds %zu blocks and %zu tail tokens; this GPU "
+                           "sequence takes at most %zu tokens, with a tail under %d", l, info->n_blocks,
+                           info->tail_len, c->max_tokens, s->residual + s->block_tokens);
+    if (info->ott_bytes != ott_image_bytes(s))
+        return strata_fail(err, STRATA_EINVAL, "kv import: layer %d's OTT state (%zu bytes) does not fit this "
+                           "sequence's codec (%zu)", l, info->ott_bytes, ott_image_bytes(s));
+    if (s->enc.ott) {
+        const size_t H = (size_t)s->enc.layout.n_kv_heads, N = (size_t)s->enc.ott_pool;
+        int rc = grow((void **)&c->stage, &c->stage_bytes, s->enc.ott_state_bytes, err);
+        if (rc != STRATA_OK)
+            return rc;
+        kv_ott_head *heads = (kv_ott_head *)(void *)c->stage;
+        memset(c->stage, 0, s->enc.ott_state_bytes);
+        if (!kv_ott_state_load(heads, (kv_ott_member *)(void *)(heads + H), H, N, N, ott, info->ott_bytes))
+            return strata_fail(err, STRATA_EINVAL, "kv import: layer %d's OTT state does not parse", l);
+        CU(cudaMemcpy(ott_device(s, l), c->stage, s->enc.ott_state_bytes, cudaMemcpyHostToDevice), "OTT state");
+    }
+    c->prompt_end = info->prompt_end;
+    return STRATA_OK;
+}
+
+static int im_block(void *ctx, int l, size_t b, const kv_block *blk, strata_error *err)
+{
+    cuda_seq *s = ((image_ctx *)ctx)->s;
+    if ((int)blk->desc.codec != (int)s->codec.codec || blk->block_bytes > s->slot)
+        return strata_fail(err, STRATA_EINVAL, "kv import: layer %d block %zu (codec %s, %u bytes) is not what this "
+                           "GPU sequence stores (%s, at most %zu bytes)", l, b, kv_codec_id_name(blk->desc.codec),
+                           (unsigned)blk->block_bytes, kv_codec_id_name((unsigned)s->codec.codec), s->slot);
+    uint8_t *dst = NULL;
+    int rc = cuda_seq_new_block(s, l, b, &dst, err);
+    if (rc != STRATA_OK)
+        return rc;
+    const cudaError_t e = cudaMemcpy(dst, blk->bytes, blk->block_bytes, cudaMemcpyHostToDevice);
+    if (s->cm->pool)
+        device_pool_unpin_all(s->cm->pool);   /* written: it may move down to make room for the next */
+    if (e != cudaSuccess)
+        return strata_fail(err, STRATA_EIO, "CUDA: writing layer %d block %zu: %s", l, b, cudaGetErrorString(e));
+    s->n_blocks[l] = (int)b + 1;
+    return STRATA_OK;
+}
+
+static int im_tail(void *ctx, int l, const uint8_t *k, const uint8_t *v, size_t tail_len, strata_error *err)
+{
+    image_ctx *c = ctx;
+    cuda_seq *s = c->s;
+    const size_t n = tail_len * s->row;
+    uint16_t *rows = n ? malloc(2 * n * sizeof *rows) : NULL;
+    if (n && !rows)
+        return strata_fail(err, STRATA_ENOMEM, "out of memory for a tail of %zu rows", tail_len);
+    for (size_t i = 0; i < n; i++) {   /* little-endian in the image */
+        rows[i] = kv_ld16(k + 2 * i);
+        rows[n + i] = kv_ld16(v + 2 * i);
+    }
+    cudaError_t e = cudaSuccess;
+    if (n && (e = cudaMemcpy(cuda_seq_tail_at(s, s->tail_k, l, 0), rows, n * 2, cudaMemcpyHostToDevice)) == cudaSuccess)
+        e = cudaMemcpy(cuda_seq_tail_at(s, s->tail_v, l, 0), rows + n, n * 2, cudaMemcpyHostToDevice);
+    free(rows);
+    if (e != cudaSuccess)
+        return strata_fail(err, STRATA_EIO, "CUDA: writing layer %d's tail: %s", l, cudaGetErrorString(e));
+    s->tail_len[l] = (int)tail_len;
+    s->prompt_end = c->prompt_end;
+    s->len = (size_t)s->n_blocks[l] * (size_t)s->block_tokens + tail_len;
+    return STRATA_OK;
+}
+
+cuda_seq *cuda_seq_import(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t max_tokens,
+                          const uint8_t *img, size_t len, strata_error *err)
+{
+    if (!cm || !codec || !img) {
+        strata_fail(err, STRATA_EINVAL, "cuda_seq_import: NULL argument");
+        return NULL;
+    }
+    cuda_seq *s = cuda_seq_create(cm, codec, block_tokens, max_tokens, err);
+    if (!s)
+        return NULL;
+    const kv_geometry g = {.n_layers = s->n_layers, .n_kv_heads = cm->cfg.n_kv_heads, .head_dim = cm->cfg.head_dim,
+                           .block_tokens = block_tokens};
+    image_ctx c = {.s = s, .max_tokens = max_tokens};
+    const kv_image_sink sink = {&c, im_layer, im_block, im_tail};
+    const int rc = kv_image_read(&g, img, len, &sink, err);
+    free(c.stage);
+    if (rc != STRATA_OK) {
+        cuda_seq_free(s);
+        return NULL;
+    }
+    return s;
+}
