@@ -132,7 +132,7 @@ static void compare_model(const char *path)
     if (!m)
         fail_msg("%s: %s", path, err.msg);
     const char *codecs[] = {"fp16", "kivi4", "kivi2", "tada4", "gear2", "ott2"};
-    for (size_t i = 0; i < 5; i++) {
+    for (size_t i = 0; i < sizeof codecs / sizeof codecs[0]; i++) {
         compare(m, path, codecs[i], CUDA_WEIGHTS_F32);
         compare(m, path, codecs[i], CUDA_WEIGHTS_F16);
     }
