@@ -187,6 +187,9 @@ int kv_image_read(const kv_geometry *g, const uint8_t *img, size_t len, const kv
         return strata_fail(err, STRATA_EFORMAT, "kv import: not a sequence image (%zu bytes)", len);
     if (kv_crc32c(0, img, len - 4) != kv_ld32(img + len - 4))
         return strata_fail(err, STRATA_ECRC, "kv import: the image's CRC32C does not match");
+    if (kv_ld16(img + 6) != 0)
+        return strata_fail(err, STRATA_EFORMAT, "kv import: the image has flags 0x%04x this reader does not know",
+                           kv_ld16(img + 6));
     if (kv_ld16(img + 4) != SEQ_IMAGE_VERSION || kv_ld32(img + 8) != (uint32_t)g->n_layers ||
         kv_ld32(img + 12) != (uint32_t)g->n_kv_heads || kv_ld32(img + 16) != (uint32_t)g->head_dim ||
         kv_ld32(img + 20) != (uint32_t)g->block_tokens)

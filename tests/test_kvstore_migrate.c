@@ -136,6 +136,11 @@ static void round_trip(const char *spec)
     assert_null(kv_seq_import(pb, 1024, bad, len, &err));
     assert_int_equal(err.code, STRATA_ECRC);
     memcpy(bad, img, len);
+    bad[7] = 0x80;           /* a flag this reader does not know */
+    recrc(bad, len);
+    assert_null(kv_seq_import(pb, 1024, bad, len, &err));
+    assert_int_equal(err.code, STRATA_EFORMAT);
+    memcpy(bad, img, len);
     bad[24 + 8] = 0xff;      /* layer 0's prompt_end beyond its tokens */
     recrc(bad, len);
     assert_null(kv_seq_import(pb, 1024, bad, len, &err));

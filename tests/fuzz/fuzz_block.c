@@ -1,7 +1,8 @@
 /* Fuzz target for the block parser: any bytes either fail to parse with a status or parse into
  * a block whose every section is in bounds; a parsed block then goes through CRC verification,
- * the codec's dequantization and the attention kernel (a one-block view), which must all stay
- * inside the buffer whatever the codes, scales and CRCs hold. */
+ * the codec's dequantization and the attention kernels (a one-block view: decode, and two rows of
+ * a prompt chunk), which must all stay inside the buffer whatever the codes, scales and CRCs
+ * hold. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,6 +49,24 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         for (size_t i = 0; i < (size_t)n_q * (size_t)d->head_dim; i++)
             q[i] = (float)(i % 7) - 3.0f;
         (void)kern_kv_attention(&view, q, n_q, out, scratch, &err);
+    }
+    free(q);
+    free(out);
+    free(scratch);
+
+    /* The prompt-chunk kernel, which decodes the block instead: two rows, the first seeing all
+     * but the block's last position. */
+    const size_t rows = 2, positions = (size_t)d->n_tokens;
+    if (positions < 2)
+        return 0;
+    q = calloc(rows * (size_t)n_q * (size_t)d->head_dim, sizeof(float));
+    out = malloc(rows * (size_t)n_q * (size_t)d->head_dim * sizeof(float));
+    scratch_bytes = kern_kv_attention_rows_scratch(&view, n_q, rows);
+    scratch = scratch_bytes < ((size_t)1 << 30) ? aligned_alloc(64, (scratch_bytes + 63) / 64 * 64) : NULL;
+    if (q && out && scratch) {
+        for (size_t i = 0; i < rows * (size_t)n_q * (size_t)d->head_dim; i++)
+            q[i] = (float)(i % 5) - 2.0f;
+        (void)kern_kv_attention_rows(&view, q, rows, n_q, positions - 1, out, scratch, &err);
     }
     free(q);
     free(out);
