@@ -530,6 +530,12 @@ static int teardown(void **state)
 
 int main(void)
 {
+#ifdef STRATA_FAKE_CUDA
+    /* test_stage_fake (tests/fakecuda): only the GPU stage, on the fake device; the rest is
+     * test_stage's. */
+    const struct CMUnitTest fake[] = {cmocka_unit_test(test_gpu_stage)};
+    return cmocka_run_group_tests(fake, setup, teardown);
+#endif
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_two_stages_equal_whole_model),
         cmocka_unit_test(test_gpu_stage),

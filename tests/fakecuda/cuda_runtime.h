@@ -1,0 +1,78 @@
+/* A fake CUDA runtime for CI (tests/fakecuda/README.md): the subset of cuda_runtime.h that the
+ * GPU host code (worker/cuda, the stage) and its tests call, implemented on the host so that
+ * code runs, under the sanitizers too, on a machine without a GPU. "Device" memory is host memory
+ * the fake keeps a registry of: copies check that their kind matches where the pointers live. */
+#ifndef STRATA_FAKECUDA_CUDA_RUNTIME_H
+#define STRATA_FAKECUDA_CUDA_RUNTIME_H
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum cudaError {
+    cudaSuccess = 0,
+    cudaErrorInvalidValue = 1,
+    cudaErrorMemoryAllocation = 2,
+    cudaErrorInvalidDevicePointer = 17,
+    cudaErrorInvalidDevice = 101,
+    cudaErrorNoDevice = 100,
+} cudaError_t;
+
+typedef enum cudaMemcpyKind {
+    cudaMemcpyHostToHost = 0,
+    cudaMemcpyHostToDevice = 1,
+    cudaMemcpyDeviceToHost = 2,
+    cudaMemcpyDeviceToDevice = 3,
+    cudaMemcpyDefault = 4,
+} cudaMemcpyKind;
+
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+
+typedef struct CUstream_st *cudaStream_t;
+typedef struct CUevent_st *cudaEvent_t;
+
+#define cudaStreamNonBlocking 0x01u
+#define cudaEventDisableTiming 0x02u
+#define cudaHostAllocDefault 0x00u
+
+struct cudaDeviceProp {
+    char name[256];
+    int major, minor;
+    int multiProcessorCount;
+    size_t totalGlobalMem;
+};
+
+cudaError_t cudaMalloc(void **ptr, size_t bytes);
+cudaError_t cudaFree(void *ptr);
+cudaError_t cudaHostAlloc(void **ptr, size_t bytes, unsigned flags);
+cudaError_t cudaFreeHost(void *ptr);
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind);
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, cudaStream_t stream);
+cudaError_t cudaMemset(void *ptr, int value, size_t bytes);
+const char *cudaGetErrorString(cudaError_t e);
+cudaError_t cudaGetLastError(void);
+cudaError_t cudaSetDevice(int device);
+cudaError_t cudaGetDevice(int *device);
+cudaError_t cudaGetDeviceCount(int *count);
+cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int device);
+cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int device);
+cudaError_t cudaDeviceSynchronize(void);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *stream, unsigned flags);
+cudaError_t cudaStreamDestroy(cudaStream_t stream);
+cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned flags);
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned flags);
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream);
+cudaError_t cudaEventDestroy(cudaEvent_t event);
+
+/* For the emulated kernels (tests/fakecuda/kernels_emu.c): whether [p, p + bytes) lies inside
+ * one fake device allocation. */
+int fakecuda_is_device(const void *p, size_t bytes);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,355 @@
+/* The fake CUDA runtime and cuBLAS of tests/fakecuda (see README.md there). Device memory is
+ * malloc'd host memory in a registry, so that every copy can be checked against its kind (a host
+ * pointer passed where the device was meant fails here as it would on a GPU) and the sanitizers
+ * see every device buffer's bounds. Streams and events exist only as names: everything runs at
+ * once, in program order. */
+#define _POSIX_C_SOURCE 200809L
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cblas.h>
+
+#include "cublas_v2.h"
+#include "cuda_runtime.h"
+#include "kvstore/half.h"
+
+typedef struct allocation {
+    uintptr_t base;
+    size_t bytes;
+} allocation;
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static allocation *allocs;
+static size_t n_allocs, cap_allocs;
+static cudaError_t last_error;
+
+static cudaError_t fail(cudaError_t e, const char *what)
+{
+    fprintf(stderr, "fakecuda: %s\n", what);
+    last_error = e;
+    return e;
+}
+
+/* Index of the allocation holding [p, p + bytes), or n_allocs. Called with the lock held. */
+static size_t find(const void *p, size_t bytes)
+{
+    const uintptr_t a = (uintptr_t)p;
+    for (size_t i = 0; i < n_allocs; i++)
+        if (a >= allocs[i].base && a - allocs[i].base <= allocs[i].bytes && bytes <= allocs[i].bytes - (a - allocs[i].base))
+            return i;
+    return n_allocs;
+}
+
+int fakecuda_is_device(const void *p, size_t bytes)
+{
+    pthread_mutex_lock(&lock);
+    const int yes = p && find(p, bytes) < n_allocs;
+    pthread_mutex_unlock(&lock);
+    return yes;
+}
+
+/* ---- the fp16 weights' fp32 copies for the GEMM, dropped when their memory is freed ---- */
+
+typedef struct converted {
+    const void *src;
+    size_t elems;
+    float *f32;
+} converted;
+static converted *conv;
+static size_t n_conv, cap_conv;
+
+static void drop_converted(uintptr_t base, size_t bytes)
+{
+    for (size_t i = 0; i < n_conv;) {
+        if ((uintptr_t)conv[i].src >= base && (uintptr_t)conv[i].src < base + bytes) {
+            free(conv[i].f32);
+            conv[i] = conv[--n_conv];
+        } else {
+            i++;
+        }
+    }
+}
+
+cudaError_t cudaMalloc(void **ptr, size_t bytes)
+{
+    if (!ptr)
+        return fail(cudaErrorInvalidValue, "cudaMalloc: NULL");
+    *ptr = NULL;
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p)
+        return fail(cudaErrorMemoryAllocation, "cudaMalloc: out of memory");
+    memset(p, 0xa5, bytes);   /* device memory starts as garbage: never read before written */
+    pthread_mutex_lock(&lock);
+    if (n_allocs == cap_allocs) {
+        const size_t cap = cap_allocs ? 2 * cap_allocs : 256;
+        allocation *grown = realloc(allocs, cap * sizeof *grown);
+        if (!grown) {
+            pthread_mutex_unlock(&lock);
+            free(p);
+            return fail(cudaErrorMemoryAllocation, "cudaMalloc: out of memory for the registry");
+        }
+        allocs = grown;
+        cap_allocs = cap;
+    }
+    allocs[n_allocs++] = (allocation){(uintptr_t)p, bytes};
+    pthread_mutex_unlock(&lock);
+    *ptr = p;
+    return cudaSuccess;
+}
+
+cudaError_t cudaFree(void *ptr)
+{
+    if (!ptr)
+        return cudaSuccess;
+    pthread_mutex_lock(&lock);
+    size_t i = 0;
+    while (i < n_allocs && allocs[i].base != (uintptr_t)ptr)
+        i++;
+    if (i == n_allocs) {
+        pthread_mutex_unlock(&lock);
+        return fail(cudaErrorInvalidDevicePointer, "cudaFree: not the start of a device allocation");
+    }
+    drop_converted(allocs[i].base, allocs[i].bytes);
+    allocs[i] = allocs[--n_allocs];
+    pthread_mutex_unlock(&lock);
+    free(ptr);
+    return cudaSuccess;
+}
+
+cudaError_t cudaHostAlloc(void **ptr, size_t bytes, unsigned flags)
+{
+    (void)flags;
+    if (!ptr)
+        return fail(cudaErrorInvalidValue, "cudaHostAlloc: NULL");
+    /* pinned memory comes in whole pages, as the real allocator's does */
+    *ptr = aligned_alloc(4096, (bytes + 4095) / 4096 * 4096 + (bytes ? 0 : 4096));
+    return *ptr ? cudaSuccess : fail(cudaErrorMemoryAllocation, "cudaHostAlloc: out of memory");
+}
+
+cudaError_t cudaFreeHost(void *ptr)
+{
+    free(ptr);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind)
+{
+    if (bytes == 0)
+        return cudaSuccess;
+    if (!dst || !src)
+        return fail(cudaErrorInvalidValue, "cudaMemcpy: NULL pointer");
+    pthread_mutex_lock(&lock);
+    const int dst_dev = find(dst, bytes) < n_allocs, src_dev = find(src, bytes) < n_allocs;
+    pthread_mutex_unlock(&lock);
+    const int want_dst = kind == cudaMemcpyHostToDevice || kind == cudaMemcpyDeviceToDevice;
+    const int want_src = kind == cudaMemcpyDeviceToHost || kind == cudaMemcpyDeviceToDevice;
+    if (kind != cudaMemcpyDefault && (dst_dev != want_dst || src_dev != want_src)) {
+        char msg[160];
+        snprintf(msg, sizeof msg, "cudaMemcpy of %zu bytes, kind %d: the destination is %s and the source %s", bytes,
+                 (int)kind, dst_dev ? "device memory" : "host memory (or out of bounds)",
+                 src_dev ? "device memory" : "host memory (or out of bounds)");
+        return fail(cudaErrorInvalidValue, msg);
+    }
+    memmove(dst, src, bytes);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, cudaStream_t stream)
+{
+    (void)stream;
+    return cudaMemcpy(dst, src, bytes, kind);
+}
+
+cudaError_t cudaMemset(void *ptr, int value, size_t bytes)
+{
+    if (bytes == 0)
+        return cudaSuccess;
+    if (!fakecuda_is_device(ptr, bytes))
+        return fail(cudaErrorInvalidValue, "cudaMemset: not device memory");
+    memset(ptr, value, bytes);
+    return cudaSuccess;
+}
+
+const char *cudaGetErrorString(cudaError_t e)
+{
+    switch (e) {
+    case cudaSuccess: return "no error (fake device)";
+    case cudaErrorInvalidValue: return "invalid argument (fake device)";
+    case cudaErrorMemoryAllocation: return "out of memory (fake device)";
+    case cudaErrorInvalidDevicePointer: return "invalid device pointer (fake device)";
+    case cudaErrorInvalidDevice: return "invalid device ordinal (fake device)";
+    case cudaErrorNoDevice: return "no CUDA-capable device (fake device)";
+    }
+    return "unknown error (fake device)";
+}
+
+cudaError_t cudaGetLastError(void)
+{
+    const cudaError_t e = last_error;
+    last_error = cudaSuccess;
+    return e;
+}
+
+/* One fake device, number 0. */
+cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : fail(cudaErrorInvalidDevice, "cudaSetDevice: only device 0"); }
+cudaError_t cudaGetDevice(int *device)
+{
+    *device = 0;
+    return cudaSuccess;
+}
+cudaError_t cudaGetDeviceCount(int *count)
+{
+    *count = 1;
+    return cudaSuccess;
+}
+cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int device)
+{
+    if (device != 0)
+        return fail(cudaErrorInvalidDevice, "cudaGetDeviceProperties: only device 0");
+    memset(prop, 0, sizeof *prop);
+    snprintf(prop->name, sizeof prop->name, "fake device (tests/fakecuda: host memory, emulated kernels)");
+    prop->major = 9;
+    prop->multiProcessorCount = 4;
+    prop->totalGlobalMem = (size_t)4 << 30;
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int device)
+{
+    if (device != 0 || attr != cudaDevAttrMultiProcessorCount)
+        return fail(cudaErrorInvalidValue, "cudaDeviceGetAttribute: only the multiprocessor count of device 0");
+    *value = 4;
+    return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+
+struct CUstream_st { int unused; };
+struct CUevent_st { int unused; };
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *stream, unsigned flags)
+{
+    (void)flags;
+    *stream = calloc(1, sizeof **stream);
+    return *stream ? cudaSuccess : fail(cudaErrorMemoryAllocation, "cudaStreamCreateWithFlags");
+}
+cudaError_t cudaStreamDestroy(cudaStream_t stream)
+{
+    free(stream);
+    return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t stream)
+{
+    (void)stream;
+    return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned flags)
+{
+    (void)stream, (void)flags;
+    return event ? cudaSuccess : fail(cudaErrorInvalidValue, "cudaStreamWaitEvent: NULL event");
+}
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned flags)
+{
+    (void)flags;
+    *event = calloc(1, sizeof **event);
+    return *event ? cudaSuccess : fail(cudaErrorMemoryAllocation, "cudaEventCreateWithFlags");
+}
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream)
+{
+    (void)stream;
+    return event ? cudaSuccess : fail(cudaErrorInvalidValue, "cudaEventRecord: NULL event");
+}
+cudaError_t cudaEventDestroy(cudaEvent_t event)
+{
+    free(event);
+    return cudaSuccess;
+}
+
+/* ---- cuBLAS ---- */
+
+struct cublasContext { int unused; };
+
+cublasStatus_t cublasCreate(cublasHandle_t *handle)
+{
+    *handle = calloc(1, sizeof **handle);
+    return *handle ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_ALLOC_FAILED;
+}
+
+cublasStatus_t cublasDestroy(cublasHandle_t handle)
+{
+    free(handle);
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+/* An fp32 view of an operand: itself, or fp16 converted (cached when `keep`: the weights). */
+static const float *as_f32(const void *p, cudaDataType_t t, size_t elems, int keep, float **tmp)
+{
+    *tmp = NULL;
+    if (t == CUDA_R_32F)
+        return p;
+    pthread_mutex_lock(&lock);
+    for (size_t i = 0; keep && i < n_conv; i++)
+        if (conv[i].src == p && conv[i].elems == elems) {
+            const float *f = conv[i].f32;
+            pthread_mutex_unlock(&lock);
+            return f;
+        }
+    pthread_mutex_unlock(&lock);
+    float *f = malloc(elems * sizeof *f);
+    if (!f)
+        return NULL;
+    for (size_t i = 0; i < elems; i++)
+        f[i] = strata_half_to_float(((const uint16_t *)p)[i]);
+    if (!keep) {
+        *tmp = f;
+        return f;
+    }
+    pthread_mutex_lock(&lock);
+    if (n_conv == cap_conv) {
+        const size_t cap = cap_conv ? 2 * cap_conv : 64;
+        converted *grown = realloc(conv, cap * sizeof *grown);
+        if (!grown) {
+            pthread_mutex_unlock(&lock);
+            *tmp = f;
+            return f;
+        }
+        conv = grown;
+        cap_conv = cap;
+    }
+    conv[n_conv++] = (converted){p, elems, f};
+    pthread_mutex_unlock(&lock);
+    return f;
+}
+
+cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n,
+                            int k, const void *alpha, const void *A, cudaDataType_t Atype, int lda, const void *B,
+                            cudaDataType_t Btype, int ldb, const void *beta, void *C, cudaDataType_t Ctype, int ldc,
+                            cublasComputeType_t computeType, cublasGemmAlgo_t algo)
+{
+    (void)computeType, (void)algo;
+    if (!handle || m < 0 || n < 0 || k < 0 || Ctype != CUDA_R_32F || Atype != Btype)
+        return CUBLAS_STATUS_INVALID_VALUE;
+    /* column-major: op(A) is m x k, op(B) k x n, C m x n with leading dimension ldc */
+    const size_t a_elems = (size_t)lda * (size_t)(transa == CUBLAS_OP_N ? k : m);
+    const size_t b_elems = (size_t)ldb * (size_t)(transb == CUBLAS_OP_N ? n : k);
+    const size_t esz = Atype == CUDA_R_16F ? 2 : 4;
+    if (!fakecuda_is_device(A, a_elems * esz) || !fakecuda_is_device(B, b_elems * esz) ||
+        !fakecuda_is_device(C, (size_t)ldc * (size_t)n * 4)) {
+        fprintf(stderr, "fakecuda: cublasGemmEx: an operand is not (wholly) in device memory\n");
+        return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    float *ta = NULL, *tb = NULL;
+    const float *a = as_f32(A, Atype, a_elems, 1, &ta), *b = as_f32(B, Btype, b_elems, 0, &tb);
+    if (!a || !b) {
+        free(ta);
+        free(tb);
+        return CUBLAS_STATUS_ALLOC_FAILED;
+    }
+    cblas_sgemm(CblasColMajor, transa == CUBLAS_OP_N ? CblasNoTrans : CblasTrans,
+                transb == CUBLAS_OP_N ? CblasNoTrans : CblasTrans, m, n, k, *(const float *)alpha, a, lda, b, ldb,
+                *(const float *)beta, C, ldc);
+    free(ta);
+    free(tb);
+    return CUBLAS_STATUS_SUCCESS;
+}

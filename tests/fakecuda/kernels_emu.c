@@ -1,0 +1,478 @@
+/* The CUDA kernels' entry points (kernels/cuda_*.h) for the fake device: each launch runs the
+ * kernel's thread blocks one after another and, inside a block, each phase for every thread
+ * before the next phase (what the barriers guarantee), through the same phase functions the .cu
+ * kernels call (the kernels/cuda *_block.h headers). The elementwise ops (kernels/cuda/ops.cu) are short
+ * enough to be written out again here. Pointer arguments that the real kernels read as device
+ * memory are checked to be fake device memory, so a host buffer handed to a kernel fails. */
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cuda_runtime.h"
+#include "kernels/cuda/kv_attention_block.h"
+#include "kernels/cuda/kv_encode_block.h"
+#include "kernels/cuda/kv_tail_block.h"
+#include "kernels/cuda/sample_block.h"
+#include "kernels/cuda_kv_attention.h"
+#include "kernels/cuda_kv_encode.h"
+#include "kernels/cuda_kv_tail.h"
+#include "kernels/cuda_ops.h"
+#include "kernels/cuda_sample.h"
+#include "kvstore/crc32c_math.h"
+#include "kvstore/half.h"
+
+/* A launch's argument that must be device memory; reports and fails the launch otherwise. */
+static bool dev(const void *p, size_t bytes, const char *kernel, const char *arg)
+{
+    if (bytes == 0 || fakecuda_is_device(p, bytes))
+        return true;
+    fprintf(stderr, "fakecuda: %s: %s (%zu bytes) is not device memory\n", kernel, arg, bytes);
+    return false;
+}
+
+/* ---- kernels/cuda/ops.cu ---- */
+
+int cuda_rmsnorm(const float *x, const float *weight, size_t n_rows, size_t dim, float eps, float *out,
+                 strata_cuda_stream stream)
+{
+    (void)stream;
+    const size_t n = n_rows * dim * sizeof(float);
+    if (!dev(x, n, "rmsnorm", "x") || !dev(weight, dim * sizeof(float), "rmsnorm", "weight") ||
+        !dev(out, n, "rmsnorm", "out"))
+        return (int)cudaErrorInvalidValue;
+    for (size_t r = 0; r < n_rows; r++) {
+        const float *row = x + r * dim;
+        float acc = 0.0f;
+        for (size_t i = 0; i < dim; i++)
+            acc += row[i] * row[i];
+        const float scale = 1.0f / sqrtf(acc / (float)dim + eps);
+        for (size_t i = 0; i < dim; i++)
+            out[r * dim + i] = row[i] * scale * weight[i];
+    }
+    return 0;
+}
+
+static void rotate(float *x, size_t n_rows, size_t n_heads, size_t head_dim, const int32_t *pos, size_t pos0,
+                   float theta)
+{
+    const size_t half = head_dim / 2;
+    for (size_t t = 0; t < n_rows; t++)
+        for (size_t h = 0; h < n_heads; h++)
+            for (size_t i = 0; i < half; i++) {
+                const double p = pos ? (double)pos[t] : (double)(pos0 + t);
+                const double angle = p * pow((double)theta, -2.0 * (double)i / (double)head_dim);
+                const float c = (float)cos(angle), s = (float)sin(angle);
+                float *q = x + (t * n_heads + h) * head_dim + 2 * i;
+                const float a = q[0], b = q[1];
+                q[0] = a * c - b * s;
+                q[1] = a * s + b * c;
+            }
+}
+
+int cuda_rope(float *x, size_t n_tokens, size_t n_heads, size_t head_dim, size_t pos0, float theta,
+              strata_cuda_stream stream)
+{
+    (void)stream;
+    if (!dev(x, n_tokens * n_heads * head_dim * sizeof(float), "rope", "x"))
+        return (int)cudaErrorInvalidValue;
+    rotate(x, n_tokens, n_heads, head_dim, NULL, pos0, theta);
+    return 0;
+}
+
+int cuda_rope_rows(float *x, size_t n_rows, size_t n_heads, size_t head_dim, const int32_t *d_pos, float theta,
+                   strata_cuda_stream stream)
+{
+    (void)stream;
+    if (!dev(x, n_rows * n_heads * head_dim * sizeof(float), "rope_rows", "x") ||
+        !dev(d_pos, n_rows * sizeof(int32_t), "rope_rows", "positions"))
+        return (int)cudaErrorInvalidValue;
+    rotate(x, n_rows, n_heads, head_dim, d_pos, 0, theta);
+    return 0;
+}
+
+int cuda_swiglu(const float *gate, const float *up, size_t n, float *out, strata_cuda_stream stream)
+{
+    (void)stream;
+    if (!dev(gate, n * 4, "swiglu", "gate") || !dev(up, n * 4, "swiglu", "up") || !dev(out, n * 4, "swiglu", "out"))
+        return (int)cudaErrorInvalidValue;
+    for (size_t i = 0; i < n; i++) {
+        const float g = gate[i];
+        out[i] = g / (1.0f + expf(-g)) * up[i];
+    }
+    return 0;
+}
+
+int cuda_add(float *y, const float *x, size_t n, strata_cuda_stream stream)
+{
+    (void)stream;
+    if (!dev(y, n * 4, "add", "y") || !dev(x, n * 4, "add", "x"))
+        return (int)cudaErrorInvalidValue;
+    for (size_t i = 0; i < n; i++)
+        y[i] += x[i];
+    return 0;
+}
+
+int cuda_f32_to_f16(const float *src, uint16_t *dst, size_t n, strata_cuda_stream stream)
+{
+    (void)stream;
+    if (!dev(src, n * 4, "f32_to_f16", "src") || !dev(dst, n * 2, "f32_to_f16", "dst"))
+        return (int)cudaErrorInvalidValue;
+    for (size_t i = 0; i < n; i++)
+        dst[i] = strata_float_to_half(src[i]);
+    return 0;
+}
+
+int cuda_argmax_rows(const float *x, size_t n_rows, size_t n_cols, int32_t *out, strata_cuda_stream stream)
+{
+    (void)stream;
+    if (!dev(x, n_rows * n_cols * 4, "argmax", "x") || !dev(out, n_rows * 4, "argmax", "out"))
+        return (int)cudaErrorInvalidValue;
+    for (size_t r = 0; r < n_rows; r++) {   /* the larger value, the lower column on ties, a number over NaN */
+        const float *row = x + r * n_cols;
+        float bv = NAN;
+        int bi = 0x7fffffff;
+        for (size_t c = 0; c < n_cols; c++)
+            if (!isnan(row[c]) && (isnan(bv) || row[c] > bv)) {
+                bv = row[c];
+                bi = (int)c;
+            }
+        out[r] = bi == 0x7fffffff ? 0 : bi;
+    }
+    return 0;
+}
+
+/* ---- kernels/cuda/kv_tail.cu ---- */
+
+#define TAIL_THREADS 256u
+
+int cuda_kv_append_rows(const cuda_kv_append_job *d_jobs, int n_jobs, const uint16_t *k16, const uint16_t *v16,
+                        size_t row_elems, strata_cuda_stream stream)
+{
+    (void)stream;
+    if (n_jobs <= 0)
+        return 0;
+    if (!dev(d_jobs, (size_t)n_jobs * sizeof *d_jobs, "append_rows", "jobs"))
+        return (int)cudaErrorInvalidValue;
+    for (int b = 0; b < n_jobs; b++) {
+        const cuda_kv_append_job job = d_jobs[b];
+        const size_t bytes = (size_t)job.n_rows * row_elems * 2;
+        if (!dev(job.dst_k, bytes, "append_rows", "dst_k") || !dev(job.dst_v, bytes, "append_rows", "dst_v") ||
+            !dev(k16 + (size_t)job.src_row * row_elems, bytes, "append_rows", "k16"))
+            return (int)cudaErrorInvalidValue;
+        for (unsigned t = 0; t < TAIL_THREADS; t++)
+            kv_tail_append(&job, k16, v16, row_elems, t, TAIL_THREADS);
+    }
+    return 0;
+}
+
+int cuda_kv_shift_tails(const cuda_kv_shift_job *d_jobs, int n_jobs, int shift, int keep, size_t row_elems,
+                        strata_cuda_stream stream)
+{
+    (void)stream;
+    if (n_jobs <= 0 || keep <= 0)
+        return 0;
+    if (shift <= 0)
+        return (int)cudaErrorInvalidValue;
+    if (!dev(d_jobs, (size_t)n_jobs * sizeof *d_jobs, "shift_tails", "jobs"))
+        return (int)cudaErrorInvalidValue;
+    for (int b = 0; b < n_jobs; b++) {
+        const cuda_kv_shift_job job = d_jobs[b];
+        const size_t bytes = (size_t)(shift + keep) * row_elems * 2;
+        if (!dev(job.k, bytes, "shift_tails", "k") || !dev(job.v, bytes, "shift_tails", "v"))
+            return (int)cudaErrorInvalidValue;
+        for (int r0 = 0; r0 < keep; r0 += shift)
+            for (unsigned t = 0; t < TAIL_THREADS; t++)
+                kv_tail_shift_step(&job, shift, keep, r0, row_elems, t, TAIL_THREADS);
+    }
+    return 0;
+}
+
+/* ---- kernels/cuda/kv_encode.cu ---- */
+
+#define ENC_THREADS 256u
+
+int cuda_kv_encode_blocks(const cuda_kv_encoder *enc, const cuda_kv_encode_job *d_jobs, int n_jobs,
+                          strata_cuda_stream stream, strata_error *err)
+{
+    (void)stream;
+    if (!enc || (n_jobs > 0 && !d_jobs) || n_jobs < 0)
+        return strata_fail(err, STRATA_EINVAL, "cuda_kv_encode_blocks: bad arguments");
+    const cuda_kv_layout *L = &enc->layout;
+    if (L->codec < KV_CODEC_FP16 || L->codec > KV_CODEC_TADA || L->block_bytes % 64 != 0 || enc->slot_bytes % 64 != 0 ||
+        enc->header_bytes > CUDA_KV_MAX_HEADER || enc->header_bytes >= L->block_bytes)
+        return strata_fail(err, STRATA_EINVAL, "cuda_kv_encode_blocks: encoder not from cuda_kv_encoder_init");
+    if (n_jobs == 0)
+        return STRATA_OK;
+    if (!dev(d_jobs, (size_t)n_jobs * sizeof *d_jobs, "encode_blocks", "jobs"))
+        return strata_fail(err, STRATA_EIO, "fake CUDA encoder launch: the jobs are not in device memory");
+    const cuda_kv_encoder E = *enc;
+    uint32_t table[256], piece_crc[ENC_THREADS];
+    const unsigned n = ENC_THREADS;
+    for (int b = 0; b < n_jobs; b++) {
+        const cuda_kv_encode_job job = d_jobs[b];
+        uint8_t *dst = job.dst;
+        const size_t rows = (size_t)L->block_tokens * (size_t)L->n_kv_heads * (size_t)L->head_dim * 2;
+        if (!dev(dst, enc->slot_bytes, "encode_blocks", "dst") || !dev(job.k, rows, "encode_blocks", "k") ||
+            !dev(job.v, rows, "encode_blocks", "v") ||
+            (E.work_bytes && !dev(job.work, E.work_bytes, "encode_blocks", "work")) ||
+            (E.ott && !dev(job.ott_state, E.ott_state_bytes, "encode_blocks", "ott_state")))
+            return strata_fail(err, STRATA_EIO, "fake CUDA encoder launch: job %d names memory off the device", b);
+        for (unsigned i = 0; i < 256; i++)
+            table[i] = kv_crc32c_table_entry(i);
+        for (unsigned t = 0; t < n; t++)
+            kv_enc_zero(&E, dst, t, n);
+        for (unsigned t = 0; t < n; t++) {
+            kv_enc_header(&E, &job, dst, t, n);
+            kv_enc_means(&E, &job, dst, t, n);
+            kv_enc_gear_select(&E, &job, t, n);
+            kv_enc_ott_select(&E, &job, t, n);
+        }
+        for (unsigned t = 0; t < n; t++)
+            kv_enc_ott_fill(&E, &job, dst, t, n);
+        for (unsigned t = 0; t < n; t++) {
+            kv_enc_sections(&E, &job, dst, t, n);
+            kv_enc_gear_sparse(&E, &job, dst, t, n);
+            kv_enc_ott_rows(&E, &job, dst, t, n);
+        }
+        for (unsigned t = 0; t < n; t++)
+            kv_enc_gear_residual(&E, &job, dst, t, n);
+        for (unsigned t = 0; t < n; t++)
+            kv_enc_gear_fit(&E, &job, dst, t, n);
+        for (unsigned t = 0; t < n; t++)
+            piece_crc[t] = kv_enc_piece_crc(&E, table, dst, t, n);
+        kv_enc_finish(&E, table, piece_crc, dst, n);
+    }
+    return STRATA_OK;
+}
+
+/* ---- kernels/cuda/kv_attention.cu ---- */
+
+#define ATT_THREADS 128u
+
+static void att_chunk(const kv_att_shared *s, const cuda_kv_layout *L, const kv_att_src *src, int h, int qpk,
+                      int chunk, int n)
+{
+    for (unsigned t = 0; t < ATT_THREADS; t++)
+        kv_att_scores(s, L, src, h, qpk, chunk, n, t, ATT_THREADS);
+    for (unsigned t = 0; t < ATT_THREADS; t++)
+        kv_att_max_parts(s, qpk, chunk, n, t, ATT_THREADS);
+    for (unsigned t = 0; t < ATT_THREADS; t++)
+        kv_att_max(s, qpk, t, ATT_THREADS);
+    for (unsigned t = 0; t < ATT_THREADS; t++)
+        kv_att_exp_parts(s, qpk, chunk, n, t, ATT_THREADS);
+    for (unsigned t = 0; t < ATT_THREADS; t++)
+        kv_att_norm(s, qpk, t, ATT_THREADS);
+    for (unsigned t = 0; t < ATT_THREADS; t++)
+        kv_att_values(s, L, src, h, qpk, chunk, n, t, ATT_THREADS);
+}
+
+/* One unit of a sequence's view: block u (checked and parsed as the kernel does, the status set
+ * on a mismatch) or, past the blocks, its fp16 tail in chunks of a block. */
+static void att_units(const kv_att_shared *s, const cuda_kv_layout *L, const cuda_kv_seq *seq, int first, int last,
+                      int kvh, int qpk, int *status)
+{
+    const int BT = L->block_tokens;
+    const size_t row = (size_t)L->n_kv_heads * (size_t)L->head_dim;
+    for (int u = first; u < last; u++) {
+        if (u < seq->n_blocks) {
+            const uint8_t *blk = seq->blocks[u];
+            kv_att_block_info info;
+            int bad = blk ? kv_att_block_status(L, blk, u) : 2;
+            if (!bad && !dev(blk, L->block_bytes, "attention", "block"))
+                bad = 2;
+            if (!bad)
+                bad = kv_att_block_parse(L, blk, &info);
+            if (bad) {
+                *status = bad;
+                continue;
+            }
+            const kv_att_src src = {blk, &info, NULL, NULL};
+            att_chunk(s, L, &src, kvh, qpk, BT, BT);
+        } else {
+            for (int t0 = 0; t0 < seq->tail_tokens; t0 += BT) {
+                const kv_att_src src = {NULL, NULL, seq->tail_k + t0 * row, seq->tail_v + t0 * row};
+                att_chunk(s, L, &src, kvh, qpk, BT, seq->tail_tokens - t0 < BT ? seq->tail_tokens - t0 : BT);
+            }
+        }
+    }
+}
+
+static bool view_on_device(const cuda_kv_layout *L, const cuda_kv_seq *seq, const char *kernel)
+{
+    const size_t tail = (size_t)seq->tail_tokens * (size_t)L->n_kv_heads * (size_t)L->head_dim * 2;
+    return dev(seq->blocks, (size_t)seq->n_blocks * sizeof *seq->blocks, kernel, "block table") &&
+           dev(seq->tail_k, tail, kernel, "tail_k") && dev(seq->tail_v, tail, kernel, "tail_v");
+}
+
+int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_plan *plan, const cuda_kv_seq *d_seqs,
+                      const float *d_q, float *d_out, void *d_workspace, int *d_status, strata_cuda_stream stream,
+                      strata_error *err)
+{
+    (void)stream;
+    if (!layout || !plan || !d_seqs || !d_q || !d_out || !d_workspace || !d_status)
+        return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention: NULL argument");
+    const int H = layout->n_kv_heads, D = layout->head_dim, BT = layout->block_tokens;
+    if (H < 1 || D < 1 || BT < 1 || plan->n_seqs < 1 || plan->n_splits < 1 || plan->blocks_per_split < 1 ||
+        plan->n_q_heads % H != 0 || plan->n_q_heads / H > KV_ATT_MAX_QPK ||
+        (long)plan->n_splits * plan->blocks_per_split < (long)plan->max_blocks + 1)
+        return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention: bad layout or plan");
+    const int qpk = plan->n_q_heads / H;
+    const size_t rows = (size_t)plan->n_seqs * (size_t)plan->n_q_heads * (size_t)D * 4;
+    if (!dev(d_seqs, (size_t)plan->n_seqs * sizeof *d_seqs, "attention", "views") || !dev(d_q, rows, "attention", "q") ||
+        !dev(d_out, rows, "attention", "out") ||
+        !dev(d_workspace, cuda_kv_attention_workspace(layout, plan), "attention", "workspace") ||
+        !dev(d_status, sizeof(int), "attention", "status"))
+        return strata_fail(err, STRATA_EIO, "fake CUDA attention launch: an argument is off the device");
+    float *ws_acc = d_workspace;
+    float *ws_ml = ws_acc + (size_t)plan->n_seqs * plan->n_q_heads * plan->n_splits * D;
+    float *smem = malloc(kv_att_shared_floats(qpk, D, BT, ATT_THREADS) * sizeof(float));
+    if (!smem)
+        return strata_fail(err, STRATA_ENOMEM, "fake CUDA attention: out of memory");
+    for (int si = 0; si < plan->n_seqs; si++) {
+        const cuda_kv_seq *seq = &d_seqs[si];
+        if (seq->n_blocks > plan->max_blocks || !view_on_device(layout, seq, "attention")) {
+            free(smem);
+            return strata_fail(err, STRATA_EIO, "fake CUDA attention: view %d is off the device or over the plan", si);
+        }
+        for (int split = 0; split < plan->n_splits; split++)
+            for (int kvh = 0; kvh < H; kvh++) {
+                const kv_att_shared sh = kv_att_shared_at(smem, qpk, D, BT, ATT_THREADS);
+                const size_t row0 = (size_t)si * plan->n_q_heads + (size_t)kvh * qpk;
+                for (unsigned t = 0; t < ATT_THREADS; t++)
+                    kv_att_init(&sh, d_q + row0 * D, qpk, D, t, ATT_THREADS);
+                const int first = split * plan->blocks_per_split;
+                const int last = first + plan->blocks_per_split < seq->n_blocks + 1 ? first + plan->blocks_per_split
+                                                                                    : seq->n_blocks + 1;
+                att_units(&sh, layout, seq, first, last, kvh, qpk, d_status);
+                for (unsigned t = 0; t < ATT_THREADS; t++)
+                    kv_att_write_partials(&sh, qpk, D, row0, plan->n_splits, split, ws_acc, ws_ml, t, ATT_THREADS);
+            }
+    }
+    for (size_t row = 0; row < (size_t)plan->n_seqs * plan->n_q_heads; row++)
+        for (unsigned t = 0; t < ATT_THREADS; t++)
+            kv_att_merge_row(plan->n_splits, D, row, ws_acc, ws_ml, d_out, t, ATT_THREADS);
+    free(smem);
+    return STRATA_OK;
+}
+
+/* Row i over the fp16 rows 0..i of k/v in chunks of `chunk`, after what sh already holds. */
+static void att_rows_upto(const kv_att_shared *sh, const cuda_kv_layout *L, const uint16_t *k, const uint16_t *v,
+                          int i, int kvh, int qpk, int chunk)
+{
+    const size_t row = (size_t)L->n_kv_heads * (size_t)L->head_dim;
+    for (int t0 = 0; t0 <= i; t0 += chunk) {
+        const kv_att_src src = {NULL, NULL, k + t0 * row, v + t0 * row};
+        att_chunk(sh, L, &src, kvh, qpk, chunk, i + 1 - t0 < chunk ? i + 1 - t0 : chunk);
+    }
+}
+
+int cuda_attention_prefill(const float *d_q, const uint16_t *d_k, const uint16_t *d_v, int n, int n_q_heads,
+                           int n_kv_heads, int head_dim, float *d_out, strata_cuda_stream stream, strata_error *err)
+{
+    (void)stream;
+    if (!d_q || !d_k || !d_v || !d_out || n < 1 || n > 65535 || n_kv_heads < 1 || n_q_heads % n_kv_heads != 0 ||
+        n_q_heads / n_kv_heads > KV_ATT_MAX_QPK || head_dim < 1 || head_dim > 256)
+        return strata_fail(err, STRATA_EINVAL, "cuda_attention_prefill: bad shapes");
+    const size_t qb = (size_t)n * n_q_heads * head_dim * 4, kb = (size_t)n * n_kv_heads * head_dim * 2;
+    if (!dev(d_q, qb, "prefill", "q") || !dev(d_k, kb, "prefill", "k") || !dev(d_v, kb, "prefill", "v") ||
+        !dev(d_out, qb, "prefill", "out"))
+        return strata_fail(err, STRATA_EIO, "fake CUDA prefill launch: an argument is off the device");
+    const int qpk = n_q_heads / n_kv_heads, chunk = 64;
+    const cuda_kv_layout rows = {.codec = KV_CODEC_FP16, .n_kv_heads = n_kv_heads, .head_dim = head_dim};
+    float *smem = malloc(kv_att_shared_floats(qpk, head_dim, chunk, ATT_THREADS) * sizeof(float));
+    if (!smem)
+        return strata_fail(err, STRATA_ENOMEM, "fake CUDA prefill: out of memory");
+    for (int i = 0; i < n; i++)
+        for (int kvh = 0; kvh < n_kv_heads; kvh++) {
+            const kv_att_shared sh = kv_att_shared_at(smem, qpk, head_dim, chunk, ATT_THREADS);
+            const size_t row0 = (size_t)i * n_q_heads + (size_t)kvh * qpk;
+            for (unsigned t = 0; t < ATT_THREADS; t++)
+                kv_att_init(&sh, d_q + row0 * head_dim, qpk, head_dim, t, ATT_THREADS);
+            att_rows_upto(&sh, &rows, d_k, d_v, i, kvh, qpk, chunk);
+            for (unsigned t = 0; t < ATT_THREADS; t++)
+                kv_att_write_normalized(&sh, qpk, head_dim, d_out + row0 * head_dim, t, ATT_THREADS);
+        }
+    free(smem);
+    return STRATA_OK;
+}
+
+int cuda_kv_attention_chunk(const cuda_kv_layout *layout, const cuda_kv_seq *seq, const float *d_q,
+                            const uint16_t *d_k, const uint16_t *d_v, int n, int n_q_heads, float *d_out,
+                            int *d_status, strata_cuda_stream stream, strata_error *err)
+{
+    (void)stream;
+    if (!layout || !seq || !d_q || !d_k || !d_v || !d_out || !d_status)
+        return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention_chunk: NULL argument");
+    const int H = layout->n_kv_heads, D = layout->head_dim, BT = layout->block_tokens;
+    if (n < 1 || n > 65535 || H < 1 || D < 1 || D > 256 || BT < 1 || n_q_heads % H != 0 ||
+        n_q_heads / H > KV_ATT_MAX_QPK || seq->n_blocks < 0 || seq->tail_tokens < 0)
+        return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention_chunk: bad shapes");
+    const size_t qb = (size_t)n * n_q_heads * D * 4, kb = (size_t)n * H * D * 2;
+    if (!dev(d_q, qb, "chunk", "q") || !dev(d_k, kb, "chunk", "k") || !dev(d_v, kb, "chunk", "v") ||
+        !dev(d_out, qb, "chunk", "out") || !dev(d_status, sizeof(int), "chunk", "status") ||
+        !view_on_device(layout, seq, "chunk"))
+        return strata_fail(err, STRATA_EIO, "fake CUDA chunk launch: an argument is off the device");
+    const int qpk = n_q_heads / H;
+    float *smem = malloc(kv_att_shared_floats(qpk, D, BT, ATT_THREADS) * sizeof(float));
+    if (!smem)
+        return strata_fail(err, STRATA_ENOMEM, "fake CUDA chunk: out of memory");
+    for (int i = 0; i < n; i++)
+        for (int kvh = 0; kvh < H; kvh++) {
+            const kv_att_shared sh = kv_att_shared_at(smem, qpk, D, BT, ATT_THREADS);
+            const size_t row0 = (size_t)i * n_q_heads + (size_t)kvh * qpk;
+            for (unsigned t = 0; t < ATT_THREADS; t++)
+                kv_att_init(&sh, d_q + row0 * D, qpk, D, t, ATT_THREADS);
+            att_units(&sh, layout, seq, 0, seq->n_blocks + 1, kvh, qpk, d_status);
+            att_rows_upto(&sh, layout, d_k, d_v, i, kvh, qpk, BT);
+            for (unsigned t = 0; t < ATT_THREADS; t++)
+                kv_att_write_normalized(&sh, qpk, D, d_out + row0 * D, t, ATT_THREADS);
+        }
+    free(smem);
+    return STRATA_OK;
+}
+
+/* ---- kernels/cuda/sample.cu ---- */
+
+#define SMP_THREADS 512u
+
+int cuda_sample_rows(const float *logits, int n_rows, int n_vocab, const cuda_sample_row *d_rows, int32_t *out,
+                     strata_cuda_stream stream)
+{
+    (void)stream;
+    if (n_rows <= 0)
+        return 0;
+    if (n_vocab <= 0 || n_vocab > SMP_MAX_VOCAB || !logits || !d_rows || !out ||
+        !dev(logits, (size_t)n_rows * (size_t)n_vocab * 4, "sample", "logits") ||
+        !dev(d_rows, (size_t)n_rows * sizeof *d_rows, "sample", "rows") || !dev(out, (size_t)n_rows * 4, "sample", "out"))
+        return (int)cudaErrorInvalidValue;
+    smp_shared *sh = malloc(sizeof *sh);
+    if (!sh)
+        return (int)cudaErrorMemoryAllocation;
+    const unsigned nt = SMP_THREADS;
+    for (int r = 0; r < n_rows; r++) {
+        const float *x = logits + (size_t)r * (size_t)n_vocab;
+        for (unsigned t = 0; t < nt; t++)
+            smp_start(sh, t, nt);
+        for (unsigned t = 0; t < nt; t++)
+            smp_max_pass(sh, x, n_vocab, t, nt);
+        for (unsigned t = 0; t < nt; t++)
+            smp_plan(sh, &d_rows[r], n_vocab, t);
+        while (sh->step != SMP_DONE) {
+            for (unsigned t = 0; t < nt; t++)
+                smp_hist(sh, x, n_vocab, t, nt);
+            for (unsigned t = 0; t < nt; t++)
+                smp_groups(sh, t, nt);
+            for (unsigned t = 0; t < nt; t++)
+                smp_scan(sh, t, nt);
+            for (unsigned t = 0; t < nt; t++)
+                smp_descend(sh, t);
+            for (unsigned t = 0; t < nt; t++)
+                smp_clear(sh, t, nt);
+        }
+        out[r] = sh->result;
+    }
+    free(sh);
+    return 0;
+}
