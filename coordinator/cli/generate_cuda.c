@@ -24,17 +24,10 @@ static int step_on_cuda(void *ctx, const int32_t *tokens, size_t n, size_t pos, 
     const cuda_step *f = ctx;
     if (pos != cuda_seq_length(f->seq))
         return strata_fail(err, STRATA_EINVAL, "position %zu on a sequence of %zu", pos, cuda_seq_length(f->seq));
-    int rc = STRATA_OK;
-    size_t done = 0;
-    if (n > 1 && pos > 0) {   /* more tokens on a non-empty sequence: one at a time, only the last picks */
-        if ((rc = cuda_model_forward(f->cm, f->seq, tokens, n - 1, NULL, err)) != STRATA_OK)
-            return rc;
-        done = n - 1;
-    }
     const sampler_params *sp = sampler_get_params(smp);
     const cuda_sample_row row = {.u = sampler_params_greedy(sp) ? 0.0 : sampler_next_draw(smp),
                                  .temperature = sp->temperature, .top_p = sp->top_p, .top_k = sp->top_k};
-    const cuda_batch_item item = {f->seq, tokens + done, n - done};
+    const cuda_batch_item item = {f->seq, tokens, n};   /* a prompt, a prompt chunk or one token */
     return cuda_model_forward_batch_sample(f->cm, &item, 1, &row, next, err);
 }
 
