@@ -525,9 +525,13 @@ int main(int argc, char **argv)
                 done = true;
                 break;
             }
-            if (!o.quiet)
-                fprintf(stderr, "strata-worker %s: replica %u stage %u/%u: layers [%u, %u) of %s\n", o.name, a->replica,
-                        a->stage, a->n_stages, a->layer_begin, a->layer_end, a->model_path);
+            if (!o.quiet) {
+                char where[32] = "the CPU";
+                if (o.cuda_device >= 0)
+                    snprintf(where, sizeof where, "cuda:%ld", o.cuda_device);
+                fprintf(stderr, "strata-worker %s: replica %u stage %u/%u: layers [%u, %u) of %s on %s\n", o.name,
+                        a->replica, a->stage, a->n_stages, a->layer_begin, a->layer_end, a->model_path, where);
+            }
             int le = (int)a->layer_end;
             if (!(m = model_load(a->model_path, (int)a->layer_begin, le, &err)) ||
                 connect_links(a, listener, &auth, &prev, &next, &err) != STRATA_OK ||

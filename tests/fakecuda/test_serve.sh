@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# `strata serve` with its workers computing on the fake GPU (tests/fakecuda/README.md): two
+# replicas of two GPU stages each. Greedy output equals single-process `strata generate` on the
+# CPU; `strata drain` moves a running request between GPU workers (its blocks travel as the
+# sequence image) and the request finishes with the tokens it gives unmoved.
+# usage: test_serve.sh STRATA STRATA_WORKER_FAKECUDA
+set -euo pipefail
+strata=$1
+fakeworker=$2
+tmp=$(mktemp -d)
+pid=
+cleanup() {
+  if [ -n "$pid" ]; then kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; fi
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+fail() { echo "FAIL: $*" >&2; [ -f "$tmp/serve.log" ] && tail -30 "$tmp/serve.log" >&2; exit 1; }
+
+printf '#!/bin/sh\nexec "%s" --device cuda:0 "$@"\n' "$fakeworker" >"$tmp/worker"
+chmod +x "$tmp/worker"
+"$strata" serve --listen 127.0.0.1:0 --replicas 2 --stages 2 --ctx 512 --worker-bin "$tmp/worker" \
+  >"$tmp/serve.log" 2>&1 &
+pid=$!
+port=
+for _ in $(seq 1200); do
+  port=$(sed -n 's/.*ready: serving .* on port \([0-9]*\).*/\1/p' "$tmp/serve.log" | head -1)
+  [ -n "$port" ] && break
+  kill -0 "$pid" 2>/dev/null || fail "strata serve exited before it was ready"
+  sleep 0.2
+done
+[ -n "$port" ] || fail "strata serve was not ready within 240 s"
+addr=127.0.0.1:$port
+[ "$(grep -c "of .* on cuda:0" "$tmp/serve.log")" = 4 ] || fail "the four workers did not say they compute on cuda:0"
+
+# Greedy: served by the GPU stages = generated alone on the CPU.
+p="The capital of France is"
+want=$("$strata" generate -p "$p" -n 12 --ignore-eos --no-echo -q)
+got=$("$strata" generate --server "$addr" -p "$p" -n 12 --ignore-eos --no-echo -q) || fail "served generate"
+[ "$got" = "$want" ] || fail "served '$got', CPU '$want'"
+
+# Unmoved references, then the same two requests (one per replica) with a drain in the middle.
+ref1=$("$strata" generate --server "$addr" -p "Once upon a time" -n 48 --ignore-eos --no-echo -q)
+ref2=$("$strata" generate --server "$addr" -p "The weather today" -n 48 --ignore-eos --no-echo -q)
+"$strata" generate --server "$addr" -p "Once upon a time" -n 48 --ignore-eos --no-echo -q >"$tmp/a" 2>"$tmp/a.err" &
+ga=$!
+"$strata" generate --server "$addr" -p "The weather today" -n 48 --ignore-eos --no-echo -q >"$tmp/b" 2>"$tmp/b.err" &
+gb=$!
+for _ in $(seq 600); do   # both running: each has streamed its first text
+  [ -s "$tmp/a" ] && [ -s "$tmp/b" ] && break
+  sleep 0.1
+done
+"$strata" drain --server "$addr" local-0 --timeout 300 >"$tmp/drain" 2>&1 || fail "drain: $(cat "$tmp/drain")"
+wait "$ga" || fail "request a: $(cat "$tmp/a.err")"
+wait "$gb" || fail "request b: $(cat "$tmp/b.err")"
+grep -q "1 moved, 0 failed" "$tmp/drain" || fail "drain said: $(cat "$tmp/drain")"
+grep -q "moved from replica" "$tmp/serve.log" || fail "the coordinator logged no migration"
+[ "$(cat "$tmp/a")" = "$ref1" ] || fail "request a after the drain: '$(cat "$tmp/a")' != '$ref1'"
+[ "$(cat "$tmp/b")" = "$ref2" ] || fail "request b after the drain: '$(cat "$tmp/b")' != '$ref2'"
+echo "serve_fakecuda: ok ($(tail -1 "$tmp/drain"))"
+kill -TERM "$pid"
+wait "$pid" || fail "strata serve did not stop cleanly"
+pid=
