@@ -41,6 +41,41 @@ __device__ void attend_chunk(const kv_att_shared &s, const cuda_kv_layout &L, co
     __syncthreads();
 }
 
+// Block u of a table through the phases, checked and parsed by thread 0 first: a block that does
+// not match sets the status and adds nothing. ok and info are the kernel's shared slots for them.
+// The skip ends with a barrier too: otherwise thread 0 could overwrite *ok for the next block
+// before a slower thread has read it for this one, and the threads would part ways at a barrier.
+__device__ void attend_block(const kv_att_shared &s, const cuda_kv_layout &L, const uint8_t *blk, int u, int kvh,
+                             int qpk, int *ok, kv_att_block_info *info, int *status)
+{
+    if (threadIdx.x == 0) {
+        int bad = kv_att_block_status(&L, blk, u);
+        if (!bad)
+            bad = kv_att_block_parse(&L, blk, info);
+        if (bad)
+            atomicExch(status, bad);
+        *ok = !bad;
+    }
+    __syncthreads();
+    if (!*ok) {
+        __syncthreads();
+        return;
+    }
+    const kv_att_src src = {blk, info, nullptr, nullptr};
+    attend_chunk(s, L, src, kvh, qpk, L.block_tokens, L.block_tokens);
+}
+
+// fp16 rows [0, n) of k and v ([token][n_kv_heads][head_dim]) through the phases, `chunk` at a time.
+__device__ void attend_rows(const kv_att_shared &s, const cuda_kv_layout &L, const uint16_t *k, const uint16_t *v,
+                            int n, int kvh, int qpk, int chunk)
+{
+    const size_t row = (size_t)L.n_kv_heads * L.head_dim;
+    for (int t0 = 0; t0 < n; t0 += chunk) {
+        const kv_att_src src = {nullptr, nullptr, k + t0 * row, v + t0 * row};
+        attend_chunk(s, L, src, kvh, qpk, chunk, min(chunk, n - t0));
+    }
+}
+
 // grid (n_kv_heads, n_splits, n_seqs): the split's blocks (and the tail, when the split holds the
 // last unit) of one sequence for one group of query heads.
 __global__ void __launch_bounds__(kThreads) attend_split(cuda_kv_layout L, cuda_kv_plan P, const cuda_kv_seq *seqs,
@@ -61,28 +96,10 @@ __global__ void __launch_bounds__(kThreads) attend_split(cuda_kv_layout L, cuda_
     const int first = split * P.blocks_per_split;
     const int last = min(first + P.blocks_per_split, seq.n_blocks + 1);  // the tail is the last unit
     for (int u = first; u < last; u++) {
-        if (u < seq.n_blocks) {
-            const uint8_t *blk = seq.blocks[u];
-            if (threadIdx.x == 0) {
-                int bad = kv_att_block_status(&L, blk, u);
-                if (!bad)
-                    bad = kv_att_block_parse(&L, blk, &info);
-                if (bad)
-                    atomicExch(status, bad);
-                block_ok = !bad;
-            }
-            __syncthreads();
-            if (!block_ok)
-                continue;
-            const kv_att_src src = {blk, &info, nullptr, nullptr};
-            attend_chunk(s, L, src, kvh, qpk, BT, BT);
-        } else {
-            const size_t row = (size_t)L.n_kv_heads * D;
-            for (int t0 = 0; t0 < seq.tail_tokens; t0 += BT) {
-                const kv_att_src src = {nullptr, nullptr, seq.tail_k + t0 * row, seq.tail_v + t0 * row};
-                attend_chunk(s, L, src, kvh, qpk, BT, min(BT, seq.tail_tokens - t0));
-            }
-        }
+        if (u < seq.n_blocks)
+            attend_block(s, L, seq.blocks[u], u, kvh, qpk, &block_ok, &info, status);
+        else
+            attend_rows(s, L, seq.tail_k, seq.tail_v, seq.tail_tokens, kvh, qpk, BT);
     }
     kv_att_write_partials(&s, qpk, D, row0, P.n_splits, split, ws_acc, ws_ml, threadIdx.x, blockDim.x);
 }
@@ -104,13 +121,10 @@ __global__ void __launch_bounds__(kThreads) prefill_causal(cuda_kv_layout L, con
     extern __shared__ float smem[];
     const int D = L.head_dim, nkv = L.n_kv_heads, qpk = nq / nkv, kvh = blockIdx.x, i = blockIdx.y;
     const kv_att_shared s = kv_att_shared_at(smem, qpk, D, kPrefillChunk, blockDim.x);
-    const size_t row0 = (size_t)i * nq + (size_t)kvh * qpk, row = (size_t)nkv * D;
+    const size_t row0 = (size_t)i * nq + (size_t)kvh * qpk;
     kv_att_init(&s, q + row0 * D, qpk, D, threadIdx.x, blockDim.x);
     __syncthreads();
-    for (int t0 = 0; t0 <= i; t0 += kPrefillChunk) {
-        const kv_att_src src = {nullptr, nullptr, k + t0 * row, v + t0 * row};
-        attend_chunk(s, L, src, kvh, qpk, kPrefillChunk, min(kPrefillChunk, i + 1 - t0));
-    }
+    attend_rows(s, L, k, v, i + 1, kvh, qpk, kPrefillChunk);
     kv_att_write_normalized(&s, qpk, D, out + row0 * D, threadIdx.x, blockDim.x);
 }
 
@@ -128,33 +142,13 @@ __global__ void __launch_bounds__(kThreads) chunk_rows(cuda_kv_layout L, cuda_kv
     const int D = L.head_dim, BT = L.block_tokens, nkv = L.n_kv_heads, qpk = nq / nkv;
     const int kvh = blockIdx.x, i = blockIdx.y;
     const kv_att_shared s = kv_att_shared_at(smem, qpk, D, BT, blockDim.x);
-    const size_t row0 = (size_t)i * nq + (size_t)kvh * qpk, row = (size_t)nkv * D;
+    const size_t row0 = (size_t)i * nq + (size_t)kvh * qpk;
     kv_att_init(&s, q + row0 * D, qpk, D, threadIdx.x, blockDim.x);
     __syncthreads();
-    for (int u = 0; u < seq.n_blocks; u++) {
-        const uint8_t *blk = seq.blocks[u];
-        if (threadIdx.x == 0) {
-            int bad = kv_att_block_status(&L, blk, u);
-            if (!bad)
-                bad = kv_att_block_parse(&L, blk, &info);
-            if (bad)
-                atomicExch(status, bad);
-            block_ok = !bad;
-        }
-        __syncthreads();
-        if (!block_ok)
-            continue;
-        const kv_att_src src = {blk, &info, nullptr, nullptr};
-        attend_chunk(s, L, src, kvh, qpk, BT, BT);
-    }
-    for (int t0 = 0; t0 < seq.tail_tokens; t0 += BT) {
-        const kv_att_src src = {nullptr, nullptr, seq.tail_k + t0 * row, seq.tail_v + t0 * row};
-        attend_chunk(s, L, src, kvh, qpk, BT, min(BT, seq.tail_tokens - t0));
-    }
-    for (int t0 = 0; t0 <= i; t0 += BT) {
-        const kv_att_src src = {nullptr, nullptr, ck + t0 * row, cv + t0 * row};
-        attend_chunk(s, L, src, kvh, qpk, BT, min(BT, i + 1 - t0));
-    }
+    for (int u = 0; u < seq.n_blocks; u++)
+        attend_block(s, L, seq.blocks[u], u, kvh, qpk, &block_ok, &info, status);
+    attend_rows(s, L, seq.tail_k, seq.tail_v, seq.tail_tokens, kvh, qpk, BT);
+    attend_rows(s, L, ck, cv, i + 1, kvh, qpk, BT);
     kv_att_write_normalized(&s, qpk, D, out + row0 * D, threadIdx.x, blockDim.x);
 }
 

@@ -120,7 +120,8 @@ void stage_gpu_destroy(stage_gpu *g)
     free(g);
 }
 
-stage_gpu_seq *stage_gpu_seq_create(stage_gpu *g, strata_error *err)
+/* A new sequence of the stage: empty (img NULL) or made from a migration image. */
+static stage_gpu_seq *new_seq(stage_gpu *g, const uint8_t *img, size_t len, strata_error *err)
 {
     if (use_device(g, err) != STRATA_OK)
         return NULL;
@@ -130,12 +131,16 @@ stage_gpu_seq *stage_gpu_seq_create(stage_gpu *g, strata_error *err)
         return NULL;
     }
     q->device = g->c.device;
-    if (!(q->s = cuda_seq_create(g->cm, &g->c.codec, g->c.block_tokens, g->c.max_seq_tokens, err))) {
+    q->s = img ? cuda_seq_import(g->cm, &g->c.codec, g->c.block_tokens, g->c.max_seq_tokens, img, len, err)
+               : cuda_seq_create(g->cm, &g->c.codec, g->c.block_tokens, g->c.max_seq_tokens, err);
+    if (!q->s) {
         free(q);
         return NULL;
     }
     return q;
 }
+
+stage_gpu_seq *stage_gpu_seq_create(stage_gpu *g, strata_error *err) { return new_seq(g, NULL, 0, err); }
 
 void stage_gpu_seq_free(stage_gpu_seq *q)
 {
@@ -164,19 +169,11 @@ int stage_gpu_seq_export(stage_gpu *g, stage_gpu_seq *q, uint8_t **img, size_t *
 
 stage_gpu_seq *stage_gpu_seq_import(stage_gpu *g, const uint8_t *img, size_t len, strata_error *err)
 {
-    if (use_device(g, err) != STRATA_OK)
-        return NULL;
-    stage_gpu_seq *q = calloc(1, sizeof *q);
-    if (!q) {
-        strata_fail(err, STRATA_ENOMEM, "out of memory");
+    if (!img) {
+        strata_fail(err, STRATA_EINVAL, "stage_gpu_seq_import: no image");
         return NULL;
     }
-    q->device = g->c.device;
-    if (!(q->s = cuda_seq_import(g->cm, &g->c.codec, g->c.block_tokens, g->c.max_seq_tokens, img, len, err))) {
-        free(q);
-        return NULL;
-    }
-    return q;
+    return new_seq(g, img, len, err);
 }
 
 static int ensure(stage_gpu *g, size_t items, size_t rows, strata_error *err)
