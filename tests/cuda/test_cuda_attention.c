@@ -21,7 +21,7 @@
 #include <cmocka.h>
 
 #include "cuda_test_util.h"
-#include "kernels/cuda/kv_attention_block.h"
+#include "kernels/cuda/kv_attention_emu.h"
 #include "kernels/cuda_kv_attention.h"
 #include "kernels/kv_attention.h"
 #include "kernels/ops.h"
@@ -241,77 +241,18 @@ static int run_gpu(gpu_run *r, const cuda_kv_seq *d_seqs, const float *q, float 
     return status;
 }
 
-/* ---- The kernels' phases on the CPU: the loops of attend_split, merge_splits and prefill_causal
- * (kernels/cuda/kv_attention.cu), each phase run for every thread before the next (what the
- * barriers guarantee), on host pointers. */
-#define EMU_THREADS 128u
-
-static void emu_chunk(const kv_att_shared *s, const cuda_kv_layout *L, const kv_att_src *src, int h, int qpk, int chunk,
-                      int n)
-{
-    for (unsigned t = 0; t < EMU_THREADS; t++)
-        kv_att_scores(s, L, src, h, qpk, chunk, n, t, EMU_THREADS);
-    for (unsigned t = 0; t < EMU_THREADS; t++)
-        kv_att_max_parts(s, qpk, chunk, n, t, EMU_THREADS);
-    for (unsigned t = 0; t < EMU_THREADS; t++)
-        kv_att_max(s, qpk, t, EMU_THREADS);
-    for (unsigned t = 0; t < EMU_THREADS; t++)
-        kv_att_exp_parts(s, qpk, chunk, n, t, EMU_THREADS);
-    for (unsigned t = 0; t < EMU_THREADS; t++)
-        kv_att_norm(s, qpk, t, EMU_THREADS);
-    for (unsigned t = 0; t < EMU_THREADS; t++)
-        kv_att_values(s, L, src, h, qpk, chunk, n, t, EMU_THREADS);
-}
+/* ---- The kernels' loops on the CPU (kernels/cuda/kv_attention_emu.h, shared with the fake
+ * device of tests/fakecuda): each phase run for every thread before the next (what the barriers
+ * guarantee), on host pointers. */
 
 static int emu_attention(const cuda_kv_layout *L, const cuda_kv_plan *P, const cuda_kv_seq *seqs, const float *q,
                          float *out)
 {
-    const int D = L->head_dim, BT = L->block_tokens, qpk = P->n_q_heads / L->n_kv_heads;
     float *ws = malloc(cuda_kv_attention_workspace(L, P));
-    float *smem = malloc(kv_att_shared_floats(qpk, D, BT, EMU_THREADS) * sizeof(float));
-    assert_true(ws && smem);
-    float *ws_acc = ws, *ws_ml = ws + (size_t)P->n_seqs * P->n_q_heads * P->n_splits * D;
-    int status = 0;
-    for (int si = 0; si < P->n_seqs; si++)
-        for (int split = 0; split < P->n_splits; split++)
-            for (int kvh = 0; kvh < L->n_kv_heads; kvh++) {
-                const cuda_kv_seq *seq = &seqs[si];
-                const kv_att_shared sh = kv_att_shared_at(smem, qpk, D, BT, EMU_THREADS);
-                const size_t row0 = (size_t)si * P->n_q_heads + (size_t)kvh * qpk;
-                for (unsigned t = 0; t < EMU_THREADS; t++)
-                    kv_att_init(&sh, q + row0 * D, qpk, D, t, EMU_THREADS);
-                const int first = split * P->blocks_per_split;
-                const int last = first + P->blocks_per_split < seq->n_blocks + 1 ? first + P->blocks_per_split
-                                                                                   : seq->n_blocks + 1;
-                for (int u = first; u < last; u++) {
-                    if (u < seq->n_blocks) {
-                        kv_att_block_info info;
-                        int bad = kv_att_block_status(L, seq->blocks[u], u);
-                        if (!bad)
-                            bad = kv_att_block_parse(L, seq->blocks[u], &info);
-                        if (bad) {
-                            status = bad;
-                            continue;
-                        }
-                        const kv_att_src src = {seq->blocks[u], &info, NULL, NULL};
-                        emu_chunk(&sh, L, &src, kvh, qpk, BT, BT);
-                    } else {
-                        const size_t row = (size_t)L->n_kv_heads * D;
-                        for (int t0 = 0; t0 < seq->tail_tokens; t0 += BT) {
-                            const kv_att_src src = {NULL, NULL, seq->tail_k + t0 * row, seq->tail_v + t0 * row};
-                            emu_chunk(&sh, L, &src, kvh, qpk, BT,
-                                      seq->tail_tokens - t0 < BT ? seq->tail_tokens - t0 : BT);
-                        }
-                    }
-                }
-                for (unsigned t = 0; t < EMU_THREADS; t++)
-                    kv_att_write_partials(&sh, qpk, D, row0, P->n_splits, split, ws_acc, ws_ml, t, EMU_THREADS);
-            }
-    for (size_t row = 0; row < (size_t)P->n_seqs * P->n_q_heads; row++)
-        for (unsigned t = 0; t < EMU_THREADS; t++)
-            kv_att_merge_row(P->n_splits, D, row, ws_acc, ws_ml, out, t, EMU_THREADS);
+    assert_non_null(ws);
+    const int status = kv_att_emu_attention(L, P, seqs, q, out, ws);
     free(ws);
-    free(smem);
+    assert_true(status >= 0);
     return status;
 }
 
@@ -715,22 +656,7 @@ static void test_emulated_prefill(void **state)
         v16[i] = strata_float_to_half(cuda_test_uniform(&seed));
     }
     const cuda_kv_layout rows = {.codec = KV_CODEC_FP16, .n_kv_heads = nkv, .head_dim = D};
-    const int qpk = nq / nkv, chunk = 64;
-    float *smem = malloc(kv_att_shared_floats(qpk, D, chunk, EMU_THREADS) * sizeof(float));
-    assert_non_null(smem);
-    for (int i = 0; i < n; i++)
-        for (int kvh = 0; kvh < nkv; kvh++) {
-            const kv_att_shared sh = kv_att_shared_at(smem, qpk, D, chunk, EMU_THREADS);
-            const size_t row0 = (size_t)i * nq + (size_t)kvh * qpk, row = (size_t)nkv * D;
-            for (unsigned t = 0; t < EMU_THREADS; t++)
-                kv_att_init(&sh, q + row0 * D, qpk, D, t, EMU_THREADS);
-            for (int t0 = 0; t0 <= i; t0 += chunk) {
-                const kv_att_src src = {NULL, NULL, k16 + t0 * row, v16 + t0 * row};
-                emu_chunk(&sh, &rows, &src, kvh, qpk, chunk, i + 1 - t0 < chunk ? i + 1 - t0 : chunk);
-            }
-            for (unsigned t = 0; t < EMU_THREADS; t++)
-                kv_att_write_normalized(&sh, qpk, D, out + row0 * D, t, EMU_THREADS);
-        }
+    assert_int_equal(kv_att_emu_rows_causal(&rows, NULL, q, k16, v16, n, nq, KV_ATT_EMU_PREFILL_CHUNK, out), 0);
     prefill_reference(q, k16, v16, n, nq, nkv, D, ref);
     const double e = cuda_test_rel_error(out, ref, nqd);
     printf("  emulated prefill n %d: rel error %.2e\n", n, e);
@@ -740,7 +666,6 @@ static void test_emulated_prefill(void **state)
     free(k16);
     free(v16);
     free(ref);
-    free(smem);
 }
 
 /* A prompt chunk continuing a sequence (cuda_kv_attention_chunk): n chunk rows over a cache of
@@ -803,39 +728,9 @@ static void chunk_case(const char *codec, int nq, int nkv, int D, int n_blocks, 
     layout.block_bytes = (uint32_t)slot;
     int status = 0;
     if (!on_gpu) {   /* chunk_rows in kernels/cuda/kv_attention.cu, one thread after another */
-        const int qpk = nq / nkv, BT = 64;
-        float *smem = malloc(kv_att_shared_floats(qpk, D, BT, EMU_THREADS) * sizeof(float));
-        assert_non_null(smem);
-        for (int i = 0; i < n; i++)
-            for (int kvh = 0; kvh < nkv; kvh++) {
-                const kv_att_shared sh = kv_att_shared_at(smem, qpk, D, BT, EMU_THREADS);
-                const size_t row0 = (size_t)i * nq + (size_t)kvh * qpk;
-                for (unsigned t = 0; t < EMU_THREADS; t++)
-                    kv_att_init(&sh, q + row0 * D, qpk, D, t, EMU_THREADS);
-                for (int u = 0; u < n_blocks; u++) {
-                    kv_att_block_info info;
-                    int bad = kv_att_block_status(&layout, ptrs[u], u);
-                    if (!bad)
-                        bad = kv_att_block_parse(&layout, ptrs[u], &info);
-                    if (bad) {
-                        status = bad;
-                        continue;
-                    }
-                    const kv_att_src src = {ptrs[u], &info, NULL, NULL};
-                    emu_chunk(&sh, &layout, &src, kvh, qpk, BT, BT);
-                }
-                for (int t0 = 0; t0 < tail; t0 += BT) {
-                    const kv_att_src src = {NULL, NULL, hs.tail_k + t0 * row, hs.tail_v + t0 * row};
-                    emu_chunk(&sh, &layout, &src, kvh, qpk, BT, tail - t0 < BT ? tail - t0 : BT);
-                }
-                for (int t0 = 0; t0 <= i; t0 += BT) {
-                    const kv_att_src src = {NULL, NULL, ck + t0 * row, cv + t0 * row};
-                    emu_chunk(&sh, &layout, &src, kvh, qpk, BT, i + 1 - t0 < BT ? i + 1 - t0 : BT);
-                }
-                for (unsigned t = 0; t < EMU_THREADS; t++)
-                    kv_att_write_normalized(&sh, qpk, D, out + row0 * D, t, EMU_THREADS);
-            }
-        free(smem);
+        const cuda_kv_seq seq = {.blocks = ptrs, .tail_k = hs.tail_k, .tail_v = hs.tail_v, .n_blocks = n_blocks,
+                                 .tail_tokens = tail};
+        status = kv_att_emu_rows_causal(&layout, &seq, q, ck, cv, n, nq, 64, out);
     } else {
         void *allocs[8];
         int n_allocs = 0;

@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "cuda_runtime.h"
-#include "kernels/cuda/kv_attention_block.h"
+#include "kernels/cuda/kv_attention_emu.h"
 #include "kernels/cuda/kv_encode_block.h"
 #include "kernels/cuda/kv_tail_block.h"
 #include "kernels/cuda/sample_block.h"
@@ -249,61 +249,17 @@ int cuda_kv_encode_blocks(const cuda_kv_encoder *enc, const cuda_kv_encode_job *
 
 /* ---- kernels/cuda/kv_attention.cu ---- */
 
-#define ATT_THREADS 128u
-
-static void att_chunk(const kv_att_shared *s, const cuda_kv_layout *L, const kv_att_src *src, int h, int qpk,
-                      int chunk, int n)
-{
-    for (unsigned t = 0; t < ATT_THREADS; t++)
-        kv_att_scores(s, L, src, h, qpk, chunk, n, t, ATT_THREADS);
-    for (unsigned t = 0; t < ATT_THREADS; t++)
-        kv_att_max_parts(s, qpk, chunk, n, t, ATT_THREADS);
-    for (unsigned t = 0; t < ATT_THREADS; t++)
-        kv_att_max(s, qpk, t, ATT_THREADS);
-    for (unsigned t = 0; t < ATT_THREADS; t++)
-        kv_att_exp_parts(s, qpk, chunk, n, t, ATT_THREADS);
-    for (unsigned t = 0; t < ATT_THREADS; t++)
-        kv_att_norm(s, qpk, t, ATT_THREADS);
-    for (unsigned t = 0; t < ATT_THREADS; t++)
-        kv_att_values(s, L, src, h, qpk, chunk, n, t, ATT_THREADS);
-}
-
-/* One unit of a sequence's view: block u (checked and parsed as the kernel does, the status set
- * on a mismatch) or, past the blocks, its fp16 tail in chunks of a block. */
-static void att_units(const kv_att_shared *s, const cuda_kv_layout *L, const cuda_kv_seq *seq, int first, int last,
-                      int kvh, int qpk, int *status)
-{
-    const int BT = L->block_tokens;
-    const size_t row = (size_t)L->n_kv_heads * (size_t)L->head_dim;
-    for (int u = first; u < last; u++) {
-        if (u < seq->n_blocks) {
-            const uint8_t *blk = seq->blocks[u];
-            kv_att_block_info info;
-            int bad = blk ? kv_att_block_status(L, blk, u) : 2;
-            if (!bad && !dev(blk, L->block_bytes, "attention", "block"))
-                bad = 2;
-            if (!bad)
-                bad = kv_att_block_parse(L, blk, &info);
-            if (bad) {
-                *status = bad;
-                continue;
-            }
-            const kv_att_src src = {blk, &info, NULL, NULL};
-            att_chunk(s, L, &src, kvh, qpk, BT, BT);
-        } else {
-            for (int t0 = 0; t0 < seq->tail_tokens; t0 += BT) {
-                const kv_att_src src = {NULL, NULL, seq->tail_k + t0 * row, seq->tail_v + t0 * row};
-                att_chunk(s, L, &src, kvh, qpk, BT, seq->tail_tokens - t0 < BT ? seq->tail_tokens - t0 : BT);
-            }
-        }
-    }
-}
-
+/* Every block of every view must be fake device memory, as the kernel reads them there. */
 static bool view_on_device(const cuda_kv_layout *L, const cuda_kv_seq *seq, const char *kernel)
 {
     const size_t tail = (size_t)seq->tail_tokens * (size_t)L->n_kv_heads * (size_t)L->head_dim * 2;
-    return dev(seq->blocks, (size_t)seq->n_blocks * sizeof *seq->blocks, kernel, "block table") &&
-           dev(seq->tail_k, tail, kernel, "tail_k") && dev(seq->tail_v, tail, kernel, "tail_v");
+    if (!dev(seq->blocks, (size_t)seq->n_blocks * sizeof *seq->blocks, kernel, "block table") ||
+        !dev(seq->tail_k, tail, kernel, "tail_k") || !dev(seq->tail_v, tail, kernel, "tail_v"))
+        return false;
+    for (int u = 0; u < seq->n_blocks; u++)
+        if (seq->blocks[u] && !dev(seq->blocks[u], 128, kernel, "a block of the table"))
+            return false;
+    return true;
 }
 
 int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_plan *plan, const cuda_kv_seq *d_seqs,
@@ -318,54 +274,21 @@ int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_plan *plan, co
         plan->n_q_heads % H != 0 || plan->n_q_heads / H > KV_ATT_MAX_QPK ||
         (long)plan->n_splits * plan->blocks_per_split < (long)plan->max_blocks + 1)
         return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention: bad layout or plan");
-    const int qpk = plan->n_q_heads / H;
     const size_t rows = (size_t)plan->n_seqs * (size_t)plan->n_q_heads * (size_t)D * 4;
     if (!dev(d_seqs, (size_t)plan->n_seqs * sizeof *d_seqs, "attention", "views") || !dev(d_q, rows, "attention", "q") ||
         !dev(d_out, rows, "attention", "out") ||
         !dev(d_workspace, cuda_kv_attention_workspace(layout, plan), "attention", "workspace") ||
         !dev(d_status, sizeof(int), "attention", "status"))
         return strata_fail(err, STRATA_EIO, "fake CUDA attention launch: an argument is off the device");
-    float *ws_acc = d_workspace;
-    float *ws_ml = ws_acc + (size_t)plan->n_seqs * plan->n_q_heads * plan->n_splits * D;
-    float *smem = malloc(kv_att_shared_floats(qpk, D, BT, ATT_THREADS) * sizeof(float));
-    if (!smem)
-        return strata_fail(err, STRATA_ENOMEM, "fake CUDA attention: out of memory");
-    for (int si = 0; si < plan->n_seqs; si++) {
-        const cuda_kv_seq *seq = &d_seqs[si];
-        if (seq->n_blocks > plan->max_blocks || !view_on_device(layout, seq, "attention")) {
-            free(smem);
+    for (int si = 0; si < plan->n_seqs; si++)
+        if (d_seqs[si].n_blocks > plan->max_blocks || !view_on_device(layout, &d_seqs[si], "attention"))
             return strata_fail(err, STRATA_EIO, "fake CUDA attention: view %d is off the device or over the plan", si);
-        }
-        for (int split = 0; split < plan->n_splits; split++)
-            for (int kvh = 0; kvh < H; kvh++) {
-                const kv_att_shared sh = kv_att_shared_at(smem, qpk, D, BT, ATT_THREADS);
-                const size_t row0 = (size_t)si * plan->n_q_heads + (size_t)kvh * qpk;
-                for (unsigned t = 0; t < ATT_THREADS; t++)
-                    kv_att_init(&sh, d_q + row0 * D, qpk, D, t, ATT_THREADS);
-                const int first = split * plan->blocks_per_split;
-                const int last = first + plan->blocks_per_split < seq->n_blocks + 1 ? first + plan->blocks_per_split
-                                                                                    : seq->n_blocks + 1;
-                att_units(&sh, layout, seq, first, last, kvh, qpk, d_status);
-                for (unsigned t = 0; t < ATT_THREADS; t++)
-                    kv_att_write_partials(&sh, qpk, D, row0, plan->n_splits, split, ws_acc, ws_ml, t, ATT_THREADS);
-            }
-    }
-    for (size_t row = 0; row < (size_t)plan->n_seqs * plan->n_q_heads; row++)
-        for (unsigned t = 0; t < ATT_THREADS; t++)
-            kv_att_merge_row(plan->n_splits, D, row, ws_acc, ws_ml, d_out, t, ATT_THREADS);
-    free(smem);
+    const int status = kv_att_emu_attention(layout, plan, d_seqs, d_q, d_out, d_workspace);
+    if (status < 0)
+        return strata_fail(err, STRATA_ENOMEM, "fake CUDA attention: out of memory");
+    if (status)
+        *d_status = status;
     return STRATA_OK;
-}
-
-/* Row i over the fp16 rows 0..i of k/v in chunks of `chunk`, after what sh already holds. */
-static void att_rows_upto(const kv_att_shared *sh, const cuda_kv_layout *L, const uint16_t *k, const uint16_t *v,
-                          int i, int kvh, int qpk, int chunk)
-{
-    const size_t row = (size_t)L->n_kv_heads * (size_t)L->head_dim;
-    for (int t0 = 0; t0 <= i; t0 += chunk) {
-        const kv_att_src src = {NULL, NULL, k + t0 * row, v + t0 * row};
-        att_chunk(sh, L, &src, kvh, qpk, chunk, i + 1 - t0 < chunk ? i + 1 - t0 : chunk);
-    }
 }
 
 int cuda_attention_prefill(const float *d_q, const uint16_t *d_k, const uint16_t *d_v, int n, int n_q_heads,
@@ -379,22 +302,9 @@ int cuda_attention_prefill(const float *d_q, const uint16_t *d_k, const uint16_t
     if (!dev(d_q, qb, "prefill", "q") || !dev(d_k, kb, "prefill", "k") || !dev(d_v, kb, "prefill", "v") ||
         !dev(d_out, qb, "prefill", "out"))
         return strata_fail(err, STRATA_EIO, "fake CUDA prefill launch: an argument is off the device");
-    const int qpk = n_q_heads / n_kv_heads, chunk = 64;
     const cuda_kv_layout rows = {.codec = KV_CODEC_FP16, .n_kv_heads = n_kv_heads, .head_dim = head_dim};
-    float *smem = malloc(kv_att_shared_floats(qpk, head_dim, chunk, ATT_THREADS) * sizeof(float));
-    if (!smem)
+    if (kv_att_emu_rows_causal(&rows, NULL, d_q, d_k, d_v, n, n_q_heads, KV_ATT_EMU_PREFILL_CHUNK, d_out) < 0)
         return strata_fail(err, STRATA_ENOMEM, "fake CUDA prefill: out of memory");
-    for (int i = 0; i < n; i++)
-        for (int kvh = 0; kvh < n_kv_heads; kvh++) {
-            const kv_att_shared sh = kv_att_shared_at(smem, qpk, head_dim, chunk, ATT_THREADS);
-            const size_t row0 = (size_t)i * n_q_heads + (size_t)kvh * qpk;
-            for (unsigned t = 0; t < ATT_THREADS; t++)
-                kv_att_init(&sh, d_q + row0 * head_dim, qpk, head_dim, t, ATT_THREADS);
-            att_rows_upto(&sh, &rows, d_k, d_v, i, kvh, qpk, chunk);
-            for (unsigned t = 0; t < ATT_THREADS; t++)
-                kv_att_write_normalized(&sh, qpk, head_dim, d_out + row0 * head_dim, t, ATT_THREADS);
-        }
-    free(smem);
     return STRATA_OK;
 }
 
@@ -414,22 +324,11 @@ int cuda_kv_attention_chunk(const cuda_kv_layout *layout, const cuda_kv_seq *seq
         !dev(d_out, qb, "chunk", "out") || !dev(d_status, sizeof(int), "chunk", "status") ||
         !view_on_device(layout, seq, "chunk"))
         return strata_fail(err, STRATA_EIO, "fake CUDA chunk launch: an argument is off the device");
-    const int qpk = n_q_heads / H;
-    float *smem = malloc(kv_att_shared_floats(qpk, D, BT, ATT_THREADS) * sizeof(float));
-    if (!smem)
+    const int status = kv_att_emu_rows_causal(layout, seq, d_q, d_k, d_v, n, n_q_heads, BT, d_out);
+    if (status < 0)
         return strata_fail(err, STRATA_ENOMEM, "fake CUDA chunk: out of memory");
-    for (int i = 0; i < n; i++)
-        for (int kvh = 0; kvh < H; kvh++) {
-            const kv_att_shared sh = kv_att_shared_at(smem, qpk, D, BT, ATT_THREADS);
-            const size_t row0 = (size_t)i * n_q_heads + (size_t)kvh * qpk;
-            for (unsigned t = 0; t < ATT_THREADS; t++)
-                kv_att_init(&sh, d_q + row0 * D, qpk, D, t, ATT_THREADS);
-            att_units(&sh, layout, seq, 0, seq->n_blocks + 1, kvh, qpk, d_status);
-            att_rows_upto(&sh, layout, d_k, d_v, i, kvh, qpk, BT);
-            for (unsigned t = 0; t < ATT_THREADS; t++)
-                kv_att_write_normalized(&sh, qpk, D, d_out + row0 * D, t, ATT_THREADS);
-        }
-    free(smem);
+    if (status)
+        *d_status = status;
     return STRATA_OK;
 }
 
