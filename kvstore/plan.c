@@ -253,3 +253,15 @@ int kv_plan_save(const char *path, const kv_codec_params *layers, int n_layers, 
         return strata_fail(err, STRATA_EIO, "writing kv plan %s: %s", path, strerror(errno));
     return STRATA_OK;
 }
+
+int kv_plan_check_one_window(const kv_codec_params *layers, int n_layers, strata_error *err)
+{
+    for (int l = 1; l < n_layers; l++)
+        if (layers[l].residual != layers[0].residual)
+            return strata_fail(err, STRATA_EUNSUPPORTED,
+                               "layer %d keeps an fp16 window of %d tokens and layer 0 one of %d: the GPU path takes "
+                               "KV plans whose layers share it (an fp16 layer has none; give every codec the same -rN)",
+                               l, layers[l].residual, layers[0].residual);
+    return STRATA_OK;
+}
+

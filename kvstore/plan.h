@@ -35,4 +35,9 @@ void kv_plan_format(const kv_codec_params *layers, int n_layers, char *buf, size
 int kv_plan_save(const char *path, const kv_codec_params *layers, int n_layers, const char *comment,
                  strata_error *err);
 
+/* STRATA_OK when every layer keeps the same fp16 window (residual R), so that blocks form in every
+ * layer at the same step (what the GPU path's batched decode needs); STRATA_EUNSUPPORTED naming
+ * the first layer that differs. */
+int kv_plan_check_one_window(const kv_codec_params *layers, int n_layers, strata_error *err);
+
 #endif

@@ -459,16 +459,15 @@ int cmd_generate(int argc, char **argv)
         goto done;
     }
     if (o.cuda_device >= 0) {
-        for (int l = 1; l < geo.n_layers; l++)
-            if (memcmp(&codecs[l], &codecs[0], sizeof codecs[0]) != 0) {
-                fprintf(stderr, "strata generate: --device cuda takes one KV codec for every layer (got the plan %s)\n",
-                        plan_name);
-                exit_code = EXIT_USAGE;
-                goto done;
-            }
+        strata_error perr = {0};
+        if (kv_plan_check_one_window(codecs, geo.n_layers, &perr) != STRATA_OK) {
+            fprintf(stderr, "strata generate: --device cuda with the plan %s: %s\n", plan_name, perr.msg);
+            exit_code = EXIT_USAGE;
+            goto done;
+        }
         generate_params gpc = {.sampling = o.sampling, .max_tokens = o.max_tokens, .stop = o.stop,
                                .n_stop = o.n_stop, .ignore_eos = o.ignore_eos};
-        exit_code = cli_generate_cuda(m, o.cuda_device, &codecs[0], o.kv.block_tokens, ctx, &o.tiers, prompt, n_prompt, &gpc,
+        exit_code = cli_generate_cuda(m, o.cuda_device, codecs, o.kv.block_tokens, ctx, &o.tiers, prompt, n_prompt, &gpc,
                                       !o.chat && !o.no_echo ? o.prompt : NULL, print_text, o.stats, o.quiet);
         goto done;
     }

@@ -8,6 +8,7 @@
 #ifdef STRATA_HAVE_CUDA
 
 #include "kernels/cuda_kv_encode.h"
+#include "kvstore/plan.h"
 #include "worker/cuda/device_mem.h"
 #include "worker/cuda/model_cuda.h"
 
@@ -34,7 +35,7 @@ static int step_on_cuda(void *ctx, const int32_t *tokens, size_t n, size_t pos, 
 /* Device pool slots under the tier options: 0 when none is asked for (the sequence gets an arena),
  * else --device-kv-mib over the slot size (default: every block of the context); EXIT_USAGE
  * after a message when that cannot hold what a step needs. */
-static int pool_slots(const cli_tier_opts *t, const kv_codec_params *codec, const kv_geometry *g, size_t ctx,
+static int pool_slots(const cli_tier_opts *t, const kv_codec_params *codecs, const kv_geometry *g, size_t ctx,
                       size_t *slots)
 {
     *slots = 0;
@@ -42,7 +43,7 @@ static int pool_slots(const cli_tier_opts *t, const kv_codec_params *codec, cons
         return 0;
     cuda_kv_pool_size z;
     strata_error err = {0};
-    if (cuda_kv_pool_sizing(codec, g, ctx, 1, t->device_mib < 0 ? 0 : (uint64_t)(t->device_mib * 1048576.0),
+    if (cuda_kv_pool_sizing(codecs, g, ctx, 1, t->device_mib < 0 ? 0 : (uint64_t)(t->device_mib * 1048576.0),
                             t->host_mib > 0, &z, &err) != STRATA_OK) {
         fprintf(stderr, "strata generate: %s\n", err.msg);
         return EXIT_USAGE;
@@ -59,7 +60,7 @@ static int pool_slots(const cli_tier_opts *t, const kv_codec_params *codec, cons
     return 0;
 }
 
-int cli_generate_cuda(model *m, int device, const kv_codec_params *codec, int block_tokens, size_t ctx,
+int cli_generate_cuda(model *m, int device, const kv_codec_params *codecs, int block_tokens, size_t ctx,
                       const cli_tier_opts *tiers, const int32_t *prompt, size_t n_prompt, const generate_params *gp,
                       const char *echo, generate_text_fn on_text, bool stats, bool quiet)
 {
@@ -73,12 +74,17 @@ int cli_generate_cuda(model *m, int device, const kv_codec_params *codec, int bl
     const model_config *cfg = model_get_config(m);
     const kv_geometry g = {.n_layers = cfg->n_layers, .n_kv_heads = cfg->n_kv_heads, .head_dim = cfg->head_dim,
                            .block_tokens = block_tokens};
-    cuda_kv_encoder enc;
-    if (cuda_seq_check_codec(codec, &err) != STRATA_OK || cuda_kv_encoder_init(codec, &g, &enc, &err) != STRATA_OK) {
+    int bad = cuda_seq_check_plan(codecs, g.n_layers, &err);
+    for (int l = 0; !bad && l < g.n_layers; l++) {
+        cuda_kv_encoder enc;
+        if ((bad = cuda_kv_encoder_init(&codecs[l], &g, &enc, &err)) != STRATA_OK)
+            strata_error_prefix(&err, "layer %d", l);
+    }
+    if (bad) {
         fprintf(stderr, "strata generate: --device cuda: %s\n", err.msg);
         return EXIT_USAGE;
     }
-    if (pool_slots(tiers, codec, &g, ctx, &slots) != 0)
+    if (pool_slots(tiers, codecs, &g, ctx, &slots) != 0)
         return EXIT_USAGE;
     if (cuda_select_device(device, &err) != STRATA_OK || !(f.cm = cuda_model_create(m, CUDA_WEIGHTS_F16, &err)))
         goto device_error;
@@ -88,18 +94,19 @@ int cli_generate_cuda(model *m, int device, const kv_codec_params *codec, int bl
             goto device_error;
         if (kt)
             lower = kv_tiers_lower(kt);
-        if (cuda_model_create_kv_pool(f.cm, codec, block_tokens, slots, kt ? &lower : NULL, &err) != STRATA_OK)
+        if (cuda_model_create_kv_pool_plan(f.cm, codecs, block_tokens, slots, kt ? &lower : NULL, &err) != STRATA_OK)
             goto device_error;
     }
-    if (cuda_seq_device_bytes(f.cm, codec, block_tokens, ctx, &kv_bytes, &err) != STRATA_OK ||
-        !(f.seq = cuda_seq_create(f.cm, codec, block_tokens, ctx, &err)))
+    if (!(f.seq = cuda_seq_create_plan(f.cm, codecs, block_tokens, ctx, &err)))
         goto device_error;
+    kv_bytes = cuda_seq_bytes(f.seq);
     if (!quiet) {
         fprintf(stderr, "strata: cuda:%d: %.0f MiB of fp16 weights, KV cache %.1f MiB for %zu tokens\n", device,
                 (double)cuda_model_weight_bytes(f.cm) / 1048576.0, (double)kv_bytes / 1048576.0, ctx);
         if (slots)
             fprintf(stderr, "strata: KV tiers: device pool %.2f MiB (%zu blocks of %zu bytes); %s\n",
-                    (double)slots * (double)kv_block_size(codec, &g) / 1048576.0, slots, kv_block_size(codec, &g),
+                    (double)slots * (double)kv_plan_largest_block(&g, codecs) / 1048576.0, slots,
+                    kv_plan_largest_block(&g, codecs),
                     kt ? kv_tiers_describe(kt) : "nothing below it");
     }
     if (echo)
@@ -143,11 +150,11 @@ done:
 
 #else
 
-int cli_generate_cuda(model *m, int device, const kv_codec_params *codec, int block_tokens, size_t ctx,
+int cli_generate_cuda(model *m, int device, const kv_codec_params *codecs, int block_tokens, size_t ctx,
                       const cli_tier_opts *tiers, const int32_t *prompt, size_t n_prompt, const generate_params *gp,
                       const char *echo, generate_text_fn on_text, bool stats, bool quiet)
 {
-    (void)m, (void)codec, (void)block_tokens, (void)ctx, (void)tiers, (void)prompt, (void)n_prompt, (void)gp, (void)echo;
+    (void)m, (void)codecs, (void)block_tokens, (void)ctx, (void)tiers, (void)prompt, (void)n_prompt, (void)gp, (void)echo;
     (void)on_text;
     (void)stats, (void)quiet;
     fprintf(stderr, "strata generate: --device cuda:%d: this build has no CUDA support (nvcc was not found when it "

@@ -21,7 +21,7 @@
  * hold one layer's blocks of the context when a tier is below it, all of them otherwise. Returns
  * the command's exit status (0; EXIT_USAGE for a configuration the GPU path cannot hold;
  * EXIT_RUNTIME for no device or a failure; each after a message). */
-int cli_generate_cuda(model *m, int device, const kv_codec_params *codec, int block_tokens, size_t ctx,
+int cli_generate_cuda(model *m, int device, const kv_codec_params *codecs, int block_tokens, size_t ctx,
                       const cli_tier_opts *tiers, const int32_t *prompt, size_t n_prompt, const generate_params *gp,
                       const char *echo, generate_text_fn on_text, bool stats, bool quiet);
 

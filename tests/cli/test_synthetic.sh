@@ -41,9 +41,8 @@ if grep -q "no CUDA support" "$tmp/probe"; then
   echo "test_synthetic: this build has no CUDA: --device cuda checked for its message only"
   expect 1 "no CUDA support" "$strata" generate --model synthetic:tiny --prompt hi --device cuda
 else
-  printf '0-1:kivi2\n2-3:kivi4\n' >"$tmp/mixed.plan"   # the GPU path holds one codec for every layer
-  expect 2 "takes one KV codec for every layer" "$strata" generate --model synthetic:tiny --prompt hi --device cuda \
-    --kv-plan "$tmp/mixed.plan"
+  printf '0-1:kivi2\n2-3:fp16\n' >"$tmp/mixed.plan"   # the GPU path needs one fp16 window for all layers
+  expect 2 "share it" "$strata" generate --model synthetic:tiny --prompt hi --device cuda --kv-plan "$tmp/mixed.plan"
   # A device pool too small for one layer's blocks of the context, with and without a tier below.
   expect 2 "at once (one layer's blocks" "$strata" generate --model synthetic:tiny --prompt hi --device cuda \
     --ctx 4096 --device-kv-mib 0.05 --host-kv-mib 8

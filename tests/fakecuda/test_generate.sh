@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `strata generate --device cuda` end to end on the fake device (tests/fakecuda/README.md): greedy
-# text equal to the CPU's, the device pool streaming from a host tier
+# text equal to the CPU's (one codec, and a KV plan), the device pool streaming from a host tier
 # (--stats shows the traffic) and giving the text of the arena, sampling on the device reproducible
 # from its seed, and an error before any work.
 # usage: test_generate.sh STRATA_FAKECUDA STRATA
@@ -19,6 +19,15 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
   || fail "CPU generate"
 [ -s "$tmp/gpu.txt" ] || fail "fake GPU generate printed nothing"
 cmp -s "$tmp/gpu.txt" "$tmp/cpu.txt" || fail "greedy text differs: GPU '$(cat "$tmp/gpu.txt")', CPU '$(cat "$tmp/cpu.txt")'"
+
+# A KV plan (a codec per layer range) on the device: the text equals the CPU's with the same plan.
+printf '0-14:kivi4\n15-29:kivi2\n' >"$tmp/plan"
+"$fake" generate --prompt "The capital of France is" --device cuda -n 8 --kv-plan "$tmp/plan" --no-echo \
+  >"$tmp/gpu_plan.txt" 2>"$tmp/gpu_plan.err" || fail "fake GPU generate with a plan: $(cat "$tmp/gpu_plan.err")"
+"$cpu" generate --prompt "The capital of France is" -n 8 --kv-plan "$tmp/plan" --no-echo >"$tmp/cpu_plan.txt" \
+  2>/dev/null || fail "CPU generate with a plan"
+cmp -s "$tmp/gpu_plan.txt" "$tmp/cpu_plan.txt" ||
+  fail "greedy text with a plan differs: GPU '$(cat "$tmp/gpu_plan.txt")', CPU '$(cat "$tmp/cpu_plan.txt")'"
 
 # The shared pool over a host tier: a device budget far below the context, --stats reports the
 # blocks that moved; the text is the one without tiers (the same kernels on the same bytes).

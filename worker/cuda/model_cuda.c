@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "kernels/cuda_ops.h"
+#include "kvstore/plan.h"
 #include "worker/cuda/model_cuda_impl.h"
 
 #define KERNEL(call, what) CU((cudaError_t)(call), (what))
@@ -327,14 +328,78 @@ int cuda_seq_check_codec(const kv_codec_params *codec, strata_error *err)
     return STRATA_OK;
 }
 
+int cuda_seq_check_plan(const kv_codec_params *codecs, int n_layers, strata_error *err)
+{
+    if (!codecs || n_layers < 1)
+        return strata_fail(err, STRATA_EINVAL, "no KV plan");
+    for (int l = 0; l < n_layers; l++) {
+        int rc = cuda_seq_check_codec(&codecs[l], err);
+        if (rc != STRATA_OK)
+            return rc;
+    }
+    /* one window for all layers: blocks then form in every layer at the same step, which the
+     * batched decode staging relies on */
+    return kv_plan_check_one_window(codecs, n_layers, err);
+}
+
 cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t max_tokens,
                           strata_error *err)
 {
-    if (!cm || !codec || block_tokens < 1 || max_tokens < 1) {
+    if (!cm || !codec) {
         strata_fail(err, STRATA_EINVAL, "cuda_seq_create: bad arguments");
         return NULL;
     }
-    if (cuda_seq_check_codec(codec, err) != STRATA_OK)
+    kv_codec_params *plan = malloc((size_t)cm->n_local * sizeof *plan);
+    if (!plan) {
+        strata_fail(err, STRATA_ENOMEM, "out of memory");
+        return NULL;
+    }
+    for (int l = 0; l < cm->n_local; l++)
+        plan[l] = *codec;
+    cuda_seq *s = cuda_seq_create_plan(cm, plan, block_tokens, max_tokens, err);
+    free(plan);
+    return s;
+}
+
+/* Per layer: the codec, its encoders and slot size; the sequence's largest slot, scratch and OTT
+ * stride. */
+static int init_layers(cuda_seq *s, const kv_codec_params *codecs, const kv_geometry *g, strata_error *err)
+{
+    const size_t L = (size_t)s->n_layers;
+    s->codecs = malloc(L * sizeof *s->codecs);
+    s->enc = calloc(L, sizeof *s->enc);
+    s->enc_prompt = calloc(L, sizeof *s->enc_prompt);
+    s->layer_slot = calloc(L, sizeof *s->layer_slot);
+    if (!s->codecs || !s->enc || !s->enc_prompt || !s->layer_slot)
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    for (size_t l = 0; l < L; l++) {
+        const kv_codec_params *p = &codecs[l];
+        s->codecs[l] = *p;
+        int rc = cuda_kv_encoder_init(p, g, &s->enc[l], err);
+        if (rc == STRATA_OK && p->codec == KV_CODEC_GEAR)
+            rc = cuda_kv_encoder_init_rank(p, g, p->rank_prompt, &s->enc_prompt[l], err);
+        if (rc != STRATA_OK)
+            return strata_error_prefix(err, "layer %zu", l);
+        /* Slots hold the largest block: GEAR's prompt-rank blocks are larger than its decode-rank ones. */
+        s->layer_slot[l] = kv_block_size(p, g);
+        s->slot = s->layer_slot[l] > s->slot ? s->layer_slot[l] : s->slot;
+        const size_t work = (size_t)(s->enc[l].work_bytes > s->enc_prompt[l].work_bytes ? s->enc[l].work_bytes
+                                                                                          : s->enc_prompt[l].work_bytes);
+        s->work_bytes = work > s->work_bytes ? work : s->work_bytes;
+        if (s->enc[l].ott && s->enc[l].ott_state_bytes > s->ott_stride)
+            s->ott_stride = (size_t)s->enc[l].ott_state_bytes;
+    }
+    return STRATA_OK;
+}
+
+cuda_seq *cuda_seq_create_plan(cuda_model *cm, const kv_codec_params *codecs, int block_tokens, size_t max_tokens,
+                               strata_error *err)
+{
+    if (!cm || !codecs || block_tokens < 1 || max_tokens < 1) {
+        strata_fail(err, STRATA_EINVAL, "cuda_seq_create: bad arguments");
+        return NULL;
+    }
+    if (cuda_seq_check_plan(codecs, cm->n_local, err) != STRATA_OK)
         return NULL;
     const model_config *c = &cm->cfg;
     const kv_geometry g = {.n_layers = cm->n_local, .n_kv_heads = c->n_kv_heads, .head_dim = c->head_dim,
@@ -345,19 +410,13 @@ cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int bloc
         return NULL;
     }
     s->cm = cm;
-    s->codec = *codec;
     s->n_layers = cm->n_local;
     s->block_tokens = block_tokens;
-    s->residual = codec->residual;
+    s->residual = codecs[0].residual;
     s->max_tokens = max_tokens;
     s->max_blocks = (max_tokens + (size_t)block_tokens - 1) / (size_t)block_tokens;
     s->row = (size_t)c->n_kv_heads * (size_t)c->head_dim;
-    int rc = cuda_kv_encoder_init(codec, &g, &s->enc, err);
-    if (rc == STRATA_OK && codec->codec == KV_CODEC_GEAR)
-        rc = cuda_kv_encoder_init_rank(codec, &g, codec->rank_prompt, &s->enc_prompt, err);
-    /* Slots hold the largest block: GEAR's prompt-rank blocks are larger than its decode-rank ones. */
-    s->slot = kv_block_size(codec, &g);
-    s->work_bytes = (size_t)(s->enc.work_bytes > s->enc_prompt.work_bytes ? s->enc.work_bytes : s->enc_prompt.work_bytes);
+    int rc = init_layers(s, codecs, &g, err);
     const size_t L = (size_t)s->n_layers, tail_rows = (size_t)(s->residual + block_tokens);
     cudaError_t e = cudaSuccess;
     if (rc == STRATA_OK) {
@@ -368,8 +427,8 @@ cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int bloc
     }
     if (rc == STRATA_OK && cm->pool) {
         if (s->slot > cm->pool_slot)
-            rc = strata_fail(err, STRATA_EINVAL, "the shared KV pool's slots hold %zu bytes; this codec's blocks "
-                             "need %zu", cm->pool_slot, s->slot);
+            rc = strata_fail(err, STRATA_EINVAL, "the shared KV pool's slots hold %zu bytes; this plan's largest "
+                             "blocks need %zu", cm->pool_slot, s->slot);
         else if (!(s->handles = calloc(L * s->max_blocks, sizeof *s->handles)) ||
                  !(s->h_tables = calloc(L * s->max_blocks, sizeof *s->h_tables)) || !(s->row_dirty = calloc(L, 1)))
             rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
@@ -381,9 +440,9 @@ cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int bloc
         (e = cudaMalloc((void **)&s->tmp, ((size_t)s->residual + 1) * s->row * 2)) == cudaSuccess &&
         (e = cudaMalloc((void **)&s->d_tables, L * s->max_blocks * sizeof(void *))) == cudaSuccess &&
         (e = cudaMalloc((void **)&s->d_job, sizeof(cuda_kv_encode_job))) == cudaSuccess &&
-        (!s->work_bytes || (e = cudaMalloc((void **)&s->d_work, s->work_bytes)) == cudaSuccess) && s->enc.ott &&
-        (e = cudaMalloc((void **)&s->d_ott, L * s->enc.ott_state_bytes)) == cudaSuccess)
-        e = cudaMemset(s->d_ott, 0, L * s->enc.ott_state_bytes);   /* empty pools, as the CPU tracker starts */
+        (!s->work_bytes || (e = cudaMalloc((void **)&s->d_work, s->work_bytes)) == cudaSuccess) && s->ott_stride &&
+        (e = cudaMalloc((void **)&s->d_ott, L * s->ott_stride)) == cudaSuccess)
+        e = cudaMemset(s->d_ott, 0, L * s->ott_stride);   /* empty pools, as the CPU tracker starts */
     if (rc == STRATA_OK && e != cudaSuccess)
         rc = strata_fail(err, STRATA_EIO, "CUDA: KV cache for %zu tokens: %s", max_tokens, cudaGetErrorString(e));
     /* Own arena: block b of layer l always lives in slot l * max_blocks + b: the tables never
@@ -421,6 +480,10 @@ void cuda_seq_free(cuda_seq *s)
     free(s->row_dirty);
     free(s->tail_len);
     free(s->n_blocks);
+    free(s->codecs);
+    free(s->enc);
+    free(s->enc_prompt);
+    free(s->layer_slot);
     free(s);
 }
 
@@ -431,18 +494,20 @@ uint16_t *cuda_seq_tail_at(const cuda_seq *s, uint16_t *base, int layer, size_t 
     return base + ((size_t)layer * (size_t)(s->residual + s->block_tokens) + token) * s->row;
 }
 
-/* The encoder of block b: GEAR blocks made only of prompt tokens take the prompt rank (the CPU
- * pool's rule in kv_seq_append). */
-static const cuda_kv_encoder *block_encoder(const cuda_seq *s, size_t b)
+/* Block b holds only prompt tokens (they came in multi-token appends). */
+static bool prompt_block(const cuda_seq *s, size_t b) { return (b + 1) * (size_t)s->block_tokens <= s->prompt_end; }
+
+/* The encoder of block b of a layer: GEAR blocks made only of prompt tokens take the prompt rank
+ * (the CPU pool's rule), every other block the layer's own. */
+static const cuda_kv_encoder *block_encoder(const cuda_seq *s, int layer, size_t b)
 {
-    const size_t bt = (size_t)s->block_tokens;
-    return s->codec.codec == KV_CODEC_GEAR && (b + 1) * bt <= s->prompt_end ? &s->enc_prompt : &s->enc;
+    return s->codecs[layer].codec == KV_CODEC_GEAR && prompt_block(s, b) ? &s->enc_prompt[layer] : &s->enc[layer];
 }
 
-/* A layer's OTT tracker on the device, or NULL. */
+/* A layer's OTT tracker on the device, or NULL when the layer's codec has none. */
 static void *ott_state(const cuda_seq *s, int layer)
 {
-    return s->d_ott ? s->d_ott + (size_t)layer * s->enc.ott_state_bytes : NULL;
+    return s->enc[layer].ott ? s->d_ott + (size_t)layer * s->ott_stride : NULL;
 }
 
 /* Where block b of a layer is written: its slot in the sequence's arena, or a new block of the
@@ -512,7 +577,7 @@ static int append_layer(cuda_seq *s, int layer, const uint16_t *k16, const uint1
             .ott_state = ott_state(s, layer),
         };
         CU(cudaMemcpy(s->d_job, &job, sizeof job, cudaMemcpyHostToDevice), "encoder job");
-        rc = cuda_kv_encode_blocks(block_encoder(s, b), s->d_job, 1, NULL, err);
+        rc = cuda_kv_encode_blocks(block_encoder(s, layer, b), s->d_job, 1, NULL, err);
         if (rc != STRATA_OK)
             return rc;
         s->n_blocks[layer]++;
@@ -565,9 +630,10 @@ static int check_items(cuda_model *cm, const cuda_batch_item *items, size_t n_it
         if (s->len > 0) {
             if (!first_dec)
                 first_dec = s;
-            else if (memcmp(&first_dec->enc, &s->enc, sizeof s->enc) != 0)
+            else if (first_dec->block_tokens != s->block_tokens ||
+                     memcmp(first_dec->enc, s->enc, (size_t)s->n_layers * sizeof *s->enc) != 0)
                 return strata_fail(err, STRATA_EINVAL,
-                                   "batch item %zu: decoding sequences of one step must share codec and block size", i);
+                                   "batch item %zu: decoding sequences of one step must share KV plan and block size", i);
         }
     }
     return STRATA_OK;
@@ -586,7 +652,7 @@ static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_
         const cuda_seq *s = items[sp->order[j]].seq;
         if (s->tail_len[0] + 1 == s->residual + s->block_tokens) {
             n_full++;
-            n_prompt += block_encoder(s, (size_t)s->n_blocks[0]) == &s->enc_prompt;
+            n_prompt += prompt_block(s, (size_t)s->n_blocks[0]);
         }
     }
     const size_t work = nd ? items[sp->order[0]].seq->work_bytes : 0;
@@ -610,7 +676,7 @@ static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_
             *max_blocks = blocks_after;
         size_t slot_in_layer = 0;
         if (full)
-            slot_in_layer = block_encoder(s, (size_t)s->n_blocks[0]) == &s->enc_prompt ? at_prompt++ : at_decode++;
+            slot_in_layer = prompt_block(s, (size_t)s->n_blocks[0]) ? at_prompt++ : at_decode++;
         for (size_t l = 0; l < L; l++) {
             const int il = (int)l;
             cm->h_append[l * nd + j] = (cuda_kv_append_job){
@@ -750,20 +816,21 @@ static int decode_layer(cuda_model *cm, const cuda_batch_item *items, const step
     }
     KERNEL(cuda_kv_append_rows(cm->d_append + l * nd, (int)nd, cm->k16, cm->v16, s0->row, NULL), "appending K/V");
     if (sp->n_full) {
-        /* GEAR's prompt-rank blocks first (their own encoder), then the rest. */
-        const size_t np = sp->n_full_prompt;
-        int rc = np ? cuda_kv_encode_blocks(&s0->enc_prompt, cm->d_encode + l * nd, (int)np, NULL, err) : STRATA_OK;
+        /* The jobs of blocks made only of prompt tokens come first: on a GEAR layer they take the
+         * prompt-rank encoder, on any other layer the layer's one encoder takes them all. */
+        const size_t np = s0->codecs[l].codec == KV_CODEC_GEAR ? sp->n_full_prompt : 0;
+        int rc = np ? cuda_kv_encode_blocks(&s0->enc_prompt[l], cm->d_encode + l * nd, (int)np, NULL, err) : STRATA_OK;
         if (rc == STRATA_OK && sp->n_full > np)
-            rc = cuda_kv_encode_blocks(&s0->enc, cm->d_encode + l * nd + np, (int)(sp->n_full - np), NULL, err);
+            rc = cuda_kv_encode_blocks(&s0->enc[l], cm->d_encode + l * nd + np, (int)(sp->n_full - np), NULL, err);
         if (rc != STRATA_OK)
             return rc;
         KERNEL(cuda_kv_shift_tails(cm->d_shift + l * nd, (int)sp->n_full, s0->block_tokens, s0->residual, s0->row,
                                    NULL),
                "moving tails");
     }
-    cuda_kv_layout layout = s0->enc.layout;
+    cuda_kv_layout layout = s0->enc[l].layout;
     layout.layer = (uint32_t)il;
-    layout.block_bytes = (uint32_t)s0->slot;   /* GEAR: prompt-rank blocks are the larger ones */
+    layout.block_bytes = (uint32_t)s0->layer_slot[l];   /* GEAR: prompt-rank blocks are the larger ones */
     return cuda_kv_attention(&layout, plan, cm->d_views + l * nd, cm->q, cm->attn, cm->d_ws, cm->d_status, NULL, err);
 }
 
@@ -791,9 +858,9 @@ static int chunk_layer(cuda_model *cm, cuda_seq *s, int il, const float *q, cons
         if ((rc = upload_row(s, il, nb, err)) != STRATA_OK)
             return rc;
     }
-    cuda_kv_layout layout = s->enc.layout;
+    cuda_kv_layout layout = s->enc[il].layout;
     layout.layer = (uint32_t)il;
-    layout.block_bytes = (uint32_t)s->slot;
+    layout.block_bytes = (uint32_t)s->layer_slot[il];
     const cuda_kv_seq view = {
         .blocks = s->d_tables + l * s->max_blocks,
         .tail_k = cuda_seq_tail_at(s, s->tail_k, il, 0),
@@ -989,9 +1056,9 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
         rc = stage_decode_jobs(cm, items, &sp, &max_blocks, err);
     if (rc == STRATA_OK && sp.n_dec) {
         const cuda_seq *s0 = items[sp.order[0]].seq;
-        rc = cuda_kv_attention_plan(&s0->enc.layout, (int)sp.n_dec, c->n_heads, max_blocks, cm->sm_count, &plan, err);
+        rc = cuda_kv_attention_plan(&s0->enc[0].layout, (int)sp.n_dec, c->n_heads, max_blocks, cm->sm_count, &plan, err);
         if (rc == STRATA_OK)
-            rc = ensure_attention_workspace(cm, cuda_kv_attention_workspace(&s0->enc.layout, &plan), err);
+            rc = ensure_attention_workspace(cm, cuda_kv_attention_workspace(&s0->enc[0].layout, &plan), err);
     }
     for (size_t p = sp.n_dec; rc == STRATA_OK && p < n_items; p++) {   /* as kv_seq_append records it */
         const cuda_batch_item *it = &items[sp.order[p]];
@@ -1106,23 +1173,23 @@ static size_t seq_bytes(const cuda_model *cm, size_t slot, int block_tokens, int
            L * max_blocks * sizeof(void *) + sizeof(cuda_kv_encode_job);
 }
 
-int cuda_model_create_kv_pool(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t n_blocks,
-                              const kv_lower_tier *lower, strata_error *err)
+int cuda_model_create_kv_pool_plan(cuda_model *cm, const kv_codec_params *codecs, int block_tokens, size_t n_blocks,
+                                   const kv_lower_tier *lower, strata_error *err)
 {
-    if (!cm || !codec || block_tokens < 1 || n_blocks < 1)
+    if (!cm || !codecs || block_tokens < 1 || n_blocks < 1)
         return strata_fail(err, STRATA_EINVAL, "cuda_model_create_kv_pool: bad arguments");
     if (cm->pool)
         return strata_fail(err, STRATA_EINVAL, "cuda_model_create_kv_pool: the model already has a pool");
     if (cm->next_owner || cm->step)
         return strata_fail(err, STRATA_EINVAL, "cuda_model_create_kv_pool: create the pool before any sequence");
-    int rc = cuda_seq_check_codec(codec, err);
+    int rc = cuda_seq_check_plan(codecs, cm->n_local, err);
     if (rc != STRATA_OK)
         return rc;
     const kv_geometry g = {.n_layers = cm->n_local, .n_kv_heads = cm->cfg.n_kv_heads,
                            .head_dim = cm->cfg.head_dim, .block_tokens = block_tokens};
-    const size_t slot = kv_block_size(codec, &g);
+    const size_t slot = kv_plan_largest_block(&g, codecs);   /* any layer's block fits any slot */
     if (slot == 0)
-        return strata_fail(err, STRATA_EINVAL, "cuda_model_create_kv_pool: no block size for this codec and geometry");
+        return strata_fail(err, STRATA_EINVAL, "cuda_model_create_kv_pool: no block size for this plan and geometry");
     int device = 0;
     CU(cudaGetDevice(&device), "current device");
     device_pool_mem ops;
@@ -1137,12 +1204,27 @@ int cuda_model_create_kv_pool(cuda_model *cm, const kv_codec_params *codec, int 
     return STRATA_OK;
 }
 
-int cuda_kv_pool_sizing(const kv_codec_params *codec, const kv_geometry *g, size_t max_tokens, size_t n_seqs,
+int cuda_model_create_kv_pool(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t n_blocks,
+                              const kv_lower_tier *lower, strata_error *err)
+{
+    if (!cm || !codec)
+        return strata_fail(err, STRATA_EINVAL, "cuda_model_create_kv_pool: bad arguments");
+    kv_codec_params *plan = malloc((size_t)cm->n_local * sizeof *plan);
+    if (!plan)
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    for (int l = 0; l < cm->n_local; l++)
+        plan[l] = *codec;
+    const int rc = cuda_model_create_kv_pool_plan(cm, plan, block_tokens, n_blocks, lower, err);
+    free(plan);
+    return rc;
+}
+
+int cuda_kv_pool_sizing(const kv_codec_params *codecs, const kv_geometry *g, size_t max_tokens, size_t n_seqs,
                         uint64_t budget_bytes, bool tier_below, cuda_kv_pool_size *out, strata_error *err)
 {
-    const size_t slot = codec && g && g->block_tokens > 0 ? kv_block_size(codec, g) : 0;
+    const size_t slot = codecs && g && g->block_tokens > 0 ? kv_plan_largest_block(g, codecs) : 0;
     if (slot == 0)
-        return strata_fail(err, STRATA_EINVAL, "KV pool: no block size for this codec and geometry");
+        return strata_fail(err, STRATA_EINVAL, "KV pool: no block size for this plan and geometry");
     const size_t per_layer = (max_tokens + (size_t)g->block_tokens - 1) / (size_t)g->block_tokens;
     const size_t all = per_layer * (size_t)g->n_layers;
     *out = (cuda_kv_pool_size){.slot_bytes = slot,
@@ -1161,6 +1243,14 @@ void cuda_seq_set_waiting(cuda_seq *s, bool waiting)
 {
     if (s && s->cm->pool)
         device_pool_set_waiting(s->cm->pool, s->owner, waiting);
+}
+
+size_t cuda_seq_bytes(const cuda_seq *s)
+{
+    if (!s)
+        return 0;
+    return seq_bytes(s->cm, s->slot, s->block_tokens, s->residual, s->max_tokens) + s->work_bytes +
+           (size_t)s->n_layers * s->ott_stride;
 }
 
 int cuda_seq_device_bytes(const cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t max_tokens,

@@ -55,33 +55,43 @@ size_t cuda_model_weight_bytes(const cuda_model *cm);
  * (plus the blocks forming), not the whole cache. With a lower tier (kv_tiers: pinned host memory
  * via cuda_pinned_host_allocator, then NVMe) blocks move down when the pool is full; without one,
  * a full pool fails the step with STRATA_EFULL, as does a layer asking for more blocks than the
- * pool holds. Call before creating any sequence. */
+ * pool holds. Call before creating any sequence. The _plan form takes a KV plan (one codec per
+ * layer the model holds); its slots fit the plan's largest block. */
 int cuda_model_create_kv_pool(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t n_blocks,
                               const kv_lower_tier *lower, strata_error *err);
-/* Sizing a shared pool, on the host (no device needed): slots of slot_bytes (codec blocks of
- * geometry g) that budget_bytes holds (0: room for n_seqs sequences of max_tokens), and the fewest a
- * step of one sequence of max_tokens needs: one layer's blocks and the one forming with a tier
- * below, every block of every layer without. STRATA_EINVAL when the codec has no blocks for g. */
+int cuda_model_create_kv_pool_plan(cuda_model *cm, const kv_codec_params *codecs, int block_tokens, size_t n_blocks,
+                                   const kv_lower_tier *lower, strata_error *err);
+/* Sizing a shared pool, on the host (no device needed): slots of slot_bytes (the largest block of
+ * the plan codecs[0 .. g->n_layers) for geometry g) that budget_bytes holds (0: room for n_seqs
+ * sequences of max_tokens), and the fewest a step of one sequence of max_tokens needs: one layer's
+ * blocks and the one forming with a tier below, every block of every layer without. STRATA_EINVAL
+ * when the plan has no blocks for g. */
 typedef struct cuda_kv_pool_size {
     size_t slot_bytes, slots, need;
     size_t seq_blocks;   /* every block of one sequence of max_tokens, all layers */
 } cuda_kv_pool_size;
-int cuda_kv_pool_sizing(const kv_codec_params *codec, const kv_geometry *g, size_t max_tokens, size_t n_seqs,
+int cuda_kv_pool_sizing(const kv_codec_params *codecs, const kv_geometry *g, size_t max_tokens, size_t n_seqs,
                         uint64_t budget_bytes, bool tier_below, cuda_kv_pool_size *out, strata_error *err);
 
 /* The shared pool's statistics (zeros without one). */
 void cuda_model_kv_pool_stats(const cuda_model *cm, device_pool_stats *out);
 
-/* STRATA_OK when the forward pass can keep a cache of this codec: fp16, KIVI, TaDA, GEAR (blocks
- * made only of prompt tokens at the prompt rank, as the CPU pool does). OTT: STRATA_EUNSUPPORTED
- * with the reason (no device encoder: its pooled-token choice is host-side tracker state). Needs
- * no device. */
+/* STRATA_OK when the forward pass can keep a cache of this codec: every codec of this version
+ * (fp16, KIVI, TaDA, GEAR with its prompt-rank blocks, OTT with its tracker on the device). Needs
+ * no device. cuda_seq_check_plan: every layer's codec, and one fp16 window (residual R) for all
+ * layers, which the batched decode relies on (blocks form in every layer at the same step);
+ * STRATA_EUNSUPPORTED naming the layer otherwise. */
 int cuda_seq_check_codec(const kv_codec_params *codec, strata_error *err);
+int cuda_seq_check_plan(const kv_codec_params *codecs, int n_layers, strata_error *err);
 
-/* A sequence's KV cache on the device for up to max_tokens positions: codec fp16, KIVI, TaDA or
- * GEAR (OTT: STRATA_EUNSUPPORTED), block_tokens per block. */
+/* A sequence's KV cache on the device for up to max_tokens positions, block_tokens per block:
+ * every layer in one codec, or (_plan) layer l of the model's layers in codecs[l]. */
 cuda_seq *cuda_seq_create(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t max_tokens,
                           strata_error *err);
+cuda_seq *cuda_seq_create_plan(cuda_model *cm, const kv_codec_params *codecs, int block_tokens, size_t max_tokens,
+                               strata_error *err);
+/* Device bytes this sequence took (its arena, tails, tables and scratch). */
+size_t cuda_seq_bytes(const cuda_seq *s);
 void cuda_seq_free(cuda_seq *s);
 size_t cuda_seq_length(const cuda_seq *s);
 /* Shared pool: marks a preempted sequence's blocks to leave the device first (or no longer). */
@@ -91,11 +101,12 @@ void cuda_seq_set_waiting(cuda_seq *s, bool waiting);
  * the same bytes kv_seq_export writes for a CPU sequence, so images move between GPU and CPU
  * stages: its blocks as their exact bytes (with the shared pool, a block below the device is
  * brought back for the copy), its fp16 tails, its prompt length and OTT's tracker state. *img is
- * malloc'd. Call between steps. cuda_seq_import makes a new sequence of the given codec and
- * size from an image, checking it as kv_seq_import does (STRATA_EINVAL for an image that does
- * not fit, STRATA_EFORMAT / STRATA_ECRC for a malformed or damaged one). */
+ * malloc'd. Call between steps. cuda_seq_import makes a new sequence of the given plan (one
+ * codec per layer the model holds) and size from an image, checking it as kv_seq_import does
+ * (STRATA_EINVAL for an image that does not fit, STRATA_EFORMAT / STRATA_ECRC for a malformed or
+ * damaged one). */
 int cuda_seq_export(cuda_seq *s, uint8_t **img, size_t *len, strata_error *err);
-cuda_seq *cuda_seq_import(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t max_tokens,
+cuda_seq *cuda_seq_import(cuda_model *cm, const kv_codec_params *codecs, int block_tokens, size_t max_tokens,
                           const uint8_t *img, size_t len, strata_error *err);
 
 /* Runs n tokens at the sequence's next positions, like model_forward: a prompt on an empty

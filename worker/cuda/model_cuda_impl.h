@@ -69,12 +69,16 @@ struct cuda_model {
     size_t cap_acquire;
 };
 
+/* A sequence's KV on the device. Its layers may use different codecs (a plan), sharing the block
+ * size and the fp16 window R, so blocks form in every layer at the same step. */
 struct cuda_seq {
     cuda_model *cm;
-    kv_codec_params codec;
-    cuda_kv_encoder enc;
+    kv_codec_params *codecs;         /* [n_layers] */
+    cuda_kv_encoder *enc;            /* [n_layers] */
+    cuda_kv_encoder *enc_prompt;     /* [n_layers] GEAR layers: blocks made only of prompt tokens take rank_prompt */
+    size_t *layer_slot;              /* [n_layers] the largest block of the layer's codec (kv_block_size) */
     int n_layers, block_tokens, residual;
-    size_t max_tokens, len, max_blocks, slot, row;  /* row: elements of one token's K (H * D) */
+    size_t max_tokens, len, max_blocks, slot, row;  /* slot: the largest over layers; row: H * D elements */
     uint8_t *arena;                  /* device: n_layers * max_blocks slots; NULL with the shared pool */
     uint64_t owner;                  /* the shared pool's name for this sequence */
     device_block *handles;           /* shared pool: block b of layer l is handles[l * max_blocks + b] */
@@ -84,11 +88,11 @@ struct cuda_seq {
     int *tail_len, *n_blocks;        /* host, per layer (equal across layers between steps) */
     const uint8_t **d_tables;        /* device: n_layers * max_blocks block pointers */
     cuda_kv_encode_job *d_job;       /* prefill's block formation, one at a time */
-    cuda_kv_encoder enc_prompt;      /* GEAR: blocks made only of prompt tokens take rank_prompt */
     size_t prompt_end;               /* where the last multi-token append (prompt or chunk) ended, as on the CPU */
-    size_t work_bytes;               /* GEAR: the larger encoder scratch */
+    size_t work_bytes;               /* GEAR, OTT: the largest encoder scratch of any layer */
     uint8_t *d_work;                 /* GEAR, OTT: prefill's scratch */
-    uint8_t *d_ott;                  /* OTT: n_layers trackers of enc.ott_state_bytes, device */
+    uint8_t *d_ott;                  /* OTT layers' trackers, ott_stride bytes each, device */
+    size_t ott_stride;               /* the largest enc[l].ott_state_bytes; 0 without an OTT layer */
     uint64_t seen_in_step;           /* cm->step of the last step that named this sequence */
 };
 

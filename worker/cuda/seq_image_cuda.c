@@ -31,13 +31,14 @@ static int grow(void **p, size_t *cap, size_t bytes, strata_error *err)
     return STRATA_OK;
 }
 
-static size_t ott_image_bytes(const cuda_seq *s)
+/* Layer l's OTT state in the image: the CPU tracker's byte layout, 0 bytes for a layer without. */
+static size_t ott_image_bytes(const cuda_seq *s, int l)
 {
-    return s->enc.ott ? kv_ott_state_bytes((size_t)s->enc.layout.n_kv_heads, (size_t)s->enc.ott_pool) : 0;
+    return s->enc[l].ott ? kv_ott_state_bytes((size_t)s->enc[l].layout.n_kv_heads, (size_t)s->enc[l].ott_pool) : 0;
 }
 
 /* The device's tracker state of a layer: the heads' counters, then each head's pool. */
-static uint8_t *ott_device(const cuda_seq *s, int l) { return s->d_ott + (size_t)l * s->enc.ott_state_bytes; }
+static uint8_t *ott_device(const cuda_seq *s, int l) { return s->d_ott + (size_t)l * s->ott_stride; }
 
 /* ---- export ---- */
 
@@ -46,7 +47,7 @@ static int ex_layer(void *ctx, int l, kv_image_layer *out, strata_error *err)
     (void)err;
     const cuda_seq *s = ((image_ctx *)ctx)->s;
     *out = (kv_image_layer){.n_blocks = (size_t)s->n_blocks[l], .tail_len = (size_t)s->tail_len[l],
-                            .prompt_end = s->prompt_end, .ott_bytes = ott_image_bytes(s)};
+                            .prompt_end = s->prompt_end, .ott_bytes = ott_image_bytes(s, l)};
     return STRATA_OK;
 }
 
@@ -54,11 +55,11 @@ static int ex_ott(void *ctx, int l, uint8_t *dst, strata_error *err)
 {
     image_ctx *c = ctx;
     const cuda_seq *s = c->s;
-    const size_t H = (size_t)s->enc.layout.n_kv_heads, N = (size_t)s->enc.ott_pool;
-    int rc = grow((void **)&c->stage, &c->stage_bytes, s->enc.ott_state_bytes, err);
+    const size_t H = (size_t)s->enc[l].layout.n_kv_heads, N = (size_t)s->enc[l].ott_pool;
+    int rc = grow((void **)&c->stage, &c->stage_bytes, s->enc[l].ott_state_bytes, err);
     if (rc != STRATA_OK)
         return rc;
-    CU(cudaMemcpy(c->stage, ott_device(s, l), s->enc.ott_state_bytes, cudaMemcpyDeviceToHost), "OTT state");
+    CU(cudaMemcpy(c->stage, ott_device(s, l), s->enc[l].ott_state_bytes, cudaMemcpyDeviceToHost), "OTT state");
     const kv_ott_head *heads = (const kv_ott_head *)(const void *)c->stage;
     kv_ott_state_save(heads, (const kv_ott_member *)(const void *)(heads + H), H, N, N, dst);
     return STRATA_OK;
@@ -151,19 +152,20 @@ static int im_layer(void *ctx, int l, const kv_image_layer *info, const uint8_t 
         return strata_fail(err, STRATA_EINVAL, "kv import: layer %d holds %zu blocks and %zu tail tokens; this GPU "
                            "sequence takes at most %zu tokens, with a tail under %d", l, info->n_blocks,
                            info->tail_len, c->max_tokens, s->residual + s->block_tokens);
-    if (info->ott_bytes != ott_image_bytes(s))
+    if (info->ott_bytes != ott_image_bytes(s, l))
         return strata_fail(err, STRATA_EINVAL, "kv import: layer %d's OTT state (%zu bytes) does not fit this "
-                           "sequence's codec (%zu)", l, info->ott_bytes, ott_image_bytes(s));
-    if (s->enc.ott) {
-        const size_t H = (size_t)s->enc.layout.n_kv_heads, N = (size_t)s->enc.ott_pool;
-        int rc = grow((void **)&c->stage, &c->stage_bytes, s->enc.ott_state_bytes, err);
+                           "sequence's codec there (%zu)", l, info->ott_bytes, ott_image_bytes(s, l));
+    if (s->enc[l].ott) {
+        const size_t H = (size_t)s->enc[l].layout.n_kv_heads, N = (size_t)s->enc[l].ott_pool;
+        const size_t bytes = (size_t)s->enc[l].ott_state_bytes;
+        int rc = grow((void **)&c->stage, &c->stage_bytes, bytes, err);
         if (rc != STRATA_OK)
             return rc;
         kv_ott_head *heads = (kv_ott_head *)(void *)c->stage;
-        memset(c->stage, 0, s->enc.ott_state_bytes);
+        memset(c->stage, 0, bytes);
         if (!kv_ott_state_load(heads, (kv_ott_member *)(void *)(heads + H), H, N, N, ott, info->ott_bytes))
             return strata_fail(err, STRATA_EINVAL, "kv import: layer %d's OTT state does not parse", l);
-        CU(cudaMemcpy(ott_device(s, l), c->stage, s->enc.ott_state_bytes, cudaMemcpyHostToDevice), "OTT state");
+        CU(cudaMemcpy(ott_device(s, l), c->stage, bytes, cudaMemcpyHostToDevice), "OTT state");
     }
     c->prompt_end = info->prompt_end;
     return STRATA_OK;
@@ -172,10 +174,11 @@ static int im_layer(void *ctx, int l, const kv_image_layer *info, const uint8_t 
 static int im_block(void *ctx, int l, size_t b, const kv_block *blk, strata_error *err)
 {
     cuda_seq *s = ((image_ctx *)ctx)->s;
-    if ((int)blk->desc.codec != (int)s->codec.codec || blk->block_bytes > s->slot)
+    if ((int)blk->desc.codec != (int)s->codecs[l].codec || blk->block_bytes > s->layer_slot[l])
         return strata_fail(err, STRATA_EINVAL, "kv import: layer %d block %zu (codec %s, %u bytes) is not what this "
-                           "GPU sequence stores (%s, at most %zu bytes)", l, b, kv_codec_id_name(blk->desc.codec),
-                           (unsigned)blk->block_bytes, kv_codec_id_name((unsigned)s->codec.codec), s->slot);
+                           "GPU sequence stores there (%s, at most %zu bytes)", l, b, kv_codec_id_name(blk->desc.codec),
+                           (unsigned)blk->block_bytes, kv_codec_id_name((unsigned)s->codecs[l].codec),
+                           s->layer_slot[l]);
     uint8_t *dst = NULL;
     int rc = cuda_seq_new_block(s, l, b, &dst, err);
     if (rc != STRATA_OK)
@@ -213,14 +216,14 @@ static int im_tail(void *ctx, int l, const uint8_t *k, const uint8_t *v, size_t 
     return STRATA_OK;
 }
 
-cuda_seq *cuda_seq_import(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t max_tokens,
+cuda_seq *cuda_seq_import(cuda_model *cm, const kv_codec_params *codecs, int block_tokens, size_t max_tokens,
                           const uint8_t *img, size_t len, strata_error *err)
 {
-    if (!cm || !codec || !img) {
+    if (!cm || !codecs || !img) {
         strata_fail(err, STRATA_EINVAL, "cuda_seq_import: NULL argument");
         return NULL;
     }
-    cuda_seq *s = cuda_seq_create(cm, codec, block_tokens, max_tokens, err);
+    cuda_seq *s = cuda_seq_create_plan(cm, codecs, block_tokens, max_tokens, err);
     if (!s)
         return NULL;
     const kv_geometry g = {.n_layers = s->n_layers, .n_kv_heads = cm->cfg.n_kv_heads, .head_dim = cm->cfg.head_dim,

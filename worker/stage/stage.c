@@ -126,15 +126,12 @@ stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const s
             strata_error_prefix(err, "layer %u", a->layer_begin + (unsigned)l);
     const size_t per_seq_blocks = (a->max_seq_tokens + a->block_tokens - 1) / a->block_tokens;
     if (rc == STRATA_OK && o && o->cuda) {
-        for (int l = 1; rc == STRATA_OK && l < geo.n_layers; l++)
-            if (memcmp(&codecs[l], &codecs[0], sizeof codecs[0]) != 0)
-                rc = strata_fail(err, STRATA_EUNSUPPORTED, "stage: a GPU stage takes one KV codec for its layers "
-                                 "(the plan '%s' changes within [%u, %u))", a->kv_plan && *a->kv_plan ? a->kv_plan : "kivi4",
-                                 a->layer_begin, a->layer_end);
+        if ((rc = kv_plan_check_one_window(codecs, geo.n_layers, err)) != STRATA_OK)   /* before any device */
+            strata_error_prefix(err, "stage: the plan '%s'", a->kv_plan && *a->kv_plan ? a->kv_plan : "kivi4");
         kv_tiers_options to = {.host_bytes = (size_t)a->host_kv_bytes,
                                .nvme_dir = o->nvme_dir && a->nvme_kv_bytes ? o->nvme_dir : NULL,
                                .nvme_bytes = a->nvme_kv_bytes};
-        const stage_gpu_config gc = {.device = o->cuda_device, .codec = codecs[0], .block_tokens = (int)a->block_tokens,
+        const stage_gpu_config gc = {.device = o->cuda_device, .codecs = codecs, .block_tokens = (int)a->block_tokens,
                                      .max_seq_tokens = a->max_seq_tokens, .max_batch_seqs = a->max_batch_seqs,
                                      .device_kv_bytes = a->device_kv_bytes,
                                      .tiers = a->host_kv_bytes > 0 ? &to : NULL};

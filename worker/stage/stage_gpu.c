@@ -33,6 +33,7 @@ struct stage_gpu {
     cuda_model *cm;
     kv_tiers *tiers;
     stage_gpu_config c;
+    kv_codec_params *codecs;      /* c.codecs points here */
     /* per-step scratch, grown on demand */
     float *d_in, *d_out;          /* device rows of a step whose rows come or go through the host */
     size_t cap_d;                 /* floats in each */
@@ -69,6 +70,13 @@ int stage_gpu_create(model *m, const stage_gpu_config *c, stage_gpu **out, strat
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
     g->c = *c;
     g->c.tiers = NULL;
+    const int n_plan = model_layer_end(m) - model_layer_begin(m);
+    if (!c->codecs || !(g->codecs = malloc((size_t)n_plan * sizeof *g->codecs))) {
+        free(g);
+        return strata_fail(err, c->codecs ? STRATA_ENOMEM : STRATA_EINVAL, "GPU stage: no KV plan, or out of memory");
+    }
+    memcpy(g->codecs, c->codecs, (size_t)n_plan * sizeof *g->codecs);
+    g->c.codecs = g->codecs;
     g->cfg = model_get_config(m);
     g->first = model_layer_begin(m) == 0;
     g->last = model_layer_end(m) == g->cfg->n_layers;
@@ -76,7 +84,9 @@ int stage_gpu_create(model *m, const stage_gpu_config *c, stage_gpu **out, strat
     const kv_geometry geo = {.n_layers = n_layers, .n_kv_heads = g->cfg->n_kv_heads, .head_dim = g->cfg->head_dim,
                              .block_tokens = c->block_tokens};
     cuda_kv_pool_size z = {0};
-    rc = cuda_kv_pool_sizing(&c->codec, &geo, c->max_seq_tokens, c->max_batch_seqs, c->device_kv_bytes,
+    rc = cuda_seq_check_plan(g->codecs, n_layers, err);
+    if (rc == STRATA_OK)
+        rc = cuda_kv_pool_sizing(g->codecs, &geo, c->max_seq_tokens, c->max_batch_seqs, c->device_kv_bytes,
                              c->tiers != NULL, &z, err);
     if (rc == STRATA_OK && z.slots < z.need)
         rc = strata_fail(err, STRATA_EINVAL, "GPU stage: a device KV budget of %llu bytes holds %zu blocks of %zu "
@@ -96,7 +106,7 @@ int stage_gpu_create(model *m, const stage_gpu_config *c, stage_gpu **out, strat
             lower = kv_tiers_lower(g->tiers);
     }
     if (rc == STRATA_OK)
-        rc = cuda_model_create_kv_pool(g->cm, &c->codec, c->block_tokens, slots, g->tiers ? &lower : NULL, err);
+        rc = cuda_model_create_kv_pool_plan(g->cm, g->codecs, c->block_tokens, slots, g->tiers ? &lower : NULL, err);
     if (rc != STRATA_OK) {
         stage_gpu_destroy(g);
         return rc;
@@ -117,6 +127,7 @@ void stage_gpu_destroy(stage_gpu *g)
     cuda_model_free(g->cm);   /* the pool, and its copies in the tiers */
     kv_tiers_destroy(g->tiers);
     free(g->batch);
+    free(g->codecs);
     free(g);
 }
 
@@ -131,8 +142,8 @@ static stage_gpu_seq *new_seq(stage_gpu *g, const uint8_t *img, size_t len, stra
         return NULL;
     }
     q->device = g->c.device;
-    q->s = img ? cuda_seq_import(g->cm, &g->c.codec, g->c.block_tokens, g->c.max_seq_tokens, img, len, err)
-               : cuda_seq_create(g->cm, &g->c.codec, g->c.block_tokens, g->c.max_seq_tokens, err);
+    q->s = img ? cuda_seq_import(g->cm, g->codecs, g->c.block_tokens, g->c.max_seq_tokens, img, len, err)
+               : cuda_seq_create_plan(g->cm, g->codecs, g->c.block_tokens, g->c.max_seq_tokens, err);
     if (!q->s) {
         free(q);
         return NULL;

@@ -4,7 +4,7 @@
  * plans, the data-plane frames (rows cross in host memory: TCP) and the samplers; this file only
  * runs a step's items and keeps the device sequences.
  *
- * Differences from the CPU stage, version 1: one KV codec for all the stage's layers; a preempted
+ * Differences from the CPU stage, version 1: a KV plan's layers must share the fp16 window R; a preempted
  * sequence keeps its device tail and has its blocks marked to leave the device first (they move
  * to the host tier when room is needed) instead of being spilled whole; migration is refused.
  * In a build without CUDA every call fails with STRATA_EUNSUPPORTED.
@@ -28,7 +28,7 @@ typedef struct stage_gpu_seq stage_gpu_seq;
 
 typedef struct stage_gpu_config {
     int device;                    /* CUDA device index */
-    kv_codec_params codec;         /* every layer of the stage */
+    const kv_codec_params *codecs; /* the KV plan of the stage's layers (copied) */
     int block_tokens;
     size_t max_seq_tokens, max_batch_seqs;
     uint64_t device_kv_bytes;      /* 0: room for max_batch_seqs sequences of max_seq_tokens */
