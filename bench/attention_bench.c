@@ -16,6 +16,7 @@
 #include <cuda_runtime.h>
 #include <errno.h>
 #include <getopt.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -39,6 +40,7 @@ typedef struct options {
     int q_heads, kv_heads, head_dim, block_tokens, reps;
     double mem_fraction;
     const char *csv;
+    int generic;   /* also time the generic kernel on the same data */
 } options;
 
 static void usage(FILE *out)
@@ -56,6 +58,8 @@ static void usage(FILE *out)
             "  --block-tokens N     tokens per block (default 64)\n"
             "  --reps N             timed launches per configuration, median reported (default 20)\n"
             "  --mem-fraction F     use at most this share of free device memory (default 0.85)\n"
+            "  --generic            also time the generic kernel on the same blocks (the staged one\n"
+            "                       is what runs where it applies: fp16, KIVI) and compare outputs\n"
             "  --csv FILE           also write the rows as CSV\n"
             "  --help               this text\n");
 }
@@ -111,6 +115,7 @@ static int parse_options(int argc, char **argv, options *o)
         {"kv-heads", required_argument, 0, 'k'}, {"head-dim", required_argument, 0, 'd'},
         {"block-tokens", required_argument, 0, 't'}, {"reps", required_argument, 0, 'r'},
         {"mem-fraction", required_argument, 0, 'm'}, {"csv", required_argument, 0, 'o'},
+        {"generic", no_argument, 0, 'g'},
         {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
@@ -142,6 +147,7 @@ static int parse_options(int argc, char **argv, options *o)
             break;
         }
         case 'o': o->csv = optarg; break;
+        case 'g': o->generic = 1; break;
         case 'h': usage(stdout); exit(0);
         default: usage(stderr); return -1;
         }
@@ -225,7 +231,45 @@ static double copy_bandwidth(size_t free_bytes)
 typedef struct result {
     int ok;            /* 0: skipped (memory) */
     double us, gbps, bytes;
+    double generic_us;   /* --generic: the generic kernel's median, else 0 */
+    double diff;         /* --generic: |out - out_generic| / |out_generic| */
 } result;
+
+/* Median milliseconds of reps launches (after 3 warm-ups) with this plan; exits on an error or a
+ * rejected block. */
+static double time_kernel(const options *o, const cuda_kv_layout *layout, const cuda_kv_plan *plan,
+                          const cuda_kv_seq *d_seqs, const float *d_q, float *d_out, void *d_ws, int *d_status)
+{
+    strata_error err;
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    float *times = malloc((size_t)o->reps * sizeof *times);
+    if (!times)
+        exit(1);
+    for (int i = -3; i < o->reps; i++) {
+        CHECK(cudaEventRecord(e0, 0));
+        if (cuda_kv_attention(layout, plan, d_seqs, d_q, d_out, d_ws, d_status, NULL, &err) != STRATA_OK) {
+            fprintf(stderr, "strata-bench-attention: %s\n", err.msg);
+            exit(1);
+        }
+        CHECK(cudaEventRecord(e1, 0));
+        CHECK(cudaEventSynchronize(e1));
+        if (i >= 0)
+            CHECK(cudaEventElapsedTime(&times[i], e0, e1));
+    }
+    int status = 0;
+    CHECK(cudaMemcpy(&status, d_status, sizeof status, cudaMemcpyDeviceToHost));
+    if (status) {
+        fprintf(stderr, "strata-bench-attention: the kernel rejected blocks (status %d)\n", status);
+        exit(1);
+    }
+    const double ms = median(times, o->reps);
+    free(times);
+    CHECK(cudaEventDestroy(e0));
+    CHECK(cudaEventDestroy(e1));
+    return ms;
+}
 
 /* Encodes TEMPLATES distinct blocks of the codec (random fp16 K/V). */
 static uint8_t *make_templates(const kv_codec_params *p, const kv_geometry *g, size_t slot)
@@ -342,38 +386,31 @@ static result run_config(const options *o, long context, size_t block_bytes, lon
     CHECK(cudaMalloc((void **)&d_status, sizeof(int)));
     CHECK(cudaMemset(d_status, 0, sizeof(int)));
 
-    cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
-    float *times = malloc((size_t)o->reps * sizeof *times);
-    if (!times)
-        exit(1);
-    for (int i = -3; i < o->reps; i++) {
-        CHECK(cudaEventRecord(e0, 0));
-        if (cuda_kv_attention(layout, &plan, d_seqs, d_q, d_out, d_ws, d_status, NULL, &err) != STRATA_OK) {
-            fprintf(stderr, "strata-bench-attention: %s\n", err.msg);
-            exit(1);
-        }
-        CHECK(cudaEventRecord(e1, 0));
-        CHECK(cudaEventSynchronize(e1));
-        if (i >= 0)
-            CHECK(cudaEventElapsedTime(&times[i], e0, e1));
-    }
-    int status = 0;
-    CHECK(cudaMemcpy(&status, d_status, sizeof status, cudaMemcpyDeviceToHost));
-    if (status) {
-        fprintf(stderr, "strata-bench-attention: the kernel rejected blocks (status %d)\n", status);
-        exit(1);
-    }
-    const double t = median(times, o->reps) * 1e-3;
+    const double t = time_kernel(o, layout, &plan, d_seqs, d_q, d_out, d_ws, d_status) * 1e-3;
     r.ok = 1;
     r.bytes = (double)total * (double)block_bytes + (double)total * sizeof(void *) + 2.0 * (double)qbytes;
     r.us = t * 1e6;
     r.gbps = r.bytes / t / 1e9;
+    if (o->generic) {
+        const size_t nq = qbytes / sizeof(float);
+        float *a = malloc(qbytes), *b = malloc(qbytes);
+        if (!a || !b)
+            exit(1);
+        CHECK(cudaMemcpy(a, d_out, qbytes, cudaMemcpyDeviceToHost));
+        cuda_kv_plan generic = plan;
+        generic.generic = 1;
+        r.generic_us = time_kernel(o, layout, &generic, d_seqs, d_q, d_out, d_ws, d_status) * 1e3;
+        CHECK(cudaMemcpy(b, d_out, qbytes, cudaMemcpyDeviceToHost));
+        double num = 0.0, den = 0.0;
+        for (size_t i = 0; i < nq; i++) {
+            num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
+            den += (double)b[i] * b[i];
+        }
+        r.diff = den > 0.0 ? sqrt(num / den) : sqrt(num);
+        free(a);
+        free(b);
+    }
 
-    free(times);
-    CHECK(cudaEventDestroy(e0));
-    CHECK(cudaEventDestroy(e1));
     CHECK(cudaFree(d_seqs));
     CHECK(cudaFree(d_q));
     CHECK(cudaFree(d_out));
@@ -415,8 +452,12 @@ int main(int argc, char **argv)
         return 1;
     }
     if (csv)
-        fprintf(csv, "device,codec,context,batch,us,gbps,pct_copy,speedup_vs_fp16\n");
-    printf("%-8s %8s %6s %12s %10s %8s %12s\n", "codec", "context", "batch", "time_us", "GB/s", "%copy", "vs_fp16");
+        fprintf(csv, "device,codec,context,batch,us,gbps,pct_copy,speedup_vs_fp16,generic_us,staged_vs_generic,"
+                     "rel_diff_vs_generic\n");
+    printf("%-8s %8s %6s %12s %10s %8s %12s", "codec", "context", "batch", "time_us", "GB/s", "%copy", "vs_fp16");
+    if (o.generic)
+        printf(" %12s %10s %10s", "generic_us", "vs_generic", "rel_diff");
+    printf("\n");
     /* fp16 times by (context, batch), for the speedup column. */
     double fp16_us[MAX_LIST][MAX_LIST] = {{0}};
     for (int c = 0; c < o.n_codecs; c++) {
@@ -454,12 +495,20 @@ int main(int argc, char **argv)
                 char speed[32] = "-";
                 if (fp16_us[x][b] > 0.0)
                     snprintf(speed, sizeof speed, "%.2fx", fp16_us[x][b] / r.us);
-                printf("%-8s %8ld %6ld %12.1f %10.1f %7.1f%% %12s\n", o.codecs[c], o.contexts[x], o.batches[b], r.us,
+                printf("%-8s %8ld %6ld %12.1f %10.1f %7.1f%% %12s", o.codecs[c], o.contexts[x], o.batches[b], r.us,
                        r.gbps, 100.0 * r.gbps * 1e9 / copy, speed);
-                if (csv)
-                    fprintf(csv, "\"%s\",%s,%ld,%ld,%.2f,%.2f,%.2f,%s\n", prop.name, o.codecs[c], o.contexts[x],
+                if (o.generic)
+                    printf(" %12.1f %9.2fx %10.1e", r.generic_us, r.generic_us / r.us, r.diff);
+                printf("\n");
+                if (csv) {
+                    fprintf(csv, "\"%s\",%s,%ld,%ld,%.2f,%.2f,%.2f,%s,", prop.name, o.codecs[c], o.contexts[x],
                             o.batches[b], r.us, r.gbps, 100.0 * r.gbps * 1e9 / copy,
                             fp16_us[x][b] > 0.0 ? speed : "");
+                    if (o.generic)
+                        fprintf(csv, "%.2f,%.2fx,%.2e\n", r.generic_us, r.generic_us / r.us, r.diff);
+                    else
+                        fprintf(csv, ",,\n");
+                }
                 fflush(stdout);
             }
         }

@@ -72,6 +72,10 @@ typedef struct cuda_kv_plan {
     int max_blocks;        /* the most blocks any sequence of the batch has */
     int blocks_per_split;
     int n_splits;
+    int generic;           /* 0 (what cuda_kv_attention_plan sets): the staged kernel when it takes
+                            * the layout (fp16 or KIVI, head_dim 64 or 128, at most 8 query heads
+                            * per KV head), else the generic one; 1: always the generic kernel
+                            * (benchmarks compare the two) */
 } cuda_kv_plan;
 
 /* sm_count: the device's multiprocessor count (cudaDevAttrMultiProcessorCount). */

@@ -37,7 +37,10 @@ done
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 git diff --quiet HEAD 2>/dev/null || commit="$commit+uncommitted changes"
 echo "$commit" > "$out/COMMIT"
+# Packed (OpenBLAS alone is 36 MiB unpacked): scripts/gpu-run.sh unpacks it on the GPU machine.
+tar czf "$out/bundle.tgz" -C "$out" bin lib COMMIT
+rm -rf "$out/bin" "$out/lib"
 size=$(du -sm "$out" | cut -f1)
 echo "gpu bundle: $out ($size MiB; the device tool carries at most 64 MiB in all)"
 [ "$size" -lt 60 ] || { echo "gpu-bundle: $out is too large to carry" >&2; exit 1; }
-ls -la "$out/bin" "$out/lib"
+tar tzvf "$out/bundle.tgz"

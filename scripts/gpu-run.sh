@@ -1,111 +1,169 @@
 #!/usr/bin/env bash
-# On a GPU machine, with build-gpu-bundle/ from scripts/gpu-bundle.sh beside it: the GPU tests
-# (GPU against the CPU reference), the same under compute-sanitizer, then the attention benchmark;
-# with --decode instead, only the end-to-end decode benchmark (strata-bench-decode-gpu, then the
-# same workload through Hugging Face transformers at strata's fp16 batch). Logs, CSV and JSON go to
-# $OUT (or ./gpu-out). Arguments after -- go to the benchmark that runs.
-#   scripts/gpu-run.sh [--no-sanitizer] [--no-bench] [-- ATTENTION BENCH ARGS]
-#   scripts/gpu-run.sh --decode [-- DECODE BENCH ARGS]
+# On a GPU machine, with build-gpu-bundle/ from scripts/gpu-bundle.sh beside it, runs in one call
+# (a lent machine is given back 30 s after a call, so the phases go together):
+#   tests      the GPU tests (GPU against the CPU reference), the NCCL loopback, GPU stages
+#   attention  strata-bench-attention (ATTENTION ARGS)
+#   decode     strata-bench-decode-gpu (DECODE ARGS), then the same workload through Hugging Face
+#              transformers at strata's fp16 batch
+#   sanitizer  the kernel tests under compute-sanitizer (memcheck, racecheck)
+# Every step has a time limit, cut to what is left of --budget, so a hang costs one step, not the
+# call. Logs (packed into logs.tgz at the end), CSV and JSON go to $OUT (or ./gpu-out);
+# summary.txt is printed last.
+#   scripts/gpu-run.sh [--phases LIST] [--budget SECONDS] [--attention-args "ARGS"]
+#                      [--decode-args "ARGS"]
+#   default: --phases tests,attention,decode,sanitizer --budget 540
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-sanitize=1 bench=1 decode=0
+phases=tests,attention,decode,sanitizer budget=540 attention_args= decode_args=
 while [ $# -gt 0 ]; do
   case "$1" in
-    --no-sanitizer) sanitize=0 ;;
-    --no-bench) bench=0 ;;
-    --decode) decode=1 ;;
-    --) shift; break ;;
-    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    --phases) phases=$2; shift ;;
+    --budget) budget=$2; shift ;;
+    --attention-args) attention_args=$2; shift ;;
+    --decode-args) decode_args=$2; shift ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
     *) echo "gpu-run: unknown option $1" >&2; exit 2 ;;
   esac
   shift
 done
-bundle=build-gpu-bundle
-[ -d "$bundle/bin" ] || { echo "gpu-run: $bundle/ missing: run scripts/gpu-bundle.sh first" >&2; exit 2; }
+case ",$phases," in *,tests,*|*,attention,*|*,decode,*|*,sanitizer,*) ;;
+  *) echo "gpu-run: --phases names none of tests,attention,decode,sanitizer" >&2; exit 2 ;; esac
+want() { case ",$phases," in *",$1,"*) return 0 ;; esac; return 1; }
+[ -f build-gpu-bundle/bundle.tgz ] ||
+  { echo "gpu-run: build-gpu-bundle/bundle.tgz missing: run scripts/gpu-bundle.sh first" >&2; exit 2; }
+bundle=$(mktemp -d /tmp/strata-gpu-bundle.XXXXXX) || exit 1
+tar xzf build-gpu-bundle/bundle.tgz -C "$bundle" || { echo "gpu-run: cannot unpack the bundle" >&2; exit 1; }
 out=${OUT:-gpu-out}
 mkdir -p "$out"
+start=$(date +%s)
 # cuBLAS is not carried (600 MiB): the machine's CUDA toolkit, or the pip wheel PyTorch uses.
-cublas_dirs=
+lib_dirs=
 for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-  [ -d "$d" ] && cublas_dirs+="$d:"
+  [ -d "$d" ] && lib_dirs+="$d:"
 done
-cublas_dirs+=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)
+lib_dirs+=$(python3 -c 'import nvidia.cublas, os; print(os.path.join(list(nvidia.cublas.__path__)[0], "lib"))' 2>/dev/null || true)
 # NCCL (for test_transport's NCCL cases) likewise: PyTorch's wheel.
 nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
-[ -n "$nccl_dir" ] && cublas_dirs="${cublas_dirs%:}:$nccl_dir"
-export LD_LIBRARY_PATH="$PWD/$bundle/lib:${cublas_dirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+[ -n "$nccl_dir" ] && lib_dirs="${lib_dirs%:}:$nccl_dir"
+export LD_LIBRARY_PATH="$bundle/lib:${lib_dirs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export PATH="$PATH:/usr/local/cuda/bin"   # compute-sanitizer lives with the toolkit
 echo "bundle built from commit $(cat "$bundle/COMMIT")" | tee "$out/summary.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$out/summary.txt"
-status=0
 if ldd "$bundle/bin/test_cuda_model" | grep -q "not found"; then
   echo "gpu-run: libraries not found:" >&2
   ldd "$bundle/bin/test_cuda_model" | grep "not found" >&2
   exit 1
 fi
-if [ $decode = 1 ]; then
-  "$bundle/bin/strata-bench-decode-gpu" --json "$out/decode.json" "$@" 2>&1 | tee "$out/decode.txt"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+status=0
+# The device tool brings back at most 8 files: on exit every log goes into logs.tgz, and the
+# summary, CSV and JSON stay beside it.
+pack_logs() {
+  (cd "$out" && tar czf logs.tgz --exclude logs.tgz -- *.log *.txt 2>/dev/null &&
+     find . -maxdepth 1 -type f -name '*.log' -delete)
+}
+trap pack_logs EXIT
+# step NAME LIMIT LOG CMD...: runs CMD with at most LIMIT seconds (less if the budget is nearly
+# spent), its output in LOG; records "NAME: exit N (S s)" in the summary.
+step() {
+  local name=$1 limit=$2 log=$3; shift 3
+  local left=$(( budget - ($(date +%s) - start) ))
+  if [ "$left" -lt 15 ]; then
+    echo "$name: not run (budget spent)" | tee -a "$out/summary.txt"; status=1; return 1
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t0; t0=$(date +%s)
+  timeout -k 5 "$limit" "$@" > "$log" 2>&1
+  local rc=$?
+  [ $rc -eq 124 ] && echo "(killed after $limit s)" >> "$log"
+  STEP_RC=$rc
+  echo "$name: exit $rc ($(( $(date +%s) - t0 )) s)" | tee -a "$out/summary.txt"
+  if [ $rc -ne 0 ]; then status=1; tail -n 30 "$log"; fi
+  return $rc
+}
+
+if want tests; then
+  # The test programs run side by side (each mostly waits on its CPU reference; the machine has
+  # 16 cores), each with its own time limit; their results are reported in order afterwards.
+  # test_cuda_model compares with the CPU on synthetic models, and on the real one when
+  # STRATA_MODEL names it (the model file does not fit one device call's 64 MiB: docs/gpu.md).
+  # test_transport: the NCCL data plane, on one GPU its loopback link (the two-rank case needs two
+  # GPUs and reports itself skipped). test_stage: a worker's stage on the GPU (two stages over TCP
+  # against the CPU) on a synthetic model of SmolLM2's shape, since the model file cannot travel.
+  tests=(test_cuda_plan test_cuda_ops test_cuda_attention test_cuda_encode test_cuda_sample test_cuda_model)
+  if ldd "$bundle/bin/test_transport" | grep -q "libnccl.*not found"; then
+    echo "test_transport: no libnccl on this machine (looked in PyTorch's nvidia.nccl wheel): not run" |
+      tee -a "$out/summary.txt"
+  else
+    tests+=(test_transport)
+  fi
+  tests+=(test_stage)
+  left=$(( budget - ($(date +%s) - start) ))
+  limit=$(( left < 300 ? left : 300 ))
+  t0=$(date +%s)
+  for t in "${tests[@]}"; do
+    model=
+    [ "$t" = test_stage ] && model=synthetic:smollm2-135m:seed=3
+    ( env ${model:+STRATA_MODEL=$model} timeout -k 5 "$limit" "$bundle/bin/$t" > "$out/$t.log" 2>&1
+      echo $? > "$out/$t.rc" ) &
+  done
+  wait
+  for t in "${tests[@]}"; do
+    rc=$(cat "$out/$t.rc"); rm -f "$out/$t.rc"
+    [ "$rc" = 124 ] && echo "(killed after $limit s)" >> "$out/$t.log"
+    # Passing without its GPU case having run means it found no device: a failure here.
+    if [ "$rc" = 0 ] && [ "$t" = test_transport ] && ! grep -q "OK \] test_nccl_loopback" "$out/$t.log"; then rc=77; fi
+    if [ "$rc" = 0 ] && [ "$t" = test_stage ] && grep -q "GPU stage checked for its errors only" "$out/$t.log"; then rc=77; fi
+    echo "$t: exit $rc" | tee -a "$out/summary.txt"
+    if [ "$rc" != 0 ]; then status=1; tail -n 30 "$out/$t.log"; fi
+  done
+  echo "tests: $(( $(date +%s) - t0 )) s side by side" | tee -a "$out/summary.txt"
+fi
+
+if want attention; then
+  # shellcheck disable=SC2086 # the arguments are words
+  step "strata-bench-attention $attention_args" 240 "$out/attention.txt" \
+    "$bundle/bin/strata-bench-attention" --csv "$out/attention.csv" $attention_args
+  tail -n 40 "$out/attention.txt"
+fi
+
+if want decode; then
+  # shellcheck disable=SC2086
+  step "strata-bench-decode-gpu $decode_args" 300 "$out/decode.txt" \
+    "$bundle/bin/strata-bench-decode-gpu" --json "$out/decode.json" $decode_args
+  cat "$out/decode.txt"
   field() { sed -n "s/.*\"$1\":\"\{0,1\}\([^,\"]*\).*/\1/p" "$out/decode.json" 2>/dev/null | head -1; }
   batch=$(grep '"codec":"fp16"' "$out/decode.json" 2>/dev/null | sed -n 's/.*"batch":\([0-9]*\).*/\1/p' | head -1)
   prompt=$(field prompt)
   gen=$(field gen)
   shape=$(sed -n 's/.*"model":"synthetic \([a-z0-9.-]*\) seed.*/\1/p' "$out/decode.json" 2>/dev/null | head -1)
   if [ -n "$batch" ] && [ "$batch" -gt 0 ] && [ -n "$shape" ]; then
-    echo "== the same workload through Hugging Face transformers (batch $batch, fp16 cache) =="
-    python3 bench/gpu/hf_decode.py --shape "$shape" --batch "$batch" --prompt "$prompt" --gen "$gen" \
-      2>"$out/hf.log" | tee "$out/hf.json"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; tail -n 20 "$out/hf.log"; }
+    step "transformers, batch $batch, fp16 cache" 240 "$out/hf.log" \
+      env PYTHONUNBUFFERED=1 python3 bench/gpu/hf_decode.py --shape "$shape" --batch "$batch" --prompt "$prompt" --gen "$gen"
+    grep '^{' "$out/hf.log" | tee "$out/hf.json"
   else
-    echo "gpu-run: no fp16 row from a synthetic model in decode.json: the transformers run is skipped" >&2
+    echo "gpu-run: no fp16 row from a synthetic model in decode.json: the transformers run is skipped" |
+      tee -a "$out/summary.txt"
   fi
-  exit $status
 fi
-# test_cuda_model compares with the CPU on synthetic models, and on the real one when STRATA_MODEL
-# names it (the model file does not fit one device call's 64 MiB: docs/gpu.md).
-for t in test_cuda_plan test_cuda_ops test_cuda_attention test_cuda_encode test_cuda_sample test_cuda_model; do
-  "$bundle/bin/$t" > "$out/$t.log" 2>&1
-  rc=$?
-  echo "$t: exit $rc" | tee -a "$out/summary.txt"
-  [ $rc -eq 0 ] || { status=1; tail -n 30 "$out/$t.log"; }
-done
-# The NCCL data plane: on one GPU the loopback link (a one-rank communicator sending to itself);
-# the two-rank test needs two GPUs and reports itself skipped on one.
-if ldd "$bundle/bin/test_transport" | grep -q "libnccl.*not found"; then
-  echo "test_transport: no libnccl on this machine (looked in PyTorch's nvidia.nccl wheel): not run" |
-    tee -a "$out/summary.txt"
-else
-  "$bundle/bin/test_transport" > "$out/test_transport.log" 2>&1
-  rc=$?
-  # Passing without the loopback case having run means it found no device: a failure here.
-  if [ $rc -eq 0 ] && ! grep -q "OK \] test_nccl_loopback" "$out/test_transport.log"; then rc=77; fi
-  echo "test_transport (NCCL loopback): exit $rc" | tee -a "$out/summary.txt"
-  [ $rc -eq 0 ] || { status=1; tail -n 30 "$out/test_transport.log"; }
-fi
-# A worker's stage on the GPU (test_stage's test_gpu_stage: two stages over TCP against the CPU),
-# on a synthetic model of SmolLM2's shape since the model file cannot travel (docs/gpu.md).
-STRATA_MODEL=synthetic:smollm2-135m:seed=3 "$bundle/bin/test_stage" > "$out/test_stage.log" 2>&1
-rc=$?
-if [ $rc -eq 0 ] && grep -q "GPU stage checked for its errors only" "$out/test_stage.log"; then rc=77; fi
-echo "test_stage (GPU stages): exit $rc" | tee -a "$out/summary.txt"
-[ $rc -eq 0 ] || { status=1; tail -n 30 "$out/test_stage.log"; }
-if [ $sanitize = 1 ]; then
+
+if want sanitizer; then
   if command -v compute-sanitizer >/dev/null; then
-    for t in test_cuda_ops test_cuda_attention test_cuda_encode test_cuda_sample; do
+    # test_cuda_attention under the sanitizer: its group-shape cases only (every compiled variant of
+    # the staged kernel, the generic kernel's widest groups and head_dim 256); the whole program
+    # with its CPU references would not fit the call.
+    for t in test_cuda_attention test_cuda_ops test_cuda_sample test_cuda_encode; do
+      filter=
+      [ "$t" = test_cuda_attention ] && filter=test_group_shapes
       for tool in memcheck racecheck; do
-        compute-sanitizer --tool "$tool" --error-exitcode 99 "$bundle/bin/$t" > "$out/$t.$tool.log" 2>&1
-        rc=$?
-        echo "$t under compute-sanitizer $tool: exit $rc" | tee -a "$out/summary.txt"
-        [ $rc -eq 0 ] || { status=1; tail -n 30 "$out/$t.$tool.log"; }
+        step "$t${filter:+ ($filter)} under compute-sanitizer $tool" 120 "$out/$t.$tool.log" \
+          env ${filter:+STRATA_TEST_FILTER=$filter} compute-sanitizer --tool "$tool" --error-exitcode 99 "$bundle/bin/$t"
       done
     done
   else
     echo "compute-sanitizer not found: sanitizer runs skipped" | tee -a "$out/summary.txt"
   fi
 fi
-if [ $bench = 1 ]; then
-  "$bundle/bin/strata-bench-attention" --csv "$out/attention.csv" "$@" 2>&1 | tee "$out/attention.txt"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-fi
+
+echo "== summary ($(( $(date +%s) - start )) s) =="
 cat "$out/summary.txt"
 exit $status

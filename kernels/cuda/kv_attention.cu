@@ -13,6 +13,7 @@
 #include <math_constants.h>
 
 #include "kernels/cuda/kv_attention_block.h"
+#include "kernels/cuda/kv_attention_fast.h"
 #include "kernels/cuda_kv_attention.h"
 #include "kvstore/kv_cache.h"
 
@@ -208,8 +209,16 @@ extern "C" int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_pla
     float *ws_acc = static_cast<float *>(d_workspace);
     float *ws_ml = ws_acc + (size_t)plan->n_seqs * plan->n_q_heads * plan->n_splits * D;
     const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-    int rc = allow_smem(attend_split, smem, err);
-    if (rc != STRATA_OK)
+    int rc;
+    if (!plan->generic && kv_att_fast_eligible(layout, qpk)) {
+        rc = kv_att_fast_launch(layout, plan, d_seqs, d_q, ws_acc, ws_ml, d_status, stream, err);
+        if (rc != STRATA_OK)
+            return rc;
+        merge_splits<<<dim3((unsigned)plan->n_q_heads, (unsigned)plan->n_seqs), kThreads, 0, st>>>(*plan, D, ws_acc,
+                                                                                                  ws_ml, d_out);
+        return launch_failed(err, "merge_splits");
+    }
+    if ((rc = allow_smem(attend_split, smem, err)) != STRATA_OK)
         return rc;
     const dim3 grid((unsigned)H, (unsigned)plan->n_splits, (unsigned)plan->n_seqs);
     attend_split<<<grid, kThreads, smem, st>>>(*layout, *plan, d_seqs, d_q, ws_acc, ws_ml, d_status);

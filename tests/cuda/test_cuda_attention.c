@@ -42,6 +42,7 @@ typedef struct test_case {
     int nq, nkv, D;
     int n_seqs;
     const int *n_blocks, *tails;
+    int block_tokens;     /* 0: 64 */
 } test_case;
 
 static uint64_t seed = 0x5eed;
@@ -286,7 +287,8 @@ static void run_case(const test_case *tc)
     kv_codec_params p;
     strata_error err;
     assert_int_equal(kv_codec_parse(tc->codec, &p, &err), STRATA_OK);
-    const kv_geometry g = {.n_layers = 1, .n_kv_heads = tc->nkv, .head_dim = tc->D, .block_tokens = 64};
+    const kv_geometry g = {.n_layers = 1, .n_kv_heads = tc->nkv, .head_dim = tc->D,
+                           .block_tokens = tc->block_tokens ? tc->block_tokens : 64};
     assert_int_equal(kv_codec_validate(&p, &g, &err), STRATA_OK);
     const size_t slot = kv_block_size(&p, &g);
     host_seq *hs = calloc((size_t)tc->n_seqs, sizeof *hs);
@@ -373,9 +375,9 @@ static void test_single_sequences(void **state)
     static const int blocks[] = {5}, tails[] = {17};
     static const int blocks0[] = {0}, tails0[] = {1};
     for (size_t c = 0; c < 10; c++) {
-        const test_case smol = {codecs[c], 9, 3, 64, 1, blocks, tails};
+        const test_case smol = {codecs[c], 9, 3, 64, 1, blocks, tails, 0};
         run_case(&smol);
-        const test_case one = {codecs[c], 32, 8, 128, 1, blocks0, tails0};
+        const test_case one = {codecs[c], 32, 8, 128, 1, blocks0, tails0, 0};
         run_case(&one);
     }
 }
@@ -386,9 +388,9 @@ static void test_batches_of_unequal_lengths(void **state)
     const char *codecs[] = {"fp16", "kivi2", "kivi4", "tada2", "tada4", "gear2", "ott2"};
     static const int blocks[] = {0, 3, 37, 0, 130}, tails[] = {40, 0, 100, 0, 191};
     for (size_t c = 0; c < 7; c++) {
-        const test_case llama = {codecs[c], 32, 8, 128, 5, blocks, tails};
+        const test_case llama = {codecs[c], 32, 8, 128, 5, blocks, tails, 0};
         run_case(&llama);
-        const test_case smol = {codecs[c], 9, 3, 64, 5, blocks, tails};
+        const test_case smol = {codecs[c], 9, 3, 64, 5, blocks, tails, 0};
         run_case(&smol);
     }
 }
@@ -397,12 +399,26 @@ static void test_group_shapes(void **state)
 {
     (void)state;
     static const int blocks[] = {9, 2}, tails[] = {63, 64};
-    const test_case mha = {"kivi2", 4, 4, 128, 2, blocks, tails};  /* one query head per KV head */
+    const test_case mha = {"kivi2", 4, 4, 128, 2, blocks, tails, 0};  /* one query head per KV head */
     run_case(&mha);
-    const test_case wide = {"kivi4", 16, 1, 128, 2, blocks, tails}; /* 16 per KV head, the limit */
+    const test_case wide = {"kivi4", 16, 1, 128, 2, blocks, tails, 0}; /* 16 per KV head, the limit */
     run_case(&wide);
-    const test_case d256 = {"fp16", 8, 2, 256, 2, blocks, tails};
+    const test_case d256 = {"fp16", 8, 2, 256, 2, blocks, tails, 0};
     run_case(&d256);
+    /* The staged kernel's compiled head counts (1, 2, 3, 4, 8; 5 runs as 8 with zero heads) and
+     * its block sizes (16, 32, 64 tokens); more than 8 per KV head (above) is the generic one's. */
+    const test_case g8 = {"kivi2", 16, 2, 64, 2, blocks, tails, 0};
+    run_case(&g8);
+    const test_case g5 = {"fp16", 10, 2, 128, 2, blocks, tails, 0};
+    run_case(&g5);
+    const test_case g2 = {"kivi4", 16, 8, 128, 2, blocks, tails, 0};
+    run_case(&g2);
+    const test_case bt16 = {"kivi2-g16", 9, 3, 64, 2, blocks, tails, 16};
+    run_case(&bt16);
+    const test_case bt32 = {"kivi4", 32, 8, 128, 2, blocks, tails, 32};
+    run_case(&bt32);
+    const test_case bt16f = {"fp16", 32, 8, 128, 2, blocks, tails, 16};
+    run_case(&bt16f);
 }
 
 /* A table entry pointing at the wrong block (swapped positions) or at nothing must be reported. */
@@ -584,13 +600,13 @@ static void test_emulated_kernels(void **state)
     static const int blocks[] = {0, 3, 9, 0}, tails[] = {40, 0, 191, 0};
     static const int blocks1[] = {5}, tails1[] = {17};
     for (size_t c = 0; c < 9; c++) {
-        const test_case smol = {codecs[c], 9, 3, 64, 1, blocks1, tails1};
+        const test_case smol = {codecs[c], 9, 3, 64, 1, blocks1, tails1, 0};
         run_case(&smol);
-        const test_case llama = {codecs[c], 32, 8, 128, 4, blocks, tails};
+        const test_case llama = {codecs[c], 32, 8, 128, 4, blocks, tails, 0};
         run_case(&llama);
     }
     static const int blocks2[] = {9, 2}, tails2[] = {63, 64};
-    const test_case wide = {"kivi4", 16, 1, 128, 2, blocks2, tails2};
+    const test_case wide = {"kivi4", 16, 1, 128, 2, blocks2, tails2, 0};
     run_case(&wide);
     emulated = false;
 
@@ -801,6 +817,10 @@ static void test_chunk(void **state)
 
 int main(void)
 {
+    /* One test by name (cmocka's * and ? wildcards), for the slow runs under compute-sanitizer. */
+    const char *filter = getenv("STRATA_TEST_FILTER");
+    if (filter && *filter)
+        cmocka_set_test_filter(filter);
     const struct CMUnitTest harness[] = {cmocka_unit_test(test_reference_matches_cpu_kernel),
                                          cmocka_unit_test(test_emulated_kernels),
                                          cmocka_unit_test(test_emulated_prefill),
