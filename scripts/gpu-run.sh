@@ -153,7 +153,7 @@ if want sanitizer; then
     # with its CPU references would not fit the call.
     for t in test_cuda_attention test_cuda_ops test_cuda_sample test_cuda_encode; do
       filter=
-      [ "$t" = test_cuda_attention ] && filter=test_group_shapes
+      [ "$t" = test_cuda_attention ] && filter=${STRATA_SANITIZER_FILTER:-test_group_shapes}
       for tool in memcheck racecheck; do
         step "$t${filter:+ ($filter)} under compute-sanitizer $tool" 120 "$out/$t.$tool.log" \
           env ${filter:+STRATA_TEST_FILTER=$filter} compute-sanitizer --tool "$tool" --error-exitcode 99 "$bundle/bin/$t"

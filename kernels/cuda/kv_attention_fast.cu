@@ -291,6 +291,7 @@ __device__ void softmax_phase(int BT, int n, int qpk, const float *red, float *p
             pw[t0 * GT + i] = e0;
         if (t1 < BT)
             pw[t1 * GT + i] = e1;
+        __syncwarp();   // every lane has read m[i] and l[i] before lane 0 replaces them
         if (lane == 0) {
             m[i] = m_new;
             l[i] = l[i] * a + sum;
