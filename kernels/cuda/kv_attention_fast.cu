@@ -34,6 +34,11 @@ constexpr int kWindow = kThreads;            // blocks whose headers are checked
 
 __host__ __device__ constexpr size_t align16(size_t x) { return (x + 15) & ~(size_t)15; }
 
+// fp16 rows a step holds: a whole block in an fp16 pool; in a KIVI pool (where only the tail is
+// fp16) 16, so that the stage is sized for the KIVI block (6-10 KiB) rather than for 64 fp16 rows
+// (32 KiB), and more thread blocks fit a multiprocessor.
+__host__ __device__ constexpr int fp16_rows(bool kivi, int block_tokens) { return kivi && block_tokens > 16 ? 16 : block_tokens; }
+
 // Where a KIVI block's four backbone sections go in a stage buffer (the fp16 layout is
 // K rows [BT][D] then V rows [BT][D]).
 struct KiviStage {
@@ -58,8 +63,9 @@ __host__ __device__ inline KiviStage kivi_stage(const cuda_kv_layout &L)
 
 __host__ __device__ inline size_t stage_bytes(const cuda_kv_layout &L)
 {
-    const size_t fp16 = 2 * (size_t)L.block_tokens * L.head_dim * 2;   // the tail's rows, always possible
-    const size_t kivi = L.codec == KV_CODEC_KIVI ? kivi_stage(L).bytes : 0;
+    const bool is_kivi = L.codec == KV_CODEC_KIVI;
+    const size_t fp16 = 2 * (size_t)fp16_rows(is_kivi, L.block_tokens) * L.head_dim * 2;   // the tail's rows
+    const size_t kivi = is_kivi ? kivi_stage(L).bytes : 0;
     return align16(fp16 > kivi ? fp16 : kivi);
 }
 
@@ -135,7 +141,7 @@ __device__ void stage_step(const cuda_kv_layout &L, const Step &st, int h, uint8
     const uint8_t *k = st.blk ? st.blk + L.off_k : st.k, *v = st.blk ? st.blk + L.off_v : st.v;
     const size_t stride = (size_t)H * D * 2, at = (size_t)h * D * 2;
     copy_rows(dst, k + at, st.n, D * 2, stride);
-    copy_rows(dst + (size_t)BT * D * 2, v + at, st.n, D * 2, stride);
+    copy_rows(dst + (size_t)fp16_rows(KIVI, BT) * D * 2, v + at, st.n, D * 2, stride);
 }
 
 // N consecutive halves (N = 4 or 8, 8- or 16-byte aligned in shared memory) as floats.
@@ -307,7 +313,8 @@ __device__ void values_phase(const cuda_kv_layout &L, const Step &st, const uint
 {
     constexpr int CW = D / kSlices;
     const int BT = L.block_tokens, cs = threadIdx.x % kSlices, part = threadIdx.x / kSlices;
-    const int per_part = BT / kParts, t_first = part * per_part;
+    const int rows = KIVI && st.blk ? BT : fp16_rows(KIVI, BT);
+    const int per_part = rows / kParts, t_first = part * per_part;
 #pragma unroll
     for (int i = 0; i < GT; i++) {
         const float a = alpha[i];
@@ -316,7 +323,7 @@ __device__ void values_phase(const cuda_kv_layout &L, const Step &st, const uint
             acc[i][j] *= a;
     }
     if (!(KIVI && st.blk)) {
-        const __half *vs = reinterpret_cast<const __half *>(stage) + (size_t)BT * D;
+        const __half *vs = reinterpret_cast<const __half *>(stage) + (size_t)rows * D;
 #pragma unroll 4
         for (int t = t_first; t < t_first + per_part && t < st.n; t++) {
             float v[CW], p[GT];
@@ -369,9 +376,13 @@ __device__ void values_phase(const cuda_kv_layout &L, const Step &st, const uint
 // grid (n_kv_heads, n_splits, n_seqs), kThreads threads: the split's blocks (then the tail, when
 // the split holds the last unit) for the query heads of one KV head. GT: query heads per KV head
 // rounded up to a compiled count (the extra heads are zero and never written).
+// Four thread blocks a multiprocessor for KIVI with up to 4 query heads per KV head (it is bound
+// by latency, not bytes: more warps hide it), two otherwise (fp16 is bound by bytes already; 8
+// heads would spill).
 template <int D, int GT, bool KIVI>
-__global__ void __launch_bounds__(kThreads, 2) attend_staged(cuda_kv_layout L, cuda_kv_plan P, const cuda_kv_seq *seqs,
-                                                            const float *q, float *ws_acc, float *ws_ml, int *status)
+__global__ void __launch_bounds__(kThreads, (KIVI && GT <= 4) ? 4 : 2)
+    attend_staged(cuda_kv_layout L, cuda_kv_plan P, const cuda_kv_seq *seqs, const float *q, float *ws_acc, float *ws_ml,
+                  int *status)
 {
     constexpr int CW = D / kSlices;
     extern __shared__ __align__(16) uint8_t smem[];
@@ -419,7 +430,8 @@ __global__ void __launch_bounds__(kThreads, 2) attend_staged(cuda_kv_layout L, c
         }
         __syncthreads();
         const int n_block_steps = max(0, min(w_end, seq.n_blocks) - w0);
-        const int tail_steps = w_end > seq.n_blocks ? (seq.tail_tokens + BT - 1) / BT : 0;
+        const int tail_rows = fp16_rows(KIVI, BT);
+        const int tail_steps = w_end > seq.n_blocks ? (seq.tail_tokens + tail_rows - 1) / tail_rows : 0;
         const int n_steps = n_block_steps + tail_steps;
         auto step_at = [&](int s) {
             Step st;
@@ -428,12 +440,12 @@ __global__ void __launch_bounds__(kThreads, 2) attend_staged(cuda_kv_layout L, c
                 st.k = st.v = nullptr;
                 st.n = flags[s] ? 0 : BT;
             } else {
-                const int t0 = (s - n_block_steps) * BT;
+                const int t0 = (s - n_block_steps) * tail_rows;
                 const size_t at = (size_t)t0 * H * D;
                 st.blk = nullptr;
                 st.k = reinterpret_cast<const uint8_t *>(seq.tail_k + at);
                 st.v = reinterpret_cast<const uint8_t *>(seq.tail_v + at);
-                st.n = min(BT, seq.tail_tokens - t0);
+                st.n = min(tail_rows, seq.tail_tokens - t0);
             }
             return st;
         };
