@@ -20,9 +20,12 @@
 
 #include <cmocka.h>
 
+#include <cublas_v2.h>
+
 #include "cuda_test_util.h"
 #include "kernels/cuda/kv_attention_emu.h"
 #include "kernels/cuda_kv_attention.h"
+#include "kernels/cuda_prefill.h"
 #include "kernels/kv_attention.h"
 #include "kernels/ops.h"
 #include "kvstore/block.h"
@@ -506,9 +509,16 @@ static void test_prefill(void **state)
 {
     (void)state;
     const int shapes[][3] = {{9, 3, 64}, {32, 8, 128}, {16, 1, 128}};
-    const int lengths[] = {2, 63, 64, 65, 200};
+    /* 1100 tokens of 16 query heads per KV head: the cuBLAS version's score tiles (32 MiB) hold
+     * 476 query rows, so it runs in three tiles; every length also runs with the smallest
+     * workspace (16 rows a tile). */
+    const int lengths[] = {2, 63, 64, 65, 200, 1100};
+    cublasHandle_t blas;
+    assert_int_equal(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
     for (size_t sh = 0; sh < 3; sh++) {
-        for (size_t li = 0; li < 5; li++) {
+        for (size_t li = 0; li < 6; li++) {
+            if (lengths[li] > 200 && sh != 2)
+                continue;
             const int nq = shapes[sh][0], nkv = shapes[sh][1], D = shapes[sh][2], n = lengths[li];
             const size_t nqd = (size_t)n * nq * D, nkd = (size_t)n * nkv * D;
             float *q = malloc(nqd * sizeof *q), *k = malloc(nkd * sizeof *k), *v = malloc(nkd * sizeof *v);
@@ -546,6 +556,36 @@ static void test_prefill(void **state)
             printf("  prefill n %d nq %d nkv %d D %d: gpu %.2e, cpu %.2e vs fp64\n", n, nq, nkv, D, e, ec);
             if (!(e <= REL_BOUND) || !(ec <= REL_BOUND))
                 fail_msg("prefill n %d: gpu %.3e cpu %.3e > %.0e", n, e, ec, REL_BOUND);
+            /* The cuBLAS version, on the same K/V widened to fp32 (as the forward pass does). */
+            float *dk32, *dv32;
+            void *dws;
+            const size_t ws = cuda_prefill_workspace(n, nq, nkv);
+            assert_true(ws > 0);
+            CUDA_CHECK(cudaMalloc((void **)&dk32, nkd * 4));
+            CUDA_CHECK(cudaMalloc((void **)&dv32, nkd * 4));
+            CUDA_CHECK(cudaMalloc(&dws, ws));
+            CUDA_CHECK(cudaMemcpy(dk32, k, nkd * 4, cudaMemcpyHostToDevice));
+            CUDA_CHECK(cudaMemcpy(dv32, v, nkd * 4, cudaMemcpyHostToDevice));
+            const size_t ws_min = (size_t)(nq / nkv) * (size_t)(n < 16 ? n : 16) * (size_t)n * 4;
+            assert_int_equal(cuda_attention_prefill_gemm(blas, dq, dk32, dv32, n, nq, nkv, D, dout, dws, ws_min - 4,
+                                                         &err),
+                             STRATA_EINVAL);   /* a workspace too small is refused, nothing launched */
+            for (int small = 0; small < 2; small++) {
+                CUDA_CHECK(cudaMemset(dout, 0xff, nqd * 4));
+                if (cuda_attention_prefill_gemm(blas, dq, dk32, dv32, n, nq, nkv, D, dout, dws, small ? ws_min : ws,
+                                                &err) != STRATA_OK)
+                    fail_msg("cuda_attention_prefill_gemm: %s", err.msg);
+                CUDA_CHECK(cudaDeviceSynchronize());
+                CUDA_CHECK(cudaMemcpy(out, dout, nqd * 4, cudaMemcpyDeviceToHost));
+                const double eg = cuda_test_rel_error(out, ref, nqd);
+                printf("  prefill n %d nq %d nkv %d D %d: cuBLAS version %.2e vs fp64 (%s workspace)\n", n, nq, nkv, D,
+                       eg, small ? "smallest" : "full");
+                if (!(eg <= REL_BOUND))
+                    fail_msg("cuBLAS prefill n %d: %.3e > %.0e", n, eg, REL_BOUND);
+            }
+            cudaFree(dk32);
+            cudaFree(dv32);
+            cudaFree(dws);
             cudaFree(dq);
             cudaFree(dout);
             cudaFree(dk);
@@ -553,6 +593,7 @@ static void test_prefill(void **state)
             free(q); free(k); free(v); free(out); free(scratch); free(cpu); free(k16); free(v16); free(ref);
         }
     }
+    cublasDestroy(blas);
 }
 
 /* The harness itself, without a GPU: the fp64 reference and the CPU kernel agree on the blocks

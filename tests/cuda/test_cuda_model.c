@@ -32,7 +32,12 @@
 
 #include <cmocka.h>
 
+#include <cublas_v2.h>
+
 #include "cuda_test_util.h"
+#include "kernels/cuda_prefill.h"
+#include "kernels/ops.h"
+#include "kvstore/half.h"
 #include "kvstore/kv_cache.h"
 #include "offload/kv_tiers.h"
 #include "worker/cuda/device_mem.h"
@@ -849,6 +854,69 @@ static void test_no_device_error(void **state)
     model_free(m);
 }
 
+/* The cuBLAS prefill on its own against the CPU's causal attention (kern_attention_causal): one
+ * tile, and the smallest workspace (16 query rows a tile, so 7 tiles whose later ones attend
+ * more keys than rows); grouped query heads; poisoned output. */
+static void test_prefill_gemm_tiles(void **state)
+{
+    (void)state;
+    enum { N = 100, NQ = 8, NKV = 2, D = 64 };
+    const size_t nqd = (size_t)N * NQ * D, nkd = (size_t)N * NKV * D;
+    uint64_t seed = 0x9e3779b9;
+    float *q = malloc(nqd * 4), *k = malloc(nkd * 4), *v = malloc(nkd * 4), *cpu = malloc(nqd * 4);
+    float *out = malloc(nqd * 4), *scratch = malloc(kern_attention_causal_scratch(N) * 4);
+    assert_true(q && k && v && cpu && out && scratch);
+    for (size_t i = 0; i < nqd; i++)
+        q[i] = 2.0f * cuda_test_uniform(&seed);
+    for (size_t i = 0; i < nkd; i++) {   /* fp16 values, as the forward pass hands them over */
+        k[i] = strata_half_to_float(strata_float_to_half(2.0f * cuda_test_uniform(&seed)));
+        v[i] = strata_half_to_float(strata_float_to_half(cuda_test_uniform(&seed)));
+    }
+    kern_attention_causal(q, k, v, N, NQ, NKV, D, cpu, scratch);
+    cublasHandle_t blas;
+    assert_int_equal(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
+    float *dq, *dk, *dv, *dout;
+    void *dws;
+    const size_t ws = cuda_prefill_workspace(N, NQ, NKV), ws_min = (size_t)(NQ / NKV) * 16 * N * 4;
+    assert_int_equal(ws, (size_t)(NQ / NKV) * N * N * 4);   /* small enough for one tile */
+    CUDA_CHECK(cudaMalloc((void **)&dq, nqd * 4));
+    CUDA_CHECK(cudaMalloc((void **)&dk, nkd * 4));
+    CUDA_CHECK(cudaMalloc((void **)&dv, nkd * 4));
+    CUDA_CHECK(cudaMalloc((void **)&dout, nqd * 4));
+    CUDA_CHECK(cudaMalloc(&dws, ws));
+    CUDA_CHECK(cudaMemcpy(dq, q, nqd * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dk, k, nkd * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dv, v, nkd * 4, cudaMemcpyHostToDevice));
+    strata_error err;
+    for (int small = 0; small < 2; small++) {
+        CUDA_CHECK(cudaMemset(dout, 0xff, nqd * 4));
+        if (cuda_attention_prefill_gemm(blas, dq, dk, dv, N, NQ, NKV, D, dout, dws, small ? ws_min : ws, &err) !=
+            STRATA_OK)
+            fail_msg("cuda_attention_prefill_gemm: %s", err.msg);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        CUDA_CHECK(cudaMemcpy(out, dout, nqd * 4, cudaMemcpyDeviceToHost));
+        const double e = rel_error(out, cpu, nqd);
+        printf("  cuBLAS prefill, %s workspace: %.2e vs the CPU's causal attention\n", small ? "smallest" : "full", e);
+        if (!(e <= 1e-5))
+            fail_msg("cuBLAS prefill vs the CPU: %.3e", e);
+    }
+    assert_int_equal(cuda_attention_prefill_gemm(blas, dq, dk, dv, N, NQ, NKV, D, dout, dws, ws_min - 4, &err),
+                     STRATA_EINVAL);
+    assert_int_equal(cuda_attention_prefill_gemm(blas, dq, dk, dv, N, NQ, 3, D, dout, dws, ws, &err), STRATA_EINVAL);
+    cublasDestroy(blas);
+    cudaFree(dq);
+    cudaFree(dk);
+    cudaFree(dv);
+    cudaFree(dout);
+    cudaFree(dws);
+    free(q);
+    free(k);
+    free(v);
+    free(cpu);
+    free(out);
+    free(scratch);
+}
+
 int main(void)
 {
     if (!cuda_test_have_device("test_cuda_model")) {
@@ -868,6 +936,7 @@ int main(void)
         cmocka_unit_test(test_migration),
         cmocka_unit_test(test_kv_plan),
         cmocka_unit_test(test_pipeline_stages),
+        cmocka_unit_test(test_prefill_gemm_tiles),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,4 +1,4 @@
-/* The subset of cuBLAS the GPU forward pass calls (cublasGemmEx), on the host through BLAS, for
+/* The subset of cuBLAS the GPU forward pass calls (GEMMs, one by one and strided-batched), on the host through BLAS, for
  * the fake device of tests/fakecuda/cuda_runtime.h. */
 #ifndef STRATA_FAKECUDA_CUBLAS_V2_H
 #define STRATA_FAKECUDA_CUBLAS_V2_H
@@ -23,6 +23,14 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cub
                             int k, const void *alpha, const void *A, cudaDataType_t Atype, int lda, const void *B,
                             cudaDataType_t Btype, int ldb, const void *beta, void *C, cudaDataType_t Ctype, int ldc,
                             cublasComputeType_t computeType, cublasGemmAlgo_t algo);
+/* batchCount GEMMs, operand b at A + b strideA (elements) and so on. */
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
+                                          int m, int n, int k, const void *alpha, const void *A, cudaDataType_t Atype,
+                                          int lda, long long strideA, const void *B, cudaDataType_t Btype, int ldb,
+                                          long long strideB, const void *beta, void *C, cudaDataType_t Ctype, int ldc,
+                                          long long strideC, int batchCount, cublasComputeType_t computeType,
+                                          cublasGemmAlgo_t algo);
+cublasStatus_t cublasGetStream(cublasHandle_t handle, cudaStream_t *stream);
 
 #ifdef __cplusplus
 }

@@ -322,6 +322,41 @@ static const float *as_f32(const void *p, cudaDataType_t t, size_t elems, int ke
     return f;
 }
 
+/* Elements a column-major operand spans: (cols - 1) * ld + rows, where op(X) is rows x cols as
+ * stored (transposed operands are stored the other way round). */
+static size_t span(cublasOperation_t op, int op_rows, int op_cols, int ld)
+{
+    const size_t rows = (size_t)(op == CUBLAS_OP_N ? op_rows : op_cols);
+    const size_t cols = (size_t)(op == CUBLAS_OP_N ? op_cols : op_rows);
+    return rows == 0 || cols == 0 ? 0 : (cols - 1) * (size_t)ld + rows;
+}
+
+/* One GEMM: C = alpha op(A) op(B) + beta C, column-major; keep_a: cache A's fp32 view (weights). */
+static cublasStatus_t gemm_one(cublasOperation_t transa, cublasOperation_t transb, int m, int n, int k, float alpha,
+                               const void *A, cudaDataType_t Atype, int lda, const void *B, cudaDataType_t Btype,
+                               int ldb, float beta, float *C, int ldc, int keep_a, const char *fn)
+{
+    const size_t a_elems = span(transa, m, k, lda), b_elems = span(transb, k, n, ldb);
+    const size_t esz = Atype == CUDA_R_16F ? 2 : 4;
+    if (!fakecuda_is_device(A, a_elems * esz) || !fakecuda_is_device(B, b_elems * esz) ||
+        !fakecuda_is_device(C, span(CUBLAS_OP_N, m, n, ldc) * 4)) {
+        fprintf(stderr, "fakecuda: %s: an operand is not (wholly) in device memory\n", fn);
+        return CUBLAS_STATUS_INVALID_VALUE;
+    }
+    float *ta = NULL, *tb = NULL;
+    const float *a = as_f32(A, Atype, a_elems, keep_a, &ta), *b = as_f32(B, Btype, b_elems, 0, &tb);
+    if (!a || !b) {
+        free(ta);
+        free(tb);
+        return CUBLAS_STATUS_ALLOC_FAILED;
+    }
+    cblas_sgemm(CblasColMajor, transa == CUBLAS_OP_N ? CblasNoTrans : CblasTrans,
+                transb == CUBLAS_OP_N ? CblasNoTrans : CblasTrans, m, n, k, alpha, a, lda, b, ldb, beta, C, ldc);
+    free(ta);
+    free(tb);
+    return CUBLAS_STATUS_SUCCESS;
+}
+
 cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb, int m, int n,
                             int k, const void *alpha, const void *A, cudaDataType_t Atype, int lda, const void *B,
                             cudaDataType_t Btype, int ldb, const void *beta, void *C, cudaDataType_t Ctype, int ldc,
@@ -330,26 +365,36 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cub
     (void)computeType, (void)algo;
     if (!handle || m < 0 || n < 0 || k < 0 || Ctype != CUDA_R_32F || Atype != Btype)
         return CUBLAS_STATUS_INVALID_VALUE;
-    /* column-major: op(A) is m x k, op(B) k x n, C m x n with leading dimension ldc */
-    const size_t a_elems = (size_t)lda * (size_t)(transa == CUBLAS_OP_N ? k : m);
-    const size_t b_elems = (size_t)ldb * (size_t)(transb == CUBLAS_OP_N ? n : k);
-    const size_t esz = Atype == CUDA_R_16F ? 2 : 4;
-    if (!fakecuda_is_device(A, a_elems * esz) || !fakecuda_is_device(B, b_elems * esz) ||
-        !fakecuda_is_device(C, (size_t)ldc * (size_t)n * 4)) {
-        fprintf(stderr, "fakecuda: cublasGemmEx: an operand is not (wholly) in device memory\n");
+    return gemm_one(transa, transb, m, n, k, *(const float *)alpha, A, Atype, lda, B, Btype, ldb,
+                    *(const float *)beta, C, ldc, 1, "cublasGemmEx");
+}
+
+cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation_t transa, cublasOperation_t transb,
+                                          int m, int n, int k, const void *alpha, const void *A, cudaDataType_t Atype,
+                                          int lda, long long strideA, const void *B, cudaDataType_t Btype, int ldb,
+                                          long long strideB, const void *beta, void *C, cudaDataType_t Ctype, int ldc,
+                                          long long strideC, int batchCount, cublasComputeType_t computeType,
+                                          cublasGemmAlgo_t algo)
+{
+    (void)computeType, (void)algo;
+    if (!handle || m < 0 || n < 0 || k < 0 || batchCount < 0 || Ctype != CUDA_R_32F || Atype != Btype)
         return CUBLAS_STATUS_INVALID_VALUE;
+    const size_t esz = Atype == CUDA_R_16F ? 2 : 4;
+    for (int b = 0; b < batchCount; b++) {
+        const cublasStatus_t st = gemm_one(
+            transa, transb, m, n, k, *(const float *)alpha, (const char *)A + (size_t)(strideA * b) * esz, Atype, lda,
+            (const char *)B + (size_t)(strideB * b) * esz, Btype, ldb, *(const float *)beta,
+            (float *)C + (size_t)(strideC * b), ldc, 0, "cublasGemmStridedBatchedEx");
+        if (st != CUBLAS_STATUS_SUCCESS)
+            return st;
     }
-    float *ta = NULL, *tb = NULL;
-    const float *a = as_f32(A, Atype, a_elems, 1, &ta), *b = as_f32(B, Btype, b_elems, 0, &tb);
-    if (!a || !b) {
-        free(ta);
-        free(tb);
-        return CUBLAS_STATUS_ALLOC_FAILED;
-    }
-    cblas_sgemm(CblasColMajor, transa == CUBLAS_OP_N ? CblasNoTrans : CblasTrans,
-                transb == CUBLAS_OP_N ? CblasNoTrans : CblasTrans, m, n, k, *(const float *)alpha, a, lda, b, ldb,
-                *(const float *)beta, C, ldc);
-    free(ta);
-    free(tb);
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+cublasStatus_t cublasGetStream(cublasHandle_t handle, cudaStream_t *stream)
+{
+    if (!handle || !stream)
+        return CUBLAS_STATUS_INVALID_VALUE;
+    *stream = NULL;   /* the fake runs everything in order */
     return CUBLAS_STATUS_SUCCESS;
 }

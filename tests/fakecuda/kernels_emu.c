@@ -14,11 +14,13 @@
 #include "kernels/cuda/kv_attention_emu.h"
 #include "kernels/cuda/kv_encode_block.h"
 #include "kernels/cuda/kv_tail_block.h"
+#include "kernels/cuda/prefill_softmax_block.h"
 #include "kernels/cuda/sample_block.h"
 #include "kernels/cuda_kv_attention.h"
 #include "kernels/cuda_kv_encode.h"
 #include "kernels/cuda_kv_tail.h"
 #include "kernels/cuda_ops.h"
+#include "kernels/cuda_prefill.h"
 #include "kernels/cuda_sample.h"
 #include "kvstore/crc32c_math.h"
 #include "kvstore/half.h"
@@ -121,6 +123,42 @@ int cuda_f32_to_f16(const float *src, uint16_t *dst, size_t n, strata_cuda_strea
         return (int)cudaErrorInvalidValue;
     for (size_t i = 0; i < n; i++)
         dst[i] = strata_float_to_half(src[i]);
+    return 0;
+}
+
+/* ---- kernels/cuda/prefill.cu ---- */
+
+int cuda_f16_to_f32(const uint16_t *src, float *dst, size_t n, strata_cuda_stream stream)
+{
+    (void)stream;
+    if (!dev(src, n * 2, "f16_to_f32", "src") || !dev(dst, n * 4, "f16_to_f32", "dst"))
+        return (int)cudaErrorInvalidValue;
+    for (size_t i = 0; i < n; i++)
+        dst[i] = strata_half_to_float(src[i]);
+    return 0;
+}
+
+int cuda_prefill_softmax(float *d_s, int rows, int kn, int i0, int n_heads, size_t head_stride,
+                         strata_cuda_stream stream)
+{
+    (void)stream;
+    enum { THREADS = 128 };
+    if (rows <= 0 || n_heads <= 0)
+        return 0;
+    if (!dev(d_s, ((size_t)(n_heads - 1) * head_stride + (size_t)rows * (size_t)kn) * 4, "prefill_softmax", "s"))
+        return (int)cudaErrorInvalidValue;
+    float red_max[THREADS], red_sum[THREADS];
+    for (int h = 0; h < n_heads; h++)
+        for (int r = 0; r < rows; r++) {
+            float *row = d_s + (size_t)h * head_stride + (size_t)r * (size_t)kn;
+            const int n_valid = i0 + r + 1 < kn ? i0 + r + 1 : kn;
+            for (unsigned t = 0; t < THREADS; t++)
+                pf_max_part(row, n_valid, red_max, t, THREADS);
+            for (unsigned t = 0; t < THREADS; t++)
+                pf_exp_part(row, n_valid, red_max, red_sum, t, THREADS);
+            for (unsigned t = 0; t < THREADS; t++)
+                pf_normalize(row, n_valid, kn, red_sum, t, THREADS);
+        }
     return 0;
 }
 

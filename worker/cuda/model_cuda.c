@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "kernels/cuda_ops.h"
+#include "kernels/cuda_prefill.h"
 #include "kvstore/plan.h"
 #include "worker/cuda/model_cuda_impl.h"
 
@@ -890,6 +891,12 @@ static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_pl
     KERNEL(cuda_rope_rows(cm->k, T, (size_t)c->n_kv_heads, hd, cm->d_pos, c->rope_theta, NULL), "rope");
     KERNEL(cuda_f32_to_f16(cm->k, cm->k16, T * kvd, NULL), "keys to fp16");
     KERNEL(cuda_f32_to_f16(cm->v, cm->v16, T * kvd, NULL), "values to fp16");
+    if (sp->n_items > sp->n_dec) {
+        /* Prompts attend their own K/V at the cache's precision, as the CPU prefill does: the fp32
+         * rows become the fp16 values (the decode path reads k16/v16 only). */
+        KERNEL(cuda_f16_to_f32(cm->k16, cm->k, T * kvd, NULL), "keys at fp16 precision");
+        KERNEL(cuda_f16_to_f32(cm->v16, cm->v, T * kvd, NULL), "values at fp16 precision");
+    }
     if (sp->n_dec && (rc = decode_layer(cm, items, sp, plan, il, err)) != STRATA_OK)
         return rc;
     for (size_t p = sp->n_dec; p < sp->n_items; p++) {
@@ -902,9 +909,9 @@ static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_pl
             continue;
         }
         if ((rc = append_layer(it->seq, il, cm->k16 + r0 * kvd, cm->v16 + r0 * kvd, it->n_tokens, err)) != STRATA_OK ||
-            (rc = cuda_attention_prefill(cm->q + r0 * e, cm->k16 + r0 * kvd, cm->v16 + r0 * kvd, (int)it->n_tokens,
-                                         c->n_heads, c->n_kv_heads, c->head_dim, cm->attn + r0 * e, NULL, err)) !=
-                STRATA_OK)
+            (rc = cuda_attention_prefill_gemm(cm->blas, cm->q + r0 * e, cm->k + r0 * kvd, cm->v + r0 * kvd,
+                                              (int)it->n_tokens, c->n_heads, c->n_kv_heads, c->head_dim,
+                                              cm->attn + r0 * e, cm->d_ws, cm->ws_bytes, err)) != STRATA_OK)
             return rc;
     }
     if ((rc = gemm(cm, cm->attn, T, e, L->wo, e, cm->proj, err)))
@@ -1059,6 +1066,14 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
         rc = cuda_kv_attention_plan(&s0->enc[0].layout, (int)sp.n_dec, c->n_heads, max_blocks, cm->sm_count, &plan, err);
         if (rc == STRATA_OK)
             rc = ensure_attention_workspace(cm, cuda_kv_attention_workspace(&s0->enc[0].layout, &plan), err);
+    }
+    /* A whole prompt's attention (cuda_attention_prefill_gemm) keeps its score tiles in the same
+     * workspace, after the step's decode attention on the same stream. */
+    for (size_t p = sp.n_dec; rc == STRATA_OK && p < n_items; p++) {
+        const cuda_batch_item *it = &items[sp.order[p]];
+        if (it->seq->len == 0)
+            rc = ensure_attention_workspace(
+                cm, cuda_prefill_workspace((int)it->n_tokens, c->n_heads, c->n_kv_heads), err);
     }
     for (size_t p = sp.n_dec; rc == STRATA_OK && p < n_items; p++) {   /* as kv_seq_append records it */
         const cuda_batch_item *it = &items[sp.order[p]];
