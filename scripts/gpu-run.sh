@@ -11,17 +11,23 @@
 # summary.txt is printed last.
 #   scripts/gpu-run.sh [--phases LIST] [--budget SECONDS] [--attention-args "ARGS"]
 #                      [--decode-args "ARGS"]
-#   default: --phases tests,attention,decode,sanitizer --budget 540
+#   default: --phases tests,attention,decode,sanitizer --budget 540, with the benchmark subsets
+#   that fit one call beside the tests (session 8 timings on an H100):
+#     --attention-args "--codecs fp16,kivi2,kivi4,gear2 --contexts 4096,32768,131072 --batches 1,64
+#                       --reps 10 --generic"
+#     --decode-args "--codecs fp16,kivi4,kivi2 --kv-budget-gib 4 --gen 32"
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-phases=tests,attention,decode,sanitizer budget=540 attention_args= decode_args=
+phases=tests,attention,decode,sanitizer budget=540
+attention_args="--codecs fp16,kivi2,kivi4,gear2 --contexts 4096,32768,131072 --batches 1,64 --reps 10 --generic"
+decode_args="--codecs fp16,kivi4,kivi2 --kv-budget-gib 4 --gen 32"
 while [ $# -gt 0 ]; do
   case "$1" in
     --phases) phases=$2; shift ;;
     --budget) budget=$2; shift ;;
     --attention-args) attention_args=$2; shift ;;
     --decode-args) decode_args=$2; shift ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
     *) echo "gpu-run: unknown option $1" >&2; exit 2 ;;
   esac
   shift
