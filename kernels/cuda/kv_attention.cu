@@ -1,13 +1,14 @@
-// Decode attention over paged compressed blocks (see kernels/cuda_kv_attention.h).
+// Decode attention over paged compressed blocks (see kernels/cuda_kv_attention.h): the entry
+// points, and the generic kernels.
 //
-// First version, written to be right before it is fast: one thread block per (KV head, split,
-// sequence); each block of the table goes through the phases of kv_attention_block.h (scores a
-// thread per token, the online-softmax update through per-thread partials, values a thread per
-// channel), which the CPU tests also run, emulated. Codes are unpacked and dequantized in
-// registers as they are read. Known costs that the GPU session should measure before tuning
-// (docs/gpu.md): at 2 bits the fp32 FMAs per code (one per query head of the group) rather than
-// the bytes bound the kernel, and the key reads are word broadcasts within a warp, not 16-byte
-// loads.
+// The generic decode kernel was written to be right before it is fast: one thread block per (KV
+// head, split, sequence); each block of the table goes through the phases of kv_attention_block.h
+// (scores a thread per token, the online-softmax update through per-thread partials, values a
+// thread per channel), which the CPU tests also run, emulated. It handles every codec's
+// corrections (TaDA, GEAR, OTT). Measured on an H100 (docs/benchmarks.md) at 3-5 % of the copy
+// bandwidth, so cuda_kv_attention sends the launches the staged kernel takes (fp16 and KIVI,
+// kernels/cuda/kv_attention_fast.cu) there and keeps this one for the rest. The prefill and
+// prompt-chunk kernels below are the first versions too (each query row reads every key).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math_constants.h>
