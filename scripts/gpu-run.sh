@@ -5,20 +5,22 @@
 #   attention  strata-bench-attention (ATTENTION ARGS)
 #   decode     strata-bench-decode-gpu (DECODE ARGS), then the same workload through Hugging Face
 #              transformers at strata's fp16 batch
+#   cli        `strata generate --device cuda` as a program (SmolLM2-shaped synthetic model, fp16
+#              and kivi2 caches), its greedy text set beside the CPU's
 #   sanitizer  the kernel tests under compute-sanitizer (memcheck, racecheck)
 # Every step has a time limit, cut to what is left of --budget, so a hang costs one step, not the
 # call. Logs (packed into logs.tgz at the end), CSV and JSON go to $OUT (or ./gpu-out);
 # summary.txt is printed last.
 #   scripts/gpu-run.sh [--phases LIST] [--budget SECONDS] [--attention-args "ARGS"]
 #                      [--decode-args "ARGS"]
-#   default: --phases tests,attention,decode,sanitizer --budget 540, with the benchmark subsets
+#   default: --phases tests,attention,decode,cli,sanitizer --budget 540, with the benchmark subsets
 #   that fit one call beside the tests (session 8 timings on an H100):
 #     --attention-args "--codecs fp16,kivi2,kivi4,gear2 --contexts 4096,32768,131072 --batches 1,64
 #                       --reps 10 --generic"
 #     --decode-args "--codecs fp16,kivi4,kivi2 --kv-budget-gib 4 --gen 32"
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
-phases=tests,attention,decode,sanitizer budget=540
+phases=tests,attention,decode,cli,sanitizer budget=540
 attention_args="--codecs fp16,kivi2,kivi4,gear2 --contexts 4096,32768,131072 --batches 1,64 --reps 10 --generic"
 decode_args="--codecs fp16,kivi4,kivi2 --kv-budget-gib 4 --gen 32"
 while [ $# -gt 0 ]; do
@@ -27,13 +29,13 @@ while [ $# -gt 0 ]; do
     --budget) budget=$2; shift ;;
     --attention-args) attention_args=$2; shift ;;
     --decode-args) decode_args=$2; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "gpu-run: unknown option $1" >&2; exit 2 ;;
   esac
   shift
 done
-case ",$phases," in *,tests,*|*,attention,*|*,decode,*|*,sanitizer,*) ;;
-  *) echo "gpu-run: --phases names none of tests,attention,decode,sanitizer" >&2; exit 2 ;; esac
+case ",$phases," in *,tests,*|*,attention,*|*,decode,*|*,cli,*|*,sanitizer,*) ;;
+  *) echo "gpu-run: --phases names none of tests,attention,decode,cli,sanitizer" >&2; exit 2 ;; esac
 want() { case ",$phases," in *",$1,"*) return 0 ;; esac; return 1; }
 [ -f build-gpu-bundle/bundle.tgz ] ||
   { echo "gpu-run: build-gpu-bundle/bundle.tgz missing: run scripts/gpu-bundle.sh first" >&2; exit 2; }
@@ -65,7 +67,7 @@ status=0
 # summary, CSV and JSON stay beside it.
 pack_logs() {
   (cd "$out" && tar czf logs.tgz --exclude logs.tgz -- *.log *.txt 2>/dev/null &&
-     find . -maxdepth 1 -type f -name '*.log' -delete)
+     find . -maxdepth 1 -type f \( -name '*.log' -o -name 'generate-*.txt' \) -delete)
 }
 trap pack_logs EXIT
 # step NAME LIMIT LOG CMD...: runs CMD with at most LIMIT seconds (less if the budget is nearly
@@ -150,6 +152,25 @@ if want decode; then
     echo "gpu-run: no fp16 row from a synthetic model in decode.json: the transformers run is skipped" |
       tee -a "$out/summary.txt"
   fi
+fi
+
+if want cli; then
+  # The program end to end: exit status and text. The GPU holds fp16 weights where the CPU keeps
+  # fp32, so on random weights a greedy pick may differ (test_cuda_model bounds the logits); the
+  # comparison is reported, the exit status decides.
+  model=synthetic:smollm2-135m:seed=3
+  for kv in fp16 kivi2; do
+    step "strata generate --device cuda --kv $kv" 120 "$out/generate-$kv.log" bash -c \
+      '"$1" generate --model "$2" --prompt "The capital of France is" --device cuda -n 32 --kv "$3" --no-echo \
+         --stats > "$4.gpu.txt" && "$1" generate --model "$2" --prompt "The capital of France is" -n 32 --kv "$3" \
+         --no-echo > "$4.cpu.txt"' _ "$bundle/bin/strata" "$model" "$kv" "$out/generate-$kv" &&
+      if cmp -s "$out/generate-$kv.gpu.txt" "$out/generate-$kv.cpu.txt"; then
+        echo "  greedy text ($kv): GPU equals CPU" | tee -a "$out/summary.txt"
+      else
+        echo "  greedy text ($kv): GPU '$(head -c 120 "$out/generate-$kv.gpu.txt")' CPU '$(head -c 120 "$out/generate-$kv.cpu.txt")'" |
+          tee -a "$out/summary.txt"
+      fi
+  done
 fi
 
 if want sanitizer; then
