@@ -68,6 +68,7 @@ status=0
 pack_logs() {
   (cd "$out" && tar czf logs.tgz --exclude logs.tgz -- *.log *.txt 2>/dev/null &&
      find . -maxdepth 1 -type f \( -name '*.log' -o -name 'generate-*.txt' \) -delete)
+  rm -rf "$bundle"
 }
 trap pack_logs EXIT
 # step NAME LIMIT LOG CMD...: runs CMD with at most LIMIT seconds (less if the budget is nearly
