@@ -14,8 +14,13 @@
 //   - takes KIVI's scale and zero out of the inner loops: per channel the queries are scaled once
 //     (q * scale) and the zero term summed once per group, so a code costs a shift, a mask, an
 //     exact int-to-float (exponent trick) and one FMA per query head; values likewise fold the
-//     token's scale into its weight.
-// Arithmetic is fp32 throughout, as in the CPU kernel; only the order of the sums differs.
+//     token's scale into its weight;
+//   - for KIVI, stages the fp16 tail 16 rows at a time and caps registers at 128 (up to 4 query
+//     heads per KV head), so four thread blocks fit a multiprocessor: that path is bound by
+//     instructions and latency, not bytes (docs/gpu.md, "Kernel notes", has the measurements).
+// Arithmetic is fp32 throughout, as in the CPU kernel; only the order of the sums differs. No CPU
+// emulation (shuffles, cp.async): test_cuda_attention checks it on a GPU against fp64 and the CPU
+// kernel, and strata-bench-attention --generic against the generic kernel.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math_constants.h>
