@@ -1,9 +1,11 @@
-/* Causal prefill attention through cuBLAS (the counterpart of kern_attention_causal at GEMM
- * speed): for each KV head, S = Q K^T / sqrt(head_dim) for its query heads in one strided-batched
- * fp32 GEMM, a causal softmax over each row of S (cuda_prefill_softmax), then O = P V in a second
- * GEMM. Query rows go in tiles so that the score matrix stays within the workspace; a tile's rows
- * see the keys up to its last row, so the GEMMs skip the tile's upper-right triangle only in
- * part. fp32 operands with pedantic fp32 compute (no TF32), as the CPU prefill computes.
+/* Causal prefill attention through cuBLAS (the counterpart of kern_attention_causal and, with
+ * keys already cached before the queries, of kern_kv_attention_rows, at GEMM speed): for each KV
+ * head, S = Q K^T / sqrt(head_dim) for its query heads in one strided-batched fp32 GEMM, a causal
+ * softmax over each row of S (cuda_prefill_softmax), then O = P V in a second GEMM. Query rows go
+ * in tiles so that the score matrix stays within the workspace; a tile's rows see the keys up to
+ * its last row, so the GEMMs skip the tile's upper-right triangle only in part. fp32 operands with
+ * pedantic fp32 compute (no TF32), as the CPU computes. A prompt chunk continuing a sequence
+ * first has the cache written out as fp32 rows (cuda_kv_dequantize_view), its own rows after.
  * All d_* pointers are device pointers; calls are asynchronous on the cuBLAS handle's stream.
  * Status: see docs/benchmarks.md, "GPU results", for whether it has run on a GPU. */
 #ifndef STRATA_KERNELS_CUDA_PREFILL_H
@@ -12,6 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels/cuda_kv_attention.h"
 #include "kernels/cuda_ops.h"
 #include "kvstore/error.h"
 
@@ -19,19 +22,21 @@
 extern "C" {
 #endif
 
-/* Bytes of device workspace to give cuda_attention_prefill_gemm for prompts of up to n tokens:
- * score tiles of up to 32 MiB (more rows per tile, fewer GEMMs). It takes less, down to 16 query
- * rows' worth (n_q_heads / n_kv_heads * 16 * n floats), in more tiles. 0 for bad shapes. */
-size_t cuda_prefill_workspace(int n, int n_q_heads, int n_kv_heads);
+/* Bytes of device workspace to give cuda_attention_prefill_gemm for n query rows after n_past
+ * cached keys: score tiles of up to 32 MiB (more rows per tile, fewer GEMMs). It takes less, down
+ * to 16 query rows' worth (n_q_heads / n_kv_heads * 16 * (n_past + n) floats), in more tiles.
+ * 0 for bad shapes. */
+size_t cuda_prefill_workspace(int n_past, int n, int n_q_heads, int n_kv_heads);
 
-/* out[i][h] = softmax_j<=i(q[i][h] . k[j][h/g] / sqrt(head_dim)) v[j][h/g], g = n_q_heads /
- * n_kv_heads. d_q, d_out: fp32 [n][n_q_heads][head_dim]; d_k, d_v: fp32 [n][n_kv_heads][head_dim]
- * (the caller rounds them to fp16 values first to match the CPU, whose cache holds fp16).
+/* out[i][h] = softmax_j<=n_past+i(q[i][h] . k[j][h/g] / sqrt(head_dim)) v[j][h/g], g = n_q_heads /
+ * n_kv_heads: query row i stands at position n_past + i. d_q, d_out: fp32 [n][n_q_heads][head_dim];
+ * d_k, d_v: fp32 [n_past + n][n_kv_heads][head_dim] (the caller rounds them to fp16 values first
+ * to match the CPU, whose cache holds fp16). n at most 65535, n_past + n below 2^24.
  * cublas_handle: a cublasHandle_t. d_ws: ws_bytes of workspace (cuda_prefill_workspace; at
  * least 16 query rows' worth). STRATA_EINVAL for bad shapes or a workspace under that, STRATA_EIO when cuBLAS or a
  * launch fails (the message says which). */
-int cuda_attention_prefill_gemm(void *cublas_handle, const float *d_q, const float *d_k, const float *d_v, int n,
-                                int n_q_heads, int n_kv_heads, int head_dim, float *d_out, void *d_ws, size_t ws_bytes,
+int cuda_attention_prefill_gemm(void *cublas_handle, const float *d_q, const float *d_k, const float *d_v, int n_past,
+                                int n, int n_q_heads, int n_kv_heads, int head_dim, float *d_out, void *d_ws, size_t ws_bytes,
                                 strata_error *err);
 
 /* The softmax step: for head h < n_heads and row r < rows of the tile at d_s + h * head_stride
@@ -39,6 +44,13 @@ int cuda_attention_prefill_gemm(void *cublas_handle, const float *d_q, const flo
  * scores, the rest of the row 0. Returns a cudaError_t as int (0: launched). */
 int cuda_prefill_softmax(float *d_s, int rows, int kn, int i0, int n_heads, size_t head_stride,
                          strata_cuda_stream stream);
+
+/* The layer's cache of one sequence as fp32 rows [t][n_kv_heads][head_dim], t < n_blocks *
+ * block_tokens + tail_tokens: the blocks (checked as the attention checks them: one that does not
+ * match sets *d_status and gives zeros) dequantized as the attention reads them, then the tail.
+ * seq: host struct with device pointers. STRATA_OK, STRATA_EINVAL or STRATA_EIO (launch). */
+int cuda_kv_dequantize_view(const cuda_kv_layout *layout, const cuda_kv_seq *seq, float *d_k, float *d_v,
+                            int *d_status, strata_cuda_stream stream, strata_error *err);
 
 /* dst[i] = src[i] widened from fp16 (exact). Returns a cudaError_t as int. */
 int cuda_f16_to_f32(const uint16_t *src, float *dst, size_t n, strata_cuda_stream stream);

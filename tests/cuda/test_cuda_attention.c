@@ -559,7 +559,7 @@ static void test_prefill(void **state)
             /* The cuBLAS version, on the same K/V widened to fp32 (as the forward pass does). */
             float *dk32, *dv32;
             void *dws;
-            const size_t ws = cuda_prefill_workspace(n, nq, nkv);
+            const size_t ws = cuda_prefill_workspace(0, n, nq, nkv);
             assert_true(ws > 0);
             CUDA_CHECK(cudaMalloc((void **)&dk32, nkd * 4));
             CUDA_CHECK(cudaMalloc((void **)&dv32, nkd * 4));
@@ -567,12 +567,12 @@ static void test_prefill(void **state)
             CUDA_CHECK(cudaMemcpy(dk32, k, nkd * 4, cudaMemcpyHostToDevice));
             CUDA_CHECK(cudaMemcpy(dv32, v, nkd * 4, cudaMemcpyHostToDevice));
             const size_t ws_min = (size_t)(nq / nkv) * (size_t)(n < 16 ? n : 16) * (size_t)n * 4;
-            assert_int_equal(cuda_attention_prefill_gemm(blas, dq, dk32, dv32, n, nq, nkv, D, dout, dws, ws_min - 4,
+            assert_int_equal(cuda_attention_prefill_gemm(blas, dq, dk32, dv32, 0, n, nq, nkv, D, dout, dws, ws_min - 4,
                                                          &err),
                              STRATA_EINVAL);   /* a workspace too small is refused, nothing launched */
             for (int small = 0; small < 2; small++) {
                 CUDA_CHECK(cudaMemset(dout, 0xff, nqd * 4));
-                if (cuda_attention_prefill_gemm(blas, dq, dk32, dv32, n, nq, nkv, D, dout, dws, small ? ws_min : ws,
+                if (cuda_attention_prefill_gemm(blas, dq, dk32, dv32, 0, n, nq, nkv, D, dout, dws, small ? ws_min : ws,
                                                 &err) != STRATA_OK)
                     fail_msg("cuda_attention_prefill_gemm: %s", err.msg);
                 CUDA_CHECK(cudaDeviceSynchronize());
@@ -811,6 +811,43 @@ static void chunk_case(const char *codec, int nq, int nkv, int D, int n_blocks, 
         CUDA_CHECK(cudaDeviceSynchronize());
         CUDA_CHECK(cudaMemcpy(out, dout, nqd * 4, cudaMemcpyDeviceToHost));
         CUDA_CHECK(cudaMemcpy(&status, dstatus, sizeof status, cudaMemcpyDeviceToHost));
+        /* The forward pass's path: the cache written out as fp32 rows, the chunk's rows after
+         * them, the cuBLAS prefill with the cache as the past. */
+        const size_t past = (size_t)n_blocks * 64 + (size_t)tail, rows = past + (size_t)n;
+        float *dctx, *chunk32 = malloc((size_t)n * row * 4), *out2 = malloc(nqd * 4);
+        void *dws;
+        assert_true(chunk32 && out2);
+        const size_t ws = cuda_prefill_workspace((int)past, n, nq, nkv);
+        CUDA_CHECK(cudaMalloc((void **)&dctx, 2 * rows * row * 4));
+        CUDA_CHECK(cudaMalloc(&dws, ws));
+        assert_int_equal(cuda_kv_dequantize_view(&layout, &seq, dctx, dctx + rows * row, dstatus, NULL, &err), STRATA_OK);
+        for (size_t i = 0; i < (size_t)n * row; i++)
+            chunk32[i] = strata_half_to_float(ck[i]);
+        CUDA_CHECK(cudaMemcpy(dctx + past * row, chunk32, (size_t)n * row * 4, cudaMemcpyHostToDevice));
+        for (size_t i = 0; i < (size_t)n * row; i++)
+            chunk32[i] = strata_half_to_float(cv[i]);
+        CUDA_CHECK(cudaMemcpy(dctx + rows * row + past * row, chunk32, (size_t)n * row * 4, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemset(dout, 0xff, nqd * 4));
+        cublasHandle_t blas;
+        assert_int_equal(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
+        if (cuda_attention_prefill_gemm(blas, dq, dctx, dctx + rows * row, (int)past, n, nq, nkv, D, dout, dws, ws,
+                                        &err) != STRATA_OK)
+            fail_msg("cuda_attention_prefill_gemm after %zu cached: %s", past, err.msg);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        CUDA_CHECK(cudaMemcpy(out2, dout, nqd * 4, cudaMemcpyDeviceToHost));
+        int status2 = 0;
+        CUDA_CHECK(cudaMemcpy(&status2, dstatus, sizeof status2, cudaMemcpyDeviceToHost));
+        assert_int_equal(status2, 0);
+        const double e2 = cuda_test_rel_error(out2, ref, nqd);
+        printf("  chunk %s, %d blocks + %d tail + %d rows: dequantized + cuBLAS %.2e vs fp64\n", codec, n_blocks, tail,
+               n, e2);
+        if (!(e2 <= REL_BOUND))
+            fail_msg("chunk %s through cuBLAS: %.3e > %.0e", codec, e2, REL_BOUND);
+        cublasDestroy(blas);
+        cudaFree(dctx);
+        cudaFree(dws);
+        free(chunk32);
+        free(out2);
         cudaFree(dq);
         cudaFree(dout);
         cudaFree(dk);

@@ -877,7 +877,7 @@ static void test_prefill_gemm_tiles(void **state)
     assert_int_equal(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
     float *dq, *dk, *dv, *dout;
     void *dws;
-    const size_t ws = cuda_prefill_workspace(N, NQ, NKV), ws_min = (size_t)(NQ / NKV) * 16 * N * 4;
+    const size_t ws = cuda_prefill_workspace(0, N, NQ, NKV), ws_min = (size_t)(NQ / NKV) * 16 * N * 4;
     assert_int_equal(ws, (size_t)(NQ / NKV) * N * N * 4);   /* small enough for one tile */
     CUDA_CHECK(cudaMalloc((void **)&dq, nqd * 4));
     CUDA_CHECK(cudaMalloc((void **)&dk, nkd * 4));
@@ -890,7 +890,7 @@ static void test_prefill_gemm_tiles(void **state)
     strata_error err;
     for (int small = 0; small < 2; small++) {
         CUDA_CHECK(cudaMemset(dout, 0xff, nqd * 4));
-        if (cuda_attention_prefill_gemm(blas, dq, dk, dv, N, NQ, NKV, D, dout, dws, small ? ws_min : ws, &err) !=
+        if (cuda_attention_prefill_gemm(blas, dq, dk, dv, 0, N, NQ, NKV, D, dout, dws, small ? ws_min : ws, &err) !=
             STRATA_OK)
             fail_msg("cuda_attention_prefill_gemm: %s", err.msg);
         CUDA_CHECK(cudaDeviceSynchronize());
@@ -900,9 +900,9 @@ static void test_prefill_gemm_tiles(void **state)
         if (!(e <= 1e-5))
             fail_msg("cuBLAS prefill vs the CPU: %.3e", e);
     }
-    assert_int_equal(cuda_attention_prefill_gemm(blas, dq, dk, dv, N, NQ, NKV, D, dout, dws, ws_min - 4, &err),
+    assert_int_equal(cuda_attention_prefill_gemm(blas, dq, dk, dv, 0, N, NQ, NKV, D, dout, dws, ws_min - 4, &err),
                      STRATA_EINVAL);
-    assert_int_equal(cuda_attention_prefill_gemm(blas, dq, dk, dv, N, NQ, 3, D, dout, dws, ws, &err), STRATA_EINVAL);
+    assert_int_equal(cuda_attention_prefill_gemm(blas, dq, dk, dv, 0, N, NQ, 3, D, dout, dws, ws, &err), STRATA_EINVAL);
     cublasDestroy(blas);
     cudaFree(dq);
     cudaFree(dk);

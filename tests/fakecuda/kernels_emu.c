@@ -370,6 +370,47 @@ int cuda_kv_attention_chunk(const cuda_kv_layout *layout, const cuda_kv_seq *seq
     return STRATA_OK;
 }
 
+/* ---- kernels/cuda/kv_dequant.cu ---- */
+
+int cuda_kv_dequantize_view(const cuda_kv_layout *layout, const cuda_kv_seq *seq, float *d_k, float *d_v,
+                            int *d_status, strata_cuda_stream stream, strata_error *err)
+{
+    (void)stream;
+    if (!layout || !seq || !d_k || !d_v || !d_status || layout->n_kv_heads < 1 || layout->head_dim < 1 ||
+        layout->block_tokens < 1 || seq->n_blocks < 0 || seq->tail_tokens < 0 || (seq->n_blocks && !seq->blocks) ||
+        (seq->tail_tokens && (!seq->tail_k || !seq->tail_v)))
+        return strata_fail(err, STRATA_EINVAL, "cuda_kv_dequantize_view: bad arguments");
+    const int H = layout->n_kv_heads, D = layout->head_dim, BT = layout->block_tokens;
+    const size_t rows = (size_t)seq->n_blocks * BT + (size_t)seq->tail_tokens, bytes = rows * H * D * 4;
+    if (!dev(d_k, bytes, "dequantize", "k") || !dev(d_v, bytes, "dequantize", "v") ||
+        !dev(d_status, sizeof(int), "dequantize", "status") || !view_on_device(layout, seq, "dequantize"))
+        return strata_fail(err, STRATA_EIO, "fake CUDA dequantize launch: an argument is off the device");
+    /* The kernel's thread blocks one after another: thread 0's check, then every element. */
+    for (int u = 0; u < seq->n_blocks; u++) {
+        const uint8_t *blk = seq->blocks[u];
+        kv_att_block_info info;
+        int bad = kv_att_block_status(layout, blk, u);
+        if (!bad)
+            bad = kv_att_block_parse(layout, blk, &info);
+        if (bad)
+            *d_status = bad;
+        const kv_att_src src = {blk, &info, NULL, NULL};
+        for (int h = 0; h < H; h++)
+            for (int t = 0; t < BT; t++)
+                for (int c = 0; c < D; c++) {
+                    const size_t at = (((size_t)u * BT + t) * H + h) * D + c;
+                    d_k[at] = bad ? 0.0f : kv_att_key(layout, &src, h, t, c);
+                    d_v[at] = bad ? 0.0f : kv_att_value(layout, &src, h, t, c);
+                }
+    }
+    const size_t base = (size_t)seq->n_blocks * BT * H * D;
+    for (size_t x = 0; x < (size_t)seq->tail_tokens * H * D; x++) {
+        d_k[base + x] = strata_half_to_float(seq->tail_k[x]);
+        d_v[base + x] = strata_half_to_float(seq->tail_v[x]);
+    }
+    return STRATA_OK;
+}
+
 /* ---- kernels/cuda/sample.cu ---- */
 
 #define SMP_THREADS 512u

@@ -2,6 +2,7 @@
  * host waits only where it reads results (logits, the attention status) or reuses a host buffer. */
 #include "worker/cuda/model_cuda.h"
 
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -205,6 +206,7 @@ void cuda_model_free(cuda_model *cm)
     free_workspace(cm);
     free_item_buffers(cm);
     cudaFree(cm->d_ws);
+    cudaFree(cm->d_ctx);
     cudaFree(cm->d_gear_work);
     cudaFree(cm->d_status);
     for (int il = 0; cm->layers && il < cm->n_local; il++) {
@@ -294,6 +296,18 @@ static int ensure_attention_workspace(cuda_model *cm, size_t bytes, strata_error
     cm->ws_bytes = 0;
     CU(cudaMalloc(&cm->d_ws, bytes), "attention workspace");
     cm->ws_bytes = bytes;
+    return STRATA_OK;
+}
+
+static int ensure_context_rows(cuda_model *cm, size_t bytes, strata_error *err)
+{
+    if (bytes <= cm->ctx_bytes)
+        return STRATA_OK;
+    cudaFree(cm->d_ctx);
+    cm->d_ctx = NULL;
+    cm->ctx_bytes = 0;
+    CU(cudaMalloc((void **)&cm->d_ctx, bytes), "a prompt chunk's context rows");
+    cm->ctx_bytes = bytes;
     return STRATA_OK;
 }
 
@@ -839,8 +853,11 @@ static int decode_layer(cuda_model *cm, const cuda_batch_item *items, const step
  * they were before the chunk, then the chunk's own K/V (kern_kv_attention_rows's semantics, the
  * CPU stage's), and only then is the chunk appended. Shared pool: the layer's blocks are brought
  * back and pinned first, and the table row uploaded. */
-static int chunk_layer(cuda_model *cm, cuda_seq *s, int il, const float *q, const uint16_t *k16, const uint16_t *v16,
-                       size_t n, float *attn, strata_error *err)
+/* A prompt chunk continuing s: its attention over the layer's cache as it was (written out as fp32
+ * rows) and its own rows (k, v: fp32 at fp16 values), through the cuBLAS prefill with the cache as
+ * the past; then the chunk is appended (k16, v16). */
+static int chunk_layer(cuda_model *cm, cuda_seq *s, int il, const float *q, const float *k, const float *v,
+                       const uint16_t *k16, const uint16_t *v16, size_t n, float *attn, strata_error *err)
 {
     const size_t l = (size_t)il, nb = (size_t)s->n_blocks[il];
     int rc = STRATA_OK;
@@ -869,7 +886,17 @@ static int chunk_layer(cuda_model *cm, cuda_seq *s, int il, const float *q, cons
         .n_blocks = (int)nb,
         .tail_tokens = s->tail_len[il],
     };
-    rc = cuda_kv_attention_chunk(&layout, &view, q, k16, v16, (int)n, cm->cfg.n_heads, attn, cm->d_status, NULL, err);
+    const size_t kvd = (size_t)cm->cfg.n_kv_heads * (size_t)cm->cfg.head_dim;
+    const size_t past = nb * (size_t)layout.block_tokens + (size_t)view.tail_tokens, rows = past + n;
+    if (2 * rows * kvd * sizeof(float) > cm->ctx_bytes)   /* sized before the step from the sequence */
+        return strata_fail(err, STRATA_EINVAL, "layer %d holds %zu positions, more than the sequence's", il, past);
+    float *ck = cm->d_ctx, *cv = cm->d_ctx + rows * kvd;
+    if ((rc = cuda_kv_dequantize_view(&layout, &view, ck, cv, cm->d_status, NULL, err)) != STRATA_OK)
+        return rc;
+    CU(cudaMemcpyAsync(ck + past * kvd, k, n * kvd * sizeof(float), cudaMemcpyDeviceToDevice, NULL), "chunk keys");
+    CU(cudaMemcpyAsync(cv + past * kvd, v, n * kvd * sizeof(float), cudaMemcpyDeviceToDevice, NULL), "chunk values");
+    rc = cuda_attention_prefill_gemm(cm->blas, q, ck, cv, (int)past, (int)n, cm->cfg.n_heads, cm->cfg.n_kv_heads,
+                                     cm->cfg.head_dim, attn, cm->d_ws, cm->ws_bytes, err);
     if (rc == STRATA_OK)
         rc = append_layer(s, il, k16, v16, n, err);
     return rc;
@@ -903,13 +930,14 @@ static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_pl
         const cuda_batch_item *it = &items[sp->order[p]];
         const size_t r0 = sp->row0[p];
         if (it->seq->len > 0) {   /* a prompt chunk continuing the sequence */
-            if ((rc = chunk_layer(cm, it->seq, il, cm->q + r0 * e, cm->k16 + r0 * kvd, cm->v16 + r0 * kvd,
-                                  it->n_tokens, cm->attn + r0 * e, err)) != STRATA_OK)
+            if ((rc = chunk_layer(cm, it->seq, il, cm->q + r0 * e, cm->k + r0 * kvd, cm->v + r0 * kvd,
+                                  cm->k16 + r0 * kvd, cm->v16 + r0 * kvd, it->n_tokens, cm->attn + r0 * e, err)) !=
+                STRATA_OK)
                 return rc;
             continue;
         }
         if ((rc = append_layer(it->seq, il, cm->k16 + r0 * kvd, cm->v16 + r0 * kvd, it->n_tokens, err)) != STRATA_OK ||
-            (rc = cuda_attention_prefill_gemm(cm->blas, cm->q + r0 * e, cm->k + r0 * kvd, cm->v + r0 * kvd,
+            (rc = cuda_attention_prefill_gemm(cm->blas, cm->q + r0 * e, cm->k + r0 * kvd, cm->v + r0 * kvd, 0,
                                               (int)it->n_tokens, c->n_heads, c->n_kv_heads, c->head_dim,
                                               cm->attn + r0 * e, cm->d_ws, cm->ws_bytes, err)) != STRATA_OK)
             return rc;
@@ -1067,13 +1095,19 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
         if (rc == STRATA_OK)
             rc = ensure_attention_workspace(cm, cuda_kv_attention_workspace(&s0->enc[0].layout, &plan), err);
     }
-    /* A whole prompt's attention (cuda_attention_prefill_gemm) keeps its score tiles in the same
-     * workspace, after the step's decode attention on the same stream. */
+    /* A prompt's attention (cuda_attention_prefill_gemm) keeps its score tiles in the same
+     * workspace, after the step's decode attention on the same stream; a chunk continuing a
+     * sequence also needs its context written out as fp32 rows. */
     for (size_t p = sp.n_dec; rc == STRATA_OK && p < n_items; p++) {
         const cuda_batch_item *it = &items[sp.order[p]];
-        if (it->seq->len == 0)
+        const size_t past = it->seq->len, kvd = (size_t)c->n_kv_heads * (size_t)c->head_dim;
+        if (past > INT_MAX)
+            rc = strata_fail(err, STRATA_EINVAL, "a sequence of %zu positions", past);
+        else
             rc = ensure_attention_workspace(
-                cm, cuda_prefill_workspace((int)it->n_tokens, c->n_heads, c->n_kv_heads), err);
+                cm, cuda_prefill_workspace((int)past, (int)it->n_tokens, c->n_heads, c->n_kv_heads), err);
+        if (rc == STRATA_OK && past > 0)
+            rc = ensure_context_rows(cm, 2 * (past + it->n_tokens) * kvd * sizeof(float), err);
     }
     for (size_t p = sp.n_dec; rc == STRATA_OK && p < n_items; p++) {   /* as kv_seq_append records it */
         const cuda_batch_item *it = &items[sp.order[p]];
