@@ -402,26 +402,18 @@ static void test_group_shapes(void **state)
 {
     (void)state;
     static const int blocks[] = {9, 2}, tails[] = {63, 64};
-    const test_case mha = {"kivi2", 4, 4, 128, 2, blocks, tails, 0};  /* one query head per KV head */
-    run_case(&mha);
-    const test_case wide = {"kivi4", 16, 1, 128, 2, blocks, tails, 0}; /* 16 per KV head, the limit */
-    run_case(&wide);
-    const test_case d256 = {"fp16", 8, 2, 256, 2, blocks, tails, 0};
-    run_case(&d256);
-    /* The staged kernel's compiled head counts (1, 2, 3, 4, 8; 5 runs as 8 with zero heads) and
-     * its block sizes (16, 32, 64 tokens); more than 8 per KV head (above) is the generic one's. */
-    const test_case g8 = {"kivi2", 16, 2, 64, 2, blocks, tails, 0};
-    run_case(&g8);
-    const test_case g5 = {"fp16", 10, 2, 128, 2, blocks, tails, 0};
-    run_case(&g5);
-    const test_case g2 = {"kivi4", 16, 8, 128, 2, blocks, tails, 0};
-    run_case(&g2);
-    const test_case bt16 = {"kivi2-g16", 9, 3, 64, 2, blocks, tails, 16};
-    run_case(&bt16);
-    const test_case bt32 = {"kivi4", 32, 8, 128, 2, blocks, tails, 32};
-    run_case(&bt32);
-    const test_case bt16f = {"fp16", 32, 8, 128, 2, blocks, tails, 16};
-    run_case(&bt16f);
+    /* One query head per KV head; 16 per KV head (the limit, the generic kernel's); head_dim 256
+     * (the generic kernel's). Then the staged kernel's compiled head counts (1, 2, 3, 4, 8; 5 runs
+     * as 8 with zero heads) and its block sizes (16, 32, 64 tokens). */
+    const test_case cases[] = {
+        {"kivi2", 4, 4, 128, 2, blocks, tails, 0},      {"kivi4", 16, 1, 128, 2, blocks, tails, 0},
+        {"fp16", 8, 2, 256, 2, blocks, tails, 0},       {"kivi2", 16, 2, 64, 2, blocks, tails, 0},
+        {"fp16", 10, 2, 128, 2, blocks, tails, 0},      {"kivi4", 16, 8, 128, 2, blocks, tails, 0},
+        {"kivi2-g16", 9, 3, 64, 2, blocks, tails, 16},  {"kivi4", 32, 8, 128, 2, blocks, tails, 32},
+        {"fp16", 32, 8, 128, 2, blocks, tails, 16},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+        run_case(&cases[i]);
 }
 
 /* A table entry pointing at the wrong block (swapped positions) or at nothing must be reported. */

@@ -919,10 +919,11 @@ static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_pl
     KERNEL(cuda_f32_to_f16(cm->k, cm->k16, T * kvd, NULL), "keys to fp16");
     KERNEL(cuda_f32_to_f16(cm->v, cm->v16, T * kvd, NULL), "values to fp16");
     if (sp->n_items > sp->n_dec) {
-        /* Prompts attend their own K/V at the cache's precision, as the CPU prefill does: the fp32
-         * rows become the fp16 values (the decode path reads k16/v16 only). */
-        KERNEL(cuda_f16_to_f32(cm->k16, cm->k, T * kvd, NULL), "keys at fp16 precision");
-        KERNEL(cuda_f16_to_f32(cm->v16, cm->v, T * kvd, NULL), "values at fp16 precision");
+        /* Prompts attend their own K/V at the cache's precision, as the CPU prefill does: their
+         * fp32 rows (after the decode items' rows) become the fp16 values. */
+        const size_t p0 = sp->row0[sp->n_dec] * kvd, np = T * kvd - p0;
+        KERNEL(cuda_f16_to_f32(cm->k16 + p0, cm->k + p0, np, NULL), "keys at fp16 precision");
+        KERNEL(cuda_f16_to_f32(cm->v16 + p0, cm->v + p0, np, NULL), "values at fp16 precision");
     }
     if (sp->n_dec && (rc = decode_layer(cm, items, sp, plan, il, err)) != STRATA_OK)
         return rc;
