@@ -40,7 +40,7 @@ typedef struct options {
     int q_heads, kv_heads, head_dim, block_tokens, reps;
     double mem_fraction;
     const char *csv;
-    int generic;   /* also time the generic kernel on the same data */
+    int compare;   /* 0, or a cuda_kv_kernel also timed on the same data */
 } options;
 
 static void usage(FILE *out)
@@ -58,8 +58,9 @@ static void usage(FILE *out)
             "  --block-tokens N     tokens per block (default 64)\n"
             "  --reps N             timed launches per configuration, median reported (default 20)\n"
             "  --mem-fraction F     use at most this share of free device memory (default 0.85)\n"
-            "  --generic            also time the generic kernel on the same blocks (the staged one\n"
-            "                       is what runs where it applies: fp16, KIVI) and compare outputs\n"
+            "  --compare KERNEL     also time KERNEL on the same blocks and compare outputs: generic\n"
+            "                       (the first kernel, every codec) or staged (fp32 arithmetic; what\n"
+            "                       runs by default for fp16, while KIVI runs on the tensor cores)\n"
             "  --csv FILE           also write the rows as CSV\n"
             "  --help               this text\n");
 }
@@ -115,7 +116,7 @@ static int parse_options(int argc, char **argv, options *o)
         {"kv-heads", required_argument, 0, 'k'}, {"head-dim", required_argument, 0, 'd'},
         {"block-tokens", required_argument, 0, 't'}, {"reps", required_argument, 0, 'r'},
         {"mem-fraction", required_argument, 0, 'm'}, {"csv", required_argument, 0, 'o'},
-        {"generic", no_argument, 0, 'g'},
+        {"compare", required_argument, 0, 'g'},
         {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
@@ -147,7 +148,16 @@ static int parse_options(int argc, char **argv, options *o)
             break;
         }
         case 'o': o->csv = optarg; break;
-        case 'g': o->generic = 1; break;
+        case 'g':
+            if (!strcmp(optarg, "generic"))
+                o->compare = CUDA_KV_KERNEL_GENERIC;
+            else if (!strcmp(optarg, "staged"))
+                o->compare = CUDA_KV_KERNEL_STAGED;
+            else {
+                fprintf(stderr, "strata-bench-attention: --compare takes generic or staged, not '%s'\n", optarg);
+                exit(2);
+            }
+            break;
         case 'h': usage(stdout); exit(0);
         default: usage(stderr); return -1;
         }
@@ -231,8 +241,8 @@ static double copy_bandwidth(size_t free_bytes)
 typedef struct result {
     int ok;            /* 0: skipped (memory) */
     double us, gbps, bytes;
-    double generic_us;   /* --generic: the generic kernel's median, else 0 */
-    double diff;         /* --generic: |out - out_generic| / |out_generic| */
+    double other_us;     /* --compare: that kernel's median, else 0 */
+    double diff;         /* --compare: |out - out_other| / |out_other| */
 } result;
 
 /* Median milliseconds of reps launches (after 3 warm-ups) with this plan; exits on an error or a
@@ -391,15 +401,15 @@ static result run_config(const options *o, long context, size_t block_bytes, lon
     r.bytes = (double)total * (double)block_bytes + (double)total * sizeof(void *) + 2.0 * (double)qbytes;
     r.us = t * 1e6;
     r.gbps = r.bytes / t / 1e9;
-    if (o->generic) {
+    if (o->compare) {
         const size_t nq = qbytes / sizeof(float);
         float *a = malloc(qbytes), *b = malloc(qbytes);
         if (!a || !b)
             exit(1);
         CHECK(cudaMemcpy(a, d_out, qbytes, cudaMemcpyDeviceToHost));
-        cuda_kv_plan generic = plan;
-        generic.generic = 1;
-        r.generic_us = time_kernel(o, layout, &generic, d_seqs, d_q, d_out, d_ws, d_status) * 1e3;
+        cuda_kv_plan other = plan;
+        other.kernel = o->compare;
+        r.other_us = time_kernel(o, layout, &other, d_seqs, d_q, d_out, d_ws, d_status) * 1e3;
         CHECK(cudaMemcpy(b, d_out, qbytes, cudaMemcpyDeviceToHost));
         double num = 0.0, den = 0.0;
         for (size_t i = 0; i < nq; i++) {
@@ -452,11 +462,14 @@ int main(int argc, char **argv)
         return 1;
     }
     if (csv)
-        fprintf(csv, "device,codec,context,batch,us,gbps,pct_copy,speedup_vs_fp16,generic_us,staged_vs_generic,"
-                     "rel_diff_vs_generic\n");
+        fprintf(csv, "device,codec,context,batch,us,gbps,pct_copy,speedup_vs_fp16%s\n",
+                o.compare ? (o.compare == CUDA_KV_KERNEL_GENERIC ? ",generic_us,speedup_vs_generic,rel_diff_vs_generic"
+                                                                 : ",staged_us,speedup_vs_staged,rel_diff_vs_staged")
+                          : "");
     printf("%-8s %8s %6s %12s %10s %8s %12s", "codec", "context", "batch", "time_us", "GB/s", "%copy", "vs_fp16");
-    if (o.generic)
-        printf(" %12s %10s %10s", "generic_us", "vs_generic", "rel_diff");
+    if (o.compare)
+        printf(" %12s %10s %10s", o.compare == CUDA_KV_KERNEL_GENERIC ? "generic_us" : "staged_us",
+               o.compare == CUDA_KV_KERNEL_GENERIC ? "vs_generic" : "vs_staged", "rel_diff");
     printf("\n");
     /* fp16 times by (context, batch), for the speedup column. */
     double fp16_us[MAX_LIST][MAX_LIST] = {{0}};
@@ -497,17 +510,17 @@ int main(int argc, char **argv)
                     snprintf(speed, sizeof speed, "%.2fx", fp16_us[x][b] / r.us);
                 printf("%-8s %8ld %6ld %12.1f %10.1f %7.1f%% %12s", o.codecs[c], o.contexts[x], o.batches[b], r.us,
                        r.gbps, 100.0 * r.gbps * 1e9 / copy, speed);
-                if (o.generic)
-                    printf(" %12.1f %9.2fx %10.1e", r.generic_us, r.generic_us / r.us, r.diff);
+                if (o.compare)
+                    printf(" %12.1f %9.2fx %10.1e", r.other_us, r.other_us / r.us, r.diff);
                 printf("\n");
                 if (csv) {
-                    fprintf(csv, "\"%s\",%s,%ld,%ld,%.2f,%.2f,%.2f,%s,", prop.name, o.codecs[c], o.contexts[x],
+                    fprintf(csv, "\"%s\",%s,%ld,%ld,%.2f,%.2f,%.2f,%s", prop.name, o.codecs[c], o.contexts[x],
                             o.batches[b], r.us, r.gbps, 100.0 * r.gbps * 1e9 / copy,
                             fp16_us[x][b] > 0.0 ? speed : "");
-                    if (o.generic)
-                        fprintf(csv, "%.2f,%.2fx,%.2e\n", r.generic_us, r.generic_us / r.us, r.diff);
+                    if (o.compare)
+                        fprintf(csv, ",%.2f,%.2fx,%.2e\n", r.other_us, r.other_us / r.us, r.diff);
                     else
-                        fprintf(csv, ",,\n");
+                        fprintf(csv, "\n");
                 }
                 fflush(stdout);
             }

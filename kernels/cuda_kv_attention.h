@@ -72,11 +72,15 @@ typedef struct cuda_kv_plan {
     int max_blocks;        /* the most blocks any sequence of the batch has */
     int blocks_per_split;
     int n_splits;
-    int generic;           /* 0 (what cuda_kv_attention_plan sets): the staged kernel when it takes
-                            * the layout (fp16 or KIVI, head_dim 64 or 128, at most 8 query heads
-                            * per KV head), else the generic one; 1: always the generic kernel
-                            * (benchmarks compare the two) */
+    int kernel;            /* which kernel runs (cuda_kv_kernel); cuda_kv_attention_plan sets AUTO */
 } cuda_kv_plan;
+
+/* AUTO: KIVI (head_dim 64 or 128, at most 8 query heads per KV head) on the tensor cores (fp16
+ * operands, fp32 sums); fp16 and the KIVI layouts the tensor-core kernel does not take on the
+ * staged kernel (fp32 arithmetic); the rest (TaDA, GEAR, OTT, other shapes) on the generic one.
+ * STAGED: the same without the tensor cores. GENERIC: always the generic kernel. Benchmarks and
+ * tests compare them. */
+typedef enum cuda_kv_kernel { CUDA_KV_KERNEL_AUTO = 0, CUDA_KV_KERNEL_GENERIC = 1, CUDA_KV_KERNEL_STAGED = 2 } cuda_kv_kernel;
 
 /* sm_count: the device's multiprocessor count (cudaDevAttrMultiProcessorCount). */
 int cuda_kv_attention_plan(const cuda_kv_layout *layout, int n_seqs, int n_q_heads, int max_blocks,

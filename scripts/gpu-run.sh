@@ -7,35 +7,42 @@
 #              transformers at strata's fp16 batch
 #   cli        `strata generate --device cuda` as a program (SmolLM2-shaped synthetic model, fp16
 #              and kivi2 caches), its greedy text set beside the CPU's
-#   sanitizer  the kernel tests under compute-sanitizer (memcheck, racecheck)
+#   sanitizer  the kernel tests under compute-sanitizer (memcheck, racecheck); STRATA_SANITIZER_TESTS
+#              names which (default: test_cuda_attention test_cuda_ops test_cuda_sample test_cuda_encode)
+#   profile    Nsight Compute (ncu), when the machine has it, on one launch of the decode attention
+#              (PROFILE ARGS: the benchmark's arguments; --profile-kernel REGEX picks the kernel)
 # Every step has a time limit, cut to what is left of --budget, so a hang costs one step, not the
 # call. Logs (packed into logs.tgz at the end), CSV and JSON go to $OUT (or ./gpu-out);
 # summary.txt is printed last.
 #   scripts/gpu-run.sh [--phases LIST] [--budget SECONDS] [--attention-args "ARGS"]
-#                      [--decode-args "ARGS"]
+#                      [--decode-args "ARGS"] [--profile-args "ARGS"] [--profile-kernel REGEX]
 #   default: --phases tests,attention,decode,cli,sanitizer --budget 540, with the benchmark subsets
 #   that fit one call beside the tests (session 8 timings on an H100):
 #     --attention-args "--codecs fp16,kivi2,kivi4,gear2 --contexts 4096,32768,131072 --batches 1,64
-#                       --reps 10 --generic"
+#                       --reps 10 --compare staged"
 #     --decode-args "--codecs fp16,kivi4,kivi2 --kv-budget-gib 4 --gen 32"
+#     --profile-args "--codecs kivi2 --contexts 32768 --batches 64 --reps 1" --profile-kernel attend_mma
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 phases=tests,attention,decode,cli,sanitizer budget=540
-attention_args="--codecs fp16,kivi2,kivi4,gear2 --contexts 4096,32768,131072 --batches 1,64 --reps 10 --generic"
+attention_args="--codecs fp16,kivi2,kivi4,gear2 --contexts 4096,32768,131072 --batches 1,64 --reps 10 --compare staged"
 decode_args="--codecs fp16,kivi4,kivi2 --kv-budget-gib 4 --gen 32"
+profile_args="--codecs kivi2 --contexts 32768 --batches 64 --reps 1" profile_kernel=attend_mma
 while [ $# -gt 0 ]; do
   case "$1" in
     --phases) phases=$2; shift ;;
     --budget) budget=$2; shift ;;
     --attention-args) attention_args=$2; shift ;;
     --decode-args) decode_args=$2; shift ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+    --profile-args) profile_args=$2; shift ;;
+    --profile-kernel) profile_kernel=$2; shift ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "gpu-run: unknown option $1" >&2; exit 2 ;;
   esac
   shift
 done
-case ",$phases," in *,tests,*|*,attention,*|*,decode,*|*,cli,*|*,sanitizer,*) ;;
-  *) echo "gpu-run: --phases names none of tests,attention,decode,cli,sanitizer" >&2; exit 2 ;; esac
+case ",$phases," in *,tests,*|*,attention,*|*,decode,*|*,cli,*|*,sanitizer,*|*,profile,*) ;;
+  *) echo "gpu-run: --phases names none of tests,attention,decode,cli,sanitizer,profile" >&2; exit 2 ;; esac
 want() { case ",$phases," in *",$1,"*) return 0 ;; esac; return 1; }
 [ -f build-gpu-bundle/bundle.tgz ] ||
   { echo "gpu-run: build-gpu-bundle/bundle.tgz missing: run scripts/gpu-bundle.sh first" >&2; exit 2; }
@@ -179,7 +186,7 @@ if want sanitizer; then
     # test_cuda_attention under the sanitizer: its group-shape cases only (every compiled variant of
     # the staged kernel, the generic kernel's widest groups and head_dim 256); the whole program
     # with its CPU references would not fit the call.
-    for t in test_cuda_attention test_cuda_ops test_cuda_sample test_cuda_encode; do
+    for t in ${STRATA_SANITIZER_TESTS:-test_cuda_attention test_cuda_ops test_cuda_sample test_cuda_encode}; do
       filter=
       [ "$t" = test_cuda_attention ] && filter=${STRATA_SANITIZER_FILTER:-test_group_shapes}
       for tool in memcheck racecheck; do
@@ -189,6 +196,20 @@ if want sanitizer; then
     done
   else
     echo "compute-sanitizer not found: sanitizer runs skipped" | tee -a "$out/summary.txt"
+  fi
+fi
+
+if want profile; then
+  if command -v ncu >/dev/null; then
+    # One launch of the kernel: where its warps stall, how busy each pipe is, what it reads.
+    # shellcheck disable=SC2086
+    step "ncu on strata-bench-attention $profile_args" 240 "$out/profile.txt" \
+      ncu --kernel-name "regex:$profile_kernel" --launch-count 1 --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --section InstructionStats "$bundle/bin/strata-bench-attention" $profile_args
+    grep -vE '^(==PROF==|  *-+ *$)' "$out/profile.txt" | tail -n 120
+  else
+    echo "ncu not found: profile skipped" | tee -a "$out/summary.txt"
   fi
 fi
 

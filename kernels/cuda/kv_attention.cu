@@ -15,6 +15,7 @@
 
 #include "kernels/cuda/kv_attention_block.h"
 #include "kernels/cuda/kv_attention_fast.h"
+#include "kernels/cuda/kv_attention_mma.h"
 #include "kernels/cuda_kv_attention.h"
 #include "kvstore/kv_cache.h"
 
@@ -211,8 +212,10 @@ extern "C" int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_pla
     float *ws_ml = ws_acc + (size_t)plan->n_seqs * plan->n_q_heads * plan->n_splits * D;
     const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
     int rc;
-    if (!plan->generic && kv_att_fast_eligible(layout, qpk)) {
-        rc = kv_att_fast_launch(layout, plan, d_seqs, d_q, ws_acc, ws_ml, d_status, stream, err);
+    const bool mma = plan->kernel == CUDA_KV_KERNEL_AUTO && kv_mma_eligible(layout, qpk);
+    if (mma || (plan->kernel != CUDA_KV_KERNEL_GENERIC && kv_att_fast_eligible(layout, qpk))) {
+        rc = mma ? kv_mma_launch(layout, plan, d_seqs, d_q, ws_acc, ws_ml, d_status, stream, err)
+                 : kv_att_fast_launch(layout, plan, d_seqs, d_q, ws_acc, ws_ml, d_status, stream, err);
         if (rc != STRATA_OK)
             return rc;
         merge_splits<<<dim3((unsigned)plan->n_q_heads, (unsigned)plan->n_seqs), kThreads, 0, st>>>(*plan, D, ws_acc,

@@ -27,6 +27,7 @@
 
 #include "kernels/cuda/kv_attention_block.h"
 #include "kernels/cuda/kv_attention_fast.h"
+#include "kernels/cuda/stage_copy.h"
 #include "kvstore/kv_cache.h"
 
 namespace {
@@ -88,37 +89,6 @@ __host__ __device__ inline size_t smem_bytes(const cuda_kv_layout &L, int GT)
            kWindow * sizeof(int);
 }
 
-__device__ inline void cp_async(void *dst, const void *src, int bytes)
-{
-    const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    if (bytes == 16)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
-    else if (bytes == 8)
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(d), "l"(src));
-    else
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
-}
-
-__device__ inline void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ inline void cp_async_wait_prev() { asm volatile("cp.async.wait_group 1;\n" ::); }
-
-// rows x row_bytes from src (rows `stride` bytes apart) to dst (packed), by all threads, in the
-// widest pieces the addresses allow. Every size here is a multiple of 2; pieces of 4+ go through
-// cp.async, a 2-aligned leftover (never seen from our own allocations) is copied directly.
-__device__ void copy_rows(uint8_t *dst, const uint8_t *src, int rows, int row_bytes, size_t stride)
-{
-    const uintptr_t a = (uintptr_t)src | (uintptr_t)dst | (uintptr_t)stride | (uintptr_t)row_bytes;
-    const int unit = (a & 15) == 0 ? 16 : (a & 7) == 0 ? 8 : (a & 3) == 0 ? 4 : 2;
-    const int per_row = row_bytes / unit, total = rows * per_row;
-    for (int x = threadIdx.x; x < total; x += kThreads) {
-        const int r = x / per_row, o = (x - r * per_row) * unit;
-        if (unit >= 4)
-            cp_async(dst + (size_t)r * row_bytes + o, src + (size_t)r * stride + o, unit);
-        else
-            *(uint16_t *)(dst + (size_t)r * row_bytes + o) = *(const uint16_t *)(src + (size_t)r * stride + o);
-    }
-}
-
 // One step of a split: a block of the pool's codec, or up to BT fp16 rows of the tail.
 struct Step {
     const uint8_t *blk;      // a block, or NULL
@@ -135,18 +105,20 @@ __device__ void stage_step(const cuda_kv_layout &L, const Step &st, int h, uint8
     const int D = L.head_dim, BT = L.block_tokens, H = L.n_kv_heads;
     if (KIVI && st.blk) {
         const KiviStage ks = kivi_stage(L);
-        copy_rows(dst, st.blk + L.off_k + (size_t)h * D * ks.k_row_bytes, 1, D * ks.k_row_bytes, 0);
-        copy_rows(dst + ks.off_kz, st.blk + L.off_k_scales + (size_t)h * D * ks.k_groups * 4, 1, D * ks.k_groups * 4, 0);
-        copy_rows(dst + ks.off_vc, st.blk + L.off_v + (size_t)h * ks.v_row_bytes, BT, ks.v_row_bytes,
-                  (size_t)H * ks.v_row_bytes);
-        copy_rows(dst + ks.off_vz, st.blk + L.off_v_scales + (size_t)h * ks.v_groups * 4, BT, ks.v_groups * 4,
-                  (size_t)H * ks.v_groups * 4);
+        const int t = threadIdx.x;
+        stage_rows(dst, st.blk + L.off_k + (size_t)h * D * ks.k_row_bytes, 1, D * ks.k_row_bytes, 0, t, kThreads);
+        stage_rows(dst + ks.off_kz, st.blk + L.off_k_scales + (size_t)h * D * ks.k_groups * 4, 1, D * ks.k_groups * 4,
+                   0, t, kThreads);
+        stage_rows(dst + ks.off_vc, st.blk + L.off_v + (size_t)h * ks.v_row_bytes, BT, ks.v_row_bytes,
+                   (size_t)H * ks.v_row_bytes, t, kThreads);
+        stage_rows(dst + ks.off_vz, st.blk + L.off_v_scales + (size_t)h * ks.v_groups * 4, BT, ks.v_groups * 4,
+                   (size_t)H * ks.v_groups * 4, t, kThreads);
         return;
     }
     const uint8_t *k = st.blk ? st.blk + L.off_k : st.k, *v = st.blk ? st.blk + L.off_v : st.v;
     const size_t stride = (size_t)H * D * 2, at = (size_t)h * D * 2;
-    copy_rows(dst, k + at, st.n, D * 2, stride);
-    copy_rows(dst + (size_t)fp16_rows(KIVI, BT) * D * 2, v + at, st.n, D * 2, stride);
+    stage_rows(dst, k + at, st.n, D * 2, stride, threadIdx.x, kThreads);
+    stage_rows(dst + (size_t)fp16_rows(KIVI, BT) * D * 2, v + at, st.n, D * 2, stride, threadIdx.x, kThreads);
 }
 
 // N consecutive halves (N = 4 or 8, 8- or 16-byte aligned in shared memory) as floats.
@@ -456,12 +428,12 @@ __global__ void __launch_bounds__(kThreads, (KIVI && GT <= 4) ? 4 : 2)
         };
         if (n_steps > 0)
             stage_step<KIVI>(L, step_at(0), kvh, stage);
-        cp_async_commit();
+        stage_commit();
         for (int s = 0; s < n_steps; s++) {
             if (s + 1 < n_steps)
                 stage_step<KIVI>(L, step_at(s + 1), kvh, stage + ((s + 1) & 1) * sb);
-            cp_async_commit();
-            cp_async_wait_prev();
+            stage_commit();
+            stage_wait_prev();
             __syncthreads();   // step s's bytes are in the stage for every thread
             const Step st = step_at(s);
             if (st.n > 0) {

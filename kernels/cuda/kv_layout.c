@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "kernels/cuda_kv_attention.h"
+#include "kernels/cuda/kv_attention_mma.h"
 #include "kernels/cuda/kv_encode_block.h"
 #include "kernels/cuda_kv_encode.h"
 #include "kvstore/block.h"
@@ -82,13 +83,16 @@ int cuda_kv_attention_plan(const cuda_kv_layout *layout, int n_seqs, int n_q_hea
     if (n_seqs > MAX_GRID_Y)
         return strata_fail(err, STRATA_EINVAL, "%d sequences in one launch: at most %d", n_seqs, MAX_GRID_Y);
     /* The tail is one more unit of work after the blocks. Enough splits that the whole grid gives
-     * every multiprocessor CTAS_PER_SM thread blocks, never more splits than units. */
+     * every multiprocessor as many thread blocks as fit at once (the tensor-core kernel: four, its
+     * warps each on their own blocks; the others: two), never more splits than units. */
     const long units = (long)max_blocks + 1;
     const long rows = (long)n_seqs * layout->n_kv_heads;
-    const long target = (long)(sm_count > 0 ? sm_count : 1) * CTAS_PER_SM;
+    const int mma = kv_mma_eligible(layout, n_q_heads / layout->n_kv_heads);
+    const long target = (long)(sm_count > 0 ? sm_count : 1) * (mma ? 4 : CTAS_PER_SM);
     long splits = (target + rows - 1) / rows;
-    if (splits > units)
-        splits = units;
+    const long most = mma ? (units + KV_MMA_WARPS - 1) / KV_MMA_WARPS : units;   /* a block per warp at least */
+    if (splits > most)
+        splits = most;
     if (splits > MAX_GRID_Y)
         splits = MAX_GRID_Y;
     const long per_split = (units + splits - 1) / splits;

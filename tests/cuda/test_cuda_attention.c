@@ -24,6 +24,7 @@
 
 #include "cuda_test_util.h"
 #include "kernels/cuda/kv_attention_emu.h"
+#include "kernels/cuda/kv_attention_mma_emu.h"
 #include "kernels/cuda_kv_attention.h"
 #include "kernels/cuda_prefill.h"
 #include "kernels/kv_attention.h"
@@ -33,6 +34,11 @@
 #include "kvstore/kv_cache.h"
 
 #define REL_BOUND 1e-4
+/* The tensor-core path (KIVI under CUDA_KV_KERNEL_AUTO) rounds the scaled query, the dequantized
+ * K/V and the softmax weights to fp16 (unit roundoff 2^-11 = 4.9e-4); its error against fp64 on
+ * these inputs (peaked softmax: keys up to about 5 against queries up to 2) measured 2e-4 to 4e-4
+ * on the CPU emulation. Bound: 2e-3, four fp16 roundings' worth. */
+#define REL_BOUND_FP16 2e-3
 
 typedef struct host_seq {
     int n_blocks, tail;
@@ -46,6 +52,7 @@ typedef struct test_case {
     int n_seqs;
     const int *n_blocks, *tails;
     int block_tokens;     /* 0: 64 */
+    int kernel;           /* cuda_kv_kernel; 0: AUTO */
 } test_case;
 
 static uint64_t seed = 0x5eed;
@@ -254,7 +261,10 @@ static int emu_attention(const cuda_kv_layout *L, const cuda_kv_plan *P, const c
 {
     float *ws = malloc(cuda_kv_attention_workspace(L, P));
     assert_non_null(ws);
-    const int status = kv_att_emu_attention(L, P, seqs, q, out, ws);
+    const int qpk = P->n_q_heads / L->n_kv_heads;
+    const int status = P->kernel == CUDA_KV_KERNEL_AUTO && kv_mma_eligible(L, qpk)
+                           ? kv_mma_emu_attention(L, P, seqs, q, out, ws)
+                           : kv_att_emu_attention(L, P, seqs, q, out, ws);
     free(ws);
     assert_true(status >= 0);
     return status;
@@ -314,6 +324,8 @@ static void run_case(const test_case *tc)
     if (!emulated)
         CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     assert_int_equal(cuda_kv_attention_plan(&r.layout, tc->n_seqs, tc->nq, max_blocks, sms, &r.plan, &err), STRATA_OK);
+    r.plan.kernel = tc->kernel;
+    const bool mma = tc->kernel == CUDA_KV_KERNEL_AUTO && kv_mma_eligible(&r.layout, tc->nq / tc->nkv);
     const size_t per_seq = (size_t)tc->nq * tc->D, n = per_seq * tc->n_seqs;
     float *q = malloc(n * sizeof *q), *out = malloc(n * sizeof *out), *cpu = malloc(per_seq * sizeof *cpu);
     double *ref = malloc(per_seq * sizeof *ref);
@@ -339,11 +351,12 @@ static void run_case(const test_case *tc)
     for (int i = 0; i < tc->n_seqs; i++) {
         reference(&hs[i], &g, slot, q + i * per_seq, tc->nq, ref);
         const double e = cuda_test_rel_error(out + i * per_seq, ref, per_seq);
-        printf("  %s%s nq %d nkv %d D %d seq %d (%d blocks + %d tail, %d splits of %d): rel error %.2e\n",
-               emulated ? "emulated " : "", tc->codec, tc->nq, tc->nkv, tc->D, i, hs[i].n_blocks, hs[i].tail,
-               r.plan.n_splits, r.plan.blocks_per_split, e);
-        if (!(e <= REL_BOUND))
-            fail_msg("%s vs fp64 reference: %.3e > %.0e", emulated ? "emulated kernel" : "GPU", e, REL_BOUND);
+        const double bound = mma ? REL_BOUND_FP16 : REL_BOUND;
+        printf("  %s%s%s nq %d nkv %d D %d seq %d (%d blocks + %d tail, %d splits of %d): rel error %.2e\n",
+               emulated ? "emulated " : "", tc->codec, mma ? " (tensor cores)" : "", tc->nq, tc->nkv, tc->D, i,
+               hs[i].n_blocks, hs[i].tail, r.plan.n_splits, r.plan.blocks_per_split, e);
+        if (!(e <= bound))
+            fail_msg("%s vs fp64 reference: %.3e > %.0e", emulated ? "emulated kernel" : "GPU", e, bound);
         if (hs[i].n_blocks + hs[i].tail > 0) {
             cpu_kernel(&hs[i], &g, slot, q + i * per_seq, tc->nq, cpu);
             if (!(cuda_test_rel_error(cpu, ref, per_seq) <= REL_BOUND))
@@ -378,10 +391,15 @@ static void test_single_sequences(void **state)
     static const int blocks[] = {5}, tails[] = {17};
     static const int blocks0[] = {0}, tails0[] = {1};
     for (size_t c = 0; c < 10; c++) {
-        const test_case smol = {codecs[c], 9, 3, 64, 1, blocks, tails, 0};
+        const test_case smol = {codecs[c], 9, 3, 64, 1, blocks, tails, 0, 0};
         run_case(&smol);
-        const test_case one = {codecs[c], 32, 8, 128, 1, blocks0, tails0, 0};
+        const test_case one = {codecs[c], 32, 8, 128, 1, blocks0, tails0, 0, 0};
         run_case(&one);
+    }
+    /* KIVI without the tensor cores (the staged kernel's fp32 path, which benchmarks compare). */
+    for (size_t c = 1; c < 3; c++) {
+        const test_case staged = {codecs[c], 32, 8, 128, 1, blocks, tails, 0, CUDA_KV_KERNEL_STAGED};
+        run_case(&staged);
     }
 }
 
@@ -391,9 +409,9 @@ static void test_batches_of_unequal_lengths(void **state)
     const char *codecs[] = {"fp16", "kivi2", "kivi4", "tada2", "tada4", "gear2", "ott2"};
     static const int blocks[] = {0, 3, 37, 0, 130}, tails[] = {40, 0, 100, 0, 191};
     for (size_t c = 0; c < 7; c++) {
-        const test_case llama = {codecs[c], 32, 8, 128, 5, blocks, tails, 0};
+        const test_case llama = {codecs[c], 32, 8, 128, 5, blocks, tails, 0, 0};
         run_case(&llama);
-        const test_case smol = {codecs[c], 9, 3, 64, 5, blocks, tails, 0};
+        const test_case smol = {codecs[c], 9, 3, 64, 5, blocks, tails, 0, 0};
         run_case(&smol);
     }
 }
@@ -406,11 +424,11 @@ static void test_group_shapes(void **state)
      * (the generic kernel's). Then the staged kernel's compiled head counts (1, 2, 3, 4, 8; 5 runs
      * as 8 with zero heads) and its block sizes (16, 32, 64 tokens). */
     const test_case cases[] = {
-        {"kivi2", 4, 4, 128, 2, blocks, tails, 0},      {"kivi4", 16, 1, 128, 2, blocks, tails, 0},
-        {"fp16", 8, 2, 256, 2, blocks, tails, 0},       {"kivi2", 16, 2, 64, 2, blocks, tails, 0},
-        {"fp16", 10, 2, 128, 2, blocks, tails, 0},      {"kivi4", 16, 8, 128, 2, blocks, tails, 0},
-        {"kivi2-g16", 9, 3, 64, 2, blocks, tails, 16},  {"kivi4", 32, 8, 128, 2, blocks, tails, 32},
-        {"fp16", 32, 8, 128, 2, blocks, tails, 16},
+        {"kivi2", 4, 4, 128, 2, blocks, tails, 0, 0},      {"kivi4", 16, 1, 128, 2, blocks, tails, 0, 0},
+        {"fp16", 8, 2, 256, 2, blocks, tails, 0, 0},       {"kivi2", 16, 2, 64, 2, blocks, tails, 0, 0},
+        {"fp16", 10, 2, 128, 2, blocks, tails, 0, 0},      {"kivi4", 16, 8, 128, 2, blocks, tails, 0, 0},
+        {"kivi2-g16", 9, 3, 64, 2, blocks, tails, 16, 0},  {"kivi4", 32, 8, 128, 2, blocks, tails, 32, 0},
+        {"fp16", 32, 8, 128, 2, blocks, tails, 16, 0},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
         run_case(&cases[i]);
@@ -625,6 +643,101 @@ static void test_reference_matches_cpu_kernel(void **state)
 
 /* The same cases with the kernels' phases emulated on the CPU (smaller batches: the emulation is
  * slow), and the status for a bad table. */
+/* The tensor-core kernel's fragments (kernels/cuda/kv_attention_mma.h) address every key and value
+ * of a staged block once and decode it to its dequantized value: the B registers of every lane,
+ * read back through the mma.sync layout as documented there (b0: rows 2tig, 2tig+1, b1: rows
+ * 2tig+8, 2tig+9, column gid), against kv_block_decode: each within half an fp16 ulp (the
+ * kernel rounds scale * code + zero once). */
+static void check_fragments(const char *codec, int D, int BT)
+{
+    kv_codec_params p;
+    strata_error err;
+    assert_int_equal(kv_codec_parse(codec, &p, &err), STRATA_OK);
+    const int H = 2;
+    const kv_geometry g = {.n_layers = 1, .n_kv_heads = H, .head_dim = D, .block_tokens = BT};
+    assert_int_equal(kv_codec_validate(&p, &g, &err), STRATA_OK);
+    const size_t slot = kv_block_size(&p, &g);
+    host_seq hs;
+    make_seq(&p, &g, 1, 0, slot, &hs);
+    kv_block b;
+    assert_int_equal(kv_block_parse(hs.blocks, slot, &b, &err), STRATA_OK);
+    cuda_kv_layout L;
+    assert_int_equal(cuda_kv_layout_from_block(&b, &L, &err), STRATA_OK);
+    assert_true(kv_mma_eligible(&L, 4));
+    const size_t n = (size_t)BT * H * D;
+    float *k = malloc(n * sizeof *k), *v = malloc(n * sizeof *v);
+    const kv_mma_stage S = kv_mma_stage_of(&L);
+    uint8_t *st = aligned_alloc(16, S.bytes);
+    int *seen = calloc((size_t)BT * D, sizeof *seen);
+    assert_true(k && v && st && seen);
+    assert_int_equal(kv_block_decode(&b, k, v, &err), STRATA_OK);
+    const int kshift = __builtin_ctz((unsigned)L.k_group), vshift = __builtin_ctz((unsigned)L.v_group), B = L.k_bits;
+    for (int h = 0; h < H; h++)
+        for (int part = 0; part < 2; part++) {   /* keys, then values */
+            const float *ref = part ? v : k;
+            kv_mma_emu_stage(&L, &S, hs.blocks, h, st);
+            uint8_t *sec = st + (part ? S.off_vz : S.off_kz);
+            const int rows = part ? BT : D, groups = part ? S.v_groups : S.k_groups;
+            for (int lane = 0; lane < 32; lane++)
+                kv_mma_section_prep(sec, rows, groups, lane);
+            memset(seen, 0, (size_t)BT * D * sizeof *seen);
+            /* keys: kk over channel steps, n over 8-token tiles; values: kv over token steps, n over
+             * 8-channel tiles. Row r of the contraction, column col of the tile. */
+            const int steps = part ? BT / 16 : D / 16, tiles = part ? D / 8 : BT / 8;
+            const int row_bytes = part ? S.v_row_bytes : S.k_row_bytes, shift = part ? vshift : kshift;
+            const uint8_t *codes = st + (part ? S.off_vc : 0);
+            for (int ks = 0; ks < steps; ks++)
+                for (int tile = 0; tile < tiles; tile++)
+                    for (int lane = 0; lane < 32; lane++) {
+                        const int gid = lane >> 2, tig = lane & 3, col = 8 * tile + gid, grp = (8 * tile) >> shift;
+                        const kv_mma_lane cl = kv_mma_lane_of(lane, B);
+                        for (int reg = 0; reg < 2; reg++) {   /* b0, b1 */
+                            const int r = 16 * ks + 2 * tig + 8 * reg;
+                            const uint8_t *w = codes + 4 * (size_t)kv_mma_word_of(tile, B);
+                            const uint32_t x = kv_mma_codes(kv_mma_ld(w + (size_t)r * row_bytes),
+                                                            kv_mma_ld(w + (size_t)(r + 1) * row_bytes), &cl, tile, B);
+                            const uint32_t got = kv_mma_dequant(x, kv_mma_ld(sec + kv_mma_scale_offset(r, groups, grp)),
+                                                                kv_mma_ld(sec + kv_mma_zero_offset(r, groups, grp)), B);
+                            for (int hi = 0; hi < 2; hi++) {
+                                /* keys: contraction rows are channels, columns tokens; values the reverse */
+                                const int t = part ? r + hi : col, c = part ? col : r + hi;
+                                const float want = ref[((size_t)t * H + h) * D + c];
+                                const float have = strata_half_to_float((uint16_t)(got >> (16 * hi)));
+                                if (!(fabsf(have - want) <= fabsf(want) * 0x1p-11f + 0x1p-25f))
+                                    fail_msg("%s D %d BT %d %s head %d token %d channel %d: %g, decoded %g", codec, D,
+                                             BT, part ? "value" : "key", h, t, c, have, want);
+                                seen[t * D + c]++;
+                            }
+                        }
+                    }
+            for (int i = 0; i < BT * D; i++)
+                if (seen[i] != 1)
+                    fail_msg("%s D %d BT %d: element %d addressed %d times", codec, D, BT, i, seen[i]);
+        }
+    free(k);
+    free(v);
+    free(st);
+    free(seen);
+    free_seq(&hs);
+}
+
+static void test_mma_fragments(void **state)
+{
+    (void)state;
+    static const char *codecs[] = {"kivi2", "kivi4", "kivi2-g16", "kivi4-g8", "kivi2-g64"};
+    static const int bts[] = {16, 32, 64};
+    for (size_t c = 0; c < 5; c++)
+        for (int D = 64; D <= 128; D *= 2)
+            for (size_t i = 0; i < 3; i++) {
+                kv_codec_params p;
+                strata_error err;
+                assert_int_equal(kv_codec_parse(codecs[c], &p, &err), STRATA_OK);
+                if (bts[i] % p.group)
+                    continue;
+                check_fragments(codecs[c], D, bts[i]);
+            }
+}
+
 static void test_emulated_kernels(void **state)
 {
     (void)state;
@@ -633,14 +746,20 @@ static void test_emulated_kernels(void **state)
     static const int blocks[] = {0, 3, 9, 0}, tails[] = {40, 0, 191, 0};
     static const int blocks1[] = {5}, tails1[] = {17};
     for (size_t c = 0; c < 9; c++) {
-        const test_case smol = {codecs[c], 9, 3, 64, 1, blocks1, tails1, 0};
+        const test_case smol = {codecs[c], 9, 3, 64, 1, blocks1, tails1, 0, 0};
         run_case(&smol);
-        const test_case llama = {codecs[c], 32, 8, 128, 4, blocks, tails, 0};
+        const test_case llama = {codecs[c], 32, 8, 128, 4, blocks, tails, 0, 0};
         run_case(&llama);
     }
     static const int blocks2[] = {9, 2}, tails2[] = {63, 64};
-    const test_case wide = {"kivi4", 16, 1, 128, 2, blocks2, tails2, 0};
+    const test_case wide = {"kivi4", 16, 1, 128, 2, blocks2, tails2, 0, 0};
     run_case(&wide);
+    /* Tensor cores, a short sequence (blocks and a tail) beside a long one: the splits past the
+     * short one's tail must not attend it again. */
+    const test_case tc_one = {"kivi2", 4, 4, 128, 2, blocks2, tails2, 0, 0};
+    run_case(&tc_one);
+    const test_case tc_bt16 = {"kivi2-g16", 9, 3, 64, 2, blocks2, tails2, 16, 0};
+    run_case(&tc_bt16);
     emulated = false;
 
     /* A swapped table raises status 1 in the emulation as on the GPU. */
@@ -892,6 +1011,7 @@ int main(void)
     if (filter && *filter)
         cmocka_set_test_filter(filter);
     const struct CMUnitTest harness[] = {cmocka_unit_test(test_reference_matches_cpu_kernel),
+                                         cmocka_unit_test(test_mma_fragments),
                                          cmocka_unit_test(test_emulated_kernels),
                                          cmocka_unit_test(test_emulated_prefill),
                                          cmocka_unit_test(test_emulated_chunk)};

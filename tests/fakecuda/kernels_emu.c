@@ -12,6 +12,7 @@
 
 #include "cuda_runtime.h"
 #include "kernels/cuda/kv_attention_emu.h"
+#include "kernels/cuda/kv_attention_mma_emu.h"
 #include "kernels/cuda/kv_encode_block.h"
 #include "kernels/cuda/kv_tail_block.h"
 #include "kernels/cuda/prefill_softmax_block.h"
@@ -321,7 +322,11 @@ int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_plan *plan, co
     for (int si = 0; si < plan->n_seqs; si++)
         if (d_seqs[si].n_blocks > plan->max_blocks || !view_on_device(layout, &d_seqs[si], "attention"))
             return strata_fail(err, STRATA_EIO, "fake CUDA attention: view %d is off the device or over the plan", si);
-    const int status = kv_att_emu_attention(layout, plan, d_seqs, d_q, d_out, d_workspace);
+    /* The same choice of kernel as kernels/cuda/kv_attention.cu; the staged kernel computes what the
+     * generic one does (fp32), so the generic emulation stands for both. */
+    const int status = plan->kernel == CUDA_KV_KERNEL_AUTO && kv_mma_eligible(layout, plan->n_q_heads / H)
+                           ? kv_mma_emu_attention(layout, plan, d_seqs, d_q, d_out, d_workspace)
+                           : kv_att_emu_attention(layout, plan, d_seqs, d_q, d_out, d_workspace);
     if (status < 0)
         return strata_fail(err, STRATA_ENOMEM, "fake CUDA attention: out of memory");
     if (status)
