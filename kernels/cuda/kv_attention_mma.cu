@@ -30,6 +30,7 @@
 namespace {
 
 constexpr int kWarps = KV_MMA_WARPS;
+constexpr int BT = 64;   // tokens a block (kv_mma_eligible)
 constexpr int kThreads = 32 * kWarps;
 constexpr float kLn2 = 0.69314718055994531f;
 
@@ -81,17 +82,16 @@ __device__ inline void load_words(const uint8_t *p, uint32_t (&w)[N])
 __host__ __device__ constexpr size_t q16_bytes(int D) { return (size_t)KV_MMA_MAX_QPK * (D + 8) * 2; }
 
 // Starts the copies of block blk's four sections for KV head h into dst (the warp's lanes).
+template <int D, int B, int G>
 __device__ void stage_block(const cuda_kv_layout &L, const kv_mma_stage &S, const uint8_t *blk, int h, uint8_t *dst,
                             int lane)
 {
-    const int D = L.head_dim, BT = L.block_tokens, H = L.n_kv_heads;
-    stage_rows(dst, blk + L.off_k + (size_t)h * D * S.k_row_bytes, 1, D * S.k_row_bytes, 0, lane, 32);
-    stage_rows(dst + S.off_kz, blk + L.off_k_scales + (size_t)h * D * S.k_groups * 4, 1, D * S.k_groups * 4, 0, lane,
-               32);
-    stage_rows(dst + S.off_vc, blk + L.off_v + (size_t)h * S.v_row_bytes, BT, S.v_row_bytes,
-               (size_t)H * S.v_row_bytes, lane, 32);
-    stage_rows(dst + S.off_vz, blk + L.off_v_scales + (size_t)h * S.v_groups * 4, BT, S.v_groups * 4,
-               (size_t)H * S.v_groups * 4, lane, 32);
+    constexpr int KROW = BT * B / 8, KZ = D * (BT / G) * 4, VROW = D * B / 8, VZ = (D / G) * 4;
+    const size_t H = (size_t)L.n_kv_heads;
+    stage_rows(dst, blk + L.off_k + (size_t)h * D * KROW, 1, D * KROW, 0, lane, 32);
+    stage_rows(dst + S.off_kz, blk + L.off_k_scales + (size_t)h * KZ, 1, KZ, 0, lane, 32);
+    stage_rows(dst + S.off_vc, blk + L.off_v + (size_t)h * VROW, BT, VROW, H * VROW, lane, 32);
+    stage_rows(dst + S.off_vz, blk + L.off_v_scales + (size_t)h * VZ, BT, VZ, H * VZ, lane, 32);
 }
 
 // The (scale, zero) words of group g for the pair of rows from `row` of a prepared section.
@@ -101,11 +101,13 @@ __device__ inline uint2 scale_zero(const uint8_t *sec, int row, int groups, int 
                       *reinterpret_cast<const uint32_t *>(sec + kv_mma_zero_offset(row, groups, g)));
 }
 
-// Scores s[n] (head gid; tokens 8n + 2tig, +1) of a staged block, in log2 units.
-template <int D, int BT, int B>
-__device__ void block_scores(const kv_mma_stage &S, const uint8_t *st, int gshift, const uint32_t *qrow,
-                             const kv_mma_lane &kl, int lane, float (&s)[BT / 8][2])
+// Scores s[n] (head gid; tokens 8n + 2tig, +1) of a staged block, in log2 units. G: tokens a key
+// group (and channels a value group).
+template <int D, int B, int G>
+__device__ void block_scores(const kv_mma_stage &S, const uint8_t *st, const uint32_t *qrow, const kv_mma_lane &kl,
+                             int lane, float (&s)[BT / 8][2])
 {
+    constexpr int KG = BT / G;   // key groups a channel row
     constexpr int NT = BT / 8, RW = BT * B / 32;   // 8-token tiles; code words a channel row
     const int tig = lane & 3;
 #pragma unroll
@@ -121,14 +123,11 @@ __device__ void block_scores(const kv_mma_stage &S, const uint8_t *st, int gshif
         load_words<RW>(st + (size_t)(c0 + 8) * S.k_row_bytes, w8);
         load_words<RW>(st + (size_t)(c0 + 9) * S.k_row_bytes, w9);
         uint2 sz0 = make_uint2(0, 0), sz8 = make_uint2(0, 0);
-        int loaded = -1;
 #pragma unroll
         for (int n = 0; n < NT; n++) {
-            const int g = (8 * n) >> gshift;
-            if (g != loaded) {
-                sz0 = scale_zero(st + S.off_kz, c0, S.k_groups, g);
-                sz8 = scale_zero(st + S.off_kz, c0 + 8, S.k_groups, g);
-                loaded = g;
+            if ((8 * n) % G == 0) {   // a group starts: known at compile time
+                sz0 = scale_zero(st + S.off_kz, c0, KG, 8 * n / G);
+                sz8 = scale_zero(st + S.off_kz, c0 + 8, KG, 8 * n / G);
             }
             const int wi = kv_mma_word_of(n, B);
             const uint32_t b0 = kv_mma_dequant(kv_mma_codes(w0[wi], w1[wi], &kl, n, B), sz0.x, sz0.y, B);
@@ -139,10 +138,11 @@ __device__ void block_scores(const kv_mma_stage &S, const uint8_t *st, int gshif
 }
 
 // o[m] (head gid; channels 8m + 2tig, +1) += P V over a staged block's values.
-template <int D, int BT, int B>
-__device__ void block_values(const kv_mma_stage &S, const uint8_t *st, int gshift, const uint32_t (&pa)[BT / 8],
+template <int D, int B, int G>
+__device__ void block_values(const kv_mma_stage &S, const uint8_t *st, const uint32_t (&pa)[BT / 8],
                              const kv_mma_lane &vl, int lane, float (&o)[D / 8][2])
 {
+    constexpr int VG = D / G;   // value groups a token row
     constexpr int VT = D / 8, RW = D * B / 32;   // 8-channel tiles; code words a token row (4..16)
     const int tig = lane & 3;
     const uint8_t *codes = st + S.off_vc;
@@ -157,7 +157,6 @@ __device__ void block_values(const kv_mma_stage &S, const uint8_t *st, int gshif
                 a2 = pa[2 * k + 1];
             }
         uint2 sz0 = make_uint2(0, 0), sz8 = make_uint2(0, 0);
-        int loaded = -1;
 #pragma unroll
         for (int c4 = 0; c4 < RW; c4 += 4) {   // 16 bytes of each of the four rows at a time
             uint32_t w0[4], w1[4], w8[4], w9[4];
@@ -170,11 +169,9 @@ __device__ void block_values(const kv_mma_stage &S, const uint8_t *st, int gshif
                 const int wi = kv_mma_word_of(m, B) - c4;
                 if (wi < 0 || wi >= 4)
                     continue;
-                const int g = (8 * m) >> gshift;
-                if (g != loaded) {
-                    sz0 = scale_zero(st + S.off_vz, t0, S.v_groups, g);
-                    sz8 = scale_zero(st + S.off_vz, t0 + 8, S.v_groups, g);
-                    loaded = g;
+                if ((8 * m) % G == 0) {   // a group starts: known at compile time
+                    sz0 = scale_zero(st + S.off_vz, t0, VG, 8 * m / G);
+                    sz8 = scale_zero(st + S.off_vz, t0 + 8, VG, 8 * m / G);
                 }
                 const uint32_t b0 = kv_mma_dequant(kv_mma_codes(w0[wi], w1[wi], &vl, m, B), sz0.x, sz0.y, B);
                 const uint32_t b1 = kv_mma_dequant(kv_mma_codes(w8[wi], w9[wi], &vl, m, B), sz8.x, sz8.y, B);
@@ -221,19 +218,18 @@ __device__ void softmax_step(float (&s)[NT][2], int n_valid, float &m_run, float
     m_run = m_new;
 }
 
-template <int D, int BT, int B>
-__device__ void attend_block(const kv_mma_stage &S, uint8_t *st, int D_rows, int kshift, int vshift,
-                             const uint32_t *qrow, const kv_mma_lane &kl, const kv_mma_lane &vl, float (&o)[D / 8][2],
-                             float &m_run, float &l_run, int lane)
+template <int D, int B, int G>
+__device__ void attend_block(const kv_mma_stage &S, uint8_t *st, const uint32_t *qrow, const kv_mma_lane &kl,
+                             const kv_mma_lane &vl, float (&o)[D / 8][2], float &m_run, float &l_run, int lane)
 {
-    kv_mma_section_prep(st + S.off_kz, D_rows, S.k_groups, lane);
-    kv_mma_section_prep(st + S.off_vz, BT, S.v_groups, lane);
+    kv_mma_section_prep(st + S.off_kz, D, BT / G, lane);
+    kv_mma_section_prep(st + S.off_vz, BT, D / G, lane);
     __syncwarp();
     float s[BT / 8][2];
-    block_scores<D, BT, B>(S, st, kshift, qrow, kl, lane, s);
+    block_scores<D, B, G>(S, st, qrow, kl, lane, s);
     uint32_t pa[BT / 8];
     softmax_step<BT / 8, D / 8>(s, BT, m_run, l_run, o, pa, lane);
-    block_values<D, BT, B>(S, st, vshift, pa, vl, lane, o);
+    block_values<D, B, G>(S, st, pa, vl, lane, o);
 }
 
 // One tile of up to 16 fp16 tail rows from row t0, read from global memory.
@@ -273,16 +269,12 @@ __device__ void attend_tail_tile(const cuda_kv_seq &seq, int H, int kvh, int t0,
     }
 }
 
-// Thread blocks a multiprocessor the registers are capped for: 4-bit blocks stage 10 KiB a warp
-// and buffer (two thread blocks fit the shared memory); 2-bit ones 6 KiB (four would fit, but
-// at 128 registers a thread the loops spill: three, 168 registers).
-template <int D, int B>
-constexpr int blocks_per_sm() { return B == 4 && D == 128 ? 2 : 3; }
-
-template <int D, int BT, int B>
-__global__ void __launch_bounds__(kThreads, blocks_per_sm<D, B>())
+// Registers capped so that kv_mma_ctas_per_sm thread blocks fit a multiprocessor (the split plan
+// counts waves with the same number).
+template <int D, int B, int G>
+__global__ void __launch_bounds__(kThreads, kv_mma_ctas_per_sm(D, B))
     attend_mma(cuda_kv_layout L, cuda_kv_plan P, const cuda_kv_seq *seqs, const float *q, float *ws_acc, float *ws_ml,
-               int *status, int kshift, int vshift)
+               int *status)
 {
     constexpr int VT = D / 8;
     extern __shared__ __align__(16) uint8_t smem[];
@@ -325,17 +317,17 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<D, B>())
         }
         const unsigned rejected = __ballot_sync(0xffffffffu, bad != 0);
         if (!(rejected & 1u))
-            stage_block(L, S, seq.blocks[w0], kvh, stage, lane);
+            stage_block<D, B, G>(L, S, seq.blocks[w0], kvh, stage, lane);
         stage_commit();
         for (int j = 0; j < mine; j++) {
             if (j + 1 < mine && !((rejected >> (j + 1)) & 1u))
-                stage_block(L, S, seq.blocks[w0 + kWarps * (j + 1)], kvh, stage + ((j + 1) & 1) * S.bytes, lane);
+                stage_block<D, B, G>(L, S, seq.blocks[w0 + kWarps * (j + 1)], kvh, stage + ((j + 1) & 1) * S.bytes,
+                                     lane);
             stage_commit();
             stage_wait_prev();
             __syncwarp();
             if (!((rejected >> j) & 1u))
-                attend_block<D, BT, B>(S, stage + (j & 1) * S.bytes, D, kshift, vshift, qrow, kl, vl, o, m_run, l_run,
-                                       lane);
+                attend_block<D, B, G>(S, stage + (j & 1) * S.bytes, qrow, kl, vl, o, m_run, l_run, lane);
             __syncwarp();   // the buffer is free for the copy after next
         }
     }
@@ -385,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, blocks_per_sm<D, B>())
     }
 }
 
-template <int D, int BT, int B>
+template <int D, int B, int G>
 int launch(const cuda_kv_layout &L, const cuda_kv_plan &P, const cuda_kv_seq *seqs, const float *q, float *ws_acc,
            float *ws_ml, int *status, cudaStream_t st, strata_error *err)
 {
@@ -393,14 +385,13 @@ int launch(const cuda_kv_layout &L, const cuda_kv_plan &P, const cuda_kv_seq *se
     const size_t staged = q16_bytes(D) + (size_t)kWarps * 2 * S.bytes;
     const size_t merged = (size_t)kWarps * KV_MMA_MAX_QPK * (2 + D) * sizeof(float);
     const size_t smem = staged > merged ? staged : merged;
-    auto kernel = attend_mma<D, BT, B>;
+    auto kernel = attend_mma<D, B, G>;
     if (smem > 48 * 1024 &&
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess)
         return strata_fail(err, STRATA_EIO, "CUDA attention: %zu bytes of shared memory: %s", smem,
                            cudaGetErrorString(cudaGetLastError()));
     const dim3 grid((unsigned)L.n_kv_heads, (unsigned)P.n_splits, (unsigned)P.n_seqs);
-    kernel<<<grid, kThreads, smem, st>>>(L, P, seqs, q, ws_acc, ws_ml, status, __builtin_ctz((unsigned)L.k_group),
-                                         __builtin_ctz((unsigned)L.v_group));
+    kernel<<<grid, kThreads, smem, st>>>(L, P, seqs, q, ws_acc, ws_ml, status);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess)
         return strata_fail(err, STRATA_EIO, "CUDA attention: attend_mma: %s", cudaGetErrorString(e));
@@ -408,13 +399,17 @@ int launch(const cuda_kv_layout &L, const cuda_kv_plan &P, const cuda_kv_seq *se
 }
 
 template <int D, int B>
-int launch_bt(const cuda_kv_layout &L, const cuda_kv_plan &P, const cuda_kv_seq *seqs, const float *q, float *ws_acc,
-              float *ws_ml, int *status, cudaStream_t st, strata_error *err)
+int launch_g(const cuda_kv_layout &L, const cuda_kv_plan &P, const cuda_kv_seq *seqs, const float *q, float *ws_acc,
+             float *ws_ml, int *status, cudaStream_t st, strata_error *err)
 {
-    switch (L.block_tokens) {
-    case 16: return launch<D, 16, B>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
-    case 32: return launch<D, 32, B>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
-    default: return launch<D, 64, B>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
+    switch (L.k_group) {
+    case 16: return launch<D, B, 16>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
+    case 32: return launch<D, B, 32>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
+    case 64: return launch<D, B, 64>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
+    default:   // 8: 4-bit only (kv_mma_eligible)
+        if constexpr (B == 4)
+            return launch<D, B, 8>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
+        return strata_fail(err, STRATA_EINVAL, "CUDA attention: KIVI group %d at %d bits", L.k_group, B);
     }
 }
 
@@ -425,8 +420,8 @@ extern "C" int kv_mma_launch(const cuda_kv_layout *L, const cuda_kv_plan *P, con
 {
     const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
     if (L->head_dim == 64)
-        return L->k_bits == 2 ? launch_bt<64, 2>(*L, *P, seqs, q, ws_acc, ws_ml, status, st, err)
-                              : launch_bt<64, 4>(*L, *P, seqs, q, ws_acc, ws_ml, status, st, err);
-    return L->k_bits == 2 ? launch_bt<128, 2>(*L, *P, seqs, q, ws_acc, ws_ml, status, st, err)
-                          : launch_bt<128, 4>(*L, *P, seqs, q, ws_acc, ws_ml, status, st, err);
+        return L->k_bits == 2 ? launch_g<64, 2>(*L, *P, seqs, q, ws_acc, ws_ml, status, st, err)
+                              : launch_g<64, 4>(*L, *P, seqs, q, ws_acc, ws_ml, status, st, err);
+    return L->k_bits == 2 ? launch_g<128, 2>(*L, *P, seqs, q, ws_acc, ws_ml, status, st, err)
+                          : launch_g<128, 4>(*L, *P, seqs, q, ws_acc, ws_ml, status, st, err);
 }

@@ -67,15 +67,29 @@ STRATA_HD static inline kv_mma_stage kv_mma_stage_of(const cuda_kv_layout *L)
 }
 
 /* Whether the tensor-core kernel takes the layout with qpk query heads per KV head: KIVI with 2- or
- * 4-bit keys and values (the same for both), head_dim 64 or 128, 16/32/64-token blocks, key groups of whole 8-token
- * tiles, value groups of whole 8-channel tiles. */
+ * 4-bit keys and values (the same for both), head_dim 64 or 128, 64-token blocks (the default;
+ * block and group sizes are compile-time constants of the kernel, so that group boundaries cost
+ * nothing at run time), one group size for keys and values: 8 (4-bit only), 16, 32 or 64. */
 STRATA_HD static inline bool kv_mma_eligible(const cuda_kv_layout *L, int qpk)
 {
-    const int D = L->head_dim, BT = L->block_tokens;
+    const int D = L->head_dim, G = L->k_group;
     return L->codec == KV_CODEC_KIVI && (D == 64 || D == 128) && qpk >= 1 && qpk <= KV_MMA_MAX_QPK &&
-           (BT == 16 || BT == 32 || BT == 64) && (L->k_bits == 2 || L->k_bits == 4) && L->v_bits == L->k_bits &&
-           L->k_group >= 8 && L->k_group % 8 == 0 && BT % L->k_group == 0 &&
-           L->v_group >= 8 && L->v_group % 8 == 0 && D % L->v_group == 0;
+           L->block_tokens == 64 && (L->k_bits == 2 || L->k_bits == 4) && L->v_bits == L->k_bits &&
+           L->v_group == G && (G == 16 || G == 32 || G == 64 || (G == 8 && L->k_bits == 4));
+}
+
+/* Thread blocks of the kernel that fit a multiprocessor of an H100 (its launch bounds use the
+ * same numbers, and the split plan counts waves with them): 4-bit blocks at head_dim 128 stage
+ * 10 KiB a warp and buffer, so two fit the shared memory; the others three, held there by the
+ * 168 registers a thread their loops need. */
+#ifdef __cplusplus
+#define KV_MMA_CONSTEXPR constexpr
+#else
+#define KV_MMA_CONSTEXPR
+#endif
+STRATA_HD static inline KV_MMA_CONSTEXPR int kv_mma_ctas_per_sm(int head_dim, int bits)
+{
+    return bits == 4 && head_dim == 128 ? 2 : 3;
 }
 
 /* ---- fp16 pairs as 32-bit words (the device's f16x2 instructions; the CPU rounds once). ---- */

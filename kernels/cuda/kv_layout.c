@@ -82,19 +82,42 @@ int cuda_kv_attention_plan(const cuda_kv_layout *layout, int n_seqs, int n_q_hea
                            n_q_heads / layout->n_kv_heads, MAX_Q_PER_KV);
     if (n_seqs > MAX_GRID_Y)
         return strata_fail(err, STRATA_EINVAL, "%d sequences in one launch: at most %d", n_seqs, MAX_GRID_Y);
-    /* The tail is one more unit of work after the blocks. Enough splits that the whole grid gives
-     * every multiprocessor as many thread blocks as fit at once (the tensor-core kernel: four, its
-     * warps each on their own blocks; the others: two), never more splits than units. */
+    /* The tail is one more unit of work after the blocks. */
     const long units = (long)max_blocks + 1;
     const long rows = (long)n_seqs * layout->n_kv_heads;
-    const int mma = kv_mma_eligible(layout, n_q_heads / layout->n_kv_heads);
-    const long target = (long)(sm_count > 0 ? sm_count : 1) * (mma ? 4 : CTAS_PER_SM);
-    long splits = (target + rows - 1) / rows;
-    const long most = mma ? (units + KV_MMA_WARPS - 1) / KV_MMA_WARPS : units;   /* a block per warp at least */
-    if (splits > most)
-        splits = most;
-    if (splits > MAX_GRID_Y)
-        splits = MAX_GRID_Y;
+    long splits;
+    if (kv_mma_eligible(layout, n_q_heads / layout->n_kv_heads)) {
+        /* The tensor-core kernel: its four warps each take blocks of a split, so a split holds at
+         * least one block a warp. Thread blocks run in waves of (multiprocessors x what fits one);
+         * the time goes as waves x blocks a split, so the splits are chosen for the fewest of that
+         * (a half-empty last wave costs as much as a full one). */
+        const long slots = (long)(sm_count > 0 ? sm_count : 1) *
+                           kv_mma_ctas_per_sm(layout->head_dim, layout->k_bits);
+        long most = (units + KV_MMA_WARPS - 1) / KV_MMA_WARPS;
+        if (most > MAX_GRID_Y)
+            most = MAX_GRID_Y;
+        long best_cost = -1;
+        splits = 1;
+        for (long s = 1; s <= most; s++) {
+            const long per = (units + s - 1) / s, used = (units + per - 1) / per;
+            const long cost = ((rows * used + slots - 1) / slots) * per;
+            if (best_cost < 0 || cost < best_cost) {
+                best_cost = cost;
+                splits = used;
+            }
+            if (rows * s >= 4 * slots)   /* past four full waves, more splits only add merging */
+                break;
+        }
+    } else {
+        /* The others: enough splits that the grid gives every multiprocessor CTAS_PER_SM thread
+         * blocks, never more splits than units. */
+        const long target = (long)(sm_count > 0 ? sm_count : 1) * CTAS_PER_SM;
+        splits = (target + rows - 1) / rows;
+        if (splits > units)
+            splits = units;
+        if (splits > MAX_GRID_Y)
+            splits = MAX_GRID_Y;
+    }
     const long per_split = (units + splits - 1) / splits;
     *plan = (cuda_kv_plan){
         .n_seqs = n_seqs,

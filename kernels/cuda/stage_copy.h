@@ -30,8 +30,11 @@ __device__ inline void stage_rows(uint8_t *dst, const uint8_t *src, int rows, in
     const uintptr_t a = (uintptr_t)src | (uintptr_t)dst | (uintptr_t)stride | (uintptr_t)row_bytes;
     const int unit = (a & 15) == 0 ? 16 : (a & 7) == 0 ? 8 : (a & 3) == 0 ? 4 : 2;
     const int per_row = row_bytes / unit, total = rows * per_row;
+    // Rows of a power-of-two number of pieces (every layout of ours) split a piece index by shifts.
+    const bool pow2 = (per_row & (per_row - 1)) == 0;
+    const int shift = __ffs(per_row) - 1;
     for (int x = tid; x < total; x += nthreads) {
-        const int r = x / per_row, o = (x - r * per_row) * unit;
+        const int r = pow2 ? x >> shift : x / per_row, o = (x - r * per_row) * unit;
         if (unit >= 4)
             stage_cp_async(dst + (size_t)r * row_bytes + o, src + (size_t)r * stride + o, unit);
         else

@@ -12,6 +12,7 @@
 #include <cmocka.h>
 
 #include "kernels/cuda/kv_tail_block.h"
+#include "kernels/cuda/kv_attention_mma.h"
 #include "kernels/cuda_kv_attention.h"
 #include "kvstore/block.h"
 #include "kvstore/kv_cache.h"
@@ -139,6 +140,39 @@ static void test_plan_covers_every_block_once(void **state)
     }
 }
 
+/* The tensor-core kernel's plan (a KIVI layout it takes): every block covered once, at least one
+ * block a warp, and no worse in waves x blocks a split than the plain "fill the device once" plan
+ * it replaced. */
+static void test_plan_tensor_cores_counts_waves(void **state)
+{
+    (void)state;
+    const cuda_kv_layout l = {.codec = KV_CODEC_KIVI, .k_bits = 2, .v_bits = 2, .k_group = 32, .v_group = 32,
+                              .n_kv_heads = 8, .head_dim = 128, .block_tokens = 64};
+    assert_true(kv_mma_eligible(&l, 4));
+    const long slots = 132L * kv_mma_ctas_per_sm(128, 2);
+    const int seqs[] = {1, 3, 64, 200};
+    const int blocks[] = {0, 1, 7, 63, 64, 511, 2047};
+    for (size_t a = 0; a < sizeof seqs / sizeof *seqs; a++)
+        for (size_t b = 0; b < sizeof blocks / sizeof *blocks; b++) {
+            cuda_kv_plan p;
+            strata_error err;
+            assert_int_equal(cuda_kv_attention_plan(&l, seqs[a], 32, blocks[b], 132, &p, &err), STRATA_OK);
+            const long units = blocks[b] + 1, rows = (long)seqs[a] * 8;
+            assert_true((long)p.n_splits * p.blocks_per_split >= units);
+            assert_true((long)(p.n_splits - 1) * p.blocks_per_split < units);
+            assert_true(p.n_splits == 1 || p.blocks_per_split >= KV_MMA_WARPS);
+            const long cost = (rows * p.n_splits + slots - 1) / slots * p.blocks_per_split;
+            long plain = (slots + rows - 1) / rows;   /* one wave's worth of splits */
+            if (plain > (units + KV_MMA_WARPS - 1) / KV_MMA_WARPS)
+                plain = (units + KV_MMA_WARPS - 1) / KV_MMA_WARPS;
+            const long per = (units + plain - 1) / plain, used = (units + per - 1) / per;
+            const long plain_cost = (rows * used + slots - 1) / slots * per;
+            if (cost > plain_cost)
+                fail_msg("%d sequences x %d blocks: %d splits of %d cost %ld, the plain plan %ld", seqs[a], blocks[b],
+                         p.n_splits, p.blocks_per_split, cost, plain_cost);
+        }
+}
+
 static void test_plan_refuses_bad_shapes(void **state)
 {
     (void)state;
@@ -207,6 +241,7 @@ int main(void)
         cmocka_unit_test(test_layout_fp16_kivi_tada),
         cmocka_unit_test(test_layout_gear_ott),
         cmocka_unit_test(test_plan_covers_every_block_once),
+        cmocka_unit_test(test_plan_tensor_cores_counts_waves),
         cmocka_unit_test(test_plan_refuses_bad_shapes),
         cmocka_unit_test(test_tail_kernels_emulated),
     };
