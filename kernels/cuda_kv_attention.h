@@ -106,8 +106,8 @@ int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_plan *plan, co
 /* Causal attention for a whole prompt (prefill), the counterpart of kern_attention_causal:
  * query i attends to keys 0..i. The first version (each query row reads every earlier key; ran on
  * an H100): the forward pass now prefills through cuda_attention_prefill_gemm
- * (kernels/cuda_prefill.h), and this one stays as the GPU-tested reference until that has run on
- * a GPU. d_q, d_out: fp32 [n][n_q_heads][head_dim]; d_k, d_v: fp16
+ * (kernels/cuda_prefill.h; ran on an H100 in session 9), and this one is left for the tests'
+ * comparisons until it is removed. d_q, d_out: fp32 [n][n_q_heads][head_dim]; d_k, d_v: fp16
  * [n][n_kv_heads][head_dim] (the cache's precision, as the CPU prefill rounds them). head_dim
  * at most 256, at most 16 query heads per KV head. */
 int cuda_attention_prefill(const float *d_q, const uint16_t *d_k, const uint16_t *d_v, int n, int n_q_heads,
