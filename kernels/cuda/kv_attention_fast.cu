@@ -27,6 +27,7 @@
 
 #include "kernels/cuda/kv_attention_block.h"
 #include "kernels/cuda/kv_attention_fast.h"
+#include "kernels/cuda/split_launch.h"
 #include "kernels/cuda/stage_copy.h"
 #include "kvstore/kv_cache.h"
 
@@ -475,18 +476,8 @@ template <int D, int GT, bool KIVI>
 int launch(const cuda_kv_layout &L, const cuda_kv_plan &P, const cuda_kv_seq *seqs, const float *q, float *ws_acc,
            float *ws_ml, int *status, cudaStream_t st, strata_error *err)
 {
-    const size_t smem = smem_bytes(L, GT);
-    auto kernel = attend_staged<D, GT, KIVI>;
-    if (smem > 48 * 1024 &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess)
-        return strata_fail(err, STRATA_EIO, "CUDA attention: %zu bytes of shared memory: %s", smem,
-                           cudaGetErrorString(cudaGetLastError()));
-    const dim3 grid((unsigned)L.n_kv_heads, (unsigned)P.n_splits, (unsigned)P.n_seqs);
-    kernel<<<grid, kThreads, smem, st>>>(L, P, seqs, q, ws_acc, ws_ml, status);
-    const cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess)
-        return strata_fail(err, STRATA_EIO, "CUDA attention: attend_staged: %s", cudaGetErrorString(e));
-    return STRATA_OK;
+    return launch_split(attend_staged<D, GT, KIVI>, "attend_staged", kThreads, smem_bytes(L, GT), L, P, seqs, q, ws_acc,
+                        ws_ml, status, st, err);
 }
 
 template <int D, bool KIVI>

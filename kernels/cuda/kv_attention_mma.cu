@@ -25,6 +25,7 @@
 
 #include "kernels/cuda/kv_attention_block.h"
 #include "kernels/cuda/kv_attention_mma.h"
+#include "kernels/cuda/split_launch.h"
 #include "kernels/cuda/stage_copy.h"
 
 namespace {
@@ -385,17 +386,8 @@ int launch(const cuda_kv_layout &L, const cuda_kv_plan &P, const cuda_kv_seq *se
     const size_t staged = q16_bytes(D) + (size_t)kWarps * 2 * S.bytes;
     const size_t merged = (size_t)kWarps * KV_MMA_MAX_QPK * (2 + D) * sizeof(float);
     const size_t smem = staged > merged ? staged : merged;
-    auto kernel = attend_mma<D, B, G>;
-    if (smem > 48 * 1024 &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) != cudaSuccess)
-        return strata_fail(err, STRATA_EIO, "CUDA attention: %zu bytes of shared memory: %s", smem,
-                           cudaGetErrorString(cudaGetLastError()));
-    const dim3 grid((unsigned)L.n_kv_heads, (unsigned)P.n_splits, (unsigned)P.n_seqs);
-    kernel<<<grid, kThreads, smem, st>>>(L, P, seqs, q, ws_acc, ws_ml, status);
-    const cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess)
-        return strata_fail(err, STRATA_EIO, "CUDA attention: attend_mma: %s", cudaGetErrorString(e));
-    return STRATA_OK;
+    return launch_split(attend_mma<D, B, G>, "attend_mma", kThreads, smem, L, P, seqs, q, ws_acc, ws_ml, status, st,
+                        err);
 }
 
 template <int D, int B>

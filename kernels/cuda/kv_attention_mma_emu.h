@@ -24,8 +24,9 @@ typedef struct kv_mma_emu_warp {
 static inline float kv_mma_emu_lo(uint32_t w) { return strata_half_to_float((uint16_t)w); }
 static inline float kv_mma_emu_hi(uint32_t w) { return strata_half_to_float((uint16_t)(w >> 16)); }
 
-/* d[lane] += A B for one m16n8k16 product, A rows 0..7 (a0, a2; rows 8..15 zero). */
-static inline void kv_mma_emu_mma(float d[32][2], const uint32_t *a0, const uint32_t *a2, const uint32_t *b0,
+/* d += A B for one m16n8k16 product, A rows 0..7 (a0, a2; rows 8..15 zero): lane's two outputs at
+ * d + lane * stride (a tile of the lanes' score or value-sum arrays). */
+static inline void kv_mma_emu_mma(float *d, size_t stride, const uint32_t *a0, const uint32_t *a2, const uint32_t *b0,
                                   const uint32_t *b1)
 {
     float A[8][16], B[16][8];
@@ -43,10 +44,10 @@ static inline void kv_mma_emu_mma(float d[32][2], const uint32_t *a0, const uint
     for (int lane = 0; lane < 32; lane++) {
         const int r = lane >> 2, t = lane & 3;
         for (int j = 0; j < 2; j++) {
-            float acc = d[lane][j];
+            float acc = d[lane * stride + j];
             for (int k = 0; k < 16; k++)
                 acc += A[r][k] * B[k][2 * t + j];
-            d[lane][j] = acc;
+            d[lane * stride + j] = acc;
         }
     }
 }
@@ -138,16 +139,7 @@ static inline void kv_mma_emu_block(const cuda_kv_layout *L, const kv_mma_stage 
                     (half ? b1 : b0)[lane] = kv_mma_dequant(x, sc, z, B);
                 }
             }
-            float d[32][2];
-            for (int lane = 0; lane < 32; lane++) {
-                d[lane][0] = s[lane][n][0];
-                d[lane][1] = s[lane][n][1];
-            }
-            kv_mma_emu_mma(d, a0, a2, b0, b1);
-            for (int lane = 0; lane < 32; lane++) {
-                s[lane][n][0] = d[lane][0];
-                s[lane][n][1] = d[lane][1];
-            }
+            kv_mma_emu_mma(&s[0][n][0], 8 * 2, a0, a2, b0, b1);
         }
     uint32_t pa[32][8];
     kv_mma_emu_softmax(w, s, nt, BT, vt, pa);
@@ -168,16 +160,7 @@ static inline void kv_mma_emu_block(const cuda_kv_layout *L, const kv_mma_stage 
                     (half ? b1 : b0)[lane] = kv_mma_dequant(x, sc, z, B);
                 }
             }
-            float d[32][2];
-            for (int lane = 0; lane < 32; lane++) {
-                d[lane][0] = w->o[lane][m][0];
-                d[lane][1] = w->o[lane][m][1];
-            }
-            kv_mma_emu_mma(d, a0, a2, b0, b1);
-            for (int lane = 0; lane < 32; lane++) {
-                w->o[lane][m][0] = d[lane][0];
-                w->o[lane][m][1] = d[lane][1];
-            }
+            kv_mma_emu_mma(&w->o[0][m][0], KV_MMA_EMU_MAX_VT * 2, a0, a2, b0, b1);
         }
 }
 
@@ -202,16 +185,7 @@ static inline void kv_mma_emu_tail(const cuda_kv_layout *L, const cuda_kv_seq *s
                 b0[lane] = t < n_valid ? kv_mma_pack(K[t * row + c0], K[t * row + c0 + 1]) : 0u;
                 b1[lane] = t < n_valid ? kv_mma_pack(K[t * row + c0 + 8], K[t * row + c0 + 9]) : 0u;
             }
-            float d[32][2];
-            for (int lane = 0; lane < 32; lane++) {
-                d[lane][0] = s[lane][n][0];
-                d[lane][1] = s[lane][n][1];
-            }
-            kv_mma_emu_mma(d, a0, a2, b0, b1);
-            for (int lane = 0; lane < 32; lane++) {
-                s[lane][n][0] = d[lane][0];
-                s[lane][n][1] = d[lane][1];
-            }
+            kv_mma_emu_mma(&s[0][n][0], 8 * 2, a0, a2, b0, b1);
         }
     uint32_t pa[32][8];
     kv_mma_emu_softmax(w, s, 2, n_valid, vt, pa);
@@ -228,16 +202,7 @@ static inline void kv_mma_emu_tail(const cuda_kv_layout *L, const cuda_kv_seq *s
             b0[lane] = kv_mma_pack(v[0], v[1]);
             b1[lane] = kv_mma_pack(v[2], v[3]);
         }
-        float d[32][2];
-        for (int lane = 0; lane < 32; lane++) {
-            d[lane][0] = w->o[lane][m][0];
-            d[lane][1] = w->o[lane][m][1];
-        }
-        kv_mma_emu_mma(d, a0, a2, b0, b1);
-        for (int lane = 0; lane < 32; lane++) {
-            w->o[lane][m][0] = d[lane][0];
-            w->o[lane][m][1] = d[lane][1];
-        }
+        kv_mma_emu_mma(&w->o[0][m][0], KV_MMA_EMU_MAX_VT * 2, a0, a2, b0, b1);
     }
 }
 
