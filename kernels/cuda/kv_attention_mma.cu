@@ -1,5 +1,5 @@
 // Tensor-core decode attention over KIVI blocks (fragment maps, code decoding and scale
-// preparation in kernels/cuda/kv_attention_mma.h, shared with the CPU emulation that CI runs).
+// rearrangement in kernels/cuda/kv_attention_mma.h, shared with the CPU emulation that CI runs).
 //
 // Why a third kernel: the staged kernel's KIVI path (kv_attention_fast.cu) spends about seven
 // instructions a code (unpacking, then one fp32 FMA per query head) and reached 14.5 % of the
@@ -9,8 +9,11 @@
 //
 // Precision: the query (scaled by log2(e) / sqrt(D), so that the softmax runs on exp2), the
 // dequantized keys and values (scale * code + zero, rounded once) and the softmax weights are
-// rounded to fp16 (unit roundoff 2^-11); products and sums are fp32. The staged kernel (plan kernel CUDA_KV_KERNEL_STAGED) keeps fp32
-// arithmetic throughout for comparison.
+// rounded to fp16 (unit roundoff 2^-11); products and sums are fp32. The staged kernel (plan
+// kernel CUDA_KV_KERNEL_STAGED) keeps fp32 arithmetic throughout, for comparison.
+//
+// Shapes: 64-token blocks; block, group and head sizes are template parameters, so group
+// boundaries and row sizes cost nothing at run time (kv_mma_eligible).
 //
 // Work: a thread block per (KV head, split, sequence), four warps. Warp w takes blocks first + w,
 // first + w + 4, ... of the split with its own online softmax and its own double-buffered stage
