@@ -108,6 +108,24 @@ static inline void kv_mma_emu_stage(const cuda_kv_layout *L, const kv_mma_stage 
     }
 }
 
+/* A lane's B registers b0, b1 of a staged block's keys or values: contraction rows r0, r0 + 1
+ * (b0) and r0 + 8, r0 + 9 (b1), column gid of 8-wide tile `tile` (codes: the section's rows of
+ * row_bytes; sec: its rearranged scales, `groups` a row; g: the tile's group). */
+static inline void kv_mma_emu_b(const uint8_t *codes, int row_bytes, const uint8_t *sec, int groups, int g, int r0,
+                                int tile, int lane, int bits, uint32_t *b0, uint32_t *b1)
+{
+    const kv_mma_lane cl = kv_mma_lane_of(lane, bits);
+    const uint8_t *rows = codes + 4 * (size_t)kv_mma_word_of(tile, bits);
+    for (int half = 0; half < 2; half++) {
+        const int r = r0 + 8 * half;
+        const uint32_t x = kv_mma_codes(kv_mma_ld(rows + (size_t)r * row_bytes),
+                                        kv_mma_ld(rows + (size_t)(r + 1) * row_bytes), &cl, tile, bits);
+        const uint32_t b = kv_mma_dequant(x, kv_mma_ld(sec + kv_mma_scale_offset(r, groups, g)),
+                                          kv_mma_ld(sec + kv_mma_zero_offset(r, groups, g)), bits);
+        *(half ? b1 : b0) = b;
+    }
+}
+
 /* One staged block through the scale rearrangement, scores, softmax and values (attend_block). */
 static inline void kv_mma_emu_block(const cuda_kv_layout *L, const kv_mma_stage *S, uint8_t *st, const uint16_t *q16,
                                     kv_mma_emu_warp *w)
@@ -124,20 +142,11 @@ static inline void kv_mma_emu_block(const cuda_kv_layout *L, const kv_mma_stage 
     for (int kk = 0; kk < D / 16; kk++)
         for (int n = 0; n < nt; n++) {
             for (int lane = 0; lane < 32; lane++) {
-                const int gid = lane >> 2, c0 = 16 * kk + 2 * (lane & 3), g = (8 * n) >> kshift;
-                const int wi = kv_mma_word_of(n, B);
-                const kv_mma_lane kl = kv_mma_lane_of(lane, B);
+                const int gid = lane >> 2, c0 = 16 * kk + 2 * (lane & 3);
                 a0[lane] = kv_mma_emu_q(q16, D, gid, c0);
                 a2[lane] = kv_mma_emu_q(q16, D, gid, c0 + 8);
-                const uint8_t *rows = st + 4 * (size_t)wi;
-                for (int half = 0; half < 2; half++) {
-                    const int c = c0 + 8 * half;
-                    const uint32_t x = kv_mma_codes(kv_mma_ld(rows + (size_t)c * S->k_row_bytes),
-                                                    kv_mma_ld(rows + (size_t)(c + 1) * S->k_row_bytes), &kl, n, B);
-                    const uint32_t sc = kv_mma_ld(st + S->off_kz + kv_mma_scale_offset(c, S->k_groups, g));
-                    const uint32_t z = kv_mma_ld(st + S->off_kz + kv_mma_zero_offset(c, S->k_groups, g));
-                    (half ? b1 : b0)[lane] = kv_mma_dequant(x, sc, z, B);
-                }
+                kv_mma_emu_b(st, S->k_row_bytes, st + S->off_kz, S->k_groups, (8 * n) >> kshift, c0, n, lane, B,
+                             &b0[lane], &b1[lane]);
             }
             kv_mma_emu_mma(&s[0][n][0], 8 * 2, a0, a2, b0, b1);
         }
@@ -146,19 +155,10 @@ static inline void kv_mma_emu_block(const cuda_kv_layout *L, const kv_mma_stage 
     for (int kv = 0; kv < BT / 16; kv++)
         for (int m = 0; m < vt; m++) {
             for (int lane = 0; lane < 32; lane++) {
-                const int t0 = 16 * kv + 2 * (lane & 3), g = (8 * m) >> vshift;
-                const kv_mma_lane vl = kv_mma_lane_of(lane, B);
                 a0[lane] = pa[lane][2 * kv];
                 a2[lane] = pa[lane][2 * kv + 1];
-                const uint8_t *rows = st + S->off_vc + 4 * (size_t)kv_mma_word_of(m, B);
-                for (int half = 0; half < 2; half++) {
-                    const int t = t0 + 8 * half;
-                    const uint32_t x = kv_mma_codes(kv_mma_ld(rows + (size_t)t * S->v_row_bytes),
-                                                    kv_mma_ld(rows + (size_t)(t + 1) * S->v_row_bytes), &vl, m, B);
-                    const uint32_t sc = kv_mma_ld(st + S->off_vz + kv_mma_scale_offset(t, S->v_groups, g));
-                    const uint32_t z = kv_mma_ld(st + S->off_vz + kv_mma_zero_offset(t, S->v_groups, g));
-                    (half ? b1 : b0)[lane] = kv_mma_dequant(x, sc, z, B);
-                }
+                kv_mma_emu_b(st + S->off_vc, S->v_row_bytes, st + S->off_vz, S->v_groups, (8 * m) >> vshift,
+                             16 * kv + 2 * (lane & 3), m, lane, B, &b0[lane], &b1[lane]);
             }
             kv_mma_emu_mma(&w->o[0][m][0], KV_MMA_EMU_MAX_VT * 2, a0, a2, b0, b1);
         }
