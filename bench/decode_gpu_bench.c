@@ -249,7 +249,7 @@ int main(int argc, char **argv)
     strata_error err = {0};
     fprintf(stderr, "loading %s...\n", o.model);
     const double t0 = now_s();
-    model *m = model_load(o.model, 0, -1, &err);
+    model *m = model_load_for_device(o.model, 0, -1, &err);
     if (!m) {
         fprintf(stderr, "strata-bench-decode-gpu: %s\n", err.msg);
         return 1;

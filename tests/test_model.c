@@ -15,6 +15,7 @@
 #include "kvstore/kv_cache.h"
 #include "worker/generate.h"
 #include "worker/model.h"
+#include "model_tensors_check.h"
 
 /* Largest |logit - reference| accepted at any compared entry with the fp16 cache. Logits of
  * this model span about [-25, 25]; the difference comes from fp32 vs fp64 arithmetic and the
@@ -398,6 +399,55 @@ static void test_layer_range_loading(void **state)
     assert_null(model_load(path, 0, 31, &err));
 }
 
+/* model_load_for_device: the embedding on the host as model_load's, every other tensor where the
+ * device reads it, decoding (model_tensor_read: the device's own functions) to model_load's fp32
+ * values bit for bit, from any element; the CPU paths refuse it. Stages hold what their range
+ * needs: the tied head (the embedding's tensor) on the last, the embedding on the first only. */
+static void test_load_for_device(void **state)
+{
+    (void)state;
+    const char *path = getenv("STRATA_MODEL") ? getenv("STRATA_MODEL") : STRATA_DEFAULT_MODEL;
+    strata_error err = {0};
+    model *dev = model_load_for_device(path, 0, -1, &err);
+    if (!dev)
+        fail_msg("%s", err.msg);
+    assert_true(model_is_for_device(dev));
+    assert_false(model_is_for_device(the_model));
+    const model_config *c = model_get_config(dev);
+    const size_t embd = (size_t)c->n_vocab * (size_t)c->n_embd;
+    assert_memory_equal(model_get_token_embedding(dev), model_get_token_embedding(the_model), embd * sizeof(float));
+    assert_int_equal(model_weight_bytes(dev), embd * sizeof(float));
+    assert_null(model_get_output_weights(dev));
+    assert_null(model_get_output_norm(dev));
+
+    expect_tensors_equal_host(the_model, dev, false);
+
+    /* The CPU paths refuse it; model_tensor_get refuses a CPU model and layers not held. */
+    model_tensor t;
+    cache k = make_cache("fp16", -1, 16);
+    int32_t tok = 504;
+    assert_int_equal(model_forward(dev, k.seq, &tok, 1, 0, NULL, false, &err), STRATA_EINVAL);
+    assert_non_null(strstr(err.msg, "device"));
+    free_cache(&k);
+    model_layer_weights w;
+    assert_int_equal(model_get_layer_weights(dev, 0, &w, &err), STRATA_EINVAL);
+    assert_int_equal(model_tensor_get(the_model, MODEL_T_WQ, 0, &t, &err), STRATA_EINVAL);
+    assert_int_equal(model_tensor_get(dev, MODEL_T_WQ, c->n_layers, &t, &err), STRATA_EINVAL);
+    model_free(dev);
+
+    model *front = model_load_for_device(path, 0, 15, &err), *back = model_load_for_device(path, 15, -1, &err);
+    assert_non_null(front);
+    assert_non_null(back);
+    assert_int_equal(model_tensor_get(front, MODEL_T_OUTPUT, 0, &t, &err), STRATA_EINVAL);
+    assert_int_equal(model_tensor_get(front, MODEL_T_WQ, 15, &t, &err), STRATA_EINVAL);
+    assert_null(model_get_token_embedding(back));
+    assert_int_equal(model_weight_bytes(back), 0);
+    assert_int_equal(model_tensor_get(back, MODEL_T_OUTPUT, 0, &t, &err), STRATA_OK);
+    assert_int_equal(model_tensor_get(back, MODEL_T_TOKEN_EMBD, 0, &t, &err), STRATA_EINVAL);
+    model_free(front);
+    model_free(back);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -407,6 +457,7 @@ int main(void)
         cmocka_unit_test(test_paris_after_long_context),
         cmocka_unit_test(test_stop_string_and_limits),
         cmocka_unit_test(test_layer_range_loading),
+        cmocka_unit_test(test_load_for_device),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

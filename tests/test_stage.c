@@ -24,6 +24,16 @@
 #include "worker/stage/stage_gpu.h"
 
 static model *full, *front, *back;
+/* The same ranges loaded for a GPU stage (model_load_for_device). */
+static model *full_dev, *front_dev, *back_dev;
+
+/* The model a stage of options o takes: the device's load for a GPU stage. */
+static model *pick(model *host, const stage_options *o)
+{
+    if (!o || !o->cuda)
+        return host;
+    return host == full ? full_dev : host == front ? front_dev : back_dev;
+}
 static const char *model_path(void) { return getenv("STRATA_MODEL") ? getenv("STRATA_MODEL") : STRATA_DEFAULT_MODEL; }
 
 static int32_t argmax(const float *x, int n)
@@ -206,10 +216,10 @@ static void two_stages(const stage_options *o)
     assert_int_equal(aj.rc, STRATA_OK);
 
     Strata__Internal__V1__Assignment a0 = assignment(front, kv), a1 = assignment(back, kv);
-    stage *s0 = stage_create(&a0, front, o, NULL, to_back, &err);
+    stage *s0 = stage_create(&a0, pick(front, o), o, NULL, to_back, &err);
     if (!s0)
         fail_msg("%s", err.msg);
-    stage *s1 = stage_create(&a1, back, o, aj.link, NULL, &err);
+    stage *s1 = stage_create(&a1, pick(back, o), o, aj.link, NULL, &err);
     if (!s1)
         fail_msg("%s", err.msg);
     plan_buf b;
@@ -292,9 +302,9 @@ static void gpu_migration(const stage_options *o, const char *kv)
     memcpy(mov, ref, sizeof mov);
     Strata__Internal__V1__Assignment a = assignment(full, kv);
     strata_error err = {0};
-    stage *g_ref = stage_create(&a, full, o, NULL, NULL, &err);
-    stage *g1 = g_ref ? stage_create(&a, full, o, NULL, NULL, &err) : NULL;
-    stage *g2 = g1 ? stage_create(&a, full, o, NULL, NULL, &err) : NULL;
+    stage *g_ref = stage_create(&a, pick(full, o), o, NULL, NULL, &err);
+    stage *g1 = g_ref ? stage_create(&a, pick(full, o), o, NULL, NULL, &err) : NULL;
+    stage *g2 = g1 ? stage_create(&a, pick(full, o), o, NULL, NULL, &err) : NULL;
     stage *cpu = g2 ? stage_create(&a, full, NULL, NULL, NULL, &err) : NULL;
     if (!cpu)
         fail_msg("GPU migration stages: %s", err.msg);
@@ -341,6 +351,14 @@ static void test_gpu_stage(void **state)
     (void)state;
     strata_error err = {0};
     const stage_options o = {.cuda = true, .cuda_device = 0};
+    /* Each kind of stage takes the model loaded for it, on any machine. */
+    Strata__Internal__V1__Assignment any = assignment(full, "kivi2");
+    assert_null(stage_create(&any, full_dev, NULL, NULL, NULL, &err));
+    assert_int_equal(err.code, STRATA_EINVAL);
+    assert_non_null(strstr(err.msg, "by model_load"));
+    assert_null(stage_create(&any, full, &o, NULL, NULL, &err));
+    assert_int_equal(err.code, STRATA_EINVAL);
+    assert_non_null(strstr(err.msg, "model_load_for_device"));
     if (stage_gpu_probe(0, &err) == STRATA_OK) {
         two_stages(&o);
         gpu_migration(&o, "kivi2-r32");
@@ -350,12 +368,12 @@ static void test_gpu_stage(void **state)
     }
     assert_true(err.code == STRATA_EIO || err.code == STRATA_EUNSUPPORTED);
     Strata__Internal__V1__Assignment a = assignment(full, "kivi2");
-    assert_null(stage_create(&a, full, &o, NULL, NULL, &err));
+    assert_null(stage_create(&a, full_dev, &o, NULL, NULL, &err));
     assert_non_null(strstr(err.msg, "CUDA"));
     /* A plan whose layers keep different fp16 windows is refused on a GPU stage before any device
      * is touched (plans sharing one run there: gpu_migration). */
     Strata__Internal__V1__Assignment mixed = assignment(full, "0-9:kivi2,10-29:fp16");
-    assert_null(stage_create(&mixed, full, &o, NULL, NULL, &err));
+    assert_null(stage_create(&mixed, full_dev, &o, NULL, NULL, &err));
     assert_int_equal(err.code, STRATA_EUNSUPPORTED);
     assert_non_null(strstr(err.msg, "fp16 window"));
     print_message("no CUDA device or no CUDA in this build: the GPU stage checked for its errors only\n");
@@ -389,7 +407,7 @@ static void test_one_stage_tiers_preempt(void **state)
     a.nvme_kv_bytes = 64u << 20;
     stage_options o = {.nvme_dir = dir};
     strata_error err = {0};
-    stage *st = stage_create(&a, full, &o, NULL, NULL, &err);
+    stage *st = stage_create(&a, pick(full, &o), &o, NULL, NULL, &err);
     if (!st)
         fail_msg("%s", err.msg);
     plan_buf b;
@@ -461,7 +479,7 @@ static void test_migrate(void **state)
     stage_options o = {.nvme_dir = dir};
     strata_error err = {0};
     stage *st_ref = stage_create(&plain, full, NULL, NULL, NULL, &err);
-    stage *st_a = stage_create(&tiered, full, &o, NULL, NULL, &err);
+    stage *st_a = stage_create(&tiered, pick(full, &o), &o, NULL, NULL, &err);
     stage *st_b = stage_create(&plain, full, NULL, NULL, NULL, &err);
     assert_true(st_ref && st_a && st_b);
     plan_buf b;
@@ -515,7 +533,10 @@ static int setup(void **state)
     full = model_load(model_path(), 0, -1, &err);
     front = full ? model_load(model_path(), 0, 15, &err) : NULL;
     back = front ? model_load(model_path(), 15, -1, &err) : NULL;
-    if (!back) {
+    full_dev = back ? model_load_for_device(model_path(), 0, -1, &err) : NULL;
+    front_dev = full_dev ? model_load_for_device(model_path(), 0, 15, &err) : NULL;
+    back_dev = front_dev ? model_load_for_device(model_path(), 15, -1, &err) : NULL;
+    if (!back_dev) {
         print_error("cannot load %s: %s (run scripts/setup.sh)\n", model_path(), err.msg);
         return -1;
     }
@@ -528,6 +549,9 @@ static int teardown(void **state)
     model_free(full);
     model_free(front);
     model_free(back);
+    model_free(full_dev);
+    model_free(front_dev);
+    model_free(back_dev);
     return 0;
 }
 

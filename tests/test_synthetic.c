@@ -18,9 +18,11 @@
 #include <cmocka.h>
 
 #include "kvstore/kv_cache.h"
+#include "kernels/weight_values.h"
 #include "worker/model.h"
 #include "worker/synthetic.h"
 #include "worker/tokenizer.h"
+#include "model_tensors_check.h"
 
 #define BLOCK_TOKENS 32
 #define MAX_SEQ_TOKENS 256
@@ -474,6 +476,12 @@ static void test_fill(void **state)
     const double mean = sum / (NE0 * NE1), sd = sqrt(sq / (NE0 * NE1) - mean * mean);
     assert_true(fabs(mean) < 0.01 / sqrt(NE0));
     assert_true(fabs(sd * sqrt(NE0) - 1.0) < 0.01);
+    /* Any element on its own (what the device computes), the odd last one included. */
+    const synthetic_stream st = synthetic_tensor_stream(&s, "blk.1.ffn_down.weight", NE0);
+    for (uint64_t i = 0; i < NE0 * NE1; i++)
+        if (synthetic_value(st.key, st.amp, i) != a[i])
+            fail_msg("element %llu: synthetic_value %g, synthetic_fill %g", (unsigned long long)i,
+                     (double)synthetic_value(st.key, st.amp, i), (double)a[i]);
     synthetic_fill(&s, "blk.2.ffn_down.weight", NE0, NE1, b);   /* another tensor */
     size_t same = 0;
     for (size_t i = 0; i < NE0 * NE1; i++)
@@ -547,6 +555,41 @@ static void test_memory_refusal(void **state)
         assert_null(model_load("synthetic:tiny", 0, -1, &err));
         expect_msg(&err, STRATA_EINVAL, SYNTHETIC_MEM_LIMIT_ENV);
     }
+    unsetenv(SYNTHETIC_MEM_LIMIT_ENV);
+}
+
+/* Loaded for a device, a synthetic model is its streams: every tensor reads back (the device's
+ * functions) as model_load generates it; only the embedding is on the host, so only it counts
+ * in the memory check. */
+static void test_load_for_device(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    model *host = load_ok("synthetic:tiny:seed=3", 0, -1);
+    model *dev = model_load_for_device("synthetic:tiny:seed=3", 0, -1, &err);
+    if (!dev)
+        fail_msg("%s", err.msg);
+    const model_config *c = model_get_config(dev);
+    const size_t embd = (size_t)c->n_vocab * (size_t)c->n_embd;
+    assert_memory_equal(model_get_token_embedding(dev), model_get_token_embedding(host), embd * sizeof(float));
+    expect_tensors_equal_host(host, dev, true);
+    model_free(dev);
+    model_free(host);
+
+    /* llama3-8b's layers 1-31 need no host memory for a device; its first stage needs the
+     * embedding's 1.96 GiB; model_load needs them all. Nothing is generated on the host. */
+    setenv(SYNTHETIC_MEM_LIMIT_ENV, "1G", 1);
+    double t0 = seconds();
+    dev = model_load_for_device("synthetic:llama3-8b", 1, -1, &err);
+    if (!dev)
+        fail_msg("%s", err.msg);
+    assert_true(seconds() - t0 < 2.0);
+    assert_int_equal(model_weight_bytes(dev), 0);
+    model_free(dev);
+    assert_null(model_load_for_device("synthetic:llama3-8b", 0, -1, &err));
+    expect_msg(&err, STRATA_ENOMEM, "1.96 GiB");
+    assert_null(model_load("synthetic:llama3-8b", 1, -1, &err));
+    expect_msg(&err, STRATA_ENOMEM, "1.00 GiB");
     unsetenv(SYNTHETIC_MEM_LIMIT_ENV);
 }
 
@@ -727,6 +770,7 @@ int main(void)
         cmocka_unit_test(test_long_decode_is_finite),
         cmocka_unit_test(test_fill),
         cmocka_unit_test(test_memory_refusal),
+        cmocka_unit_test(test_load_for_device),
         cmocka_unit_test(test_big_shape_stage),
         cmocka_unit_test(test_tokenizer),
         cmocka_unit_test(test_tokenizer_from_vocab),

@@ -164,22 +164,6 @@ static int skip_value(cursor *c, uint32_t type, int depth, const char *key)
     return take(c, sz, &p, "scalar value");
 }
 
-/* Type id -> (elements per block, bytes per block); 0 for unsupported types. */
-static void type_traits(uint32_t type, uint64_t *block_elems, uint64_t *block_bytes)
-{
-    *block_elems = 0;
-    *block_bytes = 0;
-    switch (type) {
-    case GGUF_T_F32: *block_elems = 1; *block_bytes = 4; break;
-    case GGUF_T_F16: *block_elems = 1; *block_bytes = 2; break;
-    case GGUF_T_BF16: *block_elems = 1; *block_bytes = 2; break;
-    case GGUF_T_Q4_0: *block_elems = 32; *block_bytes = 18; break;
-    case GGUF_T_Q4_1: *block_elems = 32; *block_bytes = 20; break;
-    case GGUF_T_Q8_0: *block_elems = 32; *block_bytes = 34; break;
-    default: break;
-    }
-}
-
 const char *gguf_tensor_type_name(uint32_t type)
 {
     static const char *const names[] = {
@@ -286,7 +270,7 @@ static int parse_tensors(gguf_file *f, cursor *c, uint64_t *max_end)
         t->type = type;
         t->n_elements = n_el;
         uint64_t be, bb;
-        type_traits(type, &be, &bb);
+        gguf_type_block(type, &be, &bb);
         if (be == 0) {
             /* Unknown types are kept (size 0) so metadata tools still work; loading them fails. */
             t->nbytes = 0;
@@ -604,55 +588,43 @@ int64_t gguf_array_int(const gguf_array *a, uint64_t i)
     return v;
 }
 
-static float read_half(const uint8_t *p)
-{
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return strata_half_to_float(h);
-}
-
+/* One loop per format over the shared functions (kernels/weight_values.h); the quantized ones
+ * read a block's scales once. */
 int gguf_tensor_to_f32(const gguf_tensor *t, float *out, strata_error *err)
 {
     const uint8_t *p = t->data;
-    uint64_t n = t->n_elements;
+    const uint64_t n = t->n_elements;
     switch (t->type) {
     case GGUF_T_F32:
         memcpy(out, p, (size_t)n * 4);
         return STRATA_OK;
     case GGUF_T_F16:
         for (uint64_t i = 0; i < n; i++)
-            out[i] = read_half(p + 2 * i);
+            out[i] = gguf_f16_value(p, i);
         return STRATA_OK;
     case GGUF_T_BF16:
-        for (uint64_t i = 0; i < n; i++) {
-            uint16_t b;
-            memcpy(&b, p + 2 * i, 2);
-            out[i] = strata_bf16_to_float(b);
+        for (uint64_t i = 0; i < n; i++)
+            out[i] = gguf_bf16_value(p, i);
+        return STRATA_OK;
+    case GGUF_T_Q8_0:
+        for (uint64_t b = 0; b < n / 32; b++, p += 34, out += 32) {
+            const float d = gguf_half_at(p);
+            for (unsigned j = 0; j < 32; j++)
+                out[j] = gguf_q8_0_at(p, d, j);
         }
         return STRATA_OK;
-    case GGUF_T_Q8_0: /* 32 x int8 scaled by one fp16 d */
-        for (uint64_t b = 0; b < n / 32; b++, p += 34) {
-            float d = read_half(p);
-            for (int j = 0; j < 32; j++)
-                out[b * 32 + j] = d * (float)(int8_t)p[2 + j];
+    case GGUF_T_Q4_0:
+        for (uint64_t b = 0; b < n / 32; b++, p += 18, out += 32) {
+            const float d = gguf_half_at(p);
+            for (unsigned j = 0; j < 32; j++)
+                out[j] = gguf_q4_0_at(p, d, j);
         }
         return STRATA_OK;
-    case GGUF_T_Q4_0: /* fp16 d, 16 bytes: low nibbles are elements 0-15, high nibbles 16-31 */
-        for (uint64_t b = 0; b < n / 32; b++, p += 18) {
-            float d = read_half(p);
-            for (int j = 0; j < 16; j++) {
-                out[b * 32 + j] = d * (float)((p[2 + j] & 0x0f) - 8);
-                out[b * 32 + j + 16] = d * (float)((p[2 + j] >> 4) - 8);
-            }
-        }
-        return STRATA_OK;
-    case GGUF_T_Q4_1: /* fp16 d, fp16 m, 16 bytes of nibbles as in Q4_0, value = q*d + m */
-        for (uint64_t b = 0; b < n / 32; b++, p += 20) {
-            float d = read_half(p), m = read_half(p + 2);
-            for (int j = 0; j < 16; j++) {
-                out[b * 32 + j] = d * (float)(p[4 + j] & 0x0f) + m;
-                out[b * 32 + j + 16] = d * (float)(p[4 + j] >> 4) + m;
-            }
+    case GGUF_T_Q4_1:
+        for (uint64_t b = 0; b < n / 32; b++, p += 20, out += 32) {
+            const float d = gguf_half_at(p), m = gguf_half_at(p + 2);
+            for (unsigned j = 0; j < 32; j++)
+                out[j] = gguf_q4_1_at(p, d, m, j);
         }
         return STRATA_OK;
     default:

@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels/weight_values.h"   /* gguf_tensor_type and the block formats */
 #include "kvstore/error.h"
 
 typedef enum gguf_value_type {
@@ -19,11 +20,6 @@ typedef enum gguf_value_type {
     GGUF_UINT64 = 10, GGUF_INT64 = 11, GGUF_FLOAT64 = 12,
 } gguf_value_type;
 
-/* ggml tensor type ids (the subset strata can dequantize, plus names for errors). */
-typedef enum gguf_tensor_type {
-    GGUF_T_F32 = 0, GGUF_T_F16 = 1, GGUF_T_Q4_0 = 2, GGUF_T_Q4_1 = 3, GGUF_T_Q8_0 = 8,
-    GGUF_T_BF16 = 30,
-} gguf_tensor_type;
 
 typedef struct gguf_file gguf_file;
 

@@ -25,6 +25,8 @@ struct model {
     float *output;           /* [n_vocab][n_embd]; aliases tok_embd when tied */
     tokenizer *tok;
     size_t weight_bytes;
+    bool for_device;         /* model_load_for_device: layers and head stay in src */
+    struct model_source *src;   /* kept open for model_tensor_get (for_device only) */
 };
 
 static int read_u32_key(gguf_file *f, const char *arch, const char *suffix, int *out, strata_error *err)
@@ -86,10 +88,11 @@ static int read_config(gguf_file *f, model_config *c, strata_error *err)
 
 /* ---- Where a model comes from: a GGUF file or a synthetic spec (worker/synthetic.h) ---------- */
 
-typedef struct model_source {
+struct model_source {
     gguf_file *gguf;      /* NULL for a synthetic model */
     synthetic_spec syn;
-} model_source;
+};
+typedef struct model_source model_source;
 
 /* Opens the GGUF, or parses the synthetic spec. Its messages name the path already. */
 static int source_open(const char *path, model_source *src, strata_error *err)
@@ -134,23 +137,91 @@ static int source_meta(const model_source *src, model_config *cfg, tokenizer **t
     return rc;
 }
 
-/* Dequantizes the named GGUF tensor after checking its shape is exactly [ne1][ne0]. */
-static float *read_gguf_tensor(gguf_file *f, const char *name, uint64_t ne0, uint64_t ne1, strata_error *err)
+/* The tensors a model's range needs, by role: name and shape [ne1][ne0] (1-D: ne1 == 1). */
+static void tensor_spec(const model_config *c, model_tensor_role role, int layer, char name[96], uint64_t *ne0,
+                        uint64_t *ne1)
 {
-    const gguf_tensor *t = gguf_find_tensor(f, name);
-    if (!t) {
-        strata_fail(err, STRATA_EFORMAT, "model is missing tensor '%s'", name);
-        return NULL;
+    static const char *const suffix[] = {
+        [MODEL_T_ATTN_NORM] = "attn_norm", [MODEL_T_WQ] = "attn_q", [MODEL_T_WK] = "attn_k",
+        [MODEL_T_WV] = "attn_v", [MODEL_T_WO] = "attn_output", [MODEL_T_FFN_NORM] = "ffn_norm",
+        [MODEL_T_GATE] = "ffn_gate", [MODEL_T_UP] = "ffn_up", [MODEL_T_DOWN] = "ffn_down",
+    };
+    const uint64_t e = (uint64_t)c->n_embd, kvd = (uint64_t)c->n_kv_heads * (uint64_t)c->head_dim;
+    const uint64_t ff = (uint64_t)c->n_ff, nv = (uint64_t)c->n_vocab;
+    *ne0 = e;
+    switch (role) {
+    case MODEL_T_ATTN_NORM: case MODEL_T_FFN_NORM: case MODEL_T_OUTPUT_NORM: *ne1 = 1; break;
+    case MODEL_T_WQ: case MODEL_T_WO: *ne1 = e; break;
+    case MODEL_T_WK: case MODEL_T_WV: *ne1 = kvd; break;
+    case MODEL_T_GATE: case MODEL_T_UP: *ne1 = ff; break;
+    case MODEL_T_DOWN: *ne0 = ff; *ne1 = e; break;
+    case MODEL_T_OUTPUT: case MODEL_T_TOKEN_EMBD: *ne1 = nv; break;
     }
-    uint64_t want_dims = ne1 > 1 ? 2 : 1;
-    if (t->ne[0] != ne0 || t->ne[1] != ne1 || t->ne[2] != 1 || t->ne[3] != 1 ||
-        (uint64_t)t->n_dims < want_dims) {
-        strata_fail(err, STRATA_EFORMAT, "tensor '%s' has shape [%llu, %llu, %llu, %llu], expected [%llu, %llu]",
-                    name, (unsigned long long)t->ne[0], (unsigned long long)t->ne[1],
-                    (unsigned long long)t->ne[2], (unsigned long long)t->ne[3],
-                    (unsigned long long)ne0, (unsigned long long)ne1);
-        return NULL;
+    if (role == MODEL_T_OUTPUT_NORM)
+        snprintf(name, 96, "output_norm.weight");
+    else if (role == MODEL_T_TOKEN_EMBD || (role == MODEL_T_OUTPUT && c->tied_output))
+        snprintf(name, 96, "token_embd.weight");
+    else if (role == MODEL_T_OUTPUT)
+        snprintf(name, 96, "output.weight");
+    else
+        snprintf(name, 96, "blk.%d.%s.weight", layer, suffix[role]);
+}
+
+/* Finds the named tensor in src and checks its shape is exactly [ne1][ne0] and its type one
+ * strata reads: where its values are, without reading them. */
+static int locate(const model_source *src, const char *name, uint64_t ne0, uint64_t ne1, model_tensor *out,
+                  strata_error *err)
+{
+    memset(out, 0, sizeof *out);
+    snprintf(out->name, sizeof out->name, "%s", name);
+    out->ne0 = ne0;
+    out->ne1 = ne1;
+    if (!src->gguf) {
+        out->synthetic = true;
+        if (ne1 > 1) {
+            const synthetic_stream st = synthetic_tensor_stream(&src->syn, name, ne0);
+            out->stream_key = st.key;
+            out->stream_amp = st.amp;
+        }
+        return STRATA_OK;
     }
+    const gguf_tensor *t = gguf_find_tensor(src->gguf, name);
+    if (!t)
+        return strata_fail(err, STRATA_EFORMAT, "model is missing tensor '%s'", name);
+    uint64_t want_dims = ne1 > 1 ? 2 : 1, block_elems, block_bytes;
+    if (t->ne[0] != ne0 || t->ne[1] != ne1 || t->ne[2] != 1 || t->ne[3] != 1 || (uint64_t)t->n_dims < want_dims)
+        return strata_fail(err, STRATA_EFORMAT, "tensor '%s' has shape [%llu, %llu, %llu, %llu], expected [%llu, %llu]",
+                           name, (unsigned long long)t->ne[0], (unsigned long long)t->ne[1],
+                           (unsigned long long)t->ne[2], (unsigned long long)t->ne[3], (unsigned long long)ne0,
+                           (unsigned long long)ne1);
+    if (!gguf_type_block(t->type, &block_elems, &block_bytes))
+        return strata_fail(err, STRATA_EUNSUPPORTED,
+                           "tensor '%s' has type %s (%u); strata loads F32, F16, BF16, Q8_0, Q4_0 and Q4_1", name,
+                           gguf_tensor_type_name(t->type), t->type);
+    out->type = t->type;
+    out->data = t->data;
+    out->bytes = t->nbytes;
+    return STRATA_OK;
+}
+
+void model_tensor_read(const model_tensor *t, uint64_t first, uint64_t n, float *out)
+{
+    for (uint64_t i = 0; i < n; i++) {
+        const uint64_t at = first + i;
+        out[i] = !t->synthetic ? gguf_value(t->type, t->data, at)
+                 : t->ne1 == 1 ? 1.0f
+                               : synthetic_value(t->stream_key, t->stream_amp, at);
+    }
+}
+
+/* Dequantizes the named GGUF tensor after checking its shape is exactly [ne1][ne0]. */
+static float *read_gguf_tensor(const model_source *src, const char *name, uint64_t ne0, uint64_t ne1,
+                               strata_error *err)
+{
+    model_tensor where;
+    if (locate(src, name, ne0, ne1, &where, err) != STRATA_OK)
+        return NULL;
+    const gguf_tensor *t = gguf_find_tensor(src->gguf, name);
     float *out = malloc((size_t)t->n_elements * sizeof *out);
     if (!out) {
         strata_fail(err, STRATA_ENOMEM, "out of memory loading tensor '%s' (%llu elements)", name,
@@ -179,7 +250,7 @@ static float *load_tensor(model *m, const model_source *src, const char *name, u
 {
     float *out;
     if (src->gguf) {
-        out = read_gguf_tensor(src->gguf, name, ne0, ne1, err);
+        out = read_gguf_tensor(src, name, ne0, ne1, err);
     } else if ((out = malloc((size_t)(ne0 * ne1) * sizeof *out))) {
         synthetic_fill(&src->syn, name, ne0, ne1, out);
     } else {
@@ -193,24 +264,16 @@ static float *load_tensor(model *m, const model_source *src, const char *name, u
 
 static int load_layer(model *m, const model_source *src, int il, layer_weights *L, strata_error *err)
 {
-    const model_config *c = &m->cfg;
-    const uint64_t e = (uint64_t)c->n_embd, kvd = (uint64_t)c->n_kv_heads * (uint64_t)c->head_dim;
-    struct { float **dst; const char *suffix; uint64_t ne0, ne1; } want[] = {
-        {&L->attn_norm, "attn_norm", e, 1},
-        {&L->wq, "attn_q", e, e},
-        {&L->wk, "attn_k", e, kvd},
-        {&L->wv, "attn_v", e, kvd},
-        {&L->wo, "attn_output", e, e},
-        {&L->ffn_norm, "ffn_norm", e, 1},
-        {&L->w_gate, "ffn_gate", e, (uint64_t)c->n_ff},
-        {&L->w_up, "ffn_up", e, (uint64_t)c->n_ff},
-        {&L->w_down, "ffn_down", (uint64_t)c->n_ff, e},
+    float **dst[] = {
+        [MODEL_T_ATTN_NORM] = &L->attn_norm, [MODEL_T_WQ] = &L->wq, [MODEL_T_WK] = &L->wk, [MODEL_T_WV] = &L->wv,
+        [MODEL_T_WO] = &L->wo, [MODEL_T_FFN_NORM] = &L->ffn_norm, [MODEL_T_GATE] = &L->w_gate,
+        [MODEL_T_UP] = &L->w_up, [MODEL_T_DOWN] = &L->w_down,
     };
-    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+    for (int role = 0; role < MODEL_LAYER_TENSORS; role++) {
         char name[96];
-        snprintf(name, sizeof name, "blk.%d.%s.weight", il, want[i].suffix);
-        *want[i].dst = load_tensor(m, src, name, want[i].ne0, want[i].ne1, err);
-        if (!*want[i].dst)
+        uint64_t ne0, ne1;
+        tensor_spec(&m->cfg, (model_tensor_role)role, il, name, &ne0, &ne1);
+        if (!(*dst[role] = load_tensor(m, src, name, ne0, ne1, err)))
             return err ? err->code : STRATA_EFORMAT;
     }
     return STRATA_OK;
@@ -273,28 +336,58 @@ static int set_layer_range(model *m, int layer_begin, int layer_end, strata_erro
     return STRATA_OK;
 }
 
-model *model_load(const char *path, int layer_begin, int layer_end, strata_error *err)
+/* For the device: the embedding on the first stage (its lookup stays on the host); every other
+ * tensor only located, so a missing, misshapen or unreadable one fails here as in model_load. */
+static int locate_weights(model *m, strata_error *err)
+{
+    const uint64_t e = (uint64_t)m->cfg.n_embd, nv = (uint64_t)m->cfg.n_vocab;
+    if (m->layer_begin == 0 && !(m->tok_embd = load_tensor(m, m->src, "token_embd.weight", e, nv, err)))
+        return err ? err->code : STRATA_EFORMAT;
+    model_tensor t;
+    int rc = STRATA_OK;
+    for (int il = m->layer_begin; rc == STRATA_OK && il < m->layer_end; il++)
+        for (int role = 0; rc == STRATA_OK && role < MODEL_LAYER_TENSORS; role++)
+            rc = model_tensor_get(m, (model_tensor_role)role, il, &t, err);
+    if (rc == STRATA_OK && m->layer_end == m->cfg.n_layers)
+        if ((rc = model_tensor_get(m, MODEL_T_OUTPUT_NORM, 0, &t, err)) == STRATA_OK)
+            rc = model_tensor_get(m, MODEL_T_OUTPUT, 0, &t, err);
+    return rc;
+}
+
+static model *load(const char *path, int layer_begin, int layer_end, bool for_device, strata_error *err)
 {
     model_source src;
     if (source_open(path, &src, err) != STRATA_OK)
         return NULL;
     model *m = calloc(1, sizeof *m);
-    if (!m) {
+    if (!m || (for_device && !(m->src = calloc(1, sizeof *m->src)))) {
         strata_fail(err, STRATA_ENOMEM, "out of memory");
+        free(m);
         source_close(&src);
         return NULL;
     }
+    m->for_device = for_device;
     int rc = source_meta(&src, &m->cfg, &m->tok, err);
     if (rc == STRATA_OK)
         rc = set_layer_range(m, layer_begin, layer_end, err);
     /* Generated weights would take whatever is asked: refuse what cannot fit rather than be
-     * killed part way. (A GGUF's own size bounds what it can ask.) */
-    if (rc == STRATA_OK && !src.gguf)
-        rc = synthetic_check_memory(&src.syn, m->layer_begin, m->layer_end,
-                                    model_weight_bytes_for(&m->cfg, m->layer_begin, m->layer_end), err);
-    if (rc == STRATA_OK)
-        rc = load_weights(m, &src, err);
-    source_close(&src);
+     * killed part way. (A GGUF's own size bounds what it can ask.) For the device only the
+     * embedding is on the host. */
+    if (rc == STRATA_OK && !src.gguf) {
+        const size_t embd = (size_t)m->cfg.n_vocab * (size_t)m->cfg.n_embd * sizeof(float);
+        const size_t need = !for_device ? model_weight_bytes_for(&m->cfg, m->layer_begin, m->layer_end)
+                            : m->layer_begin == 0 ? embd
+                                                  : 0;
+        rc = synthetic_check_memory(&src.syn, m->layer_begin, m->layer_end, need, err);
+    }
+    if (rc == STRATA_OK && for_device) {
+        *m->src = src;   /* the model owns it now: the tensors' bytes stay mapped */
+        rc = locate_weights(m, err);
+    } else {
+        if (rc == STRATA_OK)
+            rc = load_weights(m, &src, err);
+        source_close(&src);
+    }
     if (rc != STRATA_OK) {
         if (err)
             strata_error_prefix(err, "loading model '%s'", path);
@@ -302,6 +395,36 @@ model *model_load(const char *path, int layer_begin, int layer_end, strata_error
         return NULL;
     }
     return m;
+}
+
+model *model_load(const char *path, int layer_begin, int layer_end, strata_error *err)
+{
+    return load(path, layer_begin, layer_end, false, err);
+}
+
+model *model_load_for_device(const char *path, int layer_begin, int layer_end, strata_error *err)
+{
+    return load(path, layer_begin, layer_end, true, err);
+}
+
+bool model_is_for_device(const model *m) { return m->for_device; }
+
+int model_tensor_get(const model *m, model_tensor_role role, int layer, model_tensor *out, strata_error *err)
+{
+    if (!m || !out || !m->for_device)
+        return strata_fail(err, STRATA_EINVAL, "model_tensor_get: the model was not loaded for a device");
+    const bool first = m->layer_begin == 0, last = m->layer_end == m->cfg.n_layers;
+    if ((int)role < MODEL_LAYER_TENSORS) {
+        if (layer < m->layer_begin || layer >= m->layer_end)
+            return strata_fail(err, STRATA_EINVAL, "layer %d is not held by this model (layers [%d, %d))", layer,
+                               m->layer_begin, m->layer_end);
+    } else if (role == MODEL_T_TOKEN_EMBD ? !first : !last || role > MODEL_T_TOKEN_EMBD) {
+        return strata_fail(err, STRATA_EINVAL, "model_tensor_get: tensor %d is not held by this stage", (int)role);
+    }
+    char name[96];
+    uint64_t ne0, ne1;
+    tensor_spec(&m->cfg, role, layer, name, &ne0, &ne1);
+    return locate(m->src, name, ne0, ne1, out, err);
 }
 
 int model_read_meta(const char *path, model_config *cfg, tokenizer **tok, strata_error *err)
@@ -337,6 +460,10 @@ void model_free(model *m)
     free(m->tok_embd);
     free(m->output_norm);
     tokenizer_free(m->tok);
+    if (m->src) {
+        source_close(m->src);
+        free(m->src);
+    }
     free(m);
 }
 
@@ -351,6 +478,8 @@ int model_get_layer_weights(const model *m, int layer, model_layer_weights *out,
     if (!m || !out || layer < m->layer_begin || layer >= m->layer_end)
         return strata_fail(err, STRATA_EINVAL, "layer %d is not held by this model (layers [%d, %d))", layer,
                            m ? m->layer_begin : 0, m ? m->layer_end : 0);
+    if (m->for_device)
+        return strata_fail(err, STRATA_EINVAL, "the model was loaded for a device: its layers are not on the host");
     const layer_weights *L = &m->layers[layer - m->layer_begin];
     *out = (model_layer_weights){L->attn_norm, L->wq, L->wk, L->wv, L->wo, L->ffn_norm, L->w_gate, L->w_up, L->w_down};
     return STRATA_OK;
@@ -443,6 +572,8 @@ int model_forward(model *m, kv_seq *seq, const int32_t *tokens, size_t n, size_t
                   bool all_logits, strata_error *err)
 {
     const model_config *c = &m->cfg;
+    if (m->for_device)
+        return strata_fail(err, STRATA_EINVAL, "model_forward: the model was loaded for a device, not the CPU");
     if (m->layer_begin != 0 || m->layer_end != c->n_layers)
         return strata_fail(err, STRATA_EINVAL, "model_forward needs every layer; this model holds [%d, %d)",
                            m->layer_begin, m->layer_end);
@@ -694,6 +825,8 @@ int model_forward_batch(model *m, const model_batch_item *items, size_t n_items,
     const model_config *c = &m->cfg;
     const bool first = m->layer_begin == 0, last = m->layer_end == c->n_layers;
     size_t rows = 0, bad;
+    if (m->for_device)
+        return strata_fail(err, STRATA_EINVAL, "model_forward_batch: the model was loaded for a device, not the CPU");
     int rc = batch_check(m, items, n_items, hidden_in, hidden_out, &rows, &bad, err);
     if (rc != STRATA_OK)
         return rc;

@@ -46,6 +46,47 @@ typedef struct model model;
 model *model_load(const char *path, int layer_begin, int layer_end, strata_error *err);
 void model_free(model *m);
 
+/* Loads a model for a backend that builds its own copy of the weights (the CUDA forward pass,
+ * worker/cuda/model_cuda.h, decodes GGUF blocks and generates synthetic weights on the device):
+ * as model_load, every tensor of the range is found and its shape and type checked, but only the
+ * token embedding (on the first stage: the lookup stays on the host) is read into host memory;
+ * the layers, the output norm and the head stay in the mapped file, or as their synthetic
+ * streams, for model_tensor_get. model_forward and model_forward_batch refuse such a model
+ * (STRATA_EINVAL), model_get_layer_weights too; model_get_output_* are NULL. A synthetic model's
+ * memory check counts only the embedding. */
+model *model_load_for_device(const char *path, int layer_begin, int layer_end, strata_error *err);
+bool model_is_for_device(const model *m);
+
+typedef enum model_tensor_role {
+    MODEL_T_ATTN_NORM, MODEL_T_WQ, MODEL_T_WK, MODEL_T_WV, MODEL_T_WO,   /* a layer's nine, */
+    MODEL_T_FFN_NORM, MODEL_T_GATE, MODEL_T_UP, MODEL_T_DOWN,            /* MODEL_LAYER_TENSORS */
+    MODEL_T_OUTPUT_NORM, MODEL_T_OUTPUT,                                 /* the last stage's */
+    MODEL_T_TOKEN_EMBD,                                                  /* the first stage's */
+} model_tensor_role;
+#define MODEL_LAYER_TENSORS 9
+
+/* Where one tensor's values are, without reading them: ne1 rows of ne0 (GGUF layout, the input
+ * dimension contiguous; 1-D tensors have ne1 == 1). */
+typedef struct model_tensor {
+    char name[96];             /* its GGUF name, for messages */
+    uint64_t ne0, ne1;
+    bool synthetic;
+    uint32_t type;             /* GGUF: a format of kernels/weight_values.h */
+    const void *data;          /* GGUF: its blocks in the mapped file, valid while the model lives */
+    size_t bytes;
+    uint64_t stream_key;       /* synthetic matrix: element i = synthetic_value(key, amp, i); */
+    float stream_amp;          /* a synthetic 1-D tensor (a norm) is all 1 */
+} model_tensor;
+
+/* The tensor of a role (of layer, for the nine layer roles) of a model from model_load_for_device.
+ * MODEL_T_OUTPUT is the token embedding when the head is tied. STRATA_EINVAL for another model or
+ * a tensor this stage does not hold. */
+int model_tensor_get(const model *m, model_tensor_role role, int layer, model_tensor *out, strata_error *err);
+
+/* Elements [first, first + n) of t as fp32, decoded on the host by the same functions the device
+ * uses (kernels/weight_values.h). */
+void model_tensor_read(const model_tensor *t, uint64_t first, uint64_t n, float *out);
+
 /* Reads only the configuration and the tokenizer of the GGUF at path (or of a synthetic model,
  * as model_load), no weights: what the coordinator needs to tokenize, check requests and plan
  * KV capacity. *tok is the caller's (tokenizer_free). cfg->n_vocab is the tokenizer's

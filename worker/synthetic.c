@@ -8,6 +8,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "kernels/weight_values.h"
+
 /* The published hyperparameters (the models' config.json), smallest first. head_dim is always
  * n_embd / n_heads: the forward pass assumes it. The Llama 3.x rope frequency scaling for long
  * contexts is not modelled (the weights are random, only the shapes and costs matter). */
@@ -193,13 +195,6 @@ tokenizer *synthetic_tokenizer(const synthetic_spec *s, strata_error *err)
 
 /* ---- Weights ---------------------------------------------------------------------------------- */
 
-static uint64_t mix64(uint64_t z)   /* splitmix64's finalizer */
-{
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 static uint64_t fnv1a(const char *s)
 {
     uint64_t h = 0xcbf29ce484222325ull;
@@ -210,10 +205,13 @@ static uint64_t fnv1a(const char *s)
     return h;
 }
 
-/* Uniform in [-1, 1) from 24 random bits: exact in float. */
-static float unit24(uint64_t bits24)
+synthetic_stream synthetic_tensor_stream(const synthetic_spec *s, const char *name, uint64_t ne0)
 {
-    return (float)((int32_t)bits24 - (1 << 23)) * (1.0f / 8388608.0f);
+    /* Uniform on [-a, a) has standard deviation a / sqrt(3). */
+    return (synthetic_stream){
+        .key = synthetic_mix64(synthetic_mix64(s->seed ^ 0x5eed5eed5eed5eedull) ^ fnv1a(name)),
+        .amp = (float)(sqrt(3.0) / sqrt((double)ne0)),
+    };
 }
 
 void synthetic_fill(const synthetic_spec *s, const char *name, uint64_t ne0, uint64_t ne1, float *out)
@@ -224,19 +222,14 @@ void synthetic_fill(const synthetic_spec *s, const char *name, uint64_t ne0, uin
             out[i] = 1.0f;
         return;
     }
-    /* Uniform on [-a, a) has standard deviation a / sqrt(3). */
-    const float amp = (float)(sqrt(3.0) / sqrt((double)ne0));
-    /* The stream: splitmix64 in counter mode from a key of (seed, name), two values per draw. */
-    const uint64_t key = mix64(mix64(s->seed ^ 0x5eed5eed5eed5eedull) ^ fnv1a(name));
-    uint64_t ctr = key;
-    for (uint64_t j = 0; j < n / 2; j++) {
-        ctr += 0x9e3779b97f4a7c15ull;
-        const uint64_t r = mix64(ctr);
-        out[2 * j] = unit24(r >> 40) * amp;
-        out[2 * j + 1] = unit24((r >> 8) & 0xffffffu) * amp;
+    const synthetic_stream st = synthetic_tensor_stream(s, name, ne0);
+    for (uint64_t j = 0; j < n / 2; j++) {   /* one draw, two elements */
+        const uint64_t r = synthetic_draw(st.key, j);
+        out[2 * j] = synthetic_even(r, st.amp);
+        out[2 * j + 1] = synthetic_odd(r, st.amp);
     }
     if (n % 2)
-        out[n - 1] = unit24(mix64(ctr + 0x9e3779b97f4a7c15ull) >> 40) * amp;
+        out[n - 1] = synthetic_value(st.key, st.amp, n - 1);
 }
 
 /* ---- Memory ----------------------------------------------------------------------------------- */

@@ -77,6 +77,14 @@ void synthetic_config(const synthetic_spec *s, model_config *cfg);
 /* The byte-level tokenizer described above, of the shape's vocabulary size. */
 tokenizer *synthetic_tokenizer(const synthetic_spec *s, strata_error *err);
 
+/* The stream of the matrix called name (ne1 > 1) with fan in ne0: its element i is
+ * synthetic_value(key, amp, i) (kernels/weight_values.h), so a device can generate it. */
+typedef struct synthetic_stream {
+    uint64_t key;
+    float amp;
+} synthetic_stream;
+synthetic_stream synthetic_tensor_stream(const synthetic_spec *s, const char *name, uint64_t ne0);
+
 /* Fills out with the ne0 x ne1 weights of the tensor called name (GGUF naming; ne0 is the fan
  * in, 1-D tensors have ne1 == 1 and are norm weights, all 1). Deterministic in (seed, name). */
 void synthetic_fill(const synthetic_spec *s, const char *name, uint64_t ne0, uint64_t ne1, float *out);

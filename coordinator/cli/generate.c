@@ -386,7 +386,8 @@ int cmd_generate(int argc, char **argv)
     double t0 = now_seconds();
     if (!o.quiet)
         fprintf(stderr, "strata: loading %s\n", o.model_path);
-    model *m = model_load(o.model_path, 0, -1, &err);
+    /* For a GPU only the embedding is read on the host; the device builds the rest from the file. */
+    model *m = o.cuda_device >= 0 ? model_load_for_device(o.model_path, 0, -1, &err) : model_load(o.model_path, 0, -1, &err);
     if (!m) {
         fprintf(stderr, "strata generate: %s\n", err.msg);
         if (err.code == STRATA_EIO && !getenv("STRATA_MODEL"))
@@ -397,9 +398,11 @@ int cmd_generate(int argc, char **argv)
     const model_config *cfg = model_get_config(m);
     const tokenizer *tok = model_get_tokenizer(m);
     if (!o.quiet)
-        fprintf(stderr, "strata: %s, %d layers, %d heads (%d KV), %.0f MiB of fp32 weights, loaded in %.2f s\n",
+        fprintf(stderr, "strata: %s, %d layers, %d heads (%d KV), %.0f MiB of fp32 weights%s, loaded in %.2f s\n",
                 cfg->name[0] ? cfg->name : cfg->arch, cfg->n_layers, cfg->n_heads, cfg->n_kv_heads,
-                (double)model_weight_bytes(m) / 1048576.0, now_seconds() - t0);
+                (double)model_weight_bytes(m) / 1048576.0,
+                model_is_for_device(m) ? " on the host (the embedding; the device builds the rest)" : "",
+                now_seconds() - t0);
 
     int exit_code = EXIT_RUNTIME;
     kv_codec_params *codecs = NULL;

@@ -50,6 +50,54 @@
 #define PROMPT 200  /* > R + block_tokens = 192 for the KIVI codecs: a block forms in prefill */
 #define DECODE 72   /* crosses 256 positions: another block forms while decoding */
 
+/* Every model here is loaded twice: for the CPU reference (model_load) and for the device
+ * (model_load_for_device: the device builds its weights from the same file or stream), so each
+ * comparison also checks the device's weight decoding. The tests hold the CPU model and reach
+ * the device's through it. */
+static struct { model *host, *dev; } twins[8];
+
+static model *load_twin(const char *path, int layer_begin, int layer_end, strata_error *err)
+{
+    model *host = model_load(path, layer_begin, layer_end, err);
+    model *dev = host ? model_load_for_device(path, layer_begin, layer_end, err) : NULL;
+    if (!dev) {
+        model_free(host);
+        return NULL;
+    }
+    for (size_t i = 0; i < sizeof twins / sizeof twins[0]; i++)
+        if (!twins[i].host) {
+            twins[i].host = host;
+            twins[i].dev = dev;
+            return host;
+        }
+    fail_msg("more than %zu models at once", sizeof twins / sizeof twins[0]);
+    return NULL;
+}
+
+static size_t twin_of(const model *host)
+{
+    for (size_t i = 0; i < sizeof twins / sizeof twins[0]; i++)
+        if (twins[i].host == host)
+            return i;
+    fail_msg("a model not loaded by load_twin");
+    return 0;
+}
+
+static cuda_model *create_cuda(const model *host, cuda_weight_dtype dtype, strata_error *err)
+{
+    return cuda_model_create(twins[twin_of(host)].dev, dtype, err);
+}
+
+static void free_twin(model *host)
+{
+    if (!host)
+        return;
+    const size_t i = twin_of(host);
+    model_free(twins[i].host);
+    model_free(twins[i].dev);
+    twins[i].host = twins[i].dev = NULL;
+}
+
 static size_t argmax(const float *x, size_t n)
 {
     size_t best = 0;
@@ -84,7 +132,7 @@ static void compare(model *m, const char *model_name, const char *codec_name, cu
     assert_non_null(pool);
     kv_seq *seq = kv_seq_create(pool, max_tokens, &err);
     assert_non_null(seq);
-    cuda_model *cm = cuda_model_create(m, dtype, &err);
+    cuda_model *cm = create_cuda(m, dtype, &err);
     if (!cm)
         fail_msg("cuda_model_create: %s", err.msg);
     cuda_seq *gs = cuda_seq_create(cm, &codec, 64, max_tokens, &err);
@@ -136,7 +184,7 @@ static void compare(model *m, const char *model_name, const char *codec_name, cu
 static void compare_model(const char *path)
 {
     strata_error err = {0};
-    model *m = model_load(path, 0, -1, &err);
+    model *m = load_twin(path, 0, -1, &err);
     if (!m)
         fail_msg("%s: %s", path, err.msg);
     const char *codecs[] = {"fp16", "gear2", "ott2", "kivi4", "kivi2", "tada4"};
@@ -147,7 +195,7 @@ static void compare_model(const char *path)
         compare(m, path, codecs[i], CUDA_WEIGHTS_F32);
         compare(m, path, codecs[i], CUDA_WEIGHTS_F16);
     }
-    model_free(m);
+    free_twin(m);
 }
 
 static void test_synthetic_tiny(void **state)
@@ -202,7 +250,7 @@ static void batched(model *m, const char *codec_name)
     kv_geometry geo = model_kv_geometry(m, 64);
     kv_pool *pool = kv_pool_create(&geo, &codec, N * (max_tokens / 64 + 1) * (size_t)geo.n_layers, &err);
     assert_non_null(pool);
-    cuda_model *cm = cuda_model_create(m, CUDA_WEIGHTS_F32, &err);
+    cuda_model *cm = create_cuda(m, CUDA_WEIGHTS_F32, &err);
     if (!cm)
         fail_msg("cuda_model_create: %s", err.msg);
     kv_seq *cpu_seq[N];
@@ -268,9 +316,9 @@ static void test_batched_steps(void **state)
     (void)state;
     strata_error err = {0};
 #ifdef STRATA_FAKE_CUDA
-    model *m = model_load("synthetic:tiny:seed=5", 0, -1, &err);   /* emulated kernels: the small shape */
+    model *m = load_twin("synthetic:tiny:seed=5", 0, -1, &err);   /* emulated kernels: the small shape */
 #else
-    model *m = model_load("synthetic:smollm2-135m:seed=5", 0, -1, &err);
+    model *m = load_twin("synthetic:smollm2-135m:seed=5", 0, -1, &err);
 #endif
     assert_non_null(m);
     batched(m, "ott4");
@@ -279,7 +327,7 @@ static void test_batched_steps(void **state)
         batched(m, "kivi2");
         batched(m, "gear2");
     }
-    model_free(m);
+    free_twin(m);
 }
 
 /* Greedy sampling on the device picks the argmax of the logits the other call returns, and a
@@ -289,12 +337,12 @@ static void test_greedy_and_sizes(void **state)
     (void)state;
     strata_error err = {0};
 #ifdef STRATA_FAKE_CUDA
-    model *m = model_load("synthetic:tiny:seed=2", 0, -1, &err);   /* emulated kernels: the small shape */
+    model *m = load_twin("synthetic:tiny:seed=2", 0, -1, &err);   /* emulated kernels: the small shape */
 #else
-    model *m = model_load("synthetic:smollm2-135m:seed=2", 0, -1, &err);
+    model *m = load_twin("synthetic:smollm2-135m:seed=2", 0, -1, &err);
 #endif
     assert_non_null(m);
-    cuda_model *cm = cuda_model_create(m, CUDA_WEIGHTS_F16, &err);
+    cuda_model *cm = create_cuda(m, CUDA_WEIGHTS_F16, &err);
     assert_non_null(cm);
     kv_codec_params k2, f16;
     assert_int_equal(kv_codec_parse("kivi2", &k2, &err), STRATA_OK);
@@ -326,7 +374,7 @@ static void test_greedy_and_sizes(void **state)
     cuda_seq_free(a);
     cuda_seq_free(b);
     cuda_model_free(cm);
-    model_free(m);
+    free_twin(m);
 }
 
 /* Three sequences through a shared block pool that holds one layer of one of them (plus two
@@ -340,7 +388,7 @@ static void test_shared_pool(void **state)
     (void)state;
     enum { SEQS = 3, TOKENS = 330, BT = 16 };
     strata_error err = {0};
-    model *m = model_load("synthetic:tiny:seed=11", 0, -1, &err);
+    model *m = load_twin("synthetic:tiny:seed=11", 0, -1, &err);
     assert_non_null(m);
     const int L = model_get_config(m)->n_layers;
     const size_t nv = (size_t)model_get_config(m)->n_vocab;
@@ -352,7 +400,7 @@ static void test_shared_pool(void **state)
     if (!tiers)
         fail_msg("%s", err.msg);
     const kv_lower_tier lower = kv_tiers_lower(tiers);
-    cuda_model *own = cuda_model_create(m, CUDA_WEIGHTS_F16, &err), *shared = cuda_model_create(m, CUDA_WEIGHTS_F16, &err);
+    cuda_model *own = create_cuda(m, CUDA_WEIGHTS_F16, &err), *shared = create_cuda(m, CUDA_WEIGHTS_F16, &err);
     assert_true(own && shared);
     if (cuda_model_create_kv_pool(shared, &k2, BT, blocks_per_layer + 2, &lower, &err) != STRATA_OK)
         fail_msg("%s", err.msg);
@@ -393,7 +441,7 @@ static void test_shared_pool(void **state)
     assert_true(st.fetches > (uint64_t)(L * SEQS));
 
     /* A pool smaller than one layer's blocks: the step that needs them all fails clearly. */
-    shared = cuda_model_create(m, CUDA_WEIGHTS_F16, &err);
+    shared = create_cuda(m, CUDA_WEIGHTS_F16, &err);
     assert_non_null(shared);
     assert_int_equal(cuda_model_create_kv_pool(shared, &k2, BT, 4, &lower, &err), STRATA_OK);
     cuda_seq *s = cuda_seq_create(shared, &k2, BT, TOKENS + 1, &err);
@@ -411,7 +459,7 @@ static void test_shared_pool(void **state)
     kv_tiers_destroy(tiers);
     free(la);
     free(lb);
-    model_free(m);
+    free_twin(m);
 }
 
 /* A prompt in chunks (the first exact, the later ones attending the compressed cache plus
@@ -424,7 +472,7 @@ static void test_chunked_prompt(void **state)
     enum { BT = 16, TOKENS = 300 };
     const size_t cuts[] = {0, 70, 150, 231, 240};   /* chunks of 70, 80, 81 and 9 tokens */
     strata_error err = {0};
-    model *m = model_load("synthetic:tiny:seed=5", 0, -1, &err);
+    model *m = load_twin("synthetic:tiny:seed=5", 0, -1, &err);
     assert_non_null(m);
     const size_t nv = (size_t)model_get_config(m)->n_vocab;
     const char *codecs[] = {"fp16", "kivi2-g16", "gear2-g16", "ott2-g16", "tada4-g16"};   /* groups dividing BT */
@@ -446,7 +494,7 @@ static void test_chunked_prompt(void **state)
             kv_geometry geo = model_kv_geometry(m, BT);
             kv_pool *pool = kv_pool_create(&geo, &codec, (TOKENS / BT + 2) * (size_t)geo.n_layers, &err);
             kv_seq *seq = pool ? kv_seq_create(pool, TOKENS, &err) : NULL;
-            cuda_model *cm = cuda_model_create(m, CUDA_WEIGHTS_F32, &err);
+            cuda_model *cm = create_cuda(m, CUDA_WEIGHTS_F32, &err);
             assert_true(seq && cm);
             if (shared &&
                 cuda_model_create_kv_pool(cm, &codec, BT, (TOKENS - (size_t)codec.residual) / BT + 8, &lower, &err) !=
@@ -486,7 +534,7 @@ static void test_chunked_prompt(void **state)
     free(cpu);
     free(gpu);
     free(tok);
-    model_free(m);
+    free_twin(m);
 }
 
 /* Migration images (cuda_seq_export / cuda_seq_import): a GPU sequence moved to another GPU
@@ -499,7 +547,7 @@ static void test_migration(void **state)
     (void)state;
     enum { BT = 16, TOKENS = 260, START = 150, STEPS = 40 };
     strata_error err = {0};
-    model *m = model_load("synthetic:tiny:seed=9", 0, -1, &err);
+    model *m = load_twin("synthetic:tiny:seed=9", 0, -1, &err);
     assert_non_null(m);
     const size_t nv = (size_t)model_get_config(m)->n_vocab;
     kv_tiers_options to = {.host_bytes = 64u << 20, .allocator = cuda_pinned_host_allocator()};
@@ -517,7 +565,7 @@ static void test_migration(void **state)
         assert_true(model_get_config(m)->n_layers <= 8);
         for (int l = 0; l < model_get_config(m)->n_layers; l++)
             plan[l] = codec;   /* the one codec as a plan: what cuda_seq_import takes */
-        cuda_model *own = cuda_model_create(m, CUDA_WEIGHTS_F32, &err), *shared = cuda_model_create(m, CUDA_WEIGHTS_F32, &err);
+        cuda_model *own = create_cuda(m, CUDA_WEIGHTS_F32, &err), *shared = create_cuda(m, CUDA_WEIGHTS_F32, &err);
         assert_true(own && shared);
         if (cuda_model_create_kv_pool(shared, &codec, BT, (TOKENS - (size_t)codec.residual) / BT + 8, &lower, &err) !=
             STRATA_OK)
@@ -594,7 +642,7 @@ static void test_migration(void **state)
     free(lb);
     free(lc);
     free(tok);
-    model_free(m);
+    free_twin(m);
 }
 
 /* A KV plan on the GPU (cuda_seq_create_plan): each layer of synthetic:tiny in another codec
@@ -607,7 +655,7 @@ static void test_kv_plan(void **state)
     (void)state;
     enum { BT = 16, TOKENS = 300 };
     strata_error err = {0};
-    model *m = model_load("synthetic:tiny:seed=13", 0, -1, &err);
+    model *m = load_twin("synthetic:tiny:seed=13", 0, -1, &err);
     assert_non_null(m);
     const int L = model_get_config(m)->n_layers;
     const size_t nv = (size_t)model_get_config(m)->n_vocab;
@@ -630,7 +678,7 @@ static void test_kv_plan(void **state)
         kv_geometry geo = model_kv_geometry(m, BT);
         kv_pool *pool = kv_pool_create_plan(&geo, plan, TOKENS / BT + 2, &err);
         kv_seq *seq = pool ? kv_seq_create(pool, TOKENS, &err) : NULL;
-        cuda_model *cm = cuda_model_create(m, CUDA_WEIGHTS_F32, &err);
+        cuda_model *cm = create_cuda(m, CUDA_WEIGHTS_F32, &err);
         assert_true(seq && cm);
         if (shared && cuda_model_create_kv_pool_plan(cm, plan, BT, (TOKENS - 128) / BT + 8, &lower, &err) != STRATA_OK)
             fail_msg("%s", err.msg);
@@ -680,7 +728,7 @@ static void test_kv_plan(void **state)
     free(cpu);
     free(gpu);
     free(tok);
-    model_free(m);
+    free_twin(m);
 }
 
 /* Two pipeline stages of one model on one GPU, the rows between them through an NCCL loopback
@@ -693,13 +741,13 @@ static void test_pipeline_stages(void **state)
     enum { SEQS = 2, STEPS = 90, CTX = 400, BT = 16 };
     const char *path = "synthetic:tiny:seed=21";
     strata_error err = {0};
-    model *whole = model_load(path, 0, -1, &err), *first = model_load(path, 0, 2, &err),
-          *last = model_load(path, 2, -1, &err);
+    model *whole = load_twin(path, 0, -1, &err), *first = load_twin(path, 0, 2, &err),
+          *last = load_twin(path, 2, -1, &err);
     assert_true(whole && first && last);
     const model_config *c = model_get_config(whole);
     const size_t nv = (size_t)c->n_vocab, e = (size_t)c->n_embd;
-    cuda_model *cw = cuda_model_create(whole, CUDA_WEIGHTS_F16, &err), *c0 = cuda_model_create(first, CUDA_WEIGHTS_F16, &err),
-               *c1 = cuda_model_create(last, CUDA_WEIGHTS_F16, &err);
+    cuda_model *cw = create_cuda(whole, CUDA_WEIGHTS_F16, &err), *c0 = create_cuda(first, CUDA_WEIGHTS_F16, &err),
+               *c1 = create_cuda(last, CUDA_WEIGHTS_F16, &err);
     if (!cw || !c0 || !c1)
         fail_msg("%s", err.msg);
     /* A stage misses its rows or hands them nowhere: refused. */
@@ -799,9 +847,9 @@ static void test_pipeline_stages(void **state)
     cuda_model_free(cw);
     cuda_model_free(c0);
     cuda_model_free(c1);
-    model_free(whole);
-    model_free(first);
-    model_free(last);
+    free_twin(whole);
+    free_twin(first);
+    free_twin(last);
 }
 
 /* Bad batches are refused before anything runs. */
@@ -809,9 +857,9 @@ static void test_bad_batches(void **state)
 {
     (void)state;
     strata_error err = {0};
-    model *m = model_load("synthetic:tiny", 0, -1, &err);
+    model *m = load_twin("synthetic:tiny", 0, -1, &err);
     assert_non_null(m);
-    cuda_model *cm = cuda_model_create(m, CUDA_WEIGHTS_F16, &err);
+    cuda_model *cm = create_cuda(m, CUDA_WEIGHTS_F16, &err);
     assert_non_null(cm);
     kv_codec_params k2, f16;
     assert_int_equal(kv_codec_parse("kivi2", &k2, &err), STRATA_OK);
@@ -837,7 +885,7 @@ static void test_bad_batches(void **state)
     cuda_seq_free(a);
     cuda_seq_free(b);
     cuda_model_free(cm);
-    model_free(m);
+    free_twin(m);
 }
 
 /* Without a device: a clear error, no crash. */
@@ -845,13 +893,17 @@ static void test_no_device_error(void **state)
 {
     (void)state;
     strata_error err = {0};
-    model *m = model_load("synthetic:tiny", 0, -1, &err);
+    model *m = load_twin("synthetic:tiny", 0, -1, &err);
     assert_non_null(m);
-    cuda_model *cm = cuda_model_create(m, CUDA_WEIGHTS_F16, &err);
+    cuda_model *cm = create_cuda(m, CUDA_WEIGHTS_F16, &err);
     assert_null(cm);
     assert_int_equal(err.code, STRATA_EIO);
     assert_non_null(strstr(err.msg, "no CUDA device"));
-    model_free(m);
+    /* A model loaded for the CPU is refused before any device is looked for. */
+    assert_null(cuda_model_create(m, CUDA_WEIGHTS_F16, &err));
+    assert_int_equal(err.code, STRATA_EINVAL);
+    assert_non_null(strstr(err.msg, "model_load_for_device"));
+    free_twin(m);
 }
 
 /* The cuBLAS prefill on its own against the CPU's causal attention (kern_attention_causal): one

@@ -23,6 +23,8 @@
 #include "kernels/cuda_ops.h"
 #include "kernels/cuda_prefill.h"
 #include "kernels/cuda_sample.h"
+#include "kernels/cuda_weights.h"
+#include "kernels/weight_values.h"
 #include "kvstore/crc32c_math.h"
 #include "kvstore/half.h"
 
@@ -124,6 +126,49 @@ int cuda_f32_to_f16(const float *src, uint16_t *dst, size_t n, strata_cuda_strea
         return (int)cudaErrorInvalidValue;
     for (size_t i = 0; i < n; i++)
         dst[i] = strata_float_to_half(src[i]);
+    return 0;
+}
+
+/* ---- kernels/cuda/weights.cu ---- */
+
+/* The kernels' store: fp32, or fp16; true when the stored value is finite. */
+static bool weights_store(void *out, bool out_f16, uint64_t i, float v)
+{
+    if (!out_f16) {
+        ((float *)out)[i] = v;
+        return isfinite(v);
+    }
+    const uint16_t h = strata_float_to_half(v);
+    ((uint16_t *)out)[i] = h;
+    return (h & 0x7c00u) != 0x7c00u;
+}
+
+int cuda_weights_from_gguf(uint32_t type, const void *d_data, uint64_t n, uint64_t first, void *out, bool out_f16,
+                           unsigned long long *d_first_bad, strata_cuda_stream stream)
+{
+    (void)stream;
+    uint64_t block_elems, block_bytes;
+    if (!gguf_type_block(type, &block_elems, &block_bytes) || !d_data || !out || !d_first_bad)
+        return (int)cudaErrorInvalidValue;
+    const size_t in_bytes = (size_t)((n + block_elems - 1) / block_elems * block_bytes);
+    if (!dev(d_data, in_bytes, "weights_from_gguf", "data") ||
+        !dev(out, (size_t)n * (out_f16 ? 2 : 4), "weights_from_gguf", "out") ||
+        !dev(d_first_bad, sizeof *d_first_bad, "weights_from_gguf", "first_bad"))
+        return (int)cudaErrorInvalidValue;
+    for (uint64_t i = 0; i < n; i++)
+        if (!weights_store(out, out_f16, i, gguf_value(type, d_data, i)) && first + i < *d_first_bad)
+            *d_first_bad = first + i;
+    return 0;
+}
+
+int cuda_weights_synthetic(uint64_t key, float amp, uint64_t first, uint64_t n, void *out, bool out_f16,
+                           strata_cuda_stream stream)
+{
+    (void)stream;
+    if (!out || !dev(out, (size_t)n * (out_f16 ? 2 : 4), "weights_synthetic", "out"))
+        return (int)cudaErrorInvalidValue;
+    for (uint64_t i = 0; i < n; i++)
+        weights_store(out, out_f16, i, synthetic_value(key, amp, first + i));
     return 0;
 }
 

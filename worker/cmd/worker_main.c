@@ -533,7 +533,9 @@ int main(int argc, char **argv)
                         a->replica, a->stage, a->n_stages, a->layer_begin, a->layer_end, a->model_path, where);
             }
             int le = (int)a->layer_end;
-            if (!(m = model_load(a->model_path, (int)a->layer_begin, le, &err)) ||
+            /* A GPU stage builds its layers on the device from the file: the host reads the embedding only. */
+            if (!(m = o.cuda_device >= 0 ? model_load_for_device(a->model_path, (int)a->layer_begin, le, &err)
+                                         : model_load(a->model_path, (int)a->layer_begin, le, &err)) ||
                 connect_links(a, listener, &auth, &prev, &next, &err) != STRATA_OK ||
                 nccl_links((int)o.cuda_device, prev, next, &rows_prev, &rows_next, &err) != STRATA_OK ||
                 !(st = stage_create(a, m,

@@ -9,74 +9,122 @@
 
 #include "kernels/cuda_ops.h"
 #include "kernels/cuda_prefill.h"
+#include "kernels/cuda_weights.h"
 #include "kvstore/plan.h"
 #include "worker/cuda/model_cuda_impl.h"
 
 #define KERNEL(call, what) CU((cudaError_t)(call), (what))
 
-static size_t elem_bytes(cuda_weight_dtype t) { return t == CUDA_WEIGHTS_F16 ? 2 : 4; }
+/* GGUF blocks cross to the device through one staging buffer of this many bytes, chunk by chunk. */
+#define WEIGHT_STAGE_BYTES ((size_t)32 << 20)
 
-/* n fp32 values to a new device array of dtype; fp16 conversion on the device in chunks. */
-static int upload(cuda_model *cm, const float *host, size_t n, cuda_weight_dtype dtype, void **out, strata_error *err)
+/* What building the weights needs besides the model: the staging buffer and the device word the
+ * decoder reports a bad value in. */
+typedef struct weight_builder {
+    void *stage;
+    unsigned long long *d_first_bad;
+    float *host;          /* a 1-D tensor decoded on the host */
+    size_t host_cap;
+} weight_builder;
+
+static void builder_free(weight_builder *b)
+{
+    cudaFree(b->stage);
+    cudaFree(b->d_first_bad);
+    free(b->host);
+}
+
+/* A GGUF matrix: whole blocks copied to the staging buffer and decoded into out there; then the
+ * decoder's report (the CPU loader refuses non-finite values; the device also refuses values
+ * fp16 cannot hold). */
+static int decode_gguf(cuda_model *cm, weight_builder *b, const model_tensor *t, void *out, strata_error *err)
+{
+    uint64_t block_elems, block_bytes;
+    gguf_type_block(t->type, &block_elems, &block_bytes);
+    const bool f16 = cm->dtype == CUDA_WEIGHTS_F16;
+    const uint64_t n = t->ne0 * t->ne1, chunk_blocks = WEIGHT_STAGE_BYTES / block_bytes;
+    CU(cudaMemset(b->d_first_bad, 0xff, sizeof *b->d_first_bad), "resetting the weight check");
+    for (uint64_t at = 0; at < n; at += chunk_blocks * block_elems) {
+        const uint64_t m = n - at < chunk_blocks * block_elems ? n - at : chunk_blocks * block_elems;
+        CU(cudaMemcpy(b->stage, (const uint8_t *)t->data + at / block_elems * block_bytes,
+                      (size_t)(m / block_elems * block_bytes), cudaMemcpyHostToDevice),
+           "copying weights");
+        KERNEL(cuda_weights_from_gguf(t->type, b->stage, m, at, (uint8_t *)out + at * (f16 ? 2 : 4), f16,
+                                      b->d_first_bad, NULL),
+               "decoding weights");
+    }
+    unsigned long long bad = 0;
+    CU(cudaMemcpy(&bad, b->d_first_bad, sizeof bad, cudaMemcpyDeviceToHost), "reading the weight check");
+    if (bad != ~0ull)
+        return strata_fail(err, STRATA_EFORMAT, "tensor '%s' holds a value that is not finite%s at element %llu",
+                           t->name, f16 ? " in fp16 (beyond +-65504)" : "", bad);
+    return STRATA_OK;
+}
+
+/* A new device array holding the tensor of role (of layer): matrices in the model's dtype, decoded
+ * or generated on the device; 1-D tensors (norms) in fp32, decoded on the host (a row: too small
+ * for a launch to matter). */
+static int build(cuda_model *cm, weight_builder *b, model_tensor_role role, int layer, void **out, strata_error *err)
 {
     *out = NULL;
-    CU(cudaMalloc(out, n * elem_bytes(dtype)), "allocating weights");
-    cm->weight_bytes += n * elem_bytes(dtype);
-    if (dtype == CUDA_WEIGHTS_F32) {
-        CU(cudaMemcpy(*out, host, n * sizeof(float), cudaMemcpyHostToDevice), "copying weights");
+    model_tensor t;
+    int rc = model_tensor_get(cm->host, role, layer, &t, err);
+    if (rc != STRATA_OK)
+        return rc;
+    const uint64_t n = t.ne0 * t.ne1;
+    const bool f16 = t.ne1 > 1 && cm->dtype == CUDA_WEIGHTS_F16;
+    const size_t bytes = (size_t)n * (f16 ? 2 : 4);
+    if (cudaMalloc(out, bytes) != cudaSuccess) {
+        cudaGetLastError();
+        *out = NULL;
+        return strata_fail(err, STRATA_EIO, "CUDA: out of device memory for tensor '%s' (%.1f MiB; %.1f MiB of "
+                           "weights already on the device)", t.name, (double)bytes / 1048576.0,
+                           (double)cm->weight_bytes / 1048576.0);
+    }
+    cm->weight_bytes += bytes;
+    if (t.ne1 == 1) {
+        if (n > b->host_cap) {
+            float *grown = realloc(b->host, (size_t)n * sizeof *grown);
+            if (!grown)
+                return strata_fail(err, STRATA_ENOMEM, "out of memory");
+            b->host = grown;
+            b->host_cap = (size_t)n;
+        }
+        model_tensor_read(&t, 0, n, b->host);
+        CU(cudaMemcpy(*out, b->host, bytes, cudaMemcpyHostToDevice), "copying weights");
         return STRATA_OK;
     }
-    const size_t chunk = (size_t)16 << 20;
-    float *stage = NULL;
-    CU(cudaMalloc((void **)&stage, (n < chunk ? n : chunk) * sizeof(float)), "allocating a staging buffer");
+    if (t.synthetic) {
+        KERNEL(cuda_weights_synthetic(t.stream_key, t.stream_amp, 0, n, *out, f16, NULL), "generating weights");
+        return STRATA_OK;
+    }
+    return decode_gguf(cm, b, &t, *out, err);
+}
+
+static int build_weights(cuda_model *cm, strata_error *err)
+{
+    weight_builder b = {0};
     int rc = STRATA_OK;
-    for (size_t at = 0; at < n && rc == STRATA_OK; at += chunk) {
-        const size_t m = n - at < chunk ? n - at : chunk;
-        cudaError_t e = cudaMemcpy(stage, host + at, m * sizeof(float), cudaMemcpyHostToDevice);
-        if (e == cudaSuccess)
-            e = (cudaError_t)cuda_f32_to_f16(stage, (uint16_t *)*out + at, m, NULL);
-        if (e != cudaSuccess)
-            rc = strata_fail(err, STRATA_EIO, "CUDA converting weights to fp16: %s", cudaGetErrorString(e));
-    }
-    cudaFree(stage);
-    return rc;
-}
-
-static int upload_f32(cuda_model *cm, const float *host, size_t n, float **out, strata_error *err)
-{
-    return upload(cm, host, n, CUDA_WEIGHTS_F32, (void **)out, err);
-}
-
-static int upload_layers(cuda_model *cm, strata_error *err)
-{
-    const model_config *c = &cm->cfg;
-    const size_t e = (size_t)c->n_embd, kvd = (size_t)c->n_kv_heads * (size_t)c->head_dim, ff = (size_t)c->n_ff;
-    for (int il = 0; il < cm->n_local; il++) {
-        model_layer_weights w;
-        int rc = model_get_layer_weights(cm->host, cm->layer_begin + il, &w, err);
+    cudaError_t e;
+    if ((e = cudaMalloc(&b.stage, WEIGHT_STAGE_BYTES)) != cudaSuccess ||
+        (e = cudaMalloc((void **)&b.d_first_bad, sizeof *b.d_first_bad)) != cudaSuccess)
+        rc = strata_fail(err, STRATA_EIO, "CUDA: allocating the weights' staging buffer: %s", cudaGetErrorString(e));
+    for (int il = 0; rc == STRATA_OK && il < cm->n_local; il++) {
         cuda_layer *L = &cm->layers[il];
-        if (rc == STRATA_OK)
-            rc = upload_f32(cm, w.attn_norm, e, &L->attn_norm, err);
-        if (rc == STRATA_OK)
-            rc = upload_f32(cm, w.ffn_norm, e, &L->ffn_norm, err);
-        if (rc == STRATA_OK)
-            rc = upload(cm, w.wq, e * e, cm->dtype, &L->wq, err);
-        if (rc == STRATA_OK)
-            rc = upload(cm, w.wk, kvd * e, cm->dtype, &L->wk, err);
-        if (rc == STRATA_OK)
-            rc = upload(cm, w.wv, kvd * e, cm->dtype, &L->wv, err);
-        if (rc == STRATA_OK)
-            rc = upload(cm, w.wo, e * e, cm->dtype, &L->wo, err);
-        if (rc == STRATA_OK)
-            rc = upload(cm, w.w_gate, ff * e, cm->dtype, &L->w_gate, err);
-        if (rc == STRATA_OK)
-            rc = upload(cm, w.w_up, ff * e, cm->dtype, &L->w_up, err);
-        if (rc == STRATA_OK)
-            rc = upload(cm, w.w_down, e * ff, cm->dtype, &L->w_down, err);
-        if (rc != STRATA_OK)
-            return strata_error_prefix(err, "layer %d", cm->layer_begin + il);
+        void **dst[MODEL_LAYER_TENSORS] = {
+            [MODEL_T_ATTN_NORM] = (void **)&L->attn_norm, [MODEL_T_WQ] = &L->wq, [MODEL_T_WK] = &L->wk,
+            [MODEL_T_WV] = &L->wv, [MODEL_T_WO] = &L->wo, [MODEL_T_FFN_NORM] = (void **)&L->ffn_norm,
+            [MODEL_T_GATE] = &L->w_gate, [MODEL_T_UP] = &L->w_up, [MODEL_T_DOWN] = &L->w_down,
+        };
+        for (int role = 0; rc == STRATA_OK && role < MODEL_LAYER_TENSORS; role++)
+            rc = build(cm, &b, (model_tensor_role)role, cm->layer_begin + il, dst[role], err);
     }
-    return STRATA_OK;
+    if (rc == STRATA_OK && cm->last)
+        rc = build(cm, &b, MODEL_T_OUTPUT_NORM, 0, (void **)&cm->output_norm, err);
+    if (rc == STRATA_OK && cm->last)
+        rc = build(cm, &b, MODEL_T_OUTPUT, 0, &cm->output, err);
+    builder_free(&b);
+    return rc;
 }
 
 int cuda_select_device(int device, strata_error *err)
@@ -98,12 +146,16 @@ cuda_model *cuda_model_create(const model *m, cuda_weight_dtype dtype, strata_er
         strata_fail(err, STRATA_EINVAL, "cuda_model_create: bad arguments");
         return NULL;
     }
+    if (!model_is_for_device(m)) {
+        strata_fail(err, STRATA_EINVAL, "cuda_model_create: the model must come from model_load_for_device (its "
+                    "weights are built on the device)");
+        return NULL;
+    }
     const model_config *c = model_get_config(m);
     const int begin = model_layer_begin(m), end = model_layer_end(m);
-    if (begin < 0 || end <= begin || end > c->n_layers || (begin == 0 && !model_get_token_embedding(m)) ||
-        (end == c->n_layers && !model_get_output_weights(m))) {
+    if (begin < 0 || end <= begin || end > c->n_layers || (begin == 0 && !model_get_token_embedding(m))) {
         strata_fail(err, STRATA_EINVAL, "the CUDA forward pass needs a model holding layers [%d, %d) with the embedding "
-                    "on the first stage and the head on the last", begin, end);
+                    "on the first stage", begin, end);
         return NULL;
     }
     if (c->head_dim * c->n_heads != c->n_embd) {
@@ -144,12 +196,7 @@ cuda_model *cuda_model_create(const model *m, cuda_weight_dtype dtype, strata_er
                             (e = cudaMemset(cm->d_status, 0, sizeof(int))) != cudaSuccess))
         rc = strata_fail(err, STRATA_EIO, "CUDA: %s", cudaGetErrorString(e));
     if (rc == STRATA_OK)
-        rc = upload_layers(cm, err);
-    const size_t e_ = (size_t)c->n_embd, nv = (size_t)c->n_vocab;
-    if (rc == STRATA_OK && cm->last)
-        rc = upload_f32(cm, model_get_output_norm(m), e_, &cm->output_norm, err);
-    if (rc == STRATA_OK && cm->last)
-        rc = upload(cm, model_get_output_weights(m), nv * e_, dtype, &cm->output, err);
+        rc = build_weights(cm, err);
     if (rc != STRATA_OK) {
         cuda_model_free(cm);
         return NULL;
@@ -208,6 +255,13 @@ void cuda_model_free(cuda_model *cm)
     cudaFree(cm->d_ws);
     cudaFree(cm->d_ctx);
     cudaFree(cm->d_gear_work);
+    cudaFree(cm->d_pencode);
+    cudaFree(cm->d_ptail);
+    cudaFree(cm->d_stream);
+    free(cm->h_pencode);
+    free(cm->h_ptail);
+    free(cm->h_stream_k);
+    free(cm->h_stream_v);
     cudaFree(cm->d_status);
     for (int il = 0; cm->layers && il < cm->n_local; il++) {
         cuda_layer *L = &cm->layers[il];
@@ -452,10 +506,8 @@ cuda_seq *cuda_seq_create_plan(cuda_model *cm, const kv_codec_params *codecs, in
     if (rc == STRATA_OK && (cm->pool || (e = cudaMalloc((void **)&s->arena, L * s->max_blocks * s->slot)) == cudaSuccess) &&
         (e = cudaMalloc((void **)&s->tail_k, L * tail_rows * s->row * 2)) == cudaSuccess &&
         (e = cudaMalloc((void **)&s->tail_v, L * tail_rows * s->row * 2)) == cudaSuccess &&
-        (e = cudaMalloc((void **)&s->tmp, ((size_t)s->residual + 1) * s->row * 2)) == cudaSuccess &&
         (e = cudaMalloc((void **)&s->d_tables, L * s->max_blocks * sizeof(void *))) == cudaSuccess &&
-        (e = cudaMalloc((void **)&s->d_job, sizeof(cuda_kv_encode_job))) == cudaSuccess &&
-        (!s->work_bytes || (e = cudaMalloc((void **)&s->d_work, s->work_bytes)) == cudaSuccess) && s->ott_stride &&
+        s->ott_stride &&
         (e = cudaMalloc((void **)&s->d_ott, L * s->ott_stride)) == cudaSuccess)
         e = cudaMemset(s->d_ott, 0, L * s->ott_stride);   /* empty pools, as the CPU tracker starts */
     if (rc == STRATA_OK && e != cudaSuccess)
@@ -484,8 +536,7 @@ void cuda_seq_free(cuda_seq *s)
 {
     if (!s)
         return;
-    void *bufs[] = {s->arena, s->tail_k, s->tail_v, s->tmp, (void *)(uintptr_t)s->d_tables, s->d_job, s->d_work,
-                    s->d_ott};
+    void *bufs[] = {s->arena, s->tail_k, s->tail_v, (void *)(uintptr_t)s->d_tables, s->d_ott};
     for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
         cudaFree(bufs[i]);
     for (size_t i = 0; s->handles && i < (size_t)s->n_layers * s->max_blocks; i++)
@@ -557,58 +608,6 @@ static int upload_row(cuda_seq *s, int layer, size_t n, strata_error *err)
     return STRATA_OK;
 }
 
-/* Appends n fp16 rows to a layer: the tail and the new rows are one stream, and every time the
- * tail reaches R + block_tokens its oldest block_tokens become a block (the CPU pool's rule,
- * kv_seq_append, so blocks form at the same positions). */
-static int append_layer(cuda_seq *s, int layer, const uint16_t *k16, const uint16_t *v16, size_t n, strata_error *err)
-{
-    const size_t full = (size_t)(s->residual + s->block_tokens), bt = (size_t)s->block_tokens, bytes = s->row * 2;
-    for (size_t i = 0; i < n;) {
-        size_t take = full - (size_t)s->tail_len[layer];
-        if (take > n - i)
-            take = n - i;
-        CU(cudaMemcpy(cuda_seq_tail_at(s, s->tail_k, layer, (size_t)s->tail_len[layer]), k16 + i * s->row, take * bytes,
-                      cudaMemcpyDeviceToDevice), "appending keys");
-        CU(cudaMemcpy(cuda_seq_tail_at(s, s->tail_v, layer, (size_t)s->tail_len[layer]), v16 + i * s->row, take * bytes,
-                      cudaMemcpyDeviceToDevice), "appending values");
-        s->tail_len[layer] += (int)take;
-        i += take;
-        if ((size_t)s->tail_len[layer] < full)
-            continue;
-        const size_t b = (size_t)s->n_blocks[layer];
-        if (b >= s->max_blocks)
-            return strata_fail(err, STRATA_EFULL, "layer %d: no block slot left", layer);
-        uint8_t *dst = NULL;
-        int rc = cuda_seq_new_block(s, layer, b, &dst, err);
-        if (rc != STRATA_OK)
-            return rc;
-        const cuda_kv_encode_job job = {
-            .k = cuda_seq_tail_at(s, s->tail_k, layer, 0),
-            .v = cuda_seq_tail_at(s, s->tail_v, layer, 0),
-            .dst = dst,
-            .first_pos = (uint64_t)b * bt,
-            .layer = (uint32_t)layer,
-            .work = s->d_work,
-            .ott_state = ott_state(s, layer),
-        };
-        CU(cudaMemcpy(s->d_job, &job, sizeof job, cudaMemcpyHostToDevice), "encoder job");
-        rc = cuda_kv_encode_blocks(block_encoder(s, layer, b), s->d_job, 1, NULL, err);
-        if (rc != STRATA_OK)
-            return rc;
-        s->n_blocks[layer]++;
-        /* The R newest rows move to the front (through tmp: the ranges overlap when R > bt). */
-        if (s->residual > 0) {
-            const size_t r = (size_t)s->residual;
-            CU(cudaMemcpy(s->tmp, cuda_seq_tail_at(s, s->tail_k, layer, bt), r * bytes, cudaMemcpyDeviceToDevice), "tail");
-            CU(cudaMemcpy(cuda_seq_tail_at(s, s->tail_k, layer, 0), s->tmp, r * bytes, cudaMemcpyDeviceToDevice), "tail");
-            CU(cudaMemcpy(s->tmp, cuda_seq_tail_at(s, s->tail_v, layer, bt), r * bytes, cudaMemcpyDeviceToDevice), "tail");
-            CU(cudaMemcpy(cuda_seq_tail_at(s, s->tail_v, layer, 0), s->tmp, r * bytes, cudaMemcpyDeviceToDevice), "tail");
-        }
-        s->tail_len[layer] = s->residual;
-    }
-    return STRATA_OK;
-}
-
 /* One step's plan: items reordered so that the decode items (one token on a non-empty sequence)
  * come first, their rows contiguous for the batched attention, then the prompts. */
 typedef struct step_plan {
@@ -656,6 +655,8 @@ static int check_items(cuda_model *cm, const cuda_batch_item *items, size_t n_it
 
 /* Host side of the decode items' KV for every layer: append jobs, the blocks that form, the
  * tail moves, and the attention views after the append; uploaded in four copies. */
+static int ensure_encoder_scratch(cuda_model *cm, size_t bytes, strata_error *err);
+
 static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_plan *sp, int *max_blocks,
                              strata_error *err)
 {
@@ -671,13 +672,9 @@ static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_
         }
     }
     const size_t work = nd ? items[sp->order[0]].seq->work_bytes : 0;
-    if (n_full && work && n_full * work > cm->gear_work_bytes) {
-        cudaFree(cm->d_gear_work);
-        cm->d_gear_work = NULL;
-        cm->gear_work_bytes = 0;
-        CU(cudaMalloc((void **)&cm->d_gear_work, n_full * work), "encoder scratch");
-        cm->gear_work_bytes = n_full * work;
-    }
+    int rc = ensure_encoder_scratch(cm, n_full * work, err);
+    if (rc != STRATA_OK)
+        return rc;
     if (cm->pool && n_full && !(sp->full_seq = malloc(n_full * sizeof *sp->full_seq)))
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
     size_t at_prompt = 0, at_decode = n_prompt;   /* where each full tail's jobs go in a layer's slice */
@@ -711,8 +708,7 @@ static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_
                 /* Shared pool: the slot is taken when the layer runs (acquire_layer). */
                 uint8_t *dst = NULL;
                 if (!cm->pool) {
-                    int rc = cuda_seq_new_block(s, il, (size_t)s->n_blocks[0], &dst, err);
-                    if (rc != STRATA_OK)
+                    if ((rc = cuda_seq_new_block(s, il, (size_t)s->n_blocks[0], &dst, err)) != STRATA_OK)
                         return rc;
                 } else if (l == 0) {
                     sp->full_seq[slot_in_layer] = s;
@@ -856,8 +852,8 @@ static int decode_layer(cuda_model *cm, const cuda_batch_item *items, const step
 /* A prompt chunk continuing s: its attention over the layer's cache as it was (written out as fp32
  * rows) and its own rows (k, v: fp32 at fp16 values), through the cuBLAS prefill with the cache as
  * the past; then the chunk is appended (k16, v16). */
-static int chunk_layer(cuda_model *cm, cuda_seq *s, int il, const float *q, const float *k, const float *v,
-                       const uint16_t *k16, const uint16_t *v16, size_t n, float *attn, strata_error *err)
+static int chunk_layer(cuda_model *cm, cuda_seq *s, int il, const float *q, const float *k, const float *v, size_t n,
+                       float *attn, strata_error *err)
 {
     const size_t l = (size_t)il, nb = (size_t)s->n_blocks[il];
     int rc = STRATA_OK;
@@ -895,11 +891,194 @@ static int chunk_layer(cuda_model *cm, cuda_seq *s, int il, const float *q, cons
         return rc;
     CU(cudaMemcpyAsync(ck + past * kvd, k, n * kvd * sizeof(float), cudaMemcpyDeviceToDevice, NULL), "chunk keys");
     CU(cudaMemcpyAsync(cv + past * kvd, v, n * kvd * sizeof(float), cudaMemcpyDeviceToDevice, NULL), "chunk values");
-    rc = cuda_attention_prefill_gemm(cm->blas, q, ck, cv, (int)past, (int)n, cm->cfg.n_heads, cm->cfg.n_kv_heads,
-                                     cm->cfg.head_dim, attn, cm->d_ws, cm->ws_bytes, err);
+    return cuda_attention_prefill_gemm(cm->blas, q, ck, cv, (int)past, (int)n, cm->cfg.n_heads, cm->cfg.n_kv_heads,
+                                       cm->cfg.head_dim, attn, cm->d_ws, cm->ws_bytes, err);
+}
+
+/* Room for `bytes` of encoder scratch (GEAR, OTT: work_bytes for each block encoded in one launch). */
+static int ensure_encoder_scratch(cuda_model *cm, size_t bytes, strata_error *err)
+{
+    if (bytes <= cm->gear_work_bytes)
+        return STRATA_OK;
+    cudaFree(cm->d_gear_work);
+    cm->d_gear_work = NULL;
+    cm->gear_work_bytes = 0;
+    CU(cudaMalloc((void **)&cm->d_gear_work, bytes), "encoder scratch");
+    cm->gear_work_bytes = bytes;
+    return STRATA_OK;
+}
+
+/* Room for a layer's multi-token appends: n_jobs blocks, n_items tails, stream_elems fp16 values
+ * of chunk streams. */
+static int ensure_prompt_appends(cuda_model *cm, size_t n_jobs, size_t n_items, size_t stream_elems, strata_error *err)
+{
+    if (n_jobs > cm->cap_pencode) {
+        cudaFree(cm->d_pencode);
+        cm->d_pencode = NULL;
+        cm->cap_pencode = 0;
+        cuda_kv_encode_job *h = realloc(cm->h_pencode, n_jobs * sizeof *h);
+        if (!h)
+            return strata_fail(err, STRATA_ENOMEM, "out of memory");
+        cm->h_pencode = h;
+        CU(cudaMalloc((void **)&cm->d_pencode, n_jobs * sizeof *h), "encoder jobs");
+        cm->cap_pencode = n_jobs;
+    }
+    if (n_items > cm->cap_ptail) {
+        cudaFree(cm->d_ptail);
+        cm->d_ptail = NULL;
+        cm->cap_ptail = 0;
+        cuda_kv_append_job *h = realloc(cm->h_ptail, n_items * sizeof *h);
+        const uint16_t **k = h ? realloc(cm->h_stream_k, n_items * sizeof *k) : NULL;
+        if (k)
+            cm->h_stream_k = k;
+        const uint16_t **v = k ? realloc(cm->h_stream_v, n_items * sizeof *v) : NULL;
+        if (h)
+            cm->h_ptail = h;
+        if (!v)
+            return strata_fail(err, STRATA_ENOMEM, "out of memory");
+        cm->h_stream_v = v;
+        CU(cudaMalloc((void **)&cm->d_ptail, n_items * sizeof *h), "tail jobs");
+        cm->cap_ptail = n_items;
+    }
+    if (stream_elems > cm->stream_cap) {
+        cudaFree(cm->d_stream);
+        cm->d_stream = NULL;
+        cm->stream_cap = 0;
+        CU(cudaMalloc((void **)&cm->d_stream, stream_elems * sizeof(uint16_t)), "prompt chunks' rows");
+        cm->stream_cap = stream_elems;
+    }
+    return STRATA_OK;
+}
+
+/* How many blocks a layer forms when n rows join a tail of t0 rows: each time the tail reaches
+ * R + block_tokens its oldest block_tokens rows become a block (the CPU pool's rule,
+ * kv_seq_append), so with the tail and the new rows as one stream, block j is the stream's rows
+ * [j * block_tokens, (j + 1) * block_tokens) and the tail keeps what follows the last. */
+static size_t blocks_forming(const cuda_seq *s, size_t t0, size_t n)
+{
+    const size_t r = (size_t)s->residual, bt = (size_t)s->block_tokens;
+    return t0 + n >= r + bt ? (t0 + n - r) / bt : 0;
+}
+
+/* The multi-token items of a step (prompts, and chunks continuing a sequence) join one layer's
+ * cache, after their attention: every block they form is encoded straight from its rows, in one
+ * launch per round (round j: the j-th block of each item, so an OTT tracker sees its sequence's
+ * blocks in order and no launch names a tracker twice), and each item's last rows go to its
+ * tail in one launch. A prompt's stream is its rows in the step; a chunk's is its tail followed
+ * by its rows, copied together first (the tail is rewritten). The jobs go up once per layer:
+ * forming blocks one by one synchronized the host with the device at every block and ran the
+ * encoder one thread block at a time. */
+static int append_prompts_layer(cuda_model *cm, const cuda_batch_item *items, const step_plan *sp, int il,
+                                strata_error *err)
+{
+    const size_t n_items = sp->n_items - sp->n_dec;
+    if (n_items == 0)
+        return STRATA_OK;
+    const cuda_seq *s0 = items[sp->order[sp->n_dec]].seq;
+    const size_t bt = (size_t)s0->block_tokens, row = s0->row, work = s0->work_bytes;
+    size_t n_jobs = 0, rounds = 0, widest = 0, stream_rows = 0, n_fresh = 0;
+    for (size_t p = sp->n_dec; p < sp->n_items; p++) {
+        const cuda_batch_item *it = &items[sp->order[p]];
+        const size_t t0 = (size_t)it->seq->tail_len[il], nb = blocks_forming(it->seq, t0, it->n_tokens);
+        n_jobs += nb;
+        rounds = nb > rounds ? nb : rounds;
+        widest += nb > 0;
+        stream_rows += t0 ? t0 + it->n_tokens : 0;
+        n_fresh += t0 == 0;
+    }
+    int rc = ensure_prompt_appends(cm, n_jobs, n_items, 2 * stream_rows * row, err);
     if (rc == STRATA_OK)
-        rc = append_layer(s, il, k16, v16, n, err);
-    return rc;
+        rc = ensure_encoder_scratch(cm, widest * work, err);
+    if (rc != STRATA_OK)
+        return rc;
+    /* Streams and tails: items whose tail is empty first (their rows are in cm->k16/v16), then
+     * the chunks (their streams in cm->d_stream, keys then values). */
+    uint16_t *stream_k = cm->d_stream, *stream_v = cm->d_stream + stream_rows * row;
+    size_t fresh_at = 0, chunk_at = n_fresh, at_row = 0;
+    for (size_t p = sp->n_dec; p < sp->n_items; p++) {
+        const cuda_batch_item *it = &items[sp->order[p]];
+        cuda_seq *s = it->seq;
+        const size_t i = p - sp->n_dec, t0 = (size_t)s->tail_len[il], n = it->n_tokens, r0 = sp->row0[p];
+        const size_t keep_from = blocks_forming(s, t0, n) * bt;   /* the stream's rows the tail keeps */
+        uint16_t *tk = cuda_seq_tail_at(s, s->tail_k, il, 0), *tv = cuda_seq_tail_at(s, s->tail_v, il, 0);
+        if (t0 == 0) {
+            cm->h_stream_k[i] = cm->k16 + r0 * row;
+            cm->h_stream_v[i] = cm->v16 + r0 * row;
+            cm->h_ptail[fresh_at++] = (cuda_kv_append_job){tk, tv, (int)(r0 + keep_from), (int)(n - keep_from)};
+            continue;
+        }
+        uint16_t *k = stream_k + at_row * row, *v = stream_v + at_row * row;
+        CU(cudaMemcpyAsync(k, tk, t0 * row * 2, cudaMemcpyDeviceToDevice, NULL), "a chunk's stream");
+        CU(cudaMemcpyAsync(v, tv, t0 * row * 2, cudaMemcpyDeviceToDevice, NULL), "a chunk's stream");
+        CU(cudaMemcpyAsync(k + t0 * row, cm->k16 + r0 * row, n * row * 2, cudaMemcpyDeviceToDevice, NULL),
+           "a chunk's stream");
+        CU(cudaMemcpyAsync(v + t0 * row, cm->v16 + r0 * row, n * row * 2, cudaMemcpyDeviceToDevice, NULL),
+           "a chunk's stream");
+        cm->h_stream_k[i] = k;
+        cm->h_stream_v[i] = v;
+        cm->h_ptail[chunk_at++] = (cuda_kv_append_job){tk, tv, (int)(at_row + keep_from), (int)(t0 + n - keep_from)};
+        at_row += t0 + n;
+    }
+    /* The blocks, round by round; each job's scratch is its slot in the round. Every block a
+     * multi-token append forms ends before the append's end (prompt_end), so a round's encoder
+     * is its first block's (block_encoder: on a GEAR layer the prompt rank). */
+    struct round { size_t end; const cuda_kv_encoder *enc; } *round = malloc((rounds + 1) * sizeof *round);
+    if (!round)
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    size_t at = 0;
+    for (size_t j = 0; j < rounds && rc == STRATA_OK; j++) {
+        size_t slot = 0;
+        for (size_t p = sp->n_dec; p < sp->n_items && rc == STRATA_OK; p++) {
+            const cuda_batch_item *it = &items[sp->order[p]];
+            cuda_seq *s = it->seq;
+            const size_t i = p - sp->n_dec;
+            if (blocks_forming(s, (size_t)s->tail_len[il], it->n_tokens) <= j)
+                continue;
+            const size_t b = (size_t)s->n_blocks[il] + j;
+            uint8_t *dst = NULL;
+            if (b >= s->max_blocks) {
+                rc = strata_fail(err, STRATA_EFULL, "layer %d: no block slot left", il);
+                break;
+            }
+            if ((rc = cuda_seq_new_block(s, il, b, &dst, err)) != STRATA_OK)
+                break;
+            if (slot == 0)
+                round[j].enc = block_encoder(s, il, b);
+            cm->h_pencode[at++] = (cuda_kv_encode_job){
+                .k = cm->h_stream_k[i] + j * bt * row,
+                .v = cm->h_stream_v[i] + j * bt * row,
+                .dst = dst,
+                .first_pos = (uint64_t)b * bt,
+                .layer = (uint32_t)il,
+                .work = work ? cm->d_gear_work + slot * work : NULL,
+                .ott_state = ott_state(s, il),
+            };
+            slot++;
+        }
+        round[j].end = at;
+    }
+    cudaError_t ce = cudaSuccess;
+    if (rc == STRATA_OK && n_jobs)
+        ce = cudaMemcpy(cm->d_pencode, cm->h_pencode, n_jobs * sizeof *cm->h_pencode, cudaMemcpyHostToDevice);
+    if (rc == STRATA_OK && ce == cudaSuccess)
+        ce = cudaMemcpy(cm->d_ptail, cm->h_ptail, n_items * sizeof *cm->h_ptail, cudaMemcpyHostToDevice);
+    if (rc == STRATA_OK && ce != cudaSuccess)
+        rc = strata_fail(err, STRATA_EIO, "CUDA encoder jobs: %s", cudaGetErrorString(ce));
+    for (size_t j = 0, from = 0; j < rounds && rc == STRATA_OK; from = round[j++].end)
+        rc = cuda_kv_encode_blocks(round[j].enc, cm->d_pencode + from, (int)(round[j].end - from), NULL, err);
+    free(round);
+    if (rc != STRATA_OK)
+        return rc;
+    KERNEL(cuda_kv_append_rows(cm->d_ptail, (int)n_fresh, cm->k16, cm->v16, row, NULL), "prompt tails");
+    KERNEL(cuda_kv_append_rows(cm->d_ptail + n_fresh, (int)(n_items - n_fresh), stream_k, stream_v, row, NULL),
+           "chunk tails");
+    for (size_t p = sp->n_dec; p < sp->n_items; p++) {
+        cuda_seq *s = items[sp->order[p]].seq;
+        const size_t t0 = (size_t)s->tail_len[il], n = items[sp->order[p]].n_tokens, nb = blocks_forming(s, t0, n);
+        s->n_blocks[il] += (int)nb;
+        s->tail_len[il] = (int)(t0 + n - nb * bt);
+    }
+    return STRATA_OK;
 }
 
 static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_plan *sp, const cuda_kv_plan *plan,
@@ -930,19 +1109,18 @@ static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_pl
     for (size_t p = sp->n_dec; p < sp->n_items; p++) {
         const cuda_batch_item *it = &items[sp->order[p]];
         const size_t r0 = sp->row0[p];
-        if (it->seq->len > 0) {   /* a prompt chunk continuing the sequence */
-            if ((rc = chunk_layer(cm, it->seq, il, cm->q + r0 * e, cm->k + r0 * kvd, cm->v + r0 * kvd,
-                                  cm->k16 + r0 * kvd, cm->v16 + r0 * kvd, it->n_tokens, cm->attn + r0 * e, err)) !=
-                STRATA_OK)
-                return rc;
-            continue;
-        }
-        if ((rc = append_layer(it->seq, il, cm->k16 + r0 * kvd, cm->v16 + r0 * kvd, it->n_tokens, err)) != STRATA_OK ||
-            (rc = cuda_attention_prefill_gemm(cm->blas, cm->q + r0 * e, cm->k + r0 * kvd, cm->v + r0 * kvd, 0,
-                                              (int)it->n_tokens, c->n_heads, c->n_kv_heads, c->head_dim,
-                                              cm->attn + r0 * e, cm->d_ws, cm->ws_bytes, err)) != STRATA_OK)
+        if (it->seq->len > 0)   /* a prompt chunk continuing the sequence: the cache as it was */
+            rc = chunk_layer(cm, it->seq, il, cm->q + r0 * e, cm->k + r0 * kvd, cm->v + r0 * kvd, it->n_tokens,
+                             cm->attn + r0 * e, err);
+        else
+            rc = cuda_attention_prefill_gemm(cm->blas, cm->q + r0 * e, cm->k + r0 * kvd, cm->v + r0 * kvd, 0,
+                                             (int)it->n_tokens, c->n_heads, c->n_kv_heads, c->head_dim,
+                                             cm->attn + r0 * e, cm->d_ws, cm->ws_bytes, err);
+        if (rc != STRATA_OK)
             return rc;
     }
+    if ((rc = append_prompts_layer(cm, items, sp, il, err)) != STRATA_OK)
+        return rc;
     if ((rc = gemm(cm, cm->attn, T, e, L->wo, e, cm->proj, err)))
         return rc;
     KERNEL(cuda_add(cm->x, cm->proj, T * e, NULL), "residual");
@@ -1017,7 +1195,7 @@ static void after_step(const cuda_batch_item *items, const step_plan *sp)
                 s->tail_len[l] = full ? s->residual : s->tail_len[l] + 1;
             }
         }
-        s->len += items[sp->order[p]].n_tokens;   /* prompts: append_layer kept their layers' state */
+        s->len += items[sp->order[p]].n_tokens;   /* prompts: append_prompts_layer kept their layers' state */
     }
 }
 
@@ -1219,8 +1397,7 @@ static size_t seq_bytes(const cuda_model *cm, size_t slot, int block_tokens, int
     const size_t L = (size_t)cm->n_local, row = (size_t)cm->cfg.n_kv_heads * (size_t)cm->cfg.head_dim;
     const size_t max_blocks = (max_tokens + (size_t)block_tokens - 1) / (size_t)block_tokens;
     const size_t blocks = cm->pool ? 0 : L * max_blocks * slot;   /* the shared pool holds them */
-    return blocks + 2 * L * (size_t)(residual + block_tokens) * row * 2 + (size_t)(residual + 1) * row * 2 +
-           L * max_blocks * sizeof(void *) + sizeof(cuda_kv_encode_job);
+    return blocks + 2 * L * (size_t)(residual + block_tokens) * row * 2 + L * max_blocks * sizeof(void *);
 }
 
 int cuda_model_create_kv_pool_plan(cuda_model *cm, const kv_codec_params *codecs, int block_tokens, size_t n_blocks,
@@ -1299,8 +1476,7 @@ size_t cuda_seq_bytes(const cuda_seq *s)
 {
     if (!s)
         return 0;
-    return seq_bytes(s->cm, s->slot, s->block_tokens, s->residual, s->max_tokens) + s->work_bytes +
-           (size_t)s->n_layers * s->ott_stride;
+    return seq_bytes(s->cm, s->slot, s->block_tokens, s->residual, s->max_tokens) + (size_t)s->n_layers * s->ott_stride;
 }
 
 int cuda_seq_device_bytes(const cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t max_tokens,
@@ -1312,14 +1488,11 @@ int cuda_seq_device_bytes(const cuda_model *cm, const kv_codec_params *codec, in
         return err ? err->code : STRATA_EUNSUPPORTED;
     const kv_geometry g = {.n_layers = cm->n_local, .n_kv_heads = cm->cfg.n_kv_heads,
                            .head_dim = cm->cfg.head_dim, .block_tokens = block_tokens};
-    cuda_kv_encoder enc, enc_prompt;
-    memset(&enc_prompt, 0, sizeof enc_prompt);
+    cuda_kv_encoder enc;
     int rc = cuda_kv_encoder_init(codec, &g, &enc, err);
-    if (rc == STRATA_OK && codec->codec == KV_CODEC_GEAR)
-        rc = cuda_kv_encoder_init_rank(codec, &g, codec->rank_prompt, &enc_prompt, err);
     if (rc == STRATA_OK)
         *bytes = seq_bytes(cm, kv_block_size(codec, &g), block_tokens, codec->residual, max_tokens) +
-                 (size_t)(enc.work_bytes > enc_prompt.work_bytes ? enc.work_bytes : enc_prompt.work_bytes);
+                 (size_t)cm->n_local * (size_t)enc.ott_state_bytes;
     return rc;
 }
 

@@ -9,7 +9,7 @@
  * device (cuda_model_stage_step), caches of every codec, each sequence with its own device arena
  * sized for its max_tokens or a block pool shared by the sequences with tiers below the device
  * (cuda_model_create_kv_pool); the embedding lookup stays on the host (a row copy per token).
- * Not yet: the worker's use of it (strata-worker computes on the CPU).
+ * strata generate --device cuda and strata-worker --device cuda (worker/stage/stage_gpu.c) run it.
  * Status: compiled in every build with nvcc; see docs/benchmarks.md for whether it has run. */
 #ifndef STRATA_WORKER_CUDA_MODEL_CUDA_H
 #define STRATA_WORKER_CUDA_MODEL_CUDA_H
@@ -36,12 +36,15 @@ typedef enum cuda_weight_dtype {
  * device, STRATA_EINVAL naming the valid range for a device that does not exist. */
 int cuda_select_device(int device, strata_error *err);
 
-/* Copies the weights of m to the current device: a whole model, or a pipeline stage holding
- * layers [layer_begin, layer_end) (model_load with a layer range), whose sequences hold only
- * those layers, numbered from 0 as on the CPU. m must outlive the result (the first stage reads
- * its embedding table from host memory). STRATA_EIO with the CUDA error when there is no device
- * or memory runs out; STRATA_EINVAL for a first stage without the embedding or a last stage
- * without the head. */
+/* Builds the weights of m on the current device: a whole model, or a pipeline stage holding
+ * layers [layer_begin, layer_end), whose sequences hold only those layers, numbered from 0 as on
+ * the CPU. m comes from model_load_for_device: GGUF blocks are copied to the device as they are in
+ * the file and decoded there (kernels/cuda_weights.h), synthetic weights are generated there; the
+ * values equal the CPU loader's (fp32), rounded once to fp16 for CUDA_WEIGHTS_F16. m must outlive
+ * the result (the first stage reads its embedding table from host memory). STRATA_EINVAL for a
+ * model loaded otherwise or a first stage without the embedding; STRATA_EIO with the CUDA error
+ * when there is no device or memory runs out (naming the tensor); STRATA_EFORMAT naming the
+ * tensor and element when a value is not finite (or, for fp16 weights, beyond fp16's range). */
 cuda_model *cuda_model_create(const model *m, cuda_weight_dtype dtype, strata_error *err);
 void cuda_model_free(cuda_model *cm);
 /* Device bytes of the weights. */

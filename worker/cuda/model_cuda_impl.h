@@ -57,8 +57,16 @@ struct cuda_model {
     float *d_ctx;                             /* a prompt chunk's context as fp32 K then V rows */
     size_t ctx_bytes;
     size_t ws_bytes;
-    uint8_t *d_gear_work;                     /* GEAR, OTT: a scratch per block forming in one step */
+    uint8_t *d_gear_work;                     /* GEAR, OTT: a scratch per block encoded in one launch */
     size_t gear_work_bytes;
+    /* A layer's multi-token appends (append_prompts_layer): the blocks' jobs round after round,
+     * each item's tail job, where each item's stream starts, and the chunks' streams. */
+    cuda_kv_encode_job *d_pencode, *h_pencode;
+    cuda_kv_append_job *d_ptail, *h_ptail;
+    const uint16_t **h_stream_k, **h_stream_v;
+    size_t cap_pencode, cap_ptail;
+    uint16_t *d_stream;
+    size_t stream_cap;                        /* elements */
     int *d_status;
     uint64_t step;                            /* steps checked so far: marks sequences seen in one */
     /* The shared block pool (cuda_model_create_kv_pool), or NULL: each sequence has its arena. */
@@ -86,13 +94,11 @@ struct cuda_seq {
     device_block *handles;           /* shared pool: block b of layer l is handles[l * max_blocks + b] */
     const uint8_t **h_tables;        /* shared pool: the host copy of d_tables */
     uint8_t *row_dirty;              /* shared pool, per layer: its h_tables row changed since uploaded */
-    uint16_t *tail_k, *tail_v, *tmp;  /* device: n_layers * (R + BT) rows; tmp: R rows */
+    uint16_t *tail_k, *tail_v;       /* device: n_layers * (R + BT) rows */
     int *tail_len, *n_blocks;        /* host, per layer (equal across layers between steps) */
     const uint8_t **d_tables;        /* device: n_layers * max_blocks block pointers */
-    cuda_kv_encode_job *d_job;       /* prefill's block formation, one at a time */
     size_t prompt_end;               /* where the last multi-token append (prompt or chunk) ended, as on the CPU */
-    size_t work_bytes;               /* GEAR, OTT: the largest encoder scratch of any layer */
-    uint8_t *d_work;                 /* GEAR, OTT: prefill's scratch */
+    size_t work_bytes;               /* GEAR, OTT: the largest encoder scratch of any layer, per block */
     uint8_t *d_ott;                  /* OTT layers' trackers, ott_stride bytes each, device */
     size_t ott_stride;               /* the largest enc[l].ott_state_bytes; 0 without an OTT layer */
     uint64_t seen_in_step;           /* cm->step of the last step that named this sequence */

@@ -125,6 +125,9 @@ stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const s
         if ((rc = kv_codec_validate(&codecs[l], &geo, err)) != STRATA_OK)
             strata_error_prefix(err, "layer %u", a->layer_begin + (unsigned)l);
     const size_t per_seq_blocks = (a->max_seq_tokens + a->block_tokens - 1) / a->block_tokens;
+    if (rc == STRATA_OK && model_is_for_device(m) != (o && o->cuda))
+        rc = strata_fail(err, STRATA_EINVAL, "stage: a %s stage needs a model loaded %s", o && o->cuda ? "GPU" : "CPU",
+                         o && o->cuda ? "by model_load_for_device" : "by model_load");
     if (rc == STRATA_OK && o && o->cuda) {
         if ((rc = kv_plan_check_one_window(codecs, geo.n_layers, err)) != STRATA_OK)   /* before any device */
             strata_error_prefix(err, "stage: the plan '%s'", a->kv_plan && *a->kv_plan ? a->kv_plan : "kivi4");
