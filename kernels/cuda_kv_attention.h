@@ -103,26 +103,6 @@ int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_plan *plan, co
                       const float *d_q, float *d_out, void *d_workspace, int *d_status,
                       strata_cuda_stream stream, strata_error *err);
 
-/* Causal attention for a whole prompt (prefill), the counterpart of kern_attention_causal:
- * query i attends to keys 0..i. The first version (each query row reads every earlier key; ran on
- * an H100): the forward pass now prefills through cuda_attention_prefill_gemm
- * (kernels/cuda_prefill.h; ran on an H100 in session 9), and this one is left for the tests'
- * comparisons until it is removed. d_q, d_out: fp32 [n][n_q_heads][head_dim]; d_k, d_v: fp16
- * [n][n_kv_heads][head_dim] (the cache's precision, as the CPU prefill rounds them). head_dim
- * at most 256, at most 16 query heads per KV head. */
-int cuda_attention_prefill(const float *d_q, const uint16_t *d_k, const uint16_t *d_v, int n, int n_q_heads,
-                           int n_kv_heads, int head_dim, float *d_out, strata_cuda_stream stream, strata_error *err);
-
-/* A prompt chunk continuing a sequence, the counterpart of kern_kv_attention_rows: row i of the
- * n chunk rows attends the sequence's cache as it was before the chunk (*seq: its block table,
- * device pointers, and fp16 tail) and then the chunk's own K/V rows 0..i (d_k, d_v: fp16
- * [n][n_kv_heads][head_dim], device). d_q, d_out: fp32 [n][n_q_heads][head_dim], device. seq is
- * read on the host (passed to the kernel by value). d_status as for cuda_kv_attention. head_dim
- * at most 256, at most 16 query heads per KV head, n at most 65535. */
-int cuda_kv_attention_chunk(const cuda_kv_layout *layout, const cuda_kv_seq *seq, const float *d_q,
-                            const uint16_t *d_k, const uint16_t *d_v, int n, int n_q_heads, float *d_out,
-                            int *d_status, strata_cuda_stream stream, strata_error *err);
-
 #ifdef __cplusplus
 }
 #endif

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh >/dev/null
 programs=(tests/cuda/test_cuda_plan tests/cuda/test_cuda_ops tests/cuda/test_cuda_attention
-          tests/cuda/test_cuda_encode tests/cuda/test_cuda_sample tests/cuda/test_cuda_model
+          tests/cuda/test_cuda_encode tests/cuda/test_cuda_sample tests/cuda/test_cuda_model tests/cuda/test_cuda_weights
           tests/test_transport tests/test_stage bench/strata-bench-attention bench/strata-bench-decode-gpu
           strata)
 cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release -DSTRATA_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 >/dev/null

@@ -8,7 +8,8 @@
 #   cli        `strata generate --device cuda` as a program (SmolLM2-shaped synthetic model, fp16
 #              and kivi2 caches), its greedy text set beside the CPU's
 #   sanitizer  the kernel tests under compute-sanitizer (memcheck, racecheck); STRATA_SANITIZER_TESTS
-#              names which (default: test_cuda_attention test_cuda_ops test_cuda_sample test_cuda_encode)
+#              names which (default: test_cuda_attention test_cuda_ops test_cuda_sample test_cuda_encode
+#              test_cuda_weights)
 #   profile    Nsight Compute (ncu), when the machine has it, on one launch of the decode attention
 #              (PROFILE ARGS: the benchmark's arguments; --profile-kernel REGEX picks the kernel)
 # Every step has a time limit, cut to what is left of --budget, so a hang costs one step, not the
@@ -69,6 +70,19 @@ if ldd "$bundle/bin/test_cuda_model" | grep -q "not found"; then
   ldd "$bundle/bin/test_cuda_model" | grep "not found" >&2
   exit 1
 fi
+# The default model, when every part scripts/gpu-model-parts.sh made has come (over several calls).
+real_model=
+if [ -f build-gpu-model/SHA256 ]; then
+  cat build-gpu-model/part.* > "$bundle/model.gguf" 2>/dev/null
+  if [ "$(sha256sum "$bundle/model.gguf" | cut -d' ' -f1)" = "$(cat build-gpu-model/SHA256)" ]; then
+    real_model=$bundle/model.gguf
+    echo "default model $(cat build-gpu-model/NAME): every part here, checksum good" | tee -a "$out/summary.txt"
+  else
+    echo "default model: parts missing or damaged ($(ls build-gpu-model | tr '\n' ' ')): synthetic models only" |
+      tee -a "$out/summary.txt"
+    rm -f "$bundle/model.gguf"
+  fi
+fi
 status=0
 # The device tool brings back at most 8 files: on exit every log goes into logs.tgz, and the
 # summary, CSV and JSON stay beside it.
@@ -100,12 +114,13 @@ step() {
 if want tests; then
   # The test programs run side by side (each mostly waits on its CPU reference; the machine has
   # 16 cores), each with its own time limit; their results are reported in order afterwards.
-  # test_cuda_model compares with the CPU on synthetic models, and on the real one when
-  # STRATA_MODEL names it (the model file does not fit one device call's 64 MiB: docs/gpu.md).
+  # test_cuda_model compares with the CPU on synthetic models, and with test_cuda_weights on the
+  # real one when its parts came (scripts/gpu-model-parts.sh: it does not fit one call's 64 MiB).
   # test_transport: the NCCL data plane, on one GPU its loopback link (the two-rank case needs two
   # GPUs and reports itself skipped). test_stage: a worker's stage on the GPU (two stages over TCP
   # against the CPU) on a synthetic model of SmolLM2's shape, since the model file cannot travel.
-  tests=(test_cuda_plan test_cuda_ops test_cuda_attention test_cuda_encode test_cuda_sample test_cuda_model)
+  tests=(test_cuda_plan test_cuda_ops test_cuda_attention test_cuda_encode test_cuda_sample test_cuda_model
+         test_cuda_weights)
   if ldd "$bundle/bin/test_transport" | grep -q "libnccl.*not found"; then
     echo "test_transport: no libnccl on this machine (looked in PyTorch's nvidia.nccl wheel): not run" |
       tee -a "$out/summary.txt"
@@ -119,6 +134,7 @@ if want tests; then
   for t in "${tests[@]}"; do
     model=
     [ "$t" = test_stage ] && model=synthetic:smollm2-135m:seed=3
+    case "$t" in test_cuda_model|test_cuda_weights) model=$real_model ;; esac
     ( env ${model:+STRATA_MODEL=$model} timeout -k 5 "$limit" "$bundle/bin/$t" > "$out/$t.log" 2>&1
       echo $? > "$out/$t.rc" ) &
   done
@@ -186,7 +202,7 @@ if want sanitizer; then
     # test_cuda_attention under the sanitizer: its group-shape cases only (every compiled variant of
     # the staged kernel, the generic kernel's widest groups and head_dim 256); the whole program
     # with its CPU references would not fit the call.
-    for t in ${STRATA_SANITIZER_TESTS:-test_cuda_attention test_cuda_ops test_cuda_sample test_cuda_encode}; do
+    for t in ${STRATA_SANITIZER_TESTS:-test_cuda_attention test_cuda_ops test_cuda_sample test_cuda_encode test_cuda_weights}; do
       filter=
       [ "$t" = test_cuda_attention ] && filter=${STRATA_SANITIZER_FILTER:-test_group_shapes}
       for tool in memcheck racecheck; do

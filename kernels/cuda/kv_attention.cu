@@ -7,8 +7,10 @@
 // thread per channel), which the CPU tests also run, emulated. It handles every codec's
 // corrections (TaDA, GEAR, OTT). Measured on an H100 (docs/benchmarks.md) at 3-5 % of the copy
 // bandwidth, so cuda_kv_attention sends the launches the staged kernel takes (fp16 and KIVI,
-// kernels/cuda/kv_attention_fast.cu) there and keeps this one for the rest. The prefill and
-// prompt-chunk kernels below are the first versions too (each query row reads every key).
+// kernels/cuda/kv_attention_fast.cu) there and keeps this one for the rest. Prefill and prompt
+// chunks do not come here: they go through cuBLAS (cuda_attention_prefill_gemm,
+// kernels/cuda_prefill.h), a chunk over its cache written out as fp32 rows first
+// (cuda_kv_dequantize_view, kernels/cuda/kv_dequant.cu).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math_constants.h>
@@ -23,7 +25,6 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kMaxQpk = KV_ATT_MAX_QPK;   // query heads per KV head (cuda_kv_attention_plan checks)
-constexpr int kPrefillChunk = 64;
 
 // One chunk through the six phases of kv_attention_block.h, a barrier after each.
 __device__ void attend_chunk(const kv_att_shared &s, const cuda_kv_layout &L, const kv_att_src &src, int h, int qpk,
@@ -115,46 +116,6 @@ __global__ void __launch_bounds__(kThreads) merge_splits(cuda_kv_plan P, int D, 
     kv_att_merge_row(P.n_splits, D, row, ws_acc, ws_ml, out, threadIdx.x, blockDim.x);
 }
 
-// grid (n_kv_heads, n): query token i of the group over keys 0..i in chunks, the decode
-// kernel's online softmax. Reads every earlier key once per query token: a first version,
-// quadratic in bytes (docs/gpu.md).
-__global__ void __launch_bounds__(kThreads) prefill_causal(cuda_kv_layout L, const float *q, const uint16_t *k,
-                                                           const uint16_t *v, int nq, float *out)
-{
-    extern __shared__ float smem[];
-    const int D = L.head_dim, nkv = L.n_kv_heads, qpk = nq / nkv, kvh = blockIdx.x, i = blockIdx.y;
-    const kv_att_shared s = kv_att_shared_at(smem, qpk, D, kPrefillChunk, blockDim.x);
-    const size_t row0 = (size_t)i * nq + (size_t)kvh * qpk;
-    kv_att_init(&s, q + row0 * D, qpk, D, threadIdx.x, blockDim.x);
-    __syncthreads();
-    attend_rows(s, L, k, v, i + 1, kvh, qpk, kPrefillChunk);
-    kv_att_write_normalized(&s, qpk, D, out + row0 * D, threadIdx.x, blockDim.x);
-}
-
-// grid (n_kv_heads, n): row i of a prompt chunk continuing a sequence, over the sequence's blocks
-// and fp16 tail as they were before the chunk, then the chunk's own rows 0..i, with the decode
-// kernel's phases and online softmax. Every row reads the whole cache: a first version (the CPU's
-// kern_kv_attention_rows decodes each block once for all rows instead; docs/gpu.md).
-__global__ void __launch_bounds__(kThreads) chunk_rows(cuda_kv_layout L, cuda_kv_seq seq, const float *q,
-                                                       const uint16_t *ck, const uint16_t *cv, int nq, float *out,
-                                                       int *status)
-{
-    extern __shared__ float smem[];
-    __shared__ int block_ok;
-    __shared__ kv_att_block_info info;
-    const int D = L.head_dim, BT = L.block_tokens, nkv = L.n_kv_heads, qpk = nq / nkv;
-    const int kvh = blockIdx.x, i = blockIdx.y;
-    const kv_att_shared s = kv_att_shared_at(smem, qpk, D, BT, blockDim.x);
-    const size_t row0 = (size_t)i * nq + (size_t)kvh * qpk;
-    kv_att_init(&s, q + row0 * D, qpk, D, threadIdx.x, blockDim.x);
-    __syncthreads();
-    for (int u = 0; u < seq.n_blocks; u++)
-        attend_block(s, L, seq.blocks[u], u, kvh, qpk, &block_ok, &info, status);
-    attend_rows(s, L, seq.tail_k, seq.tail_v, seq.tail_tokens, kvh, qpk, BT);
-    attend_rows(s, L, ck, cv, i + 1, kvh, qpk, BT);
-    kv_att_write_normalized(&s, qpk, D, out + row0 * D, threadIdx.x, blockDim.x);
-}
-
 int launch_failed(strata_error *err, const char *what)
 {
     const cudaError_t e = cudaGetLastError();
@@ -173,7 +134,7 @@ int allow_smem(Kernel kernel, size_t smem, strata_error *err)
     return STRATA_OK;
 }
 
-// The codec and quantized shape both block-reading kernels handle.
+// The codecs and quantized shapes the decode kernels handle.
 int check_codec(const cuda_kv_layout *layout, const char *fn, strata_error *err)
 {
     if (layout->codec < KV_CODEC_FP16 || layout->codec > KV_CODEC_TADA)
@@ -231,54 +192,4 @@ extern "C" int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_pla
     merge_splits<<<dim3((unsigned)plan->n_q_heads, (unsigned)plan->n_seqs), kThreads, 0, st>>>(*plan, D, ws_acc, ws_ml,
                                                                                               d_out);
     return launch_failed(err, "merge_splits");
-}
-
-extern "C" int cuda_attention_prefill(const float *d_q, const uint16_t *d_k, const uint16_t *d_v, int n, int n_q_heads,
-                                      int n_kv_heads, int head_dim, float *d_out, strata_cuda_stream stream,
-                                      strata_error *err)
-{
-    if (!d_q || !d_k || !d_v || !d_out || n < 1 || n > 65535 || n_kv_heads < 1 || n_q_heads % n_kv_heads != 0 ||
-        n_q_heads / n_kv_heads > kMaxQpk || head_dim < 1 || head_dim > 256)
-        return strata_fail(err, STRATA_EINVAL,
-                           "cuda_attention_prefill: %d tokens (1..65535), %d query / %d KV heads, head_dim %d", n,
-                           n_q_heads, n_kv_heads, head_dim);
-    const int qpk = n_q_heads / n_kv_heads;
-    const size_t smem = kv_att_shared_floats(qpk, head_dim, kPrefillChunk, kThreads) * sizeof(float);
-    const int rc = allow_smem(prefill_causal, smem, err);
-    if (rc != STRATA_OK)
-        return rc;
-    cuda_kv_layout rows = {};   // K/V come as fp16 rows; only the shape is read
-    rows.codec = KV_CODEC_FP16;
-    rows.n_kv_heads = n_kv_heads;
-    rows.head_dim = head_dim;
-    prefill_causal<<<dim3((unsigned)n_kv_heads, (unsigned)n), kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(
-        rows, d_q, d_k, d_v, n_q_heads, d_out);
-    return launch_failed(err, "prefill_causal");
-}
-
-extern "C" int cuda_kv_attention_chunk(const cuda_kv_layout *layout, const cuda_kv_seq *seq, const float *d_q,
-                                       const uint16_t *d_k, const uint16_t *d_v, int n, int n_q_heads, float *d_out,
-                                       int *d_status, strata_cuda_stream stream, strata_error *err)
-{
-    if (!layout || !seq || !d_q || !d_k || !d_v || !d_out || !d_status)
-        return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention_chunk: NULL argument");
-    const int H = layout->n_kv_heads, D = layout->head_dim;
-    if (n < 1 || n > 65535 || H < 1 || D < 1 || D > 256 || layout->block_tokens < 1 || n_q_heads % H != 0 ||
-        n_q_heads / H > kMaxQpk || seq->n_blocks < 0 || seq->tail_tokens < 0 || (seq->n_blocks && !seq->blocks) ||
-        (seq->tail_tokens && (!seq->tail_k || !seq->tail_v)))
-        return strata_fail(err, STRATA_EINVAL,
-                           "cuda_kv_attention_chunk: %d rows (1..65535), %d query / %d KV heads, head_dim %d, a view of "
-                           "%d blocks and %d tail tokens",
-                           n, n_q_heads, H, D, seq->n_blocks, seq->tail_tokens);
-    int rc = check_codec(layout, "cuda_kv_attention_chunk", err);
-    if (rc != STRATA_OK)
-        return rc;
-    const int qpk = n_q_heads / H;
-    const size_t smem = kv_att_shared_floats(qpk, D, layout->block_tokens, kThreads) * sizeof(float);
-    rc = allow_smem(chunk_rows, smem, err);
-    if (rc != STRATA_OK)
-        return rc;
-    chunk_rows<<<dim3((unsigned)H, (unsigned)n), kThreads, smem, reinterpret_cast<cudaStream_t>(stream)>>>(
-        *layout, *seq, d_q, d_k, d_v, n_q_heads, d_out, d_status);
-    return launch_failed(err, "chunk_rows");
 }

@@ -45,7 +45,7 @@ typedef struct kv_att_block_info {
 } kv_att_block_info;
 
 /* Where a chunk's keys and values come from: a block of the layout's codec, or fp16 rows
- * [token][n_kv_heads][head_dim] (the tail, or a prompt's K/V). */
+ * [token][n_kv_heads][head_dim] (the tail). */
 typedef struct kv_att_src {
     const uint8_t *block;            /* non-NULL: a block */
     const kv_att_block_info *info;   /* with a block: its parsed corrections */
@@ -366,15 +366,6 @@ STRATA_HD static inline void kv_att_write_partials(const kv_att_shared *s, int q
             ws_ml[2 * part + 1] = s->l[i];
         }
     }
-}
-
-/* The prefill output of the group's rows: acc / l. out_heads: [qpk][D] of this token. */
-STRATA_HD static inline void kv_att_write_normalized(const kv_att_shared *s, int qpk, int D, float *out_heads,
-                                                     unsigned tid, unsigned nthreads)
-{
-    for (int i = 0; i < qpk; i++)
-        for (int c = (int)tid; c < D; c += (int)nthreads)
-            out_heads[i * D + c] = s->acc[i * D + c] / s->l[i];
 }
 
 /* One output row (a sequence's query head) from its splits: sum_s acc_s e^(m_s - M) / sum_s l_s

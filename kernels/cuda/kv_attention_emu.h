@@ -11,7 +11,6 @@
 #include "kernels/cuda/kv_attention_block.h"
 
 #define KV_ATT_EMU_THREADS 128u   /* the kernels' kThreads */
-#define KV_ATT_EMU_PREFILL_CHUNK 64
 
 /* attend_chunk: one chunk through the six phases. */
 static inline void kv_att_emu_chunk(const kv_att_shared *s, const cuda_kv_layout *L, const kv_att_src *src, int h,
@@ -95,36 +94,6 @@ static inline int kv_att_emu_attention(const cuda_kv_layout *L, const cuda_kv_pl
     for (size_t row = 0; row < (size_t)P->n_seqs * P->n_q_heads; row++)
         for (unsigned t = 0; t < nt; t++)
             kv_att_merge_row(P->n_splits, D, row, ws_acc, ws_ml, out, t, nt);
-    free(smem);
-    return status;
-}
-
-/* prefill_causal (seq NULL, chunk KV_ATT_EMU_PREFILL_CHUNK) and chunk_rows (seq: the cache
- * before the chunk, chunk: the layout's block size): row i over seq's blocks and tail, then fp16
- * rows 0..i of k and v. q, out: [n][nq][head_dim]. Returns the status, or -1 out of memory. */
-static inline int kv_att_emu_rows_causal(const cuda_kv_layout *L, const cuda_kv_seq *seq, const float *q,
-                                         const uint16_t *k, const uint16_t *v, int n, int nq, int chunk, float *out)
-{
-    const int D = L->head_dim, qpk = nq / L->n_kv_heads;
-    const unsigned nt = KV_ATT_EMU_THREADS;
-    float *smem = malloc(kv_att_shared_floats(qpk, D, chunk, (int)nt) * sizeof(float));
-    if (!smem)
-        return -1;
-    int status = 0;
-    for (int i = 0; i < n; i++)
-        for (int kvh = 0; kvh < L->n_kv_heads; kvh++) {
-            const kv_att_shared sh = kv_att_shared_at(smem, qpk, D, chunk, (int)nt);
-            const size_t row0 = (size_t)i * nq + (size_t)kvh * qpk;
-            for (unsigned t = 0; t < nt; t++)
-                kv_att_init(&sh, q + row0 * D, qpk, D, t, nt);
-            for (int u = 0; seq && u < seq->n_blocks; u++)
-                kv_att_emu_block(&sh, L, seq->blocks[u], u, kvh, qpk, &status);
-            if (seq)
-                kv_att_emu_rows(&sh, L, seq->tail_k, seq->tail_v, seq->tail_tokens, kvh, qpk, chunk);
-            kv_att_emu_rows(&sh, L, k, v, i + 1, kvh, qpk, chunk);
-            for (unsigned t = 0; t < nt; t++)
-                kv_att_write_normalized(&sh, qpk, D, out + row0 * D, t, nt);
-        }
     free(smem);
     return status;
 }

@@ -462,8 +462,8 @@ static void test_shared_pool(void **state)
     free_twin(m);
 }
 
-/* A prompt in chunks (the first exact, the later ones attending the compressed cache plus
- * themselves: cuda_kv_attention_chunk) against the CPU's model_forward with the same split, then
+/* A prompt in chunks (the first exact, the later ones attending the compressed cache, written out
+ * as fp32 rows, plus themselves; each chunk's blocks formed from its tail and rows) against the CPU's model_forward with the same split, then
  * decode steps; per-sequence arenas and the shared pool over a host tier (the chunk's layer
  * blocks brought back before its attention), beside a decoding sequence in the same steps. */
 static void test_chunked_prompt(void **state)

@@ -379,47 +379,6 @@ int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_plan *plan, co
     return STRATA_OK;
 }
 
-int cuda_attention_prefill(const float *d_q, const uint16_t *d_k, const uint16_t *d_v, int n, int n_q_heads,
-                           int n_kv_heads, int head_dim, float *d_out, strata_cuda_stream stream, strata_error *err)
-{
-    (void)stream;
-    if (!d_q || !d_k || !d_v || !d_out || n < 1 || n > 65535 || n_kv_heads < 1 || n_q_heads % n_kv_heads != 0 ||
-        n_q_heads / n_kv_heads > KV_ATT_MAX_QPK || head_dim < 1 || head_dim > 256)
-        return strata_fail(err, STRATA_EINVAL, "cuda_attention_prefill: bad shapes");
-    const size_t qb = (size_t)n * n_q_heads * head_dim * 4, kb = (size_t)n * n_kv_heads * head_dim * 2;
-    if (!dev(d_q, qb, "prefill", "q") || !dev(d_k, kb, "prefill", "k") || !dev(d_v, kb, "prefill", "v") ||
-        !dev(d_out, qb, "prefill", "out"))
-        return strata_fail(err, STRATA_EIO, "fake CUDA prefill launch: an argument is off the device");
-    const cuda_kv_layout rows = {.codec = KV_CODEC_FP16, .n_kv_heads = n_kv_heads, .head_dim = head_dim};
-    if (kv_att_emu_rows_causal(&rows, NULL, d_q, d_k, d_v, n, n_q_heads, KV_ATT_EMU_PREFILL_CHUNK, d_out) < 0)
-        return strata_fail(err, STRATA_ENOMEM, "fake CUDA prefill: out of memory");
-    return STRATA_OK;
-}
-
-int cuda_kv_attention_chunk(const cuda_kv_layout *layout, const cuda_kv_seq *seq, const float *d_q,
-                            const uint16_t *d_k, const uint16_t *d_v, int n, int n_q_heads, float *d_out,
-                            int *d_status, strata_cuda_stream stream, strata_error *err)
-{
-    (void)stream;
-    if (!layout || !seq || !d_q || !d_k || !d_v || !d_out || !d_status)
-        return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention_chunk: NULL argument");
-    const int H = layout->n_kv_heads, D = layout->head_dim, BT = layout->block_tokens;
-    if (n < 1 || n > 65535 || H < 1 || D < 1 || D > 256 || BT < 1 || n_q_heads % H != 0 ||
-        n_q_heads / H > KV_ATT_MAX_QPK || seq->n_blocks < 0 || seq->tail_tokens < 0)
-        return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention_chunk: bad shapes");
-    const size_t qb = (size_t)n * n_q_heads * D * 4, kb = (size_t)n * H * D * 2;
-    if (!dev(d_q, qb, "chunk", "q") || !dev(d_k, kb, "chunk", "k") || !dev(d_v, kb, "chunk", "v") ||
-        !dev(d_out, qb, "chunk", "out") || !dev(d_status, sizeof(int), "chunk", "status") ||
-        !view_on_device(layout, seq, "chunk"))
-        return strata_fail(err, STRATA_EIO, "fake CUDA chunk launch: an argument is off the device");
-    const int status = kv_att_emu_rows_causal(layout, seq, d_q, d_k, d_v, n, n_q_heads, BT, d_out);
-    if (status < 0)
-        return strata_fail(err, STRATA_ENOMEM, "fake CUDA chunk: out of memory");
-    if (status)
-        *d_status = status;
-    return STRATA_OK;
-}
-
 /* ---- kernels/cuda/kv_dequant.cu ---- */
 
 int cuda_kv_dequantize_view(const cuda_kv_layout *layout, const cuda_kv_seq *seq, float *d_k, float *d_v,

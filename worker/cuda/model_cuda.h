@@ -133,8 +133,10 @@ typedef struct cuda_batch_item {
  * decoding items' K/V go into their tails in one launch per layer (blocks forming where a tail
  * fills) and their attention is one launch per layer over all their caches; each prompt gets
  * causal prefill attention; each prompt chunk continuing a sequence attends its cache as it was
- * before the chunk plus its own fp16 K/V, causal (cuda_kv_attention_chunk, the CPU's
- * kern_kv_attention_rows semantics), and is then appended. Decoding sequences of one step must share codec and block size.
+ * before the chunk plus its own fp16 K/V, causal (the cache written out as fp32 rows, then the
+ * cuBLAS prefill: the CPU's kern_kv_attention_rows semantics); then the prompts and chunks join
+ * their caches, the blocks they form encoded in a few launches per layer. Decoding sequences of
+ * one step must share codec and block size.
  * logits: n_items rows of n_vocab floats (host), the last token of each item in the items'
  * order, or NULL. On failure after the checks the sequences of the step are left inconsistent:
  * the caller discards them (as with model_forward_batch). */
