@@ -463,8 +463,8 @@ static void test_shared_pool(void **state)
 }
 
 /* A prompt in chunks (the first exact, the later ones attending the compressed cache, written out
- * as fp32 rows, plus themselves; each chunk's blocks formed from its tail and rows) against the CPU's model_forward with the same split, then
- * decode steps; per-sequence arenas and the shared pool over a host tier (the chunk's layer
+ * as fp32 rows a few blocks at a time, plus themselves; each chunk's blocks formed from its tail
+ * and rows) against the CPU's model_forward with the same split, then decode steps; per-sequence arenas and the shared pool over a host tier (the chunk's layer
  * blocks brought back before its attention), beside a decoding sequence in the same steps. */
 static void test_chunked_prompt(void **state)
 {
@@ -496,6 +496,9 @@ static void test_chunked_prompt(void **state)
             kv_seq *seq = pool ? kv_seq_create(pool, TOKENS, &err) : NULL;
             cuda_model *cm = create_cuda(m, CUDA_WEIGHTS_F32, &err);
             assert_true(seq && cm);
+            /* The past read in tiles of one block, or of three (ending inside the tail): the other
+             * tests run chunks with the default tile, longer than these sequences. */
+            assert_int_equal(cuda_model_set_chunk_tile(cm, shared ? BT : 3 * BT, &err), STRATA_OK);
             if (shared &&
                 cuda_model_create_kv_pool(cm, &codec, BT, (TOKENS - (size_t)codec.residual) / BT + 8, &lower, &err) !=
                     STRATA_OK)
@@ -969,6 +972,148 @@ static void test_prefill_gemm_tiles(void **state)
     free(scratch);
 }
 
+/* The past of test_chunk_gemm_tiles: fp32 rows already on the device, copied a tile at a time. */
+typedef struct rows_past {
+    const float *k, *v;
+    size_t row;
+    int calls;
+} rows_past;
+
+static int copy_past_rows(void *ctx, int k0, int nk, float *d_k, float *d_v, strata_error *err)
+{
+    rows_past *p = ctx;
+    p->calls++;
+    const size_t bytes = (size_t)nk * p->row * sizeof(float);
+    if (cudaMemcpy(d_k, p->k + (size_t)k0 * p->row, bytes, cudaMemcpyDeviceToDevice) != cudaSuccess ||
+        cudaMemcpy(d_v, p->v + (size_t)k0 * p->row, bytes, cudaMemcpyDeviceToDevice) != cudaSuccess)
+        return strata_fail(err, STRATA_EIO, "copying past rows");
+    return STRATA_OK;
+}
+
+/* A prompt chunk's attention over its past in key tiles (cuda_attention_chunk_gemm, the online
+ * softmax) against an fp64 reference written here and against the whole-past cuBLAS prefill:
+ * tiles of one key, of 7 (a short last tile), of 64 and of the whole past; chunks of 1 to 40 rows;
+ * the smallest workspace; the past fetched once per tile; bad arguments refused. */
+static void test_chunk_gemm_tiles(void **state)
+{
+    (void)state;
+    enum { NQ = 9, NKV = 3, D = 64, MAX_PAST = 300, MAX_N = 40 };
+    const int pasts[] = {1, 100, MAX_PAST}, ns[] = {1, 5, MAX_N}, tiles[] = {1, 7, 64, MAX_PAST};
+    const size_t row = (size_t)NKV * D, all = (size_t)(MAX_PAST + MAX_N) * row, nqd = (size_t)MAX_N * NQ * D;
+    uint64_t seed = 0x5eed;
+    float *k = malloc(all * 4), *v = malloc(all * 4), *q = malloc(nqd * 4), *out = malloc(nqd * 4);
+    double *ref = malloc(nqd * sizeof *ref), *p = malloc((MAX_PAST + MAX_N) * sizeof *p);
+    assert_true(k && v && q && out && ref && p);
+    for (size_t i = 0; i < all; i++) {
+        k[i] = strata_half_to_float(strata_float_to_half(2.0f * cuda_test_uniform(&seed)));
+        v[i] = strata_half_to_float(strata_float_to_half(cuda_test_uniform(&seed)));
+    }
+    for (size_t i = 0; i < nqd; i++)
+        q[i] = 2.0f * cuda_test_uniform(&seed);
+    cublasHandle_t blas;
+    assert_int_equal(cublasCreate(&blas), CUBLAS_STATUS_SUCCESS);
+    float *dk, *dv, *dq, *dout, *dout2;
+    void *dws, *dws2;
+    const size_t ws_most = cuda_chunk_workspace(MAX_PAST, MAX_N, NQ, NKV, D, MAX_PAST);
+    const size_t ws2 = cuda_prefill_workspace(MAX_PAST, MAX_N, NQ, NKV);
+    CUDA_CHECK(cudaMalloc((void **)&dk, all * 4));
+    CUDA_CHECK(cudaMalloc((void **)&dv, all * 4));
+    CUDA_CHECK(cudaMalloc((void **)&dq, nqd * 4));
+    CUDA_CHECK(cudaMalloc((void **)&dout, nqd * 4));
+    CUDA_CHECK(cudaMalloc((void **)&dout2, nqd * 4));
+    CUDA_CHECK(cudaMalloc(&dws, ws_most));
+    CUDA_CHECK(cudaMalloc(&dws2, ws2));
+    CUDA_CHECK(cudaMemcpy(dk, k, all * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dv, v, all * 4, cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(dq, q, nqd * 4, cudaMemcpyHostToDevice));
+    strata_error err = {0};
+    double worst = 0.0;
+    for (size_t a = 0; a < sizeof pasts / sizeof *pasts; a++)
+        for (size_t b = 0; b < sizeof ns / sizeof *ns; b++) {
+            const int past = pasts[a], n = ns[b];
+            const size_t nq_elems = (size_t)n * NQ * D;
+            for (int i = 0; i < n; i++)   /* fp64: row i attends positions 0..past + i */
+                for (int h = 0; h < NQ; h++) {
+                    const int kh = h / (NQ / NKV), keys = past + i + 1;
+                    const float *qi = q + ((size_t)i * NQ + h) * D;
+                    double mx = -INFINITY, sum = 0.0;
+                    for (int j = 0; j < keys; j++) {
+                        const float *kj = k + (size_t)j * row + (size_t)kh * D;
+                        double dot = 0.0;
+                        for (int c = 0; c < D; c++)
+                            dot += (double)qi[c] * kj[c];
+                        p[j] = dot / sqrt((double)D);
+                        mx = p[j] > mx ? p[j] : mx;
+                    }
+                    for (int j = 0; j < keys; j++)
+                        sum += (p[j] = exp(p[j] - mx));
+                    for (int c = 0; c < D; c++) {
+                        double acc = 0.0;
+                        for (int j = 0; j < keys; j++)
+                            acc += p[j] * v[(size_t)j * row + (size_t)kh * D + c];
+                        ref[((size_t)i * NQ + h) * D + c] = acc / sum;
+                    }
+                }
+            /* The whole past at once (cuda_attention_prefill_gemm), for comparison. */
+            CUDA_CHECK(cudaMemset(dout2, 0xff, nq_elems * 4));
+            if (cuda_attention_prefill_gemm(blas, dq, dk, dv, past, n, NQ, NKV, D, dout2, dws2, ws2, &err) != STRATA_OK)
+                fail_msg("cuda_attention_prefill_gemm: %s", err.msg);
+            float *whole = malloc(nq_elems * 4);
+            assert_non_null(whole);
+            CUDA_CHECK(cudaMemcpy(whole, dout2, nq_elems * 4, cudaMemcpyDeviceToHost));
+            for (size_t t = 0; t < sizeof tiles / sizeof *tiles; t++)
+                for (int smallest = 0; smallest < 2; smallest++) {
+                    const int tile = tiles[t];
+                    const size_t ws = cuda_chunk_workspace(past, n, NQ, NKV, D, tile);
+                    const int tile_in = tile < past ? tile : past;
+                    const size_t fixed = (2 * (size_t)tile_in * row + 2 * (size_t)n * NQ) * 4;
+                    const size_t widest = (size_t)(tile_in > n ? tile_in : n);
+                    const size_t ws_min = fixed + (size_t)(NQ / NKV) * (size_t)(n < 16 ? n : 16) * widest * 4;
+                    assert_true(ws > 0 && ws <= ws_most && ws >= ws_min);
+                    rows_past rp = {dk, dv, row, 0};
+                    CUDA_CHECK(cudaMemset(dout, 0xff, nq_elems * 4));   /* NaN everywhere */
+                    if (cuda_attention_chunk_gemm(blas, dq, past, copy_past_rows, &rp, dk + (size_t)past * row,
+                                                  dv + (size_t)past * row, n, NQ, NKV, D, tile, dout, dws,
+                                                  smallest ? ws_min : ws, &err) != STRATA_OK)
+                        fail_msg("cuda_attention_chunk_gemm: %s", err.msg);
+                    CUDA_CHECK(cudaDeviceSynchronize());
+                    CUDA_CHECK(cudaMemcpy(out, dout, nq_elems * 4, cudaMemcpyDeviceToHost));
+                    assert_int_equal(rp.calls, (past + tile_in - 1) / tile_in);
+                    const double e = cuda_test_rel_error(out, ref, nq_elems), ew = rel_error(out, whole, nq_elems);
+                    worst = e > worst ? e : worst;
+                    if (!(e <= 1e-5) || !(ew <= 1e-5))
+                        fail_msg("chunk of %d after %d, tiles of %d%s: %.3e vs fp64, %.3e vs the whole past", n, past,
+                                 tile, smallest ? " (smallest workspace)" : "", e, ew);
+                    if (smallest && cuda_attention_chunk_gemm(blas, dq, past, copy_past_rows, &rp, dk, dv, n, NQ, NKV,
+                                                              D, tile, dout, dws, ws_min - 4, &err) != STRATA_EINVAL)
+                        fail_msg("a workspace under the smallest was accepted");
+                }
+            free(whole);
+        }
+    printf("  chunk attention in key tiles: worst %.2e vs fp64 (9 shapes x 4 tile sizes x 2 workspaces)\n", worst);
+    assert_int_equal(cuda_attention_chunk_gemm(blas, dq, 0, copy_past_rows, NULL, dk, dv, 4, NQ, NKV, D, 8, dout, dws,
+                                               ws_most, &err),
+                     STRATA_EINVAL);   /* no past: cuda_attention_prefill_gemm's job */
+    assert_int_equal(cuda_attention_chunk_gemm(blas, dq, 10, copy_past_rows, NULL, dk, dv, 4, NQ, NKV, D, 0, dout, dws,
+                                               ws_most, &err),
+                     STRATA_EINVAL);   /* tiles of no key */
+    assert_int_equal(cuda_chunk_workspace(10, 4, NQ, 4, D, 8), 0);   /* 9 query heads over 4 KV heads */
+    cublasDestroy(blas);
+    cudaFree(dk);
+    cudaFree(dv);
+    cudaFree(dq);
+    cudaFree(dout);
+    cudaFree(dout2);
+    cudaFree(dws);
+    cudaFree(dws2);
+    free(k);
+    free(v);
+    free(q);
+    free(out);
+    free(ref);
+    free(p);
+}
+
 int main(void)
 {
     if (!cuda_test_have_device("test_cuda_model")) {
@@ -989,6 +1134,7 @@ int main(void)
         cmocka_unit_test(test_kv_plan),
         cmocka_unit_test(test_pipeline_stages),
         cmocka_unit_test(test_prefill_gemm_tiles),
+        cmocka_unit_test(test_chunk_gemm_tiles),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

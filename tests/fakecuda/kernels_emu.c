@@ -208,6 +208,50 @@ int cuda_prefill_softmax(float *d_s, int rows, int kn, int i0, int n_heads, size
     return 0;
 }
 
+int cuda_chunk_softmax_tile(const cuda_chunk_tile *t, strata_cuda_stream stream)
+{
+    (void)stream;
+    enum { THREADS = 128 };
+    if (t->rows <= 0 || t->n_heads <= 0)
+        return 0;
+    const size_t rows_total = (size_t)(t->i0 + t->rows) * (size_t)t->n_q_heads;
+    if (!dev(t->s, ((size_t)(t->n_heads - 1) * t->head_stride + (size_t)t->rows * (size_t)t->kn) * 4, "chunk_softmax",
+             "s") ||
+        !dev(t->m, rows_total * 4, "chunk_softmax", "m") || !dev(t->l, rows_total * 4, "chunk_softmax", "l") ||
+        !dev(t->out, rows_total * (size_t)t->head_dim * 4, "chunk_softmax", "out"))
+        return (int)cudaErrorInvalidValue;
+    float red_max[THREADS], red_sum[THREADS], st[2] = {0.0f, 0.0f};   /* thread 0 fills it */
+    for (int hh = 0; hh < t->n_heads; hh++)
+        for (int r = 0; r < t->rows; r++) {
+            float *row = t->s + (size_t)hh * t->head_stride + (size_t)r * (size_t)t->kn;
+            const int n_valid = t->causal && t->i0 + r + 1 < t->kn ? t->i0 + r + 1 : t->kn;
+            const size_t at = (size_t)(t->i0 + r) * (size_t)t->n_q_heads + (size_t)(t->q_head0 + hh);
+            for (unsigned x = 0; x < THREADS; x++)
+                pf_online_max_part(row, n_valid, t->m + at, t->l + at, t->first, red_max, st, x, THREADS);
+            for (unsigned x = 0; x < THREADS; x++)
+                pf_online_exp_part(row, n_valid, red_max, st, red_sum, x, THREADS);
+            for (unsigned x = 0; x < THREADS; x++)
+                pf_online_finish(row, n_valid, t->kn, red_max, red_sum, st, t->first, t->out + at * t->head_dim,
+                                 t->head_dim, t->m + at, t->l + at, x, THREADS);
+        }
+    return 0;
+}
+
+int cuda_chunk_normalize(float *d_out, const float *d_l, int n_rows, int head_dim, strata_cuda_stream stream)
+{
+    (void)stream;
+    enum { THREADS = 128 };
+    if (n_rows <= 0)
+        return 0;
+    if (!dev(d_out, (size_t)n_rows * (size_t)head_dim * 4, "chunk_normalize", "out") ||
+        !dev(d_l, (size_t)n_rows * 4, "chunk_normalize", "l"))
+        return (int)cudaErrorInvalidValue;
+    for (int r = 0; r < n_rows; r++)
+        for (unsigned x = 0; x < THREADS; x++)
+            pf_divide_row(d_out + (size_t)r * (size_t)head_dim, head_dim, d_l + r, x, THREADS);
+    return 0;
+}
+
 int cuda_argmax_rows(const float *x, size_t n_rows, size_t n_cols, int32_t *out, strata_cuda_stream stream)
 {
     (void)stream;
@@ -381,21 +425,28 @@ int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_plan *plan, co
 
 /* ---- kernels/cuda/kv_dequant.cu ---- */
 
-int cuda_kv_dequantize_view(const cuda_kv_layout *layout, const cuda_kv_seq *seq, float *d_k, float *d_v,
-                            int *d_status, strata_cuda_stream stream, strata_error *err)
+int cuda_kv_dequantize_rows(const cuda_kv_layout *layout, const cuda_kv_seq *seq, int k0, int nk, float *d_k,
+                            float *d_v, int *d_status, strata_cuda_stream stream, strata_error *err)
 {
     (void)stream;
     if (!layout || !seq || !d_k || !d_v || !d_status || layout->n_kv_heads < 1 || layout->head_dim < 1 ||
         layout->block_tokens < 1 || seq->n_blocks < 0 || seq->tail_tokens < 0 || (seq->n_blocks && !seq->blocks) ||
         (seq->tail_tokens && (!seq->tail_k || !seq->tail_v)))
-        return strata_fail(err, STRATA_EINVAL, "cuda_kv_dequantize_view: bad arguments");
+        return strata_fail(err, STRATA_EINVAL, "cuda_kv_dequantize_rows: bad arguments");
     const int H = layout->n_kv_heads, D = layout->head_dim, BT = layout->block_tokens;
-    const size_t rows = (size_t)seq->n_blocks * BT + (size_t)seq->tail_tokens, bytes = rows * H * D * 4;
+    const long total = (long)seq->n_blocks * BT + seq->tail_tokens;
+    if (k0 < 0 || nk < 1 || k0 + (long)nk > total || k0 % BT || ((k0 + nk) % BT && k0 + (long)nk != total))
+        return strata_fail(err, STRATA_EINVAL, "cuda_kv_dequantize_rows: rows [%d, %ld) of a view of %ld, in pieces of %d",
+                           k0, k0 + (long)nk, total, BT);
+    const size_t bytes = (size_t)nk * H * D * 4;
     if (!dev(d_k, bytes, "dequantize", "k") || !dev(d_v, bytes, "dequantize", "v") ||
         !dev(d_status, sizeof(int), "dequantize", "status") || !view_on_device(layout, seq, "dequantize"))
         return strata_fail(err, STRATA_EIO, "fake CUDA dequantize launch: an argument is off the device");
-    /* The kernel's thread blocks one after another: thread 0's check, then every element. */
-    for (int u = 0; u < seq->n_blocks; u++) {
+    /* The kernel's thread blocks one after another, from piece k0 / BT: thread 0's check, then
+     * every element. */
+    const int u0 = k0 / BT, u1 = u0 + (nk + BT - 1) / BT;
+    const size_t row0 = (size_t)k0;
+    for (int u = u0; u < u1 && u < seq->n_blocks; u++) {
         const uint8_t *blk = seq->blocks[u];
         kv_att_block_info info;
         int bad = kv_att_block_status(layout, blk, u);
@@ -407,17 +458,30 @@ int cuda_kv_dequantize_view(const cuda_kv_layout *layout, const cuda_kv_seq *seq
         for (int h = 0; h < H; h++)
             for (int t = 0; t < BT; t++)
                 for (int c = 0; c < D; c++) {
-                    const size_t at = (((size_t)u * BT + t) * H + h) * D + c;
+                    const size_t at = (((size_t)u * BT + t - row0) * H + h) * D + c;
                     d_k[at] = bad ? 0.0f : kv_att_key(layout, &src, h, t, c);
                     d_v[at] = bad ? 0.0f : kv_att_value(layout, &src, h, t, c);
                 }
     }
-    const size_t base = (size_t)seq->n_blocks * BT * H * D;
-    for (size_t x = 0; x < (size_t)seq->tail_tokens * H * D; x++) {
-        d_k[base + x] = strata_half_to_float(seq->tail_k[x]);
-        d_v[base + x] = strata_half_to_float(seq->tail_v[x]);
+    const size_t tail_from = (size_t)(k0 > seq->n_blocks * BT ? k0 - seq->n_blocks * BT : 0);
+    const size_t tail_to = (size_t)(k0 + nk - (long)seq->n_blocks * BT > 0 ? k0 + nk - (long)seq->n_blocks * BT : 0);
+    const size_t base = (size_t)seq->n_blocks * BT + tail_from - row0;
+    for (size_t x = 0; tail_to > tail_from && x < (tail_to - tail_from) * H * D; x++) {
+        d_k[base * H * D + x] = strata_half_to_float(seq->tail_k[tail_from * H * D + x]);
+        d_v[base * H * D + x] = strata_half_to_float(seq->tail_v[tail_from * H * D + x]);
     }
     return STRATA_OK;
+}
+
+int cuda_kv_dequantize_view(const cuda_kv_layout *layout, const cuda_kv_seq *seq, float *d_k, float *d_v,
+                            int *d_status, strata_cuda_stream stream, strata_error *err)
+{
+    if (!layout || !seq)
+        return strata_fail(err, STRATA_EINVAL, "cuda_kv_dequantize_view: bad arguments");
+    const long total = (long)seq->n_blocks * layout->block_tokens + seq->tail_tokens;
+    if (total == 0 && seq->n_blocks >= 0 && seq->tail_tokens >= 0)
+        return STRATA_OK;
+    return cuda_kv_dequantize_rows(layout, seq, 0, (int)total, d_k, d_v, d_status, stream, err);
 }
 
 /* ---- kernels/cuda/sample.cu ---- */

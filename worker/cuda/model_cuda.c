@@ -175,6 +175,7 @@ cuda_model *cuda_model_create(const model *m, cuda_weight_dtype dtype, strata_er
     }
     cm->host = m;
     cm->cfg = *c;
+    cm->chunk_tile_keys = CUDA_CHUNK_TILE_KEYS;
     cm->dtype = dtype;
     cm->layer_begin = begin;
     cm->n_local = end - begin;
@@ -253,7 +254,6 @@ void cuda_model_free(cuda_model *cm)
     free_workspace(cm);
     free_item_buffers(cm);
     cudaFree(cm->d_ws);
-    cudaFree(cm->d_ctx);
     cudaFree(cm->d_gear_work);
     cudaFree(cm->d_pencode);
     cudaFree(cm->d_ptail);
@@ -278,6 +278,14 @@ void cuda_model_free(cuda_model *cm)
 }
 
 size_t cuda_model_weight_bytes(const cuda_model *cm) { return cm ? cm->weight_bytes : 0; }
+
+int cuda_model_set_chunk_tile(cuda_model *cm, int keys, strata_error *err)
+{
+    if (!cm || keys < 1)
+        return strata_fail(err, STRATA_EINVAL, "cuda_model_set_chunk_tile: %d keys (at least 1)", keys);
+    cm->chunk_tile_keys = keys;
+    return STRATA_OK;
+}
 
 static int ensure_workspace(cuda_model *cm, size_t n, strata_error *err)
 {
@@ -350,18 +358,6 @@ static int ensure_attention_workspace(cuda_model *cm, size_t bytes, strata_error
     cm->ws_bytes = 0;
     CU(cudaMalloc(&cm->d_ws, bytes), "attention workspace");
     cm->ws_bytes = bytes;
-    return STRATA_OK;
-}
-
-static int ensure_context_rows(cuda_model *cm, size_t bytes, strata_error *err)
-{
-    if (bytes <= cm->ctx_bytes)
-        return STRATA_OK;
-    cudaFree(cm->d_ctx);
-    cm->d_ctx = NULL;
-    cm->ctx_bytes = 0;
-    CU(cudaMalloc((void **)&cm->d_ctx, bytes), "a prompt chunk's context rows");
-    cm->ctx_bytes = bytes;
     return STRATA_OK;
 }
 
@@ -845,13 +841,32 @@ static int decode_layer(cuda_model *cm, const cuda_batch_item *items, const step
     return cuda_kv_attention(&layout, plan, cm->d_views + l * nd, cm->q, cm->attn, cm->d_ws, cm->d_status, NULL, err);
 }
 
-/* A prompt chunk continuing a sequence, one layer: its rows attend the layer's blocks and tail as
- * they were before the chunk, then the chunk's own K/V (kern_kv_attention_rows's semantics, the
- * CPU stage's), and only then is the chunk appended. Shared pool: the layer's blocks are brought
+/* The tile of a sequence's past that a prompt chunk reads at a time: cm->chunk_tile_keys keys,
+ * whole blocks (at least one). */
+static int chunk_tile(const cuda_model *cm, const cuda_seq *s)
+{
+    const int bt = s->block_tokens, keys = cm->chunk_tile_keys > bt ? cm->chunk_tile_keys : bt;
+    return keys / bt * bt;
+}
+
+/* A chunk's past, one tile of fp32 rows at a time (cuda_attention_chunk_gemm's callback). */
+typedef struct chunk_past {
+    const cuda_kv_layout *layout;
+    const cuda_kv_seq *view;
+    int *d_status;
+} chunk_past;
+
+static int chunk_past_rows(void *ctx, int k0, int nk, float *d_k, float *d_v, strata_error *err)
+{
+    const chunk_past *p = ctx;
+    return cuda_kv_dequantize_rows(p->layout, p->view, k0, nk, d_k, d_v, p->d_status, NULL, err);
+}
+
+/* A prompt chunk continuing s, one layer: its rows attend the layer's blocks and tail as they were
+ * before the chunk (written out as fp32 rows a tile at a time), then the chunk's own rows (k, v:
+ * fp32 at fp16 values), causal: kern_kv_attention_rows's semantics, the CPU stage's. The chunk
+ * joins the cache afterwards (append_prompts_layer). Shared pool: the layer's blocks are brought
  * back and pinned first, and the table row uploaded. */
-/* A prompt chunk continuing s: its attention over the layer's cache as it was (written out as fp32
- * rows) and its own rows (k, v: fp32 at fp16 values), through the cuBLAS prefill with the cache as
- * the past; then the chunk is appended (k16, v16). */
 static int chunk_layer(cuda_model *cm, cuda_seq *s, int il, const float *q, const float *k, const float *v, size_t n,
                        float *attn, strata_error *err)
 {
@@ -882,17 +897,13 @@ static int chunk_layer(cuda_model *cm, cuda_seq *s, int il, const float *q, cons
         .n_blocks = (int)nb,
         .tail_tokens = s->tail_len[il],
     };
-    const size_t kvd = (size_t)cm->cfg.n_kv_heads * (size_t)cm->cfg.head_dim;
-    const size_t past = nb * (size_t)layout.block_tokens + (size_t)view.tail_tokens, rows = past + n;
-    if (2 * rows * kvd * sizeof(float) > cm->ctx_bytes)   /* sized before the step from the sequence */
-        return strata_fail(err, STRATA_EINVAL, "layer %d holds %zu positions, more than the sequence's", il, past);
-    float *ck = cm->d_ctx, *cv = cm->d_ctx + rows * kvd;
-    if ((rc = cuda_kv_dequantize_view(&layout, &view, ck, cv, cm->d_status, NULL, err)) != STRATA_OK)
-        return rc;
-    CU(cudaMemcpyAsync(ck + past * kvd, k, n * kvd * sizeof(float), cudaMemcpyDeviceToDevice, NULL), "chunk keys");
-    CU(cudaMemcpyAsync(cv + past * kvd, v, n * kvd * sizeof(float), cudaMemcpyDeviceToDevice, NULL), "chunk values");
-    return cuda_attention_prefill_gemm(cm->blas, q, ck, cv, (int)past, (int)n, cm->cfg.n_heads, cm->cfg.n_kv_heads,
-                                       cm->cfg.head_dim, attn, cm->d_ws, cm->ws_bytes, err);
+    const size_t past = nb * (size_t)layout.block_tokens + (size_t)view.tail_tokens;
+    if (past != s->len)
+        return strata_fail(err, STRATA_EINVAL, "layer %d holds %zu positions, the sequence %zu", il, past, s->len);
+    chunk_past p = {&layout, &view, cm->d_status};
+    return cuda_attention_chunk_gemm(cm->blas, q, (int)past, chunk_past_rows, &p, k, v, (int)n, cm->cfg.n_heads,
+                                     cm->cfg.n_kv_heads, cm->cfg.head_dim, chunk_tile(cm, s), attn, cm->d_ws,
+                                     cm->ws_bytes, err);
 }
 
 /* Room for `bytes` of encoder scratch (GEAR, OTT: work_bytes for each block encoded in one launch). */
@@ -1276,17 +1287,19 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
     }
     /* A prompt's attention (cuda_attention_prefill_gemm) keeps its score tiles in the same
      * workspace, after the step's decode attention on the same stream; a chunk continuing a
-     * sequence also needs its context written out as fp32 rows. */
+     * sequence (cuda_attention_chunk_gemm) also a tile of its past as fp32 rows. */
     for (size_t p = sp.n_dec; rc == STRATA_OK && p < n_items; p++) {
         const cuda_batch_item *it = &items[sp.order[p]];
-        const size_t past = it->seq->len, kvd = (size_t)c->n_kv_heads * (size_t)c->head_dim;
+        const size_t past = it->seq->len;
         if (past > INT_MAX)
             rc = strata_fail(err, STRATA_EINVAL, "a sequence of %zu positions", past);
-        else
+        else if (past == 0)
             rc = ensure_attention_workspace(
-                cm, cuda_prefill_workspace((int)past, (int)it->n_tokens, c->n_heads, c->n_kv_heads), err);
-        if (rc == STRATA_OK && past > 0)
-            rc = ensure_context_rows(cm, 2 * (past + it->n_tokens) * kvd * sizeof(float), err);
+                cm, cuda_prefill_workspace(0, (int)it->n_tokens, c->n_heads, c->n_kv_heads), err);
+        else
+            rc = ensure_attention_workspace(cm, cuda_chunk_workspace((int)past, (int)it->n_tokens, c->n_heads,
+                                                                     c->n_kv_heads, c->head_dim,
+                                                                     chunk_tile(cm, it->seq)), err);
     }
     for (size_t p = sp.n_dec; rc == STRATA_OK && p < n_items; p++) {   /* as kv_seq_append records it */
         const cuda_batch_item *it = &items[sp.order[p]];

@@ -50,6 +50,14 @@ void cuda_model_free(cuda_model *cm);
 /* Device bytes of the weights. */
 size_t cuda_model_weight_bytes(const cuda_model *cm);
 
+/* How many cached positions a prompt chunk continuing a sequence reads at a time: its fp32 copy
+ * of the past is that many rows of K and V (rounded down to whole blocks, at least one) whatever
+ * the sequence's length, merged tile by tile into an online softmax. Default
+ * CUDA_CHUNK_TILE_KEYS; smaller saves device memory, larger launches fewer GEMMs. STRATA_EINVAL
+ * below 1. */
+#define CUDA_CHUNK_TILE_KEYS 4096
+int cuda_model_set_chunk_tile(cuda_model *cm, int keys, strata_error *err);
+
 /* Makes every sequence created afterwards keep its blocks in one pool of n_blocks slots shared
  * by the model's sequences (offload/device_pool.h, on the current device, sized for codec and
  * block_tokens), instead of an arena of its own sized for its max_tokens. Residency is per layer:

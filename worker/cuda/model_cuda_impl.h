@@ -54,8 +54,7 @@ struct cuda_model {
     cuda_kv_encode_job *d_encode, *h_encode;  /* [layer][decode item whose tail fills] */
     cuda_kv_shift_job *d_shift, *h_shift;
     void *d_ws;                               /* attention workspace */
-    float *d_ctx;                             /* a prompt chunk's context as fp32 K then V rows */
-    size_t ctx_bytes;
+    int chunk_tile_keys;                      /* a prompt chunk reads its past this many keys at a time */
     size_t ws_bytes;
     uint8_t *d_gear_work;                     /* GEAR, OTT: a scratch per block encoded in one launch */
     size_t gear_work_bytes;
