@@ -38,12 +38,9 @@ STRATA_HD static inline void pf_max_part(const float *row, int n_valid, float *r
     red_max[tid] = m;
 }
 
-STRATA_HD static inline void pf_exp_part(float *row, int n_valid, const float *red_max, float *red_sum, unsigned tid,
-                                         unsigned nt)
+/* e^(s - m) of a thread's share of the row, in place; their sum into red_sum[tid]. */
+STRATA_HD static inline void pf_exp_share(float *row, int n_valid, float m, float *red_sum, unsigned tid, unsigned nt)
 {
-    float m = -INFINITY;
-    for (unsigned x = 0; x < nt; x++)
-        m = fmaxf(m, red_max[x]);
     float sum = 0.0f;
     for (int j = (int)tid; j < n_valid; j += (int)nt) {
         const float e = PF_EXP(row[j] - m);
@@ -51,6 +48,15 @@ STRATA_HD static inline void pf_exp_part(float *row, int n_valid, const float *r
         sum += e;
     }
     red_sum[tid] = sum;
+}
+
+STRATA_HD static inline void pf_exp_part(float *row, int n_valid, const float *red_max, float *red_sum, unsigned tid,
+                                         unsigned nt)
+{
+    float m = -INFINITY;
+    for (unsigned x = 0; x < nt; x++)
+        m = fmaxf(m, red_max[x]);
+    pf_exp_share(row, n_valid, m, red_sum, tid, nt);
 }
 
 STRATA_HD static inline void pf_normalize(float *row, int n_valid, int kn, const float *red_sum, unsigned tid,
@@ -86,14 +92,7 @@ STRATA_HD static inline float pf_online_new_max(const float *red_max, const floa
 STRATA_HD static inline void pf_online_exp_part(float *row, int n_valid, const float *red_max, const float *st,
                                                 float *red_sum, unsigned tid, unsigned nt)
 {
-    const float m = pf_online_new_max(red_max, st, nt);
-    float sum = 0.0f;
-    for (int j = (int)tid; j < n_valid; j += (int)nt) {
-        const float e = PF_EXP(row[j] - m);
-        row[j] = e;
-        sum += e;
-    }
-    red_sum[tid] = sum;
+    pf_exp_share(row, n_valid, pf_online_new_max(red_max, st, nt), red_sum, tid, nt);
 }
 
 STRATA_HD static inline void pf_online_finish(float *row, int n_valid, int kn, const float *red_max,

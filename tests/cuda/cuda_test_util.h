@@ -59,6 +59,30 @@ static inline double cuda_test_rel_error(const float *got, const double *ref, si
     return den > 0.0 ? sqrt(num / den) : sqrt(num);
 }
 
+/* fp64 attention of one query row (q: head_dim floats) over n keys and values whose rows are
+ * stride floats apart (k, v at the KV head's first element): out, head_dim doubles; w, n doubles of
+ * scratch. No keys give zeros. The attention tests' independent reference. */
+static inline void cuda_test_attend_fp64(const float *q, const float *k, const float *v, size_t n, size_t stride,
+                                         int head_dim, double *w, double *out)
+{
+    double mx = -INFINITY, sum = 0.0;
+    for (size_t t = 0; t < n; t++) {
+        double dot = 0.0;
+        for (int c = 0; c < head_dim; c++)
+            dot += (double)q[c] * (double)k[t * stride + (size_t)c];
+        w[t] = dot / sqrt((double)head_dim);
+        mx = w[t] > mx ? w[t] : mx;
+    }
+    for (size_t t = 0; t < n; t++)
+        sum += (w[t] = exp(w[t] - mx));
+    for (int c = 0; c < head_dim; c++) {
+        double a = 0.0;
+        for (size_t t = 0; t < n; t++)
+            a += w[t] * (double)v[t * stride + (size_t)c];
+        out[c] = n ? a / sum : 0.0;
+    }
+}
+
 #define CUDA_CHECK(call)                                                                            \
     do {                                                                                            \
         cudaError_t e_ = (call);                                                                    \

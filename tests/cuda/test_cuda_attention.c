@@ -144,23 +144,8 @@ static void reference(const host_seq *s, const kv_geometry *g, size_t slot, cons
         v[at + i] = strata_half_to_float(s->tail_v[i]);
     }
     for (int h = 0; h < nq; h++) {
-        const int kh = h / (nq / nkv);
-        double mx = -INFINITY, sum = 0.0;
-        for (size_t t = 0; t < T; t++) {
-            double dot = 0.0;
-            for (int c = 0; c < D; c++)
-                dot += (double)q[h * D + c] * (double)k[(t * nkv + kh) * D + c];
-            w[t] = dot / sqrt((double)D);
-            mx = w[t] > mx ? w[t] : mx;
-        }
-        for (size_t t = 0; t < T; t++)
-            sum += (w[t] = exp(w[t] - mx));
-        for (int c = 0; c < D; c++) {
-            double a = 0.0;
-            for (size_t t = 0; t < T; t++)
-                a += w[t] * (double)v[(t * nkv + kh) * D + c];
-            out[h * D + c] = T ? a / sum : 0.0;
-        }
+        const size_t kh = (size_t)(h / (nq / nkv));
+        cuda_test_attend_fp64(q + (size_t)h * D, k + kh * D, v + kh * D, T, (size_t)nkv * D, D, w, out + (size_t)h * D);
     }
     free(k);
     free(v);
@@ -487,32 +472,16 @@ static void test_bad_tables_raise_status(void **state)
     free_seq(&hs);
 }
 
-/* Causal attention in fp64 over fp16 K/V [n][nkv][D]: query i attends to keys 0..i. */
-static void prefill_reference(const float *q, const uint16_t *k16, const uint16_t *v16, int n, int nq, int nkv, int D,
-                              double *ref)
+/* Causal attention in fp64 over K/V [n][nkv][D] (fp16 values): query i attends to keys 0..i. */
+static void prefill_reference(const float *q, const float *k, const float *v, int n, int nq, int nkv, int D, double *ref)
 {
     double *w = malloc((size_t)n * sizeof *w);
     assert_non_null(w);
     for (int i = 0; i < n; i++)
         for (int h = 0; h < nq; h++) {
-            const int kh = h / (nq / nkv);
-            double mx = -INFINITY, sum = 0.0;
-            for (int j = 0; j <= i; j++) {
-                double dot = 0.0;
-                for (int c = 0; c < D; c++)
-                    dot += (double)q[((size_t)i * nq + h) * D + c] *
-                           strata_half_to_float(k16[((size_t)j * nkv + kh) * D + c]);
-                w[j] = dot / sqrt((double)D);
-                mx = w[j] > mx ? w[j] : mx;
-            }
-            for (int j = 0; j <= i; j++)
-                sum += (w[j] = exp(w[j] - mx));
-            for (int c = 0; c < D; c++) {
-                double a = 0.0;
-                for (int j = 0; j <= i; j++)
-                    a += w[j] * strata_half_to_float(v16[((size_t)j * nkv + kh) * D + c]);
-                ref[((size_t)i * nq + h) * D + c] = a / sum;
-            }
+            const size_t kh = (size_t)(h / (nq / nkv)), at = (size_t)i * nq + (size_t)h;
+            cuda_test_attend_fp64(q + at * D, k + kh * D, v + kh * D, (size_t)i + 1, (size_t)nkv * D, D, w,
+                                  ref + at * D);
         }
     free(w);
 }
@@ -551,7 +520,7 @@ static void test_prefill(void **state)
                 v[i] = strata_half_to_float(v16[i]);
             }
             kern_attention_causal(q, k, v, (size_t)n, (size_t)nq, (size_t)nkv, (size_t)D, cpu, scratch);
-            prefill_reference(q, k16, v16, n, nq, nkv, D, ref);
+            prefill_reference(q, k, v, n, nq, nkv, D, ref);
             const double ec = cuda_test_rel_error(cpu, ref, nqd);
             printf("  prefill n %d nq %d nkv %d D %d: cpu %.2e vs fp64\n", n, nq, nkv, D, ec);
             if (!(ec <= REL_BOUND))

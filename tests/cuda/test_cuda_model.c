@@ -1034,25 +1034,9 @@ static void test_chunk_gemm_tiles(void **state)
             const size_t nq_elems = (size_t)n * NQ * D;
             for (int i = 0; i < n; i++)   /* fp64: row i attends positions 0..past + i */
                 for (int h = 0; h < NQ; h++) {
-                    const int kh = h / (NQ / NKV), keys = past + i + 1;
-                    const float *qi = q + ((size_t)i * NQ + h) * D;
-                    double mx = -INFINITY, sum = 0.0;
-                    for (int j = 0; j < keys; j++) {
-                        const float *kj = k + (size_t)j * row + (size_t)kh * D;
-                        double dot = 0.0;
-                        for (int c = 0; c < D; c++)
-                            dot += (double)qi[c] * kj[c];
-                        p[j] = dot / sqrt((double)D);
-                        mx = p[j] > mx ? p[j] : mx;
-                    }
-                    for (int j = 0; j < keys; j++)
-                        sum += (p[j] = exp(p[j] - mx));
-                    for (int c = 0; c < D; c++) {
-                        double acc = 0.0;
-                        for (int j = 0; j < keys; j++)
-                            acc += p[j] * v[(size_t)j * row + (size_t)kh * D + c];
-                        ref[((size_t)i * NQ + h) * D + c] = acc / sum;
-                    }
+                    const size_t kh = (size_t)(h / (NQ / NKV)), at = (size_t)i * NQ + (size_t)h;
+                    cuda_test_attend_fp64(q + at * D, k + kh * D, v + kh * D, (size_t)(past + i + 1), row, D, p,
+                                          ref + at * D);
                 }
             /* The whole past at once (cuda_attention_prefill_gemm), for comparison. */
             CUDA_CHECK(cudaMemset(dout2, 0xff, nq_elems * 4));
