@@ -3,9 +3,10 @@
  * fp16 (== strata_float_to_half of that), whole and in block-aligned pieces; every tensor of the
  * default model decoded on the device equal to model_load's weights; synthetic streams equal to
  * synthetic_fill from any first element; values that are not finite (or beyond fp16) reported
- * at their first element; an unknown type refused. Outputs are poisoned before each run.
- * Without a CUDA device the test exits 77 (skipped); the fake device (tests/fakecuda) runs it
- * in every build as test_cuda_weights_fake. */
+ * at their first element; an unknown type refused; a model file with an infinite scale fails the
+ * device's build naming the tensor and element, as the CPU loader does. Outputs are poisoned
+ * before each run. Without a CUDA device the test exits 77 (skipped); the fake device
+ * (tests/fakecuda) runs it in every build as test_cuda_weights_fake. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -13,6 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -20,6 +22,7 @@
 #include "kernels/cuda_weights.h"
 #include "kernels/weight_values.h"
 #include "kvstore/half.h"
+#include "worker/cuda/model_cuda.h"
 #include "worker/gguf.h"
 #include "worker/model.h"
 #include "worker/synthetic.h"
@@ -274,6 +277,83 @@ static void test_default_model(void **state)
     model_free(host);
 }
 
+/* A copy of the default model with bytes changed, in a temporary file (removed by the caller). */
+static char *patched_model(const char *path, const char *tensor, size_t block, uint16_t scale,
+                           const char *rename_from, const char *rename_to)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return NULL;
+    fseek(f, 0, SEEK_END);
+    const long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    uint8_t *bytes = malloc((size_t)size);
+    assert_non_null(bytes);
+    assert_int_equal(fread(bytes, 1, (size_t)size, f), (size_t)size);
+    fclose(f);
+    if (tensor) {   /* the tensor's data: where its first 64 bytes stand in the file */
+        strata_error err = {0};
+        gguf_file *g = gguf_open(path, &err);
+        assert_non_null(g);
+        const gguf_tensor *t = gguf_find_tensor(g, tensor);
+        assert_non_null(t);
+        assert_int_equal(t->type, GGUF_T_Q4_1);
+        const uint8_t *at = memmem(bytes, (size_t)size, t->data, 64);
+        assert_non_null(at);
+        memcpy(bytes + (at - bytes) + block * 20, &scale, 2);   /* d of a Q4_1 block */
+        gguf_close(g);
+    }
+    if (rename_from) {
+        uint8_t *name = memmem(bytes, (size_t)size, rename_from, strlen(rename_from));
+        assert_non_null(name);
+        memcpy(name, rename_to, strlen(rename_to));
+    }
+    char *out = strdup("/tmp/strata-test-model-XXXXXX");
+    const int fd = mkstemp(out);
+    assert_true(fd >= 0);
+    assert_int_equal(write(fd, bytes, (size_t)size), size);
+    close(fd);
+    free(bytes);
+    return out;
+}
+
+/* Damaged model files: a weight that is not finite fails the device's build naming the tensor and
+ * its first bad element, as the CPU loader names it; a missing tensor fails both loads at once. */
+static void test_damaged_model_file(void **state)
+{
+    (void)state;
+    const char *path = getenv("STRATA_MODEL") ? getenv("STRATA_MODEL") : STRATA_DEFAULT_MODEL;
+    char *inf = patched_model(path, "blk.2.ffn_up.weight", 2, 0x7c00, NULL, NULL);
+    if (!inf)
+        skip();   /* no model file: test_model says why */
+    strata_error err = {0};
+    assert_null(model_load(inf, 0, -1, &err));
+    assert_int_equal(err.code, STRATA_EFORMAT);
+    assert_non_null(strstr(err.msg, "'blk.2.ffn_up.weight' holds a non-finite value at element 64"));
+    model *dev = model_load_for_device(inf, 0, -1, &err);   /* the values are the device's to check */
+    if (!dev)
+        fail_msg("%s", err.msg);
+    assert_int_equal(cuda_select_device(0, &err), STRATA_OK);
+    for (int f16 = 0; f16 < 2; f16++) {
+        assert_null(cuda_model_create(dev, f16 ? CUDA_WEIGHTS_F16 : CUDA_WEIGHTS_F32, &err));
+        assert_int_equal(err.code, STRATA_EFORMAT);
+        if (!strstr(err.msg, "tensor 'blk.2.ffn_up.weight' holds a value that is not finite") ||
+            !strstr(err.msg, "at element 64"))
+            fail_msg("unexpected message: %s", err.msg);
+    }
+    model_free(dev);
+    unlink(inf);
+    free(inf);
+
+    char *renamed = patched_model(path, NULL, 0, 0, "blk.3.attn_q.weight", "blk.3.attn_Q.weight");
+    assert_null(model_load(renamed, 0, -1, &err));
+    assert_non_null(strstr(err.msg, "missing tensor 'blk.3.attn_q.weight'"));
+    assert_null(model_load_for_device(renamed, 0, -1, &err));
+    assert_non_null(strstr(err.msg, "missing tensor 'blk.3.attn_q.weight'"));
+    unlink(renamed);
+    free(renamed);
+}
+
 int main(void)
 {
     if (!cuda_test_have_device("test_cuda_weights"))
@@ -283,6 +363,7 @@ int main(void)
         cmocka_unit_test(test_bad_values),
         cmocka_unit_test(test_synthetic),
         cmocka_unit_test(test_default_model),
+        cmocka_unit_test(test_damaged_model_file),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
