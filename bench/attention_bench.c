@@ -60,7 +60,8 @@ static void usage(FILE *out)
             "  --mem-fraction F     use at most this share of free device memory (default 0.85)\n"
             "  --compare KERNEL     also time KERNEL on the same blocks and compare outputs: generic\n"
             "                       (the first kernel, every codec) or staged (fp32 arithmetic; what\n"
-            "                       runs by default for fp16, while KIVI runs on the tensor cores)\n"
+            "                       runs by default for fp16, while KIVI, TaDA, GEAR and OTT run on\n"
+            "                       the tensor cores)\n"
             "  --csv FILE           also write the rows as CSV\n"
             "  --help               this text\n");
 }

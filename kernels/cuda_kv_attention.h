@@ -75,11 +75,12 @@ typedef struct cuda_kv_plan {
     int kernel;            /* which kernel runs (cuda_kv_kernel); cuda_kv_attention_plan sets AUTO */
 } cuda_kv_plan;
 
-/* AUTO: KIVI (head_dim 64 or 128, at most 8 query heads per KV head) on the tensor cores (fp16
- * operands, fp32 sums); fp16 and the KIVI layouts the tensor-core kernel does not take on the
- * staged kernel (fp32 arithmetic); the rest (TaDA, GEAR, OTT, other shapes) on the generic one.
- * STAGED: the same without the tensor cores. GENERIC: always the generic kernel. Benchmarks and
- * tests compare them. */
+/* AUTO: KIVI, TaDA, GEAR and OTT (2- or 4-bit codes, head_dim 64 or 128, 64-token blocks, at most
+ * 8 query heads per KV head) on the tensor cores (fp16 operands, fp32 sums); fp16 and the KIVI
+ * layouts the tensor-core kernel does not take on the staged kernel (fp32 arithmetic); the rest
+ * (8-bit TaDA, other shapes) on the generic one. STAGED: KIVI and fp16 on the staged kernel, the
+ * others on the generic one. GENERIC: always the generic kernel. Benchmarks and tests compare
+ * them. */
 typedef enum cuda_kv_kernel { CUDA_KV_KERNEL_AUTO = 0, CUDA_KV_KERNEL_GENERIC = 1, CUDA_KV_KERNEL_STAGED = 2 } cuda_kv_kernel;
 
 /* sm_count: the device's multiprocessor count (cudaDevAttrMultiProcessorCount). */

@@ -94,6 +94,17 @@ STRATA_HD static inline float kv_att_code(const uint8_t *row, int i, int bits)
     return (float)((w >> ((i % per_word) * bits)) & ((1u << bits) - 1u));
 }
 
+/* sum_k A[t][k] B[c][k] of one head's low-rank factors at a (docs/format.md 4b: A [T][r], then B
+ * [D][r], fp16), in fp32. */
+STRATA_HD static inline float kv_att_lowrank_at(const uint8_t *a, size_t r, size_t T, size_t t, size_t c)
+{
+    const uint8_t *b = a + T * r * 2;
+    float lr = 0.0f;
+    for (size_t k = 0; k < r; k++)
+        lr += kv_att_half_at(a + 2 * (t * r + k)) * kv_att_half_at(b + 2 * (c * r + k));
+    return lr;
+}
+
 /* GEAR and OTT on top of the backbone's x for element (h, t, c) of K (value 0) or V (1):
  *   GEAR: x + sum_k A_h[t][k] B_h[c][k], then an outlier of the element's vector replaces it;
  *   OTT:  a pooled (head, token) takes its fp16 row (the backbone's placeholder is dropped).
@@ -104,14 +115,9 @@ STRATA_HD static inline float kv_att_correct(const cuda_kv_layout *L, const kv_a
     const size_t H = (size_t)L->n_kv_heads, D = (size_t)L->head_dim, T = (size_t)L->block_tokens;
     if (L->codec == KV_CODEC_GEAR) {
         const size_t r = (size_t)info->rank;
-        if (r) {
-            const uint8_t *a = blk + (value ? info->off_v_lowrank : info->off_k_lowrank) + (size_t)h * (T + D) * r * 2;
-            const uint8_t *b = a + T * r * 2;
-            float lr = 0.0f;
-            for (size_t k = 0; k < r; k++)
-                lr += kv_att_half_at(a + 2 * ((size_t)t * r + k)) * kv_att_half_at(b + 2 * ((size_t)c * r + k));
-            x += lr;
-        }
+        if (r)
+            x += kv_att_lowrank_at(blk + (value ? info->off_v_lowrank : info->off_k_lowrank) + (size_t)h * (T + D) * r * 2,
+                                   r, T, (size_t)t, (size_t)c);
         const size_t n = (size_t)(value ? info->v_sparse : info->k_sparse);
         if (n) {
             /* A key vector is one channel over the tokens, a value vector one token over the channels. */
@@ -162,7 +168,7 @@ STRATA_HD static inline int kv_att_block_parse(const cuda_kv_layout *L, const ui
     for (int i = 0; i < n_sections && i < 16; i++) {
         const uint8_t *e = blk + 64 + 12 * i;
         const uint32_t id = kv_att_ld16(e), off = kv_att_ld32(e + 4), len = kv_att_ld32(e + 8);
-        if ((uint64_t)off + len > bytes)
+        if ((uint64_t)off + len > bytes || off % 64 != 0)   /* sections start at multiples of 64 (2.2) */
             return 1;
         uint64_t want = 0;
         switch (id) {

@@ -1,5 +1,7 @@
-// Tensor-core decode attention over KIVI blocks (fragment maps, code decoding and scale
-// rearrangement in kernels/cuda/kv_attention_mma.h, shared with the CPU emulation that CI runs).
+// Tensor-core decode attention over KIVI blocks and the codecs built on the KIVI backbone (TaDA,
+// GEAR, OTT; a template parameter each) (fragment maps, code decoding and scale rearrangement in
+// kernels/cuda/kv_attention_mma.h, the codecs' terms in kv_attention_mma_codec.h, both shared with
+// the CPU emulation that CI runs).
 //
 // Why a third kernel: the staged kernel's KIVI path (kv_attention_fast.cu) spends about seven
 // instructions a code (unpacking, then one fp32 FMA per query head) and reached 14.5 % of the
@@ -28,6 +30,7 @@
 
 #include "kernels/cuda/kv_attention_block.h"
 #include "kernels/cuda/kv_attention_mma.h"
+#include "kernels/cuda/kv_attention_mma_codec.h"
 #include "kernels/cuda/split_launch.h"
 #include "kernels/cuda/stage_copy.h"
 
@@ -107,13 +110,13 @@ __device__ inline uint2 scale_zero(const uint8_t *sec, int row, int groups, int 
 
 // Scores s[n] (head gid; tokens 8n + 2tig, +1) of a staged block, in log2 units. G: tokens a key
 // group (and channels a value group).
-template <int D, int B, int G>
-__device__ void block_scores(const kv_mma_stage &S, const uint8_t *st, const uint32_t *qrow, const kv_mma_lane &kl,
-                             int lane, float (&s)[BT / 8][2])
+template <int D, int B, int G, int C>
+__device__ void block_scores(const kv_mma_stage &S, const uint8_t *st, const uint8_t *mean, const uint32_t *qrow,
+                             const kv_mma_lane &kl, int lane, float (&s)[BT / 8][2])
 {
     constexpr int KG = BT / G;   // key groups a channel row
     constexpr int NT = BT / 8, RW = BT * B / 32;   // 8-token tiles; code words a channel row
-    const int tig = lane & 3;
+    const int gid = lane >> 2, tig = lane & 3;
 #pragma unroll
     for (int n = 0; n < NT; n++)
         s[n][0] = s[n][1] = 0.0f;
@@ -134,21 +137,25 @@ __device__ void block_scores(const kv_mma_stage &S, const uint8_t *st, const uin
                 sz8 = scale_zero(st + S.off_kz, c0 + 8, KG, 8 * n / G);
             }
             const int wi = kv_mma_word_of(n, B);
-            const uint32_t b0 = kv_mma_dequant(kv_mma_codes(w0[wi], w1[wi], &kl, n, B), sz0.x, sz0.y, B);
-            const uint32_t b1 = kv_mma_dequant(kv_mma_codes(w8[wi], w9[wi], &kl, n, B), sz8.x, sz8.y, B);
+            uint32_t b0 = kv_mma_dequant(kv_mma_codes(w0[wi], w1[wi], &kl, n, B), sz0.x, sz0.y, B);
+            uint32_t b1 = kv_mma_dequant(kv_mma_codes(w8[wi], w9[wi], &kl, n, B), sz8.x, sz8.y, B);
+            if constexpr (C == KV_CODEC_TADA) {   // the token's mean under the deviations
+                b0 = kv_mma_add2(b0, kv_mma_mean_k(mean, D, 8 * n + gid, c0));
+                b1 = kv_mma_add2(b1, kv_mma_mean_k(mean, D, 8 * n + gid, c0 + 8));
+            }
             mma_rows8(s[n], qa0, qa2, b0, b1);
         }
     }
 }
 
 // o[m] (head gid; channels 8m + 2tig, +1) += P V over a staged block's values.
-template <int D, int B, int G>
-__device__ void block_values(const kv_mma_stage &S, const uint8_t *st, const uint32_t (&pa)[BT / 8],
+template <int D, int B, int G, int C>
+__device__ void block_values(const kv_mma_stage &S, const uint8_t *st, const uint8_t *mean, const uint32_t (&pa)[BT / 8],
                              const kv_mma_lane &vl, int lane, float (&o)[D / 8][2])
 {
     constexpr int VG = D / G;   // value groups a token row
     constexpr int VT = D / 8, RW = D * B / 32;   // 8-channel tiles; code words a token row (4..16)
-    const int tig = lane & 3;
+    const int gid = lane >> 2, tig = lane & 3;
     const uint8_t *codes = st + S.off_vc;
 #pragma unroll 1
     for (int kv = 0; kv < BT / 16; kv++) {
@@ -177,8 +184,12 @@ __device__ void block_values(const kv_mma_stage &S, const uint8_t *st, const uin
                     sz0 = scale_zero(st + S.off_vz, t0, VG, 8 * m / G);
                     sz8 = scale_zero(st + S.off_vz, t0 + 8, VG, 8 * m / G);
                 }
-                const uint32_t b0 = kv_mma_dequant(kv_mma_codes(w0[wi], w1[wi], &vl, m, B), sz0.x, sz0.y, B);
-                const uint32_t b1 = kv_mma_dequant(kv_mma_codes(w8[wi], w9[wi], &vl, m, B), sz8.x, sz8.y, B);
+                uint32_t b0 = kv_mma_dequant(kv_mma_codes(w0[wi], w1[wi], &vl, m, B), sz0.x, sz0.y, B);
+                uint32_t b1 = kv_mma_dequant(kv_mma_codes(w8[wi], w9[wi], &vl, m, B), sz8.x, sz8.y, B);
+                if constexpr (C == KV_CODEC_TADA) {
+                    b0 = kv_mma_add2(b0, kv_mma_mean_v(mean, D, t0, 8 * m + gid));
+                    b1 = kv_mma_add2(b1, kv_mma_mean_v(mean, D, t0 + 8, 8 * m + gid));
+                }
                 mma_rows8(o[m], a0, a2, b0, b1);
             }
         }
@@ -222,18 +233,120 @@ __device__ void softmax_step(float (&s)[NT][2], int n_valid, float &m_run, float
     m_run = m_new;
 }
 
-template <int D, int B, int G>
-__device__ void attend_block(const kv_mma_stage &S, uint8_t *st, const uint32_t *qrow, const kv_mma_lane &kl,
-                             const kv_mma_lane &vl, float (&o)[D / 8][2], float &m_run, float &l_run, int lane)
+// GEAR's low-rank term of the scores: (Q B_h) A_h^T, ranks 16 at a time (a: A_h [BT][r], then B_h).
+template <int D>
+__device__ void lowrank_scores(const uint8_t *a, int r, const uint32_t *qrow, int lane, float (&s)[BT / 8][2])
 {
+    const uint8_t *b = a + (size_t)BT * r * 2;
+    const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll 1
+    for (int k0 = 0; k0 < r; k0 += 16) {
+        float lo[2] = {0.0f, 0.0f}, hi[2] = {0.0f, 0.0f};   // Q B_h: ranks k0 + 2tig, +1 and 8 more
+#pragma unroll 1
+        for (int kk = 0; kk < D / 16; kk++) {
+            const int c0 = 16 * kk + 2 * tig;
+            const uint32_t qa0 = qrow[c0 / 2], qa2 = qrow[c0 / 2 + 4];
+            mma_rows8(lo, qa0, qa2, kv_mma_lr_col(b, r, c0, k0 + gid), kv_mma_lr_col(b, r, c0 + 8, k0 + gid));
+            mma_rows8(hi, qa0, qa2, kv_mma_lr_col(b, r, c0, k0 + 8 + gid), kv_mma_lr_col(b, r, c0 + 8, k0 + 8 + gid));
+        }
+        const uint32_t qb0 = pack_half2(lo[0], lo[1]), qb2 = pack_half2(hi[0], hi[1]);
+#pragma unroll
+        for (int n = 0; n < BT / 8; n++)
+            mma_rows8(s[n], qb0, qb2, kv_mma_lr_row(a, r, 8 * n + gid, k0 + 2 * tig),
+                      kv_mma_lr_row(a, r, 8 * n + gid, k0 + 8 + 2 * tig));
+    }
+}
+
+// GEAR's low-rank term of the values: (P A_v) B_v^T (a: A_v [BT][r], then B_v [D][r]).
+template <int D>
+__device__ void lowrank_values(const uint8_t *a, int r, const uint32_t (&pa)[BT / 8], int lane, float (&o)[D / 8][2])
+{
+    const uint8_t *b = a + (size_t)BT * r * 2;
+    const int gid = lane >> 2, tig = lane & 3;
+#pragma unroll 1
+    for (int k0 = 0; k0 < r; k0 += 16) {
+        float lo[2] = {0.0f, 0.0f}, hi[2] = {0.0f, 0.0f};   // P A_v: ranks k0 + 2tig, +1 and 8 more
+#pragma unroll
+        for (int kv = 0; kv < BT / 16; kv++) {
+            const int t0 = 16 * kv + 2 * tig;
+            mma_rows8(lo, pa[2 * kv], pa[2 * kv + 1], kv_mma_lr_col(a, r, t0, k0 + gid),
+                      kv_mma_lr_col(a, r, t0 + 8, k0 + gid));
+            mma_rows8(hi, pa[2 * kv], pa[2 * kv + 1], kv_mma_lr_col(a, r, t0, k0 + 8 + gid),
+                      kv_mma_lr_col(a, r, t0 + 8, k0 + 8 + gid));
+        }
+        const uint32_t pb0 = pack_half2(lo[0], lo[1]), pb2 = pack_half2(hi[0], hi[1]);
+#pragma unroll
+        for (int m = 0; m < D / 8; m++)
+            mma_rows8(o[m], pb0, pb2, kv_mma_lr_row(b, r, 8 * m + gid, k0 + 2 * tig),
+                      kv_mma_lr_row(b, r, 8 * m + gid, k0 + 8 + 2 * tig));
+    }
+}
+
+// One staged block. C: the codec (KIVI, TaDA, GEAR, OTT); x: the block and its parsed sections
+// (GEAR, OTT), sc: the warp's buffers (GEAR, OTT). Returns nonzero when a GEAR outlier entry is
+// malformed (the status flag).
+template <int D, int B, int G, int C>
+__device__ int attend_block(const kv_mma_stage &S, uint8_t *st, const kv_mma_block_ctx &x, kv_mma_scratch sc,
+                            const uint32_t *qrow, const kv_mma_lane &kl, const kv_mma_lane &vl, float (&o)[D / 8][2],
+                            float &m_run, float &l_run, int lane)
+{
+    constexpr bool kBuffers = C == KV_CODEC_GEAR || C == KV_CODEC_OTT;
+    int bad = 0;
     kv_mma_section_prep(st + S.off_kz, D, BT / G, lane);
     kv_mma_section_prep(st + S.off_vz, BT, D / G, lane);
     __syncwarp();
+    if constexpr (C == KV_CODEC_GEAR)
+        bad |= kv_mma_key_outliers(&x, sc, lane);
+    if constexpr (C == KV_CODEC_OTT)
+        kv_mma_ott_scores(&x, sc, lane);
+    const uint8_t *k_mean = C == KV_CODEC_TADA ? x.blk + x.L->off_k_mean : nullptr;
+    const uint8_t *v_mean = C == KV_CODEC_TADA ? x.blk + x.L->off_v_mean : nullptr;
     float s[BT / 8][2];
-    block_scores<D, B, G>(S, st, qrow, kl, lane, s);
+    block_scores<D, B, G, C>(S, st, k_mean, qrow, kl, lane, s);
+    if constexpr (C == KV_CODEC_GEAR)
+        if (x.info.rank)
+            lowrank_scores<D>(kv_mma_lowrank(&x, 0), x.info.rank, qrow, lane, s);
+    if constexpr (kBuffers) {
+        __syncwarp();
+        kv_mma_take_scores(sc, BT, s, lane, C == KV_CODEC_OTT);
+    }
     uint32_t pa[BT / 8];
     softmax_step<BT / 8, D / 8>(s, BT, m_run, l_run, o, pa, lane);
-    block_values<D, B, G>(S, st, pa, vl, lane, o);
+    if constexpr (kBuffers) {
+        kv_mma_put_weights(sc, BT, pa, lane);
+        __syncwarp();
+        if (C == KV_CODEC_OTT && lane < 2)
+            sc.mask[lane] = 0;
+        if constexpr (C == KV_CODEC_GEAR)
+            bad |= kv_mma_value_outliers(&x, sc, lane);
+        else
+            kv_mma_ott_values(&x, sc, lane);
+    }
+    block_values<D, B, G, C>(S, st, v_mean, pa, vl, lane, o);
+    if constexpr (C == KV_CODEC_GEAR)
+        if (x.info.rank)
+            lowrank_values<D>(kv_mma_lowrank(&x, 1), x.info.rank, pa, lane, o);
+    if constexpr (kBuffers) {
+        __syncwarp();
+        kv_mma_take_values(sc, BT, D, o, lane);
+    }
+    return bad;
+}
+
+// A block's parsed sections from the lane that parsed it.
+__device__ inline kv_att_block_info shfl_info(const kv_att_block_info &in, int src)
+{
+    kv_att_block_info o;
+    o.rank = __shfl_sync(0xffffffffu, in.rank, src);
+    o.k_sparse = __shfl_sync(0xffffffffu, in.k_sparse, src);
+    o.v_sparse = __shfl_sync(0xffffffffu, in.v_sparse, src);
+    o.n_ott = __shfl_sync(0xffffffffu, in.n_ott, src);
+    o.off_k_sparse = __shfl_sync(0xffffffffu, in.off_k_sparse, src);
+    o.off_v_sparse = __shfl_sync(0xffffffffu, in.off_v_sparse, src);
+    o.off_k_lowrank = __shfl_sync(0xffffffffu, in.off_k_lowrank, src);
+    o.off_v_lowrank = __shfl_sync(0xffffffffu, in.off_v_lowrank, src);
+    o.off_ott = __shfl_sync(0xffffffffu, in.off_ott, src);
+    return o;
 }
 
 // One tile of up to 16 fp16 tail rows from row t0, read from global memory.
@@ -275,12 +388,13 @@ __device__ void attend_tail_tile(const cuda_kv_seq &seq, int H, int kvh, int t0,
 
 // Registers capped so that kv_mma_ctas_per_sm thread blocks fit a multiprocessor (the split plan
 // counts waves with the same number).
-template <int D, int B, int G>
-__global__ void __launch_bounds__(kThreads, kv_mma_ctas_per_sm(D, B))
+template <int D, int B, int G, int C>
+__global__ void __launch_bounds__(kThreads, kv_mma_ctas_per_sm(D, B, C))
     attend_mma(cuda_kv_layout L, cuda_kv_plan P, const cuda_kv_seq *seqs, const float *q, float *ws_acc, float *ws_ml,
                int *status)
 {
     constexpr int VT = D / 8;
+    constexpr bool kBuffers = C == KV_CODEC_GEAR || C == KV_CODEC_OTT;
     extern __shared__ __align__(16) uint8_t smem[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tig = lane & 3;
     const int H = L.n_kv_heads, qpk = P.n_q_heads / H;
@@ -300,6 +414,21 @@ __global__ void __launch_bounds__(kThreads, kv_mma_ctas_per_sm(D, B))
     }
     __syncthreads();
     const uint32_t *qrow = q16 + gid * (D + 8) / 2;
+    kv_mma_scratch sc = {};
+    if constexpr (kBuffers) {   // the warp's buffers start cleared
+        uint8_t *base = smem + q16_bytes(D) + (size_t)kWarps * 2 * S.bytes + (size_t)warp * kv_mma_scratch_bytes(D, BT);
+        for (uint32_t i = 4 * lane; i < kv_mma_scratch_bytes(D, BT); i += 4 * 32)
+            *reinterpret_cast<uint32_t *>(base + i) = 0u;
+        sc = kv_mma_scratch_at(base, D, BT);
+        __syncwarp();
+    }
+    kv_mma_block_ctx x = {};
+    x.L = &L;
+    x.S = &S;
+    x.kvh = kvh;
+    x.qpk = qpk;
+    x.q_stride = D + 8;
+    x.q16 = reinterpret_cast<const uint16_t *>(q16);
     float o[VT][2];
 #pragma unroll
     for (int m = 0; m < VT; m++)
@@ -313,9 +442,12 @@ __global__ void __launch_bounds__(kThreads, kv_mma_ctas_per_sm(D, B))
     for (int w0 = first + warp; w0 < block_end; w0 += kWarps * 32) {
         const int mine = min(32, (block_end - w0 + kWarps - 1) / kWarps);   // this warp's blocks here
         int bad = 0;
+        kv_att_block_info info = {};   // lane j: the sections of the warp's j-th block here (GEAR, OTT)
         if (lane < mine) {
             const int u = w0 + kWarps * lane;
             bad = kv_att_block_status(&L, seq.blocks[u], u);
+            if (!bad && kBuffers)
+                bad = kv_att_block_parse(&L, seq.blocks[u], &info);
             if (bad)
                 atomicExch(status, bad);
         }
@@ -330,8 +462,14 @@ __global__ void __launch_bounds__(kThreads, kv_mma_ctas_per_sm(D, B))
             stage_commit();
             stage_wait_prev();
             __syncwarp();
-            if (!((rejected >> j) & 1u))
-                attend_block<D, B, G>(S, stage + (j & 1) * S.bytes, qrow, kl, vl, o, m_run, l_run, lane);
+            if (!((rejected >> j) & 1u)) {
+                x.blk = seq.blocks[w0 + kWarps * j];
+                x.st = stage + (j & 1) * S.bytes;
+                if constexpr (kBuffers)
+                    x.info = shfl_info(info, j);
+                if (attend_block<D, B, G, C>(S, stage + (j & 1) * S.bytes, x, sc, qrow, kl, vl, o, m_run, l_run, lane))
+                    atomicExch(status, 1);
+            }
             __syncwarp();   // the buffer is free for the copy after next
         }
     }
@@ -381,30 +519,44 @@ __global__ void __launch_bounds__(kThreads, kv_mma_ctas_per_sm(D, B))
     }
 }
 
-template <int D, int B, int G>
+template <int D, int B, int G, int C>
 int launch(const cuda_kv_layout &L, const cuda_kv_plan &P, const cuda_kv_seq *seqs, const float *q, float *ws_acc,
            float *ws_ml, int *status, cudaStream_t st, strata_error *err)
 {
     const kv_mma_stage S = kv_mma_stage_of(&L);
-    const size_t staged = q16_bytes(D) + (size_t)kWarps * 2 * S.bytes;
+    const bool buffers = C == KV_CODEC_GEAR || C == KV_CODEC_OTT;
+    const size_t staged = q16_bytes(D) + (size_t)kWarps * (2 * S.bytes + (buffers ? kv_mma_scratch_bytes(D, BT) : 0));
     const size_t merged = (size_t)kWarps * KV_MMA_MAX_QPK * (2 + D) * sizeof(float);
     const size_t smem = staged > merged ? staged : merged;
-    return launch_split(attend_mma<D, B, G>, "attend_mma", kThreads, smem, L, P, seqs, q, ws_acc, ws_ml, status, st,
+    return launch_split(attend_mma<D, B, G, C>, "attend_mma", kThreads, smem, L, P, seqs, q, ws_acc, ws_ml, status, st,
                         err);
 }
 
-template <int D, int B>
+template <int D, int B, int C>
 int launch_g(const cuda_kv_layout &L, const cuda_kv_plan &P, const cuda_kv_seq *seqs, const float *q, float *ws_acc,
              float *ws_ml, int *status, cudaStream_t st, strata_error *err)
 {
     switch (L.k_group) {
-    case 16: return launch<D, B, 16>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
-    case 32: return launch<D, B, 32>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
-    case 64: return launch<D, B, 64>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
+    case 16: return launch<D, B, 16, C>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
+    case 32: return launch<D, B, 32, C>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
+    case 64: return launch<D, B, 64, C>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
     default:   // 8: 4-bit only (kv_mma_eligible)
         if constexpr (B == 4)
-            return launch<D, B, 8>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
-        return strata_fail(err, STRATA_EINVAL, "CUDA attention: KIVI group %d at %d bits", L.k_group, B);
+            return launch<D, B, 8, C>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
+        return strata_fail(err, STRATA_EINVAL, "CUDA attention: group %d at %d bits", L.k_group, B);
+    }
+}
+
+template <int D, int B>
+int launch_c(const cuda_kv_layout &L, const cuda_kv_plan &P, const cuda_kv_seq *seqs, const float *q, float *ws_acc,
+             float *ws_ml, int *status, cudaStream_t st, strata_error *err)
+{
+    switch (L.codec) {
+    case KV_CODEC_KIVI: return launch_g<D, B, KV_CODEC_KIVI>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
+    case KV_CODEC_TADA: return launch_g<D, B, KV_CODEC_TADA>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
+    case KV_CODEC_GEAR: return launch_g<D, B, KV_CODEC_GEAR>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
+    case KV_CODEC_OTT: return launch_g<D, B, KV_CODEC_OTT>(L, P, seqs, q, ws_acc, ws_ml, status, st, err);
+    default: return strata_fail(err, STRATA_EINVAL, "CUDA attention: codec %d on the tensor cores", L.codec);
     }
 }
 
@@ -415,8 +567,8 @@ extern "C" int kv_mma_launch(const cuda_kv_layout *L, const cuda_kv_plan *P, con
 {
     const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
     if (L->head_dim == 64)
-        return L->k_bits == 2 ? launch_g<64, 2>(*L, *P, seqs, q, ws_acc, ws_ml, status, st, err)
-                              : launch_g<64, 4>(*L, *P, seqs, q, ws_acc, ws_ml, status, st, err);
-    return L->k_bits == 2 ? launch_g<128, 2>(*L, *P, seqs, q, ws_acc, ws_ml, status, st, err)
-                          : launch_g<128, 4>(*L, *P, seqs, q, ws_acc, ws_ml, status, st, err);
+        return L->k_bits == 2 ? launch_c<64, 2>(*L, *P, seqs, q, ws_acc, ws_ml, status, st, err)
+                              : launch_c<64, 4>(*L, *P, seqs, q, ws_acc, ws_ml, status, st, err);
+    return L->k_bits == 2 ? launch_c<128, 2>(*L, *P, seqs, q, ws_acc, ws_ml, status, st, err)
+                          : launch_c<128, 4>(*L, *P, seqs, q, ws_acc, ws_ml, status, st, err);
 }

@@ -1,6 +1,7 @@
-/* The tensor-core decode attention for KIVI pools (kernels/cuda/kv_attention_mma.cu): what it
- * shares with its CPU emulation (kv_attention_mma_emu.h, run in CI without a GPU), namely the
- * stage layout, the per-lane fragment maps, the code-to-half decoding and the per-block scale
+/* The tensor-core decode attention for KIVI pools and the codecs on its backbone (TaDA, GEAR, OTT:
+ * their terms in kv_attention_mma_codec.h) (kernels/cuda/kv_attention_mma.cu): what it shares
+ * with its CPU emulation (kv_attention_mma_emu.h, run in CI without a GPU), namely the stage
+ * layout, the per-lane fragment maps, the code-to-half decoding and the per-block scale
  * rearrangement. Private to kernels/cuda; the entry points are at the end.
  *
  * mma.sync m16n8k16 (fp16 inputs, fp32 accumulation); lane = 4 gid + tig. A 32-bit register holds
@@ -66,30 +67,35 @@ STRATA_HD static inline kv_mma_stage kv_mma_stage_of(const cuda_kv_layout *L)
     return s;
 }
 
-/* Whether the tensor-core kernel takes the layout with qpk query heads per KV head: KIVI with 2- or
- * 4-bit keys and values (the same for both), head_dim 64 or 128, 64-token blocks (the default;
+/* Whether the tensor-core kernel takes the layout with qpk query heads per KV head: KIVI, or the
+ * codecs built on its backbone (TaDA, GEAR, OTT; their terms in kv_attention_mma_codec.h), with 2-
+ * or 4-bit keys and values (the same for both), head_dim 64 or 128, 64-token blocks (the default;
  * block and group sizes are compile-time constants of the kernel, so that group boundaries cost
  * nothing at run time), one group size for keys and values: 8 (4-bit only), 16, 32 or 64. */
 STRATA_HD static inline bool kv_mma_eligible(const cuda_kv_layout *L, int qpk)
 {
     const int D = L->head_dim, G = L->k_group;
-    return L->codec == KV_CODEC_KIVI && (D == 64 || D == 128) && qpk >= 1 && qpk <= KV_MMA_MAX_QPK &&
+    const bool backbone = L->codec == KV_CODEC_KIVI || L->codec == KV_CODEC_TADA || L->codec == KV_CODEC_GEAR ||
+                          L->codec == KV_CODEC_OTT;
+    return backbone && (D == 64 || D == 128) && qpk >= 1 && qpk <= KV_MMA_MAX_QPK &&
            L->block_tokens == 64 && (L->k_bits == 2 || L->k_bits == 4) && L->v_bits == L->k_bits &&
            L->v_group == G && (G == 16 || G == 32 || G == 64 || (G == 8 && L->k_bits == 4));
 }
 
 /* Thread blocks of the kernel that fit a multiprocessor of an H100 (its launch bounds use the
  * same numbers, and the split plan counts waves with them): 4-bit blocks at head_dim 128 stage
- * 10 KiB a warp and buffer, so two fit the shared memory; the others three, held there by the
- * 168 registers a thread their loops need. */
+ * 10 KiB a warp and buffer, so two fit the shared memory; GEAR and OTT two (at three, 168
+ * registers a thread, their correction steps spilled up to 300 bytes; at head_dim 128 their
+ * buffers, kv_mma_scratch, would not fit beside three stages either); the others three, held
+ * there by the 168 registers a thread their loops need. */
 #ifdef __cplusplus
 #define KV_MMA_CONSTEXPR constexpr
 #else
 #define KV_MMA_CONSTEXPR
 #endif
-STRATA_HD static inline KV_MMA_CONSTEXPR int kv_mma_ctas_per_sm(int head_dim, int bits)
+STRATA_HD static inline KV_MMA_CONSTEXPR int kv_mma_ctas_per_sm(int head_dim, int bits, int codec)
 {
-    return bits == 4 && head_dim == 128 ? 2 : 3;
+    return (head_dim == 128 && bits == 4) || codec == KV_CODEC_GEAR || codec == KV_CODEC_OTT ? 2 : 3;
 }
 
 /* ---- fp16 pairs as 32-bit words (the device's f16x2 instructions; the CPU rounds once). ---- */

@@ -13,6 +13,7 @@
 
 #include "kernels/cuda/kv_attention_block.h"
 #include "kernels/cuda/kv_attention_mma.h"
+#include "kernels/cuda/kv_attention_mma_codec.h"
 
 #define KV_MMA_EMU_MAX_VT 16   /* 8-channel tiles at head_dim 128 */
 
@@ -110,9 +111,12 @@ static inline void kv_mma_emu_stage(const cuda_kv_layout *L, const kv_mma_stage 
 
 /* A lane's B registers b0, b1 of a staged block's keys or values: contraction rows r0, r0 + 1
  * (b0) and r0 + 8, r0 + 9 (b1), column gid of 8-wide tile `tile` (codes: the section's rows of
- * row_bytes; sec: its rearranged scales, `groups` a row; g: the tile's group). */
+ * row_bytes; sec: its rearranged scales, `groups` a row; g: the tile's group). mean: TaDA's mean
+ * section of keys (value 0: rows are channels, columns tokens) or values (rows are tokens), else
+ * NULL. */
 static inline void kv_mma_emu_b(const uint8_t *codes, int row_bytes, const uint8_t *sec, int groups, int g, int r0,
-                                int tile, int lane, int bits, uint32_t *b0, uint32_t *b1)
+                                int tile, int lane, int bits, const uint8_t *mean, int value, int D, uint32_t *b0,
+                                uint32_t *b1)
 {
     const kv_mma_lane cl = kv_mma_lane_of(lane, bits);
     const uint8_t *rows = codes + 4 * (size_t)kv_mma_word_of(tile, bits);
@@ -120,21 +124,87 @@ static inline void kv_mma_emu_b(const uint8_t *codes, int row_bytes, const uint8
         const int r = r0 + 8 * half;
         const uint32_t x = kv_mma_codes(kv_mma_ld(rows + (size_t)r * row_bytes),
                                         kv_mma_ld(rows + (size_t)(r + 1) * row_bytes), &cl, tile, bits);
-        const uint32_t b = kv_mma_dequant(x, kv_mma_ld(sec + kv_mma_scale_offset(r, groups, g)),
-                                          kv_mma_ld(sec + kv_mma_zero_offset(r, groups, g)), bits);
+        uint32_t b = kv_mma_dequant(x, kv_mma_ld(sec + kv_mma_scale_offset(r, groups, g)),
+                                    kv_mma_ld(sec + kv_mma_zero_offset(r, groups, g)), bits);
+        const int col = 8 * tile + (lane >> 2);
+        if (mean)
+            b = kv_mma_add2(b, value ? kv_mma_mean_v(mean, D, r, col) : kv_mma_mean_k(mean, D, col, r));
         *(half ? b1 : b0) = b;
     }
 }
 
-/* One staged block through the scale rearrangement, scores, softmax and values (attend_block). */
-static inline void kv_mma_emu_block(const cuda_kv_layout *L, const kv_mma_stage *S, uint8_t *st, const uint16_t *q16,
-                                    kv_mma_emu_warp *w)
+/* GEAR's low-rank products (lowrank_scores / lowrank_values of the kernel): the scores s[lane][n]
+ * (value 0) or the value sums w->o (value 1) take (Q B_h) A_h^T or (P A_v) B_v^T. */
+static inline void kv_mma_emu_lowrank(const kv_mma_block_ctx *x, int value, float s[32][8][2], uint32_t pa[32][8],
+                                      kv_mma_emu_warp *w)
 {
+    const int D = x->L->head_dim, BT = x->L->block_tokens, r = x->info.rank;
+    const uint8_t *a = kv_mma_lowrank(x, value), *b = a + (size_t)BT * r * 2;
+    uint32_t a0[32], a2[32], b0[32], b1[32], f0[32], f2[32];
+    for (int k0 = 0; k0 < r; k0 += 16) {
+        float lo[32][2], hi[32][2];
+        memset(lo, 0, sizeof lo);
+        memset(hi, 0, sizeof hi);
+        /* First product: Q B_h over the channels (keys) or P A_v over the tokens (values). */
+        for (int kk = 0; kk < (value ? BT : D) / 16; kk++)
+            for (int part = 0; part < 2; part++) {
+                for (int lane = 0; lane < 32; lane++) {
+                    const int gid = lane >> 2, r0 = 16 * kk + 2 * (lane & 3), k = k0 + 8 * part + gid;
+                    if (value) {
+                        a0[lane] = pa[lane][2 * kk];
+                        a2[lane] = pa[lane][2 * kk + 1];
+                    } else {
+                        a0[lane] = kv_mma_emu_q(x->q16, D, gid, r0);
+                        a2[lane] = kv_mma_emu_q(x->q16, D, gid, r0 + 8);
+                    }
+                    const uint8_t *m = value ? a : b;
+                    b0[lane] = kv_mma_lr_col(m, r, r0, k);
+                    b1[lane] = kv_mma_lr_col(m, r, r0 + 8, k);
+                }
+                kv_mma_emu_mma(part ? &hi[0][0] : &lo[0][0], 2, a0, a2, b0, b1);
+            }
+        for (int lane = 0; lane < 32; lane++) {
+            f0[lane] = kv_mma_pack(strata_float_to_half(lo[lane][0]), strata_float_to_half(lo[lane][1]));
+            f2[lane] = kv_mma_pack(strata_float_to_half(hi[lane][0]), strata_float_to_half(hi[lane][1]));
+        }
+        /* Second product: times A_h^T (8-token tiles) or B_v^T (8-channel tiles). */
+        for (int n = 0; n < (value ? D : BT) / 8; n++) {
+            for (int lane = 0; lane < 32; lane++) {
+                const int row = 8 * n + (lane >> 2), k = k0 + 2 * (lane & 3);
+                const uint8_t *m = value ? b : a;
+                b0[lane] = kv_mma_lr_row(m, r, row, k);
+                b1[lane] = kv_mma_lr_row(m, r, row, k + 8);
+            }
+            if (value)
+                kv_mma_emu_mma(&w->o[0][n][0], KV_MMA_EMU_MAX_VT * 2, f0, f2, b0, b1);
+            else
+                kv_mma_emu_mma(&s[0][n][0], 8 * 2, f0, f2, b0, b1);
+        }
+    }
+}
+
+/* One staged block through the scale rearrangement, the codec's terms, scores, softmax and values
+ * (attend_block). x: the block, its parsed sections, the KV head, the queries; sc: the warp's
+ * buffers (GEAR, OTT). Returns 1 when a GEAR outlier entry is malformed, else 0. */
+static inline int kv_mma_emu_block(const kv_mma_block_ctx *x, uint8_t *st, kv_mma_scratch sc, kv_mma_emu_warp *w)
+{
+    const cuda_kv_layout *L = x->L;
+    const kv_mma_stage *S = x->S;
     const int D = L->head_dim, BT = L->block_tokens, B = L->k_bits, nt = BT / 8, vt = D / 8;
     const int kshift = __builtin_ctz((unsigned)L->k_group), vshift = __builtin_ctz((unsigned)L->v_group);
+    const int gear = L->codec == KV_CODEC_GEAR, ott = L->codec == KV_CODEC_OTT;
+    const uint8_t *k_mean = L->codec == KV_CODEC_TADA ? x->blk + L->off_k_mean : NULL;
+    const uint8_t *v_mean = L->codec == KV_CODEC_TADA ? x->blk + L->off_v_mean : NULL;
+    int bad = 0;
     for (int lane = 0; lane < 32; lane++) {
         kv_mma_section_prep(st + S->off_kz, D, S->k_groups, lane);
         kv_mma_section_prep(st + S->off_vz, BT, S->v_groups, lane);
+    }
+    for (int lane = 0; lane < 32; lane++) {
+        if (gear)
+            bad |= kv_mma_key_outliers(x, sc, lane);
+        if (ott)
+            kv_mma_ott_scores(x, sc, lane);
     }
     float s[32][8][2];
     memset(s, 0, sizeof s);
@@ -143,25 +213,47 @@ static inline void kv_mma_emu_block(const cuda_kv_layout *L, const kv_mma_stage 
         for (int n = 0; n < nt; n++) {
             for (int lane = 0; lane < 32; lane++) {
                 const int gid = lane >> 2, c0 = 16 * kk + 2 * (lane & 3);
-                a0[lane] = kv_mma_emu_q(q16, D, gid, c0);
-                a2[lane] = kv_mma_emu_q(q16, D, gid, c0 + 8);
+                a0[lane] = kv_mma_emu_q(x->q16, D, gid, c0);
+                a2[lane] = kv_mma_emu_q(x->q16, D, gid, c0 + 8);
                 kv_mma_emu_b(st, S->k_row_bytes, st + S->off_kz, S->k_groups, (8 * n) >> kshift, c0, n, lane, B,
-                             &b0[lane], &b1[lane]);
+                             k_mean, 0, D, &b0[lane], &b1[lane]);
             }
             kv_mma_emu_mma(&s[0][n][0], 8 * 2, a0, a2, b0, b1);
         }
     uint32_t pa[32][8];
+    if (gear && x->info.rank)
+        kv_mma_emu_lowrank(x, 0, s, pa, w);
+    if (gear || ott)
+        for (int lane = 0; lane < 32; lane++)
+            kv_mma_take_scores(sc, BT, s[lane], lane, ott);
     kv_mma_emu_softmax(w, s, nt, BT, vt, pa);
+    if (gear || ott) {
+        for (int lane = 0; lane < 32; lane++)
+            kv_mma_put_weights(sc, BT, pa[lane], lane);
+        sc.mask[0] = sc.mask[1] = 0;
+        for (int lane = 0; lane < 32; lane++) {
+            if (gear)
+                bad |= kv_mma_value_outliers(x, sc, lane);
+            else
+                kv_mma_ott_values(x, sc, lane);
+        }
+    }
     for (int kv = 0; kv < BT / 16; kv++)
         for (int m = 0; m < vt; m++) {
             for (int lane = 0; lane < 32; lane++) {
                 a0[lane] = pa[lane][2 * kv];
                 a2[lane] = pa[lane][2 * kv + 1];
                 kv_mma_emu_b(st + S->off_vc, S->v_row_bytes, st + S->off_vz, S->v_groups, (8 * m) >> vshift,
-                             16 * kv + 2 * (lane & 3), m, lane, B, &b0[lane], &b1[lane]);
+                             16 * kv + 2 * (lane & 3), m, lane, B, v_mean, 1, D, &b0[lane], &b1[lane]);
             }
             kv_mma_emu_mma(&w->o[0][m][0], KV_MMA_EMU_MAX_VT * 2, a0, a2, b0, b1);
         }
+    if (gear && x->info.rank)
+        kv_mma_emu_lowrank(x, 1, s, pa, w);
+    if (gear || ott)
+        for (int lane = 0; lane < 32; lane++)
+            kv_mma_take_values(sc, BT, D, w->o[lane], lane);
+    return bad;
 }
 
 /* One tile of up to 16 tail rows from t0 (attend_tail_tile). */
@@ -217,12 +309,16 @@ static inline int kv_mma_emu_attention(const cuda_kv_layout *L, const cuda_kv_pl
     uint8_t *st = malloc(S.bytes);
     kv_mma_emu_warp *warps = malloc(KV_MMA_WARPS * sizeof *warps);
     uint16_t *q16 = malloc((size_t)KV_MMA_MAX_QPK * D * sizeof *q16);
-    if (!st || !warps || !q16) {
+    uint8_t *scratch = calloc(1, kv_mma_scratch_bytes(D, L->block_tokens));   /* cleared between blocks */
+    if (!st || !warps || !q16 || !scratch) {
         free(st);
         free(warps);
         free(q16);
+        free(scratch);
         return -1;
     }
+    const kv_mma_scratch sc = kv_mma_scratch_at(scratch, D, L->block_tokens);
+    kv_mma_block_ctx x = {.L = L, .S = &S, .st = st, .qpk = qpk, .q_stride = D, .q16 = q16};
     float *ws_acc = ws, *ws_ml = ws + (size_t)P->n_seqs * P->n_q_heads * P->n_splits * D;
     const float qscale = 1.44269504088896341f / sqrtf((float)D);
     int status = 0;
@@ -247,13 +343,18 @@ static inline int kv_mma_emu_attention(const cuda_kv_layout *L, const cuda_kv_pl
                     }
                     for (int u = first + wi; u < block_end; u += KV_MMA_WARPS) {
                         const uint8_t *blk = seq->blocks[u];
-                        const int bad = kv_att_block_status(L, blk, u);
+                        int bad = kv_att_block_status(L, blk, u);
+                        if (!bad)
+                            bad = kv_att_block_parse(L, blk, &x.info);
                         if (bad) {
                             status = bad;
                             continue;
                         }
+                        x.blk = blk;
+                        x.kvh = kvh;
                         kv_mma_emu_stage(L, &S, blk, kvh, st);
-                        kv_mma_emu_block(L, &S, st, q16, w);
+                        if (kv_mma_emu_block(&x, st, sc, w))
+                            status = 1;
                     }
                     if (first <= seq->n_blocks && end > seq->n_blocks)
                         for (int t0 = KV_MMA_TAIL_TILE * wi; t0 < seq->tail_tokens;
@@ -289,6 +390,7 @@ static inline int kv_mma_emu_attention(const cuda_kv_layout *L, const cuda_kv_pl
     free(st);
     free(warps);
     free(q16);
+    free(scratch);
     return status;
 }
 

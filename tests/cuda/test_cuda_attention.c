@@ -472,6 +472,87 @@ static void test_bad_tables_raise_status(void **state)
     free_seq(&hs);
 }
 
+/* A GEAR block that breaks the format where only the tensor-core kernel looks (docs/format.md:
+ * outlier indices inside their vector and strictly ascending, 4b; sections on the 64-byte grid,
+ * 2.2) must raise status 1, emulated or on the GPU. damage: 0 none, 1 a key vector's second index
+ * equal to its first, 2 a value index past the head's channels, 3 the key outliers' section moved
+ * 4 bytes (its bytes still inside the block). */
+static int gear_damage_status(int damage, bool on_gpu)
+{
+    kv_codec_params p;
+    strata_error err;
+    assert_int_equal(kv_codec_parse("gear2", &p, &err), STRATA_OK);
+    const kv_geometry g = {.n_layers = 1, .n_kv_heads = 2, .head_dim = 64, .block_tokens = 64};
+    const size_t slot = kv_block_size(&p, &g);
+    host_seq hs;
+    make_seq(&p, &g, 3, 5, slot, &hs);
+    uint8_t *blk = hs.blocks + slot;   /* block 1 */
+    kv_block b;
+    assert_int_equal(kv_block_parse(blk, slot, &b, &err), STRATA_OK);
+    assert_true(b.desc.k_sparse >= 2 && b.desc.v_sparse >= 2);
+    uint8_t *ks = (uint8_t *)(uintptr_t)kv_block_section_data(&b, KV_SEC_GEAR_K_SPARSE, NULL);
+    uint8_t *vs = (uint8_t *)(uintptr_t)kv_block_section_data(&b, KV_SEC_GEAR_V_SPARSE, NULL);
+    assert_true(ks && vs);
+    if (damage == 1)
+        memcpy(ks + 4, ks, 2);
+    if (damage == 2) {
+        vs[0] = 64;
+        vs[1] = 0;
+    }
+    if (damage == 3)
+        for (int i = 0; i < b.n_sections; i++)
+            if (blk[64 + 12 * i] == KV_SEC_GEAR_K_SPARSE)
+                blk[64 + 12 * i + 4] += 4;
+    kv_block tmpl;
+    assert_int_equal(kv_block_parse(hs.blocks, slot, &tmpl, &err), STRATA_OK);
+    gpu_run r = {0};
+    assert_int_equal(cuda_kv_layout_from_block(&tmpl, &r.layout, &err), STRATA_OK);
+    r.layout.block_bytes = (uint32_t)slot;
+    assert_int_equal(cuda_kv_attention_plan(&r.layout, 1, 4, 3, 132, &r.plan, &err), STRATA_OK);
+    assert_true(kv_mma_eligible(&r.layout, 2));
+    float q[4 * 64], out[4 * 64];
+    for (int i = 0; i < 4 * 64; i++)
+        q[i] = cuda_test_uniform(&seed);
+    int status;
+    if (on_gpu) {
+        CUDA_CHECK(cudaMalloc((void **)&r.d_q, sizeof q));
+        CUDA_CHECK(cudaMalloc((void **)&r.d_out, sizeof out));
+        CUDA_CHECK(cudaMalloc(&r.d_ws, cuda_kv_attention_workspace(&r.layout, &r.plan)));
+        CUDA_CHECK(cudaMalloc((void **)&r.d_status, sizeof(int)));
+        void *allocs[8];
+        int n_allocs = 0;
+        const cuda_kv_seq *d_seqs = upload(&hs, 1, slot, &g, allocs, &n_allocs);
+        status = run_gpu(&r, d_seqs, q, out);
+        for (int i = 0; i < n_allocs; i++)
+            CUDA_CHECK(cudaFree(allocs[i]));
+        cudaFree(r.d_q);
+        cudaFree(r.d_out);
+        cudaFree(r.d_ws);
+        cudaFree(r.d_status);
+    } else {
+        cuda_kv_seq *views = host_views(&hs, 1, slot);
+        status = emu_attention(&r.layout, &r.plan, views, q, out);
+        free_host_views(views, 1);
+    }
+    free_seq(&hs);
+    return status;
+}
+
+static void check_gear_damage(bool on_gpu)
+{
+    for (int damage = 0; damage <= 3; damage++) {
+        const int status = gear_damage_status(damage, on_gpu);
+        printf("  %sGEAR block, damage %d: status %d\n", on_gpu ? "" : "emulated ", damage, status);
+        assert_int_equal(status, damage ? 1 : 0);
+    }
+}
+
+static void test_damaged_gear_blocks(void **state)
+{
+    (void)state;
+    check_gear_damage(true);
+}
+
 /* Causal attention in fp64 over K/V [n][nkv][D] (fp16 values): query i attends to keys 0..i. */
 static void prefill_reference(const float *q, const float *k, const float *v, int n, int nq, int nkv, int D, double *ref)
 {
@@ -758,6 +839,8 @@ static void test_emulated_kernels(void **state)
     assert_int_equal(emu_attention(&layout, &plan, views, q, out), 1);
     free_host_views(views, 1);
     free_seq(&hs);
+
+    check_gear_damage(false);
 }
 
 /* A prompt chunk continuing a sequence: n chunk rows over a cache of n_blocks blocks and a tail,
@@ -927,6 +1010,7 @@ int main(void)
         cmocka_unit_test(test_batches_of_unequal_lengths),
         cmocka_unit_test(test_group_shapes),
         cmocka_unit_test(test_bad_tables_raise_status),
+        cmocka_unit_test(test_damaged_gear_blocks),
         cmocka_unit_test(test_prefill),
         cmocka_unit_test(test_chunk),
     };

@@ -140,37 +140,45 @@ static void test_plan_covers_every_block_once(void **state)
     }
 }
 
-/* The tensor-core kernel's plan (a KIVI layout it takes): every block covered once, at least one
- * block a warp, and no worse in waves x blocks a split than the plain "fill the device once" plan
- * it replaced. */
+/* The tensor-core kernel's plan (a layout of each codec it takes; GEAR and OTT fit fewer thread
+ * blocks a multiprocessor): every block covered once, at least one block a warp, and no worse in
+ * waves x blocks a split than the plain "fill the device once" plan it replaced. */
 static void test_plan_tensor_cores_counts_waves(void **state)
 {
     (void)state;
-    const cuda_kv_layout l = {.codec = KV_CODEC_KIVI, .k_bits = 2, .v_bits = 2, .k_group = 32, .v_group = 32,
-                              .n_kv_heads = 8, .head_dim = 128, .block_tokens = 64};
-    assert_true(kv_mma_eligible(&l, 4));
-    const long slots = 132L * kv_mma_ctas_per_sm(128, 2);
-    const int seqs[] = {1, 3, 64, 200};
-    const int blocks[] = {0, 1, 7, 63, 64, 511, 2047};
-    for (size_t a = 0; a < sizeof seqs / sizeof *seqs; a++)
-        for (size_t b = 0; b < sizeof blocks / sizeof *blocks; b++) {
-            cuda_kv_plan p;
-            strata_error err;
-            assert_int_equal(cuda_kv_attention_plan(&l, seqs[a], 32, blocks[b], 132, &p, &err), STRATA_OK);
-            const long units = blocks[b] + 1, rows = (long)seqs[a] * 8;
-            assert_true((long)p.n_splits * p.blocks_per_split >= units);
-            assert_true((long)(p.n_splits - 1) * p.blocks_per_split < units);
-            assert_true(p.n_splits == 1 || p.blocks_per_split >= KV_MMA_WARPS);
-            const long cost = (rows * p.n_splits + slots - 1) / slots * p.blocks_per_split;
-            long plain = (slots + rows - 1) / rows;   /* one wave's worth of splits */
-            if (plain > (units + KV_MMA_WARPS - 1) / KV_MMA_WARPS)
-                plain = (units + KV_MMA_WARPS - 1) / KV_MMA_WARPS;
-            const long per = (units + plain - 1) / plain, used = (units + per - 1) / per;
-            const long plain_cost = (rows * used + slots - 1) / slots * per;
-            if (cost > plain_cost)
-                fail_msg("%d sequences x %d blocks: %d splits of %d cost %ld, the plain plan %ld", seqs[a], blocks[b],
-                         p.n_splits, p.blocks_per_split, cost, plain_cost);
-        }
+    const int codecs[] = {KV_CODEC_KIVI, KV_CODEC_TADA, KV_CODEC_GEAR, KV_CODEC_OTT};
+    for (size_t c = 0; c < 4; c++) {
+        const cuda_kv_layout l = {.codec = codecs[c], .k_bits = 2, .v_bits = 2, .k_group = 32, .v_group = 32,
+                                  .n_kv_heads = 8, .head_dim = 128, .block_tokens = 64};
+        assert_true(kv_mma_eligible(&l, 4));
+        const long slots = 132L * kv_mma_ctas_per_sm(128, 2, codecs[c]);
+        assert_int_equal(slots, codecs[c] == KV_CODEC_GEAR || codecs[c] == KV_CODEC_OTT ? 264 : 396);
+        const int seqs[] = {1, 3, 64, 200};
+        const int blocks[] = {0, 1, 7, 63, 64, 511, 2047};
+        for (size_t a = 0; a < sizeof seqs / sizeof *seqs; a++)
+            for (size_t b = 0; b < sizeof blocks / sizeof *blocks; b++) {
+                cuda_kv_plan p;
+                strata_error err;
+                assert_int_equal(cuda_kv_attention_plan(&l, seqs[a], 32, blocks[b], 132, &p, &err), STRATA_OK);
+                const long units = blocks[b] + 1, rows = (long)seqs[a] * 8;
+                assert_true((long)p.n_splits * p.blocks_per_split >= units);
+                assert_true((long)(p.n_splits - 1) * p.blocks_per_split < units);
+                assert_true(p.n_splits == 1 || p.blocks_per_split >= KV_MMA_WARPS);
+                const long cost = (rows * p.n_splits + slots - 1) / slots * p.blocks_per_split;
+                long plain = (slots + rows - 1) / rows;   /* one wave's worth of splits */
+                if (plain > (units + KV_MMA_WARPS - 1) / KV_MMA_WARPS)
+                    plain = (units + KV_MMA_WARPS - 1) / KV_MMA_WARPS;
+                const long per = (units + plain - 1) / plain, used = (units + per - 1) / per;
+                const long plain_cost = (rows * used + slots - 1) / slots * per;
+                if (cost > plain_cost)
+                    fail_msg("codec %d, %d sequences x %d blocks: %d splits of %d cost %ld, the plain plan %ld",
+                             codecs[c], seqs[a], blocks[b], p.n_splits, p.blocks_per_split, cost, plain_cost);
+            }
+    }
+    /* TaDA's 8-bit codes stay on the generic kernel. */
+    const cuda_kv_layout t8 = {.codec = KV_CODEC_TADA, .k_bits = 8, .v_bits = 8, .k_group = 32, .v_group = 32,
+                               .n_kv_heads = 8, .head_dim = 128, .block_tokens = 64};
+    assert_false(kv_mma_eligible(&t8, 4));
 }
 
 static void test_plan_refuses_bad_shapes(void **state)
