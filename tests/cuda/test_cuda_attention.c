@@ -241,6 +241,26 @@ static int run_gpu(gpu_run *r, const cuda_kv_seq *d_seqs, const float *q, float 
     return status;
 }
 
+/* Device buffers of a launch: n query floats in and out, the plan's workspace, the status. */
+static void gpu_run_alloc(gpu_run *r, size_t n)
+{
+    CUDA_CHECK(cudaMalloc((void **)&r->d_q, n * sizeof(float)));
+    CUDA_CHECK(cudaMalloc((void **)&r->d_out, n * sizeof(float)));
+    CUDA_CHECK(cudaMalloc(&r->d_ws, cuda_kv_attention_workspace(&r->layout, &r->plan)));
+    CUDA_CHECK(cudaMalloc((void **)&r->d_status, sizeof(int)));
+}
+
+/* Frees them and upload()'s allocations. */
+static void gpu_run_free(gpu_run *r, void **allocs, int n_allocs)
+{
+    for (int i = 0; i < n_allocs; i++)
+        CUDA_CHECK(cudaFree(allocs[i]));
+    cudaFree(r->d_q);
+    cudaFree(r->d_out);
+    cudaFree(r->d_ws);
+    cudaFree(r->d_status);
+}
+
 /* ---- The kernels' loops on the CPU (kernels/cuda/kv_attention_emu.h, shared with the fake
  * device of tests/fakecuda): each phase run for every thread before the next (what the barriers
  * guarantee), on host pointers. */
@@ -330,10 +350,7 @@ static void run_case(const test_case *tc)
         assert_int_equal(emu_attention(&r.layout, &r.plan, views, q, out), 0);
         free_host_views(views, tc->n_seqs);
     } else {
-        CUDA_CHECK(cudaMalloc((void **)&r.d_q, n * sizeof(float)));
-        CUDA_CHECK(cudaMalloc((void **)&r.d_out, n * sizeof(float)));
-        CUDA_CHECK(cudaMalloc(&r.d_ws, cuda_kv_attention_workspace(&r.layout, &r.plan)));
-        CUDA_CHECK(cudaMalloc((void **)&r.d_status, sizeof(int)));
+        gpu_run_alloc(&r, n);
         const cuda_kv_seq *d_seqs = upload(hs, tc->n_seqs, slot, &g, allocs, &n_allocs);
         assert_int_equal(run_gpu(&r, d_seqs, q, out), 0);
     }
@@ -355,14 +372,8 @@ static void run_case(const test_case *tc)
                 assert_true(out[i * per_seq + x] == 0.0f);
         }
     }
-    if (!emulated) {
-        for (int i = 0; i < n_allocs; i++)
-            CUDA_CHECK(cudaFree(allocs[i]));
-        cudaFree(r.d_q);
-        cudaFree(r.d_out);
-        cudaFree(r.d_ws);
-        cudaFree(r.d_status);
-    }
+    if (!emulated)
+        gpu_run_free(&r, allocs, n_allocs);
     for (int i = 0; i < tc->n_seqs; i++)
         free_seq(&hs[i]);
     free_seq(&tmpl);
@@ -439,10 +450,7 @@ static void test_bad_tables_raise_status(void **state)
     gpu_run r;
     assert_int_equal(cuda_kv_layout_from_block(&b, &r.layout, &err), STRATA_OK);
     assert_int_equal(cuda_kv_attention_plan(&r.layout, 1, 4, 4, 1, &r.plan, &err), STRATA_OK);
-    CUDA_CHECK(cudaMalloc((void **)&r.d_q, 4 * 64 * sizeof(float)));
-    CUDA_CHECK(cudaMalloc((void **)&r.d_out, 4 * 64 * sizeof(float)));
-    CUDA_CHECK(cudaMalloc(&r.d_ws, cuda_kv_attention_workspace(&r.layout, &r.plan)));
-    CUDA_CHECK(cudaMalloc((void **)&r.d_status, sizeof(int)));
+    gpu_run_alloc(&r, 4 * 64);
     void *allocs[8];
     int n_allocs = 0;
     cuda_kv_seq *d_seqs = upload(&hs, 1, slot, &g, allocs, &n_allocs);
@@ -463,12 +471,7 @@ static void test_bad_tables_raise_status(void **state)
     CUDA_CHECK(cudaMemcpy((void *)seq.blocks, holed, sizeof holed, cudaMemcpyHostToDevice));
     assert_int_equal(run_gpu(&r, d_seqs, q, out), 2);
 
-    for (int i = 0; i < n_allocs; i++)
-        CUDA_CHECK(cudaFree(allocs[i]));
-    cudaFree(r.d_q);
-    cudaFree(r.d_out);
-    cudaFree(r.d_ws);
-    cudaFree(r.d_status);
+    gpu_run_free(&r, allocs, n_allocs);
     free_seq(&hs);
 }
 
@@ -515,20 +518,12 @@ static int gear_damage_status(int damage, bool on_gpu)
         q[i] = cuda_test_uniform(&seed);
     int status;
     if (on_gpu) {
-        CUDA_CHECK(cudaMalloc((void **)&r.d_q, sizeof q));
-        CUDA_CHECK(cudaMalloc((void **)&r.d_out, sizeof out));
-        CUDA_CHECK(cudaMalloc(&r.d_ws, cuda_kv_attention_workspace(&r.layout, &r.plan)));
-        CUDA_CHECK(cudaMalloc((void **)&r.d_status, sizeof(int)));
+        gpu_run_alloc(&r, 4 * 64);
         void *allocs[8];
         int n_allocs = 0;
         const cuda_kv_seq *d_seqs = upload(&hs, 1, slot, &g, allocs, &n_allocs);
         status = run_gpu(&r, d_seqs, q, out);
-        for (int i = 0; i < n_allocs; i++)
-            CUDA_CHECK(cudaFree(allocs[i]));
-        cudaFree(r.d_q);
-        cudaFree(r.d_out);
-        cudaFree(r.d_ws);
-        cudaFree(r.d_status);
+        gpu_run_free(&r, allocs, n_allocs);
     } else {
         cuda_kv_seq *views = host_views(&hs, 1, slot);
         status = emu_attention(&r.layout, &r.plan, views, q, out);
