@@ -21,13 +21,15 @@
 #   that fit one call beside the tests (session 8 timings on an H100):
 #     --attention-args "--codecs fp16,kivi2,kivi4,gear2 --contexts 4096,32768,131072 --batches 1,64
 #                       --reps 10 --compare staged"
-#     --decode-args "--codecs fp16,kivi4,kivi2 --kv-budget-gib 4 --gen 32"
+#     --decode-args "--codecs fp16,kivi2,gear2 --kv-budget-gib 4 --prompt 4096 --gen 32"
+#       (sessions 8-9 used --codecs fp16,kivi4,kivi2 and 512-token prompts; docs/gpu.md says why
+#       the prompts grew)
 #     --profile-args "--codecs kivi2 --contexts 32768 --batches 64 --reps 1" --profile-kernel attend_mma
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 phases=tests,attention,decode,cli,sanitizer budget=540
 attention_args="--codecs fp16,kivi2,kivi4,gear2 --contexts 4096,32768,131072 --batches 1,64 --reps 10 --compare staged"
-decode_args="--codecs fp16,kivi4,kivi2 --kv-budget-gib 4 --gen 32"
+decode_args="--codecs fp16,kivi2,gear2 --kv-budget-gib 4 --prompt 4096 --gen 32"
 profile_args="--codecs kivi2 --contexts 32768 --batches 64 --reps 1" profile_kernel=attend_mma
 while [ $# -gt 0 ]; do
   case "$1" in
