@@ -86,8 +86,6 @@ __device__ inline void load_words(const uint8_t *p, uint32_t (&w)[N])
     }
 }
 
-__host__ __device__ constexpr size_t q16_bytes(int D) { return (size_t)KV_MMA_MAX_QPK * (D + 8) * 2; }
-
 // Starts the copies of block blk's four sections for KV head h into dst (the warp's lanes).
 template <int D, int B, int G>
 __device__ void stage_block(const cuda_kv_layout &L, const kv_mma_stage &S, const uint8_t *blk, int h, uint8_t *dst,
@@ -389,7 +387,7 @@ __device__ void attend_tail_tile(const cuda_kv_seq &seq, int H, int kvh, int t0,
 // Registers capped so that kv_mma_ctas_per_sm thread blocks fit a multiprocessor (the split plan
 // counts waves with the same number).
 template <int D, int B, int G, int C>
-__global__ void __launch_bounds__(kThreads, kv_mma_ctas_per_sm(D, B, C))
+__global__ void __launch_bounds__(kThreads, kv_mma_ctas_per_sm(D, B, G, C))
     attend_mma(cuda_kv_layout L, cuda_kv_plan P, const cuda_kv_seq *seqs, const float *q, float *ws_acc, float *ws_ml,
                int *status)
 {
@@ -405,7 +403,7 @@ __global__ void __launch_bounds__(kThreads, kv_mma_ctas_per_sm(D, B, C))
     // The queries as fp16 [head][D + 8] (rows padded so that the lanes' fragment loads hit distinct
     // banks), scaled so that the scores come out in log2 units; heads past qpk are zero.
     uint32_t *q16 = reinterpret_cast<uint32_t *>(smem);
-    uint8_t *stage = smem + q16_bytes(D) + (size_t)warp * 2 * S.bytes;
+    uint8_t *stage = smem + kv_mma_q16_bytes(D) + (size_t)warp * 2 * S.bytes;
     const float qscale = 1.44269504088896341f / sqrtf((float)D);
     for (int x = threadIdx.x; x < KV_MMA_MAX_QPK * D / 2; x += kThreads) {
         const int i = x / (D / 2), c = 2 * (x - i * (D / 2));
@@ -416,7 +414,8 @@ __global__ void __launch_bounds__(kThreads, kv_mma_ctas_per_sm(D, B, C))
     const uint32_t *qrow = q16 + gid * (D + 8) / 2;
     kv_mma_scratch sc = {};
     if constexpr (kBuffers) {   // the warp's buffers start cleared
-        uint8_t *base = smem + q16_bytes(D) + (size_t)kWarps * 2 * S.bytes + (size_t)warp * kv_mma_scratch_bytes(D, BT);
+        uint8_t *base =
+            smem + kv_mma_q16_bytes(D) + (size_t)kWarps * 2 * S.bytes + (size_t)warp * kv_mma_scratch_bytes(D, BT);
         for (uint32_t i = 4 * lane; i < kv_mma_scratch_bytes(D, BT); i += 4 * 32)
             *reinterpret_cast<uint32_t *>(base + i) = 0u;
         sc = kv_mma_scratch_at(base, D, BT);
@@ -523,13 +522,8 @@ template <int D, int B, int G, int C>
 int launch(const cuda_kv_layout &L, const cuda_kv_plan &P, const cuda_kv_seq *seqs, const float *q, float *ws_acc,
            float *ws_ml, int *status, cudaStream_t st, strata_error *err)
 {
-    const kv_mma_stage S = kv_mma_stage_of(&L);
-    const bool buffers = C == KV_CODEC_GEAR || C == KV_CODEC_OTT;
-    const size_t staged = q16_bytes(D) + (size_t)kWarps * (2 * S.bytes + (buffers ? kv_mma_scratch_bytes(D, BT) : 0));
-    const size_t merged = (size_t)kWarps * KV_MMA_MAX_QPK * (2 + D) * sizeof(float);
-    const size_t smem = staged > merged ? staged : merged;
-    return launch_split(attend_mma<D, B, G, C>, "attend_mma", kThreads, smem, L, P, seqs, q, ws_acc, ws_ml, status, st,
-                        err);
+    return launch_split(attend_mma<D, B, G, C>, "attend_mma", kThreads, kv_mma_smem_bytes(&L), L, P, seqs, q, ws_acc,
+                        ws_ml, status, st, err);
 }
 
 template <int D, int B, int C>

@@ -50,7 +50,18 @@ typedef struct kv_mma_stage {
     uint32_t off_kz, off_vc, off_vz, bytes;
 } kv_mma_stage;
 
-STRATA_HD static inline uint32_t kv_mma_align16(uint32_t x) { return (x + 15u) & ~15u; }
+/* constexpr for the launch bounds (C++); plain inline functions in C */
+#ifdef __cplusplus
+#define KV_MMA_CONSTEXPR constexpr
+#else
+#define KV_MMA_CONSTEXPR
+#endif
+
+STRATA_HD static inline KV_MMA_CONSTEXPR uint32_t kv_mma_align16(uint32_t x) { return (x + 15u) & ~15u; }
+
+/* The queries in shared memory: KV_MMA_MAX_QPK rows of fp16 [head_dim + 8] (the padding puts the
+ * lanes' fragment loads in distinct banks). */
+STRATA_HD static inline KV_MMA_CONSTEXPR size_t kv_mma_q16_bytes(int head_dim) { return (size_t)KV_MMA_MAX_QPK * (size_t)(head_dim + 8) * 2; }
 
 STRATA_HD static inline kv_mma_stage kv_mma_stage_of(const cuda_kv_layout *L)
 {
@@ -82,20 +93,51 @@ STRATA_HD static inline bool kv_mma_eligible(const cuda_kv_layout *L, int qpk)
            L->v_group == G && (G == 16 || G == 32 || G == 64 || (G == 8 && L->k_bits == 4));
 }
 
-/* Thread blocks of the kernel that fit a multiprocessor of an H100 (its launch bounds use the
- * same numbers, and the split plan counts waves with them): 4-bit blocks at head_dim 128 stage
- * 10 KiB a warp and buffer, so two fit the shared memory; GEAR and OTT two (at three, 168
- * registers a thread, their correction steps spilled up to 300 bytes; at head_dim 128 their
- * buffers, kv_mma_scratch, would not fit beside three stages either); the others three, held
- * there by the 168 registers a thread their loops need. */
-#ifdef __cplusplus
-#define KV_MMA_CONSTEXPR constexpr
-#else
-#define KV_MMA_CONSTEXPR
-#endif
-STRATA_HD static inline KV_MMA_CONSTEXPR int kv_mma_ctas_per_sm(int head_dim, int bits, int codec)
+/* Bytes of one stage buffer (kv_mma_stage_of's total) for 64-token blocks, from the compile-time
+ * shape alone. */
+STRATA_HD static inline KV_MMA_CONSTEXPR uint32_t kv_mma_stage_bytes(int head_dim, int bits, int group)
 {
-    return (head_dim == 128 && bits == 4) || codec == KV_CODEC_GEAR || codec == KV_CODEC_OTT ? 2 : 3;
+    const uint32_t D = (uint32_t)head_dim, B = (uint32_t)bits, G = (uint32_t)group;
+    return kv_mma_align16(D * (64u * B / 8u)) + kv_mma_align16(D * (64u / G) * 4u) +
+           kv_mma_align16(64u * (D * B / 8u)) + kv_mma_align16(64u * (D / G) * 4u);
+}
+
+/* One warp's buffers for GEAR and OTT (kv_mma_scratch, kv_attention_mma_codec.h): [8][BT] and
+ * [8][D] floats and a 16-byte mask. */
+STRATA_HD static inline KV_MMA_CONSTEXPR uint32_t kv_mma_scratch_bytes(int head_dim, int block_tokens)
+{
+    return (uint32_t)(KV_MMA_MAX_QPK * (block_tokens + head_dim) * 4 + 16);
+}
+
+/* Shared memory a thread block asks for: the fp16 queries, each warp's two stage buffers and, for
+ * GEAR and OTT, its scratch; the warps' merge at the end reuses the space. */
+STRATA_HD static inline KV_MMA_CONSTEXPR size_t kv_mma_smem_for(int head_dim, int bits, int group, int codec)
+{
+    const int buffers = codec == KV_CODEC_GEAR || codec == KV_CODEC_OTT;
+    const size_t staged = kv_mma_q16_bytes(head_dim) +
+                          (size_t)KV_MMA_WARPS * (2 * (size_t)kv_mma_stage_bytes(head_dim, bits, group) +
+                                                  (buffers ? kv_mma_scratch_bytes(head_dim, 64) : 0u));
+    const size_t merged = (size_t)KV_MMA_WARPS * KV_MMA_MAX_QPK * (size_t)(2 + head_dim) * sizeof(float);
+    return staged > merged ? staged : merged;
+}
+
+/* Shared memory a thread block asks for with this layout (kv_mma_smem_for). */
+STRATA_HD static inline size_t kv_mma_smem_bytes(const cuda_kv_layout *L)
+{
+    return kv_mma_smem_for(L->head_dim, L->k_bits, L->k_group, L->codec);
+}
+
+/* Thread blocks of the kernel that fit a multiprocessor of an H100 (its launch bounds use the
+ * same number, and the split plan counts waves with it): as many as its shared memory allows
+ * (228 KiB a multiprocessor, 1 KiB of it kept per thread block), and at most as many as the
+ * registers its loops need allow: three (168 registers a thread), two for GEAR (at three its
+ * low-rank and outlier steps spilled up to 300 bytes) and for OTT at head_dim 128 (180-204
+ * registers). */
+STRATA_HD static inline KV_MMA_CONSTEXPR int kv_mma_ctas_per_sm(int head_dim, int bits, int group, int codec)
+{
+    const int by_regs = codec == KV_CODEC_GEAR || (codec == KV_CODEC_OTT && head_dim == 128) ? 2 : 3;
+    const int by_smem = (int)((size_t)228 * 1024 / (kv_mma_smem_for(head_dim, bits, group, codec) + 1024));
+    return by_smem < by_regs ? by_smem : by_regs;
 }
 
 /* ---- fp16 pairs as 32-bit words (the device's f16x2 instructions; the CPU rounds once). ---- */

@@ -36,12 +36,6 @@ typedef struct kv_mma_scratch {
     uint32_t *mask;  /* [2]: tokens whose score the buffer replaces (OTT) */
 } kv_mma_scratch;
 
-/* Bytes of one warp's scratch (16-byte multiple). */
-STRATA_HD static inline uint32_t kv_mma_scratch_bytes(int head_dim, int block_tokens)
-{
-    return (uint32_t)(KV_MMA_MAX_QPK * (block_tokens + head_dim) * 4 + 16);
-}
-
 STRATA_HD static inline kv_mma_scratch kv_mma_scratch_at(uint8_t *base, int head_dim, int block_tokens)
 {
     kv_mma_scratch s;

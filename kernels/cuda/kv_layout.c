@@ -92,7 +92,7 @@ int cuda_kv_attention_plan(const cuda_kv_layout *layout, int n_seqs, int n_q_hea
          * the time goes as waves x blocks a split, so the splits are chosen for the fewest of that
          * (a half-empty last wave costs as much as a full one). */
         const long slots = (long)(sm_count > 0 ? sm_count : 1) *
-                           kv_mma_ctas_per_sm(layout->head_dim, layout->k_bits, layout->codec);
+                           kv_mma_ctas_per_sm(layout->head_dim, layout->k_bits, layout->k_group, layout->codec);
         long most = (units + KV_MMA_WARPS - 1) / KV_MMA_WARPS;
         if (most > MAX_GRID_Y)
             most = MAX_GRID_Y;

@@ -13,6 +13,7 @@
 
 #include "kernels/cuda/kv_tail_block.h"
 #include "kernels/cuda/kv_attention_mma.h"
+#include "kernels/cuda/kv_attention_mma_codec.h"
 #include "kernels/cuda_kv_attention.h"
 #include "kvstore/block.h"
 #include "kvstore/kv_cache.h"
@@ -151,7 +152,7 @@ static void test_plan_tensor_cores_counts_waves(void **state)
         const cuda_kv_layout l = {.codec = codecs[c], .k_bits = 2, .v_bits = 2, .k_group = 32, .v_group = 32,
                                   .n_kv_heads = 8, .head_dim = 128, .block_tokens = 64};
         assert_true(kv_mma_eligible(&l, 4));
-        const long slots = 132L * kv_mma_ctas_per_sm(128, 2, codecs[c]);
+        const long slots = 132L * kv_mma_ctas_per_sm(128, 2, 32, codecs[c]);
         assert_int_equal(slots, codecs[c] == KV_CODEC_GEAR || codecs[c] == KV_CODEC_OTT ? 264 : 396);
         const int seqs[] = {1, 3, 64, 200};
         const int blocks[] = {0, 1, 7, 63, 64, 511, 2047};
@@ -175,6 +176,24 @@ static void test_plan_tensor_cores_counts_waves(void **state)
                              codecs[c], seqs[a], blocks[b], p.n_splits, p.blocks_per_split, cost, plain_cost);
             }
     }
+    /* Every layout the kernel takes fits as many thread blocks a multiprocessor as the plan and the
+     * launch bounds count on: an H100 has 228 KiB of shared memory a multiprocessor, at most 227
+     * a thread block, and keeps 1 KiB a thread block for itself. */
+    for (size_t c = 0; c < 4; c++)
+        for (int D = 64; D <= 128; D *= 2)
+            for (int bits = 2; bits <= 4; bits += 2)
+                for (int G = 8; G <= 64; G *= 2) {
+                    const cuda_kv_layout l = {.codec = codecs[c], .k_bits = bits, .v_bits = bits, .k_group = G,
+                                              .v_group = G, .n_kv_heads = 8, .head_dim = D, .block_tokens = 64};
+                    if (!kv_mma_eligible(&l, 8))
+                        continue;
+                    assert_int_equal(kv_mma_stage_of(&l).bytes, kv_mma_stage_bytes(D, bits, G));
+                    const size_t smem = kv_mma_smem_bytes(&l), ctas = (size_t)kv_mma_ctas_per_sm(D, bits, G, codecs[c]);
+                    assert_true(ctas >= 1);
+                    if (smem > 227 * 1024 || ctas * (smem + 1024) > 228 * 1024)
+                        fail_msg("codec %d, head_dim %d, %d bits, group %d: %zu thread blocks of %zu bytes", codecs[c],
+                                 D, bits, G, ctas, smem);
+                }
     /* TaDA's 8-bit codes stay on the generic kernel. */
     const cuda_kv_layout t8 = {.codec = KV_CODEC_TADA, .k_bits = 8, .v_bits = 8, .k_group = 32, .v_group = 32,
                                .n_kv_heads = 8, .head_dim = 128, .block_tokens = 64};
