@@ -4,10 +4,10 @@
 # them over consecutive calls (the machine keeps what earlier calls carried while it stays warm);
 # scripts/gpu-run.sh joins them when every part is there and runs the real-model tests on it.
 # docs/gpu.md says which part goes with which call.
-#   scripts/gpu-model-parts.sh [PART_MIB]     # default 30
+#   scripts/gpu-model-parts.sh [PART_MIB]     # default 44: two calls beside a 14 MiB bundle
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part_mib=${1:-30}
+part_mib=${1:-44}
 case "$part_mib" in ''|*[!0-9]*) echo "gpu-model-parts: PART_MIB must be a whole number of MiB" >&2; exit 2 ;; esac
 scripts/setup.sh >/dev/null
 model=$(ls models/*.gguf | head -1)

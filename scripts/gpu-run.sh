@@ -6,7 +6,10 @@
 #   decode     strata-bench-decode-gpu (DECODE ARGS), then the same workload through Hugging Face
 #              transformers at strata's fp16 batch
 #   cli        `strata generate --device cuda` as a program (SmolLM2-shaped synthetic model, fp16
-#              and kivi2 caches), its greedy text set beside the CPU's
+#              and kivi2 caches), its greedy text set beside the CPU's; with the default model
+#              carried (docs/gpu.md), `strata serve` over four `strata-worker --device cuda:0`
+#              (tests/fakecuda/test_serve.sh: served text equal to the CPU's, a drain migrating a
+#              running request between GPU workers)
 #   sanitizer  the kernel tests under compute-sanitizer (memcheck, racecheck); STRATA_SANITIZER_TESTS
 #              names which (default: test_cuda_attention test_cuda_ops test_cuda_sample test_cuda_encode
 #              test_cuda_weights)
@@ -39,7 +42,7 @@ while [ $# -gt 0 ]; do
     --decode-args) decode_args=$2; shift ;;
     --profile-args) profile_args=$2; shift ;;
     --profile-kernel) profile_kernel=$2; shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "gpu-run: unknown option $1" >&2; exit 2 ;;
   esac
   shift
@@ -47,10 +50,13 @@ done
 case ",$phases," in *,tests,*|*,attention,*|*,decode,*|*,cli,*|*,sanitizer,*|*,profile,*) ;;
   *) echo "gpu-run: --phases names none of tests,attention,decode,cli,sanitizer,profile" >&2; exit 2 ;; esac
 want() { case ",$phases," in *",$1,"*) return 0 ;; esac; return 1; }
-[ -f build-gpu-bundle/bundle.tgz ] ||
-  { echo "gpu-run: build-gpu-bundle/bundle.tgz missing: run scripts/gpu-bundle.sh first" >&2; exit 2; }
+[ -f build-gpu-bundle/bundle.txz ] ||
+  { echo "gpu-run: build-gpu-bundle/bundle.txz missing: run scripts/gpu-bundle.sh first" >&2; exit 2; }
 bundle=$(mktemp -d /tmp/strata-gpu-bundle.XXXXXX) || exit 1
-tar xzf build-gpu-bundle/bundle.tgz -C "$bundle" || { echo "gpu-run: cannot unpack the bundle" >&2; exit 1; }
+# tar needs the xz program for .txz; Python's tarfile (lzma) unpacks it where xz is missing.
+{ tar xJf build-gpu-bundle/bundle.txz -C "$bundle" 2>/dev/null ||
+    python3 -c 'import sys, tarfile; tarfile.open(sys.argv[1], "r:xz").extractall(sys.argv[2])' \
+      build-gpu-bundle/bundle.txz "$bundle"; } || { echo "gpu-run: cannot unpack the bundle" >&2; exit 1; }
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 start=$(date +%s)
@@ -197,6 +203,13 @@ if want cli; then
           tee -a "$out/summary.txt"
       fi
   done
+  if [ -n "$real_model" ]; then
+    step "strata serve over four strata-worker --device cuda:0 (test_serve.sh)" 240 "$out/serve.log" \
+      env STRATA_MODEL="$real_model" bash tests/fakecuda/test_serve.sh "$bundle/bin/strata" "$bundle/bin/strata-worker"
+  else
+    echo "  strata serve on GPU workers: skipped (needs the default model: carry its parts, docs/gpu.md)" |
+      tee -a "$out/summary.txt"
+  fi
 fi
 
 if want sanitizer; then

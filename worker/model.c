@@ -149,8 +149,9 @@ static void tensor_spec(const model_config *c, model_tensor_role role, int layer
     const uint64_t e = (uint64_t)c->n_embd, kvd = (uint64_t)c->n_kv_heads * (uint64_t)c->head_dim;
     const uint64_t ff = (uint64_t)c->n_ff, nv = (uint64_t)c->n_vocab;
     *ne0 = e;
+    *ne1 = 1;   /* the norms; set before the switch so that no path leaves it unset */
     switch (role) {
-    case MODEL_T_ATTN_NORM: case MODEL_T_FFN_NORM: case MODEL_T_OUTPUT_NORM: *ne1 = 1; break;
+    case MODEL_T_ATTN_NORM: case MODEL_T_FFN_NORM: case MODEL_T_OUTPUT_NORM: break;
     case MODEL_T_WQ: case MODEL_T_WO: *ne1 = e; break;
     case MODEL_T_WK: case MODEL_T_WV: *ne1 = kvd; break;
     case MODEL_T_GATE: case MODEL_T_UP: *ne1 = ff; break;
