@@ -296,7 +296,7 @@ STRATA_HD static inline void kv_att_max_parts(const kv_att_shared *s, int qpk, i
     for (int i = 0; i < qpk; i++) {
         float mx = -INFINITY;
         for (int t = (int)tid; t < n; t += (int)nthreads)
-            mx = fmaxf(mx, s->p[i * chunk + t]);
+            mx = strata_fmaxf(mx, s->p[i * chunk + t]);
         s->red[(unsigned)i * nthreads + tid] = mx;
     }
 }
@@ -306,8 +306,8 @@ STRATA_HD static inline void kv_att_max(const kv_att_shared *s, int qpk, unsigne
     for (unsigned i = tid; i < (unsigned)qpk; i += nthreads) {
         float mx = -INFINITY;
         for (unsigned x = 0; x < nthreads; x++)
-            mx = fmaxf(mx, s->red[i * nthreads + x]);
-        const float m_old = s->m[i], m_new = fmaxf(m_old, mx);
+            mx = strata_fmaxf(mx, s->red[i * nthreads + x]);
+        const float m_old = s->m[i], m_new = strata_fmaxf(m_old, mx);
         s->alpha[i] = m_old == -INFINITY ? 0.0f : KV_ATT_EXP(m_old - m_new);
         s->m[i] = m_new;
     }
@@ -384,7 +384,7 @@ STRATA_HD static inline void kv_att_merge_row(int n_splits, int D, size_t row, c
     float M = -INFINITY;
     for (int sp = 0; sp < n_splits; sp++)
         if (ml[2 * sp + 1] > 0.0f || isnan(ml[2 * sp + 1]))
-            M = fmaxf(M, ml[2 * sp]);
+            M = strata_fmaxf(M, ml[2 * sp]);
     float Lsum = 0.0f;
     for (int sp = 0; sp < n_splits; sp++)
         if (ml[2 * sp + 1] != 0.0f)

@@ -65,13 +65,13 @@ static inline void kv_mma_emu_softmax(kv_mma_emu_warp *w, float s[32][8][2], int
             for (int j = 0; j < 2; j++) {
                 if (8 * n + 2 * (lane & 3) + j >= n_valid)
                     s[lane][n][j] = -INFINITY;
-                mx[lane] = fmaxf(mx[lane], s[lane][n][j]);
+                mx[lane] = strata_fmaxf(mx[lane], s[lane][n][j]);
             }
     }
     for (int lane = 0; lane < 32; lane++) {
         const int g0 = lane & ~3;
-        const float m = fmaxf(fmaxf(mx[g0], mx[g0 + 1]), fmaxf(mx[g0 + 2], mx[g0 + 3]));
-        const float m_new = fmaxf(w->m_run[lane], m);
+        const float m = strata_fmaxf(strata_fmaxf(mx[g0], mx[g0 + 1]), strata_fmaxf(mx[g0 + 2], mx[g0 + 3]));
+        const float m_new = strata_fmaxf(w->m_run[lane], m);
         const float alpha = exp2f(w->m_run[lane] - m_new);
         float sum = 0.0f;
         for (int n = 0; n < nt; n++) {
@@ -366,7 +366,7 @@ static inline int kv_mma_emu_attention(const cuda_kv_layout *L, const cuda_kv_pl
                 for (int i = 0; i < qpk; i++) {
                     float M = -INFINITY;
                     for (int wi = 0; wi < KV_MMA_WARPS; wi++)
-                        M = fmaxf(M, warps[wi].m_run[4 * i]);
+                        M = strata_fmaxf(M, warps[wi].m_run[4 * i]);
                     const size_t at = (row0 + i) * P->n_splits + split;
                     float l = 0.0f;
                     for (int wi = 0; wi < KV_MMA_WARPS; wi++)

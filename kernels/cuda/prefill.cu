@@ -14,30 +14,38 @@ constexpr int kThreads = 128;
 // grid (rows, n_heads): one score row each.
 __global__ void __launch_bounds__(kThreads) softmax_rows(float *s, int kn, int i0, size_t head_stride)
 {
-    __shared__ float red_max[kThreads], red_sum[kThreads];
+    __shared__ float red_max[kThreads], red_sum[kThreads], st[2];
     float *row = s + blockIdx.y * head_stride + (size_t)blockIdx.x * kn;
     const int n_valid = min(kn, i0 + (int)blockIdx.x + 1);
-    pf_max_part(row, n_valid, red_max, threadIdx.x, blockDim.x);
+    const unsigned tid = threadIdx.x, nt = blockDim.x;
+    pf_max_part(row, n_valid, red_max, tid, nt);
     __syncthreads();
-    pf_exp_part(row, n_valid, red_max, red_sum, threadIdx.x, blockDim.x);
+    pf_combine_max(red_max, -INFINITY, &st[0], tid, nt);
     __syncthreads();
-    pf_normalize(row, n_valid, kn, red_sum, threadIdx.x, blockDim.x);
+    pf_exp_share(row, n_valid, st[0], red_sum, tid, nt);
+    __syncthreads();
+    pf_combine_sum(red_sum, &st[1], tid, nt);
+    __syncthreads();
+    pf_normalize(row, n_valid, kn, st[1], tid, nt);
 }
 
 // grid (rows, n_heads): one score row of a key tile each, with its state and output row.
 __global__ void __launch_bounds__(kThreads) online_softmax_rows(cuda_chunk_tile t)
 {
-    __shared__ float red_max[kThreads], red_sum[kThreads], st[2];
+    __shared__ float red_max[kThreads], red_sum[kThreads], st[3];
     const int r = blockIdx.x, hh = blockIdx.y;
+    const unsigned tid = threadIdx.x, nt = blockDim.x;
     float *row = t.s + hh * t.head_stride + (size_t)r * t.kn;
     const int n_valid = t.causal ? min(t.kn, t.i0 + r + 1) : t.kn;
     const size_t at = (size_t)(t.i0 + r) * t.n_q_heads + t.q_head0 + hh;
-    pf_online_max_part(row, n_valid, t.m + at, t.l + at, t.first, red_max, st, threadIdx.x, blockDim.x);
+    pf_online_max_part(row, n_valid, t.m + at, t.l + at, t.first, red_max, st, tid, nt);
     __syncthreads();
-    pf_online_exp_part(row, n_valid, red_max, st, red_sum, threadIdx.x, blockDim.x);
+    pf_combine_max(red_max, st[0], &st[2], tid, nt);
     __syncthreads();
-    pf_online_finish(row, n_valid, t.kn, red_max, red_sum, st, t.first, t.out + at * t.head_dim, t.head_dim,
-                     t.m + at, t.l + at, threadIdx.x, blockDim.x);
+    pf_exp_share(row, n_valid, st[2], red_sum, tid, nt);
+    __syncthreads();
+    pf_online_finish(row, n_valid, t.kn, red_sum, st, t.first, t.out + at * t.head_dim, t.head_dim, t.m + at,
+                     t.l + at, tid, nt);
 }
 
 // grid (rows): one output row (of one query head) each.

@@ -2,20 +2,23 @@
  * for the CPU emulation (tests/fakecuda/kernels_emu.c runs the phases with the threads taken one
  * after another; within a phase no thread reads what another writes). One thread block per row:
  *   1. pf_max_part      per thread: the max of its strided share of the row's valid scores
- *   2. pf_exp_part      per thread: the row max from every partial, then e^(s - max) of its share
- *                       written back, and their sum
- *   3. pf_normalize     per thread: the normalizer from every partial, its share divided, the
- *                       masked tail of the row zeroed
- * and of cuda_chunk_softmax_tile, the online softmax over a prompt chunk's key tiles: a row's
+ *   2. pf_combine_max   thread 0: the row max from every partial, into st[0]
+ *   3. pf_exp_share     per thread: e^(s - max) of its share written back, and their sum
+ *   4. pf_combine_sum   thread 0: the normalizer from every partial, into st[1]
+ *   5. pf_normalize     per thread: its share divided, the masked tail of the row zeroed
+ * Thread 0 combines the partials once: with every thread reading all of them (the first
+ * version) a row cost nt^2 shared-memory reads, more than the row itself for rows under 16K
+ * keys (and 40 % of the fake device's time in the CPU emulation).
+ * And of cuda_chunk_softmax_tile, the online softmax over a prompt chunk's key tiles: a row's
  * running max m and sum l (kept per query row and head from one tile to the next) and its output
  * row, rescaled when the max grows, then divided by l at the end (cuda_chunk_normalize):
  *   1. pf_online_max_part  per thread: the max of its share; thread 0 reads the state into st
  *                          (-inf and 0 on the first tile)
- *   2. pf_online_exp_part  per thread: the new max from st and every partial, e^(s - max) of its
- *                          share in place, and their sum
- *   3. pf_online_finish    per thread: the masked tail zeroed, its share of the output row scaled
+ *   2. pf_combine_max      thread 0: the new max from the state's and every partial, into st[2]
+ *   3. pf_exp_share        per thread: e^(s - st[2]) of its share in place, and their sum
+ *   4. pf_online_finish    per thread: the masked tail zeroed, its share of the output row scaled
  *                          by e^(m_old - m_new) (not on the first tile, whose values GEMM writes
- *                          the row afresh); thread 0 writes the new state
+ *                          the row afresh); thread 0 sums the partials and writes the new state
  *   pf_divide_row          per thread: its share of an output row divided by the row's l */
 #ifndef STRATA_KERNELS_CUDA_PREFILL_SOFTMAX_BLOCK_H
 #define STRATA_KERNELS_CUDA_PREFILL_SOFTMAX_BLOCK_H
@@ -34,7 +37,7 @@ STRATA_HD static inline void pf_max_part(const float *row, int n_valid, float *r
 {
     float m = -INFINITY;
     for (int j = (int)tid; j < n_valid; j += (int)nt)
-        m = fmaxf(m, row[j]);
+        m = strata_fmaxf(m, row[j]);
     red_max[tid] = m;
 }
 
@@ -50,21 +53,34 @@ STRATA_HD static inline void pf_exp_share(float *row, int n_valid, float m, floa
     red_sum[tid] = sum;
 }
 
-STRATA_HD static inline void pf_exp_part(float *row, int n_valid, const float *red_max, float *red_sum, unsigned tid,
-                                         unsigned nt)
+/* Thread 0 only: the max of init and every thread's partial. */
+STRATA_HD static inline void pf_combine_max(const float *red_max, float init, float *out, unsigned tid, unsigned nt)
 {
-    float m = -INFINITY;
+    if (tid != 0)
+        return;
+    float m = init;
     for (unsigned x = 0; x < nt; x++)
-        m = fmaxf(m, red_max[x]);
-    pf_exp_share(row, n_valid, m, red_sum, tid, nt);
+        m = strata_fmaxf(m, red_max[x]);
+    *out = m;
 }
 
-STRATA_HD static inline void pf_normalize(float *row, int n_valid, int kn, const float *red_sum, unsigned tid,
-                                          unsigned nt)
+STRATA_HD static inline float pf_partials_sum(const float *red_sum, unsigned nt)
 {
     float sum = 0.0f;
     for (unsigned x = 0; x < nt; x++)
         sum += red_sum[x];
+    return sum;
+}
+
+/* Thread 0 only: the sum of every thread's partial. */
+STRATA_HD static inline void pf_combine_sum(const float *red_sum, float *out, unsigned tid, unsigned nt)
+{
+    if (tid == 0)
+        *out = pf_partials_sum(red_sum, nt);
+}
+
+STRATA_HD static inline void pf_normalize(float *row, int n_valid, int kn, float sum, unsigned tid, unsigned nt)
+{
     const float inv = 1.0f / sum;
     for (int j = (int)tid; j < kn; j += (int)nt)
         row[j] = j < n_valid ? row[j] * inv : 0.0f;
@@ -80,26 +96,12 @@ STRATA_HD static inline void pf_online_max_part(const float *row, int n_valid, c
     }
 }
 
-/* The row's max over the state and this tile: every thread computes it alike. */
-STRATA_HD static inline float pf_online_new_max(const float *red_max, const float *st, unsigned nt)
+/* st: the old max, the old sum and the new max (pf_combine_max). */
+STRATA_HD static inline void pf_online_finish(float *row, int n_valid, int kn, const float *red_sum, const float *st,
+                                              int first, float *out, int dim, float *m, float *l, unsigned tid,
+                                              unsigned nt)
 {
-    float m = st[0];
-    for (unsigned x = 0; x < nt; x++)
-        m = fmaxf(m, red_max[x]);
-    return m;
-}
-
-STRATA_HD static inline void pf_online_exp_part(float *row, int n_valid, const float *red_max, const float *st,
-                                                float *red_sum, unsigned tid, unsigned nt)
-{
-    pf_exp_share(row, n_valid, pf_online_new_max(red_max, st, nt), red_sum, tid, nt);
-}
-
-STRATA_HD static inline void pf_online_finish(float *row, int n_valid, int kn, const float *red_max,
-                                              const float *red_sum, const float *st, int first, float *out, int dim,
-                                              float *m, float *l, unsigned tid, unsigned nt)
-{
-    const float m_new = pf_online_new_max(red_max, st, nt);
+    const float m_new = st[2];
     const float alpha = first ? 0.0f : PF_EXP(st[0] - m_new);
     for (int j = n_valid + (int)tid; j < kn; j += (int)nt)
         row[j] = 0.0f;
@@ -107,11 +109,8 @@ STRATA_HD static inline void pf_online_finish(float *row, int n_valid, int kn, c
         for (int d = (int)tid; d < dim; d += (int)nt)
             out[d] *= alpha;
     if (tid == 0) {
-        float sum = 0.0f;
-        for (unsigned x = 0; x < nt; x++)
-            sum += red_sum[x];
         *m = m_new;
-        *l = st[1] * alpha + sum;
+        *l = st[1] * alpha + pf_partials_sum(red_sum, nt);
     }
 }
 

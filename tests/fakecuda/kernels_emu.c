@@ -193,7 +193,7 @@ int cuda_prefill_softmax(float *d_s, int rows, int kn, int i0, int n_heads, size
         return 0;
     if (!dev(d_s, ((size_t)(n_heads - 1) * head_stride + (size_t)rows * (size_t)kn) * 4, "prefill_softmax", "s"))
         return (int)cudaErrorInvalidValue;
-    float red_max[THREADS], red_sum[THREADS];
+    float red_max[THREADS], red_sum[THREADS], st[2] = {0.0f, 0.0f};   /* thread 0 fills it */
     for (int h = 0; h < n_heads; h++)
         for (int r = 0; r < rows; r++) {
             float *row = d_s + (size_t)h * head_stride + (size_t)r * (size_t)kn;
@@ -201,9 +201,13 @@ int cuda_prefill_softmax(float *d_s, int rows, int kn, int i0, int n_heads, size
             for (unsigned t = 0; t < THREADS; t++)
                 pf_max_part(row, n_valid, red_max, t, THREADS);
             for (unsigned t = 0; t < THREADS; t++)
-                pf_exp_part(row, n_valid, red_max, red_sum, t, THREADS);
+                pf_combine_max(red_max, -INFINITY, &st[0], t, THREADS);
             for (unsigned t = 0; t < THREADS; t++)
-                pf_normalize(row, n_valid, kn, red_sum, t, THREADS);
+                pf_exp_share(row, n_valid, st[0], red_sum, t, THREADS);
+            for (unsigned t = 0; t < THREADS; t++)
+                pf_combine_sum(red_sum, &st[1], t, THREADS);
+            for (unsigned t = 0; t < THREADS; t++)
+                pf_normalize(row, n_valid, kn, st[1], t, THREADS);
         }
     return 0;
 }
@@ -220,7 +224,7 @@ int cuda_chunk_softmax_tile(const cuda_chunk_tile *t, strata_cuda_stream stream)
         !dev(t->m, rows_total * 4, "chunk_softmax", "m") || !dev(t->l, rows_total * 4, "chunk_softmax", "l") ||
         !dev(t->out, rows_total * (size_t)t->head_dim * 4, "chunk_softmax", "out"))
         return (int)cudaErrorInvalidValue;
-    float red_max[THREADS], red_sum[THREADS], st[2] = {0.0f, 0.0f};   /* thread 0 fills it */
+    float red_max[THREADS], red_sum[THREADS], st[3] = {0.0f, 0.0f, 0.0f};   /* thread 0 fills it */
     for (int hh = 0; hh < t->n_heads; hh++)
         for (int r = 0; r < t->rows; r++) {
             float *row = t->s + (size_t)hh * t->head_stride + (size_t)r * (size_t)t->kn;
@@ -229,10 +233,12 @@ int cuda_chunk_softmax_tile(const cuda_chunk_tile *t, strata_cuda_stream stream)
             for (unsigned x = 0; x < THREADS; x++)
                 pf_online_max_part(row, n_valid, t->m + at, t->l + at, t->first, red_max, st, x, THREADS);
             for (unsigned x = 0; x < THREADS; x++)
-                pf_online_exp_part(row, n_valid, red_max, st, red_sum, x, THREADS);
+                pf_combine_max(red_max, st[0], &st[2], x, THREADS);
             for (unsigned x = 0; x < THREADS; x++)
-                pf_online_finish(row, n_valid, t->kn, red_max, red_sum, st, t->first, t->out + at * t->head_dim,
-                                 t->head_dim, t->m + at, t->l + at, x, THREADS);
+                pf_exp_share(row, n_valid, st[2], red_sum, x, THREADS);
+            for (unsigned x = 0; x < THREADS; x++)
+                pf_online_finish(row, n_valid, t->kn, red_sum, st, t->first, t->out + at * t->head_dim, t->head_dim,
+                                 t->m + at, t->l + at, x, THREADS);
         }
     return 0;
 }
