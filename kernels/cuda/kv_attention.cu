@@ -46,7 +46,8 @@ __device__ void attend_chunk(const kv_att_shared &s, const cuda_kv_layout &L, co
 }
 
 // Block u of a table through the phases, checked and parsed by thread 0 first: a block that does
-// not match sets the status and adds nothing. ok and info are the kernel's shared slots for them.
+// not match sets the status and adds nothing (GEAR's outlier indices, checked by every thread
+// for its share, set it too). ok and info are the kernel's shared slots for them.
 // The skip ends with a barrier too: otherwise thread 0 could overwrite *ok for the next block
 // before a slower thread has read it for this one, and the threads would part ways at a barrier.
 __device__ void attend_block(const kv_att_shared &s, const cuda_kv_layout &L, const uint8_t *blk, int u, int kvh,
@@ -65,6 +66,8 @@ __device__ void attend_block(const kv_att_shared &s, const cuda_kv_layout &L, co
         __syncthreads();
         return;
     }
+    if (kv_att_gear_entries_bad(&L, info, blk, kvh, threadIdx.x, blockDim.x))
+        atomicExch(status, 1);
     const kv_att_src src = {blk, info, nullptr, nullptr};
     attend_chunk(s, L, src, kvh, qpk, L.block_tokens, L.block_tokens);
 }

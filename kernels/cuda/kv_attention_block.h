@@ -108,7 +108,8 @@ STRATA_HD static inline float kv_att_lowrank_at(const uint8_t *a, size_t r, size
 /* GEAR and OTT on top of the backbone's x for element (h, t, c) of K (value 0) or V (1):
  *   GEAR: x + sum_k A_h[t][k] B_h[c][k], then an outlier of the element's vector replaces it;
  *   OTT:  a pooled (head, token) takes its fp16 row (the backbone's placeholder is dropped).
- * docs/format.md 4b and 4c. Indices were checked by kv_att_block_parse; entries are scanned. */
+ * docs/format.md 4b and 4c. OTT indices were checked by kv_att_block_parse, GEAR's by
+ * kv_att_gear_entries_bad; entries are scanned. */
 STRATA_HD static inline float kv_att_correct(const cuda_kv_layout *L, const kv_att_block_info *info,
                                              const uint8_t *blk, int value, int h, int t, int c, float x)
 {
@@ -193,6 +194,30 @@ STRATA_HD static inline int kv_att_block_parse(const cuda_kv_layout *L, const ui
     for (uint64_t i = 0; i < (uint64_t)info->n_ott; i++)
         if (kv_att_ld16(blk + info->off_ott + 4 * i) >= H || kv_att_ld16(blk + info->off_ott + 4 * i + 2) >= T)
             return 1;
+    return 0;
+}
+
+/* GEAR outlier entries of head h in a thread's share (tid of nt) of the head's key vectors
+ * (channels) and value vectors (tokens): 1 when an index falls outside its vector or does not
+ * ascend within it (docs/format.md 4b), else 0. kv_att_correct's lookup would skip such an entry
+ * without a word; the caller raises the status flag (1), as the tensor-core kernel does. */
+STRATA_HD static inline int kv_att_gear_entries_bad(const cuda_kv_layout *L, const kv_att_block_info *info,
+                                                    const uint8_t *blk, int h, unsigned tid, unsigned nt)
+{
+    if (L->codec != KV_CODEC_GEAR)
+        return 0;
+    const uint32_t H = (uint32_t)L->n_kv_heads, D = (uint32_t)L->head_dim, T = (uint32_t)L->block_tokens;
+    for (uint32_t x = tid; x < D + T; x += nt) {
+        const int value = x >= D;
+        const uint32_t n = (uint32_t)(value ? info->v_sparse : info->k_sparse), extent = value ? D : T;
+        const size_t vec = value ? (size_t)(x - D) * H + (size_t)h : (size_t)h * D + x;
+        const uint8_t *e = blk + (value ? info->off_v_sparse : info->off_k_sparse) + vec * n * 4;
+        for (uint32_t i = 0; i < n; i++) {
+            const uint32_t at = kv_att_ld16(e + 4 * i);
+            if (at >= extent || (i && at <= kv_att_ld16(e + 4 * (i - 1))))
+                return 1;
+        }
+    }
     return 0;
 }
 

@@ -43,6 +43,9 @@ static inline void kv_att_emu_block(const kv_att_shared *s, const cuda_kv_layout
         *status = bad;
         return;
     }
+    for (unsigned t = 0; t < KV_ATT_EMU_THREADS; t++)
+        if (kv_att_gear_entries_bad(L, &info, blk, kvh, t, KV_ATT_EMU_THREADS))
+            *status = 1;
     const kv_att_src src = {blk, &info, NULL, NULL};
     kv_att_emu_chunk(s, L, &src, kvh, qpk, L->block_tokens, L->block_tokens);
 }

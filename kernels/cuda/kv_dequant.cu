@@ -31,6 +31,8 @@ __global__ void __launch_bounds__(kThreads) dequantize(cuda_kv_layout L, cuda_kv
             ok = !bad;
         }
         __syncthreads();
+        if (ok && kv_att_gear_entries_bad(&L, &info, blk, h, threadIdx.x, blockDim.x))
+            atomicExch(status, 1);
         const kv_att_src src = {blk, &info, nullptr, nullptr};
         for (int x = threadIdx.x; x < BT * D; x += blockDim.x) {
             const int t = x / D, c = x - t * D;

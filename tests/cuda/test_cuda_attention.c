@@ -475,12 +475,17 @@ static void test_bad_tables_raise_status(void **state)
     free_seq(&hs);
 }
 
-/* A GEAR block that breaks the format where only the tensor-core kernel looks (docs/format.md:
- * outlier indices inside their vector and strictly ascending, 4b; sections on the 64-byte grid,
- * 2.2) must raise status 1, emulated or on the GPU. damage: 0 none, 1 a key vector's second index
- * equal to its first, 2 a value index past the head's channels, 3 the key outliers' section moved
- * 4 bytes (its bytes still inside the block). */
-static int gear_damage_status(int damage, bool on_gpu)
+/* What reads a damaged GEAR block: the attention kernel the plan names, or the prompt chunk's
+ * dequantization (cuda_kv_dequantize_view, GPU only: its CPU emulation is the fake device's). */
+enum { GEAR_READ_DEQUANT = -1 };
+
+/* A GEAR block that breaks the format where the block's lookups do not look by themselves
+ * (docs/format.md: outlier indices inside their vector and strictly ascending, 4b; sections on
+ * the 64-byte grid, 2.2) must raise status 1, emulated or on the GPU, whichever reads it: the
+ * tensor-core kernel, the generic one or the dequantization. damage: 0 none, 1 a key vector's
+ * second index equal to its first, 2 a value index past the head's channels, 3 the key outliers'
+ * section moved 4 bytes (its bytes still inside the block). */
+static int gear_damage_status(int damage, int reader, bool on_gpu)
 {
     kv_codec_params p;
     strata_error err;
@@ -513,6 +518,8 @@ static int gear_damage_status(int damage, bool on_gpu)
     r.layout.block_bytes = (uint32_t)slot;
     assert_int_equal(cuda_kv_attention_plan(&r.layout, 1, 4, 3, 132, &r.plan, &err), STRATA_OK);
     assert_true(kv_mma_eligible(&r.layout, 2));
+    if (reader != GEAR_READ_DEQUANT)
+        r.plan.kernel = (cuda_kv_kernel)reader;
     float q[4 * 64], out[4 * 64];
     for (int i = 0; i < 4 * 64; i++)
         q[i] = cuda_test_uniform(&seed);
@@ -522,7 +529,20 @@ static int gear_damage_status(int damage, bool on_gpu)
         void *allocs[8];
         int n_allocs = 0;
         const cuda_kv_seq *d_seqs = upload(&hs, 1, slot, &g, allocs, &n_allocs);
-        status = run_gpu(&r, d_seqs, q, out);
+        if (reader == GEAR_READ_DEQUANT) {
+            cuda_kv_seq seq;
+            float *rows;
+            const size_t n_rows = (size_t)(3 * 64 + 5) * 2 * 64;   /* tokens x heads x channels */
+            CUDA_CHECK(cudaMemcpy(&seq, d_seqs, sizeof seq, cudaMemcpyDeviceToHost));
+            CUDA_CHECK(cudaMalloc((void **)&rows, 2 * n_rows * sizeof *rows));
+            CUDA_CHECK(cudaMemset(r.d_status, 0, sizeof(int)));
+            if (cuda_kv_dequantize_view(&r.layout, &seq, rows, rows + n_rows, r.d_status, NULL, &err) != STRATA_OK)
+                fail_msg("cuda_kv_dequantize_view: %s", err.msg);
+            CUDA_CHECK(cudaMemcpy(&status, r.d_status, sizeof status, cudaMemcpyDeviceToHost));
+            CUDA_CHECK(cudaFree(rows));
+        } else {
+            status = run_gpu(&r, d_seqs, q, out);
+        }
         gpu_run_free(&r, allocs, n_allocs);
     } else {
         cuda_kv_seq *views = host_views(&hs, 1, slot);
@@ -535,11 +555,14 @@ static int gear_damage_status(int damage, bool on_gpu)
 
 static void check_gear_damage(bool on_gpu)
 {
-    for (int damage = 0; damage <= 3; damage++) {
-        const int status = gear_damage_status(damage, on_gpu);
-        printf("  %sGEAR block, damage %d: status %d\n", on_gpu ? "" : "emulated ", damage, status);
-        assert_int_equal(status, damage ? 1 : 0);
-    }
+    const int readers[] = {CUDA_KV_KERNEL_AUTO, CUDA_KV_KERNEL_GENERIC, GEAR_READ_DEQUANT};
+    const char *names[] = {"tensor-core kernel", "generic kernel", "dequantization"};
+    for (int x = 0; x < (on_gpu ? 3 : 2); x++)
+        for (int damage = 0; damage <= 3; damage++) {
+            const int status = gear_damage_status(damage, readers[x], on_gpu);
+            printf("  %sGEAR block, damage %d, %s: status %d\n", on_gpu ? "" : "emulated ", damage, names[x], status);
+            assert_int_equal(status, damage ? 1 : 0);
+        }
 }
 
 static void test_damaged_gear_blocks(void **state)

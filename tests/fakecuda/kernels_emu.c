@@ -460,6 +460,9 @@ int cuda_kv_dequantize_rows(const cuda_kv_layout *layout, const cuda_kv_seq *seq
             bad = kv_att_block_parse(layout, blk, &info);
         if (bad)
             *d_status = bad;
+        for (int h = 0; h < H && !bad; h++)
+            if (kv_att_gear_entries_bad(layout, &info, blk, h, 0, 1))   /* every thread's share at once */
+                *d_status = 1;
         const kv_att_src src = {blk, &info, NULL, NULL};
         for (int h = 0; h < H; h++)
             for (int t = 0; t < BT; t++)
