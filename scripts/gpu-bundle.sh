@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh >/dev/null
 programs=(tests/cuda/test_cuda_plan tests/cuda/test_cuda_ops tests/cuda/test_cuda_attention
           tests/cuda/test_cuda_encode tests/cuda/test_cuda_sample tests/cuda/test_cuda_model tests/cuda/test_cuda_weights
+          tests/cuda/test_cuda_uploads
           tests/test_transport tests/test_stage bench/strata-bench-attention bench/strata-bench-decode-gpu
           strata strata-worker)
 # RelWithDebInfo, as CI builds (-O2; the binaries are stripped below): a Release build's -O3 warns

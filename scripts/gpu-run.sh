@@ -12,7 +12,7 @@
 #              running request between GPU workers)
 #   sanitizer  the kernel tests under compute-sanitizer (memcheck, racecheck); STRATA_SANITIZER_TESTS
 #              names which (default: test_cuda_attention test_cuda_ops test_cuda_sample test_cuda_encode
-#              test_cuda_weights)
+#              test_cuda_weights test_cuda_uploads)
 #   profile    Nsight Compute (ncu), when the machine has it, on one launch of the decode attention
 #              (PROFILE ARGS: the benchmark's arguments; --profile-kernel REGEX picks the kernel)
 # Every step has a time limit, cut to what is left of --budget, so a hang costs one step, not the
@@ -128,7 +128,7 @@ if want tests; then
   # GPUs and reports itself skipped). test_stage: a worker's stage on the GPU (two stages over TCP
   # against the CPU) on a synthetic model of SmolLM2's shape, since the model file cannot travel.
   tests=(test_cuda_plan test_cuda_ops test_cuda_attention test_cuda_encode test_cuda_sample test_cuda_model
-         test_cuda_weights)
+         test_cuda_weights test_cuda_uploads)
   if ldd "$bundle/bin/test_transport" | grep -q "libnccl.*not found"; then
     echo "test_transport: no libnccl on this machine (looked in PyTorch's nvidia.nccl wheel): not run" |
       tee -a "$out/summary.txt"
@@ -217,7 +217,7 @@ if want sanitizer; then
     # test_cuda_attention under the sanitizer: its group-shape cases only (every compiled variant of
     # the staged kernel, the generic kernel's widest groups and head_dim 256); the whole program
     # with its CPU references would not fit the call.
-    for t in ${STRATA_SANITIZER_TESTS:-test_cuda_attention test_cuda_ops test_cuda_sample test_cuda_encode test_cuda_weights}; do
+    for t in ${STRATA_SANITIZER_TESTS:-test_cuda_attention test_cuda_ops test_cuda_sample test_cuda_encode test_cuda_weights test_cuda_uploads}; do
       filter=
       [ "$t" = test_cuda_attention ] && filter=${STRATA_SANITIZER_FILTER:-test_group_shapes}
       for tool in memcheck racecheck; do

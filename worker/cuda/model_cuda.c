@@ -247,6 +247,7 @@ void cuda_model_free(cuda_model *cm)
 {
     if (!cm)
         return;
+    cuda_uploads_free(&cm->uploads);   /* waits for copies still reading it */
     device_pool_destroy(cm->pool);
     cuda_device_mem_free(cm->pool_mem);
     free(cm->h_acquire);
@@ -598,8 +599,10 @@ static int upload_row(cuda_seq *s, int layer, size_t n, strata_error *err)
     if (!s->row_dirty[layer] || n == 0)
         return STRATA_OK;
     const size_t at = (size_t)layer * s->max_blocks;
-    CU(cudaMemcpy((void *)(uintptr_t)(s->d_tables + at), s->h_tables + at, n * sizeof(void *), cudaMemcpyHostToDevice),
-       "block table");
+    int rc = cuda_uploads_copy(&s->cm->uploads, (void *)(uintptr_t)(s->d_tables + at), s->h_tables + at,
+                               n * sizeof(void *), "block table", err);
+    if (rc != STRATA_OK)
+        return rc;
     s->row_dirty[layer] = 0;
     return STRATA_OK;
 }
@@ -803,9 +806,8 @@ static int acquire_layer(cuda_model *cm, const cuda_batch_item *items, const ste
             return rc;
     }
     if (sp->n_full)
-        CU(cudaMemcpy(cm->d_encode + l * nd, cm->h_encode + l * nd, sp->n_full * sizeof *cm->h_encode,
-                      cudaMemcpyHostToDevice),
-           "encoder jobs");
+        return cuda_uploads_copy(&cm->uploads, cm->d_encode + l * nd, cm->h_encode + l * nd,
+                                 sp->n_full * sizeof *cm->h_encode, "encoder jobs", err);
     return STRATA_OK;
 }
 
@@ -1251,6 +1253,8 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
         return strata_fail(err, STRATA_EINVAL, "a stage ending before the last layer hands its rows on (hidden_out) "
                            "and has no head (no logits or tokens)");
     int rc = check_items(cm, items, n_items, err);
+    if (rc == STRATA_OK)
+        rc = cuda_uploads_begin(&cm->uploads, err);
     if (rc != STRATA_OK)
         return rc;
     step_plan sp = {.n_items = n_items};

@@ -16,6 +16,7 @@
 #include "offload/device_pool.h"
 #include "worker/cuda/device_mem.h"
 #include "worker/cuda/model_cuda.h"
+#include "worker/cuda/uploads.h"
 
 typedef struct cuda_layer {
     float *attn_norm, *ffn_norm;               /* fp32 */
@@ -76,6 +77,7 @@ struct cuda_model {
     device_block *h_acquire;                  /* a step's blocks, and their addresses */
     void **h_addrs;
     size_t cap_acquire;
+    cuda_uploads uploads;                     /* the shared pool's per-layer table rows and encoder jobs */
 };
 
 /* A sequence's KV on the device. Its layers may use different codecs (a plan), sharing the block
