@@ -26,7 +26,9 @@
 #include "kvstore/block.h"
 #include "kvstore/half.h"
 #include "kvstore/kv_cache.h"
+#include "kvstore/numarg.h"
 
+#define PROG "strata-bench-attention"
 #define MAX_LIST 16
 #define TEMPLATES 64
 
@@ -66,40 +68,28 @@ static void usage(FILE *out)
             "  --help               this text\n");
 }
 
-static int parse_list(const char *arg, const char *flag, long *out, int *n)
+/* A comma-separated list of 1 to MAX_LIST positive integers. */
+static bool parse_list(const char *arg, const char *flag, long *out, int *n)
 {
     char buf[512];
     if (strlen(arg) >= sizeof buf) {
-        fprintf(stderr, "strata-bench-attention: %s: list too long\n", flag);
-        return -1;
+        fprintf(stderr, "%s: %s: list too long\n", PROG, flag);
+        return false;
     }
     strcpy(buf, arg);
     *n = 0;
     for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
-        char *end;
-        errno = 0;
-        long v = strtol(tok, &end, 10);
-        if (errno || *end || v < 1 || *n == MAX_LIST) {
-            fprintf(stderr, "strata-bench-attention: %s: '%s' is not a positive integer (at most %d values)\n", flag,
-                    tok, MAX_LIST);
-            return -1;
+        if (*n == MAX_LIST) {
+            fprintf(stderr, "%s: %s: at most %d values\n", PROG, flag, MAX_LIST);
+            return false;
         }
-        out[(*n)++] = v;
+        if (!strata_parse_long(PROG, flag, tok, 1, 1L << 30, &out[*n]))
+            return false;
+        (*n)++;
     }
-    return *n ? 0 : -1;
-}
-
-static int parse_int(const char *arg, const char *flag, int lo, int hi, int *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(arg, &end, 10);
-    if (errno || *end || v < lo || v > hi) {
-        fprintf(stderr, "strata-bench-attention: %s must be an integer in %d..%d\n", flag, lo, hi);
-        return -1;
-    }
-    *out = (int)v;
-    return 0;
+    if (*n == 0)
+        fprintf(stderr, "%s: %s: no values\n", PROG, flag);
+    return *n > 0;
 }
 
 static int parse_options(int argc, char **argv, options *o)
@@ -121,7 +111,7 @@ static int parse_options(int argc, char **argv, options *o)
         {"help", no_argument, 0, 'h'},           {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
-        int rc = 0;
+        bool ok = true;
         switch (c) {
         case 'c': {
             char buf[512];
@@ -132,22 +122,14 @@ static int parse_options(int argc, char **argv, options *o)
                 snprintf(o->codecs[o->n_codecs++], sizeof o->codecs[0], "%s", tok);
             break;
         }
-        case 'x': rc = parse_list(optarg, "--contexts", o->contexts, &o->n_contexts); break;
-        case 'b': rc = parse_list(optarg, "--batches", o->batches, &o->n_batches); break;
-        case 'q': rc = parse_int(optarg, "--q-heads", 1, 1024, &o->q_heads); break;
-        case 'k': rc = parse_int(optarg, "--kv-heads", 1, 1024, &o->kv_heads); break;
-        case 'd': rc = parse_int(optarg, "--head-dim", 1, 256, &o->head_dim); break;
-        case 't': rc = parse_int(optarg, "--block-tokens", 1, 4096, &o->block_tokens); break;
-        case 'r': rc = parse_int(optarg, "--reps", 1, 100000, &o->reps); break;
-        case 'm': {
-            char *end;
-            o->mem_fraction = strtod(optarg, &end);
-            if (*end || !(o->mem_fraction > 0.0 && o->mem_fraction <= 0.95)) {
-                fprintf(stderr, "strata-bench-attention: --mem-fraction must be in (0, 0.95]\n");
-                rc = -1;
-            }
-            break;
-        }
+        case 'x': ok = parse_list(optarg, "--contexts", o->contexts, &o->n_contexts); break;
+        case 'b': ok = parse_list(optarg, "--batches", o->batches, &o->n_batches); break;
+        case 'q': ok = strata_parse_int(PROG, "--q-heads", optarg, 1, 1024, &o->q_heads); break;
+        case 'k': ok = strata_parse_int(PROG, "--kv-heads", optarg, 1, 1024, &o->kv_heads); break;
+        case 'd': ok = strata_parse_int(PROG, "--head-dim", optarg, 1, 256, &o->head_dim); break;
+        case 't': ok = strata_parse_int(PROG, "--block-tokens", optarg, 1, 4096, &o->block_tokens); break;
+        case 'r': ok = strata_parse_int(PROG, "--reps", optarg, 1, 100000, &o->reps); break;
+        case 'm': ok = strata_parse_double(PROG, "--mem-fraction", optarg, 0.01, 0.95, &o->mem_fraction); break;
         case 'o': o->csv = optarg; break;
         case 'g':
             if (!strcmp(optarg, "generic"))
@@ -155,14 +137,14 @@ static int parse_options(int argc, char **argv, options *o)
             else if (!strcmp(optarg, "staged"))
                 o->compare = CUDA_KV_KERNEL_STAGED;
             else {
-                fprintf(stderr, "strata-bench-attention: --compare takes generic or staged, not '%s'\n", optarg);
-                exit(2);
+                fprintf(stderr, "%s: --compare takes generic or staged, not '%s'\n", PROG, optarg);
+                ok = false;
             }
             break;
         case 'h': usage(stdout); exit(0);
         default: usage(stderr); return -1;
         }
-        if (rc)
+        if (!ok)
             return -1;
     }
     if (optind != argc) {

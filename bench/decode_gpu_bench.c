@@ -20,8 +20,11 @@
 #include <time.h>
 
 #include "kvstore/kv_cache.h"
+#include "kvstore/numarg.h"
 #include "worker/cuda/model_cuda.h"
 #include "worker/model.h"
+
+#define PROG "strata-bench-decode-gpu"
 
 typedef struct options {
     const char *model;
@@ -56,19 +59,6 @@ static void usage(FILE *out)
             "  --help                this text\n");
 }
 
-static int parse_int(const char *s, const char *flag, int lo, int hi, int *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || *end || v < lo || v > hi) {
-        fprintf(stderr, "strata-bench-decode-gpu: %s must be an integer in %d..%d\n", flag, lo, hi);
-        return -1;
-    }
-    *out = (int)v;
-    return 0;
-}
-
 static int parse_options(int argc, char **argv, options *o)
 {
     *o = (options){.model = "synthetic:llama3-8b", .budget_gib = 40.0, .prompt = 512, .gen = 128,
@@ -83,44 +73,36 @@ static int parse_options(int argc, char **argv, options *o)
         {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
-        int rc = 0;
+        bool ok = true;
         switch (c) {
         case 'm': o->model = optarg; break;
         case 'c':
             if (strlen(optarg) >= sizeof o->codecs) {
-                fprintf(stderr, "strata-bench-decode-gpu: --codecs too long\n");
+                fprintf(stderr, "%s: --codecs too long\n", PROG);
                 return -1;
             }
             strcpy(o->codecs, optarg);
             break;
-        case 'b': {
-            char *end;
-            o->budget_gib = strtod(optarg, &end);
-            if (*end || !(o->budget_gib > 0.0 && o->budget_gib < 4096.0)) {
-                fprintf(stderr, "strata-bench-decode-gpu: --kv-budget-gib must be a positive number\n");
-                rc = -1;
-            }
-            break;
-        }
-        case 'p': rc = parse_int(optarg, "--prompt", 1, 65535, &o->prompt); break;
-        case 'g': rc = parse_int(optarg, "--gen", 1, 1 << 20, &o->gen); break;
-        case 'x': rc = parse_int(optarg, "--max-batch", 1, 65535, &o->max_batch); break;
-        case 'f': rc = parse_int(optarg, "--prefill-batch", 1, 1024, &o->prefill_batch); break;
+        case 'b': ok = strata_parse_double(PROG, "--kv-budget-gib", optarg, 1.0 / 1024, 4096.0, &o->budget_gib); break;
+        case 'p': ok = strata_parse_int(PROG, "--prompt", optarg, 1, 65535, &o->prompt); break;
+        case 'g': ok = strata_parse_int(PROG, "--gen", optarg, 1, 1 << 20, &o->gen); break;
+        case 'x': ok = strata_parse_int(PROG, "--max-batch", optarg, 1, 65535, &o->max_batch); break;
+        case 'f': ok = strata_parse_int(PROG, "--prefill-batch", optarg, 1, 1024, &o->prefill_batch); break;
         case 'w':
             if (strcmp(optarg, "f16") == 0)
                 o->dtype = CUDA_WEIGHTS_F16;
             else if (strcmp(optarg, "f32") == 0)
                 o->dtype = CUDA_WEIGHTS_F32;
             else {
-                fprintf(stderr, "strata-bench-decode-gpu: --weights is f16 or f32\n");
-                rc = -1;
+                fprintf(stderr, "%s: --weights is f16 or f32\n", PROG);
+                ok = false;
             }
             break;
         case 'j': o->json = optarg; break;
         case 'h': usage(stdout); exit(0);
         default: usage(stderr); return -1;
         }
-        if (rc)
+        if (!ok)
             return -1;
     }
     if (optind != argc) {

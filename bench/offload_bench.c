@@ -14,7 +14,10 @@
 #include <time.h>
 
 #include "kvstore/block.h"
+#include "kvstore/numarg.h"
 #include "offload/nvme_store.h"
+
+#define PROG "strata-offload-bench"
 
 static double now_s(void)
 {
@@ -77,26 +80,33 @@ static void usage(void)
 int main(int argc, char **argv)
 {
     const char *dir = NULL;
-    size_t block_bytes = 65536;
-    unsigned qd = 32;
-    uint64_t total_mib = 1024;
+    long block_arg = 65536, qd_arg = 32, mib_arg = 1024;
     bool sync_io = false, buffered = false, readback = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *val = i + 1 < argc ? argv[i + 1] : NULL;
+        bool ok = true;
         if (!strcmp(a, "--dir") && val) dir = argv[++i];
-        else if (!strcmp(a, "--block-bytes") && val) block_bytes = strtoull(argv[++i], NULL, 10);
-        else if (!strcmp(a, "--qd") && val) qd = (unsigned)strtoul(argv[++i], NULL, 10);
-        else if (!strcmp(a, "--total-mib") && val) total_mib = strtoull(argv[++i], NULL, 10);
+        else if (!strcmp(a, "--block-bytes") && val)
+            ok = strata_parse_long(PROG, a, argv[++i], 1, 1L << 30, &block_arg);
+        else if (!strcmp(a, "--qd") && val) ok = strata_parse_long(PROG, a, argv[++i], 1, 1024, &qd_arg);
+        else if (!strcmp(a, "--total-mib") && val) ok = strata_parse_long(PROG, a, argv[++i], 1, 1L << 24, &mib_arg);
         else if (!strcmp(a, "--sync-io")) sync_io = true;
         else if (!strcmp(a, "--buffered")) buffered = true;
         else if (!strcmp(a, "--readback")) readback = true;
-        else { usage(); return 2; }
+        else ok = false;
+        if (!ok) {
+            usage();
+            return 2;
+        }
     }
-    if (!dir || qd == 0 || qd > 1024 || total_mib == 0) {
+    if (!dir) {
         usage();
         return 2;
     }
+    const size_t block_bytes = (size_t)block_arg;
+    const unsigned qd = (unsigned)qd_arg;
+    const uint64_t total_mib = (uint64_t)mib_arg;
     strata_error err = {0};
     enum { DISTINCT = 64 };
     uint8_t *blocks[DISTINCT];

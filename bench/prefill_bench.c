@@ -19,6 +19,7 @@
 
 #include "kernels/ops.h"
 #include "kvstore/kv_cache.h"
+#include "kvstore/numarg.h"
 #include "worker/model.h"
 
 #ifndef STRATA_DEFAULT_MODEL
@@ -52,11 +53,10 @@ static void usage(FILE *f)
             STRATA_DEFAULT_MODEL);
 }
 
-static bool parse_size(const char *s, size_t lo, size_t hi, size_t *out)
+static bool parse_size(const char *flag, const char *s, long lo, long hi, size_t *out)
 {
-    char *end;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (!*s || *end || s[0] == '-' || v < lo || v > hi)
+    long v;
+    if (!strata_parse_long("strata-bench-prefill", flag, s, lo, hi, &v))
         return false;
     *out = (size_t)v;
     return true;
@@ -107,11 +107,12 @@ int main(int argc, char **argv)
             path = v, i++;
         } else if (!strcmp(a, "--kv")) {
             codec_name = v, i++;
-        } else if (!strcmp(a, "--prompt-tokens") && parse_size(v, 2, 1u << 20, &n)) {
-            i++;
-        } else if (!strcmp(a, "--chunk") && parse_size(v, 1, 1u << 20, &chunk)) {
-            i++;
-        } else if (!strcmp(a, "--threads") && parse_size(v, 1, 1024, &threads)) {
+        } else if (!strcmp(a, "--prompt-tokens") || !strcmp(a, "--chunk") || !strcmp(a, "--threads")) {
+            const bool ok = a[2] == 'p'   ? parse_size(a, v, 2, 1L << 20, &n)
+                            : a[2] == 'c' ? parse_size(a, v, 1, 1L << 20, &chunk)
+                                          : parse_size(a, v, 1, 1024, &threads);
+            if (!ok)
+                return 2;
             i++;
         } else {
             fprintf(stderr, "strata-bench-prefill: bad option or value: %s %s\n", a, v);

@@ -1,12 +1,11 @@
 /* strata: command-line entry point. */
-#include <errno.h>
-#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "coordinator/cli/cli.h"
 #include "coordinator/service/serve.h"
+#include "kvstore/numarg.h"
 
 static void usage(FILE *out)
 {
@@ -39,41 +38,14 @@ const char *cli_default_model(void)
 
 bool cli_parse_long(const char *flag, const char *s, long min, long max, long *out)
 {
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end != '\0' || v < min || v > max) {
-        fprintf(stderr, "strata: %s: '%s' is not an integer in [%ld, %ld]\n", flag, s, min, max);
-        return false;
-    }
-    *out = v;
-    return true;
+    return strata_parse_long("strata", flag, s, min, max, out);
 }
 
-bool cli_parse_u64(const char *flag, const char *s, uint64_t *out)
-{
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s || *end != '\0' || s[0] == '-') {
-        fprintf(stderr, "strata: %s: '%s' is not a non-negative integer\n", flag, s);
-        return false;
-    }
-    *out = (uint64_t)v;
-    return true;
-}
+bool cli_parse_u64(const char *flag, const char *s, uint64_t *out) { return strata_parse_u64("strata", flag, s, out); }
 
 bool cli_parse_double(const char *flag, const char *s, double min, double max, double *out)
 {
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || end == s || *end != '\0' || !isfinite(v) || v < min || v > max) {
-        fprintf(stderr, "strata: %s: '%s' is not a number in [%g, %g]\n", flag, s, min, max);
-        return false;
-    }
-    *out = v;
-    return true;
+    return strata_parse_double("strata", flag, s, min, max, out);
 }
 
 bool cli_parse_float(const char *flag, const char *s, double min, double max, float *out)

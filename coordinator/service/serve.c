@@ -22,6 +22,7 @@
 #include "coordinator/metrics/metrics.h"
 #include "coordinator/server/api_server.h"
 #include "coordinator/service/coord.h"
+#include "kvstore/numarg.h"
 #include "worker/synthetic.h"
 
 enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
@@ -93,19 +94,6 @@ static void usage(FILE *out, const char *prog, bool local)
             local ? "300" : "30");
 }
 
-static bool parse_long(const char *prog, const char *flag, const char *s, long min, long max, long *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < min || v > max) {
-        fprintf(stderr, "%s: %s: '%s' is not an integer in [%ld, %ld]\n", prog, flag, s, min, max);
-        return false;
-    }
-    *out = v;
-    return true;
-}
-
 static const struct option long_opts[] = {
     {"config", required_argument, NULL, O_CONFIG},       {"model", required_argument, NULL, 'm'},
     {"listen", required_argument, NULL, O_LISTEN},       {"control", required_argument, NULL, O_CONTROL},
@@ -136,24 +124,24 @@ static bool apply(const char *prog, serve_opts *o, int id, const char *flag, con
     case O_TLS_CERT: o->tls_cert = v; return true;
     case O_TLS_KEY: o->tls_key = v; return true;
     case O_TOKEN: o->token_file = v; return true;
-    case O_REPLICAS: return parse_long(prog, flag, v, 1, 1024, &o->replicas);
-    case O_STAGES: return parse_long(prog, flag, v, 1, 64, &o->stages);
-    case O_BLOCK: return parse_long(prog, flag, v, 1, 4096, &o->block_tokens);
-    case O_CTX: return parse_long(prog, flag, v, 2, 1 << 22, &o->ctx);
-    case O_MAX_SEQS: return parse_long(prog, flag, v, 1, 4096, &o->max_seqs);
-    case O_MAX_BATCH: return parse_long(prog, flag, v, 1, 1 << 22, &o->max_batch_tokens);
-    case O_DEVICE: return parse_long(prog, flag, v, 1, 1L << 24, &o->device_mib);
-    case O_HOST: return parse_long(prog, flag, v, 0, 1L << 24, &o->host_mib);
-    case O_NVME: return parse_long(prog, flag, v, 0, 1L << 24, &o->nvme_mib);
-    case O_DRAIN: return parse_long(prog, flag, v, 0, 3600, &o->drain_s);
-    case O_READY: return parse_long(prog, flag, v, 1, 86400, &o->ready_timeout_s);
+    case O_REPLICAS: return strata_parse_long(prog, flag, v, 1, 1024, &o->replicas);
+    case O_STAGES: return strata_parse_long(prog, flag, v, 1, 64, &o->stages);
+    case O_BLOCK: return strata_parse_long(prog, flag, v, 1, 4096, &o->block_tokens);
+    case O_CTX: return strata_parse_long(prog, flag, v, 2, 1 << 22, &o->ctx);
+    case O_MAX_SEQS: return strata_parse_long(prog, flag, v, 1, 4096, &o->max_seqs);
+    case O_MAX_BATCH: return strata_parse_long(prog, flag, v, 1, 1 << 22, &o->max_batch_tokens);
+    case O_DEVICE: return strata_parse_long(prog, flag, v, 1, 1L << 24, &o->device_mib);
+    case O_HOST: return strata_parse_long(prog, flag, v, 0, 1L << 24, &o->host_mib);
+    case O_NVME: return strata_parse_long(prog, flag, v, 0, 1L << 24, &o->nvme_mib);
+    case O_DRAIN: return strata_parse_long(prog, flag, v, 0, 3600, &o->drain_s);
+    case O_READY: return strata_parse_long(prog, flag, v, 1, 86400, &o->ready_timeout_s);
     default: break;
     }
     if (local) {
         switch (id) {
         case O_NVME_DIR: o->nvme_dir = v; return true;
         case O_WORKER_BIN: o->worker_bin = v; return true;
-        case O_THREADS: return parse_long(prog, flag, v, 1, 1024, &o->threads);
+        case O_THREADS: return strata_parse_long(prog, flag, v, 1, 1024, &o->threads);
         default: break;
         }
     }

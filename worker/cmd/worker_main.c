@@ -16,6 +16,7 @@
 #include "kernels/ops.h"
 #include "kvstore/bytes.h"
 #include "kvstore/error.h"
+#include "kvstore/numarg.h"
 #include "proto/strata_internal.pb-c.h"
 #include "worker/control/control_client.h"
 #include "worker/model.h"
@@ -63,19 +64,6 @@ typedef struct worker_opts {
     bool quiet;
 } worker_opts;
 
-static bool parse_long(const char *flag, const char *s, long min, long max, long *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < min || v > max) {
-        fprintf(stderr, "strata-worker: %s: '%s' is not an integer in [%ld, %ld]\n", flag, s, min, max);
-        return false;
-    }
-    *out = v;
-    return true;
-}
-
 static int parse(int argc, char **argv, worker_opts *o)
 {
     static const struct option opts[] = {
@@ -97,18 +85,18 @@ static int parse(int argc, char **argv, worker_opts *o)
         case 'n': o->name = optarg; break;
         case 'd': o->data = optarg; break;
         case 'N': o->nvme_dir = optarg; break;
-        case 'D': if (!parse_long("--device-kv-mib", optarg, 1, 1L << 24, &o->device_mib)) return EXIT_USAGE; break;
-        case 'H': if (!parse_long("--host-kv-mib", optarg, 0, 1L << 24, &o->host_mib)) return EXIT_USAGE; break;
-        case 'M': if (!parse_long("--nvme-kv-mib", optarg, 1, 1L << 24, &o->nvme_mib)) return EXIT_USAGE; break;
-        case 'T': if (!parse_long("--connect-timeout-ms", optarg, 1, 3600000, &o->connect_timeout_ms)) return EXIT_USAGE; break;
-        case 'P': if (!parse_long("--threads", optarg, 1, 1024, &o->threads)) return EXIT_USAGE; break;
+        case 'D': if (!strata_parse_long("strata-worker", "--device-kv-mib", optarg, 1, 1L << 24, &o->device_mib)) return EXIT_USAGE; break;
+        case 'H': if (!strata_parse_long("strata-worker", "--host-kv-mib", optarg, 0, 1L << 24, &o->host_mib)) return EXIT_USAGE; break;
+        case 'M': if (!strata_parse_long("strata-worker", "--nvme-kv-mib", optarg, 1, 1L << 24, &o->nvme_mib)) return EXIT_USAGE; break;
+        case 'T': if (!strata_parse_long("strata-worker", "--connect-timeout-ms", optarg, 1, 3600000, &o->connect_timeout_ms)) return EXIT_USAGE; break;
+        case 'P': if (!strata_parse_long("strata-worker", "--threads", optarg, 1, 1024, &o->threads)) return EXIT_USAGE; break;
         case 'G':
             if (!strcmp(optarg, "cpu")) {
                 o->cuda_device = -1;
             } else if (!strcmp(optarg, "cuda")) {
                 o->cuda_device = 0;
             } else if (!strncmp(optarg, "cuda:", 5)) {
-                if (!parse_long("--device cuda:N", optarg + 5, 0, 1023, &o->cuda_device)) return EXIT_USAGE;
+                if (!strata_parse_long("strata-worker", "--device cuda:N", optarg + 5, 0, 1023, &o->cuda_device)) return EXIT_USAGE;
             } else {
                 fprintf(stderr, "strata-worker: --device takes cpu, cuda or cuda:N (got '%s')\n", optarg);
                 return EXIT_USAGE;

@@ -1,0 +1,16 @@
+/* One numeric command-line value, shared by every program (strata, strata-worker, the
+ * coordinator's serve, the benchmarks): the whole string must be the number, in range; otherwise
+ * a one-line message on stderr naming the program, the flag and the accepted range, and false. */
+#ifndef STRATA_KVSTORE_NUMARG_H
+#define STRATA_KVSTORE_NUMARG_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+bool strata_parse_long(const char *prog, const char *flag, const char *s, long min, long max, long *out);
+bool strata_parse_int(const char *prog, const char *flag, const char *s, int min, int max, int *out);
+bool strata_parse_u64(const char *prog, const char *flag, const char *s, uint64_t *out);
+/* Finite and in [min, max]. */
+bool strata_parse_double(const char *prog, const char *flag, const char *s, double min, double max, double *out);
+
+#endif
