@@ -2,7 +2,9 @@
  * device are the sources' at the time of the call, even when the sources are overwritten while
  * the copies wait behind other work (a large memset enqueued first; on a GPU the copies are then
  * still in flight when the host overwrites); an upload that does not fit goes synchronously and
- * the next step's buffer holds what this one wanted. Runs on a GPU and on the fake device. */
+ * the next step's buffer holds what this one wanted. Runs on a GPU and on the fake device (whose
+ * asynchronous copies from pinned memory wait for the next device operation, so reusing the
+ * staging within a step fails there too). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

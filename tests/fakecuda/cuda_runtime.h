@@ -71,6 +71,10 @@ cudaError_t cudaEventDestroy(cudaEvent_t event);
  * one fake device allocation. */
 int fakecuda_is_device(const void *p, size_t bytes);
 
+/* Every emulated kernel and cuBLAS call first runs the asynchronous copies queued before it
+ * (fakecuda.c), as the device would have. */
+void fakecuda_launch(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,8 +1,12 @@
 /* The fake CUDA runtime and cuBLAS of tests/fakecuda (see README.md there). Device memory is
  * malloc'd host memory in a registry, so that every copy can be checked against its kind (a host
  * pointer passed where the device was meant fails here as it would on a GPU) and the sanitizers
- * see every device buffer's bounds. Streams and events exist only as names: everything runs at
- * once, in program order. */
+ * see every device buffer's bounds. Streams and events exist only as names: everything runs in
+ * program order, at once, except the copies a GPU would run behind the host (cudaMemcpyAsync with
+ * pinned host memory on one side, or device to device): those wait in a queue until the next
+ * point where the device must have run them (a kernel or cuBLAS call, a synchronous copy or
+ * memset, a synchronize, a free). A host that overwrites a pinned source before then, or reads a
+ * pinned destination, gets what a GPU running behind would give it. */
 #define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
 #include <stdint.h>
@@ -24,7 +28,17 @@ typedef struct allocation {
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static allocation *allocs;
 static size_t n_allocs, cap_allocs;
+static allocation *pinned;   /* cudaHostAlloc'd blocks */
+static size_t n_pinned, cap_pinned;
 static cudaError_t last_error;
+
+typedef struct pending_copy {
+    void *dst;
+    const void *src;
+    size_t bytes;
+} pending_copy;
+static pending_copy *pending;   /* asynchronous copies not run yet, in order */
+static size_t n_pending, cap_pending;
 
 static cudaError_t fail(cudaError_t e, const char *what)
 {
@@ -42,6 +56,43 @@ static size_t find(const void *p, size_t bytes)
             return i;
     return n_allocs;
 }
+
+/* Appends to a registry array of blocks (allocs or pinned). Called with the lock held. */
+static int registry_add(allocation **arr, size_t *n, size_t *cap, const void *p, size_t bytes)
+{
+    if (*n == *cap) {
+        const size_t grown_cap = *cap ? 2 * *cap : 256;
+        allocation *grown = realloc(*arr, grown_cap * sizeof *grown);
+        if (!grown)
+            return -1;
+        *arr = grown;
+        *cap = grown_cap;
+    }
+    (*arr)[(*n)++] = (allocation){(uintptr_t)p, bytes};
+    return 0;
+}
+
+static int is_pinned(const void *p, size_t bytes)
+{
+    const uintptr_t a = (uintptr_t)p;
+    for (size_t i = 0; i < n_pinned; i++)
+        if (a >= pinned[i].base && a - pinned[i].base <= pinned[i].bytes &&
+            bytes <= pinned[i].bytes - (a - pinned[i].base))
+            return 1;
+    return 0;
+}
+
+/* Runs the queued asynchronous copies: the device catching up. */
+static void run_pending(void)
+{
+    pthread_mutex_lock(&lock);
+    for (size_t i = 0; i < n_pending; i++)
+        memmove(pending[i].dst, pending[i].src, pending[i].bytes);
+    n_pending = 0;
+    pthread_mutex_unlock(&lock);
+}
+
+void fakecuda_launch(void) { run_pending(); }
 
 int fakecuda_is_device(const void *p, size_t bytes)
 {
@@ -83,19 +134,12 @@ cudaError_t cudaMalloc(void **ptr, size_t bytes)
         return fail(cudaErrorMemoryAllocation, "cudaMalloc: out of memory");
     memset(p, 0xa5, bytes);   /* device memory starts as garbage: never read before written */
     pthread_mutex_lock(&lock);
-    if (n_allocs == cap_allocs) {
-        const size_t cap = cap_allocs ? 2 * cap_allocs : 256;
-        allocation *grown = realloc(allocs, cap * sizeof *grown);
-        if (!grown) {
-            pthread_mutex_unlock(&lock);
-            free(p);
-            return fail(cudaErrorMemoryAllocation, "cudaMalloc: out of memory for the registry");
-        }
-        allocs = grown;
-        cap_allocs = cap;
-    }
-    allocs[n_allocs++] = (allocation){(uintptr_t)p, bytes};
+    const int added = registry_add(&allocs, &n_allocs, &cap_allocs, p, bytes);
     pthread_mutex_unlock(&lock);
+    if (added != 0) {
+        free(p);
+        return fail(cudaErrorMemoryAllocation, "cudaMalloc: out of memory for the registry");
+    }
     *ptr = p;
     return cudaSuccess;
 }
@@ -104,6 +148,7 @@ cudaError_t cudaFree(void *ptr)
 {
     if (!ptr)
         return cudaSuccess;
+    run_pending();   /* cudaFree waits for the device */
     pthread_mutex_lock(&lock);
     size_t i = 0;
     while (i < n_allocs && allocs[i].base != (uintptr_t)ptr)
@@ -125,20 +170,43 @@ cudaError_t cudaHostAlloc(void **ptr, size_t bytes, unsigned flags)
     if (!ptr)
         return fail(cudaErrorInvalidValue, "cudaHostAlloc: NULL");
     /* pinned memory comes in whole pages, as the real allocator's does */
-    *ptr = aligned_alloc(4096, (bytes + 4095) / 4096 * 4096 + (bytes ? 0 : 4096));
-    return *ptr ? cudaSuccess : fail(cudaErrorMemoryAllocation, "cudaHostAlloc: out of memory");
+    const size_t rounded = (bytes + 4095) / 4096 * 4096 + (bytes ? 0 : 4096);
+    void *p = aligned_alloc(4096, rounded);
+    if (!p)
+        return fail(cudaErrorMemoryAllocation, "cudaHostAlloc: out of memory");
+    pthread_mutex_lock(&lock);
+    const int added = registry_add(&pinned, &n_pinned, &cap_pinned, p, rounded);
+    pthread_mutex_unlock(&lock);
+    if (added != 0) {
+        free(p);
+        return fail(cudaErrorMemoryAllocation, "cudaHostAlloc: out of memory for the registry");
+    }
+    *ptr = p;
+    return cudaSuccess;
 }
 
 cudaError_t cudaFreeHost(void *ptr)
 {
+    if (!ptr)
+        return cudaSuccess;
+    run_pending();   /* cudaFreeHost waits for the device */
+    pthread_mutex_lock(&lock);
+    size_t i = 0;
+    while (i < n_pinned && pinned[i].base != (uintptr_t)ptr)
+        i++;
+    const int found = i < n_pinned;
+    if (found)
+        pinned[i] = pinned[--n_pinned];
+    pthread_mutex_unlock(&lock);
+    if (!found)
+        return fail(cudaErrorInvalidValue, "cudaFreeHost: not the start of a cudaHostAlloc block");
     free(ptr);
     return cudaSuccess;
 }
 
-cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind)
+/* A copy's pointers against its kind: cudaSuccess, or the failure reported. */
+static cudaError_t check_copy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind)
 {
-    if (bytes == 0)
-        return cudaSuccess;
     if (!dst || !src)
         return fail(cudaErrorInvalidValue, "cudaMemcpy: NULL pointer");
     pthread_mutex_lock(&lock);
@@ -153,14 +221,52 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind 
                  src_dev ? "device memory" : "host memory (or out of bounds)");
         return fail(cudaErrorInvalidValue, msg);
     }
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind)
+{
+    if (bytes == 0)
+        return cudaSuccess;
+    const cudaError_t e = check_copy(dst, src, bytes, kind);
+    if (e != cudaSuccess)
+        return e;
+    run_pending();   /* after everything enqueued before it */
     memmove(dst, src, bytes);
     return cudaSuccess;
 }
 
+/* Queued when the device would run it behind the host: pinned host memory on one side, or device
+ * to device. From or to pageable memory the runtime copies through its own staging before it
+ * returns, so the copy happens now (after the queue). */
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, cudaStream_t stream)
 {
     (void)stream;
-    return cudaMemcpy(dst, src, bytes, kind);
+    if (bytes == 0)
+        return cudaSuccess;
+    const cudaError_t e = check_copy(dst, src, bytes, kind);
+    if (e != cudaSuccess)
+        return e;
+    pthread_mutex_lock(&lock);
+    const int behind = kind == cudaMemcpyDeviceToDevice || (kind == cudaMemcpyHostToDevice && is_pinned(src, bytes)) ||
+                       (kind == cudaMemcpyDeviceToHost && is_pinned(dst, bytes));
+    if (behind && n_pending == cap_pending) {
+        const size_t cap = cap_pending ? 2 * cap_pending : 64;
+        pending_copy *grown = realloc(pending, cap * sizeof *grown);
+        if (grown) {
+            pending = grown;
+            cap_pending = cap;
+        }
+    }
+    if (behind && n_pending < cap_pending) {
+        pending[n_pending++] = (pending_copy){dst, src, bytes};
+        pthread_mutex_unlock(&lock);
+        return cudaSuccess;
+    }
+    pthread_mutex_unlock(&lock);
+    run_pending();
+    memmove(dst, src, bytes);
+    return cudaSuccess;
 }
 
 cudaError_t cudaMemset(void *ptr, int value, size_t bytes)
@@ -169,6 +275,7 @@ cudaError_t cudaMemset(void *ptr, int value, size_t bytes)
         return cudaSuccess;
     if (!fakecuda_is_device(ptr, bytes))
         return fail(cudaErrorInvalidValue, "cudaMemset: not device memory");
+    run_pending();
     memset(ptr, value, bytes);
     return cudaSuccess;
 }
@@ -223,7 +330,11 @@ cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int dev
     *value = 4;
     return cudaSuccess;
 }
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize(void)
+{
+    run_pending();
+    return cudaSuccess;
+}
 
 struct CUstream_st { int unused; };
 struct CUevent_st { int unused; };
@@ -242,6 +353,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream)
 cudaError_t cudaStreamSynchronize(cudaStream_t stream)
 {
     (void)stream;
+    run_pending();   /* one queue for every stream: waiting for one runs all */
     return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned flags)
@@ -365,6 +477,7 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cub
     (void)computeType, (void)algo;
     if (!handle || m < 0 || n < 0 || k < 0 || Ctype != CUDA_R_32F || Atype != Btype)
         return CUBLAS_STATUS_INVALID_VALUE;
+    fakecuda_launch();
     return gemm_one(transa, transb, m, n, k, *(const float *)alpha, A, Atype, lda, B, Btype, ldb,
                     *(const float *)beta, C, ldc, 1, "cublasGemmEx");
 }
@@ -379,6 +492,7 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation
     (void)computeType, (void)algo;
     if (!handle || m < 0 || n < 0 || k < 0 || batchCount < 0 || Ctype != CUDA_R_32F || Atype != Btype)
         return CUBLAS_STATUS_INVALID_VALUE;
+    fakecuda_launch();
     const size_t esz = Atype == CUDA_R_16F ? 2 : 4;
     for (int b = 0; b < batchCount; b++) {
         const cublasStatus_t st = gemm_one(
