@@ -124,6 +124,20 @@ static void drop_converted(uintptr_t base, size_t bytes)
     }
 }
 
+/* A new block p in a registry, handed out through *ptr; freed again if the registry cannot grow. */
+static cudaError_t keep(allocation **arr, size_t *n, size_t *cap, void *p, size_t bytes, void **ptr, const char *oom)
+{
+    pthread_mutex_lock(&lock);
+    const int added = registry_add(arr, n, cap, p, bytes);
+    pthread_mutex_unlock(&lock);
+    if (added != 0) {
+        free(p);
+        return fail(cudaErrorMemoryAllocation, oom);
+    }
+    *ptr = p;
+    return cudaSuccess;
+}
+
 cudaError_t cudaMalloc(void **ptr, size_t bytes)
 {
     if (!ptr)
@@ -133,15 +147,7 @@ cudaError_t cudaMalloc(void **ptr, size_t bytes)
     if (!p)
         return fail(cudaErrorMemoryAllocation, "cudaMalloc: out of memory");
     memset(p, 0xa5, bytes);   /* device memory starts as garbage: never read before written */
-    pthread_mutex_lock(&lock);
-    const int added = registry_add(&allocs, &n_allocs, &cap_allocs, p, bytes);
-    pthread_mutex_unlock(&lock);
-    if (added != 0) {
-        free(p);
-        return fail(cudaErrorMemoryAllocation, "cudaMalloc: out of memory for the registry");
-    }
-    *ptr = p;
-    return cudaSuccess;
+    return keep(&allocs, &n_allocs, &cap_allocs, p, bytes, ptr, "cudaMalloc: out of memory for the registry");
 }
 
 cudaError_t cudaFree(void *ptr)
@@ -174,15 +180,7 @@ cudaError_t cudaHostAlloc(void **ptr, size_t bytes, unsigned flags)
     void *p = aligned_alloc(4096, rounded);
     if (!p)
         return fail(cudaErrorMemoryAllocation, "cudaHostAlloc: out of memory");
-    pthread_mutex_lock(&lock);
-    const int added = registry_add(&pinned, &n_pinned, &cap_pinned, p, rounded);
-    pthread_mutex_unlock(&lock);
-    if (added != 0) {
-        free(p);
-        return fail(cudaErrorMemoryAllocation, "cudaHostAlloc: out of memory for the registry");
-    }
-    *ptr = p;
-    return cudaSuccess;
+    return keep(&pinned, &n_pinned, &cap_pinned, p, rounded, ptr, "cudaHostAlloc: out of memory for the registry");
 }
 
 cudaError_t cudaFreeHost(void *ptr)
