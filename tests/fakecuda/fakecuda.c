@@ -47,15 +47,18 @@ static cudaError_t fail(cudaError_t e, const char *what)
     return e;
 }
 
-/* Index of the allocation holding [p, p + bytes), or n_allocs. Called with the lock held. */
-static size_t find(const void *p, size_t bytes)
+/* Index of the block of arr[0..n) holding [p, p + bytes), or n. Called with the lock held. */
+static size_t find_in(const allocation *arr, size_t n, const void *p, size_t bytes)
 {
     const uintptr_t a = (uintptr_t)p;
-    for (size_t i = 0; i < n_allocs; i++)
-        if (a >= allocs[i].base && a - allocs[i].base <= allocs[i].bytes && bytes <= allocs[i].bytes - (a - allocs[i].base))
+    for (size_t i = 0; i < n; i++)
+        if (a >= arr[i].base && a - arr[i].base <= arr[i].bytes && bytes <= arr[i].bytes - (a - arr[i].base))
             return i;
-    return n_allocs;
+    return n;
 }
+
+/* The device allocation holding [p, p + bytes), or n_allocs. */
+static size_t find(const void *p, size_t bytes) { return find_in(allocs, n_allocs, p, bytes); }
 
 /* Appends to a registry array of blocks (allocs or pinned). Called with the lock held. */
 static int registry_add(allocation **arr, size_t *n, size_t *cap, const void *p, size_t bytes)
@@ -72,15 +75,7 @@ static int registry_add(allocation **arr, size_t *n, size_t *cap, const void *p,
     return 0;
 }
 
-static int is_pinned(const void *p, size_t bytes)
-{
-    const uintptr_t a = (uintptr_t)p;
-    for (size_t i = 0; i < n_pinned; i++)
-        if (a >= pinned[i].base && a - pinned[i].base <= pinned[i].bytes &&
-            bytes <= pinned[i].bytes - (a - pinned[i].base))
-            return 1;
-    return 0;
-}
+static int is_pinned(const void *p, size_t bytes) { return find_in(pinned, n_pinned, p, bytes) < n_pinned; }
 
 /* Runs the queued asynchronous copies: the device catching up. */
 static void run_pending(void)

@@ -6,6 +6,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "worker/cuda/cuda_fail.h"
+
 struct cuda_device_mem {
     int device;
     char name[32];
@@ -13,19 +15,13 @@ struct cuda_device_mem {
     cudaEvent_t compute_done;   /* recorded on the compute stream before each copy */
 };
 
-static int cuda_err(strata_error *err, cudaError_t e, const char *what)
-{
-    return strata_fail(err, e == cudaErrorMemoryAllocation ? STRATA_ENOMEM : STRATA_EIO, "CUDA %s: %s", what,
-                       cudaGetErrorString(e));
-}
-
 static void *alloc_arena(void *ctx, size_t bytes, strata_error *err)
 {
     (void)ctx;
     void *p = NULL;
     cudaError_t e = cudaMalloc(&p, bytes);   /* 256-byte aligned */
     if (e != cudaSuccess) {
-        cuda_err(err, e, "allocating the KV block arena");
+        cuda_fail(err, e, "allocating the KV block arena");
         return NULL;
     }
     return p;
@@ -43,7 +39,7 @@ static void *alloc_staging(void *ctx, size_t bytes, strata_error *err)
     void *p = NULL;
     cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
     if (e != cudaSuccess) {
-        cuda_err(err, e, "allocating pinned staging");
+        cuda_fail(err, e, "allocating pinned staging");
         return NULL;
     }
     return p;
@@ -67,7 +63,7 @@ static int ordered_copy(cuda_device_mem *m, void *dst, const void *src, size_t n
     if (e == cudaSuccess)
         e = cudaStreamSynchronize(m->copy);
     return e == cudaSuccess ? STRATA_OK
-                            : cuda_err(err, e, kind == cudaMemcpyDeviceToHost ? "copying a block off the device"
+                            : cuda_fail(err, e, kind == cudaMemcpyDeviceToHost ? "copying a block off the device"
                                                                                : "copying a block to the device");
 }
 
@@ -98,7 +94,7 @@ cuda_device_mem *cuda_device_mem_create(int device, device_pool_mem *ops, strata
     if (e == cudaSuccess)
         e = cudaEventCreateWithFlags(&m->compute_done, cudaEventDisableTiming);
     if (e != cudaSuccess) {
-        cuda_err(err, e, "creating the KV copy stream");
+        cuda_fail(err, e, "creating the KV copy stream");
         cuda_device_mem_free(m);
         return NULL;
     }

@@ -4,13 +4,9 @@
 #include <cuda_runtime.h>
 #include <string.h>
 
-enum { UPLOAD_ALIGN = 16 };
+#include "worker/cuda/cuda_fail.h"
 
-static int cuda_fail(strata_error *err, cudaError_t e, const char *what)
-{
-    return strata_fail(err, e == cudaErrorMemoryAllocation ? STRATA_ENOMEM : STRATA_EIO, "CUDA %s: %s", what,
-                       cudaGetErrorString(e));
-}
+enum { UPLOAD_ALIGN = 16 };
 
 int cuda_uploads_begin(cuda_uploads *u, strata_error *err)
 {
