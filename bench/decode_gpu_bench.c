@@ -9,10 +9,13 @@
  * end of decoding (cudaMemGetInfo), and the longest context one sequence can hold in the budget.
  * The model is any model path (default synthetic:llama3-8b: real shapes, random weights). The
  * same workload through Hugging Face transformers is bench/gpu/hf_decode.py; scripts/gpu-run.sh
- * --decode runs both in one call. Prints a table; --json FILE gets one object per codec. */
+ * --decode runs both in one call. Prints a table; --json FILE gets one object per codec. --phases
+ * adds where the time went, phase by phase (cuda_model_time_phases: CUDA events at the phase
+ * boundaries), for the prefill and for one decode step. */
 #include <cuda_runtime.h>
 #include <errno.h>
 #include <getopt.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -33,6 +36,7 @@ typedef struct options {
     int prompt, gen, max_batch, prefill_batch;
     cuda_weight_dtype dtype;
     const char *json;
+    bool phases;
 } options;
 
 static double now_s(void)
@@ -56,6 +60,9 @@ static void usage(FILE *out)
             "  --prefill-batch N     prompts per prefill step (default 8)\n"
             "  --weights f16|f32     weights on the device (default f16)\n"
             "  --json FILE           also write the results as JSON lines\n"
+            "  --phases              also time each phase of the steps (projections, attention,\n"
+            "                        block formation, ...) with CUDA events: device and host ms\n"
+            "                        for the whole prefill and per decode step\n"
             "  --help                this text\n");
 }
 
@@ -69,7 +76,8 @@ static int parse_options(int argc, char **argv, options *o)
         {"kv-budget-gib", required_argument, 0, 'b'}, {"prompt", required_argument, 0, 'p'},
         {"gen", required_argument, 0, 'g'},        {"max-batch", required_argument, 0, 'x'},
         {"prefill-batch", required_argument, 0, 'f'}, {"weights", required_argument, 0, 'w'},
-        {"json", required_argument, 0, 'j'},       {"help", no_argument, 0, 'h'},
+        {"json", required_argument, 0, 'j'},       {"phases", no_argument, 0, 't'},
+        {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     int c;
     while ((c = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
@@ -99,6 +107,7 @@ static int parse_options(int argc, char **argv, options *o)
             }
             break;
         case 'j': o->json = optarg; break;
+        case 't': o->phases = true; break;
         case 'h': usage(stdout); exit(0);
         default: usage(stderr); return -1;
         }
@@ -139,7 +148,19 @@ typedef struct result {
     int batch;
     double decode_tok_s, prefill_s, decode_s, used_gib;
     size_t longest;
+    cuda_phase_times prefill_phases, decode_phases;   /* with --phases */
 } result;
+
+/* Turns phase timing on (zeroed) when asked; 0 or 1 (the error printed). */
+static int start_phases(const options *o, cuda_model *cm, const char *codec_name)
+{
+    strata_error err = {0};
+    if (o->phases && cuda_model_time_phases(cm, true, &err) != STRATA_OK) {
+        fprintf(stderr, "%s: %s: %s\n", PROG, codec_name, err.msg);
+        return 1;
+    }
+    return 0;
+}
 
 static int run_codec(const options *o, cuda_model *cm, const model_config *cfg, const char *codec_name, result *r)
 {
@@ -187,6 +208,8 @@ static int run_codec(const options *o, cuda_model *cm, const model_config *cfg, 
         }
     fprintf(stderr, "%s: %zu sequences of %zu tokens (%.1f MiB each), prefilling...\n", codec_name, b, per_seq_tokens,
             (double)per_seq / 1048576.0);
+    if (!rc)
+        rc = start_phases(o, cm, codec_name);
     const double t0 = now_s();
     for (size_t i = 0; i < b && !rc; i += (size_t)o->prefill_batch) {
         const size_t n = b - i < (size_t)o->prefill_batch ? b - i : (size_t)o->prefill_batch;
@@ -198,6 +221,9 @@ static int run_codec(const options *o, cuda_model *cm, const model_config *cfg, 
         }
     }
     const double t1 = now_s();
+    cuda_model_phase_times(cm, &r->prefill_phases);
+    if (!rc)
+        rc = start_phases(o, cm, codec_name);
     fprintf(stderr, "%s: prefill %.1f s; decoding %d steps of %zu sequences...\n", codec_name, t1 - t0, o->gen, b);
     for (int step = 0; step < o->gen && !rc; step++) {
         for (size_t i = 0; i < b; i++)
@@ -210,6 +236,8 @@ static int run_codec(const options *o, cuda_model *cm, const model_config *cfg, 
         }
     }
     const double t2 = now_s();
+    cuda_model_phase_times(cm, &r->decode_phases);
+    cuda_model_time_phases(cm, false, NULL);
     r->used_gib = (double)used_bytes() / 1073741824.0;
     r->prefill_s = t1 - t0;
     r->decode_s = t2 - t1;
@@ -221,6 +249,30 @@ static int run_codec(const options *o, cuda_model *cm, const model_config *cfg, 
     free(prompts);
     free(next);
     return rc;
+}
+
+/* Phase table of one codec: the prefill's totals and the decode's per step. */
+static void print_phases(const char *codec_name, const result *r)
+{
+    const cuda_phase_times *pf = &r->prefill_phases, *dc = &r->decode_phases;
+    const double steps = dc->steps ? (double)dc->steps : 1.0;
+    printf("  %s phases: prefill (%llu steps, total ms) | decode (per step of %d sequences, ms)\n", codec_name,
+           (unsigned long long)pf->steps, r->batch);
+    printf("  %-14s %12s %12s | %10s %10s\n", "phase", "device", "host", "device", "host");
+    for (int p = 0; p < CUDA_PHASE_COUNT; p++)
+        if (pf->marks[p] || dc->marks[p])
+            printf("  %-14s %12.2f %12.2f | %10.3f %10.3f\n", cuda_phase_name((cuda_phase)p), pf->device_ms[p],
+                   pf->host_ms[p], dc->device_ms[p] / steps, dc->host_ms[p] / steps);
+}
+
+/* ,"NAME":{"phase":[device_ms,host_ms,marks],...} */
+static void json_phases(FILE *f, const char *name, const cuda_phase_times *t)
+{
+    fprintf(f, ",\"%s\":{\"steps\":%llu", name, (unsigned long long)t->steps);
+    for (int p = 0; p < CUDA_PHASE_COUNT; p++)
+        fprintf(f, ",\"%s\":[%.4f,%.4f,%llu]", cuda_phase_name((cuda_phase)p), t->device_ms[p], t->host_ms[p],
+                (unsigned long long)t->marks[p]);
+    fputc('}', f);
 }
 
 int main(int argc, char **argv)
@@ -279,14 +331,22 @@ int main(int argc, char **argv)
             snprintf(ratio, sizeof ratio, "%.2fx", r.decode_tok_s / fp16_rate);
         printf("%-8s %6d %12.1f %10.2f %10.2f %12.2f %14zu %8s\n", name, r.batch, r.decode_tok_s, r.prefill_s,
                r.decode_s, r.used_gib, r.longest, ratio);
+        if (o.phases && r.batch > 0)
+            print_phases(name, &r);
         fflush(stdout);
-        if (json)
+        if (json) {
             fprintf(json,
                     "{\"device\":\"%s\",\"model\":\"%s\",\"codec\":\"%s\",\"batch\":%d,\"prompt\":%d,\"gen\":%d,"
                     "\"kv_budget_gib\":%.2f,\"decode_tok_s\":%.2f,\"prefill_s\":%.3f,\"decode_s\":%.3f,"
-                    "\"used_gib\":%.3f,\"base_gib\":%.3f,\"longest_context\":%zu}\n",
+                    "\"used_gib\":%.3f,\"base_gib\":%.3f,\"longest_context\":%zu",
                     prop.name, cfg->name, name, r.batch, o.prompt, o.gen, o.budget_gib, r.decode_tok_s, r.prefill_s,
                     r.decode_s, r.used_gib, (double)base / 1073741824.0, r.longest);
+            if (o.phases && r.batch > 0) {
+                json_phases(json, "prefill_phases", &r.prefill_phases);
+                json_phases(json, "decode_phases", &r.decode_phases);
+            }
+            fputs("}\n", json);
+        }
     }
     if (json)
         fclose(json);

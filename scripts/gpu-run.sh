@@ -14,7 +14,9 @@
 #              names which (default: test_cuda_attention test_cuda_ops test_cuda_sample test_cuda_encode
 #              test_cuda_weights test_cuda_uploads)
 #   profile    Nsight Compute (ncu), when the machine has it, on one launch of the decode attention
-#              (PROFILE ARGS: the benchmark's arguments; --profile-kernel REGEX picks the kernel)
+#              (PROFILE ARGS: the benchmark's arguments; --profile-kernel REGEX picks the kernel):
+#              profile.txt (the sections) and profile.tgz (the report, and its per-instruction
+#              source page as CSV)
 # Every step has a time limit, cut to what is left of --budget, so a hang costs one step, not the
 # call. Logs (packed into logs.tgz at the end), CSV and JSON go to $OUT (or ./gpu-out);
 # summary.txt is printed last.
@@ -24,7 +26,7 @@
 #   that fit one call beside the tests (session 8 timings on an H100):
 #     --attention-args "--codecs fp16,kivi2,kivi4,gear2 --contexts 4096,32768,131072 --batches 1,64
 #                       --reps 10 --compare staged"
-#     --decode-args "--codecs fp16,kivi2,gear2 --kv-budget-gib 4 --prompt 4096 --gen 32"
+#     --decode-args "--codecs fp16,kivi2,gear2 --kv-budget-gib 4 --prompt 4096 --gen 32 --phases"
 #       (sessions 8-9 used --codecs fp16,kivi4,kivi2 and 512-token prompts; docs/gpu.md says why
 #       the prompts grew)
 #     --profile-args "--codecs kivi2 --contexts 32768 --batches 64 --reps 1" --profile-kernel attend_mma
@@ -32,7 +34,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 phases=tests,attention,decode,cli,sanitizer budget=540
 attention_args="--codecs fp16,kivi2,kivi4,gear2 --contexts 4096,32768,131072 --batches 1,64 --reps 10 --compare staged"
-decode_args="--codecs fp16,kivi2,gear2 --kv-budget-gib 4 --prompt 4096 --gen 32"
+decode_args="--codecs fp16,kivi2,gear2 --kv-budget-gib 4 --prompt 4096 --gen 32 --phases"
 profile_args="--codecs kivi2 --contexts 32768 --batches 64 --reps 1" profile_kernel=attend_mma
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -232,13 +234,27 @@ fi
 
 if want profile; then
   if command -v ncu >/dev/null; then
-    # One launch of the kernel: where its warps stall, how busy each pipe is, what it reads.
+    # One launch of the kernel: where its warps stall, how busy each pipe is, what it reads, and
+    # per SASS instruction (with its source line: the kernels are built with -lineinfo) how often
+    # it ran and stalled. The clocks stay as they are (the workplace's METHOD.md).
     # shellcheck disable=SC2086
-    step "ncu on strata-bench-attention $profile_args" 240 "$out/profile.txt" \
-      ncu --kernel-name "regex:$profile_kernel" --launch-count 1 --section SpeedOfLight --section Occupancy \
-        --section LaunchStats --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
-        --section MemoryWorkloadAnalysis --section InstructionStats "$bundle/bin/strata-bench-attention" $profile_args
-    grep -vE '^(==PROF==|  *-+ *$)' "$out/profile.txt" | tail -n 120
+    step "ncu on strata-bench-attention $profile_args" 240 "$out/profile-run.log" \
+      ncu --clock-control none --kernel-name "regex:$profile_kernel" --launch-count 1 --import-source yes \
+        --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section InstructionStats --section SourceCounters -f -o "$out/profile" \
+        "$bundle/bin/strata-bench-attention" $profile_args
+    if [ -f "$out/profile.ncu-rep" ]; then
+      ncu --import "$out/profile.ncu-rep" --page details > "$out/profile.txt" 2>&1
+      grep -vE '^(==PROF==|  *-+ *$)' "$out/profile.txt" | tail -n 120
+      # Per instruction with its CUDA line; older ncu versions without --print-source give SASS only.
+      ncu --import "$out/profile.ncu-rep" --page source --csv --print-source cuda,sass > "$out/profile-source.csv" \
+        2> "$out/profile-source.log" ||
+        ncu --import "$out/profile.ncu-rep" --page source --csv > "$out/profile-source.csv" 2>> "$out/profile-source.log" ||
+        echo "ncu: no source page ($(head -c 300 "$out/profile-source.log"))" | tee -a "$out/summary.txt"
+      (cd "$out" && tar czf profile.tgz profile.ncu-rep profile-source.csv 2>/dev/null &&
+         rm -f profile.ncu-rep profile-source.csv)
+    fi
   else
     echo "ncu not found: profile skipped" | tee -a "$out/summary.txt"
   fi

@@ -19,6 +19,7 @@
  * through an NCCL loopback link, give the whole model's logits. A prompt in chunks matches the
  * CPU's chunked prefill, with arenas and with the shared pool. Migration images move sequences
  * GPU to GPU bit for bit and between GPU and CPU. A KV plan (a codec per layer) matches the CPU's.
+ * Phase timing counts each phase as the steps ran it and changes no logit.
  * Without a CUDA device only the no-device error path runs, then the test
  * exits 77 (skipped). */
 #include <setjmp.h>
@@ -459,6 +460,115 @@ static void test_shared_pool(void **state)
     kv_tiers_destroy(tiers);
     free(la);
     free(lb);
+    free_twin(m);
+}
+
+/* Phase timing (cuda_model_time_phases): each phase begins as often as the steps run it, every
+ * time is finite and not negative, the logits are the same bits with timing on and off, a failed
+ * step adds nothing, and turning timing off forgets the totals. A shared pool over a host tier,
+ * so that the blocks' fetches are a phase too. */
+static void test_phase_times(void **state)
+{
+    (void)state;
+    enum { BT = 16, PROMPT_T = 40, CHUNK_T = 24, DECODES = 5, TOKENS = 128 };
+    strata_error err = {0};
+    model *m = load_twin("synthetic:tiny:seed=5", 0, -1, &err);
+    assert_non_null(m);
+    const uint64_t L = (uint64_t)model_get_config(m)->n_layers;
+    const size_t nv = (size_t)model_get_config(m)->n_vocab;
+    kv_codec_params k4;
+    assert_int_equal(kv_codec_parse("kivi4-g16-r16", &k4, &err), STRATA_OK);
+    kv_tiers_options to = {.host_bytes = 16u << 20, .allocator = cuda_pinned_host_allocator()};
+    kv_tiers *tiers = kv_tiers_create(&to, &err);
+    if (!tiers)
+        fail_msg("%s", err.msg);
+    const kv_lower_tier lower = kv_tiers_lower(tiers);
+    cuda_model *timed = create_cuda(m, CUDA_WEIGHTS_F16, &err), *plain = create_cuda(m, CUDA_WEIGHTS_F16, &err);
+    assert_true(timed && plain);
+    cuda_model *models[2] = {timed, plain};
+    cuda_seq *seqs[2][2];
+    for (int k = 0; k < 2; k++) {
+        if (cuda_model_create_kv_pool(models[k], &k4, BT, 64, &lower, &err) != STRATA_OK)
+            fail_msg("%s", err.msg);
+        for (int i = 0; i < 2; i++)
+            assert_non_null(seqs[k][i] = cuda_seq_create(models[k], &k4, BT, TOKENS, &err));
+    }
+    assert_int_equal(cuda_model_time_phases(timed, true, &err), STRATA_OK);
+    cuda_phase_times t;
+    cuda_model_phase_times(plain, &t);
+    assert_true(t.steps == 0 && t.marks[CUDA_PHASE_INPUT] == 0);   /* off: zeros */
+
+    int32_t tok[PROMPT_T];
+    for (int i = 0; i < PROMPT_T; i++)
+        tok[i] = 20 + 3 * i;
+    float *lt = malloc(2 * nv * sizeof *lt), *lp = malloc(2 * nv * sizeof *lp);
+    assert_true(lt && lp);
+    /* Step 1: two prompts. Step 2: a chunk on sequence 0 beside a decode of sequence 1. Then
+     * decode steps of both. */
+    enum { STEPS = 2 + DECODES };
+    for (int step = 0; step < STEPS; step++) {
+        cuda_batch_item items[2][2];
+        for (int k = 0; k < 2; k++)
+            for (int i = 0; i < 2; i++) {
+                size_t n = step == 0 ? PROMPT_T : 1;
+                if (step == 1 && i == 0)
+                    n = CHUNK_T;
+                items[k][i] = (cuda_batch_item){seqs[k][i], tok, n};
+            }
+        for (int k = 0; k < 2; k++)
+            if (cuda_model_forward_batch(models[k], items[k], 2, k ? lp : lt, &err) != STRATA_OK)
+                fail_msg("step %d: %s", step, err.msg);
+        assert_memory_equal(lt, lp, 2 * nv * sizeof *lt);   /* timing changes no bit */
+    }
+    /* A step that fails after its first mark (a token outside the vocabulary) adds nothing, to
+     * its own totals or the next step's. */
+    const int32_t bad = (int32_t)nv;
+    const cuda_batch_item worse = {seqs[0][0], &bad, 1};
+    assert_int_equal(cuda_model_forward_batch(timed, &worse, 1, lt, &err), STRATA_EINVAL);
+    cuda_phase_times before;
+    cuda_model_phase_times(timed, &before);
+    assert_int_equal(before.steps, STEPS);
+    const cuda_batch_item one = {seqs[0][1], tok, 1};
+    assert_int_equal(cuda_model_forward_batch(timed, &one, 1, lt, &err), STRATA_OK);
+
+    cuda_model_phase_times(timed, &t);
+    const uint64_t decode_steps = 1 + DECODES + 1;   /* step 2 decodes sequence 1 */
+    assert_int_equal(t.steps, STEPS + 1);
+    assert_int_equal(t.marks[CUDA_PHASE_INPUT], STEPS + 1);
+    assert_int_equal(t.marks[CUDA_PHASE_HEAD], STEPS + 1);
+    assert_int_equal(t.marks[CUDA_PHASE_QKV], (STEPS + 1) * L);
+    assert_int_equal(t.marks[CUDA_PHASE_MLP], (STEPS + 1) * L);
+    assert_int_equal(t.marks[CUDA_PHASE_PREFILL_ATTN], 2 * L);   /* two prompts, one step */
+    assert_int_equal(t.marks[CUDA_PHASE_CHUNK_ATTN], L);
+    assert_int_equal(t.marks[CUDA_PHASE_PROMPT_BLOCKS], 2 * L);  /* the prompts' step and the chunk's */
+    assert_int_equal(t.marks[CUDA_PHASE_DECODE_ATTN], decode_steps * L);
+    assert_int_equal(t.marks[CUDA_PHASE_KV_APPEND], decode_steps * L);
+    assert_int_equal(t.marks[CUDA_PHASE_KV_FETCH], (decode_steps + 1) * L);   /* + the chunk's past */
+    double device = 0.0, host = 0.0;
+    for (int p = 0; p < CUDA_PHASE_COUNT; p++) {
+        if (!(t.device_ms[p] >= 0.0) || !(t.host_ms[p] >= 0.0) || !isfinite(t.device_ms[p]) || !isfinite(t.host_ms[p]))
+            fail_msg("phase %s: device %g ms, host %g ms", cuda_phase_name((cuda_phase)p), t.device_ms[p],
+                     t.host_ms[p]);
+        device += t.device_ms[p];
+        host += t.host_ms[p];
+        assert_true(strcmp(cuda_phase_name((cuda_phase)p), "?") != 0);
+    }
+    assert_true(device > 0.0 && host > 0.0);
+    assert_string_equal(cuda_phase_name(CUDA_PHASE_COUNT), "?");
+    printf("  phases over %d steps: device %.1f ms, host %.1f ms (decode attention %.1f ms device)\n", STEPS + 1, device,
+           host, t.device_ms[CUDA_PHASE_DECODE_ATTN]);
+
+    assert_int_equal(cuda_model_time_phases(timed, false, &err), STRATA_OK);
+    cuda_model_phase_times(timed, &t);
+    assert_true(t.steps == 0 && t.marks[CUDA_PHASE_QKV] == 0);
+    for (int k = 0; k < 2; k++) {
+        for (int i = 0; i < 2; i++)
+            cuda_seq_free(seqs[k][i]);
+        cuda_model_free(models[k]);
+    }
+    kv_tiers_destroy(tiers);
+    free(lt);
+    free(lp);
     free_twin(m);
 }
 
@@ -1113,6 +1223,7 @@ int main(void)
         cmocka_unit_test(test_bad_batches),
         cmocka_unit_test(test_greedy_and_sizes),
         cmocka_unit_test(test_shared_pool),
+        cmocka_unit_test(test_phase_times),
         cmocka_unit_test(test_chunked_prompt),
         cmocka_unit_test(test_migration),
         cmocka_unit_test(test_kv_plan),

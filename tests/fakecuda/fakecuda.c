@@ -1,8 +1,8 @@
 /* The fake CUDA runtime and cuBLAS of tests/fakecuda (see README.md there). Device memory is
  * malloc'd host memory in a registry, so that every copy can be checked against its kind (a host
  * pointer passed where the device was meant fails here as it would on a GPU) and the sanitizers
- * see every device buffer's bounds. Streams and events exist only as names: everything runs in
- * program order, at once, except the copies a GPU would run behind the host (cudaMemcpyAsync with
+ * see every device buffer's bounds. Streams exist only as names, events as the host clock when
+ * they were recorded: everything runs in program order, at once, except the copies a GPU would run behind the host (cudaMemcpyAsync with
  * pinned host memory on one side, or device to device): those wait in a queue until the next
  * point where the device must have run them (a kernel or cuBLAS call, a synchronous copy or
  * memset, a synchronize, a free). A host that overwrites a pinned source before then, or reads a
@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <cblas.h>
 
@@ -282,6 +283,7 @@ const char *cudaGetErrorString(cudaError_t e)
     case cudaErrorInvalidDevicePointer: return "invalid device pointer (fake device)";
     case cudaErrorInvalidDevice: return "invalid device ordinal (fake device)";
     case cudaErrorNoDevice: return "no CUDA-capable device (fake device)";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle (fake device)";
     }
     return "unknown error (fake device)";
 }
@@ -316,6 +318,21 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int device)
     prop->totalGlobalMem = (size_t)4 << 30;
     return cudaSuccess;
 }
+/* Free is the 4 GiB the properties report less what the registry holds. */
+cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes)
+{
+    if (!free_bytes || !total_bytes)
+        return fail(cudaErrorInvalidValue, "cudaMemGetInfo: NULL argument");
+    const size_t total = (size_t)4 << 30;
+    size_t used = 0;
+    pthread_mutex_lock(&lock);
+    for (size_t i = 0; i < n_allocs; i++)
+        used += allocs[i].bytes;
+    pthread_mutex_unlock(&lock);
+    *total_bytes = total;
+    *free_bytes = used < total ? total - used : 0;
+    return cudaSuccess;
+}
 cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int device)
 {
     if (device != 0 || attr != cudaDevAttrMultiProcessorCount)
@@ -330,7 +347,13 @@ cudaError_t cudaDeviceSynchronize(void)
 }
 
 struct CUstream_st { int unused; };
-struct CUevent_st { int unused; };
+/* An event keeps the host clock at its last record: everything enqueued before it has run by
+ * then (the pending copies run first), so differences are the fake's "device time". */
+struct CUevent_st {
+    unsigned flags;
+    int recorded;
+    double ms;
+};
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t *stream, unsigned flags)
 {
@@ -356,14 +379,41 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
 }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *event, unsigned flags)
 {
-    (void)flags;
     *event = calloc(1, sizeof **event);
-    return *event ? cudaSuccess : fail(cudaErrorMemoryAllocation, "cudaEventCreateWithFlags");
+    if (!*event)
+        return fail(cudaErrorMemoryAllocation, "cudaEventCreateWithFlags");
+    (*event)->flags = flags;
+    return cudaSuccess;
 }
 cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream)
 {
     (void)stream;
-    return event ? cudaSuccess : fail(cudaErrorInvalidValue, "cudaEventRecord: NULL event");
+    if (!event)
+        return fail(cudaErrorInvalidValue, "cudaEventRecord: NULL event");
+    run_pending();
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    event->ms = (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+    event->recorded = 1;
+    return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t event)
+{
+    if (!event)
+        return fail(cudaErrorInvalidValue, "cudaEventSynchronize: NULL event");
+    run_pending();
+    return cudaSuccess;
+}
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end)
+{
+    if (!ms || !start || !end)
+        return fail(cudaErrorInvalidValue, "cudaEventElapsedTime: NULL argument");
+    if ((start->flags | end->flags) & cudaEventDisableTiming)
+        return fail(cudaErrorInvalidResourceHandle, "cudaEventElapsedTime: an event created with cudaEventDisableTiming");
+    if (!start->recorded || !end->recorded)
+        return fail(cudaErrorInvalidResourceHandle, "cudaEventElapsedTime: an event never recorded");
+    *ms = (float)(end->ms - start->ms);
+    return cudaSuccess;
 }
 cudaError_t cudaEventDestroy(cudaEvent_t event)
 {

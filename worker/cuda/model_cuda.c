@@ -248,6 +248,7 @@ void cuda_model_free(cuda_model *cm)
     if (!cm)
         return;
     cuda_uploads_free(&cm->uploads);   /* waits for copies still reading it */
+    cuda_phase_timer_free(cm->phases);
     device_pool_destroy(cm->pool);
     cuda_device_mem_free(cm->pool_mem);
     free(cm->h_acquire);
@@ -279,6 +280,22 @@ void cuda_model_free(cuda_model *cm)
 }
 
 size_t cuda_model_weight_bytes(const cuda_model *cm) { return cm ? cm->weight_bytes : 0; }
+
+int cuda_model_time_phases(cuda_model *cm, bool on, strata_error *err)
+{
+    if (!cm)
+        return strata_fail(err, STRATA_EINVAL, "cuda_model_time_phases: NULL model");
+    cuda_phase_timer_free(cm->phases);
+    cm->phases = NULL;
+    if (on && !(cm->phases = cuda_phase_timer_create(err)))
+        return err ? err->code : STRATA_ENOMEM;
+    return STRATA_OK;
+}
+
+void cuda_model_phase_times(const cuda_model *cm, cuda_phase_times *out)
+{
+    cuda_phase_timer_totals(cm ? cm->phases : NULL, out);
+}
 
 int cuda_model_set_chunk_tile(cuda_model *cm, int keys, strata_error *err)
 {
@@ -819,10 +836,12 @@ static int decode_layer(cuda_model *cm, const cuda_batch_item *items, const step
     const size_t nd = sp->n_dec, l = (size_t)il;
     const cuda_seq *s0 = items[sp->order[0]].seq;
     if (cm->pool) {
+        cuda_phase_mark(cm->phases, CUDA_PHASE_KV_FETCH);
         int rc = acquire_layer(cm, items, sp, il, err);
         if (rc != STRATA_OK)
             return rc;
     }
+    cuda_phase_mark(cm->phases, CUDA_PHASE_KV_APPEND);
     KERNEL(cuda_kv_append_rows(cm->d_append + l * nd, (int)nd, cm->k16, cm->v16, s0->row, NULL), "appending K/V");
     if (sp->n_full) {
         /* The jobs of blocks made only of prompt tokens come first: on a GEAR layer they take the
@@ -840,6 +859,7 @@ static int decode_layer(cuda_model *cm, const cuda_batch_item *items, const step
     cuda_kv_layout layout = s0->enc[l].layout;
     layout.layer = (uint32_t)il;
     layout.block_bytes = (uint32_t)s0->layer_slot[l];   /* GEAR: prompt-rank blocks are the larger ones */
+    cuda_phase_mark(cm->phases, CUDA_PHASE_DECODE_ATTN);
     return cuda_kv_attention(&layout, plan, cm->d_views + l * nd, cm->q, cm->attn, cm->d_ws, cm->d_status, NULL, err);
 }
 
@@ -875,6 +895,7 @@ static int chunk_layer(cuda_model *cm, cuda_seq *s, int il, const float *q, cons
     const size_t l = (size_t)il, nb = (size_t)s->n_blocks[il];
     int rc = STRATA_OK;
     if (cm->pool && nb) {
+        cuda_phase_mark(cm->phases, CUDA_PHASE_KV_FETCH);
         if ((rc = ensure_acquire(cm, nb, err)) != STRATA_OK)
             return rc;
         for (size_t b = 0; b < nb; b++)
@@ -903,6 +924,7 @@ static int chunk_layer(cuda_model *cm, cuda_seq *s, int il, const float *q, cons
     if (past != s->len)
         return strata_fail(err, STRATA_EINVAL, "layer %d holds %zu positions, the sequence %zu", il, past, s->len);
     chunk_past p = {&layout, &view, cm->d_status};
+    cuda_phase_mark(cm->phases, CUDA_PHASE_CHUNK_ATTN);
     return cuda_attention_chunk_gemm(cm->blas, q, (int)past, chunk_past_rows, &p, k, v, (int)n, cm->cfg.n_heads,
                                      cm->cfg.n_kv_heads, cm->cfg.head_dim, chunk_tile(cm, s), attn, cm->d_ws,
                                      cm->ws_bytes, err);
@@ -987,6 +1009,7 @@ static int append_prompts_layer(cuda_model *cm, const cuda_batch_item *items, co
     const size_t n_items = sp->n_items - sp->n_dec;
     if (n_items == 0)
         return STRATA_OK;
+    cuda_phase_mark(cm->phases, CUDA_PHASE_PROMPT_BLOCKS);
     const cuda_seq *s0 = items[sp->order[sp->n_dec]].seq;
     const size_t bt = (size_t)s0->block_tokens, row = s0->row, work = s0->work_bytes;
     size_t n_jobs = 0, rounds = 0, widest = 0, stream_rows = 0, n_fresh = 0;
@@ -1102,6 +1125,7 @@ static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_pl
     const size_t T = sp->rows, e = (size_t)c->n_embd, hd = (size_t)c->head_dim, kvd = (size_t)c->n_kv_heads * hd;
     const size_t ff = (size_t)c->n_ff;
     int rc;
+    cuda_phase_mark(cm->phases, CUDA_PHASE_QKV);
     KERNEL(cuda_rmsnorm(cm->x, L->attn_norm, T, e, c->rms_eps, cm->xn, NULL), "rmsnorm");
     if ((rc = gemm(cm, cm->xn, T, e, L->wq, e, cm->q, err)) || (rc = gemm(cm, cm->xn, T, e, L->wk, kvd, cm->k, err)) ||
         (rc = gemm(cm, cm->xn, T, e, L->wv, kvd, cm->v, err)))
@@ -1122,18 +1146,21 @@ static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_pl
     for (size_t p = sp->n_dec; p < sp->n_items; p++) {
         const cuda_batch_item *it = &items[sp->order[p]];
         const size_t r0 = sp->row0[p];
-        if (it->seq->len > 0)   /* a prompt chunk continuing the sequence: the cache as it was */
+        if (it->seq->len > 0) {   /* a prompt chunk continuing the sequence: the cache as it was */
             rc = chunk_layer(cm, it->seq, il, cm->q + r0 * e, cm->k + r0 * kvd, cm->v + r0 * kvd, it->n_tokens,
                              cm->attn + r0 * e, err);
-        else
+        } else {
+            cuda_phase_mark(cm->phases, CUDA_PHASE_PREFILL_ATTN);
             rc = cuda_attention_prefill_gemm(cm->blas, cm->q + r0 * e, cm->k + r0 * kvd, cm->v + r0 * kvd, 0,
                                              (int)it->n_tokens, c->n_heads, c->n_kv_heads, c->head_dim,
                                              cm->attn + r0 * e, cm->d_ws, cm->ws_bytes, err);
+        }
         if (rc != STRATA_OK)
             return rc;
     }
     if ((rc = append_prompts_layer(cm, items, sp, il, err)) != STRATA_OK)
         return rc;
+    cuda_phase_mark(cm->phases, CUDA_PHASE_MLP);
     if ((rc = gemm(cm, cm->attn, T, e, L->wo, e, cm->proj, err)))
         return rc;
     KERNEL(cuda_add(cm->x, cm->proj, T * e, NULL), "residual");
@@ -1252,6 +1279,8 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
     if (!cm->last && (!hidden_out || logits || next))
         return strata_fail(err, STRATA_EINVAL, "a stage ending before the last layer hands its rows on (hidden_out) "
                            "and has no head (no logits or tokens)");
+    cuda_phase_timer_discard(cm->phases);   /* the marks of a step that failed */
+    cuda_phase_mark(cm->phases, CUDA_PHASE_INPUT);
     int rc = check_items(cm, items, n_items, err);
     if (rc == STRATA_OK)
         rc = cuda_uploads_begin(&cm->uploads, err);
@@ -1334,6 +1363,7 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
             strata_error_prefix(err, "layer %d", cm->layer_begin + il);
     if (rc == STRATA_OK) {
         after_step(items, &sp);
+        cuda_phase_mark(cm->phases, CUDA_PHASE_HEAD);
         int status = 0;
         cudaError_t ce = cudaMemcpy(&status, cm->d_status, sizeof status, cudaMemcpyDeviceToHost);
         if (ce != cudaSuccess)
@@ -1346,6 +1376,10 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
         rc = move_rows(cm, items, &sp, NULL, hidden_out, err);
     if (rc == STRATA_OK && (logits || next))
         rc = run_head(cm, items, &sp, logits, sample, next, err);
+    if (rc == STRATA_OK)
+        rc = cuda_phase_timer_end_step(cm->phases, err);
+    else
+        cuda_phase_timer_discard(cm->phases);
     device_pool_unpin_all(cm->pool);   /* also after a failure mid-layer */
     free(sp.full_seq);
     free(sp.order);

@@ -22,6 +22,7 @@
 #include "kernels/cuda_sample.h"
 #include "kvstore/kv_cache.h"
 #include "offload/device_pool.h"
+#include "worker/cuda/phase_timer.h"
 #include "worker/model.h"
 
 typedef struct cuda_model cuda_model;
@@ -83,6 +84,13 @@ typedef struct cuda_kv_pool_size {
 } cuda_kv_pool_size;
 int cuda_kv_pool_sizing(const kv_codec_params *codecs, const kv_geometry *g, size_t max_tokens, size_t n_seqs,
                         uint64_t budget_bytes, bool tier_below, cuda_kv_pool_size *out, strata_error *err);
+
+/* Where the steps' time goes (worker/cuda/phase_timer.h): on, every later step records a CUDA
+ * event at each phase boundary and the host waits for the step's last one (the steps no longer
+ * overlap the next step's host work); the totals start from zero. Off (the default) frees the
+ * events. cuda_model_phase_times: the totals so far (zeros when off). */
+int cuda_model_time_phases(cuda_model *cm, bool on, strata_error *err);
+void cuda_model_phase_times(const cuda_model *cm, cuda_phase_times *out);
 
 /* The shared pool's statistics (zeros without one). */
 void cuda_model_kv_pool_stats(const cuda_model *cm, device_pool_stats *out);

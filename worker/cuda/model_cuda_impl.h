@@ -16,6 +16,7 @@
 #include "offload/device_pool.h"
 #include "worker/cuda/device_mem.h"
 #include "worker/cuda/model_cuda.h"
+#include "worker/cuda/phase_timer.h"
 #include "worker/cuda/uploads.h"
 
 typedef struct cuda_layer {
@@ -78,6 +79,7 @@ struct cuda_model {
     void **h_addrs;
     size_t cap_acquire;
     cuda_uploads uploads;                     /* the shared pool's per-layer table rows and encoder jobs */
+    cuda_phase_timer *phases;                 /* cuda_model_time_phases, or NULL */
 };
 
 /* A sequence's KV on the device. Its layers may use different codecs (a plan), sharing the block
