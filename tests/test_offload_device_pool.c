@@ -4,7 +4,8 @@
  * and codec come back byte for byte wherever they went; eviction takes waiting sequences' blocks
  * first, then the least recently used, never a pinned one; a step larger than the pool, a full
  * pool without a lower tier, a block damaged on the device, an unwritten slot, a failing copy and
- * stale handles all fail with a message and leave the pool usable. */
+ * stale handles all fail with a message and leave the pool usable; over thousands of random
+ * operations the pool evicts exactly the blocks a plain scan by the rule would. */
 #include <errno.h>
 #include <ftw.h>
 #include <setjmp.h>
@@ -299,6 +300,159 @@ static void test_eviction_order(void **state)
     down(&f);
 }
 
+/* The victim rule of device_pool.h, written out as a scan over every block (what the pool did
+ * before its evictable lists): resident, not pinned by this step, a waiting sequence's first,
+ * then the least recently pinned. */
+typedef struct ref_block {
+    bool live, resident, waiting;
+    uint64_t owner, last_use, pin_step;
+    device_block h;
+    unsigned kind;   /* which of offload_blocks.h's blocks it holds */
+} ref_block;
+
+typedef struct ref_pool {
+    ref_block b[48];
+    size_t free_slots;
+    uint64_t clock, step;
+} ref_pool;
+
+/* Frees a slot for a block of this step, as the pool must: false when every slot is pinned. */
+static bool ref_take_slot(ref_pool *r)
+{
+    if (r->free_slots > 0) {
+        r->free_slots--;
+        return true;
+    }
+    ref_block *v = NULL;
+    for (size_t i = 0; i < sizeof r->b / sizeof *r->b; i++) {
+        ref_block *c = &r->b[i];
+        if (!c->live || !c->resident || c->pin_step == r->step)
+            continue;
+        if (!v || (c->waiting && !v->waiting) || (c->waiting == v->waiting && c->last_use < v->last_use))
+            v = c;
+    }
+    if (v)
+        v->resident = false;
+    return v != NULL;
+}
+
+/* Random allocations, acquisitions, unpins, frees and waiting flags on a pool of 8 slots: after
+ * every operation the pool's resident blocks are the reference's, its failures (every slot
+ * pinned) the reference's, and every block acquired holds its bytes. */
+static void test_victims_against_reference(void **state)
+{
+    (void)state;
+    enum { SLOTS = 8, OPS = 4000 };
+    fixture f;
+    up(&f, 16384, false);
+    strata_error err = {0};
+    device_pool *p = device_pool_create(SLOT_BYTES, SLOTS, &f.mem, &f.lower, &err);
+    assert_non_null(p);
+    uint8_t *bytes[8];
+    size_t sizes[8];
+    for (unsigned k = 0; k < 8; k++)
+        assert_non_null(bytes[k] = ob_varied_block(k, 0, &sizes[k]));
+    static ref_pool r;
+    memset(&r, 0, sizeof r);
+    r.free_slots = SLOTS;
+    r.step = 1;
+    const size_t nb = sizeof r.b / sizeof *r.b;
+    uint64_t seed = 7;
+    size_t fulls = 0, fetches = 0, waits = 0;
+    for (int op = 0; op < OPS; op++) {
+        const unsigned what = (unsigned)(ob_rng(&seed) % 20);
+        size_t live[48], n_live = 0;
+        for (size_t i = 0; i < nb; i++)
+            if (r.b[i].live)
+                live[n_live++] = i;
+        if (what < 5) {   /* a new block */
+            size_t i = 0;
+            while (i < nb && r.b[i].live)
+                i++;
+            if (i == nb)
+                continue;
+            const uint64_t owner = 1 + ob_rng(&seed) % 4;
+            const bool ok = ref_take_slot(&r);
+            void *addr = NULL;
+            device_block h = 0;
+            const int rc = device_pool_alloc(p, owner, &h, &addr, &err);
+            if (rc != (ok ? STRATA_OK : STRATA_EFULL))
+                fail_msg("op %d: alloc returned %d (%s), the reference %s", op, rc, err.msg, ok ? "a slot" : "full");
+            fulls += !ok;
+            if (ok) {
+                const unsigned kind = (unsigned)(ob_rng(&seed) % 8);
+                memcpy(addr, bytes[kind], sizes[kind]);
+                r.b[i] = (ref_block){.live = true, .resident = true, .owner = owner, .last_use = ++r.clock,
+                                     .pin_step = r.step, .h = h, .kind = kind};
+            }
+        } else if (what < 10 && n_live > 0) {   /* a step acquires distinct blocks */
+            const size_t n = 1 + ob_rng(&seed) % (n_live < SLOTS ? n_live : SLOTS);
+            device_block want[SLOTS];
+            size_t idx[SLOTS];
+            for (size_t j = 0; j < n; j++) {   /* a partial shuffle of the live blocks */
+                const size_t k = j + ob_rng(&seed) % (n_live - j), t = live[j];
+                live[j] = live[k];
+                live[k] = t;
+                idx[j] = live[j];
+                want[j] = r.b[idx[j]].h;
+            }
+            for (size_t j = 0; j < n; j++) {
+                r.b[idx[j]].last_use = ++r.clock;
+                r.b[idx[j]].pin_step = r.step;
+            }
+            bool ok = true;
+            for (size_t j = 0; j < n && ok; j++)
+                if (!r.b[idx[j]].resident) {
+                    ok = ref_take_slot(&r);
+                    r.b[idx[j]].resident = ok;
+                    fetches++;
+                }
+            void *addrs[SLOTS];
+            const int rc = device_pool_acquire(p, want, n, addrs, &err);
+            if (rc != (ok ? STRATA_OK : STRATA_EFULL))
+                fail_msg("op %d: acquire returned %d (%s), the reference %s", op, rc, err.msg, ok ? "ok" : "full");
+            fulls += !ok;
+            for (size_t j = 0; ok && j < n; j++)
+                assert_memory_equal(addrs[j], bytes[r.b[idx[j]].kind], sizes[r.b[idx[j]].kind]);
+        } else if (what < 15) {   /* the step ends */
+            device_pool_unpin_all(p);
+            r.step++;
+        } else if (what < 17 && n_live > 0) {   /* a block is freed */
+            ref_block *b = &r.b[live[ob_rng(&seed) % n_live]];
+            device_pool_free(p, b->h);
+            r.free_slots += b->resident;
+            b->live = false;
+        } else {   /* a sequence is preempted or resumed */
+            const uint64_t owner = 1 + ob_rng(&seed) % 4;
+            const bool waiting = ob_rng(&seed) % 2;
+            device_pool_set_waiting(p, owner, waiting);
+            for (size_t i = 0; i < nb; i++)
+                if (r.b[i].live && r.b[i].owner == owner)
+                    r.b[i].waiting = waiting;
+            waits += waiting;
+        }
+        size_t resident = 0;
+        for (size_t i = 0; i < nb; i++)
+            if (r.b[i].live) {
+                if ((device_pool_addr(p, r.b[i].h) != NULL) != r.b[i].resident)
+                    fail_msg("op %d: block %zu is %sresident in the pool, %sin the reference", op, i,
+                             r.b[i].resident ? "not " : "", r.b[i].resident ? "" : "not ");
+                resident += r.b[i].resident;
+            }
+        device_pool_stats st;
+        device_pool_get_stats(p, &st);
+        assert_int_equal(st.resident_blocks, resident);
+        assert_int_equal(st.free_slots, r.free_slots);
+    }
+    printf("  %d operations: %zu fetches, %zu refused (every slot pinned), %zu waiting flags set\n", OPS, fetches,
+           fulls, waits);
+    assert_true(fetches > 500 && fulls > 10 && waits > 50);
+    device_pool_destroy(p);
+    for (unsigned k = 0; k < 8; k++)
+        free(bytes[k]);
+    down(&f);
+}
+
 static void test_limits_and_errors(void **state)
 {
     (void)state;
@@ -419,6 +573,7 @@ int main(void)
         cmocka_unit_test(test_roundtrip_host),
         cmocka_unit_test(test_roundtrip_nvme),
         cmocka_unit_test(test_eviction_order),
+        cmocka_unit_test(test_victims_against_reference),
         cmocka_unit_test(test_limits_and_errors),
         cmocka_unit_test(test_damaged_block),
     };
