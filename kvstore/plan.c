@@ -3,6 +3,7 @@
 
 #include <ctype.h>
 #include <errno.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -256,12 +257,18 @@ int kv_plan_save(const char *path, const kv_codec_params *layers, int n_layers, 
 
 int kv_plan_check_one_window(const kv_codec_params *layers, int n_layers, strata_error *err)
 {
+    bool has_fp16 = false;
+    for (int l = 0; l < n_layers; l++)
+        has_fp16 |= layers[l].codec == KV_CODEC_FP16;
     for (int l = 1; l < n_layers; l++)
         if (layers[l].residual != layers[0].residual)
             return strata_fail(err, STRATA_EUNSUPPORTED,
                                "layer %d keeps an fp16 window of %d tokens and layer 0 one of %d: the GPU path takes "
-                               "KV plans whose layers share it (an fp16 layer has none; give every codec the same -rN)",
-                               l, layers[l].residual, layers[0].residual);
+                               "KV plans whose layers share it (%s)",
+                               l, layers[l].residual, layers[0].residual,
+                               has_fp16 ? "an fp16 layer keeps none, so its quantized layers need -r0, or the plan no "
+                                          "fp16 layer"
+                                        : "give every codec the same -rN");
     return STRATA_OK;
 }
 

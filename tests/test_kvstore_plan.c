@@ -205,6 +205,26 @@ static void test_mixed_pool(void **state)
     free(v);
 }
 
+/* The GPU path's condition: one fp16 window for every layer. The refusal says how to meet it,
+ * which for a plan with fp16 layers (they keep no window) is -r0 on the others. */
+static void test_one_window(void **state)
+{
+    (void)state;
+    kv_codec_params plan[4];
+    strata_error err = {0};
+    assert_int_equal(kv_plan_parse("0-1:kivi2,2-3:tada4", 4, plan, &err), STRATA_OK);
+    assert_int_equal(kv_plan_check_one_window(plan, 4, &err), STRATA_OK);
+    assert_int_equal(kv_plan_parse("0:fp16,1-3:kivi2-r0", 4, plan, &err), STRATA_OK);
+    assert_int_equal(kv_plan_check_one_window(plan, 4, &err), STRATA_OK);
+    assert_int_equal(kv_plan_parse("0:fp16,1-3:kivi2", 4, plan, &err), STRATA_OK);
+    assert_int_equal(kv_plan_check_one_window(plan, 4, &err), STRATA_EUNSUPPORTED);
+    assert_non_null(strstr(err.msg, "layer 1 keeps an fp16 window of 128 tokens and layer 0 one of 0"));
+    assert_non_null(strstr(err.msg, "-r0"));
+    assert_int_equal(kv_plan_parse("0-2:kivi2,3:kivi4-r64", 4, plan, &err), STRATA_OK);
+    assert_int_equal(kv_plan_check_one_window(plan, 4, &err), STRATA_EUNSUPPORTED);
+    assert_non_null(strstr(err.msg, "same -rN"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -212,6 +232,7 @@ int main(void)
         cmocka_unit_test(test_format_round_trip),
         cmocka_unit_test(test_files),
         cmocka_unit_test(test_mixed_pool),
+        cmocka_unit_test(test_one_window),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

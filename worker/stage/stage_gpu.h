@@ -4,11 +4,13 @@
  * plans, the data-plane frames (rows cross in host memory: TCP) and the samplers; this file only
  * runs a step's items and keeps the device sequences.
  *
- * Differences from the CPU stage, version 1: a KV plan's layers must share the fp16 window R; a preempted
+ * Differences from the CPU stage: a KV plan's layers must share the fp16 window R; a preempted
  * sequence keeps its device tail and has its blocks marked to leave the device first (they move
- * to the host tier when room is needed) instead of being spilled whole; migration is refused.
+ * to the host tier when room is needed) instead of being spilled whole. Sequences migrate as
+ * sequence images (stage_gpu_seq_export / _import), the CPU stage's format.
  * In a build without CUDA every call fails with STRATA_EUNSUPPORTED.
- * Status: compiled in every build; never run on a GPU (docs/gpu.md). */
+ * Status: test_stage's GPU cases (two stages, migration) passed on an H100 in session 8; the
+ * strata-worker program on a GPU has not run (docs/gpu.md). */
 #ifndef STRATA_WORKER_STAGE_GPU_H
 #define STRATA_WORKER_STAGE_GPU_H
 
