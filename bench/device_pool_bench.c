@@ -9,11 +9,11 @@
 #include <string.h>
 #include <time.h>
 
-#include "kvstore/block.h"
 #include "kvstore/numarg.h"
 #include "offload/device_pool.h"
 #include "offload/host_arena.h"
 #include "offload/kv_tiers.h"
+#include "tests/offload_blocks.h"
 
 #define PROG "strata-bench-device-pool"
 
@@ -46,29 +46,6 @@ static int mem_copy(void *ctx, void *dst, const void *src, size_t n, strata_erro
     return STRATA_OK;
 }
 
-/* A small real block (fp16, 4 tokens of one 64-wide head: about 1.1 KiB with its header). */
-static uint8_t *make_block(size_t *size, strata_error *err)
-{
-    kv_codec_params p = {.codec = KV_CODEC_FP16, .bits = 16};
-    kv_geometry g = {.n_layers = 1, .n_kv_heads = 1, .head_dim = 64, .block_tokens = 4};
-    kv_block_desc d;
-    kv_block_desc_init(&d, &p, &g, 0, 1);
-    const size_t n = 4 * 64, bytes = kv_block_bytes(&d);
-    float *k = calloc(n, sizeof *k), *v = calloc(n, sizeof *v);
-    uint8_t *b = malloc(bytes);
-    size_t written = 0;
-    int rc = k && v && b ? kv_block_encode(&d, k, v, b, bytes, &written, err)
-                         : strata_fail(err, STRATA_ENOMEM, "out of memory");
-    free(k);
-    free(v);
-    if (rc != STRATA_OK) {
-        free(b);
-        return NULL;
-    }
-    *size = written;
-    return b;
-}
-
 int main(int argc, char **argv)
 {
     long slots = 100000, moves = 20000;
@@ -85,10 +62,10 @@ int main(int argc, char **argv)
         }
     }
     strata_error err = {0};
-    size_t block_bytes = 0;
-    uint8_t *block = make_block(&block_bytes, &err);
+    size_t block_bytes = 0;   /* a small real block: fp16, 4 tokens of one 64-wide head */
+    uint8_t *block = ob_make_block(KV_CODEC_FP16, 16, 1, 64, 4, 0, 1, &block_bytes);
     if (!block) {
-        fprintf(stderr, "%s: %s\n", PROG, err.msg);
+        fprintf(stderr, "%s: could not encode a block\n", PROG);
         return 1;
     }
     const size_t slot = (block_bytes + 63) / 64 * 64;
