@@ -1279,7 +1279,7 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
     if (!cm->last && (!hidden_out || logits || next))
         return strata_fail(err, STRATA_EINVAL, "a stage ending before the last layer hands its rows on (hidden_out) "
                            "and has no head (no logits or tokens)");
-    cuda_phase_timer_discard(cm->phases);   /* the marks of a step that failed */
+    cuda_phase_timer_discard(cm->phases);   /* a failed step leaves its marks: forgotten here, once */
     cuda_phase_mark(cm->phases, CUDA_PHASE_INPUT);
     int rc = check_items(cm, items, n_items, err);
     if (rc == STRATA_OK)
@@ -1378,8 +1378,6 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
         rc = run_head(cm, items, &sp, logits, sample, next, err);
     if (rc == STRATA_OK)
         rc = cuda_phase_timer_end_step(cm->phases, err);
-    else
-        cuda_phase_timer_discard(cm->phases);
     device_pool_unpin_all(cm->pool);   /* also after a failure mid-layer */
     free(sp.full_seq);
     free(sp.order);
