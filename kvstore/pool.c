@@ -13,6 +13,8 @@
 #include "kvstore/ott.h"
 #include "kvstore/seq_image.h"
 
+typedef struct kv_block_ref kv_block_ref;
+
 /* Slots of one size. A bit plan's layers may need blocks of different sizes; layers with equal
  * slot sizes share a class. */
 typedef struct slot_class {
@@ -21,6 +23,9 @@ typedef struct slot_class {
     size_t n_free;
     uint8_t *mem;          /* n_slots * slot_bytes, 64-byte aligned */
     size_t *free_stack;    /* slot indices; the top is free_stack[n_free - 1] */
+    /* The class's resident blocks, oldest last_use first, so the eviction victim is the first
+     * unpinned one from the front: pins are recent uses, so that is almost always the front. */
+    kv_block_ref *oldest, *newest;
 } slot_class;
 
 struct kv_pool {
@@ -45,12 +50,14 @@ struct kv_pool {
 
 /* Where a block is: in a pool slot, in the lower tier, or both (blocks never change, so a copy
  * below stays valid and evicting a block that has one costs no I/O). */
-typedef struct kv_block_ref {
+struct kv_block_ref {
     uint8_t *slot;         /* NULL when not in the pool */
     uint64_t lower;        /* lower-tier handle, 0 when none */
-    uint64_t last_use;     /* pool clock of the last append or acquire */
+    uint64_t last_use;     /* pool clock of the last append, acquire or fetch */
     uint32_t bytes;        /* the block's own size */
-} kv_block_ref;
+    kv_seq *owner;         /* set while resident, with the class's use-order links */
+    kv_block_ref *older, *newer;
+};
 
 typedef struct kv_layer {
     kv_block_ref *refs;    /* max_blocks entries; the first n_blocks are in use */
@@ -344,6 +351,48 @@ static void pool_give(slot_class *k, uint8_t *slot)
     k->free_stack[k->n_free++] = (size_t)(slot - k->mem) / k->slot_bytes;
 }
 
+/* Block refs live in per-sequence tables sized once at creation, so the links stay valid. */
+static void use_order_push(slot_class *k, kv_block_ref *r)
+{
+    r->older = k->newest;
+    r->newer = NULL;
+    if (k->newest)
+        k->newest->newer = r;
+    else
+        k->oldest = r;
+    k->newest = r;
+}
+
+static void use_order_remove(slot_class *k, kv_block_ref *r)
+{
+    if (r->older)
+        r->older->newer = r->newer;
+    else
+        k->oldest = r->newer;
+    if (r->newer)
+        r->newer->older = r->older;
+    else
+        k->newest = r->older;
+    r->older = r->newer = NULL;
+}
+
+/* A block entering a slot: stamped now, so the class's list stays in last_use order. */
+static void block_resident(kv_pool *p, slot_class *k, kv_seq *owner, kv_block_ref *r, uint8_t *slot)
+{
+    r->slot = slot;
+    r->owner = owner;
+    r->last_use = ++p->clock;
+    use_order_push(k, r);
+}
+
+/* A block leaving its slot (evicted, spilled, rolled back or freed with its sequence). */
+static void block_leaves(slot_class *k, kv_block_ref *r)
+{
+    use_order_remove(k, r);
+    pool_give(k, r->slot);
+    r->slot = NULL;
+}
+
 static bool has_lower(const kv_pool *p) { return p->lower.put != NULL; }
 
 int kv_pool_set_lower_tier(kv_pool *pool, const kv_lower_tier *lower, strata_error *err)
@@ -380,33 +429,21 @@ static int evict_one(kv_pool *p, int cls, strata_error *err)
     if (!has_lower(p))
         return strata_fail(err, STRATA_EFULL, "KV block pool exhausted: all %zu slots of %zu bytes are in use "
                            "(no host/NVMe tier to evict to)", k->n_slots, k->slot_bytes);
-    kv_block_ref *victim = NULL;
-    kv_seq *owner = NULL;
-    for (kv_seq *s = p->seqs; s; s = s->next)
-        for (int l = 0; l < p->geom.n_layers; l++) {
-            if (p->layer_class[l] != cls)
-                continue;
-            kv_layer *L = &s->layers[l];
-            for (size_t b = 0; b < L->n_blocks; b++) {
-                kv_block_ref *r = &L->refs[b];
-                if (r->slot && !pinned(s, r) && (!victim || r->last_use < victim->last_use)) {
-                    victim = r;
-                    owner = s;
-                }
-            }
-        }
+    kv_block_ref *victim = k->oldest;
+    while (victim && pinned(victim->owner, victim))
+        victim = victim->newer;
     if (!victim)
         return strata_fail(err, STRATA_EFULL, "KV block pool too small: all %zu slots of %zu bytes hold blocks "
                            "in use by this step; raise the device KV budget", k->n_slots, k->slot_bytes);
     if (!victim->lower) {
-        int rc = p->lower.put(p->lower.ctx, victim->slot, victim->bytes, owner->id, p->clock, &victim->lower, err);
+        int rc = p->lower.put(p->lower.ctx, victim->slot, victim->bytes, victim->owner->id, p->clock, &victim->lower,
+                              err);
         if (rc != STRATA_OK)
-            return strata_error_prefix(err, "evicting a block of sequence %" PRIu64, owner->id);
+            return strata_error_prefix(err, "evicting a block of sequence %" PRIu64, victim->owner->id);
         p->stats.writebacks++;
         p->stats.writeback_bytes += victim->bytes;
     }
-    pool_give(k, victim->slot);
-    victim->slot = NULL;
+    block_leaves(k, victim);
     p->stats.evictions++;
     return STRATA_OK;
 }
@@ -495,7 +532,7 @@ void kv_seq_destroy(kv_seq *seq)
         kv_layer *L = &seq->layers[l];
         for (size_t b = 0; b < L->n_blocks; b++) {
             if (L->refs[b].slot)
-                pool_give(class_of(p, l), L->refs[b].slot);
+                block_leaves(class_of(p, l), &L->refs[b]);
             if (L->refs[b].lower)
                 p->lower.release(p->lower.ctx, L->refs[b].lower);
         }
@@ -633,7 +670,8 @@ int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t
         int rc = slot_take(p, cls_index, &slot, err);
         if (rc == STRATA_OK) {
             /* not visible until n_blocks moves; pinned so that the rest of this call cannot evict it */
-            L->refs[L->n_blocks + b] = (kv_block_ref){.slot = slot, .last_use = ++p->clock};
+            L->refs[L->n_blocks + b] = (kv_block_ref){0};
+            block_resident(p, cls, seq, &L->refs[L->n_blocks + b], slot);
             rc = kv_block_encode_ex(&d, p->stage_k, p->stage_v, &extra, slot, cls->slot_bytes, &written, err);
             L->refs[L->n_blocks + b].bytes = (uint32_t)written;
         }
@@ -641,9 +679,9 @@ int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t
             rc = measure_block(p, L, slot, cls->slot_bytes, err);
         if (rc) {
             for (size_t u = 0; u < b; u++)
-                pool_give(cls, L->refs[L->n_blocks + u].slot);
+                block_leaves(cls, &L->refs[L->n_blocks + u]);
             if (slot)
-                pool_give(cls, slot);
+                block_leaves(cls, &L->refs[L->n_blocks + b]);
             if (L->ott)
                 kv_ott_tracker_copy(L->ott, L->ott_undo);
             L->error = error_before;
@@ -819,9 +857,17 @@ int kv_seq_acquire_layer(kv_seq *seq, int layer, kv_layer_view *view, strata_err
                            "the device KV pool holds %zu blocks of %zu bytes, but attention over layer %d of sequence "
                            "%" PRIu64 " needs its %zu blocks at once; raise the device KV budget",
                            p->classes[cls].n_slots, p->classes[cls].slot_bytes, layer, seq->id, L->n_blocks);
-    /* Pin the whole layer first, so that bringing one block back never evicts another of it. */
-    for (size_t b = 0; b < L->n_blocks; b++)
-        L->refs[b].last_use = ++p->clock;
+    /* Pin the layer's resident blocks first, so that bringing one block back never evicts another
+     * of it; each fetched block is pinned as it arrives. */
+    slot_class *k = &p->classes[cls];
+    for (size_t b = 0; b < L->n_blocks; b++) {
+        kv_block_ref *r = &L->refs[b];
+        if (r->slot) {
+            r->last_use = ++p->clock;
+            use_order_remove(k, r);
+            use_order_push(k, r);
+        }
+    }
     kv_seq_prefetch_layer(seq, layer);
     for (size_t b = 0; b < L->n_blocks; b++) {
         kv_block_ref *r = &L->refs[b];
@@ -830,13 +876,13 @@ int kv_seq_acquire_layer(kv_seq *seq, int layer, kv_layer_view *view, strata_err
         uint8_t *slot;
         int rc = slot_take(p, cls, &slot, err);
         if (rc == STRATA_OK) {
-            rc = p->lower.get(p->lower.ctx, r->lower, slot, p->classes[cls].slot_bytes, p->clock, err);
+            rc = p->lower.get(p->lower.ctx, r->lower, slot, k->slot_bytes, p->clock, err);
             if (rc != STRATA_OK)
-                pool_give(&p->classes[cls], slot);
+                pool_give(k, slot);
         }
         if (rc != STRATA_OK)
             return strata_error_prefix(err, "sequence %" PRIu64 " layer %d block %zu", seq->id, layer, b);
-        r->slot = slot;
+        block_resident(p, k, seq, r, slot);
         p->stats.fetches++;
         p->stats.fetch_bytes += r->bytes;
     }
@@ -926,8 +972,7 @@ int kv_seq_spill(kv_seq *seq, strata_error *err)
                 p->stats.writebacks++;
                 p->stats.writeback_bytes += r->bytes;
             }
-            pool_give(class_of(p, l), r->slot);
-            r->slot = NULL;
+            block_leaves(class_of(p, l), r);
             p->stats.evictions++;
         }
     }
@@ -1145,7 +1190,8 @@ static int import_block(void *ctx, int l, size_t b, const kv_block *blk, strata_
     if (rc != STRATA_OK)
         return rc;
     memcpy(slot, blk->bytes, blk->block_bytes);
-    L->refs[b] = (kv_block_ref){.slot = slot, .last_use = ++pool->clock, .bytes = (uint32_t)blk->block_bytes};
+    L->refs[b] = (kv_block_ref){.bytes = (uint32_t)blk->block_bytes};
+    block_resident(pool, class_of(pool, l), c->s, &L->refs[b], slot);
     L->blocks[b] = slot;
     L->n_blocks = b + 1;
     kv_seq_unpin(c->s);   /* imported blocks may make room for the next ones */

@@ -1,0 +1,342 @@
+/* The pool's eviction order against a model of its rule. With a lower tier, a slot is freed by
+ * evicting the least recently used unpinned block of that slot size, where a use is a block's
+ * arrival in a slot (made by an append, fetched back by an acquire, imported) or an acquire of
+ * its layer while resident, and a block is pinned when its last use came after its sequence's
+ * last unpin. The model below applies that rule by scanning every block it knows; the pool keeps
+ * per-class use-ordered lists instead. Random appends, acquires, unpins, spills, resumes,
+ * migrations and frees on a two-class plan must leave the same blocks resident, the same free
+ * slot count and the same outcomes (including "every slot is pinned") after each operation. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "kvstore/kv_cache.h"
+
+/* A lower tier in plain heap memory: every block it is given, by handle. */
+enum { STORE_CAP = 4096 };
+typedef struct heap_store {
+    uint8_t *bytes[STORE_CAP];
+    size_t len[STORE_CAP];
+} heap_store;
+
+static int store_put(void *ctx, const uint8_t *block, size_t len, uint64_t seq_id, uint64_t clock,
+                     uint64_t *handle, strata_error *err)
+{
+    (void)seq_id;
+    (void)clock;
+    heap_store *s = ctx;
+    for (size_t h = 0; h < STORE_CAP; h++)
+        if (!s->bytes[h]) {
+            s->bytes[h] = malloc(len);
+            if (!s->bytes[h])
+                return strata_fail(err, STRATA_ENOMEM, "test store: out of memory");
+            memcpy(s->bytes[h], block, len);
+            s->len[h] = len;
+            *handle = h + 1;
+            return STRATA_OK;
+        }
+    return strata_fail(err, STRATA_EFULL, "test store: full");
+}
+
+static int store_get(void *ctx, uint64_t handle, uint8_t *dst, size_t cap, uint64_t clock, strata_error *err)
+{
+    (void)clock;
+    heap_store *s = ctx;
+    if (handle < 1 || handle > STORE_CAP || !s->bytes[handle - 1] || s->len[handle - 1] > cap)
+        return strata_fail(err, STRATA_EINVAL, "test store: bad handle %llu", (unsigned long long)handle);
+    memcpy(dst, s->bytes[handle - 1], s->len[handle - 1]);
+    return STRATA_OK;
+}
+
+static void store_release(void *ctx, uint64_t handle)
+{
+    heap_store *s = ctx;
+    assert_true(handle >= 1 && handle <= STORE_CAP && s->bytes[handle - 1]);
+    free(s->bytes[handle - 1]);
+    s->bytes[handle - 1] = NULL;
+}
+
+static uint64_t rng_next(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* The model. */
+enum { LAYERS = 4, MAX_SEQS = 5, MAX_BLOCKS = 12, BT = 32, SLOTS_PER_LAYER = 3 };
+typedef struct model_block {
+    bool resident;
+    uint64_t last_use;
+} model_block;
+typedef struct model_seq {
+    bool live;             /* the entry is a sequence (or one being imported) */
+    kv_seq *seq;
+    bool spilled;
+    uint64_t floor;
+    size_t tokens[LAYERS];  /* blocks * BT + tail */
+    size_t n_blocks[LAYERS];
+    model_block b[LAYERS][MAX_BLOCKS];
+} model_seq;
+typedef struct model {
+    model_seq s[MAX_SEQS];
+    uint64_t clock;
+    size_t free[2];         /* per class: layers 0-1 kivi2, layers 2-3 kivi4 */
+} model;
+
+static int class_of_layer(int l) { return l < 2 ? 0 : 1; }
+
+static void use(model *m, model_block *b)
+{
+    b->resident = true;
+    b->last_use = ++m->clock;
+}
+
+/* Frees a slot of class c the way the rule says, or reports that every resident block is pinned. */
+static bool model_take(model *m, int c)
+{
+    if (m->free[c] > 0) {
+        m->free[c]--;
+        return true;
+    }
+    model_block *victim = NULL;
+    for (int i = 0; i < MAX_SEQS; i++)
+        for (int l = 0; m->s[i].live && l < LAYERS; l++)
+            for (size_t k = 0; class_of_layer(l) == c && k < m->s[i].n_blocks[l]; k++) {
+                model_block *b = &m->s[i].b[l][k];
+                if (b->resident && b->last_use <= m->s[i].floor && (!victim || b->last_use < victim->last_use))
+                    victim = b;
+            }
+    if (!victim)
+        return false;
+    victim->resident = false;
+    return true;
+}
+
+static void model_drop(model *m, model_seq *s)
+{
+    for (int l = 0; l < LAYERS; l++)
+        for (size_t k = 0; k < s->n_blocks[l]; k++)
+            if (s->b[l][k].resident) {
+                s->b[l][k].resident = false;
+                m->free[class_of_layer(l)]++;
+            }
+}
+
+static void assert_same(const model *m, const kv_pool *pool)
+{
+    kv_pool_stats st;
+    kv_pool_get_stats(pool, &st);
+    assert_int_equal(st.free_slots, m->free[0] + m->free[1]);
+    for (int i = 0; i < MAX_SEQS; i++) {
+        const model_seq *s = &m->s[i];
+        if (!s->live || s->spilled)
+            continue;
+        for (int l = 0; l < LAYERS; l++) {
+            kv_layer_view v;
+            kv_seq_layer_view(s->seq, l, &v);
+            assert_int_equal(v.n_blocks, s->n_blocks[l]);
+            assert_int_equal(kv_seq_length(s->seq, l), s->tokens[l]);
+            for (size_t k = 0; k < v.n_blocks; k++)
+                if ((v.blocks[k] != NULL) != s->b[l][k].resident)
+                    fail_msg("sequence slot %d layer %d block %zu: pool %s, model %s (clock %llu)", i, l, k,
+                             v.blocks[k] ? "resident" : "below", s->b[l][k].resident ? "resident" : "below",
+                             (unsigned long long)m->clock);
+        }
+    }
+}
+
+/* Appends n rows to layer l of the pool's sequence and of the model: each block the append
+ * completes takes a slot (evicting by the rule) and is used; if one cannot, the append fails and
+ * the blocks it made leave their slots again. Returns whether the append succeeded. */
+static bool append_both(model *m, model_seq *s, int l, size_t n, const float *rows)
+{
+    enum { R = 32 };
+    if (n == 0)
+        return true;
+    const int c = class_of_layer(l);
+    const size_t tail = s->tokens[l] - s->n_blocks[l] * BT, stream = tail + n;
+    const size_t n_new = stream >= R + BT ? (stream - R) / BT : 0;
+    size_t made = 0;
+    bool ok = true;
+    while (ok && made < n_new) {
+        ok = model_take(m, c);
+        if (ok)
+            use(m, &s->b[l][s->n_blocks[l] + made++]);
+    }
+    strata_error err = {0};
+    int rc = kv_seq_append(s->seq, l, rows, rows, n, &err);
+    if (!ok) {
+        assert_int_equal(rc, STRATA_EFULL);
+        for (size_t k = 0; k < made; k++) {
+            s->b[l][s->n_blocks[l] + k].resident = false;
+            m->free[c]++;
+        }
+        return false;
+    }
+    if (rc != STRATA_OK)
+        fail_msg("append refused: %s", err.msg);
+    s->n_blocks[l] += n_new;
+    s->tokens[l] += n;
+    return true;
+}
+
+static void test_eviction_against_model(void **state)
+{
+    (void)state;
+    enum { OPS = 3000, MAX_TOKENS = MAX_BLOCKS * BT };
+    const kv_geometry g = {LAYERS, 2, 64, BT};
+    kv_codec_params plan[LAYERS];
+    strata_error err = {0};
+    for (int l = 0; l < LAYERS; l++)
+        assert_int_equal(kv_codec_parse(l < 2 ? "kivi2-r32" : "kivi4-r32", &plan[l], &err), STRATA_OK);
+    kv_pool *pool = kv_pool_create_plan(&g, plan, SLOTS_PER_LAYER, &err);
+    assert_non_null(pool);
+    static heap_store store;
+    memset(&store, 0, sizeof store);
+    const kv_lower_tier lower = {.ctx = &store, .put = store_put, .get = store_get, .release = store_release};
+    assert_int_equal(kv_pool_set_lower_tier(pool, &lower, &err), STRATA_OK);
+    static model m;
+    memset(&m, 0, sizeof m);
+    m.free[0] = m.free[1] = 2 * SLOTS_PER_LAYER;
+    const size_t row = 2 * 64;
+    float *rows = malloc(3 * BT * row * sizeof(float));
+    assert_non_null(rows);
+    uint64_t seed = 11;
+    for (size_t i = 0; i < 3 * BT * row; i++)
+        rows[i] = (float)((double)(rng_next(&seed) >> 11) * 0x1p-52 - 0.5);
+    size_t counts[8] = {0}, refusals = 0;
+
+    for (int op = 0; op < OPS; op++) {
+        const int i = (int)(rng_next(&seed) % MAX_SEQS), l = (int)(rng_next(&seed) % LAYERS);
+        const int c = class_of_layer(l);
+        model_seq *s = &m.s[i];
+        const unsigned what = (unsigned)(rng_next(&seed) % 16);
+        int rc;
+        if (!s->live) {   /* a new sequence, sometimes a migrated copy of another */
+            int from = (int)(rng_next(&seed) % MAX_SEQS);
+            model_seq *o = &m.s[from];
+            bool even = true;   /* a sequence image needs every layer at the same length */
+            for (int k = 1; k < LAYERS; k++)
+                even = even && o->tokens[k] == o->tokens[0];
+            if (what < 8 || !o->live || o->spilled || !even) {
+                memset(s, 0, sizeof *s);
+                s->live = true;
+                s->seq = kv_seq_create(pool, MAX_TOKENS, &err);
+                assert_non_null(s->seq);
+                counts[0]++;
+                continue;
+            }
+            uint8_t *img = NULL;
+            size_t len = 0;
+            assert_int_equal(kv_seq_export(o->seq, &img, &len, &err), STRATA_OK);
+            /* The import takes a slot per block, layer by layer, unpinning after each. */
+            memset(s, 0, sizeof *s);
+            s->live = true;   /* its blocks are candidates as soon as they arrive */
+            bool fits = true;
+            for (int k = 0; k < LAYERS && fits; k++) {
+                s->tokens[k] = o->tokens[k];
+                for (size_t b = 0; b < o->n_blocks[k] && fits; b++) {
+                    fits = model_take(&m, class_of_layer(k));
+                    if (fits) {
+                        use(&m, &s->b[k][b]);
+                        s->n_blocks[k] = b + 1;
+                        s->floor = m.clock;
+                    }
+                }
+            }
+            s->seq = kv_seq_import(pool, MAX_TOKENS, img, len, &err);
+            free(img);
+            if (!fits) {   /* the import fails and frees what it took */
+                assert_null(s->seq);
+                model_drop(&m, s);
+                memset(s, 0, sizeof *s);
+                refusals++;
+            } else {
+                if (!s->seq)
+                    fail_msg("import refused: %s", err.msg);
+                counts[1]++;
+            }
+        } else if (what < 6 && !s->spilled) {
+            /* n tokens to one layer, or to every layer in turn as a forward step does */
+            size_t n = 1 + (size_t)(rng_next(&seed) % (what % 2 ? 2 : 3 * BT));
+            bool ok = true;
+            for (int k = what < 3 ? 0 : l; ok && k < (what < 3 ? LAYERS : l + 1); k++) {
+                ok = append_both(&m, s, k, n < MAX_TOKENS - s->tokens[k] ? n : MAX_TOKENS - s->tokens[k], rows);
+                counts[2] += ok;
+                refusals += !ok;
+            }
+        } else if (what < 10 && !s->spilled) {   /* acquire a layer: resident blocks first, then fetches */
+            bool ok = s->n_blocks[l] <= 2 * SLOTS_PER_LAYER;
+            for (size_t k = 0; ok && k < s->n_blocks[l]; k++)
+                if (s->b[l][k].resident)
+                    s->b[l][k].last_use = ++m.clock;
+            for (size_t k = 0; ok && k < s->n_blocks[l]; k++)
+                if (!s->b[l][k].resident) {
+                    ok = model_take(&m, c);
+                    if (ok)
+                        use(&m, &s->b[l][k]);
+                }
+            kv_layer_view v;
+            rc = kv_seq_acquire_layer(s->seq, l, &v, &err);
+            assert_int_equal(rc, ok ? STRATA_OK : STRATA_EFULL);
+            counts[3] += ok;
+            refusals += !ok;
+            if (rng_next(&seed) % 2) {   /* held pinned across later operations half the time */
+                kv_seq_unpin(s->seq);
+                s->floor = m.clock;
+            }
+        } else if (what < 12) {
+            kv_seq_unpin(s->seq);
+            s->floor = m.clock;
+            counts[4]++;
+        } else if (what == 12 && !s->spilled) {
+            assert_int_equal(kv_seq_spill(s->seq, &err), STRATA_OK);
+            s->floor = m.clock;
+            model_drop(&m, s);
+            s->spilled = true;
+            counts[5]++;
+        } else if (what == 13 && s->spilled) {
+            assert_int_equal(kv_seq_resume(s->seq, &err), STRATA_OK);
+            s->spilled = false;
+            counts[6]++;
+        } else if (what == 14) {
+            kv_seq_destroy(s->seq);
+            model_drop(&m, s);
+            memset(s, 0, sizeof *s);
+            counts[7]++;
+        }
+        assert_same(&m, pool);
+    }
+    /* Every kind of operation ran, and so did evictions and refusals. */
+    for (size_t k = 0; k < sizeof counts / sizeof *counts; k++)
+        assert_true(counts[k] > 0);
+    assert_true(refusals > 0);
+    kv_pool_stats st;
+    kv_pool_get_stats(pool, &st);
+    assert_true(st.evictions > 100);
+    assert_true(st.fetches > 100);
+    for (int i = 0; i < MAX_SEQS; i++)
+        kv_seq_destroy(m.s[i].seq);   /* NULL for unused entries */
+    kv_pool_get_stats(pool, &st);
+    assert_int_equal(st.free_slots, st.slots);
+    for (size_t h = 0; h < STORE_CAP; h++)
+        assert_null(store.bytes[h]);
+    kv_pool_destroy(pool);
+    free(rows);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_eviction_against_model),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
