@@ -4,6 +4,7 @@
 #define STRATA_KERNELS_OPS_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* y[n][out] = x[n][in] * W^T, W [out][in].
  * Batch-invariant: row r of y depends only on row r of x and on W, bit for bit, whatever n, the
@@ -13,6 +14,28 @@
  * change with the number of rows and sgemv differs from sgemm. Splits the outputs over the
  * threads set by kern_set_threads when the product is large enough. */
 void kern_matmul(const float *x, size_t n, size_t in, const float *w, size_t out, float *y);
+
+/* A weight matrix [out][in] as the model file stores it: type is a gguf_tensor_type of
+ * kernels/weight_values.h (F32: floats in host order; F16, BF16, Q8_0, Q4_0, Q4_1: GGUF's
+ * little-endian blocks, each row a whole number of them), data the rows back to back. */
+typedef struct kern_weights {
+    uint32_t type;
+    const void *data;
+} kern_weights;
+
+/* Bytes of one row of in elements; 0 for an unknown type or an in the type's block does not
+ * divide. */
+size_t kern_weights_row_bytes(uint32_t type, size_t in);
+
+/* Rows [first, first + count) of w as fp32: the values weight_values.h's gguf_value gives, bit
+ * for bit (for finite values; the model loader refuses others). */
+void kern_weights_rows(kern_weights w, size_t in, size_t first, size_t count, float *out);
+
+/* kern_matmul with W in any kern_weights format: the same bits as kern_matmul over
+ * kern_weights_rows(W) (the rows are decoded a panel at a time, in the thread that uses them,
+ * and summed in kern_matmul's order), while reading the stored bytes: a quarter to an eighth of
+ * fp32's for the 4- and 8-bit formats, which is what limits a decode step. */
+void kern_matmul_w(const float *x, size_t n, size_t in, kern_weights w, size_t out, float *y);
 
 /* out = x / sqrt(mean(x^2) + eps) * weight, for each of n rows of dim elements. out may be x. */
 void kern_rmsnorm(const float *x, const float *weight, size_t n, size_t dim, float eps, float *out);

@@ -415,9 +415,13 @@ static void test_load_for_device(void **state)
     assert_false(model_is_for_device(the_model));
     const model_config *c = model_get_config(dev);
     const size_t embd = (size_t)c->n_vocab * (size_t)c->n_embd;
-    assert_memory_equal(model_get_token_embedding(dev), model_get_token_embedding(the_model), embd * sizeof(float));
-    assert_int_equal(model_weight_bytes(dev), embd * sizeof(float));
-    assert_null(model_get_output_weights(dev));
+    const kern_weights dev_embd = model_get_token_embedding(dev), cpu_embd = model_get_token_embedding(the_model);
+    const size_t embd_bytes = (size_t)c->n_vocab * kern_weights_row_bytes(dev_embd.type, (size_t)c->n_embd);
+    assert_int_equal(dev_embd.type, cpu_embd.type);
+    assert_true(embd_bytes > 0 && embd_bytes < embd * sizeof(float) / 3);   /* kept as the file's Q8_0 */
+    assert_memory_equal(dev_embd.data, cpu_embd.data, embd_bytes);
+    assert_int_equal(model_weight_bytes(dev), embd_bytes);
+    assert_null(model_get_output_weights(dev).data);
     assert_null(model_get_output_norm(dev));
 
     expect_tensors_equal_host(the_model, dev, false);
@@ -440,7 +444,7 @@ static void test_load_for_device(void **state)
     assert_non_null(back);
     assert_int_equal(model_tensor_get(front, MODEL_T_OUTPUT, 0, &t, &err), STRATA_EINVAL);
     assert_int_equal(model_tensor_get(front, MODEL_T_WQ, 15, &t, &err), STRATA_EINVAL);
-    assert_null(model_get_token_embedding(back));
+    assert_null(model_get_token_embedding(back).data);
     assert_int_equal(model_weight_bytes(back), 0);
     assert_int_equal(model_tensor_get(back, MODEL_T_OUTPUT, 0, &t, &err), STRATA_OK);
     assert_int_equal(model_tensor_get(back, MODEL_T_TOKEN_EMBD, 0, &t, &err), STRATA_EINVAL);

@@ -295,17 +295,19 @@ static void test_weight_accessors(void **state)
     model_layer_weights w;
     for (int il = 0; il < 2; il++) {
         assert_int_equal(model_get_layer_weights(first, il, &w, &err), STRATA_OK);
-        assert_true(w.attn_norm && w.wq && w.wk && w.wv && w.wo && w.ffn_norm && w.w_gate && w.w_up && w.w_down);
+        assert_true(w.attn_norm && w.wq.data && w.wk.data && w.wv.data && w.wo.data && w.ffn_norm && w.w_gate.data &&
+                    w.w_up.data && w.w_down.data);
+        assert_int_equal(w.wq.type, GGUF_T_F32);   /* generated weights are fp32 */
         assert_true(w.attn_norm[0] == 1.0f);   /* norms are 1 */
     }
     assert_int_equal(model_get_layer_weights(first, 2, &w, &err), STRATA_EINVAL);
     assert_int_equal(model_get_layer_weights(last, 1, &w, &err), STRATA_EINVAL);
     assert_int_equal(model_get_layer_weights(last, 3, &w, &err), STRATA_OK);
-    assert_non_null(model_get_token_embedding(first));
-    assert_null(model_get_output_weights(first));
+    assert_non_null(model_get_token_embedding(first).data);
+    assert_null(model_get_output_weights(first).data);
     assert_null(model_get_output_norm(first));
-    assert_null(model_get_token_embedding(last));   /* untied: the embedding stays with stage 0 */
-    assert_non_null(model_get_output_weights(last));
+    assert_null(model_get_token_embedding(last).data);   /* untied: the embedding stays with stage 0 */
+    assert_non_null(model_get_output_weights(last).data);
     assert_non_null(model_get_output_norm(last));
     model_free(first);
     model_free(last);
@@ -571,7 +573,8 @@ static void test_load_for_device(void **state)
         fail_msg("%s", err.msg);
     const model_config *c = model_get_config(dev);
     const size_t embd = (size_t)c->n_vocab * (size_t)c->n_embd;
-    assert_memory_equal(model_get_token_embedding(dev), model_get_token_embedding(host), embd * sizeof(float));
+    assert_int_equal(model_get_token_embedding(dev).type, GGUF_T_F32);
+    assert_memory_equal(model_get_token_embedding(dev).data, model_get_token_embedding(host).data, embd * sizeof(float));
     expect_tensors_equal_host(host, dev, true);
     model_free(dev);
     model_free(host);

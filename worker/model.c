@@ -7,22 +7,25 @@
 
 #include "kernels/kv_attention.h"
 #include "kernels/ops.h"
+#include "kernels/weight_values.h"
 #include "kvstore/half.h"
 #include "worker/gguf.h"
 #include "worker/synthetic.h"
 
+/* Matrices stay in the file's format (kern_matmul_w decodes them a panel at a time): decoding is
+ * cheaper than reading fp32 from memory, which limits a decode step. Norms are fp32. */
 typedef struct layer_weights {
-    float *attn_norm, *wq, *wk, *wv, *wo;
-    float *ffn_norm, *w_gate, *w_up, *w_down;
+    float *attn_norm, *ffn_norm;
+    kern_weights wq, wk, wv, wo, w_gate, w_up, w_down;
 } layer_weights;
 
 struct model {
     model_config cfg;
     int layer_begin, layer_end;
     layer_weights *layers;   /* layer_end - layer_begin entries */
-    float *tok_embd;         /* [n_vocab][n_embd], present on the first stage or when tied */
+    kern_weights tok_embd;   /* [n_vocab][n_embd], present on the first stage or when tied */
     float *output_norm;      /* last stage only */
-    float *output;           /* [n_vocab][n_embd]; aliases tok_embd when tied */
+    kern_weights output;     /* [n_vocab][n_embd]; aliases tok_embd when tied */
     tokenizer *tok;
     size_t weight_bytes;
     bool for_device;         /* model_load_for_device: layers and head stay in src */
@@ -263,19 +266,81 @@ static float *load_tensor(model *m, const model_source *src, const char *name, u
     return out;
 }
 
+/* Checks that every value of a stored matrix is finite, decoding it a few rows at a time. */
+static int check_finite(const char *name, kern_weights w, uint64_t ne0, uint64_t ne1, strata_error *err)
+{
+    const size_t rows_per = ne0 < 16384 ? 16384 / (size_t)ne0 : 1;
+    float *buf = malloc(rows_per * (size_t)ne0 * sizeof *buf);
+    if (!buf)
+        return strata_fail(err, STRATA_ENOMEM, "out of memory checking tensor '%s'", name);
+    int rc = STRATA_OK;
+    for (uint64_t r0 = 0; rc == STRATA_OK && r0 < ne1; r0 += rows_per) {
+        const size_t rows = ne1 - r0 < rows_per ? (size_t)(ne1 - r0) : rows_per;
+        kern_weights_rows(w, (size_t)ne0, (size_t)r0, rows, buf);
+        for (size_t i = 0; i < rows * (size_t)ne0; i++)
+            if (!isfinite(buf[i])) {
+                rc = strata_fail(err, STRATA_EFORMAT, "tensor '%s' holds a non-finite value at element %llu", name,
+                                 (unsigned long long)(r0 * ne0 + i));
+                break;
+            }
+    }
+    free(buf);
+    return rc;
+}
+
+/* A [ne1][ne0] matrix as the forward pass multiplies by it: a GGUF tensor's own bytes when its
+ * rows are whole blocks of a format kern_matmul_w reads (F16, BF16, Q8_0, Q4_0, Q4_1), else its
+ * fp32 values (F32 tensors, odd row lengths, synthetic weights). */
+static int load_matrix(model *m, const model_source *src, const char *name, uint64_t ne0, uint64_t ne1,
+                       kern_weights *out, strata_error *err)
+{
+    *out = (kern_weights){GGUF_T_F32, NULL};
+    model_tensor where;
+    if (src->gguf && locate(src, name, ne0, ne1, &where, err) != STRATA_OK)
+        return err ? err->code : STRATA_EFORMAT;
+    if (src->gguf && where.type != GGUF_T_F32 && kern_weights_row_bytes(where.type, (size_t)ne0) != 0) {
+        void *bytes = malloc(where.bytes);
+        if (!bytes)
+            return strata_fail(err, STRATA_ENOMEM, "out of memory loading tensor '%s' (%zu bytes)", name,
+                               (size_t)where.bytes);
+        memcpy(bytes, where.data, where.bytes);
+        const kern_weights w = {where.type, bytes};
+        int rc = check_finite(name, w, ne0, ne1, err);
+        if (rc != STRATA_OK) {
+            free(bytes);
+            return rc;
+        }
+        *out = w;
+        m->weight_bytes += where.bytes;
+        return STRATA_OK;
+    }
+    float *f = load_tensor(m, src, name, ne0, ne1, err);
+    if (!f)
+        return err ? err->code : STRATA_EFORMAT;
+    out->data = f;
+    return STRATA_OK;
+}
+
 static int load_layer(model *m, const model_source *src, int il, layer_weights *L, strata_error *err)
 {
-    float **dst[] = {
-        [MODEL_T_ATTN_NORM] = &L->attn_norm, [MODEL_T_WQ] = &L->wq, [MODEL_T_WK] = &L->wk, [MODEL_T_WV] = &L->wv,
-        [MODEL_T_WO] = &L->wo, [MODEL_T_FFN_NORM] = &L->ffn_norm, [MODEL_T_GATE] = &L->w_gate,
-        [MODEL_T_UP] = &L->w_up, [MODEL_T_DOWN] = &L->w_down,
+    kern_weights *matrix[] = {
+        [MODEL_T_WQ] = &L->wq, [MODEL_T_WK] = &L->wk, [MODEL_T_WV] = &L->wv, [MODEL_T_WO] = &L->wo,
+        [MODEL_T_GATE] = &L->w_gate, [MODEL_T_UP] = &L->w_up, [MODEL_T_DOWN] = &L->w_down,
     };
     for (int role = 0; role < MODEL_LAYER_TENSORS; role++) {
         char name[96];
         uint64_t ne0, ne1;
         tensor_spec(&m->cfg, (model_tensor_role)role, il, name, &ne0, &ne1);
-        if (!(*dst[role] = load_tensor(m, src, name, ne0, ne1, err)))
-            return err ? err->code : STRATA_EFORMAT;
+        int rc = STRATA_OK;
+        if (role == MODEL_T_ATTN_NORM || role == MODEL_T_FFN_NORM) {
+            float **norm = role == MODEL_T_ATTN_NORM ? &L->attn_norm : &L->ffn_norm;
+            if (!(*norm = load_tensor(m, src, name, ne0, ne1, err)))
+                rc = err ? err->code : STRATA_EFORMAT;
+        } else {
+            rc = load_matrix(m, src, name, ne0, ne1, matrix[role], err);
+        }
+        if (rc != STRATA_OK)
+            return rc;
     }
     return STRATA_OK;
 }
@@ -304,21 +369,21 @@ static int load_weights(model *m, const model_source *src, strata_error *err)
 {
     const bool first = m->layer_begin == 0, last = m->layer_end == m->cfg.n_layers;
     const uint64_t e = (uint64_t)m->cfg.n_embd, nv = (uint64_t)m->cfg.n_vocab;
+    int rc = STRATA_OK;
     if ((first || (last && m->cfg.tied_output)) &&
-        !(m->tok_embd = load_tensor(m, src, "token_embd.weight", e, nv, err)))
-        return err ? err->code : STRATA_EFORMAT;
+        (rc = load_matrix(m, src, "token_embd.weight", e, nv, &m->tok_embd, err)) != STRATA_OK)
+        return rc;
     if (last) {
         if (!(m->output_norm = load_tensor(m, src, "output_norm.weight", e, 1, err)))
             return err ? err->code : STRATA_EFORMAT;
         if (m->cfg.tied_output)
             m->output = m->tok_embd;
-        else if (!(m->output = load_tensor(m, src, "output.weight", e, nv, err)))
-            return err ? err->code : STRATA_EFORMAT;
+        else if ((rc = load_matrix(m, src, "output.weight", e, nv, &m->output, err)) != STRATA_OK)
+            return rc;
     }
     m->layers = calloc((size_t)(m->layer_end - m->layer_begin), sizeof *m->layers);
     if (!m->layers)
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
-    int rc = STRATA_OK;
     for (int il = m->layer_begin; rc == STRATA_OK && il < m->layer_end; il++)
         rc = load_layer(m, src, il, &m->layers[il - m->layer_begin], err);
     return rc;
@@ -342,10 +407,10 @@ static int set_layer_range(model *m, int layer_begin, int layer_end, strata_erro
 static int locate_weights(model *m, strata_error *err)
 {
     const uint64_t e = (uint64_t)m->cfg.n_embd, nv = (uint64_t)m->cfg.n_vocab;
-    if (m->layer_begin == 0 && !(m->tok_embd = load_tensor(m, m->src, "token_embd.weight", e, nv, err)))
-        return err ? err->code : STRATA_EFORMAT;
-    model_tensor t;
     int rc = STRATA_OK;
+    if (m->layer_begin == 0 && (rc = load_matrix(m, m->src, "token_embd.weight", e, nv, &m->tok_embd, err)) != STRATA_OK)
+        return rc;
+    model_tensor t;
     for (int il = m->layer_begin; rc == STRATA_OK && il < m->layer_end; il++)
         for (int role = 0; rc == STRATA_OK && role < MODEL_LAYER_TENSORS; role++)
             rc = model_tensor_get(m, (model_tensor_role)role, il, &t, err);
@@ -450,15 +515,16 @@ void model_free(model *m)
     if (m->layers) {
         for (int i = 0; i < m->layer_end - m->layer_begin; i++) {
             layer_weights *L = &m->layers[i];
-            float *all[] = {L->attn_norm, L->wq, L->wk, L->wv, L->wo, L->ffn_norm, L->w_gate, L->w_up, L->w_down};
+            const void *all[] = {L->attn_norm, L->wq.data, L->wk.data, L->wv.data, L->wo.data, L->ffn_norm,
+                                 L->w_gate.data, L->w_up.data, L->w_down.data};
             for (size_t j = 0; j < sizeof all / sizeof all[0]; j++)
-                free(all[j]);
+                free((void *)all[j]);
         }
         free(m->layers);
     }
-    if (m->output != m->tok_embd)
-        free(m->output);
-    free(m->tok_embd);
+    if (m->output.data != m->tok_embd.data)
+        free((void *)m->output.data);
+    free((void *)m->tok_embd.data);
     free(m->output_norm);
     tokenizer_free(m->tok);
     if (m->src) {
@@ -482,13 +548,23 @@ int model_get_layer_weights(const model *m, int layer, model_layer_weights *out,
     if (m->for_device)
         return strata_fail(err, STRATA_EINVAL, "the model was loaded for a device: its layers are not on the host");
     const layer_weights *L = &m->layers[layer - m->layer_begin];
-    *out = (model_layer_weights){L->attn_norm, L->wq, L->wk, L->wv, L->wo, L->ffn_norm, L->w_gate, L->w_up, L->w_down};
+    *out = (model_layer_weights){L->attn_norm, L->ffn_norm, L->wq, L->wk, L->wv, L->wo, L->w_gate, L->w_up, L->w_down};
     return STRATA_OK;
 }
 
-const float *model_get_token_embedding(const model *m) { return m->tok_embd; }
+kern_weights model_get_token_embedding(const model *m) { return m->tok_embd; }
 const float *model_get_output_norm(const model *m) { return m->output_norm; }
-const float *model_get_output_weights(const model *m) { return m->output_norm ? m->output : NULL; }
+kern_weights model_get_output_weights(const model *m)
+{
+    return m->output_norm ? m->output : (kern_weights){GGUF_T_F32, NULL};
+}
+
+void model_embed_tokens(const model *m, const int32_t *tokens, size_t n, float *out)
+{
+    const size_t e = (size_t)m->cfg.n_embd;
+    for (size_t i = 0; i < n; i++)
+        kern_weights_rows(m->tok_embd, e, (size_t)tokens[i], 1, out + i * e);
+}
 
 kv_geometry model_kv_geometry(const model *m, int block_tokens)
 {
@@ -563,7 +639,7 @@ static void run_head(const model *m, const float *x, size_t n, float *xn, float 
 {
     const model_config *c = &m->cfg;
     kern_rmsnorm(x, m->output_norm, n, (size_t)c->n_embd, c->rms_eps, xn);
-    kern_matmul(xn, n, (size_t)c->n_embd, m->output, (size_t)c->n_vocab, logits);
+    kern_matmul_w(xn, n, (size_t)c->n_embd, m->output, (size_t)c->n_vocab, logits);
 }
 
 static int run_layer_batch(model *m, const model_batch_item *items, size_t n_items, int il, workspace *w,
@@ -599,8 +675,7 @@ int model_forward(model *m, kv_seq *seq, const int32_t *tokens, size_t n, size_t
     rc = workspace_alloc(&w, c, n, err);
     if (rc != STRATA_OK)
         return rc;
-    for (size_t i = 0; i < n; i++)
-        memcpy(w.x + i * e, m->tok_embd + (size_t)tokens[i] * e, e * sizeof(float));
+    model_embed_tokens(m, tokens, n, w.x);
     for (int il = 0; il < c->n_layers && rc == STRATA_OK; il++)
         rc = run_layer_batch(m, &item, 1, il, &w, n, err);
     if (rc == STRATA_OK && logits)
@@ -731,9 +806,9 @@ static int run_layer_batch(model *m, const model_batch_item *items, size_t n_ite
     const size_t kvd = (size_t)c->n_kv_heads * hd;
 
     kern_rmsnorm(w->x, L->attn_norm, rows, e, c->rms_eps, w->xn);
-    kern_matmul(w->xn, rows, e, L->wq, e, w->q);
-    kern_matmul(w->xn, rows, e, L->wk, kvd, w->k);
-    kern_matmul(w->xn, rows, e, L->wv, kvd, w->v);
+    kern_matmul_w(w->xn, rows, e, L->wq, e, w->q);
+    kern_matmul_w(w->xn, rows, e, L->wk, kvd, w->k);
+    kern_matmul_w(w->xn, rows, e, L->wv, kvd, w->v);
     size_t r0 = 0;
     for (size_t j = 0; j < n_items; j++) {
         for (size_t i = 0; i < items[j].n_tokens; i++) {
@@ -781,14 +856,14 @@ static int run_layer_batch(model *m, const model_batch_item *items, size_t n_ite
         kv_seq_unpin(seq);   /* this layer's blocks may now move down to make room for others */
         r0 += n;
     }
-    kern_matmul(w->attn, rows, e, L->wo, e, w->proj);
+    kern_matmul_w(w->attn, rows, e, L->wo, e, w->proj);
     kern_add(w->x, w->proj, rows * e);
 
     kern_rmsnorm(w->x, L->ffn_norm, rows, e, c->rms_eps, w->xn);
-    kern_matmul(w->xn, rows, e, L->w_gate, (size_t)c->n_ff, w->gate);
-    kern_matmul(w->xn, rows, e, L->w_up, (size_t)c->n_ff, w->up);
+    kern_matmul_w(w->xn, rows, e, L->w_gate, (size_t)c->n_ff, w->gate);
+    kern_matmul_w(w->xn, rows, e, L->w_up, (size_t)c->n_ff, w->up);
     kern_swiglu(w->gate, w->up, rows * (size_t)c->n_ff, w->gate);
-    kern_matmul(w->gate, rows, (size_t)c->n_ff, L->w_down, e, w->proj);
+    kern_matmul_w(w->gate, rows, (size_t)c->n_ff, L->w_down, e, w->proj);
     kern_add(w->x, w->proj, rows * e);
     return STRATA_OK;
 }
@@ -839,9 +914,8 @@ int model_forward_batch(model *m, const model_batch_item *items, size_t n_items,
         return rc;
     if (first) {
         size_t r = 0;
-        for (size_t j = 0; j < n_items; j++)
-            for (size_t i = 0; i < items[j].n_tokens; i++, r++)
-                memcpy(w.x + r * e, m->tok_embd + (size_t)items[j].tokens[i] * e, e * sizeof(float));
+        for (size_t j = 0; j < n_items; r += items[j].n_tokens, j++)
+            model_embed_tokens(m, items[j].tokens, items[j].n_tokens, w.x + r * e);
     } else {
         memcpy(w.x, hidden_in, rows * e * sizeof(float));
     }

@@ -3,7 +3,8 @@
  *
  * A model can hold only the layers [layer_begin, layer_end) so that a pipeline stage loads its
  * slice; the embedding lives with the stage that has layer 0 and the output norm and head
- * with the stage that has the last layer. Weights are dequantized to fp32 at load.
+ * with the stage that has the last layer. Matrices stay in the file's format (kern_matmul_w
+ * decodes them as it multiplies, to the same bits as fp32 copies would give); norms are fp32.
  *
  * A model owns scratch buffers: one model is driven from one thread at a time. */
 #ifndef STRATA_WORKER_MODEL_H
@@ -13,6 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels/ops.h"
 #include "kvstore/error.h"
 #include "kvstore/kv_cache.h"
 #include "worker/tokenizer.h"
@@ -97,29 +99,36 @@ const model_config *model_get_config(const model *m);
 const tokenizer *model_get_tokenizer(const model *m);
 int model_layer_begin(const model *m);
 int model_layer_end(const model *m);
-/* Bytes of weights held in memory (fp32). */
+/* Bytes of weights held in memory: matrices in their file format (a GGUF's quantized bytes) or
+ * fp32, norms fp32. */
 size_t model_weight_bytes(const model *m);
 /* Bytes of fp32 weights that loading layers [layer_begin, layer_end) (layer_end -1: to the last)
  * of a model of configuration c takes: the layers' nine tensors each, the token embedding on
  * the first stage (and on the last when the head is tied to it), the output norm and untied
- * head on the last. Equals model_weight_bytes of such a model; 0 for a range outside the
+ * head on the last. Equals model_weight_bytes of such a model when every matrix is fp32 (a
+ * synthetic model, an F32 file); an upper bound for the others. 0 for a range outside the
  * model, SIZE_MAX when it does not fit a size_t. */
 size_t model_weight_bytes_for(const model_config *c, int layer_begin, int layer_end);
 
-/* The fp32 weights of one held layer (layer_begin <= layer < layer_end), GGUF layout ([out][in],
- * the input dimension contiguous), owned by m: what another backend copies (the CUDA forward
- * pass uploads them). STRATA_EINVAL for a layer m does not hold. */
+/* The weights of one held layer (layer_begin <= layer < layer_end), owned by m: the norms in
+ * fp32, the matrices as stored (kernels/ops.h: kern_weights, GGUF layout [out][in] with the
+ * input dimension contiguous; kern_weights_rows gives their fp32 values). STRATA_EINVAL for a
+ * layer m does not hold. */
 typedef struct model_layer_weights {
-    const float *attn_norm, *wq, *wk, *wv, *wo;
-    const float *ffn_norm, *w_gate, *w_up, *w_down;
+    const float *attn_norm, *ffn_norm;
+    kern_weights wq, wk, wv, wo, w_gate, w_up, w_down;
 } model_layer_weights;
 int model_get_layer_weights(const model *m, int layer, model_layer_weights *out, strata_error *err);
-/* [n_vocab][n_embd], NULL when m does not hold the embedding (a later stage of an untied model). */
-const float *model_get_token_embedding(const model *m);
-/* Output norm [n_embd] and head [n_vocab][n_embd] (the embedding when tied); NULL unless m holds
- * the last layer. */
+/* [n_vocab][n_embd]; data NULL when m does not hold the embedding (a later stage of an untied
+ * model). */
+kern_weights model_get_token_embedding(const model *m);
+/* The embedding rows of n token ids (each below n_vocab: callers check) into out [n][n_embd];
+ * m must hold the embedding. */
+void model_embed_tokens(const model *m, const int32_t *tokens, size_t n, float *out);
+/* Output norm [n_embd] and head [n_vocab][n_embd] (the embedding when tied); NULL (data NULL)
+ * unless m holds the last layer. */
 const float *model_get_output_norm(const model *m);
-const float *model_get_output_weights(const model *m);
+kern_weights model_get_output_weights(const model *m);
 
 /* KV geometry of this model for a block size (all layers of the model). */
 kv_geometry model_kv_geometry(const model *m, int block_tokens);

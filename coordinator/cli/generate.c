@@ -398,7 +398,7 @@ int cmd_generate(int argc, char **argv)
     const model_config *cfg = model_get_config(m);
     const tokenizer *tok = model_get_tokenizer(m);
     if (!o.quiet)
-        fprintf(stderr, "strata: %s, %d layers, %d heads (%d KV), %.0f MiB of fp32 weights%s, loaded in %.2f s\n",
+        fprintf(stderr, "strata: %s, %d layers, %d heads (%d KV), %.0f MiB of weights%s, loaded in %.2f s\n",
                 cfg->name[0] ? cfg->name : cfg->arch, cfg->n_layers, cfg->n_heads, cfg->n_kv_heads,
                 (double)model_weight_bytes(m) / 1048576.0,
                 model_is_for_device(m) ? " on the host (the embedding; the device builds the rest)" : "",

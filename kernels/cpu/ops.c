@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels/weight_values.h"
+
 #if defined(__GNUC__) && defined(__x86_64__)
 #include <immintrin.h>
 #define KERN_X86_AVX2 1
@@ -37,7 +39,10 @@
  * GFLOP/s, ours vs OpenBLAS sgemm): about 50 vs 60-70 for 64-256 rows, on par for 1-4 rows. */
 
 typedef struct mm_job {
-    const float *x, *w;
+    const float *x;
+    kern_weights stored;   /* W as given */
+    const float *w;        /* fp32 rows of W from output w_first on: W itself, or a decoded panel */
+    size_t w_first;
     size_t n, in, out;
     float *y;
 } mm_job;
@@ -59,7 +64,7 @@ static void mm_range_portable(const mm_job *j, size_t o_begin, size_t o_end)
 {
     for (size_t r = 0; r < j->n; r++)
         for (size_t o = o_begin; o < o_end; o++)
-            j->y[r * j->out + o] = mm_dot_portable(j->x + r * j->in, j->w + o * j->in, j->in);
+            j->y[r * j->out + o] = mm_dot_portable(j->x + r * j->in, j->w + (o - j->w_first) * j->in, j->in);
 }
 
 #ifdef KERN_X86_AVX2
@@ -149,11 +154,12 @@ static void mm_range_avx2(const mm_job *j, size_t o_begin, size_t o_end)
                 const size_t C = oe - o < 3 ? oe - o : 3;
 #if defined(__SANITIZE_ADDRESS__)
                 mm_check_region(j->x + r0 * j->in, R * j->in * sizeof(float), "input rows");
-                mm_check_region(j->w + o * j->in, C * j->in * sizeof(float), "weight rows");
+                mm_check_region(j->w + (o - j->w_first) * j->in, C * j->in * sizeof(float), "weight rows");
                 for (size_t r = 0; r < R; r++)
                     mm_check_region(j->y + (r0 + r) * j->out + o, C * sizeof(float), "output");
 #endif
-                mm_tiles[R - 1][C - 1](j->x + r0 * j->in, j->in, j->w + o * j->in, j->y + r0 * j->out + o, j->out);
+                mm_tiles[R - 1][C - 1](j->x + r0 * j->in, j->in, j->w + (o - j->w_first) * j->in, j->y + r0 * j->out + o,
+                                       j->out);
             }
         }
     }
@@ -176,7 +182,7 @@ static int mm_use_avx2(void)
 #endif
 }
 
-static void mm_range(const mm_job *j, size_t o_begin, size_t o_end)
+static void mm_range_f32(const mm_job *j, size_t o_begin, size_t o_end)
 {
 #ifdef KERN_X86_AVX2
     if (mm_use_avx2()) {
@@ -185,6 +191,74 @@ static void mm_range(const mm_job *j, size_t o_begin, size_t o_end)
     }
 #endif
     mm_range_portable(j, o_begin, o_end);
+}
+
+/* Stored weights are decoded into a panel of rows per thread (128 KiB: in L2 while every input
+ * row passes over it), then multiplied exactly as fp32 weights are. */
+#define MM_PANEL_FLOATS 32768
+static pthread_once_t mm_panel_once = PTHREAD_ONCE_INIT;
+static pthread_key_t mm_panel_key;   /* frees a thread's panel when the thread exits */
+static int mm_panel_key_ok;
+static _Thread_local float *mm_panel_mine;
+
+static void mm_panel_key_make(void) { mm_panel_key_ok = pthread_key_create(&mm_panel_key, free) == 0; }
+
+static float *mm_panel(void)
+{
+    if (!mm_panel_mine) {
+        pthread_once(&mm_panel_once, mm_panel_key_make);
+        float *p = mm_panel_key_ok ? aligned_alloc(64, MM_PANEL_FLOATS * sizeof(float)) : NULL;
+        if (p && pthread_setspecific(mm_panel_key, p) != 0) {
+            free(p);
+            p = NULL;
+        }
+        mm_panel_mine = p;
+    }
+    return mm_panel_mine;
+}
+
+/* Without a panel (no memory, or a row longer than one): each weight decoded where it is used,
+ * in the same summation order. Slow, and only a fallback. */
+static void mm_range_stored_each(const mm_job *j, size_t o_begin, size_t o_end)
+{
+    const size_t in = j->in, in8 = in / 8 * 8, row_bytes = kern_weights_row_bytes(j->stored.type, in);
+    for (size_t r = 0; r < j->n; r++)
+        for (size_t o = o_begin; o < o_end; o++) {
+            const float *x = j->x + r * in;
+            const uint8_t *w = (const uint8_t *)j->stored.data + o * row_bytes;
+            float l[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            for (size_t i = 0; i < in8; i += 8)
+                for (int k = 0; k < 8; k++)
+                    l[k] = fmaf(x[i + (size_t)k], gguf_value(j->stored.type, w, i + (size_t)k), l[k]);
+            float s = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+            for (size_t i = in8; i < in; i++)
+                s = fmaf(x[i], gguf_value(j->stored.type, w, i), s);
+            j->y[r * j->out + o] = s;
+        }
+}
+
+static void mm_range(const mm_job *j, size_t o_begin, size_t o_end)
+{
+    if (j->stored.type == GGUF_T_F32) {
+        mm_range_f32(j, o_begin, o_end);
+        return;
+    }
+    float *panel = mm_panel();
+    size_t rows = panel ? MM_PANEL_FLOATS / j->in : 0;
+    if (rows == 0) {
+        mm_range_stored_each(j, o_begin, o_end);
+        return;
+    }
+    if (rows > 3)
+        rows = rows / 3 * 3;   /* whole tiles */
+    for (size_t o0 = o_begin; o0 < o_end; o0 += rows) {
+        const size_t oe = o_end - o0 < rows ? o_end : o0 + rows;
+        kern_weights_rows(j->stored, j->in, o0, oe - o0, panel);
+        mm_job part = *j;
+        part.w = panel;
+        part.w_first = o0;
+        mm_range_f32(&part, o0, oe);
+    }
 }
 
 /* Part p of parts: a contiguous range of outputs, boundaries on multiples of 3 (the tile). */
@@ -304,7 +378,13 @@ static int mm_thread_count(void)
 
 void kern_matmul(const float *x, size_t n, size_t in, const float *w, size_t out, float *y)
 {
-    const mm_job job = {.x = x, .w = w, .n = n, .in = in, .out = out, .y = y};
+    kern_matmul_w(x, n, in, (kern_weights){GGUF_T_F32, w}, out, y);
+}
+
+void kern_matmul_w(const float *x, size_t n, size_t in, kern_weights w, size_t out, float *y)
+{
+    const mm_job job = {.x = x, .stored = w, .w = w.type == GGUF_T_F32 ? w.data : NULL, .n = n, .in = in, .out = out,
+                        .y = y};
     if (n == 0 || out == 0)
         return;
     int parts = mm_thread_count();

@@ -230,7 +230,7 @@ static void test_synthetic(void **state)
 }
 
 /* Every tensor of the default model (GGUF blocks as in the file) decoded on the device equals
- * model_load's fp32 weights. */
+ * model_load's weights (its fp32 norms, its stored matrices as the CPU decodes them). */
 static void test_default_model(void **state)
 {
     (void)state;
@@ -243,25 +243,30 @@ static void test_default_model(void **state)
     }
     const model_config *c = model_get_config(host);
     const size_t most = (size_t)c->n_vocab * (size_t)c->n_embd;
-    float *got = malloc(most * sizeof *got);
+    float *got = malloc(most * sizeof *got), *ref = malloc(most * sizeof *ref);
     assert_non_null(got);
+    assert_non_null(ref);
     void *d_out = NULL;
     CUDA_CHECK(cudaMalloc(&d_out, most * sizeof(float)));
     size_t n_tensors = 0;
     for (int il = 0; il <= c->n_layers; il++) {
-        model_layer_weights w;
-        const float *want[MODEL_LAYER_TENSORS] = {0};
-        if (il < c->n_layers) {
+        model_layer_weights w = {0};
+        if (il < c->n_layers)
             assert_int_equal(model_get_layer_weights(host, il, &w, &err), STRATA_OK);
-            const float *all[] = {w.attn_norm, w.wq, w.wk, w.wv, w.wo, w.ffn_norm, w.w_gate, w.w_up, w.w_down};
-            memcpy(want, all, sizeof all);
-        }
+        const kern_weights matrix[MODEL_LAYER_TENSORS] = {{0, NULL}, w.wq, w.wk, w.wv, w.wo, {0, NULL}, w.w_gate, w.w_up,
+                                                          w.w_down};
         const int n_roles = il < c->n_layers ? MODEL_LAYER_TENSORS : 2;
         for (int r = 0; r < n_roles; r++) {
             const model_tensor_role role = il < c->n_layers ? (model_tensor_role)r : r ? MODEL_T_OUTPUT : MODEL_T_OUTPUT_NORM;
-            const float *ref = il < c->n_layers ? want[r] : r ? model_get_output_weights(host) : model_get_output_norm(host);
             model_tensor t;
             assert_int_equal(model_tensor_get(dev, role, il, &t, &err), STRATA_OK);
+            const kern_weights stored = il < c->n_layers ? matrix[r] : r ? model_get_output_weights(host) : matrix[0];
+            const float *norm = il < c->n_layers ? (r == MODEL_T_ATTN_NORM ? w.attn_norm : w.ffn_norm)
+                                                 : model_get_output_norm(host);
+            if (stored.data)
+                kern_weights_rows(stored, (size_t)t.ne0, 0, (size_t)t.ne1, ref);
+            else
+                memcpy(ref, norm, (size_t)t.ne0 * sizeof *ref);
             uint8_t *d_data = to_device(t.data, t.bytes);
             assert_true(decode(t.type, d_data, t.ne0 * t.ne1, t.ne0 * t.ne1, d_out, false) == ~0ull);
             CUDA_CHECK(cudaMemcpy(got, d_out, (size_t)(t.ne0 * t.ne1) * sizeof *got, cudaMemcpyDeviceToHost));
@@ -273,6 +278,7 @@ static void test_default_model(void **state)
     printf("  default model: %zu tensors decoded on the device, bit-identical to model_load's\n", n_tensors);
     cudaFree(d_out);
     free(got);
+    free(ref);
     model_free(dev);
     model_free(host);
 }

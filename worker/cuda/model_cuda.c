@@ -153,7 +153,7 @@ cuda_model *cuda_model_create(const model *m, cuda_weight_dtype dtype, strata_er
     }
     const model_config *c = model_get_config(m);
     const int begin = model_layer_begin(m), end = model_layer_end(m);
-    if (begin < 0 || end <= begin || end > c->n_layers || (begin == 0 && !model_get_token_embedding(m))) {
+    if (begin < 0 || end <= begin || end > c->n_layers || (begin == 0 && !model_get_token_embedding(m).data)) {
         strata_fail(err, STRATA_EINVAL, "the CUDA forward pass needs a model holding layers [%d, %d) with the embedding "
                     "on the first stage", begin, end);
         return NULL;
@@ -1340,14 +1340,13 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
             it->seq->prompt_end = it->seq->len + it->n_tokens;
     }
     if (rc == STRATA_OK) {   /* the rows entering the first layer: embedded here, or the stage before's */
-        const float *table = cm->first ? model_get_token_embedding(cm->host) : NULL;
+        const bool table = cm->first;
         for (size_t p = 0; p < n_items; p++) {
             const cuda_batch_item *it = &items[sp.order[p]];
-            for (size_t t = 0; t < it->n_tokens; t++) {
-                if (table)
-                    memcpy(cm->h_rows + (sp.row0[p] + t) * e, table + (size_t)it->tokens[t] * e, e * sizeof(float));
+            if (table)
+                model_embed_tokens(cm->host, it->tokens, it->n_tokens, cm->h_rows + sp.row0[p] * e);
+            for (size_t t = 0; t < it->n_tokens; t++)
                 cm->h_pos[sp.row0[p] + t] = (int32_t)(it->seq->len + t);
-            }
         }
         cudaError_t ce = table ? cudaMemcpy(cm->x, cm->h_rows, sp.rows * e * sizeof(float), cudaMemcpyHostToDevice)
                                : cudaSuccess;
