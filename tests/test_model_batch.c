@@ -1,7 +1,8 @@
 /* model_forward_batch, the worker's step executor for continuous batching and pipeline stages:
  * every sequence's logits inside any batch, on one stage or split over two, are bit-identical
  * (memcmp) to the same sequence run alone through model_forward; and the step's errors leave
- * every sequence as it was. Also kern_matmul's batch invariance on its own. */
+ * every sequence as it was. kern_matmul's batch invariance on its own is
+ * tests/test_kernels_weights.c's. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -12,7 +13,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include <cblas.h>
 #include <cmocka.h>
 
 #include "kernels/ops.h"
@@ -569,69 +569,9 @@ static void test_errors(void **state)
     free(ids);
 }
 
-/* kern_matmul on its own: each row the same bits whatever the batch, the row's place and the
- * thread count, and equal to the documented order (eight fma lanes, fixed pairwise sum, rest). */
-static float documented_dot(const float *x, const float *w, size_t in)
-{
-    float l[8] = {0};
-    const size_t in8 = in / 8 * 8;
-    for (size_t i = 0; i < in8; i += 8)
-        for (size_t j = 0; j < 8; j++)
-            l[j] = fmaf(x[i + j], w[i + j], l[j]);
-    float s = ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
-    for (size_t i = in8; i < in; i++)
-        s = fmaf(x[i], w[i], s);
-    return s;
-}
-
-static void test_matmul_batch_invariant(void **state)
-{
-    (void)state;
-    const int threads0 = openblas_get_num_threads();
-    static const size_t shapes[][2] = {{576, 1536}, {1536, 576}, {29, 13}, {64, 3000}};
-    static const size_t ns[] = {1, 2, 3, 4, 5, 7, 8, 13, 64};
-    const size_t max_n = 80;
-    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
-        const size_t in = shapes[si][0], out = shapes[si][1];
-        float *x = malloc(max_n * in * sizeof *x), *w = malloc(out * in * sizeof *w);
-        float *solo = malloc(max_n * out * sizeof *solo), *y = malloc(max_n * out * sizeof *y);
-        assert_non_null(x);
-        assert_non_null(w);
-        assert_non_null(solo);
-        assert_non_null(y);
-        uint32_t s = 99;
-        for (size_t i = 0; i < max_n * in; i++)
-            x[i] = (float)((s = s * 1664525u + 1013904223u) >> 8) / 16777216.0f - 0.5f;
-        for (size_t i = 0; i < out * in; i++)
-            w[i] = ((float)((s = s * 1664525u + 1013904223u) >> 8) / 16777216.0f - 0.5f) * 0.1f;
-        kern_set_threads(1);
-        for (size_t r = 0; r < max_n; r++)
-            kern_matmul(x + r * in, 1, in, w, out, solo + r * out);
-        for (size_t r = 0; r < max_n; r += 7)
-            for (size_t o = 0; o < out; o++) {
-                float d = documented_dot(x + r * in, w + o * in, in);
-                assert_memory_equal(&d, &solo[r * out + o], sizeof d);
-            }
-        for (int t = 1; t <= 3; t++) {
-            kern_set_threads(t);
-            for (size_t ni = 0; ni < sizeof ns / sizeof ns[0]; ni++)
-                for (size_t off = 0; off + ns[ni] <= max_n; off += 11) {
-                    kern_matmul(x + off * in, ns[ni], in, w, out, y);
-                    assert_memory_equal(y, solo + off * out, ns[ni] * out * sizeof *y);
-                }
-        }
-        free(x);
-        free(w);
-        free(solo);
-        free(y);
-    }
-    kern_set_threads(threads0);
-}
-
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_matmul_batch_invariant),
         cmocka_unit_test(test_batch_equals_alone_kivi2),
         cmocka_unit_test(test_batch_equals_alone_fp16),
         cmocka_unit_test(test_two_stages_equal_whole_model),

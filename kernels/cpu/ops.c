@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels/cpu/cpu_features.h"
 #include "kernels/weight_values.h"
 
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -166,14 +167,16 @@ static void mm_range_avx2(const mm_job *j, size_t o_begin, size_t o_end)
 }
 #endif
 
-static int mm_use_avx2(void)
+int kern_cpu_has_avx2(void)
 {
 #ifdef KERN_X86_AVX2
     static atomic_int cached = -1;
     int v = atomic_load_explicit(&cached, memory_order_relaxed);
     if (v < 0) {
         __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+        const char *portable = getenv("STRATA_KERNELS_PORTABLE");   /* tests run both paths */
+        v = !(portable && *portable && strcmp(portable, "0") != 0) && __builtin_cpu_supports("avx2") &&
+            __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
         atomic_store_explicit(&cached, v, memory_order_relaxed);
     }
     return v;
@@ -185,7 +188,7 @@ static int mm_use_avx2(void)
 static void mm_range_f32(const mm_job *j, size_t o_begin, size_t o_end)
 {
 #ifdef KERN_X86_AVX2
-    if (mm_use_avx2()) {
+    if (kern_cpu_has_avx2()) {
         mm_range_avx2(j, o_begin, o_end);
         return;
     }

@@ -5,9 +5,9 @@
  * F16C conversion quiets signalling NaNs); the model loader refuses them. */
 #include "kernels/ops.h"
 
-#include <stdatomic.h>
 #include <string.h>
 
+#include "kernels/cpu/cpu_features.h"
 #include "kernels/weight_values.h"
 
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -106,17 +106,6 @@ KW_TARGET static void rows_avx2(uint32_t type, const uint8_t *data, size_t n, fl
     }
 }
 
-static int kw_use_avx2(void)
-{
-    static atomic_int cached = -1;
-    int v = atomic_load_explicit(&cached, memory_order_relaxed);
-    if (v < 0) {
-        __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-        atomic_store_explicit(&cached, v, memory_order_relaxed);
-    }
-    return v;
-}
 #endif
 
 void kern_weights_rows(kern_weights w, size_t in, size_t first, size_t count, float *out)
@@ -128,7 +117,7 @@ void kern_weights_rows(kern_weights w, size_t in, size_t first, size_t count, fl
     const size_t row_bytes = kern_weights_row_bytes(w.type, in);
     const uint8_t *data = (const uint8_t *)w.data + first * row_bytes;
 #ifdef KW_X86
-    if (kw_use_avx2()) {
+    if (kern_cpu_has_avx2()) {
         rows_avx2(w.type, data, count * in, out);
         return;
     }
