@@ -16,20 +16,7 @@
 #include <cmocka.h>
 
 #include "kernels/ops.h"
-
-static uint64_t rng_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static double rng_uniform(uint64_t *s) { return (double)(rng_next(s) >> 11) * 0x1p-53; }
-static double rng_normal(uint64_t *s)
-{
-    double u = rng_uniform(s), v = rng_uniform(s);
-    return sqrt(-2.0 * log(u + 1e-300)) * cos(6.283185307179586 * v);
-}
+#include "test_rng.h"
 
 /* out[n][nq][d] in fp64: query i of head h attends to keys 0..i of kv head h / (nq / nkv). */
 static void ref_attention(const float *q, const float *k, const float *v, size_t n, size_t nq,

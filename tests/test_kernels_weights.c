@@ -19,20 +19,13 @@
 
 #include "kernels/ops.h"
 #include "kernels/weight_values.h"
-
-static uint64_t rng(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
+#include "test_rng.h"
 
 /* A finite fp16 of magnitude about 2^lo .. 2^hi (exponent field drawn in that range; 0 gives
  * subnormals), random sign. */
 static uint16_t finite_half(uint64_t *s, int lo, int hi)
 {
-    const uint64_t r = rng(s);
+    const uint64_t r = rng_next(s);
     const int e = lo + (int)(r % (uint64_t)(hi - lo + 1));   /* biased exponent, 0..30 */
     return (uint16_t)((r >> 16 & 1) << 15 | (uint64_t)e << 10 | (r >> 20 & 0x3ff));
 }
@@ -52,17 +45,17 @@ static uint8_t *stored_matrix(uint32_t type, size_t rows, size_t in, uint64_t *s
     if (type == GGUF_T_F32) {
         float *f = (float *)d;
         for (size_t i = 0; i < rows * in; i++)
-            f[i] = (float)((double)(rng(s) >> 11) * 0x1p-53 - 0.5) * 0.2f;
+            f[i] = (float)((double)(rng_next(s) >> 11) * 0x1p-53 - 0.5) * 0.2f;
         return d;
     }
     for (size_t i = 0; i < bytes; i++)
-        d[i] = (uint8_t)rng(s);
+        d[i] = (uint8_t)rng_next(s);
     if (type == GGUF_T_F16)
         for (size_t i = 0; i < rows * in; i++)
             put16(d + 2 * i, finite_half(s, 0, 16));   /* subnormals up to 2 */
     else if (type == GGUF_T_BF16)
         for (size_t i = 0; i < rows * in; i++)
-            put16(d + 2 * i, (uint16_t)((rng(s) & 0x807f) | (uint64_t)(100 + rng(s) % 40) << 7));
+            put16(d + 2 * i, (uint16_t)((rng_next(s) & 0x807f) | (uint64_t)(100 + rng_next(s) % 40) << 7));
     else {
         uint64_t elems, block;
         assert_true(gguf_type_block(type, &elems, &block));
@@ -144,7 +137,7 @@ static void test_matmul_stored_weights(void **state)
         assert_non_null(solo);
         assert_non_null(y);
         for (size_t i = 0; i < n_max * in; i++)
-            x[i] = (float)((double)(rng(&s) >> 11) * 0x1p-53 - 0.5);
+            x[i] = (float)((double)(rng_next(&s) >> 11) * 0x1p-53 - 0.5);
         for (size_t t = 0; t < sizeof types / sizeof *types; t++) {
             if (kern_weights_row_bytes(types[t], in) == 0)
                 continue;   /* in = 29: not whole blocks of the quantized formats */

@@ -15,15 +15,7 @@
 #include <cmocka.h>
 
 #include "kvstore/block.h"
-
-static uint64_t rng_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static float rng_sym(uint64_t *s) { return (float)((double)(rng_next(s) >> 11) * 0x1p-52 - 1.0); }
+#include "test_rng.h"
 
 static uint32_t crc_bitwise(uint32_t crc, const uint8_t *p, size_t n)
 {

@@ -11,6 +11,7 @@
 
 #include "kvstore/crc32c.h"
 #include "kvstore/crc32c_math.h"
+#include "test_rng.h"
 
 /* Straight from the definition: reflected register, polynomial 0x82F63B78, init/xorout ~0. */
 static uint32_t crc_bitwise(const uint8_t *p, size_t n)
@@ -22,14 +23,6 @@ static uint32_t crc_bitwise(const uint8_t *p, size_t n)
             c = (c & 1u) ? (c >> 1) ^ 0x82f63b78u : c >> 1;
     }
     return ~c;
-}
-
-static uint64_t rng_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
 }
 
 static void test_check_value(void **state)

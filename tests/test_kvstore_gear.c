@@ -26,33 +26,10 @@
 #include "kernels/kv_attention.h"
 #include "kvstore/block.h"
 #include "kvstore/kv_cache.h"
+#include "ref_bytes.h"
+#include "test_rng.h"
 
 enum { NQ = 9, NKV = 3, HD = 64, BT = 64 };
-
-static uint64_t rng_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static double rng_uniform(uint64_t *s) { return (double)(rng_next(s) >> 11) * 0x1p-53; }
-static double rng_normal(uint64_t *s)
-{
-    double u = rng_uniform(s), v = rng_uniform(s);
-    return sqrt(-2.0 * log(u + 1e-300)) * cos(6.283185307179586 * v);
-}
-
-static double ref_half(uint16_t h)
-{
-    int e = (h >> 10) & 31, m = h & 1023;
-    double v = e == 0 ? ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexp(1024 + m, e - 25);
-    return (h & 0x8000) ? -v : v;
-}
-static uint32_t rd32(const uint8_t *p) { return p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
-static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
-static void wr32(uint8_t *p, uint32_t v) { for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i)); }
-static void wr16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
 
 static uint32_t crc_bitwise(uint32_t crc, const uint8_t *p, size_t n)
 {

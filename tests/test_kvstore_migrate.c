@@ -15,17 +15,10 @@
 #include "kvstore/crc32c.h"
 #include "kvstore/kv_cache.h"
 #include "kvstore/plan.h"
+#include "test_rng.h"
 
 enum { LAYERS = 3, HEADS = 3, DIM = 64, BT = 64 };
 static const kv_geometry geom = {LAYERS, HEADS, DIM, BT};
-
-static uint64_t rng_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
 
 static float *rows(size_t n, uint64_t seed)
 {

@@ -24,22 +24,9 @@
 #include "kvstore/crc32c.h"
 #include "kvstore/half.h"
 #include "kvstore/kv_cache.h"
+#include "test_rng.h"
 
 enum { NQ = 9, NKV = 3, D = 64, BT = 64, ROW = NKV * D };
-
-static uint64_t rng_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static double rng_uniform(uint64_t *s) { return (double)(rng_next(s) >> 11) * 0x1p-53; }
-static double rng_normal(uint64_t *s)
-{
-    double u = rng_uniform(s), v = rng_uniform(s);
-    return sqrt(-2.0 * log(u + 1e-300)) * cos(6.283185307179586 * v);
-}
 
 static const kv_geometry geom = {.n_layers = 1, .n_kv_heads = NKV, .head_dim = D, .block_tokens = BT};
 

@@ -14,15 +14,7 @@
 #include "kvstore/block.h"
 #include "kvstore/half.h"
 #include "kvstore/kv_cache.h"
-
-static uint64_t rng_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static float rng_sym(uint64_t *s) { return (float)((double)(rng_next(s) >> 11) * 0x1p-52 - 1.0); }
+#include "test_rng.h"
 
 static float *random_rows(size_t n_tokens, size_t row, uint64_t seed, float scale)
 {

@@ -17,6 +17,7 @@
 #include <cmocka.h>
 
 #include "kvstore/kv_cache.h"
+#include "test_rng.h"
 
 /* A lower tier in plain heap memory: every block it is given, by handle. */
 enum { STORE_CAP = 4096 };
@@ -60,14 +61,6 @@ static void store_release(void *ctx, uint64_t handle)
     assert_true(handle >= 1 && handle <= STORE_CAP && s->bytes[handle - 1]);
     free(s->bytes[handle - 1]);
     s->bytes[handle - 1] = NULL;
-}
-
-static uint64_t rng_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
 }
 
 /* The model. */

@@ -19,28 +19,10 @@
 #include <cmocka.h>
 
 #include "kvstore/quant.h"
-
-static uint64_t rng_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static double rng_uniform(uint64_t *s) { return (double)(rng_next(s) >> 11) * 0x1p-53; }
-static double rng_normal(uint64_t *s)
-{
-    double u = rng_uniform(s), v = rng_uniform(s);
-    return sqrt(-2.0 * log(u + 1e-300)) * cos(6.283185307179586 * v);
-}
+#include "ref_bytes.h"
+#include "test_rng.h"
 
 /* fp16 decoding written from the IEEE definition, independent of kvstore/half.h. */
-static double ref_half(uint16_t h)
-{
-    int e = (h >> 10) & 31, m = h & 1023;
-    double v = e == 0 ? ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexp(1024 + m, e - 25);
-    return (h & 0x8000) ? -v : v;
-}
 
 /* Spacing of fp16 numbers around x (normal range), at least the subnormal step. */
 static double ulp16(double x)

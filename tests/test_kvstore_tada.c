@@ -23,32 +23,10 @@
 #include "kernels/kv_attention.h"
 #include "kvstore/block.h"
 #include "kvstore/kv_cache.h"
+#include "ref_bytes.h"
+#include "test_rng.h"
 
 enum { NQ = 9, NKV = 3, D = 64, BT = 64, G = 32 };
-
-static uint64_t rng_next(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static double rng_uniform(uint64_t *s) { return (double)(rng_next(s) >> 11) * 0x1p-53; }
-static double rng_normal(uint64_t *s)
-{
-    double u = rng_uniform(s), v = rng_uniform(s);
-    return sqrt(-2.0 * log(u + 1e-300)) * cos(6.283185307179586 * v);
-}
-
-static uint32_t rd32(const uint8_t *p) { return p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
-static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
-
-static double ref_half(uint16_t h)
-{
-    int e = (h >> 10) & 31, m = h & 1023;
-    double v = e == 0 ? ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexp(1024 + m, e - 25);
-    return (h & 0x8000) ? -v : v;
-}
 
 /* The fp16 number nearest to x, ties to even (finite, in range): 11 significant bits, or a
  * multiple of 2^-24 below 2^-14. */
