@@ -390,6 +390,10 @@ void kern_matmul_w(const float *x, size_t n, size_t in, kern_weights w, size_t o
                         .y = y};
     if (n == 0 || out == 0)
         return;
+    if (in == 0) {   /* empty sums; and no panel row count to divide by */
+        memset(y, 0, n * out * sizeof *y);
+        return;
+    }
     int parts = mm_thread_count();
     if (parts > 1 && (n * in * out < MM_PARALLEL_MIN || out < 3 * (size_t)parts))
         parts = 1;
