@@ -9,14 +9,7 @@
 #include <stdlib.h>
 
 #include "kvstore/block.h"
-
-static inline uint64_t ob_rng(uint64_t *s)
-{
-    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
+#include "test_rng.h"
 
 /* One block of codec (KV_CODEC_FP16, or KV_CODEC_KIVI with bits 2 or 4), heads x dim x tokens,
  * or NULL on failure (*size 0). The caller frees it. */
@@ -39,8 +32,8 @@ static inline uint8_t *ob_make_block(kv_codec_id codec, int bits, int heads, int
         return NULL;
     }
     for (size_t i = 0; i < n; i++) {
-        k[i] = (float)((int)(ob_rng(&seed) % 4096) - 2048) / 256.0f;
-        v[i] = (float)((int)(ob_rng(&seed) % 4096) - 2048) / 512.0f;
+        k[i] = (float)((int)(rng_next(&seed) % 4096) - 2048) / 256.0f;
+        v[i] = (float)((int)(rng_next(&seed) % 4096) - 2048) / 512.0f;
     }
     size_t written = 0;
     int rc = kv_block_encode(&d, k, v, b, bytes, &written, NULL);

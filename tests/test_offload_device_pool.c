@@ -191,11 +191,11 @@ static void roundtrip(bool nvme)
     uint64_t seed = 42;
     for (int step = 0; step < 200; step++) {
         device_block want[SLOTS];
-        size_t idx[SLOTS], n = 1 + ob_rng(&seed) % SLOTS;
+        size_t idx[SLOTS], n = 1 + rng_next(&seed) % SLOTS;
         for (size_t i = 0; i < n; i++) {
             bool dup;
             do {   /* distinct blocks in one step */
-                idx[i] = ob_rng(&seed) % N;
+                idx[i] = rng_next(&seed) % N;
                 dup = false;
                 for (size_t j = 0; j < i; j++)
                     dup |= idx[j] == idx[i];
@@ -360,7 +360,7 @@ static void test_victims_against_reference(void **state)
     uint64_t seed = 7;
     size_t fulls = 0, fetches = 0, waits = 0;
     for (int op = 0; op < OPS; op++) {
-        const unsigned what = (unsigned)(ob_rng(&seed) % 20);
+        const unsigned what = (unsigned)(rng_next(&seed) % 20);
         size_t live[48], n_live = 0;
         for (size_t i = 0; i < nb; i++)
             if (r.b[i].live)
@@ -371,7 +371,7 @@ static void test_victims_against_reference(void **state)
                 i++;
             if (i == nb)
                 continue;
-            const uint64_t owner = 1 + ob_rng(&seed) % 4;
+            const uint64_t owner = 1 + rng_next(&seed) % 4;
             const bool ok = ref_take_slot(&r);
             void *addr = NULL;
             device_block h = 0;
@@ -380,17 +380,17 @@ static void test_victims_against_reference(void **state)
                 fail_msg("op %d: alloc returned %d (%s), the reference %s", op, rc, err.msg, ok ? "a slot" : "full");
             fulls += !ok;
             if (ok) {
-                const unsigned kind = (unsigned)(ob_rng(&seed) % 8);
+                const unsigned kind = (unsigned)(rng_next(&seed) % 8);
                 memcpy(addr, bytes[kind], sizes[kind]);
                 r.b[i] = (ref_block){.live = true, .resident = true, .owner = owner, .last_use = ++r.clock,
                                      .pin_step = r.step, .h = h, .kind = kind};
             }
         } else if (what < 10 && n_live > 0) {   /* a step acquires distinct blocks */
-            const size_t n = 1 + ob_rng(&seed) % (n_live < SLOTS ? n_live : SLOTS);
+            const size_t n = 1 + rng_next(&seed) % (n_live < SLOTS ? n_live : SLOTS);
             device_block want[SLOTS];
             size_t idx[SLOTS];
             for (size_t j = 0; j < n; j++) {   /* a partial shuffle of the live blocks */
-                const size_t k = j + ob_rng(&seed) % (n_live - j), t = live[j];
+                const size_t k = j + rng_next(&seed) % (n_live - j), t = live[j];
                 live[j] = live[k];
                 live[k] = t;
                 idx[j] = live[j];
@@ -418,13 +418,13 @@ static void test_victims_against_reference(void **state)
             device_pool_unpin_all(p);
             r.step++;
         } else if (what < 17 && n_live > 0) {   /* a block is freed */
-            ref_block *b = &r.b[live[ob_rng(&seed) % n_live]];
+            ref_block *b = &r.b[live[rng_next(&seed) % n_live]];
             device_pool_free(p, b->h);
             r.free_slots += b->resident;
             b->live = false;
         } else {   /* a sequence is preempted or resumed */
-            const uint64_t owner = 1 + ob_rng(&seed) % 4;
-            const bool waiting = ob_rng(&seed) % 2;
+            const uint64_t owner = 1 + rng_next(&seed) % 4;
+            const bool waiting = rng_next(&seed) % 2;
             device_pool_set_waiting(p, owner, waiting);
             for (size_t i = 0; i < nb; i++)
                 if (r.b[i].live && r.b[i].owner == owner)

@@ -226,8 +226,8 @@ static void test_random_against_model(void **state)
     uint64_t seed = 99;
     int fulls = 0;
     for (int it = 0; it < 4000; it++) {
-        if (n < LIVE && (n == 0 || ob_rng(&seed) % 3 != 0)) {
-            unsigned w = (unsigned)(ob_rng(&seed) % NB);
+        if (n < LIVE && (n == 0 || rng_next(&seed) % 3 != 0)) {
+            unsigned w = (unsigned)(rng_next(&seed) % NB);
             host_handle h;
             int rc = host_arena_put(a, blk[w], bsz[w], &h, &err);
             if (rc == STRATA_EFULL) {
@@ -241,7 +241,7 @@ static void test_random_against_model(void **state)
                 pages += pages_of(bsz[w]);
             }
         } else {
-            unsigned k = (unsigned)(ob_rng(&seed) % n);
+            unsigned k = (unsigned)(rng_next(&seed) % n);
             size_t len;
             uint8_t *p = host_arena_get(a, live[k], &len);
             assert_non_null(p);
