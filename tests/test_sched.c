@@ -1,7 +1,8 @@
 /* The continuous-batching scheduler (coordinator/sched/scheduler.h): admission and
  * RESOURCE_EXHAUSTED, routing to the least loaded replica, step composition under the token and
  * sequence budgets, preemption when the device working set overflows and resumption before new
- * prompts, finish/abort at any time, and a randomized simulation whose invariants (budgets, every
+ * prompts, finish/abort at any time, and a randomized simulation (with migrations between the
+ * replicas) whose invariants (budgets, every
  * request completes with exactly max_tokens tokens, reservations return to zero) are checked
  * every step against an independent model of the state. */
 #include <setjmp.h>
@@ -15,6 +16,7 @@
 #include <cmocka.h>
 
 #include "coordinator/sched/scheduler.h"
+#include "test_rng.h"
 
 static scheduler *make(size_t bt, size_t batch, size_t seqs, int n, size_t device, size_t total)
 {
@@ -186,15 +188,59 @@ static void test_preempt_and_resume(void **state)
     sched_destroy(s);
 }
 
-/* Randomized: requests arrive, run, get aborted; invariants every step. */
-static uint64_t rng(uint64_t *x)
+/* Runs replica r's step, every item going on. */
+static void run_step(scheduler *s, int r, sched_plan *p)
 {
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
+    strata_error err = {0};
+    assert_int_equal(sched_next_step(s, r, p, &err), STRATA_OK);
+    sched_outcome d[16];
+    assert_true(p->n_work <= 16);
+    for (size_t i = 0; i < p->n_work; i++)
+        d[i] = (sched_outcome){p->work[i].id, false};
+    assert_int_equal(sched_step_done(s, r, d, p->n_work, &err), STRATA_OK);
 }
 
+/* A running sequence moved (migration) onto a replica that already runs max_seqs: the target's
+ * next step preempts the most recently admitted decoder instead of planning max_seqs + 1 items. */
+static void test_move_onto_full_replica(void **state)
+{
+    (void)state;
+    scheduler *s = make(16, 64, 2, 2, 100, 1000);
+    strata_error err = {0};
+    uint64_t on[2][4];
+    size_t n_on[2] = {0, 0};
+    for (uint64_t id = 1; id <= 4; id++) {
+        int r;
+        assert_int_equal(sched_submit(s, id, 4, 50, &r, &err), STRATA_OK);
+        on[r][n_on[r]++] = id;
+    }
+    assert_true(n_on[0] == 2 && n_on[1] == 2);
+    sched_plan p;
+    for (int r = 0; r < 2; r++) {   /* the prompts run: every request is a decoder now */
+        run_step(s, r, &p);
+        assert_int_equal(p.n_work, 2);
+    }
+    assert_true(sched_finish(s, on[0][1]));   /* replica 0 runs one, replica 1 two */
+    const uint64_t moved = on[0][0];
+    assert_int_equal(sched_move(s, moved, 1, &err), STRATA_OK);
+    assert_int_equal(sched_get_replica(s, moved), 1);
+    run_step(s, 1, &p);
+    assert_int_equal(p.n_work, 2);
+    assert_int_equal(p.n_preempt, 1);
+    const uint64_t newest = on[1][1];   /* the most recently admitted of the three */
+    assert_int_equal(p.preempt_ids[0], newest);
+    for (size_t i = 0; i < p.n_work; i++)
+        assert_int_not_equal(p.work[i].id, newest);
+    /* When one of the others ends, the preempted one resumes. */
+    assert_true(sched_finish(s, on[1][0]));
+    run_step(s, 1, &p);
+    assert_int_equal(p.n_resume, 1);
+    assert_int_equal(p.resume_ids[0], newest);
+    assert_int_equal(p.n_work, 2);
+    sched_destroy(s);
+}
+
+/* Randomized: requests arrive, run, get aborted, move; invariants every step. */
 #define SIM_N 300
 
 static void test_simulation(void **state)
@@ -212,12 +258,12 @@ static void test_simulation(void **state)
     memset(aborted, 0, sizeof aborted);
     memset(ended_by_sched, 0, sizeof ended_by_sched);
     uint64_t next_id = 1;
-    size_t finished = 0, rejected = 0;
+    size_t finished = 0, rejected = 0, moved_running = 0;
     for (int iter = 0; iter < 20000 && finished < SIM_N; iter++) {
-        if (next_id <= SIM_N && rng(&seed) % 3 == 0) {
+        if (next_id <= SIM_N && rng_next(&seed) % 3 == 0) {
             uint64_t id = next_id++;
-            prompt[id] = 1 + rng(&seed) % 300;   /* up to 2.3 x the step budget: chunked */
-            max_tokens[id] = 1 + rng(&seed) % 60;
+            prompt[id] = 1 + rng_next(&seed) % 300;   /* up to 2.3 x the step budget: chunked */
+            max_tokens[id] = 1 + rng_next(&seed) % 60;
             int r;
             int rc = sched_submit(s, id, prompt[id], max_tokens[id], &r, &err);
             if (rc == STRATA_EFULL) {
@@ -229,11 +275,23 @@ static void test_simulation(void **state)
                 assert_int_equal(rc, STRATA_OK);
             }
         }
-        if (next_id > 2 && rng(&seed) % 40 == 0) {
-            uint64_t id = 1 + rng(&seed) % (next_id - 1);
+        if (next_id > 2 && rng_next(&seed) % 40 == 0) {
+            uint64_t id = 1 + rng_next(&seed) % (next_id - 1);
             if (!done[id] && sched_finish(s, id)) {
                 done[id] = aborted[id] = true;
                 finished++;
+            }
+        }
+        /* Migrations (strata drain): a request moves to the other replica between steps, also
+         * onto one that already runs max_seqs sequences or whose device is full. */
+        if (next_id > 2 && rng_next(&seed) % 2 == 0) {
+            uint64_t id = 1 + rng_next(&seed) % (next_id - 1);
+            int from = sched_get_replica(s, id);
+            sched_state st = sched_get_state(s, id);
+            if (!done[id] && from >= 0) {
+                int rc = sched_move(s, id, 1 - from, &err);
+                assert_true(rc == STRATA_OK || rc == STRATA_EFULL || (rc == STRATA_EINVAL && st == SCHED_PREEMPTED));
+                moved_running += rc == STRATA_OK && st == SCHED_RUNNING;
             }
         }
         for (int r = 0; r < 2; r++) {
@@ -265,7 +323,7 @@ static void test_simulation(void **state)
                 uint64_t id = p.work[i].id;
                 len[id] += p.work[i].n_tokens;
                 got[id] += p.work[i].sample;
-                bool fin = got[id] == max_tokens[id] || rng(&seed) % 50 == 0;
+                bool fin = got[id] == max_tokens[id] || rng_next(&seed) % 50 == 0;
                 out[i] = (sched_outcome){id, fin};
                 if (fin) {
                     assert_true(got[id] <= max_tokens[id]);
@@ -283,9 +341,11 @@ static void test_simulation(void **state)
     sched_get_stats(s, -1, &st);
     assert_int_equal(st.reserved_blocks, 0);
     assert_int_equal(st.running + st.waiting + st.preempted, 0);
-    print_message("simulation: %d requests, %zu rejected, %llu preemptions, %llu resumptions\n", SIM_N, rejected,
-                  (unsigned long long)st.preemptions, (unsigned long long)st.resumptions);
+    print_message("simulation: %d requests, %zu rejected, %llu preemptions, %llu resumptions, %zu running moved\n",
+                  SIM_N, rejected, (unsigned long long)st.preemptions, (unsigned long long)st.resumptions,
+                  moved_running);
     assert_true(st.preemptions > 0);
+    assert_true(moved_running > 0);
     sched_destroy(s);
 }
 
@@ -372,6 +432,7 @@ int main(void)
         cmocka_unit_test(test_routing_least_loaded),
         cmocka_unit_test(test_step_composition),
         cmocka_unit_test(test_preempt_and_resume),
+        cmocka_unit_test(test_move_onto_full_replica),
         cmocka_unit_test(test_simulation),
         cmocka_unit_test(test_availability),
         cmocka_unit_test(test_chunked_prefill),

@@ -299,8 +299,10 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
     for (size_t i = 0; i < n_run; i++)
         working += blocks_for(s, s->reqs[idx[i]].len + 1);
     /* Preempt decoders, most recently admitted first (a prefilling sequence is never preempted:
-     * its next work is a chunk, not a token), keeping at least one sequence running. */
-    for (size_t i = n_run; i-- > 0 && working > p->cfg.device_blocks;) {
+     * its next work is a chunk, not a token), keeping at least one sequence running, until the
+     * working set fits the device and the running count max_seqs (a sequence moved here by a
+     * migration can take a replica past it). */
+    for (size_t i = n_run; i-- > 0 && (working > p->cfg.device_blocks || n_run - plan->n_preempt > s->cfg.max_seqs);) {
         request *victim = &s->reqs[idx[i]];
         if (victim->len < victim->prompt || n_run - plan->n_preempt <= 1)
             continue;
@@ -312,7 +314,7 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
     size_t n_work = 0, tokens = 0;
     for (size_t i = 0; i < n_run; i++) {
         request *q = &s->reqs[idx[i]];
-        if (q->state == SCHED_RUNNING && q->len >= q->prompt) {
+        if (q->state == SCHED_RUNNING && q->len >= q->prompt && n_work < s->cfg.max_seqs) {
             p->work[n_work++] = (sched_work){.id = q->id, .pos0 = q->len, .n_tokens = 1, .sample = true};
             tokens++;
         }
@@ -321,7 +323,7 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
      * budget and the device allow. */
     for (size_t i = 0; i < n_run; i++) {
         request *q = &s->reqs[idx[i]];
-        if (q->state != SCHED_RUNNING || q->len >= q->prompt)
+        if (q->state != SCHED_RUNNING || q->len >= q->prompt || n_work >= s->cfg.max_seqs)
             continue;
         size_t chunk = q->prompt - q->len, left = s->cfg.max_batch_tokens > tokens ? s->cfg.max_batch_tokens - tokens : 0;
         chunk = chunk < left ? chunk : left;

@@ -134,7 +134,8 @@ void sched_set_accepting(scheduler *s, int r, bool accepting);
 /* Moves a request to replica `to` (migration): a request whose prompt has not run yet (WAITING)
  * or a RUNNING one that is not in an outstanding step; its reservation moves with it. STRATA_EFULL
  * when `to` lacks room, STRATA_EINVAL for another state or an unknown id. The caller moves the
- * KV blocks of a RUNNING request first. */
+ * KV blocks of a RUNNING request first. A RUNNING request may take `to` past max_seqs: its next
+ * step preempts the most recently admitted decoders until the count fits. */
 int sched_move(scheduler *s, uint64_t id, int to, strata_error *err);
 
 /* Has replica r's workers free sequence id with its next plan (e.g. the receiver's copy of a
