@@ -325,7 +325,9 @@ static double mono(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static pid_t spawn(supervisor *sv, local_worker *w, int index)
+/* Starts worker w; when fork fails, says so and schedules a retry after the backoff (as for a
+ * worker that exited). */
+static void spawn(supervisor *sv, local_worker *w)
 {
     char dev[32], host[32], nvme[32], nvme_dir[PATH_MAX], threads[32];
     snprintf(dev, sizeof dev, "%ld", sv->o->device_mib);
@@ -334,7 +336,17 @@ static pid_t spawn(supervisor *sv, local_worker *w, int index)
     snprintf(threads, sizeof threads, "%ld", sv->threads);
     if (sv->o->nvme_dir)
         snprintf(nvme_dir, sizeof nvme_dir, "%s/%s", sv->o->nvme_dir, w->name);
+    w->started = mono();
+    w->restart_at = 0;
     pid_t pid = fork();
+    if (pid < 0) {
+        fprintf(stderr, "%s: cannot start worker %s: fork: %s; retrying in %.0f s\n", sv->prog, w->name,
+                strerror(errno), w->backoff);
+        w->pid = -1;
+        w->restart_at = w->started + w->backoff;
+        w->backoff = w->backoff * 2 > 30 ? 30 : w->backoff * 2;
+        return;
+    }
     if (pid == 0) {
         sigset_t none;
         sigemptyset(&none);
@@ -368,8 +380,7 @@ static pid_t spawn(supervisor *sv, local_worker *w, int index)
         fprintf(stderr, "%s: cannot run %s: %s\n", sv->prog, sv->bin, strerror(errno));
         _exit(127);
     }
-    (void)index;
-    return pid;
+    w->pid = pid;
 }
 
 static void *supervise(void *arg)
@@ -392,11 +403,8 @@ static void *supervise(void *arg)
                 w->restart_at = t + w->backoff;
                 w->backoff = w->backoff * 2 > 30 ? 30 : w->backoff * 2;
             }
-            if (w->restart_at != 0 && t >= w->restart_at) {
-                w->pid = spawn(sv, w, i);
-                w->started = t;
-                w->restart_at = 0;
-            }
+            if (w->restart_at != 0 && t >= w->restart_at)
+                spawn(sv, w);
         }
         pthread_mutex_unlock(&sv->mu);
         if (stopping)
@@ -607,14 +615,14 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
         for (int i = 0; i < sv->n; i++) {
             snprintf(sv->w[i].name, sizeof sv->w[i].name, "local-%d", i);
             sv->w[i].backoff = 1;
-            sv->w[i].pid = spawn(sv, &sv->w[i], i);
-            sv->w[i].started = mono();
+            spawn(sv, &sv->w[i]);
         }
         if (pthread_create(&sv->thread, NULL, supervise, sv) != 0) {
             fprintf(stderr, "%s: cannot start the worker supervisor\n", prog);
             sv->stopping = true;
             for (int i = 0; i < sv->n; i++)
-                kill(sv->w[i].pid, SIGKILL);
+                if (sv->w[i].pid > 0)   /* never -1: that would signal every process we may */
+                    kill(sv->w[i].pid, SIGKILL);
             goto out;
         }
     }
