@@ -1435,8 +1435,8 @@ void coord_stop(coord *c)
         return;
     pthread_mutex_lock(&c->mu);
     c->stopping = true;
-    for (uint32_t r = 0; r < c->cfg.replicas; r++)
-        for (uint32_t s = 0; s < c->cfg.stages; s++)
+    for (uint32_t r = 0; c->reps && r < c->cfg.replicas; r++)   /* a failed coord_create stops early */
+        for (uint32_t s = 0; c->reps[r].stages && s < c->cfg.stages; s++)
             if (c->reps[r].stages[s].peer)
                 send_shutdown(c->reps[r].stages[s].peer, false);
     pthread_cond_broadcast(&c->wake);

@@ -28,6 +28,14 @@ expect 1 "seed is not a decimal integer" "$strata" generate --model synthetic:ti
 expect 1 "only ':seed=N' may follow" "$strata" generate --model synthetic:tiny:x --prompt hi
 expect 1 "need 29.92 GiB of fp32 weights, but only 4.00 GiB" \
   env STRATA_SYNTHETIC_MEM_LIMIT=4G "$strata" generate --model synthetic:llama3-8b --prompt hi
+
+# A configuration the coordinator refuses: a message and exit status 2, never a crash (these once
+# segfaulted tearing down the half-made coordinator).
+serve_bad() { expect 2 "$1" timeout 60 "$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 "${@:2}"; }
+serve_bad 'unknown kv codec "nosuch"' --kv nosuch
+serve_bad "5 stages for a model of 4 layers" --stages 5
+serve_bad "does not divide block_tokens 7" --block-tokens 7
+serve_bad "exceeds max batch tokens 50" --max-seqs 100 --max-batch-tokens 50
 expect 1 "STRATA_SYNTHETIC_MEM_LIMIT='lots' is not a byte count" \
   env STRATA_SYNTHETIC_MEM_LIMIT=lots "$strata" generate --model synthetic:tiny --prompt hi
 
