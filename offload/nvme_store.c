@@ -945,10 +945,27 @@ static int open_dir(nvme_store *s, strata_error *err)
         return strata_fail(err, STRATA_EIO, "nvme tier: cannot create spill directory '%s': %s", s->dir,
                            strerror(errno));
     }
+    /* The store truncates, fills and deletes files here: the folder must be this user's alone,
+     * or another local user could plant links to files of ours in it. */
+    struct stat st;
+    if (lstat(s->dir, &st) == 0 && S_ISLNK(st.st_mode) && st.st_uid != geteuid() && st.st_uid != 0)
+        return strata_fail(err, STRATA_EIO,
+                           "nvme tier: spill directory '%s' is a symbolic link owned by another user (uid %u): "
+                           "give a private folder", s->dir, (unsigned)st.st_uid);
     s->dirfd = open(s->dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (s->dirfd < 0)
         return strata_fail(err, STRATA_EIO, "nvme tier: cannot open spill directory '%s': %s", s->dir,
                            strerror(errno));
+    if (fstat(s->dirfd, &st) != 0)
+        return strata_fail(err, STRATA_EIO, "nvme tier: spill directory '%s': %s", s->dir, strerror(errno));
+    if (st.st_uid != geteuid())
+        return strata_fail(err, STRATA_EIO,
+                           "nvme tier: spill directory '%s' belongs to uid %u, not to this process's uid %u: give a "
+                           "private folder (created 0700 when absent)", s->dir, (unsigned)st.st_uid, (unsigned)geteuid());
+    if (st.st_mode & (S_IWGRP | S_IWOTH))
+        return strata_fail(err, STRATA_EIO,
+                           "nvme tier: spill directory '%s' is writable by other users (mode %04o): give a private "
+                           "folder (created 0700 when absent)", s->dir, (unsigned)(st.st_mode & 07777));
     if (flock(s->dirfd, LOCK_EX | LOCK_NB) != 0)
         return strata_fail(err, STRATA_EIO, "nvme tier: spill directory '%s' %s", s->dir,
                            errno == EWOULDBLOCK ? "is in use by another store" : strerror(errno));
@@ -964,7 +981,8 @@ static int open_slabs(nvme_store *s, char *why_buffered, size_t why_cap, bool *p
         sl->bytes = left < s->opt.slab_bytes ? left : s->opt.slab_bytes;
         left -= sl->bytes;
         snprintf(sl->name, sizeof sl->name, "slab-%04" PRIu32 ".kv", k);
-        int flags = O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC;
+        /* A file left by a store that crashed is reused; a link never is (O_NOFOLLOW, one link). */
+        int flags = O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC;
         sl->fd = openat(s->dirfd, sl->name, flags | (s->direct ? O_DIRECT : 0), 0600);
         if (sl->fd < 0 && s->direct && errno == EINVAL) {
             /* The filesystem refuses O_DIRECT: buffered I/O (fdatasync still makes it durable). */
@@ -974,6 +992,22 @@ static int open_slabs(nvme_store *s, char *why_buffered, size_t why_cap, bool *p
         }
         if (sl->fd < 0)
             return strata_fail(err, STRATA_EIO, "nvme tier: cannot create slab file '%s/%s': %s", s->dir, sl->name,
+                               errno == ELOOP ? "it is a symbolic link (remove it)" : strerror(errno));
+        struct stat st;
+        if (fstat(sl->fd, &st) != 0)
+            return strata_fail(err, STRATA_EIO, "nvme tier: '%s/%s': %s", s->dir, sl->name, strerror(errno));
+        if (!S_ISREG(st.st_mode) || st.st_nlink != 1 || st.st_uid != geteuid()) {
+            close(sl->fd);
+            sl->fd = -1;   /* not ours: destroy must not delete it either */
+            return strata_fail(err, STRATA_EIO,
+                               "nvme tier: '%s/%s' exists and is not a slab file this store may overwrite (%s): "
+                               "remove it", s->dir, sl->name,
+                               !S_ISREG(st.st_mode) ? "not a regular file"
+                               : st.st_nlink != 1   ? "it has other hard links"
+                                                    : "another user's file");
+        }
+        if (ftruncate(sl->fd, 0) != 0)
+            return strata_fail(err, STRATA_EIO, "nvme tier: truncating '%s/%s': %s", s->dir, sl->name,
                                strerror(errno));
         if (fchmod(sl->fd, 0600) != 0)
             return strata_fail(err, STRATA_EIO, "nvme tier: chmod 0600 '%s/%s': %s", s->dir, sl->name,

@@ -1,7 +1,8 @@
 /* The NVMe tier: compressed KV blocks (docs/format.md) in preallocated slab files of a private
  * directory, written and read asynchronously with io_uring.
  *
- * Layout. The directory (created 0700 if absent; its parent must exist) holds slab files
+ * Layout. The directory (created 0700 if absent; its parent must exist; an existing one must
+ * belong to this process's user and not be writable by group or others) holds slab files
  * slab-NNNN.kv (0600, O_DIRECT, preallocated with fallocate where the filesystem supports it),
  * each slab_bytes long, together at most budget_bytes (nvme_kv_mib). A block of len bytes takes
  * an extent of ceil(len / 4096) whole 4 KiB pages inside one slab (first fit, lowest slab first);
@@ -127,8 +128,9 @@ typedef struct nvme_store_options {
 void nvme_store_options_init(nvme_store_options *o, const char *dir, uint64_t budget_bytes);
 
 /* Creates the directory if needed, the slab files, the ring and the staging buffers. Errors:
- * STRATA_EIO naming the path and errno (directory not creatable, not a directory, a file not
- * creatable, directory locked by another store), STRATA_EFULL if preallocation hits ENOSPC,
+ * STRATA_EIO naming the path and errno (directory not creatable, not a directory, another user's
+ * or writable by others, a file not creatable, a symbolic link, hard link or another user's file
+ * where a slab file goes (left as it is), directory locked by another store), STRATA_EFULL if preallocation hits ENOSPC,
  * STRATA_EINVAL for bad options, STRATA_ENOMEM. */
 nvme_store *nvme_store_create(const nvme_store_options *o, strata_error *err);
 

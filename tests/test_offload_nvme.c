@@ -735,6 +735,46 @@ static void test_bad_directories(void **state)
         nvme_store *st = open_store(path, 1u << 20, false, NULL);
         nvme_store_destroy(st);
     }
+    /* A folder other users may write to, or another user's: refused. */
+    snprintf(path, sizeof path, "%s/shared", t.base);
+    assert_int_equal(mkdir(path, 0700), 0);
+    assert_int_equal(chmod(path, 01777), 0);
+    expect_create_fails(path, STRATA_EIO, "writable by other users (mode 1777)");
+    assert_int_equal(chmod(path, 0770), 0);
+    expect_create_fails(path, STRATA_EIO, "writable by other users (mode 0770)");
+    if (geteuid() == 0) {   /* only root can give a folder away */
+        assert_int_equal(chmod(path, 0700), 0);
+        assert_int_equal(chown(path, 65534, 65534), 0);
+        expect_create_fails(path, STRATA_EIO, "belongs to uid 65534");
+        assert_int_equal(chown(path, 0, 0), 0);
+    }
+    /* Links planted where a slab file goes are never followed, truncated or deleted. */
+    char victim[220], slab[300];
+    snprintf(path, sizeof path, "%s/planted", t.base);
+    assert_int_equal(mkdir(path, 0700), 0);
+    snprintf(victim, sizeof victim, "%s/victim", t.base);
+    f = fopen(victim, "w");
+    assert_non_null(f);
+    fputs("precious", f);
+    fclose(f);
+    snprintf(slab, sizeof slab, "%s/slab-0000.kv", path);
+    assert_int_equal(symlink(victim, slab), 0);
+    expect_create_fails(path, STRATA_EIO, "it is a symbolic link");
+    assert_int_equal(unlink(slab), 0);
+    assert_int_equal(link(victim, slab), 0);
+    expect_create_fails(path, STRATA_EIO, "it has other hard links");
+    struct stat vs;
+    assert_int_equal(stat(victim, &vs), 0);
+    assert_int_equal(vs.st_size, 8);
+    assert_int_equal(vs.st_nlink, 2);   /* the planted link is still there: not ours to delete */
+    assert_int_equal(unlink(slab), 0);
+    /* A slab file a crashed store left behind is reused. */
+    f = fopen(slab, "w");
+    assert_non_null(f);
+    fputs("stale", f);
+    fclose(f);
+    nvme_store *reused = open_store(path, 1u << 20, false, NULL);
+    nvme_store_destroy(reused);
     /* Two stores cannot share a directory. */
     nvme_store *a = open_store(t.dir, 1u << 20, false, NULL);
     expect_create_fails(t.dir, STRATA_EIO, "in use by another store");
