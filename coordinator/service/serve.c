@@ -54,7 +54,7 @@ static void usage(FILE *out, const char *prog, bool local)
                      "its control endpoint with the cluster secret. SIGTERM drains and stops.\n\n");
     fprintf(out,
             "  --config FILE           JSON object whose keys are these options' names with '_' for '-'\n"
-            "                          (\"max_seqs\": 16); flags override it\n"
+            "                          (\"max_seqs\": 16, \"quiet\": true); flags override it\n"
             "  -m, --model PATH        GGUF model (default: $STRATA_MODEL or %s)\n"
             "  --listen HOST:PORT      public API (default %s; port 0: any free port)\n"
             "  --control HOST:PORT     worker endpoint (default %s; no TLS: keep it on a private\n"
@@ -149,23 +149,35 @@ static bool apply(const char *prog, serve_opts *o, int id, const char *flag, con
     return false;
 }
 
-/* Reads the JSON config: every key must name an option; values are strings or integers. The
- * strings stay owned by *root (kept alive by the caller). */
+/* Reads the JSON config: every key must name an option; values are strings or integers ("quiet":
+ * true or false). *root (kept alive by the caller) owns every string the options point to: the
+ * document, and the integers written out as strings. */
 static bool load_config(const char *prog, const char *path, serve_opts *o, bool local, json_t **root)
 {
+    struct stat st;
+    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
+        fprintf(stderr, "%s: --config %s: is a directory, not a JSON file\n", prog, path);
+        return false;
+    }
     json_error_t je;
-    *root = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
-    if (!*root) {
+    json_t *doc = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
+    if (!doc) {
         fprintf(stderr, "%s: --config %s: line %d: %s\n", prog, path, je.line, je.text);
         return false;
     }
-    if (!json_is_object(*root)) {
+    *root = json_array();
+    if (!*root || json_array_append_new(*root, doc) != 0) {
+        json_decref(doc);
+        fprintf(stderr, "%s: --config %s: out of memory\n", prog, path);
+        return false;
+    }
+    if (!json_is_object(doc)) {
         fprintf(stderr, "%s: --config %s: the top level must be a JSON object\n", prog, path);
         return false;
     }
     const char *key;
     json_t *val;
-    json_object_foreach(*root, key, val) {
+    json_object_foreach(doc, key, val) {
         char name[64];
         snprintf(name, sizeof name, "%s", key);
         for (char *p = name; *p; p++)
@@ -173,20 +185,34 @@ static bool load_config(const char *prog, const char *path, serve_opts *o, bool 
                 *p = '-';
         int id = 0;
         for (const struct option *op = long_opts; op->name; op++)
-            if (!strcmp(op->name, name) && op->has_arg == required_argument && op->val != O_CONFIG)
+            if (!strcmp(op->name, name) && op->val != O_CONFIG && op->val != 'h')
                 id = op->val;
-        char flag[80], num[32];
+        char flag[80];
         snprintf(flag, sizeof flag, "%s: key '%s'", path, key);
         if (!id) {
             fprintf(stderr, "%s: --config %s: unknown key '%s'\n", prog, path, key);
             return false;
         }
+        if (id == 'q') {
+            if (!json_is_boolean(val)) {
+                fprintf(stderr, "%s: --config %s: key '%s' must be true or false\n", prog, path, key);
+                return false;
+            }
+            o->quiet = json_is_true(val);
+            continue;
+        }
         const char *v;
         if (json_is_string(val)) {
             v = json_string_value(val);
         } else if (json_is_integer(val)) {
+            char num[32];
             snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(val));
-            v = num;
+            json_t *str = json_string(num);
+            if (!str || json_array_append_new(*root, str) != 0) {
+                fprintf(stderr, "%s: --config %s: out of memory\n", prog, path);
+                return false;
+            }
+            v = json_string_value(str);
         } else {
             fprintf(stderr, "%s: --config %s: key '%s' must be a string or an integer\n", prog, path, key);
             return false;

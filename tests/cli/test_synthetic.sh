@@ -36,6 +36,16 @@ serve_bad 'unknown kv codec "nosuch"' --kv nosuch
 serve_bad "5 stages for a model of 4 layers" --stages 5
 serve_bad "does not divide block_tokens 7" --block-tokens 7
 serve_bad "exceeds max batch tokens 50" --max-seqs 100 --max-batch-tokens 50
+# The same from --config: integers reach string options too (the text they become outlives the
+# parsing: ASan checks), "quiet" takes a boolean.
+printf '{"block_tokens": 7, "max_seqs": 4}' >"$tmp/block.json"
+serve_bad "does not divide block_tokens 7" --config "$tmp/block.json"
+printf '{"quiet": 1}' >"$tmp/quiet.json"
+serve_bad "key 'quiet' must be true or false" --config "$tmp/quiet.json"
+serve_bad "is a directory, not a JSON file" --config "$tmp"
+printf '{"metrics": 9, "quiet": true}' >"$tmp/metrics.json"
+expect 1 "metrics address '9': expected HOST:PORT" \
+  timeout 60 "$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 --config "$tmp/metrics.json"
 expect 1 "STRATA_SYNTHETIC_MEM_LIMIT='lots' is not a byte count" \
   env STRATA_SYNTHETIC_MEM_LIMIT=lots "$strata" generate --model synthetic:tiny --prompt hi
 
