@@ -580,6 +580,8 @@ static void handle_generate(api_server *s, grpc_call *call, grpc_metadata_array 
     if (assigned) {
         /* The message was unpacked with malloc, and free_unpacked frees a string that is not
          * the field's default: the assigned id is owned by req from here. */
+        if (req->request_id && req->request_id != (char *)protobuf_c_empty_string)
+            free(req->request_id);   /* an empty id the client sent explicitly: unpacked as a copy */
         req->request_id = assigned;
     }
     st->req = req;

@@ -206,6 +206,11 @@ def test_assigned_id(c):
     check(rid.startswith("srv-") and len(rid) <= 128, "assigned id %r" % rid)
     _, _, _, rids2 = collect(c.generate(req("assign me", max_tokens=3), timeout=T))
     check(rids2.pop() != rid, "assigned ids must differ")
+    # An empty request_id sent explicitly (field 1, length 0: Python's protobuf never writes it)
+    # gets an id too; the server's copy of the empty string is freed (ASan's leak check).
+    raw = b"\x0a\x00" + req("assign me", max_tokens=3).SerializeToString()
+    _, _, _, rids3 = collect(c.generate_raw(raw, timeout=T))
+    check(len(rids3) == 1 and rids3.pop().startswith("srv-"), "explicit empty id: %s" % rids3)
 
 
 def test_concurrent_32(c):
