@@ -186,6 +186,23 @@ static void *run_accept(void *arg)
     return NULL;
 }
 
+/* A real authenticated TCP link on loopback: *to_back sends, aj->link (accepted) receives. */
+static void link_pair(accept_job *aj, dp_link **to_back)
+{
+    static uint8_t secret[32] = "a test cluster secret, 32 bytes";
+    strata_error err = {0};
+    *aj = (accept_job){.auth = {secret, sizeof secret}};
+    assert_int_equal(dp_tcp_listen("127.0.0.1:0", &aj->l, &err), STRATA_OK);
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", dp_listener_port(aj->l));
+    pthread_t th;
+    pthread_create(&th, NULL, run_accept, aj);
+    *to_back = NULL;
+    assert_int_equal(dp_tcp_connect(addr, &aj->auth, NULL, 10000, to_back, &err), STRATA_OK);
+    pthread_join(th, NULL);
+    assert_int_equal(aj->rc, STRATA_OK);
+}
+
 /* Two stages over a TCP link; o NULL: the CPU, whose tokens equal the whole model's bit for bit.
  * With o->cuda (only where a GPU is present) the stages run on the GPU with fp16 weights: every
  * step must run, and the tokens are compared with the CPU's (first tokens equal; the agreement is
@@ -203,17 +220,10 @@ static void two_stages(const stage_options *o)
         reference(&seqs[i], STEPS, kv);
     }
     strata_error err = {0};
-    uint8_t secret[32] = "a test cluster secret, 32 bytes";
-    accept_job aj = {.auth = {secret, sizeof secret}};
-    assert_int_equal(dp_tcp_listen("127.0.0.1:0", &aj.l, &err), STRATA_OK);
-    char addr[64];
-    snprintf(addr, sizeof addr, "127.0.0.1:%d", dp_listener_port(aj.l));
+    accept_job aj;
+    dp_link *to_back;
+    link_pair(&aj, &to_back);
     pthread_t th;
-    pthread_create(&th, NULL, run_accept, &aj);
-    dp_link *to_back = NULL;
-    assert_int_equal(dp_tcp_connect(addr, &aj.auth, NULL, 10000, &to_back, &err), STRATA_OK);
-    pthread_join(th, NULL);
-    assert_int_equal(aj.rc, STRATA_OK);
 
     Strata__Internal__V1__Assignment a0 = assignment(front, kv), a1 = assignment(back, kv);
     stage *s0 = stage_create(&a0, pick(front, o), o, NULL, to_back, &err);
@@ -275,6 +285,48 @@ static void two_stages(const stage_options *o)
     assert_true(first_failed);
 
     stage_destroy(s0);
+    stage_destroy(s1);
+    dp_link_close(to_back);
+    dp_link_close(aj.link);
+    dp_listener_close(aj.l);
+}
+
+/* A previous stage (here a raw sender) whose row table lists a sequence of the plan twice: the
+ * step is refused, never run with more items than the plan has. */
+static void test_rows_listed_twice(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    accept_job aj;
+    dp_link *to_back;
+    link_pair(&aj, &to_back);
+    Strata__Internal__V1__Assignment a1 = assignment(back, "kivi2");
+    stage *s1 = stage_create(&a1, back, NULL, aj.link, NULL, &err);
+    if (!s1)
+        fail_msg("%s", err.msg);
+    seq_spec q = {.id = 7, .n_prompt = 4, .join_step = 1, .prompt = {1, 2, 3, 4}};
+    plan_buf b;
+    build_plan(&b, 1, &q, 1, 1, STEPS);
+    assert_int_equal(b.plan.n_seqs, 1);
+    /* u32 n = 2, u32 0, then (u64 id, u32 n_tokens, u32 0) twice, little-endian (stage.c's table) */
+    uint8_t table[8 + 2 * 16] = {2};
+    for (int e = 0; e < 2; e++) {
+        table[8 + 16 * e] = 7;
+        table[8 + 16 * e + 8] = 4;
+    }
+    const size_t emb = (size_t)model_get_config(back)->n_embd, rows = 8;
+    float *hidden = calloc(rows * emb, sizeof *hidden);
+    assert_non_null(hidden);
+    dp_msg_header h = {.kind = DP_MSG_CONTROL, .dtype = DP_DTYPE_BYTES, .step = 1};
+    assert_int_equal(dp_send(to_back, &h, table, sizeof table, &err), STRATA_OK);
+    dp_msg_header hh = {.kind = DP_MSG_HIDDEN, .dtype = DP_DTYPE_F32, .step = 1, .n_rows = (uint32_t)rows,
+                        .row_bytes = (uint32_t)(emb * sizeof(float))};
+    assert_int_equal(dp_send(to_back, &hh, hidden, rows * emb * sizeof(float), &err), STRATA_OK);
+    stage_result r;
+    assert_int_equal(stage_step(s1, &b.plan, &r, &err), STRATA_EFORMAT);
+    if (!strstr(err.msg, "list sequence 7 twice"))
+        fail_msg("unexpected message: %s", err.msg);
+    free(hidden);
     stage_destroy(s1);
     dp_link_close(to_back);
     dp_link_close(aj.link);
@@ -565,6 +617,7 @@ int main(void)
 #endif
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_two_stages_equal_whole_model),
+        cmocka_unit_test(test_rows_listed_twice),
         cmocka_unit_test(test_gpu_stage),
         cmocka_unit_test(test_one_stage_tiers_preempt),
         cmocka_unit_test(test_migrate),

@@ -470,6 +470,12 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
             uint64_t id = kv_ld64(ent);
             size_t n_tok = kv_ld32(ent + 8), at;
             if (plan_position(plan, id, &at) && s->ok[at] && plan->seqs[at]->n_tokens == n_tok) {
+                for (size_t k = 0; k < n_run; k++)   /* each plan entry runs once: n_run <= n_plan */
+                    if (s->plan_index[k] == at)
+                        return strata_fail(err, STRATA_EFORMAT,
+                                           "stage: the previous stage's rows of step %" PRIu64
+                                           " list sequence %" PRIu64 " twice",
+                                           plan->step, id);
                 if (rows != src_row && s->rows_prev) {
                     if ((rc = stage_gpu_compact_rows(s->gpu, rows, src_row, n_tok, err)) != STRATA_OK)
                         return rc;
