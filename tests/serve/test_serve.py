@@ -262,29 +262,45 @@ def test_info_stats_metrics(c, metrics_port):
     assert re.search(r"^strata_tokens_generated_total [1-9]", body, re.M), "no tokens counted"
 
 
-def test_killed_worker(s, c):
-    it = c.stream(req(PROMPTS[3], max_tokens=400, ignore_eos=True))
-    next(it)
-    pids = s.workers()
-    assert len(pids) == 2, pids
-    os.kill(pids[1], signal.SIGKILL)
-    got = None
+def gone(pid):
+    """True once pid has exited (a zombie counts: the server reaps it on its next round)."""
     try:
-        for r in it:
-            if r.HasField("error"):
-                got = r.error.code
-    except grpc.RpcError as e:
-        got = e.code().value[0]
-    assert got == grpc.StatusCode.UNAVAILABLE.value[0], f"stream ended with {got}, want UNAVAILABLE"
-    # the server restarts the worker; the replica is rebuilt and serves again
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if c.health(pb.HealthRequest(), timeout=T).status == pb.SERVING_STATUS_SERVING:
-            break
-        time.sleep(0.5)
-    assert c.health(pb.HealthRequest(), timeout=T).status == pb.SERVING_STATUS_SERVING, "never served again"
-    ids, text, _ = c.generate(req(PROMPTS[0], max_tokens=24, ignore_eos=True))
-    assert text == reference(PROMPTS[0], 24), "different output after the restart"
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_killed_worker(s, c):
+    # SIGTERM to a worker busy with a stream (it must stop between messages, not wait for an idle
+    # moment), then SIGKILL: each time the stream ends UNAVAILABLE and the restarted worker serves.
+    for sig, victim in ((signal.SIGTERM, 0), (signal.SIGKILL, 1)):
+        it = c.stream(req(PROMPTS[3], max_tokens=400, ignore_eos=True))
+        next(it)
+        pids = s.workers()
+        assert len(pids) == 2, pids
+        os.kill(pids[victim], sig)
+        deadline = time.time() + 10
+        while not gone(pids[victim]) and time.time() < deadline:
+            time.sleep(0.1)
+        assert gone(pids[victim]), f"worker {pids[victim]} still runs 10 s after {sig.name}"
+        got = None
+        try:
+            for r in it:
+                if r.HasField("error"):
+                    got = r.error.code
+        except grpc.RpcError as e:
+            got = e.code().value[0]
+        assert got == grpc.StatusCode.UNAVAILABLE.value[0], f"{sig.name}: stream ended with {got}, want UNAVAILABLE"
+        # the server restarts the worker; the replica is rebuilt and serves again
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if c.health(pb.HealthRequest(), timeout=T).status == pb.SERVING_STATUS_SERVING:
+                break
+            time.sleep(0.5)
+        assert c.health(pb.HealthRequest(), timeout=T).status == pb.SERVING_STATUS_SERVING, "never served again"
+        ids, text, _ = c.generate(req(PROMPTS[0], max_tokens=24, ignore_eos=True))
+        assert text == reference(PROMPTS[0], 24), f"different output after the restart ({sig.name})"
 
 
 def test_tls_token():
@@ -392,7 +408,7 @@ def main():
         else:
             failures.append("metrics port")
             print("FAIL the server did not say its metrics port:\n" + s.text().decode(errors="replace"))
-        run("killed worker", test_killed_worker, s, c)
+        run("worker stopped by SIGTERM while busy, then killed", test_killed_worker, s, c)
     finally:
         code = s.stop()
         if code != 0:

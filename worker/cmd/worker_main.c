@@ -491,19 +491,18 @@ int main(int argc, char **argv)
     dp_link *prev = NULL, *next = NULL, *rows_prev = NULL, *rows_next = NULL;   /* rows_*: NCCL, GPU neighbours */
     dp_auth auth = {secret, secret_len};
     for (;;) {
+        if (stop_requested) {   /* checked between messages too: a busy worker gets no idle timeout */
+            fprintf(stderr, "strata-worker %s: stopped by a signal\n", o.name);
+            break;
+        }
         Strata__Internal__V1__CoordinatorMessage *msg = NULL;
         rc = inbox_pop(&in, 500, &msg, &err);
         if (rc != STRATA_OK) {
             fprintf(stderr, "strata-worker %s: %s\n", o.name, err.msg);
             break;
         }
-        if (!msg) {
-            if (stop_requested) {
-                fprintf(stderr, "strata-worker %s: stopped by a signal\n", o.name);
-                break;
-            }
+        if (!msg)
             continue;
-        }
         bool done = false;
         switch (msg->kind_case) {
         case STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ASSIGNMENT: {
