@@ -170,7 +170,7 @@ static int ott_template(const kv_codec_params *p, const kv_geometry *g, const kv
     float *zeros = calloc(rows, sizeof *zeros);
     uint8_t *block = calloc(1, out->slot_bytes), hdr[CUDA_KV_MAX_HEADER];
     int rc = entries && zeros && block ? STRATA_OK : strata_fail(err, STRATA_ENOMEM, "out of memory");
-    for (int i = 0; i < most; i++)   /* (token, head) order */
+    for (int i = 0; rc == STRATA_OK && i < most; i++)   /* (token, head) order */
         entries[i] = (kv_ott_entry){(uint16_t)(i % g->n_kv_heads), (uint16_t)(i / g->n_kv_heads)};
     const int counts[2] = {1, most};
     for (int c = 0; c < 2 && rc == STRATA_OK; c++) {

@@ -179,6 +179,23 @@ static int im_block(void *ctx, int l, size_t b, const kv_block *blk, strata_erro
                            "GPU sequence stores there (%s, at most %zu bytes)", l, b, kv_codec_id_name(blk->desc.codec),
                            (unsigned)blk->block_bytes, kv_codec_id_name((unsigned)s->codecs[l].codec),
                            s->layer_slot[l]);
+    /* The device attention reads every block of the layer with one layout (not each header, as
+     * the CPU does): a block of another shape, bit width or grouping would decode as garbage. */
+    cuda_kv_layout got;
+    if (cuda_kv_layout_from_block(blk, &got, err) != STRATA_OK)
+        return strata_error_prefix(err, "kv import: layer %d block %zu", l, b);
+    const cuda_kv_layout *want = &s->enc[l].layout;
+    const bool sized = blk->desc.codec != KV_CODEC_GEAR && blk->desc.codec != KV_CODEC_OTT;   /* not variable */
+    if (got.k_bits != want->k_bits || got.v_bits != want->v_bits || got.k_group != want->k_group ||
+        got.v_group != want->v_group || got.block_tokens != want->block_tokens || got.n_kv_heads != want->n_kv_heads ||
+        got.head_dim != want->head_dim || got.off_k != want->off_k || got.off_k_scales != want->off_k_scales ||
+        got.off_v != want->off_v || got.off_v_scales != want->off_v_scales || got.off_k_mean != want->off_k_mean ||
+        got.off_v_mean != want->off_v_mean || (sized && got.block_bytes != want->block_bytes))
+        return strata_fail(err, STRATA_EINVAL, "kv import: layer %d block %zu (%s, K/V %d/%d bits, groups %d/%d, %u "
+                           "bytes) is not laid out as this GPU sequence's blocks there (%d/%d bits, groups %d/%d, %u "
+                           "bytes)", l, b, kv_codec_id_name(blk->desc.codec), got.k_bits, got.v_bits, got.k_group,
+                           got.v_group, got.block_bytes, want->k_bits, want->v_bits, want->k_group, want->v_group,
+                           want->block_bytes);
     uint8_t *dst = NULL;
     int rc = cuda_seq_new_block(s, l, b, &dst, err);
     if (rc != STRATA_OK)
