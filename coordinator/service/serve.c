@@ -351,6 +351,36 @@ static double mono(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* Teardown (the servers' shutdown, the workers' exit) takes seconds; under resource exhaustion
+ * (a process limit reached) gRPC's shutdown has been seen to block for ever. SIGALRM this long
+ * after teardown starts ends the process, with a message and without the cluster secret. */
+#define TEARDOWN_LIMIT_S 60
+static char stuck_msg[160], stuck_secret_path[PATH_MAX], stuck_secret_dir[PATH_MAX];
+
+static void teardown_stuck(int sig)
+{
+    (void)sig;   /* async-signal-safe calls only */
+    ssize_t w = write(STDERR_FILENO, stuck_msg, strlen(stuck_msg));
+    (void)w;
+    if (*stuck_secret_path)
+        unlink(stuck_secret_path);
+    if (*stuck_secret_dir)
+        rmdir(stuck_secret_dir);
+    _exit(EXIT_RUNTIME);
+}
+
+static void arm_teardown_limit(const char *prog, const char *secret_path, const char *secret_dir)
+{
+    snprintf(stuck_msg, sizeof stuck_msg, "%s: shutdown did not finish within %d s; exiting now\n", prog,
+             TEARDOWN_LIMIT_S);
+    snprintf(stuck_secret_path, sizeof stuck_secret_path, "%s", secret_path);
+    snprintf(stuck_secret_dir, sizeof stuck_secret_dir, "%s", secret_dir);
+    struct sigaction sa = {.sa_handler = teardown_stuck};
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGALRM, &sa, NULL) == 0)
+        alarm(TEARDOWN_LIMIT_S);
+}
+
 /* Starts worker w; when fork fails, says so and schedules a retry after the backoff (as for a
  * worker that exited). */
 static void spawn(supervisor *sv, local_worker *w)
@@ -697,6 +727,7 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
         exit_code = 0;
     }
 out:
+    arm_teardown_limit(prog, *secret_dir ? secret_path : "", secret_dir);
     /* After a drain every stream has ended; a moment lets their last messages leave. */
     api_server_shutdown(api, exit_code == 0 ? 2000 : 0);
     coord_stop(co);
@@ -717,5 +748,6 @@ out:
     memset(secret, 0, sizeof secret);
     memset(token, 0, sizeof token);
     json_decref(config);
+    alarm(0);
     return exit_code;
 }
