@@ -254,7 +254,9 @@ static sampler *entry_sampler(stage *s, seq_entry *e, const Strata__Internal__V1
 {
     if (!e->smp) {
         strata_error e1 = {0};
-        sampler_params sp = {.temperature = w->temperature, .top_k = (int)w->top_k,
+        /* top_k is unsigned on the wire; at or above the vocabulary it keeps every token, as 0 does */
+        const int top_k = w->top_k >= (uint32_t)s->cfg->n_vocab ? 0 : (int)w->top_k;
+        sampler_params sp = {.temperature = w->temperature, .top_k = top_k,
                              .top_p = w->top_p > 0.0f ? w->top_p : 1.0f, .seed = w->seed};
         if (sampler_params_validate(&sp, &e1) != STRATA_OK || !(e->smp = sampler_create(&sp, s->cfg->n_vocab, &e1)))
             fail_seq(s, w->seq_id, e1.code, e1.msg);
