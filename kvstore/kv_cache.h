@@ -79,6 +79,10 @@ int kv_codec_validate(const kv_codec_params *p, const kv_geometry *g, strata_err
  * maximum) are smaller; a block's own size is in its header. 0 if p does not validate. */
 size_t kv_block_size(const kv_codec_params *p, const kv_geometry *g);
 
+/* Tokens a layer of codec p keeps in its fp16 tail after n_tokens were appended to an empty
+ * sequence (kv_seq_append's rule: a full block leaves when at least R tokens stay behind it). */
+size_t kv_tail_tokens(const kv_codec_params *p, int block_tokens, size_t n_tokens);
+
 typedef struct kv_pool kv_pool;
 typedef struct kv_seq kv_seq;
 

@@ -785,6 +785,13 @@ static size_t new_blocks(const kv_seq *seq, int layer, size_t n_tokens)
     return stream >= R + bt ? (stream - R) / bt : 0;
 }
 
+size_t kv_tail_tokens(const kv_codec_params *p, int block_tokens, size_t n_tokens)
+{
+    const size_t bt = block_tokens > 0 ? (size_t)block_tokens : 1, R = p && p->residual > 0 ? (size_t)p->residual : 0;
+    const size_t blocks = n_tokens >= R + bt ? (n_tokens - R) / bt : 0;
+    return n_tokens - blocks * bt;
+}
+
 int kv_seq_check_room(const kv_seq *seq, size_t n_tokens, strata_error *err)
 {
     if (!seq)

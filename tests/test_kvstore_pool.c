@@ -275,8 +275,12 @@ static void test_append_chunking_invariant(void **state)
         assert_non_null(a);
         assert_non_null(b);
         float *k = random_rows(n, row, 5, 2.0f), *v = random_rows(n, row, 6, 2.0f);
-        for (size_t t = 0; t < n; t++)
+        for (size_t t = 0; t < n; t++) {
             assert_int_equal(kv_seq_append(a, 0, k + t * row, v + t * row, 1, &err), STRATA_OK);
+            kv_layer_view tv;   /* the tail rule the coordinator's statistics use */
+            kv_seq_layer_view(a, 0, &tv);
+            assert_int_equal(tv.tail_tokens, kv_tail_tokens(&p, default_geom.block_tokens, t + 1));
+        }
         const size_t chunks[] = {1, 37, 200, 62, 0, 129, 271};
         size_t at = 0;
         for (size_t c = 0; c < sizeof chunks / sizeof chunks[0]; c++) {

@@ -1083,11 +1083,19 @@ static int api_stats(void *ctx, Strata__V1__Stats *out, strata_error *err)
         out->tiers[t]->capacity_bytes = cap[t];
     }
     out->n_tiers = (size_t)n_tiers;
+    /* The blocks every tier holds, plus the fp16 tails of the running sequences (workers report
+     * blocks only; a tail follows from the length and each layer's window). A preempted
+     * sequence's tails are blocks in a lower tier. */
     uint64_t cached = 0, kv_bytes = bytes[0] + bytes[1] + bytes[2];
+    const uint64_t tail_row_bytes = 2u * 2u * (uint64_t)c->mc.n_kv_heads * (uint64_t)c->mc.head_dim;   /* K, V */
     for (size_t i = 0; i < c->n_reqs; i++) {
         sched_state st = sched_get_state(c->sched, c->reqs[i]->id);
-        if (st == SCHED_RUNNING || st == SCHED_PREEMPTED)
-            cached += c->reqs[i]->n_prompt + c->reqs[i]->n_generated;
+        if (st != SCHED_RUNNING && st != SCHED_PREEMPTED)
+            continue;
+        const size_t n = c->reqs[i]->n_prompt + c->reqs[i]->n_generated;
+        cached += n;
+        for (int l = 0; st == SCHED_RUNNING && l < c->mc.n_layers; l++)
+            kv_bytes += tail_row_bytes * kv_tail_tokens(&c->codecs[l], (int)c->cfg.block_tokens, n);
     }
     out->kv_bytes_per_token = cached ? (double)kv_bytes / (double)cached : 0.0;
     sched_stats st;

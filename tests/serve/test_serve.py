@@ -212,6 +212,10 @@ def test_bad_inputs(c):
     expect_status(run(req("hi", max_tokens=1_000_000_000)), I, "absurd max_tokens")
     expect_status(run(req("hi", temperature=-1.0)), I, "negative temperature")
     expect_status(run(req("hi", top_p=1.5)), I, "top_p above 1")
+    # top_k at or beyond the vocabulary (up to 2^32 - 1 on the wire) keeps every token, as 0 does
+    sampled = [c.generate(req(PROMPTS[2], max_tokens=12, ignore_eos=True, temperature=0.9, seed=7, top_k=k))[:2]
+               for k in (0, 2 ** 32 - 1, 2 ** 31)]
+    assert sampled[1] == sampled[0] and sampled[2] == sampled[0], f"huge top_k sampled differently: {sampled}"
     expect_status(run(req(ids=[10 ** 8])), I, "token id beyond the vocabulary")
     r = req("hi")
     r.kv_codec = "nosuchcodec"
@@ -253,6 +257,15 @@ def test_info_stats_metrics(c, metrics_port):
     assert 0.99 * 2 * (256 << 20) < st.tiers[0].capacity_bytes <= 2 * (256 << 20), st
     assert 0 < st.kv_bytes_per_token < 30 * 2 * 3 * 64 * 2, st   # below fp16's bytes per token
     c.abort(pb.AbortRequest(request_id="for-stats"), timeout=T)
+    list(it)
+    # A short sequence has formed no block yet: its tokens are all in the fp16 window (kivi4's
+    # 128 tokens), 30 layers x K and V x 3 heads x 64 dims x 2 bytes each
+    it = c.stream(req("Hello", max_tokens=150, ignore_eos=True, rid="short-stats"))
+    for _ in range(5):
+        next(it)
+    st = c.stats(pb.StatsRequest(), timeout=T)
+    assert st.running == 1 and st.kv_bytes_per_token == 30 * 2 * 3 * 64 * 2, st
+    c.abort(pb.AbortRequest(request_id="short-stats"), timeout=T)
     list(it)
     body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     for name in ("strata_requests_total", "strata_tokens_generated_total", "strata_time_to_first_token_seconds_bucket",
