@@ -12,5 +12,8 @@ bool strata_parse_int(const char *prog, const char *flag, const char *s, int min
 bool strata_parse_u64(const char *prog, const char *flag, const char *s, uint64_t *out);
 /* Finite and in [min, max]. */
 bool strata_parse_double(const char *prog, const char *flag, const char *s, double min, double max, double *out);
+/* A gRPC address: HOST:PORT (a bracketed IPv6 host included) with a port in 0..65535 for a
+ * listener (0: any free port), 1..65535 to connect to; or unix:PATH. */
+bool strata_check_addr(const char *prog, const char *flag, const char *s, bool listen);
 
 #endif

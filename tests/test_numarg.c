@@ -40,9 +40,25 @@ static void test_u64(void **state)
     assert_true(v == UINT64_MAX);
     assert_true(strata_parse_u64("prog", "--seed", "0", &v));
     assert_true(v == 0);
-    const char *bad[] = {"-1", "", "18446744073709551616", "7q"};
+    const char *bad[] = {"-1", " -1", "\t-1", " 5", "", "18446744073709551616", "7q"};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
         if (strata_parse_u64("prog", "--seed", bad[i], &v))
+            fail_msg("'%s' accepted", bad[i]);
+}
+
+static void test_addresses(void **state)
+{
+    (void)state;
+    const char *good[] = {"127.0.0.1:50051", "localhost:1", "[::1]:9400", "0.0.0.0:65535", "unix:/run/s.sock"};
+    for (size_t i = 0; i < sizeof good / sizeof *good; i++)
+        if (!strata_check_addr("prog", "--server", good[i], false))
+            fail_msg("'%s' refused", good[i]);
+    assert_true(strata_check_addr("prog", "--listen", "127.0.0.1:0", true));   /* any free port */
+    assert_false(strata_check_addr("prog", "--server", "127.0.0.1:0", false));
+    const char *bad[] = {"", "127.0.0.1", "127.0.0.1:", "127.0.0.1:65536", "127.0.0.1:99999", ":50051",
+                         "h:5005x", "h:-1", "h:+1", "h: 1", "h:000001", "unix:"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
+        if (strata_check_addr("prog", "--listen", bad[i], true))
             fail_msg("'%s' accepted", bad[i]);
 }
 
@@ -68,6 +84,7 @@ int main(void)
         cmocka_unit_test(test_integers),
         cmocka_unit_test(test_u64),
         cmocka_unit_test(test_doubles),
+        cmocka_unit_test(test_addresses),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

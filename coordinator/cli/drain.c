@@ -5,6 +5,7 @@
 
 #include "coordinator/cli/cli.h"
 #include "coordinator/cli/remote.h"
+#include "kvstore/numarg.h"
 
 static void usage(FILE *out)
 {
@@ -40,7 +41,11 @@ int cmd_drain(int argc, char **argv)
     optind = 1;
     while ((c = getopt_long(argc, argv, "qh", opts, NULL)) != -1) {
         switch (c) {
-        case OPT_SERVER: r.server = optarg; break;
+        case OPT_SERVER:
+            r.server = optarg;
+            if (!strata_check_addr("strata drain", "--server", optarg, false))
+                return EXIT_USAGE;
+            break;
         case OPT_TOKEN: r.token_file = optarg; break;
         case OPT_CA: r.tls_ca = optarg; break;
         case OPT_TIMEOUT:

@@ -13,6 +13,7 @@
 #include "coordinator/cli/tiers.h"
 #include "kvstore/blockfile.h"
 #include "kvstore/kv_cache.h"
+#include "kvstore/numarg.h"
 #include "kvstore/plan.h"
 #include "worker/generate.h"
 #include "worker/model.h"
@@ -157,7 +158,11 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
         }
         idx = -1;
         switch (c) {
-        case OPT_SERVER: o->server = optarg; break;
+        case OPT_SERVER:
+            o->server = optarg;
+            if (!strata_check_addr("strata generate", "--server", optarg, false))
+                return EXIT_USAGE;
+            break;
         case OPT_TOKEN_FILE: o->token_file = optarg; break;
         case OPT_TLS_CA: o->tls_ca = optarg; break;
         case 'm': o->model_path = optarg; break;

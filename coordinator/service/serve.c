@@ -116,8 +116,8 @@ static bool apply(const char *prog, serve_opts *o, int id, const char *flag, con
 {
     switch (id) {
     case 'm': o->model = v; return true;
-    case O_LISTEN: o->listen = v; return true;
-    case O_CONTROL: o->control = v; return true;
+    case O_LISTEN: o->listen = v; return strata_check_addr(prog, flag, v, true);
+    case O_CONTROL: o->control = v; return strata_check_addr(prog, flag, v, true);
     case O_METRICS: o->metrics = v; return true;
     case O_SECRET: o->secret_file = v; return true;
     case O_KV: o->kv = v; return true;

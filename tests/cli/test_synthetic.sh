@@ -36,6 +36,8 @@ serve_bad 'unknown kv codec "nosuch"' --kv nosuch
 serve_bad "5 stages for a model of 4 layers" --stages 5
 serve_bad "does not divide block_tokens 7" --block-tokens 7
 serve_bad "exceeds max batch tokens 50" --max-seqs 100 --max-batch-tokens 50
+serve_bad "port in 0..65535" --listen 127.0.0.1:99999
+expect 2 "port in 1..65535" "$strata" generate --server 127.0.0.1 --prompt hi
 # The same from --config: integers reach string options too (the text they become outlives the
 # parsing: ASan checks), "quiet" takes a boolean.
 printf '{"block_tokens": 7, "max_seqs": 4}' >"$tmp/block.json"

@@ -80,7 +80,11 @@ static int parse(int argc, char **argv, worker_opts *o)
     int c;
     while ((c = getopt_long(argc, argv, "qh", opts, NULL)) != -1) {
         switch (c) {
-        case 'c': o->coordinator = optarg; break;
+        case 'c':
+            o->coordinator = optarg;
+            if (!strata_check_addr("strata-worker", "--coordinator", optarg, false))
+                return EXIT_USAGE;
+            break;
         case 's': o->secret_file = optarg; break;
         case 'n': o->name = optarg; break;
         case 'd': o->data = optarg; break;
