@@ -127,7 +127,9 @@ int generate_run_with(const model_config *cfg, const tokenizer *tok, generate_st
             out->finish = FINISH_ABORT;
             break;
         }
-        if (out->completion_tokens == (size_t)p->max_tokens || pos + 1 > seq_max_tokens) {
+        /* pos + 1 = prompt + generated tokens: the context bounds them (as the server does), not
+         * only what the KV holds (one less: the last token is never appended) */
+        if (out->completion_tokens == (size_t)p->max_tokens || pos + 1 >= seq_max_tokens) {
             out->finish = FINISH_LENGTH;
             break;
         }

@@ -88,5 +88,9 @@ assert [[r[k] for k in ("kl", "ppl", "top1")] for r in a] == [[r[k] for k in ("k
 assert b[1]["tier_evictions"] > 0 and b[1]["nvme_spills"] > 0, b[1]
 PY
 
+# generate: --ctx bounds prompt + generated tokens (as the server's context does)
+expect 0 "finish:  length after 3 tokens" "$strata" generate -p "hello there" --ctx 5 -n 10 --ignore-eos --stats
+grep -q "prompt 2 tokens, context 5" "$tmp/err" || fail "generate --ctx 5: $(head -1 "$tmp/err")"
+
 [ "$failures" -eq 0 ] && echo "test_cli: all checks passed"
 exit $((failures > 0))
