@@ -86,6 +86,15 @@ static int read_config(gguf_file *f, model_config *c, strata_error *err)
     if (!(c->rope_theta > 0.0f) || !(c->rms_eps > 0.0f))
         return strata_fail(err, STRATA_EFORMAT, "model metadata: rope theta %g and rms epsilon %g must be positive",
                            (double)c->rope_theta, (double)c->rms_eps);
+    /* RoPE turns every pair of a head; a model rotating only part of each head (or with another
+     * head size) would run here with wrong attention, silently: refuse it. */
+    snprintf(key, sizeof key, "%s.rope.dimension_count", c->arch);
+    int rope_dims = c->head_dim;
+    if (gguf_has_key(f, key) && (rc = read_u32_key(f, c->arch, "rope.dimension_count", &rope_dims, err)))
+        return rc;
+    if (rope_dims != c->head_dim)
+        return strata_fail(err, STRATA_EUNSUPPORTED, "model metadata: RoPE over %d dimensions of each %d-dimension "
+                           "head; only full-head RoPE is supported", rope_dims, c->head_dim);
     return STRATA_OK;
 }
 

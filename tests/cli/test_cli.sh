@@ -88,6 +88,21 @@ assert [[r[k] for k in ("kl", "ppl", "top1")] for r in a] == [[r[k] for k in ("k
 assert b[1]["tier_evictions"] > 0 and b[1]["nvme_spills"] > 0, b[1]
 PY
 
+# A model that rotates only part of each head with RoPE is refused, not run wrongly: the default
+# model's llama.rope.dimension_count (u32 64) patched to 32 in a copy
+model=$("$strata" --help | sed -n 's/^default model: //p')
+python3 - "$model" "$tmp/rope32.gguf" <<'PY' || fail "patching rope.dimension_count"
+import struct, sys
+data = bytearray(open(sys.argv[1], "rb").read())
+key = b"llama.rope.dimension_count"
+at = data.find(struct.pack("<Q", len(key)) + key) + 8 + len(key)
+assert at > 8 + len(key) and struct.unpack_from("<II", data, at) == (4, 64), "key not found as u32 64"
+struct.pack_into("<I", data, at + 4, 32)
+open(sys.argv[2], "wb").write(data)
+PY
+expect 1 "RoPE over 32 dimensions of each 64-dimension head" "$strata" generate -m "$tmp/rope32.gguf" -p hi -n 1
+rm -f "$tmp/rope32.gguf"
+
 # generate: --ctx bounds prompt + generated tokens (as the server's context does)
 expect 0 "finish:  length after 3 tokens" "$strata" generate -p "hello there" --ctx 5 -n 10 --ignore-eos --stats
 grep -q "prompt 2 tokens, context 5" "$tmp/err" || fail "generate --ctx 5: $(head -1 "$tmp/err")"
