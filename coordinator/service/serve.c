@@ -629,6 +629,7 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
     }
     if (reg && metrics_http_start(reg, o.metrics, &mhttp, &err) != STRATA_OK) {
         fprintf(stderr, "%s: --metrics %s: %s\n", prog, o.metrics, err.msg);
+        exit_code = err.code == STRATA_EINVAL ? EXIT_USAGE : EXIT_RUNTIME;
         goto out;
     }
     ctl_server_options co_opts = ctl_server_options_default();

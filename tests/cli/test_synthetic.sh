@@ -46,7 +46,7 @@ printf '{"quiet": 1}' >"$tmp/quiet.json"
 serve_bad "key 'quiet' must be true or false" --config "$tmp/quiet.json"
 serve_bad "is a directory, not a JSON file" --config "$tmp"
 printf '{"metrics": 9, "quiet": true}' >"$tmp/metrics.json"
-expect 1 "metrics address '9': expected HOST:PORT" \
+expect 2 "metrics address '9': expected HOST:PORT" \
   timeout 60 "$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 --config "$tmp/metrics.json"
 expect 1 "STRATA_SYNTHETIC_MEM_LIMIT='lots' is not a byte count" \
   env STRATA_SYNTHETIC_MEM_LIMIT=lots "$strata" generate --model synthetic:tiny --prompt hi

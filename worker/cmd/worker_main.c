@@ -455,8 +455,8 @@ int main(int argc, char **argv)
     }
     dp_listener *listener = NULL;
     if (dp_tcp_listen(o.data, &listener, &err) != STRATA_OK) {
-        fprintf(stderr, "strata-worker %s: data plane: %s\n", o.name, err.msg);
-        return EXIT_RUNTIME;
+        fprintf(stderr, "strata-worker %s: --data %s: %s\n", o.name, o.data, err.msg);   /* err names the data plane */
+        return err.code == STRATA_EINVAL ? EXIT_USAGE : EXIT_RUNTIME;
     }
     char data_addr[128];
     const char *colon = strrchr(o.data, ':');
