@@ -265,6 +265,10 @@ static void print_tables(const run *runs, size_t n, const char *model_name, cons
                base->bytes_per_token > 0 ? r->bytes_per_token / base->bytes_per_token : 0.0,
                mean_of(r->layers, r->n_layers, true), mean_of(r->layers, r->n_layers, false));
     }
+    for (size_t i = 0; i < n; i++)
+        if (runs[i].r.block_tokens == 0)
+            printf("note: %s formed no block (every token stayed in its fp16 window): its B/token, ratio and "
+                   "K/V err say nothing about the codec; use a longer --prefill\n", runs[i].label);
     printf("\nB/token: bytes of all blocks per token summed over layers; ratio: vs fp16; K/V err: mean over\n"
            "layers of ||X - X'||_F / ||X||_F of the blocks. Plans:\n");
     for (size_t i = 0; i < n; i++)

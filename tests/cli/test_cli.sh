@@ -103,6 +103,11 @@ PY
 expect 1 "RoPE over 32 dimensions of each 64-dimension head" "$strata" generate -m "$tmp/rope32.gguf" -p hi -n 1
 rm -f "$tmp/rope32.gguf"
 
+# eval: a run too short to form a block says so instead of showing 0 bytes as a result
+"$strata" eval --text "$tmp/text.txt" --prefill 64 --tokens 4 --kv kivi2 -q >"$tmp/out" 2>"$tmp/err" ||
+  fail "short eval: $(tail -2 "$tmp/err")"
+grep -q "note: kivi2 formed no block" "$tmp/out" || fail "short eval printed no note: $(head -5 "$tmp/out")"
+
 # generate: --ctx bounds prompt + generated tokens (as the server's context does)
 expect 0 "finish:  length after 3 tokens" "$strata" generate -p "hello there" --ctx 5 -n 10 --ignore-eos --stats
 grep -q "prompt 2 tokens, context 5" "$tmp/err" || fail "generate --ctx 5: $(head -1 "$tmp/err")"
