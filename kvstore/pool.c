@@ -605,6 +605,13 @@ static int measure_block(kv_pool *p, kv_layer *L, const uint8_t *slot, size_t sl
     return STRATA_OK;
 }
 
+/* The append rule: of a stream of tail tokens, every full block that leaves at least R tokens
+ * behind it is compressed, oldest first. Blocks that leave a stream of `stream` tokens. */
+static size_t blocks_leaving(size_t stream, size_t R, size_t bt)
+{
+    return stream >= R + bt ? (stream - R) / bt : 0;
+}
+
 int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t n_tokens,
                   strata_error *err)
 {
@@ -631,10 +638,9 @@ int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t
         return strata_fail(err, STRATA_EINVAL,
                            "kv append: sequence %" PRIu64 " layer %d holds %zu tokens; %zu more exceed its max_tokens %zu",
                            seq->id, layer, len, n_tokens, seq->max_tokens);
-    /* The tail followed by the new rows is one stream; every full block that leaves at least R
-     * tokens behind it is compressed, oldest first. */
+    /* The tail followed by the new rows is one stream */
     size_t stream = L->tail_len + n_tokens;
-    size_t n_new = stream >= R + bt ? (stream - R) / bt : 0;
+    size_t n_new = blocks_leaving(stream, R, bt);
     if (n_new > cls->n_free && !has_lower(p))
         return strata_fail(err, STRATA_EFULL,
                            "KV block pool exhausted: sequence %" PRIu64 " layer %d needs %zu new block(s) of %zu bytes, "
@@ -781,15 +787,13 @@ static size_t new_blocks(const kv_seq *seq, int layer, size_t n_tokens)
 {
     const kv_pool *p = seq->pool;
     const size_t bt = (size_t)p->geom.block_tokens, R = (size_t)p->codecs[layer].residual;
-    size_t stream = seq->layers[layer].tail_len + n_tokens;
-    return stream >= R + bt ? (stream - R) / bt : 0;
+    return blocks_leaving(seq->layers[layer].tail_len + n_tokens, R, bt);
 }
 
 size_t kv_tail_tokens(const kv_codec_params *p, int block_tokens, size_t n_tokens)
 {
     const size_t bt = block_tokens > 0 ? (size_t)block_tokens : 1, R = p && p->residual > 0 ? (size_t)p->residual : 0;
-    const size_t blocks = n_tokens >= R + bt ? (n_tokens - R) / bt : 0;
-    return n_tokens - blocks * bt;
+    return n_tokens - blocks_leaving(n_tokens, R, bt) * bt;
 }
 
 int kv_seq_check_room(const kv_seq *seq, size_t n_tokens, strata_error *err)
