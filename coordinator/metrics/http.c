@@ -1,4 +1,6 @@
-/* The scrape server of coordinator/metrics/http.h. */
+/* The scrape server of coordinator/metrics/http.h: one thread, one poll() over the listening
+ * socket, the stop pipe and every open connection, each connection a small state machine
+ * (reading its head, writing the answer, draining what the client still sends). */
 #include "coordinator/metrics/http.h"
 
 #include <arpa/inet.h>
@@ -18,9 +20,25 @@
 #include <unistd.h>
 
 /* After answering, how long and how much we keep reading what a client still sends (see
- * linger_close). */
+ * start_drain). */
 #define DRAIN_MS 500
 #define DRAIN_BYTES (1u << 20)
+
+typedef enum { CONN_READ, CONN_WRITE, CONN_DRAIN } conn_phase;
+
+typedef struct conn {
+    int fd;
+    conn_phase phase;
+    int64_t deadline;    /* the current phase ends (408 / give up / close) at this time */
+    char *buf;           /* max_head bytes for the request head */
+    size_t n, searched;  /* bytes of head received; bytes already searched for its end */
+    char head[512];      /* the response's status line and headers */
+    size_t head_len;
+    const char *body;    /* the response body: a literal, or owned_body */
+    char *owned_body;    /* a rendered exposition, freed with the connection */
+    size_t body_len, sent;  /* sent counts head bytes, then body bytes */
+    size_t drained;
+} conn;
 
 struct metrics_http {
     metrics_registry *reg;
@@ -30,40 +48,15 @@ struct metrics_http {
     uint16_t port;
     int timeout_ms;
     size_t max_head;
-    char *buf;             /* max_head bytes for the request head, reused per connection */
+    conn conns[METRICS_HTTP_MAX_CONNS];
+    int nconns;            /* conns[0, nconns) are open */
 };
-
-/* ---- time and waiting ---- */
 
 static int64_t now_ms(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-enum { WAIT_STOP = -1, WAIT_TIMEOUT = 0, WAIT_READY = 1 };
-
-/* Waits until fd has `events` (or an error/hangup, which the following recv/send reports), the
- * deadline passes, or stop is requested. */
-static int wait_fd(metrics_http *s, int fd, short events, int64_t deadline)
-{
-    for (;;) {
-        int64_t left = deadline - now_ms();
-        if (left <= 0)
-            return WAIT_TIMEOUT;
-        struct pollfd p[2] = {{.fd = fd, .events = events}, {.fd = s->wake_r, .events = POLLIN}};
-        int n = poll(p, 2, left > 60000 ? 60000 : (int)left);
-        if (n < 0) {
-            if (errno == EINTR || errno == EAGAIN)
-                continue;
-            return WAIT_STOP;  /* poll itself failing (EINVAL, ENOMEM): give the client up */
-        }
-        if (p[1].revents)
-            return WAIT_STOP;
-        if (p[0].revents)
-            return WAIT_READY;
-    }
 }
 
 /* ---- responses ---- */
@@ -86,43 +79,26 @@ static void http_date(char out[40])
              tm.tm_sec);
 }
 
-/* Sends every byte of iov before the deadline; false when the client is gone, too slow, or stop
- * was requested. */
-static bool send_all(metrics_http *s, int fd, struct iovec *iov, int iovcnt, int64_t deadline)
+/* Closes c and moves the last open connection into its slot; the caller must not use c after. */
+static void conn_close(metrics_http *s, conn *c)
 {
-    while (iovcnt > 0) {
-        struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)iovcnt};
-        ssize_t w = sendmsg(fd, &m, MSG_NOSIGNAL);
-        if (w < 0) {
-            if (errno == EINTR)
-                continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK) {
-                if (wait_fd(s, fd, POLLOUT, deadline) != WAIT_READY)
-                    return false;
-                continue;
-            }
-            return false;
-        }
-        size_t done = (size_t)w;
-        while (iovcnt > 0 && done >= iov->iov_len) {
-            done -= iov->iov_len;
-            iov++;
-            iovcnt--;
-        }
-        if (iovcnt > 0) {
-            iov->iov_base = (char *)iov->iov_base + done;
-            iov->iov_len -= done;
-        }
-    }
-    return true;
+    close(c->fd);
+    free(c->buf);
+    free(c->owned_body);
+    conn *last = &s->conns[s->nconns - 1];
+    if (c != last)
+        *c = *last;
+    s->nconns--;
 }
 
-static bool respond(metrics_http *s, int fd, int status, const char *reason, const char *ctype,
-                    const char *extra, const char *body, size_t blen, bool head_only)
+/* Puts the response in c and switches it to writing. body is a literal or, when owned, a
+ * malloc'd buffer the connection frees. */
+static void respond(metrics_http *s, conn *c, int status, const char *reason, const char *ctype,
+                    const char *extra, const char *body, size_t blen, bool owned, bool head_only)
 {
-    char date[40], head[512];
+    char date[40];
     http_date(date);
-    int n = snprintf(head, sizeof head,
+    int n = snprintf(c->head, sizeof c->head,
                      "HTTP/1.1 %d %s\r\n"
                      "Content-Type: %s\r\n"
                      "Content-Length: %zu\r\n"
@@ -131,44 +107,38 @@ static bool respond(metrics_http *s, int fd, int status, const char *reason, con
                      "Connection: close\r\n"
                      "\r\n",
                      status, reason, ctype, blen, date, extra ? extra : "");
-    if (n < 0 || (size_t)n >= sizeof head)
-        return false;  /* cannot happen with our fixed strings; never send a cut header */
-    struct iovec iov[2] = {{head, (size_t)n}, {(void *)body, head_only ? 0 : blen}};
-    return send_all(s, fd, iov, head_only || !blen ? 1 : 2, now_ms() + s->timeout_ms);
+    /* Cannot be cut with our fixed strings; if it were, send nothing rather than a cut header. */
+    c->head_len = (n < 0 || (size_t)n >= sizeof c->head) ? 0 : (size_t)n;
+    c->body = head_only ? "" : body;
+    c->body_len = head_only ? 0 : blen;
+    if (owned)
+        c->owned_body = (char *)body;
+    c->sent = 0;
+    c->phase = CONN_WRITE;
+    c->deadline = now_ms() + s->timeout_ms;
 }
 
-static bool respond_text(metrics_http *s, int fd, int status, const char *reason,
+static void respond_text(metrics_http *s, conn *c, int status, const char *reason,
                          const char *extra, const char *text, bool head_only)
 {
-    return respond(s, fd, status, reason, "text/plain; charset=utf-8", extra, text, strlen(text),
-                   head_only);
+    respond(s, c, status, reason, "text/plain; charset=utf-8", extra, text, strlen(text), false,
+            head_only);
 }
 
 /* Closing a socket with unread input makes the kernel send RST, and a client that receives RST
- * before reading our answer loses it (the 431 for a long head, or a request with a body). So we
- * half-close and read until the client closes, for a short while: a well-behaved client closes
- * as soon as it has read the response, so this normally ends at once. */
-static void linger_close(metrics_http *s, int fd)
+ * before reading our answer loses it (the 431 for a long head, or a request with a body). So
+ * after the answer we half-close and read until the client closes, for a short while: a
+ * well-behaved client closes as soon as it has read the response, so this normally ends at
+ * once. */
+static void start_drain(metrics_http *s, conn *c)
 {
-    if (shutdown(fd, SHUT_WR) == 0) {
-        int64_t deadline = now_ms() + (s->timeout_ms < DRAIN_MS ? s->timeout_ms : DRAIN_MS);
-        size_t drained = 0;
-        char sink[4096];
-        while (drained < DRAIN_BYTES) {
-            ssize_t r = recv(fd, sink, sizeof sink, 0);
-            if (r > 0) {
-                drained += (size_t)r;
-                continue;
-            }
-            if (r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
-                break;
-            if (errno == EINTR)
-                continue;
-            if (wait_fd(s, fd, POLLIN, deadline) != WAIT_READY)
-                break;
-        }
+    if (shutdown(c->fd, SHUT_WR) != 0) {
+        conn_close(s, c);
+        return;
     }
-    close(fd);
+    c->phase = CONN_DRAIN;
+    c->drained = 0;
+    c->deadline = now_ms() + (s->timeout_ms < DRAIN_MS ? s->timeout_ms : DRAIN_MS);
 }
 
 /* ---- request parsing ---- */
@@ -339,76 +309,157 @@ static void parse_request(const char *buf, size_t n, request *q)
         q->status = 400;
 }
 
-/* ---- one connection ---- */
 
-static void serve_connection(metrics_http *s, int fd)
+/* ---- connections ---- */
+
+/* The head buf[0, end) is complete: parse it and queue the answer. */
+static void answer(metrics_http *s, conn *c, size_t end)
 {
-    int64_t deadline = now_ms() + s->timeout_ms;
-    size_t n = 0, end = 0, searched = 0;
-    for (;;) {
-        end = head_end(s->buf, n, searched);
-        searched = n;
-        if (end)
-            break;
-        if (n == s->max_head) {
-            respond_text(s, fd, 431, "Request Header Fields Too Large", NULL,
-                         "request head too large\n", false);
-            linger_close(s, fd);
-            return;
-        }
-        int w = wait_fd(s, fd, POLLIN, deadline);
-        if (w == WAIT_STOP) {
-            close(fd);
-            return;
-        }
-        if (w == WAIT_TIMEOUT) {
-            if (n)  /* a silent connection (a port probe) gets nothing; a slow one an answer */
-                respond_text(s, fd, 408, "Request Timeout", NULL, "request timeout\n", false);
-            linger_close(s, fd);
-            return;
-        }
-        ssize_t r = recv(fd, s->buf + n, s->max_head - n, 0);
-        if (r > 0) {
-            n += (size_t)r;
-            continue;
-        }
-        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
-            continue;
-        if (r == 0 && n)  /* closed its sending side mid-head: still tell it why */
-            respond_text(s, fd, 400, "Bad Request", NULL, "incomplete request\n", false);
-        close(fd);
+    request q;
+    parse_request(c->buf, end, &q);
+    if (q.status == 400) {
+        respond_text(s, c, 400, "Bad Request", NULL, "malformed request\n", false);
         return;
     }
-
-    request q;
-    parse_request(s->buf, end, &q);
-    if (q.status == 400) {
-        respond_text(s, fd, 400, "Bad Request", NULL, "malformed request\n", false);
-    } else if (q.status == 505) {
-        respond_text(s, fd, 505, "HTTP Version Not Supported", NULL, "use HTTP/1.1\n", false);
+    if (q.status == 505) {
+        respond_text(s, c, 505, "HTTP Version Not Supported", NULL, "use HTTP/1.1\n", false);
+        return;
+    }
+    bool metrics = !q.path_too_long && !strcmp(q.path, "/metrics");
+    bool health = !q.path_too_long && !strcmp(q.path, "/healthz");
+    bool get = !strcmp(q.method, "GET"), head = !strcmp(q.method, "HEAD");
+    if (!metrics && !health) {
+        respond_text(s, c, 404, "Not Found", NULL, "not found\n", head);
+    } else if (!get && !head) {
+        respond_text(s, c, 405, "Method Not Allowed", "Allow: GET, HEAD\r\n",
+                     "method not allowed\n", head);
+    } else if (health) {
+        respond(s, c, 200, "OK", "text/plain; charset=utf-8", NULL, "ok", 2, false, head);
     } else {
-        bool metrics = !q.path_too_long && !strcmp(q.path, "/metrics");
-        bool health = !q.path_too_long && !strcmp(q.path, "/healthz");
-        bool get = !strcmp(q.method, "GET"), head = !strcmp(q.method, "HEAD");
-        if (!metrics && !health) {
-            respond_text(s, fd, 404, "Not Found", NULL, "not found\n", head);
-        } else if (!get && !head) {
-            respond_text(s, fd, 405, "Method Not Allowed", "Allow: GET, HEAD\r\n",
-                         "method not allowed\n", head);
-        } else if (health) {
-            respond(s, fd, 200, "OK", "text/plain; charset=utf-8", NULL, "ok", 2, head);
+        char *body = NULL;
+        size_t blen = 0;
+        if (metrics_render(s->reg, &body, &blen, NULL) == STRATA_OK) {
+            respond(s, c, 200, "OK", METRICS_CONTENT_TYPE, NULL, body, blen, true, head);
         } else {
-            char *body = NULL;
-            size_t blen = 0;
-            if (metrics_render(s->reg, &body, &blen, NULL) == STRATA_OK)
-                respond(s, fd, 200, "OK", METRICS_CONTENT_TYPE, NULL, body, blen, head);
-            else
-                respond_text(s, fd, 500, "Internal Server Error", NULL,
-                             "cannot render metrics\n", head);
             free(body);
+            respond_text(s, c, 500, "Internal Server Error", NULL, "cannot render metrics\n",
+                         head);
         }
     }
-    linger_close(s, fd);
+}
+
+/* Reads what the client sent; answers once the head is complete. */
+static void on_readable(metrics_http *s, conn *c)
+{
+    for (;;) {
+        if (c->n == s->max_head) {
+            respond_text(s, c, 431, "Request Header Fields Too Large", NULL,
+                         "request head too large\n", false);
+            return;
+        }
+        ssize_t r = recv(c->fd, c->buf + c->n, s->max_head - c->n, 0);
+        if (r > 0) {
+            c->n += (size_t)r;
+            size_t end = head_end(c->buf, c->n, c->searched);
+            c->searched = c->n;
+            if (end) {
+                answer(s, c, end);
+                return;
+            }
+            continue;
+        }
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return;
+        if (r == 0 && c->n) {  /* closed its sending side mid-head: still tell it why */
+            respond_text(s, c, 400, "Bad Request", NULL, "incomplete request\n", false);
+            return;
+        }
+        conn_close(s, c);
+        return;
+    }
+}
+
+/* Sends what the socket takes; half-closes and drains once everything is out. */
+static void on_writable(metrics_http *s, conn *c)
+{
+    for (;;) {
+        struct iovec iov[2];
+        int cnt = 0;
+        if (c->sent < c->head_len)
+            iov[cnt++] = (struct iovec){c->head + c->sent, c->head_len - c->sent};
+        size_t body_sent = c->sent > c->head_len ? c->sent - c->head_len : 0;
+        if (body_sent < c->body_len)
+            iov[cnt++] = (struct iovec){(char *)c->body + body_sent, c->body_len - body_sent};
+        if (!cnt) {
+            start_drain(s, c);
+            return;
+        }
+        struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)cnt};
+        ssize_t w = sendmsg(c->fd, &m, MSG_NOSIGNAL);
+        if (w >= 0) {
+            c->sent += (size_t)w;
+            continue;
+        }
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            conn_close(s, c);  /* the client is gone (EPIPE, ECONNRESET) */
+        return;
+    }
+}
+
+static void on_drainable(metrics_http *s, conn *c)
+{
+    char sink[4096];
+    for (;;) {
+        ssize_t r = recv(c->fd, sink, sizeof sink, 0);
+        if (r > 0) {
+            c->drained += (size_t)r;
+            if (c->drained >= DRAIN_BYTES)
+                break;
+            continue;
+        }
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return;
+        break;  /* the client closed, or the socket failed */
+    }
+    conn_close(s, c);
+}
+
+/* A connection whose phase ran out of time: a slow head gets 408 (a silent connection, a port
+ * probe, gets nothing), a slow reader or drain is closed. */
+static void on_deadline(metrics_http *s, conn *c)
+{
+    if (c->phase == CONN_READ && c->n)
+        respond_text(s, c, 408, "Request Timeout", NULL, "request timeout\n", false);
+    else
+        conn_close(s, c);
+}
+
+/* Accepts what the table has room for; true when out of a resource (descriptors, memory),
+ * which persists while the listening socket stays readable, so the caller backs off. */
+static bool accept_new(metrics_http *s)
+{
+    while (s->nconns < METRICS_HTTP_MAX_CONNS) {
+        int fd = accept4(s->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) {
+            /* EAGAIN: none left; ECONNABORTED and the like: that client left. */
+            return errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM;
+        }
+        conn *c = &s->conns[s->nconns];
+        *c = (conn){.fd = fd, .phase = CONN_READ, .deadline = now_ms() + s->timeout_ms};
+        c->buf = malloc(s->max_head);
+        if (!c->buf) {
+            close(fd);
+            return true;
+        }
+        s->nconns++;
+    }
+    return false;
 }
 
 /* Waits up to ms for stop only: used to back off when accept keeps failing (out of file
@@ -422,9 +473,22 @@ static bool sleep_or_stop(metrics_http *s, int ms)
 static void *serve_thread(void *arg)
 {
     metrics_http *s = arg;
+    struct pollfd p[2 + METRICS_HTTP_MAX_CONNS];
     for (;;) {
-        struct pollfd p[2] = {{.fd = s->lfd, .events = POLLIN}, {.fd = s->wake_r, .events = POLLIN}};
-        int n = poll(p, 2, -1);
+        int64_t now = now_ms(), next = now + 60000;
+        p[0] = (struct pollfd){.fd = s->wake_r, .events = POLLIN};
+        /* A full table leaves new clients in the listen backlog until a slot frees. */
+        p[1] = (struct pollfd){.fd = s->nconns < METRICS_HTTP_MAX_CONNS ? s->lfd : -1,
+                               .events = POLLIN};
+        for (int i = 0; i < s->nconns; i++) {
+            conn *c = &s->conns[i];
+            p[2 + i] = (struct pollfd){.fd = c->fd,
+                                       .events = c->phase == CONN_WRITE ? POLLOUT : POLLIN};
+            if (c->deadline < next)
+                next = c->deadline;
+        }
+        int nfds = 2 + s->nconns;
+        int n = poll(p, (nfds_t)nfds, next > now ? (int)(next - now) : 0);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
@@ -432,22 +496,30 @@ static void *serve_thread(void *arg)
                 break;
             continue;
         }
-        if (p[1].revents)
+        if (p[0].revents)
             break;
-        if (!p[0].revents)
-            continue;
-        int c = accept4(s->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (c < 0) {
-            /* EAGAIN: another wakeup took it; ECONNABORTED etc.: the client left. Resource
-             * errors (EMFILE, ENFILE, ENOBUFS, ENOMEM) persist, so back off. */
-            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
-                if (sleep_or_stop(s, 100))
-                    break;
+        /* Walk backwards: closing a connection moves the last one into its slot, which was
+         * already handled (or is handled on the next round). */
+        now = now_ms();
+        for (int i = nfds - 3; i >= 0; i--) {
+            conn *c = &s->conns[i];
+            short ev = p[2 + i].revents;
+            if (ev) {
+                if (c->phase == CONN_READ)
+                    on_readable(s, c);
+                else if (c->phase == CONN_WRITE)
+                    on_writable(s, c);
+                else
+                    on_drainable(s, c);
+            } else if (c->deadline <= now) {
+                on_deadline(s, c);
             }
-            continue;
         }
-        serve_connection(s, c);
+        if (p[1].revents && accept_new(s) && sleep_or_stop(s, 100))
+            break;
     }
+    while (s->nconns)
+        conn_close(s, &s->conns[s->nconns - 1]);
     return NULL;
 }
 
@@ -553,7 +625,6 @@ static void free_server(metrics_http *s)
         close(s->wake_r);
     if (s->wake_w >= 0)
         close(s->wake_w);
-    free(s->buf);
     free(s);
 }
 
@@ -588,11 +659,6 @@ int metrics_http_start_opts(metrics_registry *r, const char *addr,
     s->reg = r;
     s->timeout_ms = timeout_ms;
     s->max_head = max_head;
-    s->buf = malloc(max_head);
-    if (!s->buf) {
-        free_server(s);
-        return strata_fail(err, STRATA_ENOMEM, "metrics server: out of memory");
-    }
     int pfd[2];
     if (pipe2(pfd, O_CLOEXEC | O_NONBLOCK) != 0) {
         rc = strata_fail(err, STRATA_EIO, "metrics server: pipe: %s", strerror(errno));
@@ -625,7 +691,7 @@ int metrics_http_start_opts(metrics_registry *r, const char *addr,
         free_server(s);
         return rc;
     }
-    if (listen(s->lfd, 16) != 0) {
+    if (listen(s->lfd, METRICS_HTTP_MAX_CONNS) != 0) {
         int e = errno;
         rc = strata_fail(err, STRATA_EIO, "metrics server: cannot listen on %s: %s", addr,
                          e == EADDRINUSE ? "the address is already in use" : strerror(e));

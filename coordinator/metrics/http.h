@@ -9,11 +9,12 @@
  * head within timeout_ms gets 408. Every response has Content-Length and "Connection: close":
  * one request per connection, which is what Prometheus handles fine and keeps this simple.
  *
- * One connection is served at a time. A slow or silent client can hold the server for at most
- * about twice timeout_ms (reading the head, writing the response) plus a short drain of what it
- * is still sending, after which the next client is served; scrapes are seconds apart, so serving
- * them one by one costs nothing. Sockets are non-blocking and every wait is a poll() that also
- * watches a self-pipe, so metrics_http_stop is prompt even in the middle of a request. Sends use
+ * Up to METRICS_HTTP_MAX_CONNS connections are served at once, by one thread polling all of
+ * them, so an idle or slow client never delays another's scrape; further clients wait in the
+ * listen backlog until a slot frees. A client has timeout_ms to send its head (then 408, or a
+ * plain close when it sent nothing) and timeout_ms again to read the response, then a short
+ * drain of what it is still sending. Sockets are non-blocking and the poll also watches a
+ * self-pipe, so metrics_http_stop is prompt even in the middle of requests. Sends use
  * MSG_NOSIGNAL: a client that hangs up never raises SIGPIPE in the process. The server thread
  * blocks all signals, so the process' handlers run on its other threads.
  *
@@ -38,6 +39,7 @@ typedef struct metrics_http_options {
 
 #define METRICS_HTTP_TIMEOUT_MS 5000
 #define METRICS_HTTP_MAX_HEAD 8192
+#define METRICS_HTTP_MAX_CONNS 64
 #define METRICS_HTTP_DEFAULT_ADDR "127.0.0.1:9400"
 
 /* Binds addr and starts serving r. addr is "HOST:PORT" where HOST is a numeric IPv4 address,
