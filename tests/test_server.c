@@ -81,11 +81,12 @@ static int cb_generate(void *ctx, const Strata__V1__GenerateRequest *req, api_st
         api_stream_fail(st, STRATA_ECRC, "kv block crc mismatch");
     } else if (strcmp(t, "refuse") == 0) {
         return strata_fail(err, STRATA_EUNSUPPORTED, "kv codec \"zzz\" is not supported");
-    } else if (strcmp(t, "hold") == 0) {
+    } else if (strcmp(t, "hold") == 0 || strcmp(t, "holdsilent") == 0) {
         pthread_mutex_lock(&b->mu);
         b->held = st;
         pthread_mutex_unlock(&b->mu);
-        BACKEND_CHECK(b, api_stream_send_chunk(st, &id, 1, "h", 1) == STRATA_OK);
+        if (strcmp(t, "hold") == 0)
+            BACKEND_CHECK(b, api_stream_send_chunk(st, &id, 1, "h", 1) == STRATA_OK);
     } else {
         return strata_fail(err, STRATA_EINVAL, "unknown test prompt");
     }
@@ -416,21 +417,29 @@ static void *shutdown_thread(void *p)
     return NULL;
 }
 
+typedef struct hold_arg {
+    grpc_channel *ch;
+    const char *prompt;
+} hold_arg;
+
 static void *hold_client(void *p)
 {
-    grpc_channel *ch = p;
+    hold_arg *a = p;
     result *r = malloc(sizeof *r);
-    generate(ch, "hold", 20000, r);
+    generate(a->ch, a->prompt, 20000, r);
     return r;
 }
 
-static void test_shutdown_with_held_stream(void **state)
+/* Shutdown while the backend holds a stream that has sent a chunk ("hold") or nothing
+ * ("holdsilent"): the drain runs out, the stream ends as the Generate contract says for a
+ * failure after / before output. */
+static void shutdown_with_held_stream(const char *prompt)
 {
-    (void)state;
     fixture f;
     fixture_start(&f, 0);
     pthread_t client;
-    pthread_create(&client, NULL, hold_client, f.ch);
+    hold_arg ha = {f.ch, prompt};
+    pthread_create(&client, NULL, hold_client, &ha);
     int64_t t0 = now_ms();
     for (;;) {
         pthread_mutex_lock(&f.b.mu);
@@ -451,15 +460,32 @@ static void test_shutdown_with_held_stream(void **state)
     pthread_join(client, (void **)&r);
     pthread_join(sd, NULL);
     assert_true(now_ms() - t0 < 3000);
-    assert_int_equal(r->status, GRPC_STATUS_UNAVAILABLE);
-    assert_string_equal(r->details, "server shutting down");
-    assert_int_equal(r->n, 1); /* the chunk sent before */
+    if (strcmp(prompt, "hold") == 0) {
+        /* The chunk sent before, then an Error message and status OK: output had started. */
+        assert_int_equal(r->status, GRPC_STATUS_OK);
+        assert_int_equal(r->n, 2);
+        assert_int_equal(r->msg[0]->kind_case, STRATA__V1__GENERATE_RESPONSE__KIND_CHUNK);
+        assert_int_equal(r->msg[1]->kind_case, STRATA__V1__GENERATE_RESPONSE__KIND_ERROR);
+        assert_int_equal(r->msg[1]->error->code, GRPC_STATUS_UNAVAILABLE);
+        assert_string_equal(r->msg[1]->error->message, "server shutting down");
+    } else {
+        assert_int_equal(r->status, GRPC_STATUS_UNAVAILABLE);
+        assert_string_equal(r->details, "server shutting down");
+        assert_int_equal(r->n, 0);
+    }
     assert_int_equal(f.b.cancels, 1);
     assert_int_equal(f.b.bad, 0);
     result_free(r);
     free(r);
     grpc_channel_destroy(f.ch);
     pthread_mutex_destroy(&f.b.mu);
+}
+
+static void test_shutdown_with_held_stream(void **state)
+{
+    (void)state;
+    shutdown_with_held_stream("hold");
+    shutdown_with_held_stream("holdsilent");
 }
 
 static void test_start_errors(void **state)

@@ -474,21 +474,40 @@ static bool stream_ref_if_live(api_stream *st)
     return false;
 }
 
-/* Ends a stream from the server side with a normal status batch (after the message in flight,
- * if any; queued messages are dropped) and tells the backend. A status sent this way reaches
- * the client reliably, also on a connection that is draining after GOAWAY, where cancelling
- * the call can close the connection before the status is written (gRPC 1.51). */
+/* Ends a stream from the server side (the drain ran out) and tells the backend. Queued messages
+ * are dropped; after the message in flight, if any, a stream that has produced output gets an
+ * Error message and status OK (the Generate contract: a failure after output is a message),
+ * one that has not gets the status itself. Either goes out as a normal batch, which reaches the
+ * client reliably, also on a connection that is draining after GOAWAY, where cancelling the
+ * call can close the connection before the status is written (gRPC 1.51). */
 static void stream_server_end(api_stream *st, grpc_status_code code, const char *message)
 {
+    proto_msg *m = NULL;
+    Strata__V1__Error e = STRATA__V1__ERROR__INIT;
+    e.code = (uint32_t)code;
+    e.message = (char *)message;
+    Strata__V1__GenerateResponse resp = STRATA__V1__GENERATE_RESPONSE__INIT;
+    resp.kind_case = STRATA__V1__GENERATE_RESPONSE__KIND_ERROR;
+    resp.error = &e;
+    if (pack_response(st, &resp, &m, NULL))
+        m = NULL; /* out of memory: the status alone still ends the call */
+
     bool call_cancel = false;
     pthread_mutex_lock(&st->mu);
     proto_sendq_drop(&st->q);
     if (!st->q.dead && !st->q.status_pending) {
-        stream_set_status(st, code, message);
+        if (st->chunk_queued && m) {
+            proto_sendq_push(&st->q, m);
+            m = NULL;
+            stream_set_status(st, GRPC_STATUS_OK, NULL);
+        } else {
+            stream_set_status(st, code, message);
+        }
         stream_pump(st);
     }
     call_cancel = stream_cancel_backend(st);
     pthread_mutex_unlock(&st->mu);
+    proto_msg_free(m);
     if (call_cancel)
         st->srv->be.cancel(st->srv->be.ctx, st);
 }

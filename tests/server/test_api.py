@@ -509,7 +509,8 @@ def test_shutdown_drain_completes():
 
 
 def test_shutdown_cancels():
-    """SIGTERM while a long stream runs: after the drain it ends with UNAVAILABLE; exit 0 quickly."""
+    """SIGTERM while a long stream runs: after the drain it ends with an Error message
+    (UNAVAILABLE) then status OK, as a failure after output does; exit 0 quickly."""
     s = Server("shutdown", "--drain-ms", "300")
     c = Client("127.0.0.1:%d" % s.port)
     stream = c.generate(req("endless", max_tokens=100000), timeout=30)
@@ -518,7 +519,10 @@ def test_shutdown_cancels():
             break
     t0 = time.monotonic()
     s.proc.send_signal(signal.SIGTERM)
-    expect_status(lambda: stream, grpc.StatusCode.UNAVAILABLE, "server shutting down")
+    _, _, tail, _ = collect(stream)  # raises on a non-OK status
+    check(len(tail) == 1 and tail[0].WhichOneof("kind") == "error"
+          and tail[0].error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+          and tail[0].error.message == "server shutting down", "Error message: %s" % tail)
     check(time.monotonic() - t0 < 5, "stream ended promptly")
     rc, took = s.stop()
     check(rc == 0 and took < 5, "shutdown server exit %s after %.1fs; log:\n%s" % (rc, took, s.log_text()))
