@@ -71,10 +71,27 @@ static uint8_t *make_block(size_t bytes, uint64_t seed, strata_error *err)
     return b;
 }
 
-static void usage(void)
+#define MAX_BLOCK_BYTES (65535L * 128 + 128)
+
+static void usage(FILE *out)
 {
-    fprintf(stderr, "usage: strata-offload-bench --dir DIR [--block-bytes N] [--qd N] [--total-mib N]\n"
-                    "                            [--sync-io] [--buffered] [--readback]\n");
+    fprintf(out,
+            "usage: strata-offload-bench --dir DIR [--block-bytes N] [--qd N] [--total-mib N]\n"
+            "                            [--sync-io] [--buffered] [--readback]\n"
+            "\n"
+            "Spill and restore throughput of the NVMe tier: writes --total-mib of real KV blocks to a\n"
+            "slab file in DIR through io_uring, then reads them all back and verifies each. Prints\n"
+            "one line: spill_gbps=... restore_gbps=... blocks=... (bench/offload.sh runs it beside fio).\n"
+            "\n"
+            "  --dir DIR          folder for the slab file (yours, not group/other-writable; made if missing)\n"
+            "  --block-bytes N    bytes per block, a multiple of 128 in 256..%ld (default 65536)\n"
+            "  --qd N             operations in the kernel at once, 1..1024 (default 32)\n"
+            "  --total-mib N      MiB of blocks to write (default 1024)\n"
+            "  --sync-io          pwrite/pread instead of io_uring\n"
+            "  --buffered         through the page cache instead of O_DIRECT\n"
+            "  --readback         verify each write by reading it back (default: CRC on restore)\n"
+            "  -h, --help         this help\n",
+            MAX_BLOCK_BYTES);
 }
 
 int main(int argc, char **argv)
@@ -86,22 +103,33 @@ int main(int argc, char **argv)
         const char *a = argv[i];
         const char *val = i + 1 < argc ? argv[i + 1] : NULL;
         bool ok = true;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            usage(stdout);
+            return 0;
+        }
         if (!strcmp(a, "--dir") && val) dir = argv[++i];
         else if (!strcmp(a, "--block-bytes") && val)
-            ok = strata_parse_long(PROG, a, argv[++i], 1, 1L << 30, &block_arg);
+            ok = strata_parse_long(PROG, a, argv[++i], 256, MAX_BLOCK_BYTES, &block_arg);
         else if (!strcmp(a, "--qd") && val) ok = strata_parse_long(PROG, a, argv[++i], 1, 1024, &qd_arg);
         else if (!strcmp(a, "--total-mib") && val) ok = strata_parse_long(PROG, a, argv[++i], 1, 1L << 24, &mib_arg);
         else if (!strcmp(a, "--sync-io")) sync_io = true;
         else if (!strcmp(a, "--buffered")) buffered = true;
         else if (!strcmp(a, "--readback")) readback = true;
-        else ok = false;
-        if (!ok) {
-            usage();
+        else {
+            bool takes_value = !strcmp(a, "--dir") || !strcmp(a, "--block-bytes") || !strcmp(a, "--qd") ||
+                               !strcmp(a, "--total-mib");
+            fprintf(stderr, "%s: %s '%s' (try --help)\n", PROG, takes_value ? "missing value for" : "unknown option", a);
             return 2;
         }
+        if (!ok)
+            return 2;  /* strata_parse_long said why */
     }
     if (!dir) {
-        usage();
+        fprintf(stderr, "%s: --dir is required (try --help)\n", PROG);
+        return 2;
+    }
+    if (block_arg % 128) {
+        fprintf(stderr, "%s: --block-bytes must be a multiple of 128 (got %ld)\n", PROG, block_arg);
         return 2;
     }
     const size_t block_bytes = (size_t)block_arg;

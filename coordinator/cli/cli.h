@@ -38,6 +38,12 @@ struct tokenizer;
 int cli_tokenize_document(const struct tokenizer *tok, const char *text, size_t len, int32_t **ids, size_t *n,
                           strata_error *err);
 
+/* Whether the file an output flag names could be written, checked before a long run so that a
+ * typo does not throw the run's result away: its folder must exist and be writable, and the
+ * path must not be a folder (or an existing file we may not write). Prints
+ * "strata CMD: FLAG PATH: ..." and returns false otherwise. Nothing is created. */
+bool cli_check_writable(const char *cmd, const char *flag, const char *path);
+
 /* Reads a whole file (at most max_bytes) into a NUL-terminated malloc'd buffer. */
 int cli_read_file(const char *path, size_t max_bytes, char **out, size_t *len, strata_error *err);
 

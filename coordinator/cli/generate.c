@@ -6,6 +6,7 @@
 #include <time.h>
 
 #include "coordinator/cli/cli.h"
+#include "proto/validate.h"
 #include "kernels/ops.h"
 #include "coordinator/cli/generate_cuda.h"
 #include "coordinator/cli/kvopts.h"
@@ -246,6 +247,11 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
         fprintf(stderr, "strata generate: --prompt is required (try --help)\n");
         return EXIT_USAGE;
     }
+    if (o->server && o->chat) {
+        fprintf(stderr, "strata generate: --chat does not apply with --server (the server takes the prompt as "
+                        "text; write the chat template into it)\n");
+        return EXIT_USAGE;
+    }
     if (o->server && o->local_only) {
         fprintf(stderr, "strata generate: %s%s does not apply with --server (the server's configuration decides)\n",
                 o->local_only[0] == '-' ? "" : "--", o->local_only);
@@ -263,6 +269,12 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
         fprintf(stderr, "strata generate: --system only applies with --chat\n");
         return EXIT_USAGE;
     }
+    if (o->kv_given && o->kv.plan_file) {
+        fprintf(stderr, "strata generate: --kv and --kv-plan both set the KV codecs; give one\n");
+        return EXIT_USAGE;
+    }
+    if (o->save_kv && !cli_check_writable("generate", "--save-kv", o->save_kv))
+        return EXIT_USAGE;
     int rc = cli_tier_finish("generate", &o->tiers);
     if (rc == 0 && o->cuda_device >= 0 && o->save_kv) {
         fprintf(stderr, "strata generate: --save-kv does not apply with --device cuda yet (the blocks stay on the "
@@ -279,7 +291,7 @@ static double now_seconds(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static char *read_stdin(void)
+static char *read_stdin(size_t *out_len)
 {
     size_t cap = 4096, len = 0;
     char *buf = malloc(cap);
@@ -300,6 +312,7 @@ static char *read_stdin(void)
     }
     if (buf)
         buf[len] = '\0';
+    *out_len = len;
     return buf;
 }
 
@@ -368,13 +381,28 @@ int cmd_generate(int argc, char **argv)
     strata_error err = {0};
 
     char *stdin_prompt = NULL;
+    size_t prompt_len = strlen(o.prompt);
     if (!strcmp(o.prompt, "-")) {
-        stdin_prompt = read_stdin();
+        stdin_prompt = read_stdin(&prompt_len);
         if (!stdin_prompt) {
             fprintf(stderr, "strata generate: out of memory reading the prompt from stdin\n");
             return EXIT_RUNTIME;
         }
         o.prompt = stdin_prompt;
+        const char *why = !prompt_len                           ? "is empty"
+                          : memchr(o.prompt, 0, prompt_len)      ? "contains a NUL byte"
+                                                                : NULL;
+        if (why) {
+            fprintf(stderr, "strata generate: the prompt read from stdin %s\n", why);
+            free(stdin_prompt);
+            return EXIT_USAGE;
+        }
+    }
+    /* The server refuses such a prompt; the tokenizer would take its bytes as they come. */
+    if (!proto_utf8_valid(o.prompt, prompt_len)) {
+        fprintf(stderr, "strata generate: the prompt is not valid UTF-8\n");
+        free(stdin_prompt);
+        return EXIT_USAGE;
     }
 
     if (o.server) {

@@ -23,7 +23,8 @@ static void usage(FILE *out)
             "  drain      move the requests of a worker's replica elsewhere and stop it (on a server)\n"
             "\n"
             "options:\n"
-            "  -h, --help     show this help (each command has its own: strata generate --help)\n"
+            "  -h, --help     show this help (each command has its own: strata generate --help,\n"
+            "                 or strata help generate)\n"
             "  --version      print the version\n"
             "\n"
             "default model: %s\n",
@@ -64,7 +65,16 @@ int main(int argc, char **argv)
         return EXIT_USAGE;
     }
     const char *cmd = argv[1];
-    if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
+    if (!strcmp(cmd, "help") && argc == 3) {
+        /* "strata help generate" is "strata generate --help". */
+        cmd = argv[2];
+        argv[1] = argv[2];
+        argv[2] = "--help";
+    } else if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
+        if (argc > 2 && !strcmp(cmd, "help")) {
+            fprintf(stderr, "strata: usage: strata help [COMMAND]\n");
+            return EXIT_USAGE;
+        }
         usage(stdout);
         return 0;
     }

@@ -3,7 +3,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "coordinator/cli/cli.h"
 #include "worker/tokenizer.h"
@@ -13,6 +15,37 @@ double cli_now_seconds(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+bool cli_check_writable(const char *cmd, const char *flag, const char *path)
+{
+    const char *why = NULL;
+    struct stat st;
+    if (!*path) {
+        why = "an empty path";
+    } else if (stat(path, &st) == 0) {
+        if (S_ISDIR(st.st_mode))
+            why = "is a folder";
+        else if (access(path, W_OK) != 0)
+            why = strerror(errno);
+    } else if (errno != ENOENT) {
+        why = strerror(errno);
+    } else {
+        const char *slash = strrchr(path, '/');
+        char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
+        if (!dir)
+            why = "out of memory";
+        else if (stat(dir, &st) != 0)
+            why = errno == ENOENT ? "its folder does not exist" : strerror(errno);
+        else if (!S_ISDIR(st.st_mode))
+            why = "its folder is not a folder";
+        else if (access(dir, W_OK | X_OK) != 0)
+            why = "its folder is not writable";
+        free(dir);
+    }
+    if (why)
+        fprintf(stderr, "strata %s: %s %s: %s\n", cmd, flag, path, why);
+    return why == NULL;
 }
 
 int cli_read_file(const char *path, size_t max_bytes, char **out, size_t *len, strata_error *err)

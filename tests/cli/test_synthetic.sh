@@ -38,6 +38,24 @@ serve_bad "does not divide block_tokens 7" --block-tokens 7
 serve_bad "exceeds max batch tokens 50" --max-seqs 100 --max-batch-tokens 50
 serve_bad "port in 0..65535" --listen 127.0.0.1:99999
 expect 2 "port in 1..65535" "$strata" generate --server 127.0.0.1 --prompt hi
+# Prompts and flags refused before any work: the bytes the server would refuse, two settings of
+# the same thing, output paths that could not be written after a long run.
+syn=("$strata" generate --model synthetic:tiny:seed=4 -n 1 -q)
+expect 2 "the prompt read from stdin contains a NUL byte" bash -c 'printf "ab\0cd" | "$@"' _ "${syn[@]}" -p -
+expect 2 "the prompt read from stdin is empty" bash -c ': | "$@"' _ "${syn[@]}" -p -
+expect 2 "the prompt is not valid UTF-8" "${syn[@]}" -p $'\xc3\x28'
+expect 2 "the prompt is not valid UTF-8" bash -c 'printf "\xff" | "$@"' _ "${syn[@]}" -p -
+"${syn[@]}" -p "é ü" --no-echo >/dev/null 2>"$tmp/err" || fail "a UTF-8 prompt: $(cat "$tmp/err")"
+expect 2 "--kv and --kv-plan both set the KV codecs" "${syn[@]}" -p hi --kv kivi2 --kv-plan "$tmp/plan.txt"
+expect 2 "--save-kv $tmp/none/kv.bin: its folder does not exist" "${syn[@]}" -p hi --save-kv "$tmp/none/kv.bin"
+expect 2 "--save-kv $tmp: is a folder" "${syn[@]}" -p hi --save-kv "$tmp"
+expect 2 "--out $tmp/none/p.txt: its folder does not exist" "$strata" calibrate --text "$tmp/x" --budget 9 \
+  --out "$tmp/none/p.txt"
+expect 2 "--chat does not apply with --server" "$strata" generate --server 127.0.0.1:1 --chat -p hi
+# "strata help CMD" is that command's --help
+"$strata" help generate >"$tmp/out" 2>&1 || fail "strata help generate exited $?"
+grep -q "^usage: strata generate" "$tmp/out" || fail "strata help generate: $(head -1 "$tmp/out")"
+expect 2 "unknown command 'nosuch'" "$strata" help nosuch
 # The same from --config: integers reach string options too (the text they become outlives the
 # parsing: ASan checks), "quiet" takes a boolean.
 printf '{"block_tokens": 7, "max_seqs": 4}' >"$tmp/block.json"
