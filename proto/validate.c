@@ -226,3 +226,12 @@ int proto_validate_generate(const Strata__V1__GenerateRequest *req, const proto_
         rc = check_kv_codec(str_or_empty(req->kv_codec), lim, err);
     return rc;
 }
+
+bool proto_worker_name_valid(const char *name)
+{
+    size_t n = name ? strlen(name) : 0;
+    bool ok = n >= 1 && n <= PROTO_MAX_WORKER_NAME && proto_utf8_valid(name, n);
+    for (size_t i = 0; ok && i < n; i++)
+        ok = (unsigned char)name[i] >= 0x20 && name[i] != 0x7f;
+    return ok;
+}

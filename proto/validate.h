@@ -57,6 +57,11 @@ int proto_validate_request_id(const char *id, bool allow_empty, strata_error *er
 /* The nucleus threshold to sample with: top_p, or 1 when top_p is 0 (the proto3 default). */
 float proto_effective_top_p(float top_p);
 
+/* A worker's name (strata_internal.proto Join.worker_name): 1 to PROTO_MAX_WORKER_NAME bytes of
+ * UTF-8 without control characters, since it appears in logs, metrics and `strata drain`. */
+#define PROTO_MAX_WORKER_NAME 128
+bool proto_worker_name_valid(const char *name);
+
 /* Strict UTF-8 (RFC 3629): returns len when s[0..len) is valid, else the offset of the first byte
  * of the first invalid or truncated sequence. Rejects overlong forms (C0, C1, E0 80..9F,
  * F0 80..8F), UTF-16 surrogates (ED A0..BF), code points above U+10FFFF (F4 90.., F5..FF), stray

@@ -30,26 +30,34 @@ static double now_seconds(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* A whole small file, NUL-terminated, trailing newlines dropped when trim; NULL after a message. */
-static char *read_file(const char *flag, const char *path, bool trim)
+/* A whole small file, NUL-terminated, trailing newlines dropped when trim; NULL after a message
+ * that starts with cmd ("strata generate"). */
+static char *read_file(const char *cmd, const char *flag, const char *path, bool trim)
 {
     FILE *f = fopen(path, "rb");
     if (!f) {
-        fprintf(stderr, "strata generate: %s %s: %s\n", flag, path, strerror(errno));
+        fprintf(stderr, "%s: %s %s: %s\n", cmd, flag, path, strerror(errno));
         return NULL;
     }
     char *buf = malloc(MAX_PEM_BYTES + 1);
     size_t n = buf ? fread(buf, 1, MAX_PEM_BYTES, f) : 0;
-    bool more = buf && fgetc(f) != EOF;
+    int read_errno = ferror(f) ? errno : 0;  /* EISDIR for a folder */
+    bool more = buf && !read_errno && fgetc(f) != EOF;
     fclose(f);
-    if (!buf || more) {
-        fprintf(stderr, "strata generate: %s %s: %s\n", flag, path, buf ? "larger than 1 MiB" : "out of memory");
+    if (!buf || more || read_errno) {
+        fprintf(stderr, "%s: %s %s: %s\n", cmd, flag, path,
+                !buf ? "out of memory" : read_errno ? strerror(read_errno) : "larger than 1 MiB");
         free(buf);
         return NULL;
     }
     while (trim && n && (buf[n - 1] == '\n' || buf[n - 1] == '\r'))
         n--;
     buf[n] = '\0';
+    if (!n) {
+        fprintf(stderr, "%s: %s %s is empty\n", cmd, flag, path);
+        free(buf);
+        return NULL;
+    }
     return buf;
 }
 
@@ -82,13 +90,14 @@ typedef struct remote_conn {
 } remote_conn;
 
 /* Reads the token and CA files and opens the channel; false (EXIT_USAGE) after a message. */
-static bool conn_open(remote_conn *c, const char *server, const char *token_file, const char *tls_ca)
+static bool conn_open(remote_conn *c, const char *cmd, const char *server, const char *token_file,
+                      const char *tls_ca)
 {
     memset(c, 0, sizeof *c);
     char *pem = NULL;
-    if (token_file && !(c->token = read_file("--token-file", token_file, true)))
+    if (token_file && !(c->token = read_file(cmd, "--token-file", token_file, true)))
         return false;
-    if (tls_ca && !(pem = read_file("--tls-ca", tls_ca, false))) {
+    if (tls_ca && !(pem = read_file(cmd, "--tls-ca", tls_ca, false))) {
         free(c->token);
         return false;
     }
@@ -150,7 +159,7 @@ int cli_remote_generate(const remote_request *r)
         return EXIT_USAGE;
     }
     remote_conn conn;
-    if (!conn_open(&conn, r->server, r->token_file, r->tls_ca)) {
+    if (!conn_open(&conn, "strata generate", r->server, r->token_file, r->tls_ca)) {
         grpc_byte_buffer_destroy(send_bb);
         return EXIT_USAGE;
     }
@@ -322,7 +331,7 @@ static grpc_status_code unary(const remote_conn *c, const char *method, const Pr
 int cli_remote_drain(const remote_drain *r)
 {
     remote_conn conn;
-    if (!conn_open(&conn, r->server, r->token_file, r->tls_ca))
+    if (!conn_open(&conn, "strata drain", r->server, r->token_file, r->tls_ca))
         return EXIT_USAGE;
     Strata__V1__DrainWorkerRequest req = STRATA__V1__DRAIN_WORKER_REQUEST__INIT;
     req.worker_name = (char *)r->worker;

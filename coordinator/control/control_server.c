@@ -290,12 +290,7 @@ static grpc_status_code check_join(ctl_server *s, const Strata__Internal__V1__Wo
                  j->protocol_version, CTL_PROTOCOL_VERSION);
         return GRPC_STATUS_FAILED_PRECONDITION;
     }
-    const char *name = j->worker_name ? j->worker_name : "";
-    size_t n = strlen(name);
-    bool ok = n >= 1 && n <= CTL_MAX_WORKER_NAME && proto_utf8_valid(name, n);
-    for (size_t i = 0; ok && i < n; i++)
-        ok = (unsigned char)name[i] >= 0x20 && name[i] != 0x7f;
-    if (!ok) {
+    if (!proto_worker_name_valid(j->worker_name)) {
         snprintf(why, cap, "Join.worker_name must be 1-%d bytes of UTF-8 without control characters",
                  CTL_MAX_WORKER_NAME);
         return GRPC_STATUS_INVALID_ARGUMENT;

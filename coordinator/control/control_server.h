@@ -56,6 +56,7 @@
 
 #include "kvstore/error.h"
 #include "proto/control_protocol.h"
+#include "proto/validate.h"
 #include "proto/strata_internal.pb-c.h"
 
 /* The version of proto/strata_internal.proto this build speaks (Join.protocol_version), defined
@@ -77,7 +78,7 @@
 #define CTL_SECRET_MIN_BYTES 16
 #define CTL_SECRET_MAX_BYTES 256
 /* Longest Join.worker_name accepted. */
-#define CTL_MAX_WORKER_NAME 128
+#define CTL_MAX_WORKER_NAME PROTO_MAX_WORKER_NAME
 
 typedef struct ctl_server ctl_server;
 typedef struct ctl_peer ctl_peer;

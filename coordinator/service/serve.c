@@ -308,8 +308,13 @@ static bool read_small_file(const char *prog, const char *what, const char *path
         return false;
     }
     size_t n = fread(buf, 1, cap - 1, f);
-    bool more = fgetc(f) != EOF;
+    int read_errno = ferror(f) ? errno : 0;  /* EISDIR for a folder */
+    bool more = !read_errno && fgetc(f) != EOF;
     fclose(f);
+    if (read_errno) {
+        fprintf(stderr, "%s: %s %s: %s\n", prog, what, path, strerror(read_errno));
+        return false;
+    }
     while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r'))
         n--;
     buf[n] = '\0';
@@ -598,16 +603,20 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
     } else if (!make_secret(prog, secret_dir, sizeof secret_dir, secret_path, sizeof secret_path)) {
         goto out;
     }
-    if (!read_small_file(prog, "--secret-file", secret_path, secret, sizeof secret, &secret_len))
+    if (!read_small_file(prog, "--secret-file", secret_path, secret, sizeof secret, &secret_len)) {
+        exit_code = o.secret_file ? EXIT_USAGE : exit_code;  /* the one we made: a runtime failure */
         goto out;
+    }
     if (secret_len < CTL_SECRET_MIN_BYTES) {
         fprintf(stderr, "%s: the cluster secret in %s has %zu bytes; at least %d are needed\n", prog, secret_path,
                 secret_len, CTL_SECRET_MIN_BYTES);
         exit_code = EXIT_USAGE;
         goto out;
     }
-    if (o.token_file && !read_small_file(prog, "--token-file", o.token_file, token, sizeof token, &token_len))
+    if (o.token_file && !read_small_file(prog, "--token-file", o.token_file, token, sizeof token, &token_len)) {
+        exit_code = EXIT_USAGE;
         goto out;
+    }
     if (o.token_file && token_len == 0) {
         fprintf(stderr, "%s: --token-file %s is empty\n", prog, o.token_file);
         exit_code = EXIT_USAGE;

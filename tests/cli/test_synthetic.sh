@@ -52,6 +52,17 @@ expect 2 "--save-kv $tmp: is a folder" "${syn[@]}" -p hi --save-kv "$tmp"
 expect 2 "--out $tmp/none/p.txt: its folder does not exist" "$strata" calibrate --text "$tmp/x" --budget 9 \
   --out "$tmp/none/p.txt"
 expect 2 "--chat does not apply with --server" "$strata" generate --server 127.0.0.1:1 --chat -p hi
+# Token and secret files: each message names the command that read it; a folder or an empty file
+# is not a token.
+: >"$tmp/empty-token"
+expect 2 "^strata drain: --token-file $tmp/none: No such file" "$strata" drain --server 127.0.0.1:1 \
+  --token-file "$tmp/none" w0
+expect 2 "^strata generate: --token-file $tmp: Is a directory" "$strata" generate --server 127.0.0.1:1 \
+  --token-file "$tmp" -p hi
+expect 2 "--token-file $tmp/empty-token is empty" "$strata" generate --server 127.0.0.1:1 \
+  --token-file "$tmp/empty-token" -p hi
+serve_bad "--token-file $tmp: Is a directory" --token-file "$tmp"
+serve_bad "--secret-file $tmp/none: No such file" --secret-file "$tmp/none"
 # "strata help CMD" is that command's --help
 "$strata" help generate >"$tmp/out" 2>&1 || fail "strata help generate exited $?"
 grep -q "^usage: strata generate" "$tmp/out" || fail "strata help generate: $(head -1 "$tmp/out")"
@@ -101,6 +112,9 @@ fi
 worker="$(dirname "$strata")/strata-worker"
 printf 'a cluster secret of 32 bytes....' >"$tmp/secret"
 expect 2 "takes cpu, cuda or cuda:N" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" --device gpu
+for name in "" $'a\tb' "$(printf 'w%.0s' {1..129})"; do
+  expect 2 "--name must be 1-128 bytes" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" --name "$name"
+done
 if ! nvidia-smi -L >/dev/null 2>&1; then
   expect 1 "CUDA" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" --device cuda:0
 fi

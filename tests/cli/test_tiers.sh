@@ -29,6 +29,7 @@ expect 2 '"device_kv_mib" must be a number' "$strata" generate -p hi --config "$
 expect 1 "$tmp/no/such/parent" "$strata" generate -p hi -n 2 --nvme-dir "$tmp/no/such/parent/spill"
 # Without a host tier a device budget below the sequence fails before the step, clearly.
 expect 1 "KV block pool exhausted" "${gen[@]}" --kv kivi2 --device-kv-mib 0.3 < "$tmp/prompt.txt"
+grep -q "a larger --device-kv-mib, or a tier below it" "$tmp/err" || fail "no hint after an exhausted pool: $(cat "$tmp/err")"
 
 # mib_of FILE: the total KV MiB an unconstrained run printed with --stats
 mib_of() { sed -n 's/.*(total \([0-9.]*\) MiB;.*/\1/p' "$1" | tail -1; }

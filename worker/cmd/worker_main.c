@@ -18,6 +18,7 @@
 #include "kvstore/error.h"
 #include "kvstore/numarg.h"
 #include "proto/strata_internal.pb-c.h"
+#include "proto/validate.h"
 #include "worker/control/control_client.h"
 #include "worker/model.h"
 #include "worker/stage/stage.h"
@@ -113,6 +114,11 @@ static int parse(int argc, char **argv, worker_opts *o)
     }
     if (optind != argc || !o->coordinator || !o->secret_file) {
         fprintf(stderr, "strata-worker: --coordinator and --secret-file are required (try --help)\n");
+        return EXIT_USAGE;
+    }
+    if (o->name && !proto_worker_name_valid(o->name)) {
+        fprintf(stderr, "strata-worker: --name must be 1-%d bytes of UTF-8 without control characters\n",
+                PROTO_MAX_WORKER_NAME);
         return EXIT_USAGE;
     }
     if (o->nvme_mib >= 0 && !o->nvme_dir) {
