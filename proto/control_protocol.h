@@ -8,4 +8,9 @@
 
 #define PROTO_CONTROL_PROTOCOL_VERSION 1u
 
+/* The cluster secret's length in bytes (Join.secret; a file's trailing newline is not part of
+ * it): the coordinator refuses a Join outside this range, and both programs refuse such a file. */
+#define PROTO_SECRET_MIN_BYTES 16
+#define PROTO_SECRET_MAX_BYTES 256
+
 #endif

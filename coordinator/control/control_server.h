@@ -75,8 +75,8 @@
 #define CTL_DEFAULT_KEEPALIVE_TIMEOUT_MS 2000
 #define CTL_SERVER_DEFAULT_MIN_RECV_PING_MS 1000
 /* Bounds of the cluster secret (as strata_internal.proto says). */
-#define CTL_SECRET_MIN_BYTES 16
-#define CTL_SECRET_MAX_BYTES 256
+#define CTL_SECRET_MIN_BYTES PROTO_SECRET_MIN_BYTES
+#define CTL_SECRET_MAX_BYTES PROTO_SECRET_MAX_BYTES
 /* Longest Join.worker_name accepted. */
 #define CTL_MAX_WORKER_NAME PROTO_MAX_WORKER_NAME
 

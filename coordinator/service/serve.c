@@ -79,7 +79,8 @@ static void usage(FILE *out, const char *prog, bool local)
             local ? " and --nvme-dir" : "");
     if (local)
         fprintf(out,
-                "  --nvme-dir DIR          spill directory of the local workers' NVMe tier (one folder each)\n"
+                "  --nvme-dir DIR          spill directory of the local workers' NVMe tier (one folder each\n"
+                "                          inside; DIR is made, mode 0700, if missing)\n"
                 "  --worker-bin PATH       the strata-worker binary (default: beside this program)\n"
                 "  --threads N             compute threads per worker (default: the CPU count / workers)\n");
     fprintf(out,
@@ -588,7 +589,7 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
     signal(SIGPIPE, SIG_IGN);
 
     int exit_code = EXIT_RUNTIME;
-    char secret[CTL_SECRET_MAX_BYTES + 2], token[4096], secret_dir[PATH_MAX] = "", secret_path[PATH_MAX] = "";
+    char secret[4096], token[4096], secret_dir[PATH_MAX] = "", secret_path[PATH_MAX] = "";
     size_t secret_len = 0, token_len = 0;
     metrics_registry *reg = NULL;
     metrics_http *mhttp = NULL;
@@ -596,6 +597,7 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
     ctl_server *ctl = NULL;
     api_server *api = NULL;
     supervisor *sv = NULL;
+    bool made_nvme_dir = false;
     strata_error err = {0};
 
     if (o.secret_file) {
@@ -607,9 +609,9 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
         exit_code = o.secret_file ? EXIT_USAGE : exit_code;  /* the one we made: a runtime failure */
         goto out;
     }
-    if (secret_len < CTL_SECRET_MIN_BYTES) {
-        fprintf(stderr, "%s: the cluster secret in %s has %zu bytes; at least %d are needed\n", prog, secret_path,
-                secret_len, CTL_SECRET_MIN_BYTES);
+    if (secret_len < CTL_SECRET_MIN_BYTES || secret_len > CTL_SECRET_MAX_BYTES) {
+        fprintf(stderr, "%s: the cluster secret in %s has %zu bytes; it must have %d to %d (a trailing newline is "
+                        "ignored)\n", prog, secret_path, secret_len, CTL_SECRET_MIN_BYTES, CTL_SECRET_MAX_BYTES);
         exit_code = EXIT_USAGE;
         goto out;
     }
@@ -621,6 +623,16 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
         fprintf(stderr, "%s: --token-file %s is empty\n", prog, o.token_file);
         exit_code = EXIT_USAGE;
         goto out;
+    }
+    /* Each worker makes and checks its own folder inside; DIR itself must exist for that. */
+    if (o.nvme_dir) {
+        if (mkdir(o.nvme_dir, 0700) == 0) {
+            made_nvme_dir = true;
+        } else if (errno != EEXIST) {
+            fprintf(stderr, "%s: --nvme-dir %s: cannot create it: %s\n", prog, o.nvme_dir, strerror(errno));
+            exit_code = EXIT_USAGE;
+            goto out;
+        }
     }
     if (o.metrics && !(reg = metrics_create())) {
         fprintf(stderr, "%s: out of memory\n", prog);
@@ -755,6 +767,8 @@ out:
         unlink(secret_path);
         rmdir(secret_dir);
     }
+    if (made_nvme_dir)
+        rmdir(o.nvme_dir);  /* only when the workers left it empty */
     memset(secret, 0, sizeof secret);
     memset(token, 0, sizeof token);
     json_decref(config);

@@ -112,6 +112,15 @@ fi
 worker="$(dirname "$strata")/strata-worker"
 printf 'a cluster secret of 32 bytes....' >"$tmp/secret"
 expect 2 "takes cpu, cuda or cuda:N" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" --device gpu
+# The secret's length as both programs count it: 256 bytes and a newline is a 256-byte secret.
+{ head -c 256 /dev/zero | tr '\0' s; echo; } >"$tmp/secret256"
+head -c 257 /dev/zero | tr '\0' s >"$tmp/secret257"
+expect 1 "cannot reach the coordinator" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret256" \
+  --connect-timeout-ms 200
+expect 2 "must be 16 to 256 bytes .* it has 257" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret257"
+expect 2 "has 257 bytes; it must have 16 to 256" timeout 60 "$(dirname "$strata")/strata-coordinator" \
+  --secret-file "$tmp/secret257" --listen 127.0.0.1:0 --control 127.0.0.1:0 --model synthetic:tiny
+expect 2 "unexpected argument 'extra'" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" extra
 for name in "" $'a\tb' "$(printf 'w%.0s' {1..129})"; do
   expect 2 "--name must be 1-128 bytes" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" --name "$name"
 done
@@ -126,7 +135,10 @@ python3 -c 'import sys; sys.stdout.buffer.write(open(sys.argv[1], "rb").read().d
   "$tmp/local.raw" >"$tmp/local.txt"
 # Not quiet, and up to 240 s as tests/serve does: under the sanitizers beside other tests the start
 # is slow, and if it never comes the log says how far it got.
-"$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 2>"$tmp/serve.log" &
+# With KV tiers down to NVMe in a spill folder that does not exist yet: serve makes it (each worker
+# its own folder inside) and removes it at exit.
+"$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 --host-kv-mib 1 --nvme-kv-mib 8 \
+  --nvme-dir "$tmp/serve-spill" 2>"$tmp/serve.log" &
 server=$!
 port=
 for _ in $(seq 1 1200); do
@@ -142,9 +154,13 @@ else
     fail "generate --server failed: $(tail -2 "$tmp/err")"
   cmp -s "$tmp/served.txt" "$tmp/local.txt" ||
     fail "served text differs from local: '$(head -c 120 "$tmp/served.txt")' vs '$(head -c 120 "$tmp/local.txt")'"
+  [ -d "$tmp/serve-spill/local-0" ] && [ -d "$tmp/serve-spill/local-1" ] ||
+    fail "no worker spill folders in $tmp/serve-spill: $(ls -la "$tmp/serve-spill" 2>&1)"
 fi
 kill -TERM "$server" 2>/dev/null
 wait "$server" || fail "strata serve exited $? after SIGTERM: $(tail -3 "$tmp/serve.log")"
+[ ! -e "$tmp/serve-spill" ] || fail "serve left its spill folder: $(ls -laR "$tmp/serve-spill" 2>&1 | head)"
+serve_bad "--nvme-dir $tmp/none/spill: cannot create it" --host-kv-mib 1 --nvme-kv-mib 8 --nvme-dir "$tmp/none/spill"
 
 [ "$failures" -eq 0 ] || { echo "test_synthetic: $failures failure(s)" >&2; exit 1; }
 echo "test_synthetic: ok"

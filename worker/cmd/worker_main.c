@@ -112,7 +112,11 @@ static int parse(int argc, char **argv, worker_opts *o)
         default: usage(stderr); return EXIT_USAGE;
         }
     }
-    if (optind != argc || !o->coordinator || !o->secret_file) {
+    if (optind != argc) {
+        fprintf(stderr, "strata-worker: unexpected argument '%s' (try --help)\n", argv[optind]);
+        return EXIT_USAGE;
+    }
+    if (!o->coordinator || !o->secret_file) {
         fprintf(stderr, "strata-worker: --coordinator and --secret-file are required (try --help)\n");
         return EXIT_USAGE;
     }
@@ -132,20 +136,28 @@ static int parse(int argc, char **argv, worker_opts *o)
     return 0;
 }
 
-static int read_secret(const char *path, uint8_t *buf, size_t cap, size_t *len)
+/* Reads the cluster secret: 16 to max bytes once a trailing newline (LF or CRLF) is dropped.
+ * buf holds max + 2 bytes. */
+static int read_secret(const char *path, uint8_t *buf, size_t max, size_t *len)
 {
     FILE *f = fopen(path, "rb");
     if (!f) {
         fprintf(stderr, "strata-worker: --secret-file %s: %s\n", path, strerror(errno));
         return EXIT_USAGE;
     }
-    size_t n = fread(buf, 1, cap, f);
-    bool more = fgetc(f) != EOF;
+    size_t n = fread(buf, 1, max + 2, f);
+    int read_errno = ferror(f) ? errno : 0;  /* EISDIR for a folder */
+    bool more = !read_errno && fgetc(f) != EOF;
     fclose(f);
-    while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r'))
+    if (read_errno) {
+        fprintf(stderr, "strata-worker: --secret-file %s: %s\n", path, strerror(read_errno));
+        return EXIT_USAGE;
+    }
+    while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r'))  /* as the coordinator reads it */
         n--;
-    if (more || n < 16) {
-        fprintf(stderr, "strata-worker: --secret-file %s: the secret must be 16 to %zu bytes\n", path, cap);
+    if (more || n < PROTO_SECRET_MIN_BYTES || n > max) {
+        fprintf(stderr, "strata-worker: --secret-file %s: the secret must be %d to %zu bytes (a trailing newline "
+                        "is ignored); it has %s%zu\n", path, PROTO_SECRET_MIN_BYTES, max, more ? "more than " : "", n);
         return EXIT_USAGE;
     }
     *len = n;
@@ -437,9 +449,9 @@ int main(int argc, char **argv)
         return rc < 0 ? 0 : rc;
     if (o.threads > 0)
         kern_set_threads((int)o.threads);
-    uint8_t secret[257];
+    uint8_t secret[PROTO_SECRET_MAX_BYTES + 2];
     size_t secret_len = 0;
-    if ((rc = read_secret(o.secret_file, secret, 256, &secret_len)))
+    if ((rc = read_secret(o.secret_file, secret, PROTO_SECRET_MAX_BYTES, &secret_len)))
         return rc;
     char name[64];
     snprintf(name, sizeof name, "worker-%ld", (long)getpid());
