@@ -63,7 +63,8 @@ path on every host, --listen, --metrics, --kv, --config, --tls-cert/--tls-key, -
 the launcher sets --secret-file, --control, --replicas and --stages itself. Options take their
 value as the next argument. Exit status: the coordinator's, 2 for bad usage.
 
-Workers compute on the CPU for now (the CUDA backend is not done), over the TCP data plane.
+A GPU worker computes on the one GPU it sees (--device cuda:0), a CPU worker on host cores. The
+worker program has not yet run on a GPU, nor NCCL between two GPU workers (docs/gpu.md).
 EOF
 }
 
@@ -182,8 +183,9 @@ worker_command() {
   local k=$1 dest=${w_dest[$1]} slot=${w_slot[$1]} host remote
   host=${dest#*@}
   remote=(exec env "CUDA_VISIBLE_DEVICES=${w_dev[k]}" "$worker_bin" --coordinator "$control"
-    --secret-file "$remote_secret" --name "$host-w$slot" --data "$host:$((data_port + slot))"
-    --device cuda:0)   # the one GPU it sees
+    --secret-file "$remote_secret" --name "$host-w$slot" --data "$host:$((data_port + slot))")
+  # A GPU worker computes on the one device it sees (its index there is 0); a CPU worker sees none.
+  [[ -z ${w_dev[k]} ]] || remote+=(--device cuda:0)
   [[ -z $nvme_dir ]] || remote+=(--nvme-dir "$nvme_dir/worker-$slot")
   remote+=("${worker_args[@]}")
   WCMD=(ssh -n "${ssh_opts[@]}" "$dest" "$(shq "${remote[@]}")")

@@ -48,8 +48,8 @@ Arguments after -- go to strata-coordinator unchanged (e.g. --model, --listen, -
 --secret-file, --control, --replicas and --stages itself. Options take their value as the next
 argument. Exit status: the coordinator's, 2 for bad usage.
 
-Workers compute on the CPU for now (the CUDA backend is not done); pinning one worker per GPU
-already gives the layout the CUDA backend will use.
+A GPU worker computes on the one GPU it sees (--device cuda:0), a CPU worker on host cores. The
+worker program has not yet run on a GPU, nor NCCL between two GPU workers (docs/gpu.md).
 EOF
 }
 

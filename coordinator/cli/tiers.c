@@ -87,7 +87,10 @@ static int read_config(const char *cmd, cli_tier_opts *o)
     json_error_t jerr;
     json_t *root = json_load_file(o->config, JSON_REJECT_DUPLICATES, &jerr);
     if (!root) {
-        fprintf(stderr, "strata %s: --config %s: line %d: %s\n", cmd, o->config, jerr.line, jerr.text);
+        if (jerr.line > 0)
+            fprintf(stderr, "strata %s: --config %s: line %d: %s\n", cmd, o->config, jerr.line, jerr.text);
+        else  /* not a parse error: the file could not be opened or read */
+            fprintf(stderr, "strata %s: --config %s: %s\n", cmd, o->config, jerr.text);
         return EXIT_USAGE;
     }
     int rc = 0;

@@ -163,7 +163,10 @@ static bool load_config(const char *prog, const char *path, serve_opts *o, bool 
     json_error_t je;
     json_t *doc = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
     if (!doc) {
-        fprintf(stderr, "%s: --config %s: line %d: %s\n", prog, path, je.line, je.text);
+        if (je.line > 0)
+            fprintf(stderr, "%s: --config %s: line %d: %s\n", prog, path, je.line, je.text);
+        else  /* not a parse error: the file could not be opened or read */
+            fprintf(stderr, "%s: --config %s: %s\n", prog, path, je.text);
         return false;
     }
     *root = json_array();

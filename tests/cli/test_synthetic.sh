@@ -74,6 +74,8 @@ serve_bad "does not divide block_tokens 7" --config "$tmp/block.json"
 printf '{"quiet": 1}' >"$tmp/quiet.json"
 serve_bad "key 'quiet' must be true or false" --config "$tmp/quiet.json"
 serve_bad "is a directory, not a JSON file" --config "$tmp"
+serve_bad "config $tmp/none.json: unable to open" --config "$tmp/none.json"
+expect 2 "config $tmp/none.json: unable to open" "$strata" generate --model synthetic:tiny -p hi --config "$tmp/none.json"
 printf '{"metrics": 9, "quiet": true}' >"$tmp/metrics.json"
 expect 2 "metrics address '9': expected HOST:PORT" \
   timeout 60 "$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 --config "$tmp/metrics.json"

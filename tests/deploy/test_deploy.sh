@@ -80,12 +80,18 @@ cat >"$stubs/strata-worker" <<'EOF'
 # Stub worker: logs its device, data address and the mode of its secret file. Its first run
 # exits 1 at once (a lost control link); later runs wait for SIGTERM. STUB_WORKER_EXIT=N: every
 # run exits N at once.
-name='' secret='' data=''
+# As the real worker, --device cuda without a visible device fails.
+name='' secret='' data='' device=cpu
 while (($#)); do
-  case $1 in --name) name=$2; shift ;; --secret-file) secret=$2; shift ;; --data) data=$2; shift ;; esac
+  case $1 in --name) name=$2; shift ;; --secret-file) secret=$2; shift ;; --data) data=$2; shift ;;
+    --device) device=$2; shift ;; esac
   shift
 done
 echo "worker $name start cuda=${CUDA_VISIBLE_DEVICES-unset} data=$data secret_mode=$(stat -c %a "$secret")" >>"$STUB_LOG"
+if [[ $device == cuda* && -z ${CUDA_VISIBLE_DEVICES:-} ]]; then
+  echo "worker $name --device $device: no CUDA device" >>"$STUB_LOG"
+  exit 1
+fi
 if [[ -n ${STUB_WORKER_EXIT:-} ]]; then exit "$STUB_WORKER_EXIT"; fi
 runs=$STUB_LOG.runs-$name
 if [[ ! -e $runs ]]; then : >"$runs"; exit 1; fi
@@ -200,6 +206,11 @@ grep -q -- "--secret-file $secret --control 10.0.0.1:50052 --replicas 4 --stages
 [[ $(grep -oE '^ssh -n .* (a|b) .*CUDA_VISIBLE_DEVICES=[^ ]*' "$out" | sed -E 's/^ssh -n -o BatchMode=yes ([ab]) .*(CUDA[^ ]*)$/\1 \2/' | tr '\n' ' ') == \
   "a CUDA_VISIBLE_DEVICES=0 a CUDA_VISIBLE_DEVICES=3 b CUDA_VISIBLE_DEVICES=1 " ]] || fail "multinode dry run: per-host GPU lists: $(cat "$out")"
 grep -q -- '--replicas 1 --stages 3' "$out" || fail "multinode dry run: replicas of 3 stages"
+
+"$multi" --dry-run --hosts a,b --cpu-workers-per-host 1 --stages 2 --control 10.0.0.1:50052 --secret-file "$secret" \
+  >"$out" 2>&1 || fail "multinode dry run, CPU workers: $(tail -n 2 "$out")"
+[[ $(count "^ssh -n .*CUDA_VISIBLE_DEVICES= .*strata-worker " "$out") == 2 ]] || fail "multinode dry run: 2 CPU workers: $(cat "$out")"
+grep -q -- '--device' "$out" && fail "multinode dry run: a CPU worker is given --device: $(grep -- --device "$out")"
 
 expect 2 '--control HOST:PORT is required' "$multi" --dry-run --hosts a --gpus-per-host 1
 expect 2 "private-network address" "$multi" --dry-run --hosts a --gpus-per-host 1 --control 127.0.0.1:50052
