@@ -349,6 +349,21 @@ def test_sigterm_drains():
     assert b"draining" in s.text()
 
 
+def test_sigterm_drain_cut():
+    """SIGTERM with a drain too short for a long stream: the stream had output, so it ends with an
+    Error message (UNAVAILABLE) and then status OK, as proto/strata.proto's Generate says."""
+    s = Serve("drain_cut", "--ctx", "2048", "--drain-seconds", "1")
+    c = Client(s.addr())
+    it = c.stream(req(PROMPTS[1], max_tokens=1800, ignore_eos=True))
+    next(it)
+    s.proc.send_signal(signal.SIGTERM)
+    msgs = list(it)   # raises on a non-OK status
+    assert msgs and msgs[-1].WhichOneof("kind") == "error", msgs[-1:]
+    assert msgs[-1].error.code == grpc.StatusCode.UNAVAILABLE.value[0], msgs[-1]
+    assert all(m.WhichOneof("kind") == "chunk" for m in msgs[:-1])
+    assert s.stop() == 0
+
+
 def test_two_replicas_migration():
     """Two replicas of two stages: two requests are routed one per replica; draining a worker moves
     the request of its replica to the other one mid-generation (its KV blocks travel worker to
@@ -428,6 +443,7 @@ def main():
             failures.append(f"main server exit status {code}")
     run("TLS and bearer token", test_tls_token)
     run("SIGTERM drains", test_sigterm_drains)
+    run("SIGTERM with a short drain cuts a long stream", test_sigterm_drain_cut)
     run("two replicas: routing and migration by strata drain", test_two_replicas_migration)
     if failures:
         print("server log:\n" + s.text().decode(errors="replace")[-6000:])
