@@ -221,6 +221,19 @@ static void test_corruptions_are_named(void **state)
     /* first key's value type -> unknown type 77 */
     v = 77;
     expect_rejected(&b, 24 + 8 + strlen("general.architecture"), &v, 4, STRATA_EFORMAT, "type");
+
+    /* A key or a tensor name given twice, two tensors sharing bytes: each reader would resolve
+     * them its own way (the first key, the last alignment), so the file is refused. */
+    const uint8_t *at = memmem(b.data, b.len, "test.count", 10);
+    assert_non_null(at);
+    expect_rejected(&b, (size_t)(at - b.data), "test.theta", 10, STRATA_EFORMAT, "key 'test.theta' appears twice");
+    const char f16_record[] = {3, 0, 0, 0, 0, 0, 0, 0, 'f', '1', '6'};
+    at = memmem(b.data, b.len, f16_record, sizeof f16_record);
+    assert_non_null(at);
+    size_t f16_at = (size_t)(at - b.data);
+    expect_rejected(&b, f16_at + 8, "f32", 3, STRATA_EFORMAT, "tensor 'f32' appears twice");
+    uint64_t zero = 0;   /* f16's data offset (after n_dims, ne[0], type) -> f32's */
+    expect_rejected(&b, f16_at + sizeof f16_record + 4 + 8 + 4, &zero, 8, STRATA_EFORMAT, "overlap");
 }
 
 static void test_missing_file_is_an_io_error(void **state)

@@ -290,6 +290,63 @@ static int parse_tensors(gguf_file *f, cursor *c, uint64_t *max_end)
     return STRATA_OK;
 }
 
+static int cmp_kv_key(const void *a, const void *b)
+{
+    const gguf_str *x = &(*(const kv_entry *const *)a)->key, *y = &(*(const kv_entry *const *)b)->key;
+    int c = memcmp(x->ptr, y->ptr, x->len < y->len ? x->len : y->len);
+    return c ? c : (x->len > y->len) - (x->len < y->len);
+}
+
+static int cmp_tensor_name(const void *a, const void *b)
+{
+    return strcmp((*(const gguf_tensor *const *)a)->name, (*(const gguf_tensor *const *)b)->name);
+}
+
+static int cmp_tensor_data(const void *a, const void *b)
+{
+    const uint8_t *x = (*(const gguf_tensor *const *)a)->data, *y = (*(const gguf_tensor *const *)b)->data;
+    return (x > y) - (x < y);
+}
+
+/* A key or tensor name given twice, or two tensors sharing bytes, is a damaged or hand-made file
+ * that readers would each resolve their own way: refuse it (sorting, so a huge table stays
+ * cheap). */
+static int check_unique(gguf_file *f, strata_error *err)
+{
+    size_t n = f->n_kv > f->n_tensors ? f->n_kv : f->n_tensors;
+    void **order = malloc((n ? n : 1) * sizeof *order);
+    if (!order)
+        return strata_fail(err, STRATA_ENOMEM, "out of memory for the GGUF tables");
+    int rc = STRATA_OK;
+    for (size_t i = 0; i < f->n_kv; i++)
+        order[i] = &f->kv[i];
+    qsort(order, f->n_kv, sizeof *order, cmp_kv_key);
+    for (size_t i = 1; i < f->n_kv && !rc; i++)
+        if (!cmp_kv_key(&order[i - 1], &order[i])) {
+            const gguf_str *k = &((const kv_entry *)order[i])->key;
+            rc = strata_fail(err, STRATA_EFORMAT, "GGUF malformed: metadata key '%.*s' appears twice",
+                             (int)(k->len < 96 ? k->len : 96), k->ptr);
+        }
+    for (size_t i = 0; i < f->n_tensors && !rc; i++)
+        order[i] = &f->tensors[i];
+    if (!rc)
+        qsort(order, f->n_tensors, sizeof *order, cmp_tensor_name);
+    for (size_t i = 1; i < f->n_tensors && !rc; i++)
+        if (!cmp_tensor_name(&order[i - 1], &order[i]))
+            rc = strata_fail(err, STRATA_EFORMAT, "GGUF malformed: tensor '%.96s' appears twice",
+                             ((const gguf_tensor *)order[i])->name);
+    if (!rc)
+        qsort(order, f->n_tensors, sizeof *order, cmp_tensor_data);
+    for (size_t i = 1; i < f->n_tensors && !rc; i++) {
+        const gguf_tensor *a = order[i - 1], *b = order[i];
+        if ((const uint8_t *)a->data + a->nbytes > (const uint8_t *)b->data)
+            rc = strata_fail(err, STRATA_EFORMAT, "GGUF malformed: tensors '%.96s' and '%.96s' overlap", a->name,
+                             b->name);
+    }
+    free(order);
+    return rc;
+}
+
 static int parse(gguf_file *f, strata_error *err)
 {
     cursor c = {.base = f->base, .size = f->size, .pos = 0, .err = err};
@@ -350,7 +407,7 @@ static int parse(gguf_file *f, strata_error *err)
                                t->name, (unsigned long long)off, (unsigned long long)alignment);
         t->data = f->base + data_start + off;
     }
-    return STRATA_OK;
+    return check_unique(f, err);
 }
 
 static gguf_file *finish_open(gguf_file *f, strata_error *err)
@@ -364,7 +421,8 @@ static gguf_file *finish_open(gguf_file *f, strata_error *err)
 
 gguf_file *gguf_open(const char *path, strata_error *err)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* O_NONBLOCK: opening a FIFO must not wait for a writer before fstat refuses it. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) {
         strata_fail(err, STRATA_EIO, "cannot open model '%s': %s", path, strerror(errno));
         return NULL;
@@ -397,7 +455,10 @@ gguf_file *gguf_open(const char *path, strata_error *err)
     f->base = map;
     f->size = (size_t)st.st_size;
     f->mapped = true;
-    return finish_open(f, err);
+    f = finish_open(f, err);
+    if (!f)
+        strata_error_prefix(err, "model '%s'", path);  /* the parse errors name no file */
+    return f;
 }
 
 gguf_file *gguf_open_memory(const void *data, size_t size, strata_error *err)

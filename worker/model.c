@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <utf8proc.h>
 
 #include "kernels/kv_attention.h"
 #include "kernels/ops.h"
@@ -46,6 +47,29 @@ static int read_u32_key(gguf_file *f, const char *arch, const char *suffix, int 
     return rc;
 }
 
+/* The model's name from the file, fit for a terminal line, a log and a JSON or proto string:
+ * whole UTF-8 characters only (cut before one that does not fit), an invalid byte or a control
+ * character becomes '?'. */
+static void display_name(char *dst, size_t cap, const char *src, size_t len)
+{
+    size_t o = 0;
+    for (size_t i = 0; i < len && o + 1 < cap;) {
+        utf8proc_int32_t cp;
+        utf8proc_ssize_t n = utf8proc_iterate((const utf8proc_uint8_t *)src + i, (utf8proc_ssize_t)(len - i), &cp);
+        if (n <= 0 || cp < 0x20 || cp == 0x7f || (cp >= 0x80 && cp < 0xa0)) {
+            dst[o++] = '?';
+            i += n > 0 ? (size_t)n : 1;
+            continue;
+        }
+        if (o + (size_t)n + 1 > cap)
+            break;
+        memcpy(dst + o, src + i, (size_t)n);
+        o += (size_t)n;
+        i += (size_t)n;
+    }
+    dst[o] = '\0';
+}
+
 static int read_config(gguf_file *f, model_config *c, strata_error *err)
 {
     gguf_str s;
@@ -57,7 +81,7 @@ static int read_config(gguf_file *f, model_config *c, strata_error *err)
         return strata_fail(err, STRATA_EUNSUPPORTED,
                            "model architecture '%s' is not supported (strata runs the llama family)", c->arch);
     if (gguf_get_str(f, "general.name", &s, NULL) == STRATA_OK)
-        snprintf(c->name, sizeof c->name, "%.*s", (int)(s.len < 127 ? s.len : 127), s.ptr);
+        display_name(c->name, sizeof c->name, s.ptr, s.len);
     if ((rc = read_u32_key(f, c->arch, "block_count", &c->n_layers, err)) ||
         (rc = read_u32_key(f, c->arch, "embedding_length", &c->n_embd, err)) ||
         (rc = read_u32_key(f, c->arch, "attention.head_count", &c->n_heads, err)) ||
@@ -83,8 +107,9 @@ static int read_config(gguf_file *f, model_config *c, strata_error *err)
     c->head_dim = c->n_embd / c->n_heads;
     if (c->head_dim % 2 != 0)
         return strata_fail(err, STRATA_EFORMAT, "head dimension %d is odd: RoPE needs pairs", c->head_dim);
-    if (!(c->rope_theta > 0.0f) || !(c->rms_eps > 0.0f))
-        return strata_fail(err, STRATA_EFORMAT, "model metadata: rope theta %g and rms epsilon %g must be positive",
+    if (!(c->rope_theta > 0.0f) || !(c->rms_eps > 0.0f) || !isfinite(c->rope_theta) || !isfinite(c->rms_eps))
+        return strata_fail(err, STRATA_EFORMAT,
+                           "model metadata: rope theta %g and rms epsilon %g must be finite and positive",
                            (double)c->rope_theta, (double)c->rms_eps);
     /* RoPE turns every pair of a head; a model rotating only part of each head (or with another
      * head size) would run here with wrong attention, silently: refuse it. */
@@ -95,6 +120,16 @@ static int read_config(gguf_file *f, model_config *c, strata_error *err)
     if (rope_dims != c->head_dim)
         return strata_fail(err, STRATA_EUNSUPPORTED, "model metadata: RoPE over %d dimensions of each %d-dimension "
                            "head; only full-head RoPE is supported", rope_dims, c->head_dim);
+    /* A block_count below the file's layers would run a truncated model without a word. */
+    for (size_t i = 0; i < gguf_n_tensors(f); i++) {
+        const gguf_tensor *t = gguf_tensor_at(f, i);
+        unsigned long layer;
+        char *end;
+        if (!strncmp(t->name, "blk.", 4) && (layer = strtoul(t->name + 4, &end, 10), end > t->name + 4) &&
+            layer >= (unsigned long)c->n_layers)
+            return strata_fail(err, STRATA_EFORMAT, "tensor %.96s belongs to layer %lu, but %s.block_count is %d",
+                               t->name, layer, c->arch, c->n_layers);
+    }
     return STRATA_OK;
 }
 

@@ -103,6 +103,30 @@ PY
 expect 1 "RoPE over 32 dimensions of each 64-dimension head" "$strata" generate -m "$tmp/rope32.gguf" -p hi -n 1
 rm -f "$tmp/rope32.gguf"
 
+# More metadata a model copy may lie about: an infinite epsilon, a block_count below the file's
+# layers (a truncated model would run), a name with a control character (shown as '?').
+patch_model() {  # patch_model KEY STRUCT_FORMAT VALUE [OFFSET]: the key's value (after its type) set
+  python3 - "$model" "$tmp/patched.gguf" "$@" <<'PY' || fail "patching $1"
+import struct, sys
+src, dst, key, fmt, value = sys.argv[1:6]
+off = int(sys.argv[6]) if len(sys.argv) > 6 else 0
+data = bytearray(open(src, "rb").read())
+k = key.encode()
+at = data.find(struct.pack("<Q", len(k)) + k) + 8 + len(k) + 4 + off
+assert at > 8 + len(k) + 4
+struct.pack_into(fmt, data, at, float(value) if "f" in fmt else int(value))
+open(dst, "wb").write(data)
+PY
+}
+patch_model llama.attention.layer_norm_rms_epsilon "<f" inf
+expect 1 "must be finite and positive" "$strata" generate -m "$tmp/patched.gguf" -p hi -n 1
+patch_model llama.block_count "<I" 29
+expect 1 "tensor blk.29.* belongs to layer 29, but llama.block_count is 29" "$strata" generate -m "$tmp/patched.gguf" -p hi -n 1
+patch_model general.name "<B" 27 8   # the first byte of the name string becomes ESC
+"$strata" generate -m "$tmp/patched.gguf" -p hi -n 1 --no-echo >/dev/null 2>"$tmp/err" || fail "ESC in the name: $(cat "$tmp/err")"
+grep -q "^strata: ?mollm2 " "$tmp/err" || fail "the model name's control character reached the terminal: $(grep -a mollm2 "$tmp/err" | od -c | head -3)"
+rm -f "$tmp/patched.gguf"
+
 # eval: a run too short to form a block says so instead of showing 0 bytes as a result
 "$strata" eval --text "$tmp/text.txt" --prefill 64 --tokens 4 --kv kivi2 -q >"$tmp/out" 2>"$tmp/err" ||
   fail "short eval: $(tail -2 "$tmp/err")"
