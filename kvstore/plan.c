@@ -159,11 +159,11 @@ int kv_plan_load(const char *path, int n_layers, kv_codec_params *out, strata_er
         return strata_fail(err, STRATA_ENOMEM, "kv plan %s: out of memory", path);
     }
     size_t n = fread(buf, 1, PLAN_FILE_MAX + 1, f);
-    int rd_err = ferror(f);
+    int rd_err = ferror(f) ? (errno ? errno : EIO) : 0;  /* EISDIR for a folder */
     fclose(f);
     int rc;
     if (rd_err) {
-        rc = strata_fail(err, STRATA_EIO, "kv plan %s: read error", path);
+        rc = strata_fail(err, STRATA_EIO, "kv plan %s: %s", path, strerror(rd_err));
     } else if (n > PLAN_FILE_MAX) {
         rc = strata_fail(err, STRATA_EINVAL, "kv plan %s: larger than %d bytes", path, PLAN_FILE_MAX);
     } else if (memchr(buf, 0, n)) {
@@ -176,7 +176,11 @@ int kv_plan_load(const char *path, int n_layers, kv_codec_params *out, strata_er
             memset(hash, ' ', end);
             hash += end;
         }
-        rc = has_range_syntax(buf) ? parse_ranges(buf, n_layers, out, err) : uniform(trim(buf), n_layers, out, err);
+        const char *body = trim(buf);
+        if (!*body)
+            rc = strata_fail(err, STRATA_EINVAL, "holds no plan (only blank lines and comments)");
+        else
+            rc = has_range_syntax(buf) ? parse_ranges(buf, n_layers, out, err) : uniform(body, n_layers, out, err);
         if (rc && err)
             strata_error_prefix(err, "%s", path);
     }

@@ -679,11 +679,21 @@ static int ensure_kv_scratch(workspace *w, size_t bytes, strata_error *err)
     return STRATA_OK;
 }
 
-static void run_head(const model *m, const float *x, size_t n, float *xn, float *logits)
+/* The output head over n rows. Non-finite logits (weights or metadata that overflow fp32 on
+ * some input) would be sampled as token 0 or garbage without a word: they fail the call. */
+static int run_head(const model *m, const float *x, size_t n, float *xn, float *logits, strata_error *err)
 {
     const model_config *c = &m->cfg;
     kern_rmsnorm(x, m->output_norm, n, (size_t)c->n_embd, c->rms_eps, xn);
     kern_matmul_w(xn, n, (size_t)c->n_embd, m->output, (size_t)c->n_vocab, logits);
+    const size_t total = n * (size_t)c->n_vocab;
+    for (size_t i = 0; i < total; i++)
+        if (!isfinite(logits[i]))
+            return strata_fail(err, STRATA_EFORMAT,
+                               "the model produced a non-finite logit (%g for token id %zu of row %zu): its weights "
+                               "or metadata overflow fp32", (double)logits[i], i % (size_t)c->n_vocab,
+                               i / (size_t)c->n_vocab);
+    return STRATA_OK;
 }
 
 static int run_layer_batch(model *m, const model_batch_item *items, size_t n_items, int il, workspace *w,
@@ -723,7 +733,7 @@ int model_forward(model *m, kv_seq *seq, const int32_t *tokens, size_t n, size_t
     for (int il = 0; il < c->n_layers && rc == STRATA_OK; il++)
         rc = run_layer_batch(m, &item, 1, il, &w, n, err);
     if (rc == STRATA_OK && logits)
-        run_head(m, w.x + (all_logits ? 0 : (n - 1) * e), all_logits ? n : 1, w.xn, logits);
+        rc = run_head(m, w.x + (all_logits ? 0 : (n - 1) * e), all_logits ? n : 1, w.xn, logits, err);
     workspace_free(&w);
     return rc;
 }
@@ -974,7 +984,7 @@ int model_forward_batch(model *m, const model_batch_item *items, size_t n_items,
             r += items[j].n_tokens;
             memcpy(w.attn + j * e, w.x + (r - 1) * e, e * sizeof(float));
         }
-        run_head(m, w.attn, n_items, w.xn, logits);
+        rc = run_head(m, w.attn, n_items, w.xn, logits, err);
     }
     workspace_free(&w);
     return rc;

@@ -143,7 +143,8 @@ kv_geometry model_stage_kv_geometry(const model *m, int block_tokens);
  * attention over its fp16-rounded K/V; one token on a non-empty sequence is a decode step
  * (attention over the compressed cache, after its own K/V is appended); n > 1 tokens on a
  * non-empty sequence are a prompt chunk (model_forward_batch says how it attends). logits: n_vocab floats for the last token, or, with
- * all_logits, n * n_vocab floats (one row per token). NULL to skip the head.
+ * all_logits, n * n_vocab floats (one row per token). NULL to skip the head. A non-finite
+ * logit (a model whose weights overflow fp32) fails the call with STRATA_EFORMAT.
  * On failure (e.g. STRATA_EFULL from the block pool) the layers of seq may hold different
  * lengths: the caller discards the sequence. */
 int model_forward(model *m, kv_seq *seq, const int32_t *tokens, size_t n, size_t pos0,

@@ -308,8 +308,7 @@ int cmd_calibrate(int argc, char **argv)
     kv_lower_tier lower;
     tier_totals tot = {0};
 
-    if (cli_read_file(o.text_path, 64u << 20, &text, &text_len, &err) != STRATA_OK) {
-        fprintf(stderr, "strata calibrate: --text: %s\n", err.msg);
+    if (cli_read_text("calibrate", o.text_path, &text, &text_len) != 0) {
         cli_tier_opts_free(&o.tiers);
         return EXIT_USAGE;
     }

@@ -44,6 +44,11 @@ int cli_tokenize_document(const struct tokenizer *tok, const char *text, size_t 
  * "strata CMD: FLAG PATH: ..." and returns false otherwise. Nothing is created. */
 bool cli_check_writable(const char *cmd, const char *flag, const char *path);
 
+/* Reads the --text of eval and calibrate (at most 64 MiB, NUL-terminated, malloc'd): it must be
+ * UTF-8 without NUL bytes, since the scores of a binary or mis-encoded file would be numbers
+ * about nothing. Prints "strata CMD: --text PATH: ..." and returns EXIT_USAGE otherwise. */
+int cli_read_text(const char *cmd, const char *path, char **out, size_t *len);
+
 /* Reads a whole file (at most max_bytes) into a NUL-terminated malloc'd buffer. */
 int cli_read_file(const char *path, size_t max_bytes, char **out, size_t *len, strata_error *err);
 

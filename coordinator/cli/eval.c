@@ -11,6 +11,7 @@
 #include "coordinator/cli/cli.h"
 #include "coordinator/cli/kvopts.h"
 #include "coordinator/cli/tiers.h"
+#include "proto/validate.h"
 #include "kernels/ops.h"
 #include "kvstore/plan.h"
 #include "worker/evaluate.h"
@@ -285,14 +286,45 @@ static void print_tables(const run *runs, size_t n, const char *model_name, cons
     }
 }
 
+/* jansson refuses NaN, infinities and invalid UTF-8 by returning NULL, which json_object_set_new
+ * takes as "drop the key": a number that is not finite is written as null, a string's invalid
+ * bytes as U+FFFD, so every key is always there. */
+static json_t *json_num(double v) { return isfinite(v) ? json_real(v) : json_null(); }
+
+static json_t *json_text(const char *s)
+{
+    json_t *j = json_string(s);
+    if (j)
+        return j;
+    size_t n = strlen(s), o = 0;
+    char *c = malloc(n * 3 + 1);
+    if (!c)
+        return json_null();
+    for (size_t i = 0; i < n;) {
+        size_t ok = proto_utf8_check(s + i, n - i);
+        memcpy(c + o, s + i, ok);
+        o += ok;
+        i += ok;
+        if (i < n) {
+            memcpy(c + o, "\xef\xbf\xbd", 3);
+            o += 3;
+            i++;
+        }
+    }
+    c[o] = '\0';
+    j = json_string(c);
+    free(c);
+    return j ? j : json_null();
+}
+
 static int print_json(const run *runs, size_t n, const char *model_name, const eval_opts *o)
 {
     const eval_result *base = &runs[0].r;
     json_t *root = json_object(), *results = json_array();
     if (!root || !results)
         return -1;
-    json_object_set_new(root, "model", json_string(model_name));
-    json_object_set_new(root, "text", json_string(o->text_path));
+    json_object_set_new(root, "model", json_text(model_name));
+    json_object_set_new(root, "text", json_text(o->text_path));
     json_object_set_new(root, "prefill", json_integer(o->prefill));
     json_object_set_new(root, "tokens", json_integer(o->tokens));
     json_object_set_new(root, "block_tokens", json_integer(o->kv.block_tokens));
@@ -300,19 +332,19 @@ static int print_json(const run *runs, size_t n, const char *model_name, const e
         const eval_result *r = &runs[i].r;
         json_t *e = json_object(), *ke = json_array(), *ve = json_array();
         for (int l = 0; l < r->n_layers; l++) {
-            json_array_append_new(ke, json_real(r->layers[l].k_rel));
-            json_array_append_new(ve, json_real(r->layers[l].v_rel));
+            json_array_append_new(ke, json_num(r->layers[l].k_rel));
+            json_array_append_new(ve, json_num(r->layers[l].v_rel));
         }
         json_object_set_new(e, "kv", json_string(runs[i].label));
         json_object_set_new(e, "plan", json_string(runs[i].plan));
-        json_object_set_new(e, "ppl", json_real(r->ppl));
-        json_object_set_new(e, "ppl_delta_pct", json_real((r->ppl / base->ppl - 1.0) * 100.0));
-        json_object_set_new(e, "kl", json_real(r->kl));
-        json_object_set_new(e, "top1", json_real(r->top1));
-        json_object_set_new(e, "bytes_per_token", json_real(r->bytes_per_token));
-        json_object_set_new(e, "total_bytes_per_token", json_real(r->total_bytes_per_token));
+        json_object_set_new(e, "ppl", json_num(r->ppl));
+        json_object_set_new(e, "ppl_delta_pct", json_num((r->ppl / base->ppl - 1.0) * 100.0));
+        json_object_set_new(e, "kl", json_num(r->kl));
+        json_object_set_new(e, "top1", json_num(r->top1));
+        json_object_set_new(e, "bytes_per_token", json_num(r->bytes_per_token));
+        json_object_set_new(e, "total_bytes_per_token", json_num(r->total_bytes_per_token));
         json_object_set_new(e, "ratio_vs_fp16",
-                            json_real(base->bytes_per_token > 0 ? r->bytes_per_token / base->bytes_per_token : 0.0));
+                            json_num(base->bytes_per_token > 0 ? r->bytes_per_token / base->bytes_per_token : 0.0));
         json_object_set_new(e, "k_err", ke);
         json_object_set_new(e, "v_err", ve);
         if (o->tiers.device_mib > 0 || o->tiers.host_mib > 0) {
@@ -322,7 +354,7 @@ static int print_json(const run *runs, size_t n, const char *model_name, const e
             json_object_set_new(e, "nvme_spills", json_integer((json_int_t)runs[i].spills));
             json_object_set_new(e, "nvme_restores", json_integer((json_int_t)runs[i].restores));
         }
-        json_object_set_new(e, "seconds", json_real(r->seconds));
+        json_object_set_new(e, "seconds", json_num(r->seconds));
         json_array_append_new(results, e);
     }
     json_object_set_new(root, "results", results);
@@ -358,11 +390,9 @@ int cmd_eval(int argc, char **argv)
     kv_lower_tier lower;
 
     size_t text_len = 0;
-    if (cli_read_file(o.text_path, 64u << 20, &text, &text_len, &err) != STRATA_OK) {
-        fprintf(stderr, "strata eval: --text: %s\n", err.msg);
-        exit_code = EXIT_USAGE;
+    if ((exit_code = cli_read_text("eval", o.text_path, &text, &text_len)) != 0)
         goto done;
-    }
+    exit_code = EXIT_RUNTIME;
     if (!o.quiet)
         fprintf(stderr, "strata: loading %s\n", o.model_path);
     m = model_load(o.model_path, 0, -1, &err);

@@ -6,7 +6,6 @@
 #include <time.h>
 
 #include "coordinator/cli/cli.h"
-#include "proto/validate.h"
 #include "kernels/ops.h"
 #include "coordinator/cli/generate_cuda.h"
 #include "coordinator/cli/kvopts.h"
@@ -16,6 +15,7 @@
 #include "kvstore/kv_cache.h"
 #include "kvstore/numarg.h"
 #include "kvstore/plan.h"
+#include "proto/validate.h"
 #include "worker/generate.h"
 #include "worker/model.h"
 
@@ -423,7 +423,7 @@ int cmd_generate(int argc, char **argv)
     model *m = o.cuda_device >= 0 ? model_load_for_device(o.model_path, 0, -1, &err) : model_load(o.model_path, 0, -1, &err);
     if (!m) {
         fprintf(stderr, "strata generate: %s\n", err.msg);
-        if (err.code == STRATA_EIO && !getenv("STRATA_MODEL"))
+        if (err.code == STRATA_EIO && !strcmp(o.model_path, STRATA_DEFAULT_MODEL))
             fprintf(stderr, "strata generate: run scripts/setup.sh to download the default model, or pass --model\n");
         free(stdin_prompt);
         return EXIT_RUNTIME;

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "coordinator/cli/cli.h"
+#include "proto/validate.h"
 #include "worker/tokenizer.h"
 
 double cli_now_seconds(void)
@@ -48,6 +49,25 @@ bool cli_check_writable(const char *cmd, const char *flag, const char *path)
     return why == NULL;
 }
 
+int cli_read_text(const char *cmd, const char *path, char **out, size_t *len)
+{
+    strata_error err = {0};
+    if (cli_read_file(path, 64u << 20, out, len, &err) != STRATA_OK) {
+        fprintf(stderr, "strata %s: --text: %s\n", cmd, err.msg);
+        return EXIT_USAGE;
+    }
+    size_t valid = proto_utf8_check(*out, *len);
+    const char *nul = memchr(*out, 0, *len);
+    if (valid == *len && !nul)
+        return 0;
+    bool at_nul = nul && (size_t)(nul - *out) <= valid;
+    fprintf(stderr, "strata %s: --text %s: %s at byte %zu (the text must be UTF-8)\n", cmd, path,
+            at_nul ? "a NUL byte" : "invalid UTF-8", at_nul ? (size_t)(nul - *out) : valid);
+    free(*out);
+    *out = NULL;
+    return EXIT_USAGE;
+}
+
 int cli_read_file(const char *path, size_t max_bytes, char **out, size_t *len, strata_error *err)
 {
     *out = NULL;
@@ -75,13 +95,13 @@ int cli_read_file(const char *path, size_t max_bytes, char **out, size_t *len, s
             cap *= 2;
         }
     }
-    int rd_err = ferror(f);
+    int rd_err = ferror(f) ? (errno ? errno : EIO) : 0;  /* EISDIR for a folder */
     fclose(f);
     if (!buf)
         return strata_fail(err, STRATA_ENOMEM, "%s: out of memory", path);
     if (rd_err || n > max_bytes) {
         free(buf);
-        return rd_err ? strata_fail(err, STRATA_EIO, "%s: read error", path)
+        return rd_err ? strata_fail(err, STRATA_EIO, "%s: %s", path, strerror(rd_err))
                       : strata_fail(err, STRATA_EINVAL, "%s: larger than %zu bytes", path, max_bytes);
     }
     buf[n] = 0;

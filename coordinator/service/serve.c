@@ -181,6 +181,8 @@ static bool load_config(const char *prog, const char *path, serve_opts *o, bool 
     }
     const char *key;
     json_t *val;
+    int seen[128];   /* option ids already set: "max_seqs" and "max-seqs" are one key */
+    size_t n_seen = 0;
     json_object_foreach(doc, key, val) {
         char name[64];
         snprintf(name, sizeof name, "%s", key);
@@ -197,6 +199,13 @@ static bool load_config(const char *prog, const char *path, serve_opts *o, bool 
             fprintf(stderr, "%s: --config %s: unknown key '%s'\n", prog, path, key);
             return false;
         }
+        for (size_t i = 0; i < n_seen; i++)
+            if (seen[i] == id) {
+                fprintf(stderr, "%s: --config %s: key '%s' sets --%s a second time\n", prog, path, key, name);
+                return false;
+            }
+        if (n_seen < sizeof seen / sizeof *seen)
+            seen[n_seen++] = id;
         if (id == 'q') {
             if (!json_is_boolean(val)) {
                 fprintf(stderr, "%s: --config %s: key '%s' must be true or false\n", prog, path, key);
@@ -297,7 +306,9 @@ static int parse(int argc, char **argv, const char *prog, bool local, serve_opts
     }
     if (!synthetic_is_path(o->model) && access(o->model, R_OK) != 0) {
         fprintf(stderr, "%s: model %s: %s%s\n", prog, o->model, strerror(errno),
-                errno == ENOENT ? " (run scripts/setup.sh to download the default model, or pass --model)" : "");
+                errno == ENOENT && !strcmp(o->model, STRATA_DEFAULT_MODEL)
+                    ? " (run scripts/setup.sh to download the default model, or pass --model)"
+                    : "");
         return EXIT_USAGE;
     }
     return 0;
@@ -629,10 +640,15 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
     }
     /* Each worker makes and checks its own folder inside; DIR itself must exist for that. */
     if (o.nvme_dir) {
+        struct stat st;
         if (mkdir(o.nvme_dir, 0700) == 0) {
             made_nvme_dir = true;
         } else if (errno != EEXIST) {
             fprintf(stderr, "%s: --nvme-dir %s: cannot create it: %s\n", prog, o.nvme_dir, strerror(errno));
+            exit_code = EXIT_USAGE;
+            goto out;
+        } else if (stat(o.nvme_dir, &st) != 0 || !S_ISDIR(st.st_mode)) {
+            fprintf(stderr, "%s: --nvme-dir %s: not a folder\n", prog, o.nvme_dir);
             exit_code = EXIT_USAGE;
             goto out;
         }

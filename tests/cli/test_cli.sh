@@ -126,6 +126,59 @@ patch_model general.name "<B" 27 8   # the first byte of the name string becomes
 "$strata" generate -m "$tmp/patched.gguf" -p hi -n 1 --no-echo >/dev/null 2>"$tmp/err" || fail "ESC in the name: $(cat "$tmp/err")"
 grep -q "^strata: ?mollm2 " "$tmp/err" || fail "the model name's control character reached the terminal: $(grep -a mollm2 "$tmp/err" | od -c | head -3)"
 rm -f "$tmp/patched.gguf"
+# Finite weights whose logits overflow fp32 (output_norm.weight all 3e38): an error, not token 0.
+python3 - "$model" "$tmp/patched.gguf" <<'PY' || fail "patching output_norm.weight"
+import struct, sys
+data = bytearray(open(sys.argv[1], "rb").read())
+pos = 8
+def u(fmt):
+    global pos
+    v = struct.unpack_from(fmt, data, pos); pos += struct.calcsize(fmt); return v[0]
+def string():
+    global pos
+    n = u("<Q"); s = bytes(data[pos:pos + n]); pos += n; return s
+sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+def value(t):
+    global pos
+    if t == 8: string()
+    elif t == 9:
+        et, n = u("<I"), u("<Q")
+        for _ in range(n): value(et)
+    else: pos += sizes[t]
+n_tensors, n_kv = u("<Q"), u("<Q")
+alignment = 32
+for _ in range(n_kv):
+    key = string(); t = u("<I")
+    if key == b"general.alignment": alignment = struct.unpack_from("<I", data, pos)[0]
+    value(t)
+infos = {}
+for _ in range(n_tensors):
+    name = string(); dims = [u("<Q") for _ in range(u("<I"))]; t = u("<I"); off = u("<Q")
+    infos[name] = (dims, t, off)
+start = (pos + alignment - 1) // alignment * alignment
+dims, t, off = infos[b"output_norm.weight"]
+assert t == 0, t   # F32
+for i in range(dims[0]):
+    struct.pack_into("<f", data, start + off + 4 * i, 3e38)
+open(sys.argv[2], "wb").write(data)
+PY
+expect 1 "non-finite logit" "$strata" generate -m "$tmp/patched.gguf" -p hi -n 2
+expect 1 "non-finite logit" "$strata" eval -m "$tmp/patched.gguf" --text "$tmp/text.txt" --prefill 64 --tokens 2 -q
+rm -f "$tmp/patched.gguf"
+
+# Files that are not what they should be: refused at once with the reason, never waited on
+mkfifo "$tmp/fifo"
+expect 1 "not a regular file" timeout 20 "$strata" inspect "$tmp/fifo"
+expect 1 "not a GGUF file (not a regular file)" timeout 20 "$strata" generate -m "$tmp/fifo" -p hi
+truncate -s 4G "$tmp/sparse.kv"
+expect 1 "not a block file (bad magic)" timeout 20 "$strata" inspect "$tmp/sparse.kv"
+rm -f "$tmp/sparse.kv" "$tmp/fifo"
+expect 2 "a NUL byte at byte 5" "$strata" eval --text <(printf 'hello\0world') -q
+expect 2 "invalid UTF-8 at byte 3" "$strata" calibrate --text <(printf 'abc\xff') --budget 5000 --out "$tmp/p.txt" -q
+printf '# only a comment\n\n' >"$tmp/empty-plan.txt"
+expect 2 "holds no plan" "$strata" generate -p hi --kv-plan "$tmp/empty-plan.txt"
+expect 2 "Is a directory" "$strata" generate -p hi --kv-plan "$tmp"
+expect 2 "Is a directory" "$strata" eval --text "$tmp"
 
 # eval: a run too short to form a block says so instead of showing 0 bytes as a result
 "$strata" eval --text "$tmp/text.txt" --prefill 64 --tokens 4 --kv kivi2 -q >"$tmp/out" 2>"$tmp/err" ||
