@@ -240,7 +240,8 @@ static int inspect_buffer(const char *path, const uint8_t *buf, size_t size, FIL
     if (version != KV_BLOCKFILE_VERSION || hbytes != KV_BLOCKFILE_HEADER_BYTES) {
         fprintf(out, "  ERROR: file format version %u with a %u-byte header (this reader knows version %u, %u bytes)\n",
                 version, hbytes, KV_BLOCKFILE_VERSION, KV_BLOCKFILE_HEADER_BYTES);
-        return strata_fail(err, STRATA_EFORMAT, "%s: unsupported block file version %u", path, version);
+        return strata_fail(err, STRATA_EFORMAT, "%s: unsupported block file version %u with a %u-byte header", path,
+                           version, hbytes);
     }
     int rc = STRATA_OK;
     uint32_t n_blocks = kv_ld32(buf + KV_FILE_N_BLOCKS);
