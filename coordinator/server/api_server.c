@@ -268,6 +268,18 @@ static int pack_response(api_stream *st, Strata__V1__GenerateResponse *resp, pro
     return proto_msg_pack(&resp->base, API_MAX_SEND_BYTES, out, err);
 }
 
+/* The Error message that ends a stream which already produced output. */
+static int pack_error(api_stream *st, grpc_status_code code, const char *message, proto_msg **out)
+{
+    Strata__V1__Error e = STRATA__V1__ERROR__INIT;
+    e.code = (uint32_t)code;
+    e.message = (char *)message;
+    Strata__V1__GenerateResponse resp = STRATA__V1__GENERATE_RESPONSE__INIT;
+    resp.kind_case = STRATA__V1__GENERATE_RESPONSE__KIND_ERROR;
+    resp.error = &e;
+    return pack_response(st, &resp, out, NULL);
+}
+
 const char *api_stream_request_id(const api_stream *st)
 {
     return st->id;
@@ -397,14 +409,8 @@ void api_stream_fail(api_stream *st, int status, const char *message)
         stream_terminal(st, NULL, code, line);
         return;
     }
-    Strata__V1__Error e = STRATA__V1__ERROR__INIT;
-    e.code = (uint32_t)code;
-    e.message = line;
-    Strata__V1__GenerateResponse resp = STRATA__V1__GENERATE_RESPONSE__INIT;
-    resp.kind_case = STRATA__V1__GENERATE_RESPONSE__KIND_ERROR;
-    resp.error = &e;
     proto_msg *m;
-    if (pack_response(st, &resp, &m, NULL)) {
+    if (pack_error(st, code, line, &m)) {
         stream_terminal(st, NULL, code, line);
         return;
     }
@@ -482,14 +488,8 @@ static bool stream_ref_if_live(api_stream *st)
  * call can close the connection before the status is written (gRPC 1.51). */
 static void stream_server_end(api_stream *st, grpc_status_code code, const char *message)
 {
-    proto_msg *m = NULL;
-    Strata__V1__Error e = STRATA__V1__ERROR__INIT;
-    e.code = (uint32_t)code;
-    e.message = (char *)message;
-    Strata__V1__GenerateResponse resp = STRATA__V1__GENERATE_RESPONSE__INIT;
-    resp.kind_case = STRATA__V1__GENERATE_RESPONSE__KIND_ERROR;
-    resp.error = &e;
-    if (pack_response(st, &resp, &m, NULL))
+    proto_msg *m;
+    if (pack_error(st, code, message, &m))
         m = NULL; /* out of memory: the status alone still ends the call */
 
     bool call_cancel = false;
