@@ -29,6 +29,12 @@ int cuda_rope_rows(float *x, size_t n_rows, size_t n_heads, size_t head_dim, con
  * wins over a number): greedy sampling on the device, so only n_rows ids cross to the host. */
 int cuda_argmax_rows(const float *x, size_t n_rows, size_t n_cols, int32_t *out, strata_cuda_stream stream);
 
+/* out[r] = the lowest column of row r holding NaN, +inf or -inf, or -1 when the row is all finite:
+ * the device's check that a forward pass's logits are numbers before anything is picked from them.
+ * Returns cudaErrorInvalidValue for n_cols 0 or beyond 2^31 - 1 or a NULL pointer. */
+int cuda_first_nonfinite_rows(const float *x, size_t n_rows, size_t n_cols, int32_t *out,
+                              strata_cuda_stream stream);
+
 /* y[i] += x[i] */
 int cuda_add(float *y, const float *x, size_t n, strata_cuda_stream stream);
 

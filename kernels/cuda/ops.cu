@@ -121,6 +121,28 @@ __global__ void argmax_kernel(const float *x, size_t n_cols, int32_t *out)
         out[blockIdx.x] = best_i[0] == 0x7fffffff ? 0 : best_i[0];
 }
 
+// One block per row: each thread's first non-finite column (its columns ascend), then the least.
+__global__ void first_nonfinite_kernel(const float *x, size_t n_cols, int32_t *out)
+{
+    __shared__ int first[kBlock];
+    const float *row = x + blockIdx.x * n_cols;
+    int f = 0x7fffffff;
+    for (size_t c = threadIdx.x; c < n_cols; c += blockDim.x)
+        if (!isfinite(row[c])) {
+            f = (int)c;
+            break;
+        }
+    first[threadIdx.x] = f;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s && first[threadIdx.x + s] < first[threadIdx.x])
+            first[threadIdx.x] = first[threadIdx.x + s];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0)
+        out[blockIdx.x] = first[0] == 0x7fffffff ? -1 : first[0];
+}
+
 unsigned grid_for(size_t n) { return (unsigned)((n + kBlock - 1) / kBlock); }
 
 }  // namespace
@@ -183,5 +205,16 @@ extern "C" int cuda_argmax_rows(const float *x, size_t n_rows, size_t n_cols, in
     if (n_rows == 0)
         return 0;
     argmax_kernel<<<(unsigned)n_rows, kBlock, 0, (cudaStream_t)stream>>>(x, n_cols, out);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int cuda_first_nonfinite_rows(const float *x, size_t n_rows, size_t n_cols, int32_t *out,
+                                         strata_cuda_stream stream)
+{
+    if (n_rows == 0)
+        return 0;
+    if (!x || !out || n_cols == 0 || n_cols > 0x7fffffff || n_rows > 0x7fffffff)
+        return (int)cudaErrorInvalidValue;
+    first_nonfinite_kernel<<<(unsigned)n_rows, kBlock, 0, (cudaStream_t)stream>>>(x, n_cols, out);
     return (int)cudaGetLastError();
 }

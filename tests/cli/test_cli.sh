@@ -127,41 +127,8 @@ patch_model general.name "<B" 27 8   # the first byte of the name string becomes
 grep -q "^strata: ?mollm2 " "$tmp/err" || fail "the model name's control character reached the terminal: $(grep -a mollm2 "$tmp/err" | od -c | head -3)"
 rm -f "$tmp/patched.gguf"
 # Finite weights whose logits overflow fp32 (output_norm.weight all 3e38): an error, not token 0.
-python3 - "$model" "$tmp/patched.gguf" <<'PY' || fail "patching output_norm.weight"
-import struct, sys
-data = bytearray(open(sys.argv[1], "rb").read())
-pos = 8
-def u(fmt):
-    global pos
-    v = struct.unpack_from(fmt, data, pos); pos += struct.calcsize(fmt); return v[0]
-def string():
-    global pos
-    n = u("<Q"); s = bytes(data[pos:pos + n]); pos += n; return s
-sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-def value(t):
-    global pos
-    if t == 8: string()
-    elif t == 9:
-        et, n = u("<I"), u("<Q")
-        for _ in range(n): value(et)
-    else: pos += sizes[t]
-n_tensors, n_kv = u("<Q"), u("<Q")
-alignment = 32
-for _ in range(n_kv):
-    key = string(); t = u("<I")
-    if key == b"general.alignment": alignment = struct.unpack_from("<I", data, pos)[0]
-    value(t)
-infos = {}
-for _ in range(n_tensors):
-    name = string(); dims = [u("<Q") for _ in range(u("<I"))]; t = u("<I"); off = u("<Q")
-    infos[name] = (dims, t, off)
-start = (pos + alignment - 1) // alignment * alignment
-dims, t, off = infos[b"output_norm.weight"]
-assert t == 0, t   # F32
-for i in range(dims[0]):
-    struct.pack_into("<f", data, start + off + 4 * i, 3e38)
-open(sys.argv[2], "wb").write(data)
-PY
+python3 "$(dirname "$0")/gguf_fill_tensor.py" "$model" "$tmp/patched.gguf" output_norm.weight 3e38 ||
+  fail "patching output_norm.weight"
 expect 1 "non-finite logit" "$strata" generate -m "$tmp/patched.gguf" -p hi -n 2
 expect 1 "non-finite logit" "$strata" eval -m "$tmp/patched.gguf" --text "$tmp/text.txt" --prefill 64 --tokens 2 -q
 rm -f "$tmp/patched.gguf"

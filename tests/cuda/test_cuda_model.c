@@ -19,7 +19,8 @@
  * through an NCCL loopback link, give the whole model's logits. A prompt in chunks matches the
  * CPU's chunked prefill, with arenas and with the shared pool. Migration images move sequences
  * GPU to GPU bit for bit and between GPU and CPU. A KV plan (a codec per layer) matches the CPU's.
- * Phase timing counts each phase as the steps ran it and changes no logit.
+ * Phase timing counts each phase as the steps ran it and changes no logit. Logits that overflow
+ * fp32 fail the step (the CPU head's rule) whether the logits or picked tokens are asked for.
  * Without a CUDA device only the no-device error path runs, then the test
  * exits 77 (skipped). */
 #include <setjmp.h>
@@ -43,6 +44,7 @@
 #include "offload/kv_tiers.h"
 #include "worker/cuda/device_mem.h"
 #include "worker/cuda/model_cuda.h"
+#include "worker/cuda/model_cuda_impl.h"   /* test_nonfinite_logits overwrites a weight on the device */
 #include "worker/model.h"
 #ifdef STRATA_HAVE_NCCL
 #include "worker/transport/transport.h"
@@ -328,6 +330,50 @@ static void test_batched_steps(void **state)
         batched(m, "kivi2");
         batched(m, "gear2");
     }
+    free_twin(m);
+}
+
+/* Finite weights whose logits overflow fp32 (the output norm's weights all 3e38, written over the
+ * device's copy): every way of running the head fails with STRATA_EFORMAT and the message the CPU
+ * head gives (tests/cli/test_cli.sh patches the same weights in a file for the CPU), instead of
+ * picking token 0 from infinities. */
+static void test_nonfinite_logits(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    model *m = load_twin("synthetic:tiny:seed=3", 0, -1, &err);
+    assert_non_null(m);
+    cuda_model *cm = create_cuda(m, CUDA_WEIGHTS_F32, &err);
+    assert_non_null(cm);
+    const size_t e = (size_t)model_get_config(m)->n_embd, nv = (size_t)model_get_config(m)->n_vocab;
+    float *huge = malloc(e * sizeof *huge), *logits = malloc(2 * nv * sizeof *logits);
+    assert_true(huge && logits);
+    for (size_t i = 0; i < e; i++)
+        huge[i] = 3e38f;
+    CUDA_CHECK(cudaMemcpy(cm->output_norm, huge, e * sizeof *huge, cudaMemcpyHostToDevice));
+    kv_codec_params f16;
+    assert_int_equal(kv_codec_parse("fp16", &f16, &err), STRATA_OK);
+    int32_t tok[8] = {1, 2, 3, 4, 5, 6, 7, 8}, next[2] = {-7, -7};
+    const cuda_sample_row greedy = {.u = 0.5, .temperature = 0.0f, .top_p = 1.0f, .top_k = 0};
+    const cuda_sample_row warm = {.u = 0.5, .temperature = 0.8f, .top_p = 0.9f, .top_k = 40};
+    const cuda_sample_row rows[2] = {greedy, warm};
+    for (int way = 0; way < 3; way++) {
+        cuda_seq *a = cuda_seq_create(cm, &f16, 16, 64, &err), *b = cuda_seq_create(cm, &f16, 16, 64, &err);
+        assert_true(a && b);
+        const cuda_batch_item items[2] = {{a, tok, 8}, {b, tok, 3}};
+        memset(&err, 0, sizeof err);
+        int rc = way == 0 ? cuda_model_forward_batch(cm, items, 2, logits, &err)
+               : way == 1 ? cuda_model_forward_batch_greedy(cm, items, 2, next, &err)
+                          : cuda_model_forward_batch_sample(cm, items, 2, rows, next, &err);
+        if (rc != STRATA_EFORMAT || !strstr(err.msg, "non-finite logit"))
+            fail_msg("way %d: rc %d, '%s'", way, rc, err.msg);
+        assert_int_equal(next[0], -7);   /* nothing picked */
+        cuda_seq_free(a);
+        cuda_seq_free(b);
+    }
+    free(huge);
+    free(logits);
+    cuda_model_free(cm);
     free_twin(m);
 }
 
@@ -1236,6 +1282,7 @@ int main(void)
         cmocka_unit_test(test_batched_steps),
         cmocka_unit_test(test_bad_batches),
         cmocka_unit_test(test_greedy_and_sizes),
+        cmocka_unit_test(test_nonfinite_logits),
         cmocka_unit_test(test_shared_pool),
         cmocka_unit_test(test_phase_times),
         cmocka_unit_test(test_chunked_prompt),

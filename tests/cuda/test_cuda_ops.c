@@ -228,6 +228,50 @@ static void test_argmax(void **state)
     free(x);
 }
 
+/* The first non-finite column per row against a CPU scan: NaN, +inf and -inf each count, the
+ * lowest column wins wherever the threads' strides put it, a finite row gives -1. */
+static void test_first_nonfinite(void **state)
+{
+    (void)state;
+    const size_t rows = 9, cols = 49152;
+    float *x = random_floats(rows * cols, 10.0f);
+    x[1 * cols + 7] = NAN;
+    x[2 * cols + cols - 1] = INFINITY;
+    x[3 * cols + 300] = -INFINITY;
+    x[4 * cols + 513] = NAN;                        /* two threads' finds: the lower column */
+    x[4 * cols + 258] = INFINITY;
+    x[5 * cols + 0] = -INFINITY;
+    x[6 * cols + 40000] = NAN;
+    x[7 * cols + 12] = 3e38f;                      /* large but finite */
+    for (size_t c = 0; c < cols; c += 3)
+        x[8 * cols + c] = INFINITY;
+    int32_t want[9], got[9];
+    for (size_t r = 0; r < rows; r++) {
+        want[r] = -1;
+        for (size_t c = 0; c < cols && want[r] < 0; c++)
+            if (!isfinite(x[r * cols + c]))
+                want[r] = (int32_t)c;
+    }
+    float *dx = to_device(x, rows * cols);
+    int32_t *dout = NULL;
+    CUDA_CHECK(cudaMalloc((void **)&dout, sizeof got));
+    CUDA_CHECK(cudaMemset(dout, 0x5a, sizeof got));
+    assert_int_equal(cuda_first_nonfinite_rows(dx, rows, cols, dout, NULL), 0);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(got, dout, sizeof got, cudaMemcpyDeviceToHost));
+    for (size_t r = 0; r < rows; r++)
+        if (got[r] != want[r])
+            fail_msg("first non-finite, row %zu: gpu %d, cpu %d", r, got[r], want[r]);
+    assert_int_equal(got[0], -1);
+    assert_int_equal(got[4], 258);
+    assert_int_equal(got[7], -1);
+    assert_int_equal(got[8], 0);
+    assert_int_equal(cuda_first_nonfinite_rows(dx, rows, 0, dout, NULL), (int)cudaErrorInvalidValue);
+    cudaFree(dx);
+    cudaFree(dout);
+    free(x);
+}
+
 int main(void)
 {
     if (!cuda_test_have_device("test_cuda_ops"))
@@ -239,6 +283,7 @@ int main(void)
         cmocka_unit_test(test_add),
         cmocka_unit_test(test_f32_to_f16),
         cmocka_unit_test(test_argmax),
+        cmocka_unit_test(test_first_nonfinite),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

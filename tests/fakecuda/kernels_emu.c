@@ -290,6 +290,26 @@ int cuda_argmax_rows(const float *x, size_t n_rows, size_t n_cols, int32_t *out,
     return 0;
 }
 
+int cuda_first_nonfinite_rows(const float *x, size_t n_rows, size_t n_cols, int32_t *out, strata_cuda_stream stream)
+{
+    fakecuda_launch();
+    (void)stream;
+    if (n_rows == 0)
+        return 0;
+    if (n_cols == 0 || n_cols > 0x7fffffff || !dev(x, n_rows * n_cols * 4, "first_nonfinite", "x") ||
+        !dev(out, n_rows * 4, "first_nonfinite", "out"))
+        return (int)cudaErrorInvalidValue;
+    for (size_t r = 0; r < n_rows; r++) {
+        out[r] = -1;
+        for (size_t c = 0; c < n_cols; c++)
+            if (!isfinite(x[r * n_cols + c])) {
+                out[r] = (int32_t)c;
+                break;
+            }
+    }
+    return 0;
+}
+
 /* ---- kernels/cuda/kv_tail.cu ---- */
 
 #define TAIL_THREADS 256u

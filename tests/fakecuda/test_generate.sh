@@ -52,4 +52,17 @@ cmp -s "$tmp/sampled.a" "$tmp/sampled.b" || fail "one seed gave two texts"
 if "$fake" generate --model synthetic:tiny --prompt hi --device cuda --ctx 4096 --device-kv-mib 1 \
   >/dev/null 2>"$tmp/e"; then fail "a device pool without a tier below accepted"; fi
 grep -q "without a tier below" "$tmp/e" || fail "unexpected message: $(cat "$tmp/e")"
+# Finite weights whose logits overflow fp32: the device head fails as the CPU's does (greedy and
+# sampled), instead of picking token 0 from infinities.
+model=$("$cpu" --help | sed -n 's/^default model: //p')
+python3 "$(dirname "$0")/../cli/gguf_fill_tensor.py" "$model" "$tmp/overflow.gguf" output_norm.weight 3e38 ||
+  fail "patching output_norm.weight"
+for pick in "--temperature 0" "--temperature 0.8 --top-p 0.9 --seed 3"; do
+  # shellcheck disable=SC2086
+  if "$fake" generate -m "$tmp/overflow.gguf" --prompt hi --device cuda -n 2 $pick >"$tmp/o" 2>"$tmp/e"; then
+    fail "logits that overflow fp32 gave text ($pick): '$(cat "$tmp/o")'"
+  fi
+  grep -q "non-finite logit" "$tmp/e" || fail "unexpected message ($pick): $(cat "$tmp/e")"
+done
+rm -f "$tmp/overflow.gguf"
 echo "generate_fakecuda: ok ($(wc -c <"$tmp/tier.txt") bytes through the host tier, equal to the arena's)"

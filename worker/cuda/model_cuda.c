@@ -345,7 +345,8 @@ static int ensure_items(cuda_model *cm, size_t n, strata_error *err)
     struct { void **d; void **h; size_t bytes; } want[] = {
         {(void **)&cm->head_x, NULL, n * (size_t)c->n_embd * 4},
         {(void **)&cm->logits, (void **)&cm->h_logits, n * (size_t)c->n_vocab * 4},
-        {(void **)&cm->d_next, (void **)&cm->h_next, n * sizeof(int32_t)},
+        /* picked ids, then each row's first non-finite logit: one copy brings both back */
+        {(void **)&cm->d_next, (void **)&cm->h_next, 2 * n * sizeof(int32_t)},
         {(void **)&cm->d_sample, (void **)&cm->h_sample, n * sizeof(cuda_sample_row)},
         {(void **)&cm->d_views, (void **)&cm->h_views, L * n * sizeof(cuda_kv_seq)},
         {(void **)&cm->d_append, (void **)&cm->h_append, L * n * sizeof(cuda_kv_append_job)},
@@ -1176,6 +1177,24 @@ static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_pl
     return STRATA_OK;
 }
 
+/* Non-finite logits (weights or metadata that overflow fp32 on some input) would be picked as
+ * token 0 or garbage without a word: they fail the step, as the CPU head does. bad[p] is row p's
+ * first non-finite column or -1. */
+static int check_logits_finite(cuda_model *cm, const step_plan *sp, const int32_t *bad, strata_error *err)
+{
+    const size_t nv = (size_t)cm->cfg.n_vocab;
+    for (size_t p = 0; p < sp->n_items; p++) {
+        if (bad[p] < 0)
+            continue;
+        float v = 0.0f;
+        CU(cudaMemcpy(&v, cm->logits + p * nv + (size_t)bad[p], sizeof v, cudaMemcpyDeviceToHost), "logit check");
+        return strata_fail(err, STRATA_EFORMAT,
+                           "the model produced a non-finite logit (%g for token id %d of item %zu): its weights or "
+                           "metadata overflow fp32", (double)v, (int)bad[p], sp->order[p]);
+    }
+    return STRATA_OK;
+}
+
 /* The last row of every item through the output norm and head, then the logits and/or the
  * tokens picked on the device to the host, in the caller's order: the argmax when sample is NULL,
  * else item i's pick with sample[i] (only the ids cross to the host). */
@@ -1197,6 +1216,8 @@ static int run_head(cuda_model *cm, const cuda_batch_item *items, const step_pla
     int rc = gemm(cm, cm->xn, n, e, cm->output, nv, cm->logits, err);
     if (rc != STRATA_OK)
         return rc;
+    int32_t *d_bad = cm->d_next + n, *h_bad = cm->h_next + n;
+    KERNEL(cuda_first_nonfinite_rows(cm->logits, n, nv, d_bad, NULL), "logit check");
     if (next && !sample) {
         KERNEL(cuda_argmax_rows(cm->logits, n, nv, cm->d_next, NULL), "argmax");
     } else if (next) {
@@ -1206,12 +1227,16 @@ static int run_head(cuda_model *cm, const cuda_batch_item *items, const step_pla
            "sampling parameters");
         KERNEL(cuda_sample_rows(cm->logits, (int)n, (int)nv, cm->d_sample, cm->d_next, NULL), "sampling");
     }
+    if (next)
+        CU(cudaMemcpy(cm->h_next, cm->d_next, 2 * n * sizeof(int32_t), cudaMemcpyDeviceToHost), "sampled tokens");
+    else
+        CU(cudaMemcpy(h_bad, d_bad, n * sizeof(int32_t), cudaMemcpyDeviceToHost), "logit check");
+    if ((rc = check_logits_finite(cm, sp, h_bad, err)) != STRATA_OK)
+        return rc;
     if (next) {
-        CU(cudaMemcpy(cm->h_next, cm->d_next, n * sizeof(int32_t), cudaMemcpyDeviceToHost), "sampled tokens");
         for (size_t p = 0; p < n; p++) {
-            if (cm->h_next[p] < 0)
-                return strata_fail(err, STRATA_EIO,
-                                   "item %zu: its logits hold NaN or +inf, or nothing finite: no token to sample",
+            if (cm->h_next[p] < 0)   /* the logits are finite: the parameters were refused */
+                return strata_fail(err, STRATA_EINVAL, "item %zu: the device sampler refused its parameters",
                                    sp->order[p]);
             next[sp->order[p]] = cm->h_next[p];
         }

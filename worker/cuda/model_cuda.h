@@ -154,7 +154,9 @@ typedef struct cuda_batch_item {
  * their caches, the blocks they form encoded in a few launches per layer. Decoding sequences of
  * one step must share codec and block size.
  * logits: n_items rows of n_vocab floats (host), the last token of each item in the items'
- * order, or NULL. On failure after the checks the sequences of the step are left inconsistent:
+ * order, or NULL. A logit that is not finite (NaN, +inf or -inf: weights or metadata that overflow
+ * fp32) fails the step with STRATA_EFORMAT naming it, as the CPU head does, whichever way the
+ * tokens are picked. On failure after the checks the sequences of the step are left inconsistent:
  * the caller discards them (as with model_forward_batch). */
 int cuda_model_forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_items, float *logits,
                              strata_error *err);
@@ -167,8 +169,7 @@ int cuda_model_forward_batch_greedy(cuda_model *cm, const cuda_batch_item *items
 /* The same step with sampling on the device (kernels/cuda_sample.h): next[i] is what
  * sampler_pick would choose from item i's logits with sample[i]'s parameters and draw (the host
  * keeps the PRNG: sampler_next_draw). Greedy rows take the argmax. STRATA_EINVAL for parameters
- * sampler_params_validate would refuse or a draw outside [0, 1); STRATA_EIO naming the item when
- * its logits hold NaN or +inf. */
+ * sampler_params_validate would refuse or a draw outside [0, 1). */
 int cuda_model_forward_batch_sample(cuda_model *cm, const cuda_batch_item *items, size_t n_items,
                                     const cuda_sample_row *sample, int32_t *next, strata_error *err);
 
