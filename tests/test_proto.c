@@ -1,6 +1,6 @@
 /* proto/: generated messages through grpc_byte_buffer, malformed input, status mapping, bearer
- * tokens, the send-queue and status-line helpers of grpc_call.h, GenerateRequest validation and
- * strict UTF-8.
+ * tokens, the send-queue and status-line helpers of grpc_call.h, GenerateRequest validation,
+ * strict UTF-8 and the credential file reader.
  *
  * With STRATA_PROTO_INTEROP_DIR set (tests/proto/check_python.sh does it), only the interop group
  * runs: it decodes messages Python serialized into that folder, compares them with the same
@@ -15,11 +15,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <grpc/byte_buffer.h>
 #include <grpc/grpc.h>
 #include <grpc/slice.h>
 
+#include "proto/credential_file.h"
 #include "proto/grpc_call.h"
 #include "proto/grpc_util.h"
 #include "proto/strata.pb-c.h"
@@ -1532,6 +1536,75 @@ static void test_interop_python(void **state)
     interop_one("worker_join.bin", &wm.base);
 }
 
+/* credential_file_read: the bound is exact (max bytes read, max + 1 refused), only trailing CR/LF
+ * go and only with trim, an empty file reads as empty, a missing file and a folder give the
+ * system's reason, and a FIFO with a writer (process substitution) is read. */
+static void write_file(const char *path, const char *data, size_t n)
+{
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(data, 1, n, f), n);
+    assert_int_equal(fclose(f), 0);
+}
+
+static void test_credential_file(void **state)
+{
+    (void)state;
+    char dir[] = "/tmp/strata-cred-XXXXXX", path[128];
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/secret", dir);
+    strata_error err = {0};
+    char *out = NULL;
+    size_t len = 99;
+
+    write_file(path, "0123456789abcdef\r\n\n", 19);
+    assert_int_equal(credential_file_read(path, 19, true, &out, &len, &err), STRATA_OK);
+    assert_int_equal(len, 16);
+    assert_string_equal(out, "0123456789abcdef");
+    free(out);
+    assert_int_equal(credential_file_read(path, 19, false, &out, &len, &err), STRATA_OK);
+    assert_int_equal(len, 19);
+    assert_memory_equal(out, "0123456789abcdef\r\n\n", 20);   /* with its NUL */
+    free(out);
+    assert_int_equal(credential_file_read(path, 18, true, &out, &len, &err), STRATA_EINVAL);
+    assert_null(out);
+    assert_string_equal(err.msg, "larger than 18 bytes");
+
+    write_file(path, "\n in the middle\n stays\n", 23);
+    assert_int_equal(credential_file_read(path, 64, true, &out, &len, &err), STRATA_OK);
+    assert_string_equal(out, "\n in the middle\n stays");
+    free(out);
+
+    write_file(path, "", 0);
+    assert_int_equal(credential_file_read(path, 64, true, &out, &len, &err), STRATA_OK);
+    assert_int_equal(len, 0);
+    assert_string_equal(out, "");
+    free(out);
+
+    assert_int_equal(credential_file_read(dir, 64, true, &out, &len, &err), STRATA_EIO);
+    assert_null(out);
+    assert_string_equal(err.msg, "Is a directory");
+    unlink(path);
+    assert_int_equal(credential_file_read(path, 64, true, &out, &len, &err), STRATA_EIO);
+    assert_string_equal(err.msg, "No such file or directory");
+
+    assert_int_equal(mkfifo(path, 0600), 0);
+    const pid_t child = fork();
+    assert_true(child >= 0);
+    if (child == 0) {
+        FILE *f = fopen(path, "wb");
+        _exit(f && fputs("from a pipe\n", f) >= 0 && fclose(f) == 0 ? 0 : 1);
+    }
+    assert_int_equal(credential_file_read(path, 64, true, &out, &len, &err), STRATA_OK);
+    assert_string_equal(out, "from a pipe");
+    free(out);
+    int status = -1;
+    assert_int_equal(waitpid(child, &status, 0), child);
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    unlink(path);
+    assert_int_equal(rmdir(dir), 0);
+}
+
 int main(void)
 {
     if (interop_dir()) {
@@ -1553,6 +1626,7 @@ int main(void)
         cmocka_unit_test(test_validate_sampling),
         cmocka_unit_test(test_validate_kv_codec),
         cmocka_unit_test(test_validate_after_unpack),
+        cmocka_unit_test(test_credential_file),
     };
     return cmocka_run_group_tests(tests, grpc_setup, grpc_teardown);
 }

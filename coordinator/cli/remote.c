@@ -15,6 +15,7 @@
 #include <grpc/support/string_util.h>
 #include <grpc/support/time.h>
 
+#include "proto/credential_file.h"
 #include "proto/grpc_call.h"
 #include "proto/grpc_util.h"
 #include "proto/strata.pb-c.h"
@@ -34,25 +35,13 @@ static double now_seconds(void)
  * that starts with cmd ("strata generate"). */
 static char *read_file(const char *cmd, const char *flag, const char *path, bool trim)
 {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        fprintf(stderr, "%s: %s %s: %s\n", cmd, flag, path, strerror(errno));
+    char *buf = NULL;
+    size_t n = 0;
+    strata_error err = {0};
+    if (credential_file_read(path, MAX_PEM_BYTES, trim, &buf, &n, &err) != STRATA_OK) {
+        fprintf(stderr, "%s: %s %s: %s\n", cmd, flag, path, err.msg);
         return NULL;
     }
-    char *buf = malloc(MAX_PEM_BYTES + 1);
-    size_t n = buf ? fread(buf, 1, MAX_PEM_BYTES, f) : 0;
-    int read_errno = ferror(f) ? errno : 0;  /* EISDIR for a folder */
-    bool more = buf && !read_errno && fgetc(f) != EOF;
-    fclose(f);
-    if (!buf || more || read_errno) {
-        fprintf(stderr, "%s: %s %s: %s\n", cmd, flag, path,
-                !buf ? "out of memory" : read_errno ? strerror(read_errno) : "larger than 1 MiB");
-        free(buf);
-        return NULL;
-    }
-    while (trim && n && (buf[n - 1] == '\n' || buf[n - 1] == '\r'))
-        n--;
-    buf[n] = '\0';
     if (!n) {
         fprintf(stderr, "%s: %s %s is empty\n", cmd, flag, path);
         free(buf);

@@ -35,6 +35,7 @@
 #include <grpc/byte_buffer.h>
 #include <grpc/grpc.h>
 
+#include "proto/credential_file.h"
 #include "proto/grpc_call.h"
 #include "proto/grpc_util.h"
 
@@ -821,32 +822,17 @@ api_server_options api_server_options_default(void)
 
 static int read_pem(const char *path, const char *what, char **out, strata_error *err)
 {
-    *out = NULL;
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return strata_fail(err, STRATA_EIO, "cannot read the TLS %s %s: %s", what, path, strerror(errno));
-    char *buf = malloc(API_TLS_FILE_MAX + 1);
-    if (!buf) {
-        fclose(f);
-        return strata_fail(err, STRATA_ENOMEM, "out of memory");
-    }
-    size_t n = fread(buf, 1, API_TLS_FILE_MAX + 1, f);
-    bool bad = ferror(f);
-    fclose(f);
-    if (bad) {
-        free(buf);
-        return strata_fail(err, STRATA_EIO, "cannot read the TLS %s %s", what, path);
-    }
-    if (n > API_TLS_FILE_MAX) {
-        free(buf);
-        return strata_fail(err, STRATA_EINVAL, "the TLS %s %s is larger than 1 MiB", what, path);
-    }
-    buf[n] = 0;
-    if (!strstr(buf, "-----BEGIN ")) {
-        free(buf);
+    size_t n = 0;
+    strata_error why = {0};
+    int rc = credential_file_read(path, API_TLS_FILE_MAX, false, out, &n, &why);
+    if (rc != STRATA_OK)
+        return strata_fail(err, rc, "cannot read the TLS %s %s: %s", what, path, why.msg);
+    if (!strstr(*out, "-----BEGIN ")) {
+        explicit_bzero(*out, n);   /* perhaps a key in another format */
+        free(*out);
+        *out = NULL;
         return strata_fail(err, STRATA_EINVAL, "the TLS %s %s is not a PEM file", what, path);
     }
-    *out = buf;
     return STRATA_OK;
 }
 

@@ -23,6 +23,7 @@
 #include "coordinator/server/api_server.h"
 #include "coordinator/service/coord.h"
 #include "kvstore/numarg.h"
+#include "proto/credential_file.h"
 #include "worker/synthetic.h"
 
 enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
@@ -314,30 +315,19 @@ static int parse(int argc, char **argv, const char *prog, bool local, serve_opts
     return 0;
 }
 
-/* Reads a secret or token file: at most cap - 1 bytes, a trailing newline dropped. */
+/* Reads a secret or token file (proto/credential_file.h) into buf: at most cap - 1 bytes, a
+ * trailing newline dropped. */
 static bool read_small_file(const char *prog, const char *what, const char *path, char *buf, size_t cap, size_t *len)
 {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        fprintf(stderr, "%s: %s %s: %s\n", prog, what, path, strerror(errno));
+    char *data = NULL;
+    strata_error err = {0};
+    if (credential_file_read(path, cap - 1, true, &data, len, &err) != STRATA_OK) {
+        fprintf(stderr, "%s: %s %s: %s\n", prog, what, path, err.msg);
         return false;
     }
-    size_t n = fread(buf, 1, cap - 1, f);
-    int read_errno = ferror(f) ? errno : 0;  /* EISDIR for a folder */
-    bool more = !read_errno && fgetc(f) != EOF;
-    fclose(f);
-    if (read_errno) {
-        fprintf(stderr, "%s: %s %s: %s\n", prog, what, path, strerror(read_errno));
-        return false;
-    }
-    while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r'))
-        n--;
-    buf[n] = '\0';
-    if (more) {
-        fprintf(stderr, "%s: %s %s is larger than %zu bytes\n", prog, what, path, cap - 1);
-        return false;
-    }
-    *len = n;
+    memcpy(buf, data, *len + 1);
+    explicit_bzero(data, *len);
+    free(data);
     return true;
 }
 

@@ -17,6 +17,7 @@
 #include "kvstore/bytes.h"
 #include "kvstore/error.h"
 #include "kvstore/numarg.h"
+#include "proto/credential_file.h"
 #include "proto/strata_internal.pb-c.h"
 #include "proto/validate.h"
 #include "worker/control/control_client.h"
@@ -136,32 +137,31 @@ static int parse(int argc, char **argv, worker_opts *o)
     return 0;
 }
 
-/* Reads the cluster secret: 16 to max bytes once a trailing newline (LF or CRLF) is dropped.
- * buf holds max + 2 bytes. */
+/* A secret file longer than this is refused before its length is checked (it is no secret). */
+#define WORKER_SECRET_FILE_MAX 4096
+
+/* Reads the cluster secret (proto/credential_file.h): 16 to max bytes once a trailing newline
+ * (LF or CRLF) is dropped, the coordinator's rule. buf holds max bytes. */
 static int read_secret(const char *path, uint8_t *buf, size_t max, size_t *len)
 {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        fprintf(stderr, "strata-worker: --secret-file %s: %s\n", path, strerror(errno));
+    char *data = NULL;
+    strata_error err = {0};
+    if (credential_file_read(path, WORKER_SECRET_FILE_MAX, true, &data, len, &err) != STRATA_OK) {
+        if (err.code == STRATA_EINVAL)
+            fprintf(stderr, "strata-worker: --secret-file %s: %s; a secret has at most %zu bytes\n", path, err.msg, max);
+        else
+            fprintf(stderr, "strata-worker: --secret-file %s: %s\n", path, err.msg);
         return EXIT_USAGE;
     }
-    size_t n = fread(buf, 1, max + 2, f);
-    int read_errno = ferror(f) ? errno : 0;  /* EISDIR for a folder */
-    bool more = !read_errno && fgetc(f) != EOF;
-    fclose(f);
-    if (read_errno) {
-        fprintf(stderr, "strata-worker: --secret-file %s: %s\n", path, strerror(read_errno));
-        return EXIT_USAGE;
-    }
-    while (n && (buf[n - 1] == '\n' || buf[n - 1] == '\r'))  /* as the coordinator reads it */
-        n--;
-    if (more || n < PROTO_SECRET_MIN_BYTES || n > max) {
+    const bool ok = *len >= PROTO_SECRET_MIN_BYTES && *len <= max;
+    if (ok)
+        memcpy(buf, data, *len);
+    else   /* as the coordinator reads it */
         fprintf(stderr, "strata-worker: --secret-file %s: the secret must be %d to %zu bytes (a trailing newline "
-                        "is ignored); it has %s%zu\n", path, PROTO_SECRET_MIN_BYTES, max, more ? "more than " : "", n);
-        return EXIT_USAGE;
-    }
-    *len = n;
-    return 0;
+                        "is ignored); it has %zu\n", path, PROTO_SECRET_MIN_BYTES, max, *len);
+    explicit_bzero(data, *len);
+    free(data);
+    return ok ? 0 : EXIT_USAGE;
 }
 
 static int send_step_result(ctl_client *cc, const stage_result *r, strata_error *err)
@@ -449,7 +449,7 @@ int main(int argc, char **argv)
         return rc < 0 ? 0 : rc;
     if (o.threads > 0)
         kern_set_threads((int)o.threads);
-    uint8_t secret[PROTO_SECRET_MAX_BYTES + 2];
+    uint8_t secret[PROTO_SECRET_MAX_BYTES];
     size_t secret_len = 0;
     if ((rc = read_secret(o.secret_file, secret, PROTO_SECRET_MAX_BYTES, &secret_len)))
         return rc;
