@@ -1,5 +1,6 @@
 /* strata generate: load a model, tokenize a prompt, generate through the compressed KV cache. */
 #include <getopt.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -182,12 +183,17 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
             o->sampling.top_k = (int)v;
             break;
         case OPT_TOP_P:
-            if (!cli_parse_float("--top-p", optarg, 0.0, 1.0, &o->sampling.top_p)) return EXIT_USAGE;
-            if (o->sampling.top_p <= 0.0f) {
-                fprintf(stderr, "strata: --top-p must be greater than 0\n");
+        {   /* the interval is open at 0: one message for every value outside it */
+            char *end;
+            errno = 0;
+            const double p = strtod(optarg, &end);
+            if (errno || end == optarg || *end || !(p > 0.0 && p <= 1.0) || !((float)p > 0.0f)) {
+                fprintf(stderr, "strata: --top-p: '%s' is not a number in (0, 1]\n", optarg);
                 return EXIT_USAGE;
             }
+            o->sampling.top_p = (float)p;
             break;
+        }
         case 's':
             if (!cli_parse_u64("--seed", optarg, &o->sampling.seed)) return EXIT_USAGE;
             break;

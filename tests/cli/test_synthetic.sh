@@ -46,6 +46,9 @@ expect 2 "the prompt read from stdin is empty" bash -c ': | "$@"' _ "${syn[@]}" 
 expect 2 "the prompt is not valid UTF-8" "${syn[@]}" -p $'\xc3\x28'
 expect 2 "the prompt is not valid UTF-8" bash -c 'printf "\xff" | "$@"' _ "${syn[@]}" -p -
 "${syn[@]}" -p "é ü" --no-echo >/dev/null 2>"$tmp/err" || fail "a UTF-8 prompt: $(cat "$tmp/err")"
+for p in 0 2 -0.5 nan 1e-50 0.5x; do   # one message for the interval, open at 0 (1e-50 is 0 as a float)
+  expect 2 "^strata: --top-p: '$p' is not a number in (0, 1\]" "${syn[@]}" -p hi --top-p "$p"
+done
 expect 2 "--kv and --kv-plan both set the KV codecs" "${syn[@]}" -p hi --kv kivi2 --kv-plan "$tmp/plan.txt"
 expect 2 "--save-kv $tmp/none/kv.bin: its folder does not exist" "${syn[@]}" -p hi --save-kv "$tmp/none/kv.bin"
 expect 2 "--save-kv $tmp: is a folder" "${syn[@]}" -p hi --save-kv "$tmp"
