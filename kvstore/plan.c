@@ -148,6 +148,19 @@ int kv_plan_parse(const char *spec, int n_layers, kv_codec_params *out, strata_e
     return rc;
 }
 
+/* The offset of the first byte a text file does not hold (a control character other than tab,
+ * newline and the CR of a CRLF; NUL included), or n. A plan's entries are quoted back in error
+ * messages, so what reaches a terminal from one is text. */
+static size_t first_control_byte(const char *buf, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        const unsigned char c = (unsigned char)buf[i];
+        if (c == 0x7f || (c < 0x20 && c != '\t' && c != '\n' && !(c == '\r' && i + 1 < n && buf[i + 1] == '\n')))
+            return i;
+    }
+    return n;
+}
+
 int kv_plan_load(const char *path, int n_layers, kv_codec_params *out, strata_error *err)
 {
     FILE *f = fopen(path, "rb");
@@ -162,12 +175,14 @@ int kv_plan_load(const char *path, int n_layers, kv_codec_params *out, strata_er
     int rd_err = ferror(f) ? (errno ? errno : EIO) : 0;  /* EISDIR for a folder */
     fclose(f);
     int rc;
+    size_t bad;
     if (rd_err) {
         rc = strata_fail(err, STRATA_EIO, "kv plan %s: %s", path, strerror(rd_err));
     } else if (n > PLAN_FILE_MAX) {
         rc = strata_fail(err, STRATA_EINVAL, "kv plan %s: larger than %d bytes", path, PLAN_FILE_MAX);
-    } else if (memchr(buf, 0, n)) {
-        rc = strata_fail(err, STRATA_EINVAL, "kv plan %s: not a text file", path);
+    } else if ((bad = first_control_byte(buf, n)) < n) {
+        rc = strata_fail(err, STRATA_EINVAL, "kv plan %s: not a text file (byte 0x%02x at offset %zu)", path,
+                         (unsigned char)buf[bad], bad);
     } else {
         buf[n] = 0;
         /* Comments may hold anything (commas, colons): blank them before looking at the rest. */
@@ -234,9 +249,12 @@ int kv_plan_save(const char *path, const kv_codec_params *layers, int n_layers, 
         return strata_fail(err, STRATA_EIO, "writing kv plan %s: %s", path, strerror(errno));
     if (comment) {
         const char *c = comment;
-        while (*c) {
+        while (*c) {   /* control characters become '?': kv_plan_load reads only text */
             size_t n = strcspn(c, "\n");
-            fprintf(f, "# %.*s\n", (int)n, c);
+            fputs("# ", f);
+            for (size_t i = 0; i < n; i++)
+                fputc((unsigned char)c[i] < 0x20 && c[i] != '\t' ? '?' : c[i] == 0x7f ? '?' : c[i], f);
+            fputc('\n', f);
             c += n + (c[n] ? 1 : 0);
         }
     }

@@ -21,7 +21,8 @@
  * (kv_codec_validate, or kv_pool_create_plan). */
 int kv_plan_parse(const char *spec, int n_layers, kv_codec_params *out, strata_error *err);
 
-/* Reads a plan file (at most 64 KiB) and parses it. */
+/* Reads a plan file (at most 64 KiB of text: tabs, newlines and CRLF line ends, no other control
+ * character, the byte named when there is one) and parses it. */
 int kv_plan_load(const char *path, int n_layers, kv_codec_params *out, strata_error *err);
 
 /* True if spec names a plan file rather than a codec or range list: it is not a codec name or
@@ -31,7 +32,8 @@ bool kv_plan_is_file(const char *spec);
 /* Writes the canonical range list of a plan ("0-9:tada4,10-29:tada2"; one name if uniform). */
 void kv_plan_format(const kv_codec_params *layers, int n_layers, char *buf, size_t cap);
 
-/* Writes a plan file: comment lines (each prefixed with "# "; may be NULL) then one range per line. */
+/* Writes a plan file: comment lines (each prefixed with "# "; may be NULL; control characters
+ * written as '?') then one range per line. */
 int kv_plan_save(const char *path, const kv_codec_params *layers, int n_layers, const char *comment,
                  strata_error *err);
 

@@ -111,8 +111,8 @@ static void test_files(void **state)
     kv_codec_params a[L], b[L];
     assert_int_equal(kv_plan_parse("0-4:tada8,5-19:tada4,20-29:tada2", L, a, NULL), STRATA_OK);
     strata_error err = {0};
-    assert_int_equal(kv_plan_save(path, a, L, "written by a test: model x, text y\nsecond line, with commas: 1,2", &err),
-                     STRATA_OK);
+    assert_int_equal(kv_plan_save(path, a, L, "written by a test: model x, text y\nsecond line, with commas: 1,2"
+                                  " and a path with \x1b and \r in it", &err), STRATA_OK);
     assert_true(kv_plan_is_file(path));
     assert_false(kv_plan_is_file("kivi2"));
     assert_int_equal(kv_plan_load(path, L, b, &err), STRATA_OK);
@@ -137,6 +137,25 @@ static void test_files(void **state)
     fwrite("0-29:kivi2\0\1\2", 1, 13, f);
     fclose(f);
     assert_int_equal(kv_plan_load(path, L, b, &err), STRATA_EINVAL);
+    assert_non_null(strstr(err.msg, "not a text file (byte 0x00 at offset 10)"));
+    /* control bytes (an escape sequence, a lone CR) are refused before any entry is quoted back;
+     * CRLF line ends and tabs are text */
+    static const struct { const char *text; const char *why; } files[] = {
+        {"0-29:\x1b[31mkivi2\n", "byte 0x1b at offset 5"},
+        {"0-9:kivi2\r15-29:kivi4\n", "byte 0x0d at offset 9"},
+        {"0-29:kivi2\x7f\n", "byte 0x7f at offset 10"},
+        {"0-29:kivi2\r", "byte 0x0d at offset 10"},
+        {"# a plan\r\n0-14:kivi2,\t15-29:kivi4\r\n", NULL},
+    };
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        f = fopen(path, "wb");
+        fputs(files[i].text, f);
+        fclose(f);
+        const int rc = kv_plan_load(path, L, b, &err);
+        if (files[i].why ? rc != STRATA_EINVAL || !strstr(err.msg, files[i].why) : rc != STRATA_OK)
+            fail_msg("file %zu: rc %d, '%s'", i, rc, err.msg);
+    }
+    expect_layer(b, 15, "kivi4");
     snprintf(path, sizeof path, "%s/missing.txt", dir);
     assert_int_equal(kv_plan_load(path, L, b, &err), STRATA_EIO);
     assert_non_null(strstr(err.msg, "missing.txt"));
