@@ -1316,9 +1316,13 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
         if (!c->codecs || !c->layer_begin || !c->reps)
             rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
     }
-    if (rc == STRATA_OK && (rc = kv_plan_parse(cfg->kv && *cfg->kv ? cfg->kv : "kivi4", c->mc.n_layers, c->codecs,
-                                               err)) != STRATA_OK)
-        strata_error_prefix(err, "coordinator: KV plan");
+    if (rc == STRATA_OK) {   /* a codec, a range list, or a plan file from `strata calibrate` */
+        const char *spec = cfg->kv && *cfg->kv ? cfg->kv : "kivi4";
+        rc = kv_plan_is_file(spec) ? kv_plan_load(spec, c->mc.n_layers, c->codecs, err)
+                                   : kv_plan_parse(spec, c->mc.n_layers, c->codecs, err);
+        if (rc != STRATA_OK)
+            strata_error_prefix(err, "coordinator: KV plan");
+    }
     if (rc == STRATA_OK) {
         kv_geometry g = {.n_layers = c->mc.n_layers, .n_kv_heads = c->mc.n_kv_heads, .head_dim = c->mc.head_dim,
                          .block_tokens = (int)cfg->block_tokens};

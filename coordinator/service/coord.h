@@ -26,7 +26,7 @@ typedef struct coord_config {
     const char *model_path;      /* GGUF; workers load the same path */
     uint32_t replicas;           /* data-parallel replicas, >= 1 */
     uint32_t stages;             /* workers per replica, 1..n_layers; layers split evenly */
-    const char *kv;              /* default KV plan spec (codec name, "tada" or range list) */
+    const char *kv;              /* default KV plan: codec name, "tada", range list, or a plan file */
     uint32_t block_tokens;       /* tokens per KV block */
     uint32_t ctx;                /* serving context (prompt + output); 0: min(trained, 8192) */
     uint32_t max_seqs;           /* running sequences per replica */

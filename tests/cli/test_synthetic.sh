@@ -33,6 +33,8 @@ expect 1 "need 29.92 GiB of fp32 weights, but only 4.00 GiB" \
 # segfaulted tearing down the half-made coordinator).
 serve_bad() { expect 2 "$1" timeout 60 "$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 "${@:2}"; }
 serve_bad 'unknown kv codec "nosuch"' --kv nosuch
+printf '# a plan file as calibrate writes one\n0-1:kivi2\n2-3:nosuch\n' >"$tmp/bad.plan"
+serve_bad "KV plan: $tmp/bad.plan: kv plan line 3: unknown kv codec \"nosuch\"" --kv "$tmp/bad.plan"
 serve_bad "5 stages for a model of 4 layers" --stages 5
 serve_bad "does not divide block_tokens 7" --block-tokens 7
 serve_bad "exceeds max batch tokens 50" --max-seqs 100 --max-batch-tokens 50
@@ -144,9 +146,10 @@ python3 -c 'import sys; sys.stdout.buffer.write(open(sys.argv[1], "rb").read().d
 # Not quiet, and up to 240 s as tests/serve does: under the sanitizers beside other tests the start
 # is slow, and if it never comes the log says how far it got.
 # With KV tiers down to NVMe in a spill folder that does not exist yet: serve makes it (each worker
-# its own folder inside) and removes it at exit.
+# its own folder inside) and removes it at exit. The KV plan comes from a file, as calibrate writes.
+printf '# strata calibrate\n0-1:kivi2\n2-3:kivi4\n' >"$tmp/serve.plan"
 "$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 --host-kv-mib 1 --nvme-kv-mib 8 \
-  --nvme-dir "$tmp/serve-spill" 2>"$tmp/serve.log" &
+  --nvme-dir "$tmp/serve-spill" --kv "$tmp/serve.plan" 2>"$tmp/serve.log" &
 server=$!
 port=
 for _ in $(seq 1 1200); do
@@ -162,6 +165,7 @@ else
     fail "generate --server failed: $(tail -2 "$tmp/err")"
   cmp -s "$tmp/served.txt" "$tmp/local.txt" ||
     fail "served text differs from local: '$(head -c 120 "$tmp/served.txt")' vs '$(head -c 120 "$tmp/local.txt")'"
+  grep -q "KV 0-1:kivi2,2-3:kivi4," "$tmp/serve.log" || fail "the plan file's plan is not served: $(grep KV "$tmp/serve.log")"
   [ -d "$tmp/serve-spill/local-0" ] && [ -d "$tmp/serve-spill/local-1" ] ||
     fail "no worker spill folders in $tmp/serve-spill: $(ls -la "$tmp/serve-spill" 2>&1)"
 fi
