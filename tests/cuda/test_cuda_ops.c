@@ -189,6 +189,22 @@ static void test_f32_to_f16(void **state)
     free(got);
 }
 
+/* A row-reducing kernel (one int32 per row) run on x's rows on the device, its answers in got,
+ * the output poisoned before the run. */
+typedef int (*row_kernel)(const float *, size_t, size_t, int32_t *, strata_cuda_stream);
+static void run_row_kernel(row_kernel kernel, const float *x, size_t rows, size_t cols, int32_t *got)
+{
+    float *dx = to_device(x, rows * cols);
+    int32_t *dout = NULL;
+    CUDA_CHECK(cudaMalloc((void **)&dout, rows * sizeof *got));
+    CUDA_CHECK(cudaMemset(dout, 0x5a, rows * sizeof *got));
+    assert_int_equal(kernel(dx, rows, cols, dout, NULL), 0);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    CUDA_CHECK(cudaMemcpy(got, dout, rows * sizeof *got, cudaMemcpyDeviceToHost));
+    cudaFree(dx);
+    cudaFree(dout);
+}
+
 /* Greedy choice per row against a CPU scan (same tie and NaN rules). */
 static void test_argmax(void **state)
 {
@@ -210,21 +226,13 @@ static void test_argmax(void **state)
         }
         want[r] = (int32_t)best;
     }
-    float *dx = to_device(x, rows * cols);
-    int32_t *dout = NULL;
-    CUDA_CHECK(cudaMalloc((void **)&dout, sizeof got));
-    CUDA_CHECK(cudaMemset(dout, 0xff, sizeof got));
-    assert_int_equal(cuda_argmax_rows(dx, rows, cols, dout, NULL), 0);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    CUDA_CHECK(cudaMemcpy(got, dout, sizeof got, cudaMemcpyDeviceToHost));
+    run_row_kernel(cuda_argmax_rows, x, rows, cols, got);
     for (size_t r = 0; r < rows; r++)
         if (got[r] != want[r])
             fail_msg("argmax row %zu: gpu %d, cpu %d", r, got[r], want[r]);
     assert_int_equal(got[3], 5);
     assert_int_equal(got[4], 77);
     assert_int_equal(got[5], 0);
-    cudaFree(dx);
-    cudaFree(dout);
     free(x);
 }
 
@@ -252,13 +260,7 @@ static void test_first_nonfinite(void **state)
             if (!isfinite(x[r * cols + c]))
                 want[r] = (int32_t)c;
     }
-    float *dx = to_device(x, rows * cols);
-    int32_t *dout = NULL;
-    CUDA_CHECK(cudaMalloc((void **)&dout, sizeof got));
-    CUDA_CHECK(cudaMemset(dout, 0x5a, sizeof got));
-    assert_int_equal(cuda_first_nonfinite_rows(dx, rows, cols, dout, NULL), 0);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    CUDA_CHECK(cudaMemcpy(got, dout, sizeof got, cudaMemcpyDeviceToHost));
+    run_row_kernel(cuda_first_nonfinite_rows, x, rows, cols, got);
     for (size_t r = 0; r < rows; r++)
         if (got[r] != want[r])
             fail_msg("first non-finite, row %zu: gpu %d, cpu %d", r, got[r], want[r]);
@@ -266,9 +268,9 @@ static void test_first_nonfinite(void **state)
     assert_int_equal(got[4], 258);
     assert_int_equal(got[7], -1);
     assert_int_equal(got[8], 0);
-    assert_int_equal(cuda_first_nonfinite_rows(dx, rows, 0, dout, NULL), (int)cudaErrorInvalidValue);
-    cudaFree(dx);
-    cudaFree(dout);
+    /* refused before anything runs */
+    assert_int_equal(cuda_first_nonfinite_rows(x, rows, 0, got, NULL), (int)cudaErrorInvalidValue);
+    assert_int_equal(cuda_first_nonfinite_rows(NULL, rows, cols, got, NULL), (int)cudaErrorInvalidValue);
     free(x);
 }
 
