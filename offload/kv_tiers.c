@@ -87,9 +87,14 @@ static int verify_up(kv_tiers *t, const uint8_t *bytes, size_t len, uint64_t han
     kv_block b;
     int rc = kv_block_verify(bytes, len, &b, err);
     if (rc != STRATA_OK) {
-        if (rc == STRATA_ECRC)
-            t->crc_failures++;
-        return strata_error_prefix(err, "host tier: block %llu", (unsigned long long)handle);
+        /* The block was verified on its way down: whatever fails now (a checksum, or a header
+         * damaged so that it no longer parses) is damage to the cached copy, reported as such
+         * (ECRC: UNAVAILABLE to an API client, which may retry). */
+        t->crc_failures++;
+        if (err)
+            err->code = STRATA_ECRC;
+        strata_error_prefix(err, "host tier: block %llu", (unsigned long long)handle);
+        return STRATA_ECRC;
     }
     return STRATA_OK;
 }

@@ -273,9 +273,9 @@ static void io_phase_end(nvme_store *s, uint32_t i)
                 snprintf(e.msg, sizeof e.msg, "block_bytes %" PRIu32 " differs from the stored length",
                          b.block_bytes);
             }
-            if (rc != STRATA_OK) {
+            if (rc != STRATA_OK) {   /* bytes that were verified when written: damaged on disk since */
                 s->st.crc_failures++;
-                req_fail(s, r, rc, "restored bytes fail verification: %s", e.msg);
+                req_fail(s, r, STRATA_ECRC, "restored bytes fail verification: %s", e.msg);
             }
         }
         finish(s, i);

@@ -31,8 +31,9 @@
  *  - verified: see nvme_verify_mode. Only then may the copy in the tier above be freed.
  * A read is complete when all its bytes were read (short reads resubmitted likewise) and
  * kv_block_verify() accepted them: magic, version, block_bytes equal to the location's length,
- * every header field, and both CRC32Cs. A damaged block is STRATA_ECRC (malformed bytes
- * STRATA_EFORMAT), with a message naming the block's tag, slab and offset; the destination then
+ * every header field, and both CRC32Cs. A damaged block is STRATA_ECRC whatever the check that
+ * caught it (a header that no longer parses included: the bytes were verified when written),
+ * with a message naming the block's tag, slab and offset; the destination then
  * holds the damaged bytes, which the caller must not use.
  *
  * Fallbacks, each reported by nvme_store_describe() and in the stats:
@@ -198,7 +199,7 @@ typedef struct nvme_store_stats {
     uint64_t readbacks;                     /* NVME_VERIFY_READBACK reads completed */
     double write_busy_s, read_busy_s;       /* time with >= 1 write (read) request in flight */
     double write_bytes_per_s, read_bytes_per_s;  /* bytes over busy time */
-    uint64_t crc_failures;                  /* reads that failed kv_block_verify (ECRC/EFORMAT) */
+    uint64_t crc_failures;                  /* reads whose bytes failed kv_block_verify */
     uint64_t readback_mismatches;
     uint64_t short_transfers;               /* short counts resubmitted */
     uint64_t err_nospace, err_io, err_other;  /* failed operations by errno: ENOSPC, EIO, rest */

@@ -1,6 +1,7 @@
 #include "offload/tier.h"
 
 #include <inttypes.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -28,7 +29,20 @@ struct tier {
     size_t spilling_bytes;  /* host bytes whose spill is in flight */
     size_t inflight;
     tier_stats st;
+    /* The failure of the last spill attempt, cleared by a spill that succeeds: when the host
+     * tier fills because NVMe refuses writes (ENOSPC, EIO), that is the reason to report. */
+    bool spill_broken;
+    strata_error spill_err;
 };
+
+static void note_spill(tier *t, int status, const strata_error *err)
+{
+    t->spill_broken = status != STRATA_OK;
+    if (t->spill_broken) {
+        t->spill_err.code = status;
+        snprintf(t->spill_err.msg, sizeof t->spill_err.msg, "%s", err && err->msg[0] ? err->msg : "failed");
+    }
+}
 
 static size_t host_bytes(uint32_t len) { return ((size_t)len + HOST_ARENA_PAGE - 1) / HOST_ARENA_PAGE * HOST_ARENA_PAGE; }
 
@@ -102,6 +116,7 @@ static void handle(tier *t, const nvme_completion *c)
             b->loc = c->loc;
             b->on_nvme = true;
             t->st.spills++;
+            note_spill(t, STRATA_OK, NULL);
             if (b->freed) {
                 release(t, b);
                 return;
@@ -112,6 +127,7 @@ static void handle(tier *t, const nvme_completion *c)
             push_event(t, id, TIER_EV_SPILLED, STRATA_OK, NULL);
         } else {
             t->st.spill_failures++;
+            note_spill(t, c->status, &c->err);
             if (b->freed) {
                 release(t, b);
                 return;
@@ -214,6 +230,7 @@ static size_t evict_core(tier *t, size_t target)
         if (rc != STRATA_OK) {
             /* E.g. the NVMe tier is full: the block stays in host memory. */
             t->st.spill_failures++;
+            note_spill(t, rc, &err);
             b->spill_failed = true;
             push_event(t, id_of(t, b), TIER_EV_SPILL_FAILED, rc, &err);
             continue;
@@ -245,6 +262,9 @@ static int make_room(tier *t, size_t len, host_handle *h, uint8_t **p, strata_er
         if (rc != STRATA_EFULL)
             return rc;
         size_t started = evict_core(t, t->spilling_bytes + host_bytes((uint32_t)len));
+        if (started == 0 && t->inflight == 0 && t->spill_broken)   /* a disk fault, not a small budget */
+            return strata_fail(err, STRATA_EIO, "tier: the host tier is full and the NVMe tier refuses writes: %s",
+                               t->spill_err.msg);
         if (started == 0 && t->inflight == 0)
             return strata_error_prefix(err, "tier: nothing left to evict");
         if (t->inflight > 0 && !wait_one(t))

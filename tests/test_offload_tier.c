@@ -34,7 +34,8 @@ typedef struct fixture {
     host_arena *host;
     nvme_store *nvme;
     tier *t;
-    int fail_writes;  /* injected: this many write completions fail with EIO */
+    int fail_writes;  /* injected: this many write completions fail, with write_errno (EIO when 0) */
+    int write_errno;
 } fixture;
 
 static int inject(void *ctx, const nvme_fault_op *op, int res)
@@ -42,7 +43,7 @@ static int inject(void *ctx, const nvme_fault_op *op, int res)
     fixture *f = ctx;
     if (op->kind == NVME_OP_WRITE && f->fail_writes > 0) {
         f->fail_writes--;
-        return -EIO;
+        return f->write_errno ? -f->write_errno : -EIO;
     }
     return res;
 }
@@ -299,6 +300,44 @@ static void test_spill_failure_keeps_block(void **state)
     teardown_fixture(&f);
 }
 
+/* A disk that refuses every write (ENOSPC): the host tier fills, and the put that finds no room
+ * says the NVMe tier is the cause, with the system's reason, as an I/O error (not "give the cache
+ * more room"). Every block put before it is intact in host memory. */
+static void test_full_host_names_the_disk(void **state)
+{
+    (void)state;
+    for (int sync_io = 0; sync_io < 2; sync_io++) {
+        fixture f;
+        setup_fixture(&f, sync_io);
+        f.fail_writes = 1000000;
+        f.write_errno = ENOSPC;
+        strata_error err = {0};
+        enum { N = 64 };
+        tier_id id[N];
+        uint8_t *b[N];
+        size_t sz[N];
+        unsigned stored = 0;
+        int rc = STRATA_OK;
+        for (; stored < N; stored++) {
+            b[stored] = block(stored, &sz[stored]);
+            if ((rc = tier_put(f.t, b[stored], sz[stored], 0, stored, &id[stored], &err)) != STRATA_OK)
+                break;
+        }
+        assert_true(stored > 0 && stored < N);
+        if (rc != STRATA_EIO || !strstr(err.msg, "NVMe tier refuses writes") ||
+            !strstr(err.msg, "No space left on device"))
+            fail_msg("sync_io %d: rc %d, '%s'", sync_io, rc, err.msg);
+        free(b[stored]);
+        for (unsigned i = 0; i < stored; i++) {
+            assert_int_equal(tier_location(f.t, id[i]), TIER_HOST);
+            assert_memory_equal(tier_get(f.t, id[i], NULL), b[i], sz[i]);
+            free(b[i]);
+        }
+        drain_events(&f, NULL, NULL);
+        teardown_fixture(&f);
+    }
+}
+
 static void test_restore_of_damaged_block(void **state)
 {
     (void)state;
@@ -381,6 +420,7 @@ int main(void)
         cmocka_unit_test(test_lru_and_restore_sync),
         cmocka_unit_test(test_overflow_many),
         cmocka_unit_test(test_spill_failure_keeps_block),
+        cmocka_unit_test(test_full_host_names_the_disk),
         cmocka_unit_test(test_restore_of_damaged_block),
         cmocka_unit_test(test_bad_arguments),
     };

@@ -770,6 +770,13 @@ out:
     coord_destroy(co);
     metrics_destroy(reg);
     if (sv) {
+        /* A worker restarted after a crash finds its spill folder there and so does not remove
+         * it: the folders serve made (inside the one it made) go here, when empty. */
+        for (int i = 0; made_nvme_dir && i < sv->n; i++) {
+            char dir[PATH_MAX];
+            if (snprintf(dir, sizeof dir, "%s/%s", o.nvme_dir, sv->w[i].name) < (int)sizeof dir)
+                rmdir(dir);
+        }
         pthread_mutex_destroy(&sv->mu);
         free(sv);
     }

@@ -168,6 +168,17 @@ else
   grep -q "KV 0-1:kivi2,2-3:kivi4," "$tmp/serve.log" || fail "the plan file's plan is not served: $(grep KV "$tmp/serve.log")"
   [ -d "$tmp/serve-spill/local-0" ] && [ -d "$tmp/serve-spill/local-1" ] ||
     fail "no worker spill folders in $tmp/serve-spill: $(ls -la "$tmp/serve-spill" 2>&1)"
+  # A worker killed and restarted finds its spill folder there; serve still removes it at exit.
+  pkill -KILL -f -- "--nvme-dir $tmp/serve-spill/local-1" || fail "no worker local-1 to kill"
+  served=
+  for _ in $(seq 1 300); do
+    if "$strata" generate --server "127.0.0.1:$port" --prompt "served?" --max-tokens 2 >/dev/null 2>&1; then
+      served=1
+      break
+    fi
+    sleep 0.2
+  done
+  [ -n "$served" ] || fail "serve did not serve again after local-1 was killed: $(tail -n 5 "$tmp/serve.log")"
 fi
 kill -TERM "$server" 2>/dev/null
 wait "$server" || fail "strata serve exited $? after SIGTERM: $(tail -3 "$tmp/serve.log")"
