@@ -224,6 +224,7 @@ void kv_tiers_get_stats(const kv_tiers *t, kv_tiers_stats *out)
     out->nvme_blocks = ts.nvme_blocks;
     out->spills = ts.spills;
     out->spill_failures = ts.spill_failures;
+    out->spill_error = ts.spill_error;
     out->restores = ts.restores;
     out->restore_failures = ts.restore_failures;
     nvme_store_stats ns;

@@ -52,6 +52,7 @@ typedef struct kv_tiers_stats {
     uint64_t nvme_stored_bytes, nvme_capacity_bytes;
     uint64_t puts, gets;                 /* blocks received from / returned to the pool */
     uint64_t spills, spill_failures;     /* host -> NVMe moves (durable and verified) */
+    strata_error spill_error;            /* why the last spill attempt failed; code 0 when it succeeded */
     uint64_t restores, restore_failures; /* NVMe -> host moves */
     uint64_t crc_failures;               /* blocks that failed verification moving up */
     uint64_t bytes_written, bytes_read;  /* NVMe */

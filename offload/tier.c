@@ -455,6 +455,9 @@ size_t tier_poll(tier *t, tier_event *out, size_t max)
 void tier_get_stats(const tier *t, tier_stats *out)
 {
     *out = t->st;
+    memset(&out->spill_error, 0, sizeof out->spill_error);
+    if (t->spill_broken)
+        out->spill_error = t->spill_err;
     out->blocks = out->host_blocks = out->nvme_blocks = 0;
     for (uint32_t i = 0; i < t->n; i++) {
         const tier_block *b = &t->b[i];

@@ -114,6 +114,7 @@ typedef struct tier_stats {
     size_t blocks, host_blocks, nvme_blocks;  /* a clean block counts in both */
     size_t host_used_bytes;
     uint64_t spills, spill_failures, restores, restore_failures, clean_evictions;
+    strata_error spill_error;   /* why the last spill attempt failed; code 0 when it succeeded */
 } tier_stats;
 
 void tier_get_stats(const tier *t, tier_stats *out);

@@ -328,6 +328,11 @@ static void test_full_host_names_the_disk(void **state)
             !strstr(err.msg, "No space left on device"))
             fail_msg("sync_io %d: rc %d, '%s'", sync_io, rc, err.msg);
         free(b[stored]);
+        tier_stats st;   /* what a worker reports to the coordinator */
+        tier_get_stats(f.t, &st);
+        assert_true(st.spill_failures > 0);
+        assert_int_equal(st.spill_error.code, STRATA_EFULL);
+        assert_non_null(strstr(st.spill_error.msg, "No space left on device"));
         for (unsigned i = 0; i < stored; i++) {
             assert_int_equal(tier_location(f.t, id[i]), TIER_HOST);
             assert_memory_equal(tier_get(f.t, id[i], NULL), b[i], sz[i]);

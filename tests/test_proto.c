@@ -367,6 +367,8 @@ static void test_roundtrip_public(void **state)
     st.crc_failures = 1;
     st.requests_total = 1u << 20;
     st.tokens_generated = UINT64_MAX - 1;
+    st.spill_failures = 3;
+    st.restore_failures = 2;
     check_roundtrip(&st.base);
 }
 
@@ -460,6 +462,9 @@ static void test_roundtrip_internal(void **state)
     kr.spills = 5;
     kr.restores = 4;
     kr.crc_failures = 2;
+    kr.spill_failures = 6;
+    kr.restore_failures = 1;
+    kr.spill_error = "nvme tier: write of block 7 (/var/tmp/spill/slab-0000.kv): No space left on device";
     wm.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_KV_REPORT;
     wm.kv_report = &kr;
     check_roundtrip(&wm.base);

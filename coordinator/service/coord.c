@@ -45,7 +45,7 @@ typedef struct slot {
     uint32_t worker_id;
     bool ready;                  /* sent its first KvReport after the assignment */
     uint64_t tier_blocks[N_TIERS], tier_bytes[N_TIERS], tier_capacity[N_TIERS];
-    uint64_t spills, restores, crc_failures;
+    uint64_t spills, restores, crc_failures, spill_failures, restore_failures;
 } slot;
 
 typedef struct creplica {
@@ -88,7 +88,7 @@ typedef struct drain_state {
 } drain_state;
 
 typedef struct coord_metrics {
-    metrics_counter *requests, *tokens, *spills, *restores, *crc;
+    metrics_counter *requests, *tokens, *spills, *restores, *crc, *spill_failures, *restore_failures;
     metrics_counter *finished[5];   /* stop, length, abort, error, cancelled */
     metrics_histogram *ttft, *itl;
     metrics_gauge *queue, *running, *workers_ready;
@@ -120,7 +120,7 @@ struct coord {
     uint64_t next_seq_id;
     uint32_t next_worker_id;
     uint64_t requests_total, tokens_total;
-    uint64_t spills_total, restores_total, crc_total;
+    uint64_t spills_total, restores_total, crc_total, spill_failures_total, restore_failures_total;
 
     coord_metrics m;
     bool have_metrics;
@@ -392,6 +392,16 @@ static void take_report(coord *c, uint32_t r, uint32_t s, const Strata__Internal
     update_counter(c->have_metrics ? c->m.spills : NULL, &c->spills_total, &sl->spills, k->spills);
     update_counter(c->have_metrics ? c->m.restores : NULL, &c->restores_total, &sl->restores, k->restores);
     update_counter(c->have_metrics ? c->m.crc : NULL, &c->crc_total, &sl->crc_failures, k->crc_failures);
+    const uint64_t spill_failures_before = sl->spill_failures;
+    update_counter(c->have_metrics ? c->m.spill_failures : NULL, &c->spill_failures_total, &sl->spill_failures,
+                   k->spill_failures);
+    update_counter(c->have_metrics ? c->m.restore_failures : NULL, &c->restore_failures_total, &sl->restore_failures,
+                   k->restore_failures);
+    /* A tier that stops taking blocks shows no other sign until the host tier fills: say so. */
+    if (k->spill_failures > spill_failures_before)
+        logf_(c, "worker %s: %" PRIu64 " more block(s) could not be spilled to NVMe (they stay in host memory)%s%s",
+              sl->name, k->spill_failures - spill_failures_before, k->spill_error && *k->spill_error ? ": " : "",
+              k->spill_error ? k->spill_error : "");
     if (!sl->ready && c->reps[r].assigned) {
         sl->ready = true;
         bool all = true;
@@ -1105,6 +1115,8 @@ static int api_stats(void *ctx, Strata__V1__Stats *out, strata_error *err)
     out->spills = c->spills_total;
     out->restores = c->restores_total;
     out->crc_failures = c->crc_total;
+    out->spill_failures = c->spill_failures_total;
+    out->restore_failures = c->restore_failures_total;
     out->requests_total = c->requests_total;
     out->tokens_generated = c->tokens_total;
     pthread_mutex_unlock(&c->mu);
@@ -1252,7 +1264,13 @@ static int register_metrics(coord *c, metrics_registry *reg, strata_error *err)
         (rc = metrics_counter_new(reg, "strata_kv_restores_total", "KV blocks brought back up a tier", NULL, 0,
                                   &m->restores, err)) ||
         (rc = metrics_counter_new(reg, "strata_kv_crc_failures_total", "KV blocks whose checksum failed", NULL, 0,
-                                  &m->crc, err)))
+                                  &m->crc, err)) ||
+        (rc = metrics_counter_new(reg, "strata_kv_spill_failures_total",
+                                  "KV blocks that could not be written to the NVMe tier", NULL, 0, &m->spill_failures,
+                                  err)) ||
+        (rc = metrics_counter_new(reg, "strata_kv_restore_failures_total",
+                                  "KV blocks that could not be read back from the NVMe tier", NULL, 0,
+                                  &m->restore_failures, err)))
         return rc;
     metrics_set_collect(reg, collect, c);
     c->have_metrics = true;

@@ -185,6 +185,7 @@ def test_concurrent(c):
         assert last.request_id == f"conc-{i}"
     st = c.stats(pb.StatsRequest(), timeout=T)
     assert st.requests_total >= 32 + 4 and st.running == 0 and st.queue_depth == 0, st
+    assert st.spill_failures == 0 and st.restore_failures == 0, st
 
 
 def test_abort(c):
@@ -270,7 +271,8 @@ def test_info_stats_metrics(c, metrics_port):
     body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     for name in ("strata_requests_total", "strata_tokens_generated_total", "strata_time_to_first_token_seconds_bucket",
                  "strata_inter_token_seconds_bucket", "strata_queue_depth", 'strata_kv_blocks{tier="device"}',
-                 "strata_workers_ready 2"):
+                 "strata_workers_ready 2", "strata_kv_spill_failures_total 0",
+                 "strata_kv_restore_failures_total 0"):
         assert name in body, f"metrics lack {name}"
     assert re.search(r"^strata_tokens_generated_total [1-9]", body, re.M), "no tokens counted"
 
