@@ -148,16 +148,22 @@ int kv_plan_parse(const char *spec, int n_layers, kv_codec_params *out, strata_e
     return rc;
 }
 
-/* The offset of the first byte a text file does not hold (a control character other than tab,
- * newline and the CR of a CRLF; NUL included), or n. A plan's entries are quoted back in error
- * messages, so what reaches a terminal from one is text. */
+/* A byte a plan file may not hold: a control character other than tab and the line ends (NUL
+ * and DEL included). A plan's entries are quoted back in error messages, so what reaches a
+ * terminal from one must be text. */
+static bool plan_control_byte(char ch)
+{
+    const unsigned char c = (unsigned char)ch;
+    return c == 0x7f || (c < 0x20 && c != '\t' && c != '\n' && c != '\r');
+}
+
+/* The offset of the first byte a text file does not hold (plan_control_byte, or a CR that does
+ * not end a CRLF), or n. */
 static size_t first_control_byte(const char *buf, size_t n)
 {
-    for (size_t i = 0; i < n; i++) {
-        const unsigned char c = (unsigned char)buf[i];
-        if (c == 0x7f || (c < 0x20 && c != '\t' && c != '\n' && !(c == '\r' && i + 1 < n && buf[i + 1] == '\n')))
+    for (size_t i = 0; i < n; i++)
+        if (plan_control_byte(buf[i]) || (buf[i] == '\r' && !(i + 1 < n && buf[i + 1] == '\n')))
             return i;
-    }
     return n;
 }
 
@@ -253,7 +259,7 @@ int kv_plan_save(const char *path, const kv_codec_params *layers, int n_layers, 
             size_t n = strcspn(c, "\n");
             fputs("# ", f);
             for (size_t i = 0; i < n; i++)
-                fputc((unsigned char)c[i] < 0x20 && c[i] != '\t' ? '?' : c[i] == 0x7f ? '?' : c[i], f);
+                fputc(plan_control_byte(c[i]) || c[i] == '\r' ? '?' : c[i], f);
             fputc('\n', f);
             c += n + (c[n] ? 1 : 0);
         }

@@ -1,7 +1,6 @@
 #include "offload/tier.h"
 
 #include <inttypes.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -29,19 +28,16 @@ struct tier {
     size_t spilling_bytes;  /* host bytes whose spill is in flight */
     size_t inflight;
     tier_stats st;
-    /* The failure of the last spill attempt, cleared by a spill that succeeds: when the host
-     * tier fills because NVMe refuses writes (ENOSPC, EIO), that is the reason to report. */
-    bool spill_broken;
+    /* The failure of the last spill attempt (code 0: it succeeded): when the host tier fills
+     * because NVMe refuses writes (ENOSPC, EIO), that is the reason to report. */
     strata_error spill_err;
 };
 
 static void note_spill(tier *t, int status, const strata_error *err)
 {
-    t->spill_broken = status != STRATA_OK;
-    if (t->spill_broken) {
-        t->spill_err.code = status;
-        snprintf(t->spill_err.msg, sizeof t->spill_err.msg, "%s", err && err->msg[0] ? err->msg : "failed");
-    }
+    memset(&t->spill_err, 0, sizeof t->spill_err);
+    if (status != STRATA_OK)
+        strata_fail(&t->spill_err, status, "%s", err && err->msg[0] ? err->msg : "failed");
 }
 
 static size_t host_bytes(uint32_t len) { return ((size_t)len + HOST_ARENA_PAGE - 1) / HOST_ARENA_PAGE * HOST_ARENA_PAGE; }
@@ -262,7 +258,7 @@ static int make_room(tier *t, size_t len, host_handle *h, uint8_t **p, strata_er
         if (rc != STRATA_EFULL)
             return rc;
         size_t started = evict_core(t, t->spilling_bytes + host_bytes((uint32_t)len));
-        if (started == 0 && t->inflight == 0 && t->spill_broken)   /* a disk fault, not a small budget */
+        if (started == 0 && t->inflight == 0 && t->spill_err.code)   /* a disk fault, not a small budget */
             return strata_fail(err, STRATA_EIO, "tier: the host tier is full and the NVMe tier refuses writes: %s",
                                t->spill_err.msg);
         if (started == 0 && t->inflight == 0)
@@ -455,9 +451,7 @@ size_t tier_poll(tier *t, tier_event *out, size_t max)
 void tier_get_stats(const tier *t, tier_stats *out)
 {
     *out = t->st;
-    memset(&out->spill_error, 0, sizeof out->spill_error);
-    if (t->spill_broken)
-        out->spill_error = t->spill_err;
+    out->spill_error = t->spill_err;
     out->blocks = out->host_blocks = out->nvme_blocks = 0;
     for (uint32_t i = 0; i < t->n; i++) {
         const tier_block *b = &t->b[i];

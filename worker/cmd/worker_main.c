@@ -231,7 +231,7 @@ static int send_kv_report(ctl_client *cc, const stage *st, strata_error *err)
     kr.crc_failures = u.crc_failures;
     kr.spill_failures = u.spill_failures;
     kr.restore_failures = u.restore_failures;
-    kr.spill_error = u.spill_error;
+    kr.spill_error = u.spill_error.msg;   /* "" when the last spill succeeded */
     Strata__Internal__V1__WorkerMessage m = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
     m.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_KV_REPORT;
     m.kv_report = &kr;

@@ -86,7 +86,7 @@ typedef struct stage_kv_usage {
     uint64_t nvme_bytes, nvme_capacity_bytes;
     uint64_t spills, restores, crc_failures;
     uint64_t spill_failures, restore_failures;   /* moves to/from NVMe that failed (blocks stay above) */
-    char spill_error[512];                       /* why the last spill failed; "" when it succeeded */
+    strata_error spill_error;                    /* why the last spill failed; code 0 when it succeeded */
     size_t sequences;
 } stage_kv_usage;
 

@@ -2,7 +2,6 @@
 #include "worker/stage/stage_gpu.h"
 
 #include <stdlib.h>
-#include <stdio.h>
 #include <string.h>
 
 void stage_usage_add_tiers(const kv_tiers *t, stage_kv_usage *out)
@@ -20,7 +19,7 @@ void stage_usage_add_tiers(const kv_tiers *t, stage_kv_usage *out)
     out->crc_failures = ts.crc_failures;
     out->spill_failures = ts.spill_failures;
     out->restore_failures = ts.restore_failures;
-    snprintf(out->spill_error, sizeof out->spill_error, "%s", ts.spill_error.code ? ts.spill_error.msg : "");
+    out->spill_error = ts.spill_error;
 }
 
 #ifdef STRATA_HAVE_CUDA
