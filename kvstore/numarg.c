@@ -50,11 +50,16 @@ bool strata_parse_double(const char *prog, const char *flag, const char *s, doub
     errno = 0;
     const double v = strtod(s, &end);
     if (errno || end == s || *end != '\0' || !isfinite(v) || v < min || v > max) {
-        fprintf(stderr, "%s: %s: '%s' is not a number in [%g, %g]\n", prog, flag, s, min, max);
+        fprintf(stderr, "%s: %s: '%s' is not a number in [%.10g, %.10g]\n", prog, flag, s, min, max);
         return false;
     }
     *out = v;
     return true;
+}
+
+uint64_t strata_mib_bytes(double mib)
+{
+    return mib > 0 ? (uint64_t)(mib * 1048576.0) : 0;
 }
 
 bool strata_check_addr(const char *prog, const char *flag, const char *s, bool listen)

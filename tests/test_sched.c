@@ -18,11 +18,12 @@
 #include "coordinator/sched/scheduler.h"
 #include "test_rng.h"
 
-static scheduler *make(size_t bt, size_t batch, size_t seqs, int n, size_t device, size_t total)
+static scheduler *make_streaming(size_t bt, size_t batch, size_t seqs, int n, size_t device, size_t stream,
+                                 size_t total)
 {
     sched_replica_config rc[4];
     for (int i = 0; i < n; i++)
-        rc[i] = (sched_replica_config){.device_blocks = device, .total_blocks = total};
+        rc[i] = (sched_replica_config){.device_blocks = device, .stream_blocks = stream, .total_blocks = total};
     sched_config c = {.block_tokens = bt, .max_batch_tokens = batch, .max_seqs = seqs, .n_replicas = n,
                       .replicas = rc};
     strata_error err = {0};
@@ -30,6 +31,12 @@ static scheduler *make(size_t bt, size_t batch, size_t seqs, int n, size_t devic
     if (!s)
         fail_msg("%s", err.msg);
     return s;
+}
+
+/* Without a tier below the device: a sequence never holds more than device blocks. */
+static scheduler *make(size_t bt, size_t batch, size_t seqs, int n, size_t device, size_t total)
+{
+    return make_streaming(bt, batch, seqs, n, device, 0, total);
 }
 
 static void test_config_errors(void **state)
@@ -42,6 +49,10 @@ static void test_config_errors(void **state)
     rc.device_blocks = 11;
     assert_null(sched_create(&c, &err));
     rc.device_blocks = 5;
+    rc.stream_blocks = 4;   /* one layer at once holds fewer than all layers at once: nonsense */
+    assert_null(sched_create(&c, &err));
+    assert_non_null(strstr(err.msg, "stream_blocks 4"));
+    rc.stream_blocks = 0;
     c.max_seqs = 65;
     assert_null(sched_create(&c, &err));
     assert_non_null(strstr(err.msg, "max_seqs"));
@@ -243,11 +254,12 @@ static void test_move_onto_full_replica(void **state)
 /* Randomized: requests arrive, run, get aborted, move; invariants every step. */
 #define SIM_N 300
 
-static void test_simulation(void **state)
+/* stream: the replicas' stream_blocks (0: none); max_prompt: prompts are 1..max_prompt tokens. */
+static void simulate(size_t stream, size_t max_prompt)
 {
-    (void)state;
     const size_t bt = 16, batch = 128, seqs = 6, device = 24, total = 200;
-    scheduler *s = make(bt, batch, seqs, 2, device, total);
+    const size_t one_seq = stream > device ? stream : device;   /* the most one sequence may hold */
+    scheduler *s = make_streaming(bt, batch, seqs, 2, device, stream, total);
     strata_error err = {0};
     uint64_t seed = 12345;
     size_t prompt[SIM_N + 1], max_tokens[SIM_N + 1], got[SIM_N + 1], len[SIM_N + 1];
@@ -258,16 +270,16 @@ static void test_simulation(void **state)
     memset(aborted, 0, sizeof aborted);
     memset(ended_by_sched, 0, sizeof ended_by_sched);
     uint64_t next_id = 1;
-    size_t finished = 0, rejected = 0, moved_running = 0;
+    size_t finished = 0, rejected = 0, moved_running = 0, streamed_steps = 0;
     for (int iter = 0; iter < 20000 && finished < SIM_N; iter++) {
         if (next_id <= SIM_N && rng_next(&seed) % 3 == 0) {
             uint64_t id = next_id++;
-            prompt[id] = 1 + rng_next(&seed) % 300;   /* up to 2.3 x the step budget: chunked */
+            prompt[id] = 1 + rng_next(&seed) % max_prompt;   /* > the step budget: chunked */
             max_tokens[id] = 1 + rng_next(&seed) % 60;
             int r;
             int rc = sched_submit(s, id, prompt[id], max_tokens[id], &r, &err);
             if (rc == STRATA_EFULL) {
-                assert_true((prompt[id] + max_tokens[id] + bt - 1) / bt > device);
+                assert_true((prompt[id] + max_tokens[id] + bt - 1) / bt > one_seq);
                 done[id] = true;
                 finished++;
                 rejected++;
@@ -315,7 +327,9 @@ static void test_simulation(void **state)
                 working += (len[id] + p.work[i].n_tokens + bt - 1) / bt;
             }
             assert_int_equal(tokens, p.n_tokens);
-            assert_true(working <= device + 0);
+            /* past the device's block rows only a sequence alone, streaming its layers */
+            assert_true(working <= device || (p.n_work == 1 && working <= one_seq));
+            streamed_steps += working > device;
             assert_true(tokens <= batch);
             (void)prompts;
             sched_outcome out[16];
@@ -341,11 +355,92 @@ static void test_simulation(void **state)
     sched_get_stats(s, -1, &st);
     assert_int_equal(st.reserved_blocks, 0);
     assert_int_equal(st.running + st.waiting + st.preempted, 0);
-    print_message("simulation: %d requests, %zu rejected, %llu preemptions, %llu resumptions, %zu running moved\n",
-                  SIM_N, rejected, (unsigned long long)st.preemptions, (unsigned long long)st.resumptions,
-                  moved_running);
+    print_message("simulation (stream %zu): %d requests, %zu rejected, %llu preemptions, %llu resumptions, %zu running "
+                  "moved, %zu streamed steps\n", stream, SIM_N, rejected, (unsigned long long)st.preemptions,
+                  (unsigned long long)st.resumptions, moved_running, streamed_steps);
     assert_true(st.preemptions > 0);
     assert_true(moved_running > 0);
+    assert_true(stream > device ? streamed_steps > 0 && rejected > 0 : streamed_steps == 0);
+    sched_destroy(s);
+}
+
+static void test_simulation(void **state)
+{
+    (void)state;
+    simulate(0, 300);
+}
+
+/* With a tier below: prompts up to 40 blocks, past the device's 24; one sequence may hold 32. */
+static void test_simulation_streaming(void **state)
+{
+    (void)state;
+    simulate(32, 640);
+}
+
+/* A sequence larger than the device's block rows runs alone, streaming: admitted (it fits the
+ * tiers and one layer of it the device), prefilled in chunks past the device, decoded with no
+ * other sequence beside it; the others wait and run after it. */
+static void test_streaming_alone(void **state)
+{
+    (void)state;
+    scheduler *s = make_streaming(16, 64, 8, 1, 4, 12, 100);
+    strata_error err = {0};
+    int r;
+    assert_int_equal(sched_submit(s, 9, 200, 20, &r, &err), STRATA_EFULL);   /* 14 blocks > 12 */
+    assert_non_null(strstr(err.msg, "at most 12 blocks for one sequence"));
+    assert_int_equal(sched_submit(s, 1, 150, 20, &r, &err), STRATA_OK);   /* 11 blocks > 4: streams */
+    assert_int_equal(sched_submit(s, 2, 10, 5, &r, &err), STRATA_OK);
+    sched_plan p;
+    size_t len = 0, got = 0;
+    while (got < 20) {
+        assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+        assert_int_equal(p.n_work, 1);   /* request 2 never joins a step that streams */
+        assert_int_equal(p.work[0].id, 1);
+        assert_int_equal(p.work[0].pos0, len);
+        len += p.work[0].n_tokens;
+        got += p.work[0].sample;
+        sched_outcome o = {1, got == 20};
+        assert_int_equal(sched_step_done(s, 0, &o, 1, &err), STRATA_OK);
+    }
+    assert_int_equal(len, 169);   /* the prompt in chunks of at most 64, then 19 decode tokens */
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_work, 1);
+    assert_int_equal(p.work[0].id, 2);
+    sched_destroy(s);
+}
+
+/* A streaming sequence moved (migration) beside an older one is preempted there, and resumes
+ * when it is alone again, although it never fits the device's block rows beside another. */
+static void test_streaming_preempted_resumes_alone(void **state)
+{
+    (void)state;
+    scheduler *s = make_streaming(16, 256, 8, 2, 4, 12, 100);
+    strata_error err = {0};
+    int r;
+    assert_int_equal(sched_submit(s, 1, 10, 40, &r, &err), STRATA_OK);
+    assert_int_equal(r, 0);
+    assert_int_equal(sched_submit(s, 2, 150, 20, &r, &err), STRATA_OK);
+    assert_int_equal(r, 1);
+    sched_plan p;
+    run_step(s, 0, &p);   /* both prompts run: 1 on replica 0, 2 (past the device) on 1 */
+    run_step(s, 1, &p);
+    assert_int_equal(p.n_work, 1);
+    assert_int_equal(p.work[0].n_tokens, 150);
+    assert_int_equal(sched_move(s, 2, 0, &err), STRATA_OK);
+    run_step(s, 0, &p);   /* 1 and 2 together exceed the device: the newer (2) waits */
+    assert_int_equal(p.n_preempt, 1);
+    assert_int_equal(p.preempt_ids[0], 2);
+    assert_int_equal(p.n_work, 1);
+    assert_int_equal(p.work[0].id, 1);
+    run_step(s, 0, &p);
+    assert_int_equal(p.n_resume, 0);
+    assert_true(sched_finish(s, 1));
+    run_step(s, 0, &p);   /* alone now: it comes back and streams */
+    assert_int_equal(p.n_resume, 1);
+    assert_int_equal(p.resume_ids[0], 2);
+    assert_int_equal(p.n_work, 1);
+    assert_int_equal(p.work[0].id, 2);
+    assert_int_equal(p.work[0].pos0, 150);
     sched_destroy(s);
 }
 
@@ -434,6 +529,9 @@ int main(void)
         cmocka_unit_test(test_preempt_and_resume),
         cmocka_unit_test(test_move_onto_full_replica),
         cmocka_unit_test(test_simulation),
+        cmocka_unit_test(test_simulation_streaming),
+        cmocka_unit_test(test_streaming_alone),
+        cmocka_unit_test(test_streaming_preempted_resumes_alone),
         cmocka_unit_test(test_availability),
         cmocka_unit_test(test_chunked_prefill),
     };

@@ -7,9 +7,8 @@
 #include <string.h>
 
 #include "coordinator/cli/cli.h"
+#include "kvstore/numarg.h"
 
-#define MAX_MIB 16777216.0   /* 16 TiB: larger is a typo */
-#define MIN_MIB (4.0 / 1024)   /* one 4 KiB page */
 #define DEFAULT_HOST_MIB_WITH_NVME 64.0
 #define DEFAULT_NVME_MIB 1024.0
 
@@ -45,11 +44,11 @@ int cli_tier_flag(int opt, const char *arg, cli_tier_opts *o)
 {
     switch (opt) {
     case OPT_TIER_DEVICE:
-        return cli_parse_double("--device-kv-mib", arg, MIN_MIB, MAX_MIB, &o->device_mib) ? 0 : EXIT_USAGE;
+        return cli_parse_double("--device-kv-mib", arg, STRATA_KV_MIB_MIN, STRATA_KV_MIB_MAX, &o->device_mib) ? 0 : EXIT_USAGE;
     case OPT_TIER_HOST:
-        return cli_parse_double("--host-kv-mib", arg, MIN_MIB, MAX_MIB, &o->host_mib) ? 0 : EXIT_USAGE;
+        return cli_parse_double("--host-kv-mib", arg, STRATA_KV_MIB_MIN, STRATA_KV_MIB_MAX, &o->host_mib) ? 0 : EXIT_USAGE;
     case OPT_TIER_NVME:
-        return cli_parse_double("--nvme-kv-mib", arg, MIN_MIB, MAX_MIB, &o->nvme_mib) ? 0 : EXIT_USAGE;
+        return cli_parse_double("--nvme-kv-mib", arg, STRATA_KV_MIB_MIN, STRATA_KV_MIB_MAX, &o->nvme_mib) ? 0 : EXIT_USAGE;
     case OPT_TIER_NVME_DIR:
         if (!*arg) {
             fprintf(stderr, "strata: --nvme-dir needs a directory\n");
@@ -65,15 +64,15 @@ int cli_tier_flag(int opt, const char *arg, cli_tier_opts *o)
     }
 }
 
-/* One integer key of the config file into *dst unless a flag set it already. */
+/* One number key of the config file into *dst unless a flag set it already. */
 static int config_mib(const char *cmd, const char *path, json_t *root, const char *key, double *dst)
 {
     json_t *v = json_object_get(root, key);
     if (!v)
         return 0;
-    if (!json_is_number(v) || json_number_value(v) < MIN_MIB || json_number_value(v) > MAX_MIB) {
+    if (!json_is_number(v) || json_number_value(v) < STRATA_KV_MIB_MIN || json_number_value(v) > STRATA_KV_MIB_MAX) {
         fprintf(stderr, "strata %s: --config %s: \"%s\" must be a number of MiB from %g to %g\n", cmd, path, key,
-                MIN_MIB, MAX_MIB);
+                STRATA_KV_MIB_MIN, STRATA_KV_MIB_MAX);
         return EXIT_USAGE;
     }
     if (*dst < 0)

@@ -49,6 +49,20 @@ static size_t blocks_for(const scheduler *s, size_t tokens)
     return (tokens + s->cfg.block_tokens - 1) / s->cfg.block_tokens;
 }
 
+/* The most blocks one sequence can ever hold on a replica: all of them must fit the tiers, and
+ * one layer of them the device at once (streaming). */
+static size_t one_sequence_blocks(const sched_replica_config *c)
+{
+    return c->total_blocks < c->stream_blocks ? c->total_blocks : c->stream_blocks;
+}
+
+/* What a step may hold on the device: a sequence alone on its replica (nothing else running
+ * beside it) may stream past the device pools' block rows. */
+static size_t device_room(const replica *p, bool alone)
+{
+    return alone ? p->cfg.stream_blocks : p->cfg.device_blocks;
+}
+
 scheduler *sched_create(const sched_config *c, strata_error *err)
 {
     if (!c || c->block_tokens == 0 || c->max_batch_tokens == 0 || c->max_seqs == 0 || c->n_replicas < 1 ||
@@ -61,12 +75,19 @@ scheduler *sched_create(const sched_config *c, strata_error *err)
                     "decodes one token per step)", c->max_seqs, c->max_batch_tokens);
         return NULL;
     }
-    for (int r = 0; r < c->n_replicas; r++)
-        if (c->replicas[r].device_blocks == 0 || c->replicas[r].total_blocks < c->replicas[r].device_blocks) {
+    for (int r = 0; r < c->n_replicas; r++) {
+        const sched_replica_config *rc = &c->replicas[r];
+        if (rc->device_blocks == 0 || rc->total_blocks < rc->device_blocks) {
             strata_fail(err, STRATA_EINVAL, "scheduler: replica %d: device_blocks %zu must be > 0 and <= total_blocks %zu",
-                        r, c->replicas[r].device_blocks, c->replicas[r].total_blocks);
+                        r, rc->device_blocks, rc->total_blocks);
             return NULL;
         }
+        if (rc->stream_blocks != 0 && rc->stream_blocks < rc->device_blocks) {
+            strata_fail(err, STRATA_EINVAL, "scheduler: replica %d: stream_blocks %zu must be 0 or >= device_blocks %zu",
+                        r, rc->stream_blocks, rc->device_blocks);
+            return NULL;
+        }
+    }
     scheduler *s = calloc(1, sizeof *s);
     if (!s || !(s->reps = calloc((size_t)c->n_replicas, sizeof *s->reps))) {
         free(s);
@@ -75,8 +96,11 @@ scheduler *sched_create(const sched_config *c, strata_error *err)
     }
     s->cfg = *c;
     s->cfg.replicas = NULL;
-    for (int r = 0; r < c->n_replicas; r++)
+    for (int r = 0; r < c->n_replicas; r++) {
         s->reps[r].cfg = c->replicas[r];
+        if (s->reps[r].cfg.stream_blocks == 0)
+            s->reps[r].cfg.stream_blocks = s->reps[r].cfg.device_blocks;
+    }
     return s;
 }
 
@@ -156,8 +180,8 @@ int sched_submit(scheduler *s, uint64_t id, size_t prompt_tokens, size_t max_tok
     size_t largest = 0;
     for (int r = 0; r < s->cfg.n_replicas; r++) {
         const sched_replica_config *c = &s->reps[r].cfg;
-        fits |= need <= c->total_blocks && need <= c->device_blocks;
-        size_t cap = c->total_blocks < c->device_blocks ? c->total_blocks : c->device_blocks;
+        size_t cap = one_sequence_blocks(c);
+        fits |= need <= cap;
         largest = cap > largest ? cap : largest;
     }
     if (!fits) {
@@ -294,7 +318,7 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
 
     /* Running sequences: those past their prompt decode one token each; those still prefilling
      * (chunked prefill) take their next chunk below. The device must hold the blocks of every
-     * sequence of the step at once. */
+     * sequence of the step at once, unless one sequence runs alone (streaming). */
     size_t n_run = collect(s, r, SCHED_RUNNING, idx), working = 0;
     for (size_t i = 0; i < n_run; i++)
         working += blocks_for(s, s->reqs[idx[i]].len + 1);
@@ -327,8 +351,8 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
             continue;
         size_t chunk = q->prompt - q->len, left = s->cfg.max_batch_tokens > tokens ? s->cfg.max_batch_tokens - tokens : 0;
         chunk = chunk < left ? chunk : left;
-        const size_t others = working - blocks_for(s, q->len + 1);
-        while (chunk > 0 && others + blocks_for(s, q->len + chunk + (q->len + chunk == q->prompt)) > p->cfg.device_blocks)
+        const size_t others = working - blocks_for(s, q->len + 1), room = device_room(p, others == 0);
+        while (chunk > 0 && others + blocks_for(s, q->len + chunk + (q->len + chunk == q->prompt)) > room)
             chunk--;
         if (chunk == 0)
             continue;   /* it waits a step; its blocks stay counted */
@@ -346,7 +370,7 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
         for (size_t k = 0; k < plan->n_preempt; k++)
             just_preempted |= p->preempt[k] == q->id;
         size_t need = blocks_for(s, q->len + 1);
-        if (just_preempted || working + need > p->cfg.device_blocks || n_work + 1 > s->cfg.max_seqs ||
+        if (just_preempted || working + need > device_room(p, working == 0) || n_work + 1 > s->cfg.max_seqs ||
             tokens + 1 > s->cfg.max_batch_tokens) {
             blocked = true;
             break;
@@ -369,7 +393,7 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
         size_t least = s->cfg.max_batch_tokens / 2 ? s->cfg.max_batch_tokens / 2 : 1;
         least = q->prompt < least ? q->prompt : least;
         size_t need = blocks_for(s, chunk + (chunk == q->prompt));
-        if (chunk < least || n_work + 1 > s->cfg.max_seqs || working + need > p->cfg.device_blocks)
+        if (chunk < least || n_work + 1 > s->cfg.max_seqs || working + need > device_room(p, working == 0))
             break;
         q->state = SCHED_RUNNING;
         p->work[n_work++] = (sched_work){.id = q->id, .pos0 = 0, .n_tokens = chunk, .sample = chunk == q->prompt};

@@ -7,15 +7,19 @@
  * KV accounting is in blocks of block_tokens tokens of one layer-slice ("a block row": what one
  * block of every layer of a stage costs, per stage). A replica has
  *   - device_blocks: block rows its device pools hold at once (the smallest over its stages);
+ *   - stream_blocks: blocks of one layer its device pools hold at once: with a tier below, a
+ *     sequence running alone may grow past device_blocks up to this, its layers then taking turns
+ *     on the device (each layer's blocks come up for its attention and leave for the next layer's,
+ *     as `strata generate` streams a long sequence); equal to device_blocks without a tier;
  *   - total_blocks:  block rows across the device pool and the host and NVMe tiers below.
  * A sequence of n tokens occupies ceil(n / block_tokens) block rows (the fp16 tail is counted as
  * a block, conservatively).
  *
  * Rules (docs/decisions.md):
  * - Admission reserves a request's worst case, prompt + max_tokens, against total_blocks of the
- *   replica it is routed to; a request whose worst case exceeds every replica's total_blocks can
- *   never run: STRATA_EFULL at submit (RESOURCE_EXHAUSTED to the client). Otherwise it waits in
- *   FIFO order until a replica has room.
+ *   replica it is routed to; a request whose worst case exceeds every replica's total_blocks or
+ *   stream_blocks can never run: STRATA_EFULL at submit (RESOURCE_EXHAUSTED to the client).
+ *   Otherwise it waits in FIFO order until a replica has room.
  * - Routing: the replica with the most unreserved blocks (ties: the lowest index).
  * - A step of a replica holds the decode token of every running sequence, then the next chunk of
  *   every prompt already started (chunked prefill: as many tokens as the budget and the device
@@ -28,6 +32,11 @@
  *   do not, the most recently admitted running sequence is preempted (spilled: its blocks and
  *   tail move down, nothing is recomputed) until they do; preempted sequences resume, oldest
  *   first, before new prompts are admitted, as soon as they fit again.
+ * - Streaming: a sequence that is the only running one of its replica may exceed device_blocks
+ *   (up to stream_blocks): its prompt chunks grow, it resumes, or it starts, alone. While it runs
+ *   past device_blocks nothing joins it (new prompts and preempted sequences wait), and when
+ *   another sequence is running beside one that needs to stream, the preemption rule above
+ *   applies, so a step past device_blocks always holds exactly one sequence.
  *
  * Thread-safety: none; the coordinator's scheduler thread owns it. */
 #ifndef STRATA_COORDINATOR_SCHEDULER_H
@@ -41,6 +50,7 @@
 
 typedef struct sched_replica_config {
     size_t device_blocks;   /* block rows held on the devices at once (> 0) */
+    size_t stream_blocks;   /* blocks of one layer held at once (0: device_blocks; else >= it) */
     size_t total_blocks;    /* block rows across device, host and NVMe (>= device_blocks) */
 } sched_replica_config;
 

@@ -210,7 +210,7 @@ static void fail_req(coord *c, creq *q, int code, const char *msg)
  * below, the device pool has slots of the plan's largest block shared by all layers. */
 static int replica_capacity(const coord *c, sched_replica_config *out, strata_error *err)
 {
-    size_t dev_min = SIZE_MAX, total_min = SIZE_MAX;
+    size_t dev_min = SIZE_MAX, stream_min = SIZE_MAX, total_min = SIZE_MAX;
     for (uint32_t s = 0; s < c->cfg.stages; s++) {
         uint32_t b = c->layer_begin[s], e = c->layer_begin[s + 1];
         kv_geometry g = {.n_layers = (int)(e - b), .n_kv_heads = c->mc.n_kv_heads, .head_dim = c->mc.head_dim,
@@ -219,22 +219,28 @@ static int replica_capacity(const coord *c, sched_replica_config *out, strata_er
         size_t row = kv_plan_row_bytes(&g, codecs);
         if (row == 0)
             return strata_fail(err, STRATA_EINVAL, "the KV plan does not fit layers %u-%u", b, e - 1);
-        size_t dev, total;
+        size_t dev, stream, total;
         if (c->cfg.host_kv_bytes > 0) {
-            size_t slot_bytes = kv_plan_largest_block(&g, codecs);
-            dev = (size_t)(c->cfg.device_kv_bytes / slot_bytes) / (size_t)g.n_layers;
+            /* The workers' pools share slots of the plan's largest block among the stage's layers
+             * (kv_pool_create_shared, cuda_kv_pool_sizing). One layer of a sequence alone may
+             * take every slot but one: a GPU stage keeps one for the block forming. */
+            size_t slots = (size_t)(c->cfg.device_kv_bytes / kv_plan_largest_block(&g, codecs));
+            dev = slots / (size_t)g.n_layers;
+            stream = slots > dev + 1 ? slots - 1 : dev;
             /* the host arena and the slab files keep some bytes per block: count 90 % */
             total = dev + (size_t)((double)(c->cfg.host_kv_bytes + c->cfg.nvme_kv_bytes) * 0.9 / (double)row);
         } else {
-            dev = total = (size_t)(c->cfg.device_kv_bytes / row);
+            dev = stream = total = (size_t)(c->cfg.device_kv_bytes / row);
         }
         if (dev == 0)
             return strata_fail(err, STRATA_EINVAL, "a device KV budget of %" PRIu64 " bytes holds no block row of stage "
                                "%u (layers %u-%u: %zu bytes)", c->cfg.device_kv_bytes, s, b, e - 1, row);
         dev_min = dev < dev_min ? dev : dev_min;
+        stream_min = stream < stream_min ? stream : stream_min;
         total_min = total < total_min ? total : total_min;
     }
     out->device_blocks = dev_min;
+    out->stream_blocks = stream_min;
     out->total_blocks = total_min;
     return STRATA_OK;
 }
@@ -1404,9 +1410,12 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
         coord_destroy(c);
         return NULL;
     }
-    logf_(c, "model %s: %d layers in %u stages x %u replicas, KV %s, context %u, device rows %zu, total rows %zu per "
-          "replica", c->model_name, c->mc.n_layers, cfg->stages, cfg->replicas, c->kv_canonical, c->cfg.ctx,
-          cap.device_blocks, cap.total_blocks);
+    char streaming[96] = "";
+    if (cap.stream_blocks > cap.device_blocks)
+        snprintf(streaming, sizeof streaming, ", %zu for a sequence alone (streaming its layers)", cap.stream_blocks);
+    logf_(c, "model %s: %d layers in %u stages x %u replicas, KV %s, context %u; KV blocks of %u tokens per replica: "
+          "%zu on the device%s, %zu in all tiers", c->model_name, c->mc.n_layers, cfg->stages, cfg->replicas,
+          c->kv_canonical, c->cfg.ctx, cfg->block_tokens, cap.device_blocks, streaming, cap.total_blocks);
     return c;
 }
 

@@ -33,7 +33,8 @@ typedef struct serve_opts {
     const char *config, *model, *listen, *control, *metrics, *secret_file, *kv, *tls_cert, *tls_key, *token_file;
     const char *nvme_dir, *worker_bin;
     long replicas, stages, block_tokens, ctx, max_seqs, max_batch_tokens;
-    long device_mib, host_mib, nvme_mib, drain_s, ready_timeout_s, threads;
+    double device_mib, host_mib, nvme_mib;   /* fractions allowed, as for strata generate */
+    long drain_s, ready_timeout_s, threads;
     bool quiet;
 } serve_opts;
 
@@ -73,8 +74,10 @@ static void usage(FILE *out, const char *prog, bool local)
             "                          model's trained context, at most 8192)\n"
             "  --max-seqs N            running sequences per replica (default 32)\n"
             "  --max-batch-tokens N    tokens per step, decode tokens plus prompts (default 2048)\n"
-            "  --device-kv-mib N       device KV memory per worker (default 256)\n"
-            "  --host-kv-mib N         host KV tier per worker (default 0: none)\n"
+            "  --device-kv-mib N       device KV memory per worker in MiB, fractions allowed (default 256)\n"
+            "  --host-kv-mib N         host KV tier per worker (default 0: none); with it, a request alone\n"
+            "                          on its replica may outgrow the device: its layers stream through\n"
+            "                          it, as in strata generate\n"
             "  --nvme-kv-mib N         NVMe KV tier per worker (default 0: none; needs a host tier%s)\n",
             STRATA_DEFAULT_MODEL, API_SERVER_DEFAULT_ADDR, local ? "127.0.0.1:0" : CTL_SERVER_DEFAULT_ADDR,
             local ? "default: a fresh random one" : "required", local ? "2" : "1",
@@ -133,9 +136,9 @@ static bool apply(const char *prog, serve_opts *o, int id, const char *flag, con
     case O_CTX: return strata_parse_long(prog, flag, v, 2, 1 << 22, &o->ctx);
     case O_MAX_SEQS: return strata_parse_long(prog, flag, v, 1, 4096, &o->max_seqs);
     case O_MAX_BATCH: return strata_parse_long(prog, flag, v, 1, 1 << 22, &o->max_batch_tokens);
-    case O_DEVICE: return strata_parse_long(prog, flag, v, 1, 1L << 24, &o->device_mib);
-    case O_HOST: return strata_parse_long(prog, flag, v, 0, 1L << 24, &o->host_mib);
-    case O_NVME: return strata_parse_long(prog, flag, v, 0, 1L << 24, &o->nvme_mib);
+    case O_DEVICE: return strata_parse_double(prog, flag, v, STRATA_KV_MIB_MIN, STRATA_KV_MIB_MAX, &o->device_mib);
+    case O_HOST: return strata_parse_double(prog, flag, v, 0, STRATA_KV_MIB_MAX, &o->host_mib);
+    case O_NVME: return strata_parse_double(prog, flag, v, 0, STRATA_KV_MIB_MAX, &o->nvme_mib);
     case O_DRAIN: return strata_parse_long(prog, flag, v, 0, 3600, &o->drain_s);
     case O_READY: return strata_parse_long(prog, flag, v, 1, 86400, &o->ready_timeout_s);
     default: break;
@@ -219,9 +222,12 @@ static bool load_config(const char *prog, const char *path, serve_opts *o, bool 
         const char *v;
         if (json_is_string(val)) {
             v = json_string_value(val);
-        } else if (json_is_integer(val)) {
-            char num[32];
-            snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(val));
+        } else if (json_is_number(val)) {
+            char num[40];
+            if (json_is_integer(val))
+                snprintf(num, sizeof num, "%" JSON_INTEGER_FORMAT, json_integer_value(val));
+            else
+                snprintf(num, sizeof num, "%.17g", json_real_value(val));   /* the flag's parser decides */
             json_t *str = json_string(num);
             if (!str || json_array_append_new(*root, str) != 0) {
                 fprintf(stderr, "%s: --config %s: out of memory\n", prog, path);
@@ -229,7 +235,7 @@ static bool load_config(const char *prog, const char *path, serve_opts *o, bool 
             }
             v = json_string_value(str);
         } else {
-            fprintf(stderr, "%s: --config %s: key '%s' must be a string or an integer\n", prog, path, key);
+            fprintf(stderr, "%s: --config %s: key '%s' must be a string or a number\n", prog, path, key);
             return false;
         }
         if (!apply(prog, o, id, flag, v, local))
@@ -397,9 +403,9 @@ static void arm_teardown_limit(const char *prog, const char *secret_path, const 
 static void spawn(supervisor *sv, local_worker *w)
 {
     char dev[32], host[32], nvme[32], nvme_dir[PATH_MAX], threads[32];
-    snprintf(dev, sizeof dev, "%ld", sv->o->device_mib);
-    snprintf(host, sizeof host, "%ld", sv->o->host_mib);
-    snprintf(nvme, sizeof nvme, "%ld", sv->o->nvme_mib);
+    snprintf(dev, sizeof dev, "%.17g", sv->o->device_mib);
+    snprintf(host, sizeof host, "%.17g", sv->o->host_mib);
+    snprintf(nvme, sizeof nvme, "%.17g", sv->o->nvme_mib);
     snprintf(threads, sizeof threads, "%ld", sv->threads);
     if (sv->o->nvme_dir)
         snprintf(nvme_dir, sizeof nvme_dir, "%s/%s", sv->o->nvme_dir, w->name);
@@ -651,8 +657,8 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
     coord_config cc = {.model_path = o.model, .replicas = (uint32_t)o.replicas, .stages = (uint32_t)o.stages,
                        .kv = o.kv, .block_tokens = (uint32_t)o.block_tokens, .ctx = (uint32_t)o.ctx,
                        .max_seqs = (uint32_t)o.max_seqs, .max_batch_tokens = (uint32_t)o.max_batch_tokens,
-                       .device_kv_bytes = (uint64_t)o.device_mib << 20, .host_kv_bytes = (uint64_t)o.host_mib << 20,
-                       .nvme_kv_bytes = (uint64_t)o.nvme_mib << 20, .metrics = reg, .quiet = o.quiet};
+                       .device_kv_bytes = strata_mib_bytes(o.device_mib), .host_kv_bytes = strata_mib_bytes(o.host_mib),
+                       .nvme_kv_bytes = strata_mib_bytes(o.nvme_mib), .metrics = reg, .quiet = o.quiet};
     if (!(co = coord_create(&cc, &err))) {
         fprintf(stderr, "%s: %s\n", prog, err.msg);
         exit_code = err.code == STRATA_EINVAL ? EXIT_USAGE : EXIT_RUNTIME;

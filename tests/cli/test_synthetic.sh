@@ -143,13 +143,24 @@ fi
   fail "local generate on synthetic:tiny:seed=4 failed"
 python3 -c 'import sys; sys.stdout.buffer.write(open(sys.argv[1], "rb").read().decode("utf-8", "replace").encode())' \
   "$tmp/local.raw" >"$tmp/local.txt"
+# A prompt of 200 tokens (the synthetic tokenizer takes bytes): with 12 more, 4 blocks of 64 per
+# layer, twice what the served device budget below holds for the whole batch. The served plan
+# keeps no fp16 window (-r0), so that every full block is in a device slot or below it.
+printf '# strata calibrate\n0-1:kivi2-r0\n2-3:kivi4-r0\n' >"$tmp/serve.plan"
+long_prompt=$(printf 'streamed through the device layer by layer %.0s' 1 2 3 4 5 | head -c 200)
+"$strata" generate --model synthetic:tiny:seed=4 --kv "$tmp/serve.plan" --prompt "$long_prompt" --max-tokens 12 \
+  --no-echo >"$tmp/long.raw" \
+  2>/dev/null || fail "local generate of the long prompt failed"
+python3 -c 'import sys; sys.stdout.buffer.write(open(sys.argv[1], "rb").read().decode("utf-8", "replace").encode())' \
+  "$tmp/long.raw" >"$tmp/long-local.txt"
 # Not quiet, and up to 240 s as tests/serve does: under the sanitizers beside other tests the start
 # is slow, and if it never comes the log says how far it got.
 # With KV tiers down to NVMe in a spill folder that does not exist yet: serve makes it (each worker
 # its own folder inside) and removes it at exit. The KV plan comes from a file, as calibrate writes.
-printf '# strata calibrate\n0-1:kivi2\n2-3:kivi4\n' >"$tmp/serve.plan"
-"$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 --host-kv-mib 1 --nvme-kv-mib 8 \
-  --nvme-dir "$tmp/serve-spill" --kv "$tmp/serve.plan" 2>"$tmp/serve.log" &
+# The device budget (0.05 MiB: 2 blocks of every layer, 4 of one) is below the long prompt's KV,
+# which then streams its layers through the device alone, as `strata generate` would.
+"$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 --device-kv-mib 0.05 --host-kv-mib 1 \
+  --nvme-kv-mib 8 --nvme-dir "$tmp/serve-spill" --kv "$tmp/serve.plan" --metrics 127.0.0.1:0 2>"$tmp/serve.log" &
 server=$!
 port=
 for _ in $(seq 1 1200); do
@@ -165,7 +176,38 @@ else
     fail "generate --server failed: $(tail -2 "$tmp/err")"
   cmp -s "$tmp/served.txt" "$tmp/local.txt" ||
     fail "served text differs from local: '$(head -c 120 "$tmp/served.txt")' vs '$(head -c 120 "$tmp/local.txt")'"
-  grep -q "KV 0-1:kivi2,2-3:kivi4," "$tmp/serve.log" || fail "the plan file's plan is not served: $(grep KV "$tmp/serve.log")"
+  grep -q "KV 0-1:kivi2-r0,2-3:kivi4-r0," "$tmp/serve.log" || fail "the plan file's plan is not served: $(grep KV "$tmp/serve.log")"
+  grep -q "2 on the device, 4 for a sequence alone (streaming its layers)" "$tmp/serve.log" ||
+    fail "unexpected KV capacity: $(grep 'KV blocks' "$tmp/serve.log")"
+  # The long prompt and two short ones at once: the long one runs alone past the device budget
+  # (the short ones wait for it or run before it), every text as from the local program.
+  "$strata" generate --server "127.0.0.1:$port" --prompt "$long_prompt" --max-tokens 12 --no-echo \
+    >"$tmp/long-served.txt" 2>"$tmp/long.err" &
+  long_client=$!
+  for i in 1 2; do
+    "$strata" generate --server "127.0.0.1:$port" --prompt "served?" --max-tokens 12 >"$tmp/served-$i.txt" \
+      2>"$tmp/err-$i" || fail "concurrent short request $i failed: $(tail -2 "$tmp/err-$i")"
+    cmp -s "$tmp/served-$i.txt" "$tmp/local.txt" || fail "concurrent short request $i: '$(head -c 120 "$tmp/served-$i.txt")'"
+  done
+  wait "$long_client" || fail "the long prompt was not served: $(tail -2 "$tmp/long.err")"
+  cmp -s "$tmp/long-served.txt" "$tmp/long-local.txt" ||
+    fail "streamed text differs from local: '$(head -c 120 "$tmp/long-served.txt")' vs '$(head -c 120 "$tmp/long-local.txt")'"
+  # The workers report their tiers with their next step (here, the one freeing the sequences).
+  mport=$(sed -n 's/.*ready: serving .* metrics port \([0-9]*\).*/\1/p' "$tmp/serve.log")
+  python3 - "$mport" >"$tmp/metrics.txt" 2>&1 <<'PY' || fail "metrics after streaming: $(tail -3 "$tmp/metrics.txt")"
+import sys, time, urllib.request
+for _ in range(100):
+    body = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/metrics", timeout=10).read().decode()
+    value = {l.split()[0]: float(l.split()[1]) for l in body.splitlines() if l and not l.startswith("#")}
+    spills, restores = value.get("strata_kv_spills_total", 0), value.get("strata_kv_restores_total", 0)
+    if spills > 0 and restores > 0:
+        break
+    time.sleep(0.1)
+# a decode step of the streamed sequence brings its blocks back up layer by layer
+assert spills > 0 and restores > 0, f"no spills/restores while streaming: {spills} {restores}"
+assert value.get("strata_kv_crc_failures_total", 0) == 0
+print(f"spills {spills:.0f} restores {restores:.0f}")
+PY
   [ -d "$tmp/serve-spill/local-0" ] && [ -d "$tmp/serve-spill/local-1" ] ||
     fail "no worker spill folders in $tmp/serve-spill: $(ls -la "$tmp/serve-spill" 2>&1)"
   # A worker killed and restarted finds its spill folder there; serve still removes it at exit.

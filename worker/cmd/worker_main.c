@@ -47,7 +47,7 @@ static void usage(FILE *out)
             "                           fp16 weights and compressed KV (one codec for the stage's\n"
             "                           layers; rows to the neighbours over TCP; no migration; never\n"
             "                           run on a GPU yet: docs/gpu.md)\n"
-            "  --device-kv-mib N        device KV memory offered (default 256)\n"
+            "  --device-kv-mib N        device KV memory offered in MiB, fractions allowed (default 256)\n"
             "  --host-kv-mib N          host tier offered (default 0: none)\n"
             "  --nvme-dir DIR           spill directory of the NVMe tier (default: none)\n"
             "  --nvme-kv-mib N          NVMe tier offered (default 1024 with --nvme-dir)\n"
@@ -61,7 +61,8 @@ static void usage(FILE *out)
 
 typedef struct worker_opts {
     const char *coordinator, *secret_file, *name, *data, *nvme_dir;
-    long device_mib, host_mib, nvme_mib, connect_timeout_ms, threads;
+    double device_mib, host_mib, nvme_mib;   /* MiB, fractions allowed; nvme_mib < 0: unset */
+    long connect_timeout_ms, threads;
     long cuda_device;   /* -1: the CPU */
     bool quiet;
 } worker_opts;
@@ -91,9 +92,9 @@ static int parse(int argc, char **argv, worker_opts *o)
         case 'n': o->name = optarg; break;
         case 'd': o->data = optarg; break;
         case 'N': o->nvme_dir = optarg; break;
-        case 'D': if (!strata_parse_long("strata-worker", "--device-kv-mib", optarg, 1, 1L << 24, &o->device_mib)) return EXIT_USAGE; break;
-        case 'H': if (!strata_parse_long("strata-worker", "--host-kv-mib", optarg, 0, 1L << 24, &o->host_mib)) return EXIT_USAGE; break;
-        case 'M': if (!strata_parse_long("strata-worker", "--nvme-kv-mib", optarg, 1, 1L << 24, &o->nvme_mib)) return EXIT_USAGE; break;
+        case 'D': if (!strata_parse_double("strata-worker", "--device-kv-mib", optarg, STRATA_KV_MIB_MIN, STRATA_KV_MIB_MAX, &o->device_mib)) return EXIT_USAGE; break;
+        case 'H': if (!strata_parse_double("strata-worker", "--host-kv-mib", optarg, 0, STRATA_KV_MIB_MAX, &o->host_mib)) return EXIT_USAGE; break;
+        case 'M': if (!strata_parse_double("strata-worker", "--nvme-kv-mib", optarg, STRATA_KV_MIB_MIN, STRATA_KV_MIB_MAX, &o->nvme_mib)) return EXIT_USAGE; break;
         case 'T': if (!strata_parse_long("strata-worker", "--connect-timeout-ms", optarg, 1, 3600000, &o->connect_timeout_ms)) return EXIT_USAGE; break;
         case 'P': if (!strata_parse_long("strata-worker", "--threads", optarg, 1, 1024, &o->threads)) return EXIT_USAGE; break;
         case 'G':
@@ -488,9 +489,9 @@ int main(int argc, char **argv)
     join.cluster_secret = (ProtobufCBinaryData){secret_len, secret};
     join.worker_name = (char *)o.name;
     join.device = device;
-    join.device_kv_bytes = (uint64_t)o.device_mib << 20;
-    join.host_kv_bytes = (uint64_t)o.host_mib << 20;
-    join.nvme_kv_bytes = o.nvme_dir ? (uint64_t)o.nvme_mib << 20 : 0;
+    join.device_kv_bytes = strata_mib_bytes(o.device_mib);
+    join.host_kv_bytes = strata_mib_bytes(o.host_mib);
+    join.nvme_kv_bytes = o.nvme_dir ? strata_mib_bytes(o.nvme_mib) : 0;
     join.data_addr = data_addr;
     ctl_client *cc = NULL;
     if (ctl_client_connect(o.coordinator, &join, (int)o.connect_timeout_ms, &cc, &err) != STRATA_OK) {
