@@ -125,9 +125,12 @@ static void test_step_composition(void **state)
     assert_int_equal(p.work[0].n_tokens, 60);
     assert_int_equal(p.work[1].id, 2);
     assert_int_equal(p.n_tokens, 90);
+    const uint64_t first = p.step;
     assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_EINVAL);   /* results first */
     sched_outcome o[4] = {{1, false}, {2, false}};
-    assert_int_equal(sched_step_done(s, 0, o, 2, &err), STRATA_OK);
+    assert_int_equal(sched_step_done(s, 0, first + 1, o, 2, &err), STRATA_EINVAL);   /* not out */
+    assert_int_equal(sched_step_done(s, 0, first, o, 2, &err), STRATA_OK);
+    assert_int_equal(sched_step_done(s, 0, first, o, 2, &err), STRATA_EINVAL);   /* twice */
     assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
     /* decode 1 and 2 (pos 60 and 30), then prompt 3 (max_seqs 3: 4 waits) */
     assert_int_equal(p.n_work, 3);
@@ -140,7 +143,7 @@ static void test_step_composition(void **state)
     /* 1 finishes (EOS); 2 is aborted while the step is out */
     assert_true(sched_finish(s, 2));
     sched_outcome o2[3] = {{1, true}, {2, false}, {3, false}};
-    assert_int_equal(sched_step_done(s, 0, o2, 3, &err), STRATA_OK);
+    assert_int_equal(sched_step_done(s, 0, p.step, o2, 3, &err), STRATA_OK);
     assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
     assert_int_equal(p.n_free, 2);   /* both leave the workers */
     assert_int_equal(p.n_work, 2);   /* decode 3, prompt 4 */
@@ -161,7 +164,7 @@ static void test_preempt_and_resume(void **state)
     assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
     assert_int_equal(p.n_work, 2);   /* the third prompt does not fit the device: waits */
     sched_outcome o[2] = {{1, false}, {2, false}};
-    assert_int_equal(sched_step_done(s, 0, o, 2, &err), STRATA_OK);
+    assert_int_equal(sched_step_done(s, 0, p.step, o, 2, &err), STRATA_OK);
     /* Decode until 1 and 2 need 3 blocks each: the newest (2) is preempted. */
     bool preempted = false;
     for (int step = 0; step < 40 && !preempted; step++) {
@@ -174,7 +177,7 @@ static void test_preempt_and_resume(void **state)
         sched_outcome d[8];
         for (size_t i = 0; i < p.n_work; i++)
             d[i] = (sched_outcome){p.work[i].id, false};
-        assert_int_equal(sched_step_done(s, 0, d, p.n_work, &err), STRATA_OK);
+        assert_int_equal(sched_step_done(s, 0, p.step, d, p.n_work, &err), STRATA_OK);
     }
     assert_true(preempted);
     /* 1 runs to its end; then 2 resumes before 3 is admitted. */
@@ -190,7 +193,7 @@ static void test_preempt_and_resume(void **state)
         sched_outcome d[8];
         for (size_t i = 0; i < p.n_work; i++)
             d[i] = (sched_outcome){p.work[i].id, false};
-        assert_int_equal(sched_step_done(s, 0, d, p.n_work, &err), STRATA_OK);
+        assert_int_equal(sched_step_done(s, 0, p.step, d, p.n_work, &err), STRATA_OK);
     }
     assert_true(resumed);
     sched_stats st;
@@ -208,7 +211,7 @@ static void run_step(scheduler *s, int r, sched_plan *p)
     assert_true(p->n_work <= 16);
     for (size_t i = 0; i < p->n_work; i++)
         d[i] = (sched_outcome){p->work[i].id, false};
-    assert_int_equal(sched_step_done(s, r, d, p->n_work, &err), STRATA_OK);
+    assert_int_equal(sched_step_done(s, r, p->step, d, p->n_work, &err), STRATA_OK);
 }
 
 /* A running sequence moved (migration) onto a replica that already runs max_seqs: the target's
@@ -253,25 +256,42 @@ static void test_move_onto_full_replica(void **state)
 
 /* Randomized: requests arrive, run, get aborted, move; invariants every step. */
 #define SIM_N 300
+#define SIM_WORK 64   /* most work items of one plan */
 
-/* stream: the replicas' stream_blocks (0: none); max_prompt: prompts are 1..max_prompt tokens. */
-static void simulate(size_t stream, size_t max_prompt)
+/* A plan whose results the simulation has not given back yet. */
+typedef struct sim_step {
+    uint64_t step;
+    size_t n;
+    sched_work work[SIM_WORK];
+} sim_step;
+
+/* stream: the replicas' stream_blocks (0: none); max_prompt: prompts are 1..max_prompt tokens;
+ * depth: steps out at once per replica (the pipeline stages), given back oldest first. */
+static void simulate(size_t stream, size_t max_prompt, size_t depth)
 {
     const size_t bt = 16, batch = 128, seqs = 6, device = 24, total = 200;
     const size_t one_seq = stream > device ? stream : device;   /* the most one sequence may hold */
-    scheduler *s = make_streaming(bt, batch, seqs, 2, device, stream, total);
+    sched_replica_config caps[2];
+    for (int i = 0; i < 2; i++)
+        caps[i] = (sched_replica_config){.device_blocks = device, .stream_blocks = stream, .total_blocks = total};
+    sched_config c = {.block_tokens = bt, .max_batch_tokens = batch, .max_seqs = seqs, .max_steps_in_flight = depth,
+                      .n_replicas = 2, .replicas = caps};
     strata_error err = {0};
+    scheduler *s = sched_create(&c, &err);
+    assert_non_null(s);
     uint64_t seed = 12345;
     size_t prompt[SIM_N + 1], max_tokens[SIM_N + 1], got[SIM_N + 1], len[SIM_N + 1];
-    bool done[SIM_N + 1], aborted[SIM_N + 1], ended_by_sched[SIM_N + 1];
+    bool done[SIM_N + 1], in_step[SIM_N + 1];
     memset(got, 0, sizeof got);
     memset(len, 0, sizeof len);
     memset(done, 0, sizeof done);
-    memset(aborted, 0, sizeof aborted);
-    memset(ended_by_sched, 0, sizeof ended_by_sched);
+    memset(in_step, 0, sizeof in_step);
+    sim_step out[2][8];
+    size_t n_out[2] = {0, 0};
+    assert_true(depth <= 8);
     uint64_t next_id = 1;
-    size_t finished = 0, rejected = 0, moved_running = 0, streamed_steps = 0;
-    for (int iter = 0; iter < 20000 && finished < SIM_N; iter++) {
+    size_t finished = 0, rejected = 0, moved_running = 0, streamed_steps = 0, overlapped = 0;
+    for (int iter = 0; iter < 40000 && finished < SIM_N; iter++) {
         if (next_id <= SIM_N && rng_next(&seed) % 3 == 0) {
             uint64_t id = next_id++;
             prompt[id] = 1 + rng_next(&seed) % max_prompt;   /* > the step budget: chunked */
@@ -287,10 +307,10 @@ static void simulate(size_t stream, size_t max_prompt)
                 assert_int_equal(rc, STRATA_OK);
             }
         }
-        if (next_id > 2 && rng_next(&seed) % 40 == 0) {
+        if (next_id > 2 && rng_next(&seed) % 40 == 0) {   /* an abort, also of one in a step out */
             uint64_t id = 1 + rng_next(&seed) % (next_id - 1);
             if (!done[id] && sched_finish(s, id)) {
-                done[id] = aborted[id] = true;
+                done[id] = true;
                 finished++;
             }
         }
@@ -302,23 +322,25 @@ static void simulate(size_t stream, size_t max_prompt)
             sched_state st = sched_get_state(s, id);
             if (!done[id] && from >= 0) {
                 int rc = sched_move(s, id, 1 - from, &err);
-                assert_true(rc == STRATA_OK || rc == STRATA_EFULL || (rc == STRATA_EINVAL && st == SCHED_PREEMPTED));
+                assert_true(rc == STRATA_OK || rc == STRATA_EFULL ||
+                            (rc == STRATA_EINVAL && (st == SCHED_PREEMPTED || in_step[id])));
+                assert_true(rc != STRATA_OK || !in_step[id]);
                 moved_running += rc == STRATA_OK && st == SCHED_RUNNING;
             }
         }
         for (int r = 0; r < 2; r++) {
             sched_plan p;
             assert_int_equal(sched_next_step(s, r, &p, &err), STRATA_OK);
-            assert_true(p.n_work <= seqs);
-            size_t prompts = 0, working = 0, tokens = 0;
+            assert_true(p.n_work <= seqs && p.n_work <= SIM_WORK);
+            size_t tokens = 0, working = 0, items = p.n_work;
             for (size_t i = 0; i < p.n_work; i++) {
                 uint64_t id = p.work[i].id;
                 assert_false(done[id]);
+                assert_false(in_step[id]);   /* in one step out at a time */
                 assert_int_equal(p.work[i].pos0, len[id]);
                 if (p.work[i].pos0 < prompt[id]) {   /* a prompt chunk; the last one samples */
                     assert_true(p.work[i].n_tokens >= 1 && p.work[i].n_tokens <= prompt[id] - len[id]);
                     assert_int_equal(p.work[i].sample, p.work[i].pos0 + p.work[i].n_tokens == prompt[id]);
-                    prompts += p.work[i].pos0 == 0;
                 } else {
                     assert_int_equal(p.work[i].n_tokens, 1);
                     assert_true(p.work[i].sample);
@@ -326,55 +348,138 @@ static void simulate(size_t stream, size_t max_prompt)
                 tokens += p.work[i].n_tokens;
                 working += (len[id] + p.work[i].n_tokens + bt - 1) / bt;
             }
+            /* the device holds this step's sequences and those of the steps still out */
+            for (size_t k = 0; k < n_out[r]; k++)
+                for (size_t i = 0; i < out[r][k].n; i++) {
+                    uint64_t id = out[r][k].work[i].id;
+                    if (done[id])
+                        continue;
+                    items++;
+                    working += (len[id] + out[r][k].work[i].n_tokens + bt - 1) / bt;
+                }
             assert_int_equal(tokens, p.n_tokens);
             /* past the device's block rows only a sequence alone, streaming its layers */
-            assert_true(working <= device || (p.n_work == 1 && working <= one_seq));
-            streamed_steps += working > device;
+            assert_true(p.n_work == 0 || working <= device || (items == 1 && working <= one_seq));
             assert_true(tokens <= batch);
-            (void)prompts;
-            sched_outcome out[16];
-            for (size_t i = 0; i < p.n_work; i++) {
-                uint64_t id = p.work[i].id;
-                len[id] += p.work[i].n_tokens;
-                got[id] += p.work[i].sample;
-                bool fin = got[id] == max_tokens[id] || rng_next(&seed) % 50 == 0;
-                out[i] = (sched_outcome){id, fin};
-                if (fin) {
-                    assert_true(got[id] <= max_tokens[id]);
-                    done[id] = ended_by_sched[id] = true;
-                    finished++;
-                }
+            streamed_steps += p.n_work && working > device;
+            overlapped += p.n_work && n_out[r] > 0;
+            if (p.step != 0) {
+                sim_step *st = &out[r][n_out[r]++];
+                st->step = p.step;
+                st->n = p.n_work;
+                memcpy(st->work, p.work, p.n_work * sizeof *p.work);
+                for (size_t i = 0; i < p.n_work; i++)
+                    in_step[p.work[i].id] = true;
             }
-            assert_int_equal(sched_step_done(s, r, out, p.n_work, &err), STRATA_OK);
+            /* Results of the oldest step come back when the pipeline is full (so
+             * at once with depth 1), or at random. */
+            while (n_out[r] && (n_out[r] == depth || rng_next(&seed) % 2 == 0)) {
+                sim_step *st = &out[r][0];
+                sched_outcome res[SIM_WORK];
+                for (size_t i = 0; i < st->n; i++) {
+                    uint64_t id = st->work[i].id;
+                    in_step[id] = false;
+                    bool fin = false;
+                    if (!done[id]) {
+                        len[id] += st->work[i].n_tokens;
+                        got[id] += st->work[i].sample;
+                        fin = got[id] == max_tokens[id] || rng_next(&seed) % 50 == 0;
+                        if (fin) {
+                            assert_true(got[id] <= max_tokens[id]);
+                            done[id] = true;
+                            finished++;
+                        }
+                    }
+                    res[i] = (sched_outcome){id, fin};
+                }
+                assert_int_equal(sched_step_done(s, r, st->step, res, st->n, &err), STRATA_OK);
+                memmove(&out[r][0], &out[r][1], (n_out[r] - 1) * sizeof out[r][0]);
+                n_out[r]--;
+            }
         }
     }
     assert_int_equal(finished, SIM_N);
     for (uint64_t id = 1; id <= SIM_N; id++)
         assert_true(done[id]);
+    for (int r = 0; r < 2; r++)   /* what is still out ends; nothing is left reserved */
+        for (size_t k = 0; k < n_out[r]; k++)
+            assert_int_equal(sched_step_done(s, r, out[r][k].step, NULL, 0, &err), STRATA_OK);
     sched_stats st;
     sched_get_stats(s, -1, &st);
     assert_int_equal(st.reserved_blocks, 0);
     assert_int_equal(st.running + st.waiting + st.preempted, 0);
-    print_message("simulation (stream %zu): %d requests, %zu rejected, %llu preemptions, %llu resumptions, %zu running "
-                  "moved, %zu streamed steps\n", stream, SIM_N, rejected, (unsigned long long)st.preemptions,
-                  (unsigned long long)st.resumptions, moved_running, streamed_steps);
+    print_message("simulation (stream %zu, depth %zu): %d requests, %zu rejected, %llu preemptions, %llu resumptions, "
+                  "%zu running moved, %zu streamed steps, %zu steps planned beside others\n", stream, depth, SIM_N,
+                  rejected, (unsigned long long)st.preemptions, (unsigned long long)st.resumptions, moved_running,
+                  streamed_steps, overlapped);
     assert_true(st.preemptions > 0);
     assert_true(moved_running > 0);
     assert_true(stream > device ? streamed_steps > 0 && rejected > 0 : streamed_steps == 0);
+    assert_true(depth > 1 ? overlapped > 0 : overlapped == 0);
     sched_destroy(s);
 }
 
 static void test_simulation(void **state)
 {
     (void)state;
-    simulate(0, 300);
+    simulate(0, 300, 1);
 }
 
 /* With a tier below: prompts up to 40 blocks, past the device's 24; one sequence may hold 32. */
 static void test_simulation_streaming(void **state)
 {
     (void)state;
-    simulate(32, 640);
+    simulate(32, 640, 1);
+}
+
+/* Pipelined: up to 2 and 3 steps out per replica, with and without streaming. */
+static void test_simulation_pipelined(void **state)
+{
+    (void)state;
+    simulate(0, 300, 2);
+    simulate(32, 640, 3);
+}
+
+/* Two steps out at once (a 2-stage pipeline): the decoders are shared between them, each
+ * sequence in one; a third step waits for results; results may come back in any order. */
+static void test_pipelined_steps(void **state)
+{
+    (void)state;
+    sched_replica_config cap = {.device_blocks = 100, .total_blocks = 1000};
+    sched_config c = {.block_tokens = 16, .max_batch_tokens = 64, .max_seqs = 8, .max_steps_in_flight = 2,
+                      .n_replicas = 1, .replicas = &cap};
+    strata_error err = {0};
+    scheduler *s = sched_create(&c, &err);
+    assert_non_null(s);
+    int r;
+    for (uint64_t id = 1; id <= 4; id++)
+        assert_int_equal(sched_submit(s, id, 8, 10, &r, &err), STRATA_OK);
+    sched_plan p;
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);   /* the four prompts at once */
+    assert_int_equal(p.n_work, 4);
+    const uint64_t prompts = p.step;
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);   /* nothing free to run beside it */
+    assert_int_equal(p.step, 0);
+    sched_outcome o[4] = {{1, false}, {2, false}, {3, false}, {4, false}};
+    assert_int_equal(sched_step_done(s, 0, prompts, o, 4, &err), STRATA_OK);
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);   /* half the decoders */
+    assert_int_equal(p.n_work, 2);
+    const uint64_t a = p.step, a0 = p.work[0].id, a1 = p.work[1].id;
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);   /* the other half, beside it */
+    assert_int_equal(p.n_work, 2);
+    const uint64_t b = p.step;
+    assert_true(p.work[0].id != a0 && p.work[0].id != a1 && p.work[1].id != a0 && p.work[1].id != a1);
+    sched_outcome ob[2] = {{p.work[0].id, false}, {p.work[1].id, true}};   /* one of them ends */
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_EINVAL);   /* two out: the most */
+    assert_int_equal(sched_step_done(s, 0, b, ob, 2, &err), STRATA_OK);   /* the later step first */
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_work, 1);   /* the one of b that goes on; a's are still out */
+    assert_int_equal(p.work[0].id, ob[0].id);
+    assert_int_equal(p.work[0].pos0, 9);
+    assert_int_equal(p.n_free, 1);   /* the ended one's blocks */
+    sched_outcome oa[2] = {{a0, false}, {a1, false}};
+    assert_int_equal(sched_step_done(s, 0, a, oa, 2, &err), STRATA_OK);
+    sched_destroy(s);
 }
 
 /* A sequence larger than the device's block rows runs alone, streaming: admitted (it fits the
@@ -400,7 +505,7 @@ static void test_streaming_alone(void **state)
         len += p.work[0].n_tokens;
         got += p.work[0].sample;
         sched_outcome o = {1, got == 20};
-        assert_int_equal(sched_step_done(s, 0, &o, 1, &err), STRATA_OK);
+        assert_int_equal(sched_step_done(s, 0, p.step, &o, 1, &err), STRATA_OK);
     }
     assert_int_equal(len, 169);   /* the prompt in chunks of at most 64, then 19 decode tokens */
     assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
@@ -461,7 +566,7 @@ static void test_chunked_prefill(void **state)
     assert_int_equal(p.work[1].n_tokens, 54);
     assert_false(p.work[1].sample);
     sched_outcome o[2] = {{1, false}, {2, false}};
-    assert_int_equal(sched_step_done(s, 0, o, 2, &err), STRATA_OK);
+    assert_int_equal(sched_step_done(s, 0, p.step, o, 2, &err), STRATA_OK);
     size_t pos = 54;
     for (int step = 0; pos < 150; step++) {
         assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
@@ -475,7 +580,7 @@ static void test_chunked_prefill(void **state)
         assert_int_equal(p.work[1].sample, pos + want == 150);
         assert_int_equal(p.n_tokens, 1 + want);
         pos += want;
-        assert_int_equal(sched_step_done(s, 0, o, 2, &err), STRATA_OK);
+        assert_int_equal(sched_step_done(s, 0, p.step, o, 2, &err), STRATA_OK);
     }
     assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);   /* both decode now */
     assert_int_equal(p.n_work, 2);
@@ -530,6 +635,8 @@ int main(void)
         cmocka_unit_test(test_move_onto_full_replica),
         cmocka_unit_test(test_simulation),
         cmocka_unit_test(test_simulation_streaming),
+        cmocka_unit_test(test_simulation_pipelined),
+        cmocka_unit_test(test_pipelined_steps),
         cmocka_unit_test(test_streaming_alone),
         cmocka_unit_test(test_streaming_preempted_resumes_alone),
         cmocka_unit_test(test_availability),

@@ -15,7 +15,7 @@ typedef struct request {
     size_t reserved;       /* block rows reserved on its replica (0 while unrouted) */
     sched_state state;
     int replica;           /* -1 while unrouted */
-    bool in_step;          /* part of the replica's outstanding plan */
+    uint64_t in_step;      /* the outstanding step of its replica it is part of; 0: none */
     size_t step_tokens;
     bool step_sample;      /* that step samples a token for it (decode, or the last prompt chunk) */
 } request;
@@ -31,6 +31,8 @@ typedef struct replica {
     uint64_t *preempt, *resume, *freed;
     size_t cap_plan;
     uint64_t preemptions, resumptions;
+    uint64_t out_steps[SCHED_MAX_STEPS_IN_FLIGHT];   /* planned steps without results yet */
+    size_t outstanding;
     bool unavailable;
     bool not_accepting;
 } replica;
@@ -56,6 +58,13 @@ static size_t one_sequence_blocks(const sched_replica_config *c)
     return c->total_blocks < c->stream_blocks ? c->total_blocks : c->stream_blocks;
 }
 
+/* The blocks a running sequence holds on the device for the step being planned: with its next
+ * token, or, while a step is out with it, with that step's tokens and the next one. */
+static size_t held_blocks(const scheduler *s, const request *q)
+{
+    return blocks_for(s, q->len + (q->in_step ? q->step_tokens : 0) + 1);
+}
+
 /* What a step may hold on the device: a sequence alone on its replica (nothing else running
  * beside it) may stream past the device pools' block rows. */
 static size_t device_room(const replica *p, bool alone)
@@ -68,6 +77,11 @@ scheduler *sched_create(const sched_config *c, strata_error *err)
     if (!c || c->block_tokens == 0 || c->max_batch_tokens == 0 || c->max_seqs == 0 || c->n_replicas < 1 ||
         !c->replicas) {
         strata_fail(err, STRATA_EINVAL, "scheduler: block_tokens, max_batch_tokens, max_seqs and replicas must be set");
+        return NULL;
+    }
+    if (c->max_steps_in_flight > SCHED_MAX_STEPS_IN_FLIGHT) {
+        strata_fail(err, STRATA_EINVAL, "scheduler: max_steps_in_flight %zu is more than %d", c->max_steps_in_flight,
+                    SCHED_MAX_STEPS_IN_FLIGHT);
         return NULL;
     }
     if (c->max_seqs > c->max_batch_tokens) {
@@ -96,6 +110,8 @@ scheduler *sched_create(const sched_config *c, strata_error *err)
     }
     s->cfg = *c;
     s->cfg.replicas = NULL;
+    if (s->cfg.max_steps_in_flight == 0)
+        s->cfg.max_steps_in_flight = 1;
     for (int r = 0; r < c->n_replicas; r++) {
         s->reps[r].cfg = c->replicas[r];
         if (s->reps[r].cfg.stream_blocks == 0)
@@ -296,13 +312,12 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
         return strata_fail(err, STRATA_EINVAL, "scheduler: bad replica %d", r);
     memset(plan, 0, sizeof *plan);
     replica *p = &s->reps[r];
-    for (size_t i = 0; i < s->n_reqs; i++)
-        if (s->reqs[i].replica == r && s->reqs[i].in_step)
-            return strata_fail(err, STRATA_EINVAL, "scheduler: replica %d's step %" PRIu64 " has no results yet", r,
-                               p->step);
-    /* Forget what finished while its step was out. */
+    if (p->outstanding >= s->cfg.max_steps_in_flight)
+        return strata_fail(err, STRATA_EINVAL, "scheduler: replica %d's step %" PRIu64 " has no results yet (%zu "
+                           "step(s) out, at most %zu)", r, p->step, p->outstanding, s->cfg.max_steps_in_flight);
+    /* Forget what finished, unless a step still out holds it. */
     for (size_t i = 0; i < s->n_reqs;)
-        if (s->reqs[i].state == SCHED_FINISHED && s->reqs[i].replica == r)
+        if (s->reqs[i].state == SCHED_FINISHED && s->reqs[i].replica == r && !s->reqs[i].in_step)
             s->reqs[i] = s->reqs[--s->n_reqs];
         else
             i++;
@@ -318,40 +333,50 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
 
     /* Running sequences: those past their prompt decode one token each; those still prefilling
      * (chunked prefill) take their next chunk below. The device must hold the blocks of every
-     * sequence of the step at once, unless one sequence runs alone (streaming). */
+     * running sequence at once (those in steps still out included: the stages hold them too),
+     * unless one sequence runs alone (streaming). */
     size_t n_run = collect(s, r, SCHED_RUNNING, idx), working = 0;
     for (size_t i = 0; i < n_run; i++)
-        working += blocks_for(s, s->reqs[idx[i]].len + 1);
+        working += held_blocks(s, &s->reqs[idx[i]]);
     /* Preempt decoders, most recently admitted first (a prefilling sequence is never preempted:
-     * its next work is a chunk, not a token), keeping at least one sequence running, until the
-     * working set fits the device and the running count max_seqs (a sequence moved here by a
-     * migration can take a replica past it). */
+     * its next work is a chunk, not a token; nor is one in a step still out), keeping at least one
+     * sequence running, until the working set fits the device and the running count max_seqs (a
+     * sequence moved here by a migration can take a replica past it). */
     for (size_t i = n_run; i-- > 0 && (working > p->cfg.device_blocks || n_run - plan->n_preempt > s->cfg.max_seqs);) {
         request *victim = &s->reqs[idx[i]];
-        if (victim->len < victim->prompt || n_run - plan->n_preempt <= 1)
+        if (victim->len < victim->prompt || victim->in_step || n_run - plan->n_preempt <= 1)
             continue;
-        working -= blocks_for(s, victim->len + 1);
+        working -= held_blocks(s, victim);
         victim->state = SCHED_PREEMPTED;
         p->preempt[plan->n_preempt++] = victim->id;
         p->preemptions++;
     }
+    /* Sequences in steps still out grew meanwhile and cannot be preempted now: when they keep the
+     * working set past the device, this step adds nothing (the next one preempts them). */
+    size_t live = n_run - plan->n_preempt;
+    const bool over = working > device_room(p, live == 1);
+    /* With several steps out at once (pipeline stages each running one), the decoders are shared
+     * among them so that every stage has a step to run. */
+    const size_t depth = s->cfg.max_steps_in_flight;
+    size_t share = (live + depth - 1) / depth;
+    share = share < s->cfg.max_seqs ? share : s->cfg.max_seqs;
     size_t n_work = 0, tokens = 0;
-    for (size_t i = 0; i < n_run; i++) {
+    for (size_t i = 0; i < n_run && !over; i++) {
         request *q = &s->reqs[idx[i]];
-        if (q->state == SCHED_RUNNING && q->len >= q->prompt && n_work < s->cfg.max_seqs) {
+        if (q->state == SCHED_RUNNING && !q->in_step && q->len >= q->prompt && n_work < share) {
             p->work[n_work++] = (sched_work){.id = q->id, .pos0 = q->len, .n_tokens = 1, .sample = true};
             tokens++;
         }
     }
     /* Prompts already started continue, oldest first, with as large a chunk as the step's token
      * budget and the device allow. */
-    for (size_t i = 0; i < n_run; i++) {
+    for (size_t i = 0; i < n_run && !over; i++) {
         request *q = &s->reqs[idx[i]];
-        if (q->state != SCHED_RUNNING || q->len >= q->prompt || n_work >= s->cfg.max_seqs)
+        if (q->state != SCHED_RUNNING || q->in_step || q->len >= q->prompt || n_work >= s->cfg.max_seqs)
             continue;
         size_t chunk = q->prompt - q->len, left = s->cfg.max_batch_tokens > tokens ? s->cfg.max_batch_tokens - tokens : 0;
         chunk = chunk < left ? chunk : left;
-        const size_t others = working - blocks_for(s, q->len + 1), room = device_room(p, others == 0);
+        const size_t others = working - held_blocks(s, q), room = device_room(p, others == 0);
         while (chunk > 0 && others + blocks_for(s, q->len + chunk + (q->len + chunk == q->prompt)) > room)
             chunk--;
         if (chunk == 0)
@@ -363,14 +388,14 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
     }
     /* Preempted sequences come back, oldest first, before any new prompt. */
     size_t n_pre = collect(s, r, SCHED_PREEMPTED, idx);
-    bool blocked = false;
-    for (size_t i = 0; i < n_pre; i++) {
+    bool blocked = over;
+    for (size_t i = 0; i < n_pre && !blocked; i++) {
         request *q = &s->reqs[idx[i]];
         bool just_preempted = false;
         for (size_t k = 0; k < plan->n_preempt; k++)
             just_preempted |= p->preempt[k] == q->id;
         size_t need = blocks_for(s, q->len + 1);
-        if (just_preempted || working + need > device_room(p, working == 0) || n_work + 1 > s->cfg.max_seqs ||
+        if (just_preempted || working + need > device_room(p, working == 0) || live + 1 > s->cfg.max_seqs ||
             tokens + 1 > s->cfg.max_batch_tokens) {
             blocked = true;
             break;
@@ -381,6 +406,7 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
         p->work[n_work++] = (sched_work){.id = q->id, .pos0 = q->len, .n_tokens = 1, .sample = true};
         working += need;
         tokens++;
+        live++;
     }
     /* New prompts, FIFO. A prompt starts when the step can give it a first chunk of at least
      * min(prompt, max_batch_tokens / 2) tokens (the first chunk is the exact prefill; later ones
@@ -393,17 +419,22 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
         size_t least = s->cfg.max_batch_tokens / 2 ? s->cfg.max_batch_tokens / 2 : 1;
         least = q->prompt < least ? q->prompt : least;
         size_t need = blocks_for(s, chunk + (chunk == q->prompt));
-        if (chunk < least || n_work + 1 > s->cfg.max_seqs || working + need > device_room(p, working == 0))
+        if (chunk < least || live + 1 > s->cfg.max_seqs || working + need > device_room(p, working == 0))
             break;
         q->state = SCHED_RUNNING;
         p->work[n_work++] = (sched_work){.id = q->id, .pos0 = 0, .n_tokens = chunk, .sample = chunk == q->prompt};
         working += need;
         tokens += chunk;
+        live++;
     }
     free(idx);
+    if (n_work || plan->n_preempt || plan->n_free) {
+        plan->step = ++p->step;
+        p->out_steps[p->outstanding++] = plan->step;
+    }
     for (size_t i = 0; i < n_work; i++) {
         request *q = find(s, p->work[i].id);
-        q->in_step = true;
+        q->in_step = plan->step;
         q->step_tokens = p->work[i].n_tokens;
         q->step_sample = p->work[i].sample;
     }
@@ -413,26 +444,34 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
     plan->preempt_ids = p->preempt;
     plan->resume_ids = p->resume;
     plan->free_ids = p->freed;
-    if (n_work || plan->n_preempt || plan->n_free)
-        plan->step = ++p->step;
     return STRATA_OK;
 }
 
-int sched_step_done(scheduler *s, int r, const sched_outcome *out, size_t n, strata_error *err)
+int sched_step_done(scheduler *s, int r, uint64_t step, const sched_outcome *out, size_t n, strata_error *err)
 {
     if (!s || r < 0 || r >= s->cfg.n_replicas || (n && !out))
         return strata_fail(err, STRATA_EINVAL, "scheduler: bad step results");
+    if (step == 0 && n == 0)
+        return STRATA_OK;   /* an empty plan: nothing went out */
+    replica *p = &s->reps[r];
+    size_t k = 0;
+    while (k < p->outstanding && p->out_steps[k] != step)
+        k++;
+    if (k == p->outstanding)
+        return strata_fail(err, STRATA_EINVAL, "scheduler: replica %d has no step %" PRIu64 " out", r, step);
+    p->out_steps[k] = p->out_steps[--p->outstanding];
     int rc = STRATA_OK;
     for (size_t i = 0; i < n; i++) {
         request *q = find(s, out[i].id);
         if (!q || q->replica != r)
             continue;   /* finished and forgotten meanwhile */
-        if (!q->in_step) {
+        if (q->in_step != step) {
             if (q->state != SCHED_FINISHED)
-                rc = strata_fail(err, STRATA_EINVAL, "scheduler: request %" PRIu64 " was not in replica %d's step", q->id, r);
+                rc = strata_fail(err, STRATA_EINVAL, "scheduler: request %" PRIu64 " was not in replica %d's step %" PRIu64,
+                                 q->id, r, step);
             continue;
         }
-        q->in_step = false;
+        q->in_step = 0;
         if (q->state == SCHED_FINISHED)
             continue;
         q->len += q->step_tokens;
@@ -441,8 +480,8 @@ int sched_step_done(scheduler *s, int r, const sched_outcome *out, size_t n, str
             release(s, q);
     }
     for (size_t i = 0; i < s->n_reqs; i++)
-        if (s->reqs[i].replica == r && s->reqs[i].in_step) {
-            s->reqs[i].in_step = false;   /* missing from the results: treat as failed */
+        if (s->reqs[i].replica == r && s->reqs[i].in_step == step) {
+            s->reqs[i].in_step = 0;   /* missing from the results: treat as failed */
             if (s->reqs[i].state != SCHED_FINISHED)
                 release(s, &s->reqs[i]);
             if (rc == STRATA_OK)
@@ -491,10 +530,11 @@ void sched_set_available(scheduler *s, int r, bool available)
     p->unavailable = !available;
     if (!available) {
         p->n_pending_free = 0;
+        p->outstanding = 0;
         for (size_t i = 0; i < s->n_reqs;) {
             request *q = &s->reqs[i];
             if (q->replica == r)
-                q->in_step = false;
+                q->in_step = 0;
             if (q->replica == r && q->state == SCHED_FINISHED)
                 *q = s->reqs[--s->n_reqs];
             else

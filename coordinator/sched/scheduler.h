@@ -21,7 +21,13 @@
  *   stream_blocks can never run: STRATA_EFULL at submit (RESOURCE_EXHAUSTED to the client).
  *   Otherwise it waits in FIFO order until a replica has room.
  * - Routing: the replica with the most unreserved blocks (ties: the lowest index).
- * - A step of a replica holds the decode token of every running sequence, then the next chunk of
+ * - Steps in flight: a replica may have up to max_steps_in_flight steps planned whose results
+ *   have not come back (a pipeline of that many stages runs one each). A sequence is in at most
+ *   one of them; the running decoders are shared among them, a step taking at most
+ *   ceil(running / max_steps_in_flight), so that the stages alternate between groups of
+ *   sequences instead of waiting for one another.
+ * - A step of a replica holds the decode token of every running sequence (that is in no step
+ *   still out, up to its share above), then the next chunk of
  *   every prompt already started (chunked prefill: as many tokens as the budget and the device
  *   allow), then preempted sequences that resume, then new prompts (FIFO) while the step's tokens
  *   stay within max_batch_tokens and the running count within max_seqs. A new prompt starts when
@@ -54,10 +60,13 @@ typedef struct sched_replica_config {
     size_t total_blocks;    /* block rows across device, host and NVMe (>= device_blocks) */
 } sched_replica_config;
 
+#define SCHED_MAX_STEPS_IN_FLIGHT 64
+
 typedef struct sched_config {
     size_t block_tokens;       /* tokens per block (> 0) */
     size_t max_batch_tokens;   /* tokens per step (> 0) */
     size_t max_seqs;           /* running sequences per replica (> 0) */
+    size_t max_steps_in_flight;   /* per replica (0: 1; at most SCHED_MAX_STEPS_IN_FLIGHT) */
     int n_replicas;            /* >= 1 */
     const sched_replica_config *replicas;   /* n_replicas entries */
 } sched_config;
@@ -107,7 +116,8 @@ typedef struct sched_plan {
     size_t n_free;
 } sched_plan;
 
-/* Plans the next step of replica r. An empty plan (n_work == 0) means nothing to do. */
+/* Plans the next step of replica r, from the sequences that are in no step still out. An empty
+ * plan (step 0) means nothing to do. STRATA_EINVAL when max_steps_in_flight steps are out. */
 int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err);
 
 /* The outcome of one sequence in the step just planned: its work ran (the sequence is n_tokens
@@ -118,9 +128,11 @@ typedef struct sched_outcome {
     bool finished;
 } sched_outcome;
 
-/* Applies a step's results (every work item of the plan must appear once, in any order). A
- * work item of a request finished meanwhile by sched_finish is ignored. */
-int sched_step_done(scheduler *s, int r, const sched_outcome *out, size_t n, strata_error *err);
+/* Applies the results of replica r's step `step` (plan.step; every work item of that plan must
+ * appear once, in any order; steps may complete in any order). A work item of a request finished
+ * meanwhile by sched_finish is ignored. STRATA_EINVAL for a step that is not out (step 0 with no
+ * results, an empty plan's, is accepted and changes nothing). */
+int sched_step_done(scheduler *s, int r, uint64_t step, const sched_outcome *out, size_t n, strata_error *err);
 
 typedef struct sched_stats {
     size_t waiting, running, preempted;

@@ -48,23 +48,29 @@ typedef struct slot {
     uint64_t spills, restores, crc_failures, spill_failures, restore_failures;
 } slot;
 
+/* A step out: sent to every stage of its replica, waiting for their answers. */
+typedef struct flight {
+    uint64_t step;
+    uint32_t answers;
+    size_t n_work;
+    uint64_t *work_ids;          /* max_seqs entries each */
+    uint32_t *tokens;
+    bool *sampled;
+    bool *expect;                /* the work samples (decode, or a prompt's last chunk) */
+    int *status;
+    char (*message)[256];
+} flight;
+
 typedef struct creplica {
     slot *stages;
     uint32_t joined;
     bool assigned;               /* assignments went out: the slots are bound together */
     bool serving;                /* every stage ready */
     bool tearing_down;           /* lost a worker: waiting for the others to leave */
-    /* the step in flight */
-    bool in_flight;
-    uint64_t step;
-    uint32_t answers;
-    size_t n_work;
-    uint64_t *work_ids;
-    uint32_t *tokens;
-    bool *sampled;
-    bool *expect;                /* the work samples (decode, or a prompt's last chunk) */
-    int *status;
-    char (*message)[256];
+    /* Steps out: up to one per stage, so that every stage of the pipeline has one to run (each
+     * stage runs its steps in order, the rows of one step following another's on the links). */
+    flight *flights;             /* steps_in_flight entries, the first n_flights out */
+    uint32_t n_flights;
 } creplica;
 
 /* The one migration in progress: a request's sequence moving from replica `from` to `to`, every
@@ -423,31 +429,35 @@ static void take_report(coord *c, uint32_t r, uint32_t s, const Strata__Internal
     }
 }
 
-static void finish_step(coord *c, uint32_t r);
+static void finish_step(coord *c, uint32_t r, uint32_t k);
 static void take_migrate_done(coord *c, uint32_t r, uint32_t s, const Strata__Internal__V1__MigrateDone *d);
 
 static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal__V1__StepResult *res)
 {
     creplica *rp = &c->reps[r];
-    if (!rp->in_flight || res->step != rp->step)
+    uint32_t k = 0;
+    while (k < rp->n_flights && rp->flights[k].step != res->step)
+        k++;
+    if (k == rp->n_flights)
         return;   /* a result of a step abandoned when the replica was torn down */
+    flight *f = &rp->flights[k];
     for (size_t i = 0; i < res->n_results; i++) {
         const Strata__Internal__V1__SeqResult *sr = res->results[i];
-        for (size_t w = 0; w < rp->n_work; w++) {
-            if (rp->work_ids[w] != sr->seq_id)
+        for (size_t w = 0; w < f->n_work; w++) {
+            if (f->work_ids[w] != sr->seq_id)
                 continue;
-            if (sr->status != 0 && rp->status[w] == 0) {
-                rp->status[w] = (int)sr->status;
-                snprintf(rp->message[w], sizeof rp->message[w], "replica %u stage %u (worker %s): %s", r, s,
+            if (sr->status != 0 && f->status[w] == 0) {
+                f->status[w] = (int)sr->status;
+                snprintf(f->message[w], sizeof f->message[w], "replica %u stage %u (worker %s): %s", r, s,
                          rp->stages[s].name, sr->message && *sr->message ? sr->message : "failed");
             } else if (sr->status == 0 && s == c->cfg.stages - 1) {
-                rp->sampled[w] = true;
-                rp->tokens[w] = sr->token;
+                f->sampled[w] = true;
+                f->tokens[w] = sr->token;
             }
         }
     }
-    if (++rp->answers == c->cfg.stages)
-        finish_step(c, r);
+    if (++f->answers == c->cfg.stages)
+        finish_step(c, r, k);
 }
 
 static void on_message(void *ctx, ctl_peer *peer, const Strata__Internal__V1__WorkerMessage *msg)
@@ -489,7 +499,7 @@ static void lose_replica(coord *c, uint32_t r, const char *why)
     }
     sched_set_available(c->sched, (int)r, false);
     rp->serving = false;
-    rp->in_flight = false;
+    rp->n_flights = 0;
     /* With no replica left, queued requests would wait for workers that may never come. */
     bool any = false;
     for (uint32_t k = 0; k < c->cfg.replicas; k++)
@@ -526,7 +536,8 @@ static void on_gone(void *ctx, ctl_peer *peer, int grpc_status, const char *why)
         memset(sl, 0, sizeof *sl);
         rp->joined--;
         if (rp->joined == 0) {   /* a clean slate: the next workers to join rebuild it */
-            rp->assigned = rp->tearing_down = rp->serving = rp->in_flight = false;
+            rp->assigned = rp->tearing_down = rp->serving = false;
+            rp->n_flights = 0;
         }
         pthread_cond_broadcast(&c->changed);
     }
@@ -591,43 +602,57 @@ static bool deliver(coord *c, creq *q, uint32_t tok)
     return true;
 }
 
-/* Every stage answered replica r's step: stream the tokens, fail the failed, tell the scheduler. */
-static void finish_step(coord *c, uint32_t r)
+/* Every stage answered replica r's step flights[k]: stream the tokens, fail the failed, tell the
+ * scheduler, and take the step off the flights. */
+static void finish_step(coord *c, uint32_t r, uint32_t k)
 {
     creplica *rp = &c->reps[r];
-    sched_outcome *out = calloc(rp->n_work ? rp->n_work : 1, sizeof *out);
-    for (size_t w = 0; w < rp->n_work; w++) {
-        creq *q = find_by_id(c, rp->work_ids[w]);
+    flight *f = &rp->flights[k];
+    sched_outcome *out = calloc(f->n_work ? f->n_work : 1, sizeof *out);
+    for (size_t w = 0; w < f->n_work; w++) {
+        creq *q = find_by_id(c, f->work_ids[w]);
         bool ended = true;
-        if (q && rp->status[w] != 0) {
-            logf_(c, "request %s failed: %s", api_stream_request_id(q->stream), rp->message[w]);
-            api_stream_fail(q->stream, rp->status[w], rp->message[w]);
+        if (q && f->status[w] != 0) {
+            logf_(c, "request %s failed: %s", api_stream_request_id(q->stream), f->message[w]);
+            api_stream_fail(q->stream, f->status[w], f->message[w]);
             count_finish(c, FIN_ERROR);
             drop_req(c, q);
-        } else if (q && !rp->expect[w]) {
+        } else if (q && !f->expect[w]) {
             ended = false;   /* a prompt chunk ran; the next one (or the token) comes later */
-        } else if (q && !rp->sampled[w]) {
+        } else if (q && !f->sampled[w]) {
             api_stream_fail(q->stream, STRATA_EIO, "the last stage returned no token for this request");
             count_finish(c, FIN_ERROR);
             drop_req(c, q);
         } else if (q) {
-            ended = deliver(c, q, rp->tokens[w]);
+            ended = deliver(c, q, f->tokens[w]);
         }
         if (out)
-            out[w] = (sched_outcome){.id = rp->work_ids[w], .finished = ended};
+            out[w] = (sched_outcome){.id = f->work_ids[w], .finished = ended};
     }
     strata_error err = {0};
-    if (!out || sched_step_done(c->sched, (int)r, out, rp->n_work, &err) != STRATA_OK)
-        logf_(c, "replica %u step %" PRIu64 ": %s", r, rp->step, out ? err.msg : "out of memory");
+    if (!out || sched_step_done(c->sched, (int)r, f->step, out, f->n_work, &err) != STRATA_OK)
+        logf_(c, "replica %u step %" PRIu64 ": %s", r, f->step, out ? err.msg : "out of memory");
     free(out);
-    rp->in_flight = false;
+    /* The last flight takes this one's place (their arrays are swapped, not copied). */
+    flight done = *f;
+    *f = rp->flights[--rp->n_flights];
+    rp->flights[rp->n_flights] = done;
     pthread_cond_signal(&c->wake);
 }
 
-/* Plans and sends replica r's next step; false when there was nothing to do. */
+/* How many steps replica r may have out: one per stage, but one while it is being drained, so
+ * that it has moments with none out in which a running sequence can migrate. */
+static uint32_t max_flights(const coord *c, uint32_t r)
+{
+    return c->drain.active && !c->drain.done && c->drain.replica == r ? 1 : c->cfg.steps_in_flight;
+}
+
+/* Plans and sends replica r's next step (it has fewer than max_flights out); false when there
+ * was nothing to do. */
 static bool start_step(coord *c, uint32_t r)
 {
     creplica *rp = &c->reps[r];
+    flight *f = &rp->flights[rp->n_flights];
     sched_plan plan;
     strata_error err = {0};
     if (sched_next_step(c->sched, (int)r, &plan, &err) != STRATA_OK) {
@@ -664,7 +689,7 @@ static bool start_step(coord *c, uint32_t r)
             toks[at] = q->last_token;
         }
         w->sample = sw->sample;
-        rp->expect[i] = sw->sample;
+        f->expect[i] = sw->sample;
         const Strata__V1__SamplingParams *sp = q->req->sampling;
         w->temperature = sp->temperature;
         w->top_p = sp->top_p;
@@ -672,10 +697,10 @@ static bool start_step(coord *c, uint32_t r)
         w->seed = sp->seed;
         at += sw->n_tokens;
         wp[i] = w;
-        rp->work_ids[i] = sw->id;
-        rp->status[i] = 0;
-        rp->sampled[i] = false;
-        rp->message[i][0] = '\0';
+        f->work_ids[i] = sw->id;
+        f->status[i] = 0;
+        f->sampled[i] = false;
+        f->message[i][0] = '\0';
     }
     Strata__Internal__V1__StepPlan sp = STRATA__INTERNAL__V1__STEP_PLAN__INIT;
     sp.step = plan.step;
@@ -690,10 +715,10 @@ static bool start_step(coord *c, uint32_t r)
     Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
     m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_STEP_PLAN;
     m.step_plan = &sp;
-    rp->step = plan.step;
-    rp->n_work = plan.n_work;
-    rp->answers = 0;
-    rp->in_flight = true;
+    f->step = plan.step;
+    f->n_work = plan.n_work;
+    f->answers = 0;
+    rp->n_flights++;
     for (uint32_t s = 0; s < c->cfg.stages; s++)
         if (ctl_peer_send(rp->stages[s].peer, &m, &err) != STRATA_OK)
             logf_(c, "replica %u step %" PRIu64 " to worker %s: %s", r, plan.step, rp->stages[s].name, err.msg);
@@ -725,7 +750,7 @@ static void send_migrate(coord *c, uint32_t r, uint32_t s, uint32_t peer_r, bool
 static void migration_kick(coord *c)
 {
     migration *mg = &c->mig;
-    if (!mg->active || mg->sent || c->reps[mg->from].in_flight || c->reps[mg->to].in_flight)
+    if (!mg->active || mg->sent || c->reps[mg->from].n_flights || c->reps[mg->to].n_flights)
         return;
     for (uint32_t s = 0; s < c->cfg.stages; s++)
         send_migrate(c, mg->to, s, mg->from, false);
@@ -851,7 +876,7 @@ static void drain_progress(coord *c)
         left++;
         sched_state st = sched_get_state(c->sched, q->id);
         int to = move_target(c, d->replica, blocks_of(c, q));
-        if (to < 0 || rp->in_flight)
+        if (to < 0 || rp->n_flights)
             continue;
         strata_error err = {0};
         if (st == SCHED_WAITING) {   /* no KV yet: only the reservation moves */
@@ -888,7 +913,7 @@ static void *step_thread(void *arg)
         migration_kick(c);
         drain_progress(c);
         for (uint32_t r = 0; r < c->cfg.replicas; r++)
-            if (c->reps[r].serving && !c->reps[r].in_flight &&
+            if (c->reps[r].serving && c->reps[r].n_flights < max_flights(c, r) &&
                 !(c->mig.active && (r == c->mig.from || r == c->mig.to)))
                 started |= start_step(c, r);
         if (!started)
@@ -1293,9 +1318,9 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
                     "device KV budget must be set");
         return NULL;
     }
-    if (cfg->stages > 64 || cfg->replicas > 1024) {
-        strata_fail(err, STRATA_EINVAL, "coordinator: at most 64 stages and 1024 replicas (got %u and %u)", cfg->stages,
-                    cfg->replicas);
+    if (cfg->stages > 64 || cfg->replicas > 1024 || cfg->steps_in_flight > SCHED_MAX_STEPS_IN_FLIGHT) {
+        strata_fail(err, STRATA_EINVAL, "coordinator: at most 64 stages, 1024 replicas and %d steps in flight (got %u, "
+                    "%u and %u)", SCHED_MAX_STEPS_IN_FLIGHT, cfg->stages, cfg->replicas, cfg->steps_in_flight);
         return NULL;
     }
     if (cfg->nvme_kv_bytes && !cfg->host_kv_bytes) {
@@ -1312,6 +1337,8 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
         return NULL;
     }
     c->cfg = *cfg;
+    if (c->cfg.steps_in_flight == 0)
+        c->cfg.steps_in_flight = c->cfg.stages;   /* one step per stage of the pipeline */
     snprintf(c->model_path, sizeof c->model_path, "%s", cfg->model_path);
     c->cfg.model_path = c->model_path;
     pthread_mutex_init(&c->mu, NULL);
@@ -1371,7 +1398,8 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
         for (uint32_t r = 0; r < cfg->replicas; r++)
             caps[r] = cap;
         sched_config sc = {.block_tokens = cfg->block_tokens, .max_batch_tokens = cfg->max_batch_tokens,
-                           .max_seqs = cfg->max_seqs, .n_replicas = (int)cfg->replicas, .replicas = caps};
+                           .max_seqs = cfg->max_seqs, .max_steps_in_flight = c->cfg.steps_in_flight,
+                           .n_replicas = (int)cfg->replicas, .replicas = caps};
         if (!(c->sched = sched_create(&sc, err)))
             rc = err ? err->code : STRATA_ENOMEM;
         for (uint32_t r = 0; c->sched && r < cfg->replicas; r++)
@@ -1382,14 +1410,22 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
         creplica *rp = &c->reps[r];
         size_t n = cfg->max_seqs;
         rp->stages = calloc(cfg->stages, sizeof *rp->stages);
-        rp->work_ids = calloc(n, sizeof *rp->work_ids);
-        rp->tokens = calloc(n, sizeof *rp->tokens);
-        rp->sampled = calloc(n, sizeof *rp->sampled);
-        rp->expect = calloc(n, sizeof *rp->expect);
-        rp->status = calloc(n, sizeof *rp->status);
-        rp->message = calloc(n, sizeof *rp->message);
-        if (!rp->stages || !rp->work_ids || !rp->tokens || !rp->sampled || !rp->expect || !rp->status || !rp->message)
+        rp->flights = calloc(c->cfg.steps_in_flight, sizeof *rp->flights);
+        if (!rp->stages || !rp->flights) {
             rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
+            break;
+        }
+        for (uint32_t k = 0; k < c->cfg.steps_in_flight; k++) {
+            flight *f = &rp->flights[k];
+            f->work_ids = calloc(n, sizeof *f->work_ids);
+            f->tokens = calloc(n, sizeof *f->tokens);
+            f->sampled = calloc(n, sizeof *f->sampled);
+            f->expect = calloc(n, sizeof *f->expect);
+            f->status = calloc(n, sizeof *f->status);
+            f->message = calloc(n, sizeof *f->message);
+            if (!f->work_ids || !f->tokens || !f->sampled || !f->expect || !f->status || !f->message)
+                rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
+        }
     }
     c->cap = cap;
     if (rc == STRATA_OK && (!(c->mig.send_ok = calloc(cfg->stages, sizeof *c->mig.send_ok)) ||
@@ -1503,12 +1539,16 @@ void coord_destroy(coord *c)
         for (uint32_t s = 0; rp->stages && s < c->cfg.stages; s++)
             ctl_peer_unref(rp->stages[s].peer);
         free(rp->stages);
-        free(rp->work_ids);
-        free(rp->tokens);
-        free(rp->sampled);
-        free(rp->expect);
-        free(rp->status);
-        free(rp->message);
+        for (uint32_t k = 0; rp->flights && k < c->cfg.steps_in_flight; k++) {
+            flight *f = &rp->flights[k];
+            free(f->work_ids);
+            free(f->tokens);
+            free(f->sampled);
+            free(f->expect);
+            free(f->status);
+            free(f->message);
+        }
+        free(rp->flights);
     }
     free(c->reps);
     free(c->mig.send_ok);

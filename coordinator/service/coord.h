@@ -31,6 +31,7 @@ typedef struct coord_config {
     uint32_t ctx;                /* serving context (prompt + output); 0: min(trained, 8192) */
     uint32_t max_seqs;           /* running sequences per replica */
     uint32_t max_batch_tokens;   /* tokens per step */
+    uint32_t steps_in_flight;    /* steps a replica has out at once (0: stages; at most 64) */
     uint64_t device_kv_bytes;    /* granted to each worker; a worker must offer at least this */
     uint64_t host_kv_bytes;      /* 0: no host tier */
     uint64_t nvme_kv_bytes;      /* 0: no NVMe tier (needs a host tier) */

@@ -32,7 +32,7 @@ enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
 typedef struct serve_opts {
     const char *config, *model, *listen, *control, *metrics, *secret_file, *kv, *tls_cert, *tls_key, *token_file;
     const char *nvme_dir, *worker_bin;
-    long replicas, stages, block_tokens, ctx, max_seqs, max_batch_tokens;
+    long replicas, stages, block_tokens, ctx, max_seqs, max_batch_tokens, steps_in_flight;
     double device_mib, host_mib, nvme_mib;   /* fractions allowed, as for strata generate */
     long drain_s, ready_timeout_s, threads;
     bool quiet;
@@ -42,7 +42,7 @@ typedef struct serve_opts {
 enum {
     O_CONFIG = 256, O_MODEL, O_LISTEN, O_CONTROL, O_METRICS, O_SECRET, O_REPLICAS, O_STAGES, O_KV, O_BLOCK, O_CTX,
     O_MAX_SEQS, O_MAX_BATCH, O_DEVICE, O_HOST, O_NVME, O_NVME_DIR, O_TLS_CERT, O_TLS_KEY, O_TOKEN, O_DRAIN,
-    O_READY, O_WORKER_BIN, O_THREADS,
+    O_READY, O_WORKER_BIN, O_THREADS, O_IN_FLIGHT,
 };
 
 static void usage(FILE *out, const char *prog, bool local)
@@ -74,6 +74,9 @@ static void usage(FILE *out, const char *prog, bool local)
             "                          model's trained context, at most 8192)\n"
             "  --max-seqs N            running sequences per replica (default 32)\n"
             "  --max-batch-tokens N    tokens per step, decode tokens plus prompts (default 2048)\n"
+            "  --steps-in-flight N     steps a replica has out at once, each stage running one while\n"
+            "                          the next works on another, the running sequences shared among\n"
+            "                          them (default: --stages; 1: the stages take turns)\n"
             "  --device-kv-mib N       device KV memory per worker in MiB, fractions allowed (default 256)\n"
             "  --host-kv-mib N         host KV tier per worker (default 0: none); with it, a request alone\n"
             "                          on its replica may outgrow the device: its layers stream through\n"
@@ -107,7 +110,7 @@ static const struct option long_opts[] = {
     {"replicas", required_argument, NULL, O_REPLICAS},   {"stages", required_argument, NULL, O_STAGES},
     {"kv", required_argument, NULL, O_KV},               {"block-tokens", required_argument, NULL, O_BLOCK},
     {"ctx", required_argument, NULL, O_CTX},             {"max-seqs", required_argument, NULL, O_MAX_SEQS},
-    {"max-batch-tokens", required_argument, NULL, O_MAX_BATCH},
+    {"max-batch-tokens", required_argument, NULL, O_MAX_BATCH}, {"steps-in-flight", required_argument, NULL, O_IN_FLIGHT},
     {"device-kv-mib", required_argument, NULL, O_DEVICE}, {"host-kv-mib", required_argument, NULL, O_HOST},
     {"nvme-kv-mib", required_argument, NULL, O_NVME},    {"nvme-dir", required_argument, NULL, O_NVME_DIR},
     {"tls-cert", required_argument, NULL, O_TLS_CERT},   {"tls-key", required_argument, NULL, O_TLS_KEY},
@@ -136,6 +139,7 @@ static bool apply(const char *prog, serve_opts *o, int id, const char *flag, con
     case O_CTX: return strata_parse_long(prog, flag, v, 2, 1 << 22, &o->ctx);
     case O_MAX_SEQS: return strata_parse_long(prog, flag, v, 1, 4096, &o->max_seqs);
     case O_MAX_BATCH: return strata_parse_long(prog, flag, v, 1, 1 << 22, &o->max_batch_tokens);
+    case O_IN_FLIGHT: return strata_parse_long(prog, flag, v, 1, 64, &o->steps_in_flight);
     case O_DEVICE: return strata_parse_double(prog, flag, v, STRATA_KV_MIB_MIN, STRATA_KV_MIB_MAX, &o->device_mib);
     case O_HOST: return strata_parse_double(prog, flag, v, 0, STRATA_KV_MIB_MAX, &o->host_mib);
     case O_NVME: return strata_parse_double(prog, flag, v, 0, STRATA_KV_MIB_MAX, &o->nvme_mib);
@@ -657,7 +661,7 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
     coord_config cc = {.model_path = o.model, .replicas = (uint32_t)o.replicas, .stages = (uint32_t)o.stages,
                        .kv = o.kv, .block_tokens = (uint32_t)o.block_tokens, .ctx = (uint32_t)o.ctx,
                        .max_seqs = (uint32_t)o.max_seqs, .max_batch_tokens = (uint32_t)o.max_batch_tokens,
-                       .device_kv_bytes = strata_mib_bytes(o.device_mib), .host_kv_bytes = strata_mib_bytes(o.host_mib),
+                       .steps_in_flight = (uint32_t)o.steps_in_flight, .device_kv_bytes = strata_mib_bytes(o.device_mib), .host_kv_bytes = strata_mib_bytes(o.host_mib),
                        .nvme_kv_bytes = strata_mib_bytes(o.nvme_mib), .metrics = reg, .quiet = o.quiet};
     if (!(co = coord_create(&cc, &err))) {
         fprintf(stderr, "%s: %s\n", prog, err.msg);

@@ -38,6 +38,8 @@ serve_bad "KV plan: $tmp/bad.plan: kv plan line 3: unknown kv codec \"nosuch\"" 
 serve_bad "5 stages for a model of 4 layers" --stages 5
 serve_bad "does not divide block_tokens 7" --block-tokens 7
 serve_bad "exceeds max batch tokens 50" --max-seqs 100 --max-batch-tokens 50
+serve_bad "steps-in-flight: '0' is not an integer in \[1, 64\]" --steps-in-flight 0
+serve_bad "device-kv-mib: '0' is not a number in \[0.00390625, 16777216\]" --device-kv-mib 0
 serve_bad "port in 0..65535" --listen 127.0.0.1:99999
 expect 2 "port in 1..65535" "$strata" generate --server 127.0.0.1 --prompt hi
 # Prompts and flags refused before any work: the bytes the server would refuse, two settings of
