@@ -482,6 +482,56 @@ static void test_pipelined_steps(void **state)
     sched_destroy(s);
 }
 
+/* A replica kept to one step out (being drained) runs all its decoders in that step, not the
+ * share of a deeper pipeline; lowering the depth while two are out holds the next plan back until
+ * both returned; 0 restores the default. */
+static void test_steps_in_flight_per_replica(void **state)
+{
+    (void)state;
+    sched_replica_config caps[2] = {{.device_blocks = 100, .total_blocks = 1000},
+                                    {.device_blocks = 100, .total_blocks = 1000}};
+    sched_config c = {.block_tokens = 16, .max_batch_tokens = 64, .max_seqs = 8, .max_steps_in_flight = 2,
+                      .n_replicas = 2, .replicas = caps};
+    strata_error err = {0};
+    scheduler *s = sched_create(&c, &err);
+    assert_non_null(s);
+    assert_int_equal(sched_steps_in_flight(s, 0), 2);
+    assert_int_equal(sched_set_steps_in_flight(s, 0, 3), STRATA_EINVAL);   /* above the configured most */
+    assert_int_equal(sched_set_steps_in_flight(s, 2, 1), STRATA_EINVAL);
+    int r;
+    for (uint64_t id = 1; id <= 4; id++) {
+        assert_int_equal(sched_submit(s, id, 8, 10, &r, &err), STRATA_OK);
+        assert_int_equal(sched_move(s, id, 0, &err), STRATA_OK);
+    }
+    sched_plan p;
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_work, 4);
+    sched_outcome o[4] = {{1, false}, {2, false}, {3, false}, {4, false}};
+    assert_int_equal(sched_step_done(s, 0, p.step, o, 4, &err), STRATA_OK);
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    const uint64_t a = p.step;
+    sched_outcome oa[2] = {{p.work[0].id, false}, {p.work[1].id, false}};
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    const uint64_t b = p.step;
+    sched_outcome ob[2] = {{p.work[0].id, false}, {p.work[1].id, false}};
+    assert_int_equal(sched_set_steps_in_flight(s, 0, 1), STRATA_OK);
+    assert_int_equal(sched_steps_in_flight(s, 0), 1);
+    assert_int_equal(sched_steps_in_flight(s, 1), 2);   /* the other replica keeps its depth */
+    assert_int_equal(sched_step_done(s, 0, a, oa, 2, &err), STRATA_OK);
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_EINVAL);   /* b is still out */
+    assert_int_equal(sched_step_done(s, 0, b, ob, 2, &err), STRATA_OK);
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_work, 4);   /* every decoder in the one step */
+    for (size_t i = 0; i < 4; i++)
+        o[i] = (sched_outcome){p.work[i].id, false};
+    assert_int_equal(sched_step_done(s, 0, p.step, o, 4, &err), STRATA_OK);
+    assert_int_equal(sched_set_steps_in_flight(s, 0, 0), STRATA_OK);
+    assert_int_equal(sched_steps_in_flight(s, 0), 2);
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_work, 2);   /* shared again */
+    sched_destroy(s);
+}
+
 /* A sequence larger than the device's block rows runs alone, streaming: admitted (it fits the
  * tiers and one layer of it the device), prefilled in chunks past the device, decoded with no
  * other sequence beside it; the others wait and run after it. */
@@ -637,6 +687,7 @@ int main(void)
         cmocka_unit_test(test_simulation_streaming),
         cmocka_unit_test(test_simulation_pipelined),
         cmocka_unit_test(test_pipelined_steps),
+        cmocka_unit_test(test_steps_in_flight_per_replica),
         cmocka_unit_test(test_streaming_alone),
         cmocka_unit_test(test_streaming_preempted_resumes_alone),
         cmocka_unit_test(test_availability),

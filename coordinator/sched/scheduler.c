@@ -33,6 +33,7 @@ typedef struct replica {
     uint64_t preemptions, resumptions;
     uint64_t out_steps[SCHED_MAX_STEPS_IN_FLIGHT];   /* planned steps without results yet */
     size_t outstanding;
+    size_t depth;             /* steps it may have out (sched_set_steps_in_flight) */
     bool unavailable;
     bool not_accepting;
 } replica;
@@ -116,6 +117,7 @@ scheduler *sched_create(const sched_config *c, strata_error *err)
         s->reps[r].cfg = c->replicas[r];
         if (s->reps[r].cfg.stream_blocks == 0)
             s->reps[r].cfg.stream_blocks = s->reps[r].cfg.device_blocks;
+        s->reps[r].depth = s->cfg.max_steps_in_flight;
     }
     return s;
 }
@@ -312,9 +314,9 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
         return strata_fail(err, STRATA_EINVAL, "scheduler: bad replica %d", r);
     memset(plan, 0, sizeof *plan);
     replica *p = &s->reps[r];
-    if (p->outstanding >= s->cfg.max_steps_in_flight)
+    if (p->outstanding >= p->depth)
         return strata_fail(err, STRATA_EINVAL, "scheduler: replica %d's step %" PRIu64 " has no results yet (%zu "
-                           "step(s) out, at most %zu)", r, p->step, p->outstanding, s->cfg.max_steps_in_flight);
+                           "step(s) out, at most %zu)", r, p->step, p->outstanding, p->depth);
     /* Forget what finished, unless a step still out holds it. */
     for (size_t i = 0; i < s->n_reqs;)
         if (s->reqs[i].state == SCHED_FINISHED && s->reqs[i].replica == r && !s->reqs[i].in_step)
@@ -357,7 +359,7 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
     const bool over = working > device_room(p, live == 1);
     /* With several steps out at once (pipeline stages each running one), the decoders are shared
      * among them so that every stage has a step to run. */
-    const size_t depth = s->cfg.max_steps_in_flight;
+    const size_t depth = p->depth;
     size_t share = (live + depth - 1) / depth;
     share = share < s->cfg.max_seqs ? share : s->cfg.max_seqs;
     size_t n_work = 0, tokens = 0;
@@ -553,6 +555,19 @@ int sched_get_replica(const scheduler *s, uint64_t id)
 {
     const request *q = s ? find(s, id) : NULL;
     return q ? q->replica : -1;
+}
+
+int sched_set_steps_in_flight(scheduler *s, int r, size_t depth)
+{
+    if (!s || r < 0 || r >= s->cfg.n_replicas || depth > s->cfg.max_steps_in_flight)
+        return STRATA_EINVAL;
+    s->reps[r].depth = depth ? depth : s->cfg.max_steps_in_flight;
+    return STRATA_OK;
+}
+
+size_t sched_steps_in_flight(const scheduler *s, int r)
+{
+    return s && r >= 0 && r < s->cfg.n_replicas ? s->reps[r].depth : 0;
 }
 
 void sched_set_accepting(scheduler *s, int r, bool accepting)

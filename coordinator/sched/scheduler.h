@@ -153,6 +153,14 @@ bool sched_is_available(const scheduler *s, int r);
  * running what it has but takes nothing new. */
 void sched_set_accepting(scheduler *s, int r, bool accepting);
 
+/* How many steps replica r may have out (0: max_steps_in_flight, the default; at most that).
+ * Lowering it while more are out only holds back the next plans until enough come back; the
+ * running decoders are shared among `depth` steps, so a replica kept to one step (a drained
+ * one, whose quiet moments let its sequences migrate) still runs all of them in each.
+ * STRATA_EINVAL for a bad replica or depth. */
+int sched_set_steps_in_flight(scheduler *s, int r, size_t depth);
+size_t sched_steps_in_flight(const scheduler *s, int r);
+
 /* Moves a request to replica `to` (migration): a request whose prompt has not run yet (WAITING)
  * or a RUNNING one that is not in an outstanding step; its reservation moves with it. STRATA_EFULL
  * when `to` lacks room, STRATA_EINVAL for another state or an unknown id. The caller moves the

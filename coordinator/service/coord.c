@@ -640,11 +640,11 @@ static void finish_step(coord *c, uint32_t r, uint32_t k)
     pthread_cond_signal(&c->wake);
 }
 
-/* How many steps replica r may have out: one per stage, but one while it is being drained, so
- * that it has moments with none out in which a running sequence can migrate. */
+/* How many steps replica r may have out: one per stage, but one while it is being drained (set
+ * by the drain), so that it has moments with none out in which a running sequence can migrate. */
 static uint32_t max_flights(const coord *c, uint32_t r)
 {
-    return c->drain.active && !c->drain.done && c->drain.replica == r ? 1 : c->cfg.steps_in_flight;
+    return (uint32_t)sched_steps_in_flight(c->sched, (int)r);
 }
 
 /* Plans and sends replica r's next step (it has fewer than max_flights out); false when there
@@ -865,6 +865,7 @@ static void drain_progress(coord *c)
     creplica *rp = &c->reps[d->replica];
     if (!rp->serving) {   /* lost meanwhile: its requests already ended */
         d->done = true;
+        (void)sched_set_steps_in_flight(c->sched, (int)d->replica, 0);
         snprintf(d->message, sizeof d->message, "replica %u was lost during the drain", d->replica);
         return;
     }
@@ -901,6 +902,7 @@ static void drain_progress(coord *c)
         rp->serving = false;
         sched_set_available(c->sched, (int)d->replica, false);
         sched_set_accepting(c->sched, (int)d->replica, true);
+        (void)sched_set_steps_in_flight(c->sched, (int)d->replica, 0);
     }
 }
 
@@ -1219,6 +1221,7 @@ int coord_drain_worker(coord *c, const char *worker, coord_drain_report *out, st
         d->replica = (uint32_t)found;
         snprintf(d->worker, sizeof d->worker, "%s", worker);
         sched_set_accepting(c->sched, found, false);
+        (void)sched_set_steps_in_flight(c->sched, found, 1);
         logf_(c, "draining replica %d (worker %s)", found, worker);
         pthread_cond_signal(&c->wake);
     }
