@@ -14,6 +14,7 @@ typedef struct tier_block {
     uint32_t len;
     uint32_t gen;
     uint32_t next_free;  /* index + 1 */
+    uint64_t failed_at;  /* the tier's nvme_frees when its spill failed (spill_failed) */
     uint64_t ticket;     /* the I/O in flight */
 } tier_block;
 
@@ -27,6 +28,7 @@ struct tier {
     size_t ev_head, ev_n, ev_cap;
     size_t spilling_bytes;  /* host bytes whose spill is in flight */
     size_t inflight;
+    uint64_t nvme_frees;    /* NVMe copies released so far: room a failed spill may find now */
     tier_stats st;
     /* The failure of the last spill attempt (code 0: it succeeded): when the host tier fills
      * because NVMe refuses writes (ENOSPC, EIO), that is the reason to report. */
@@ -88,12 +90,28 @@ static void release(tier *t, tier_block *b)
 {
     if (b->host)
         host_arena_free(t->host, b->host, NULL);
-    if (b->on_nvme)
+    if (b->on_nvme) {
         nvme_store_free(t->nvme, &b->loc, NULL);
+        t->nvme_frees++;
+    }
     b->live = false;
     b->gen = b->gen == UINT32_MAX ? 1 : b->gen + 1;
     b->next_free = t->free_slot;
     t->free_slot = (uint32_t)(b - t->b) + 1;
+}
+
+/* A block whose spill failed stays in host memory and is not tried again (each try would fail
+ * the same way) until NVMe copies were released since (ENOSPC may then pass), the block is used
+ * (tier_touch), or the host tier is full (make_room's last try: the disk may have recovered). */
+static void mark_spill_failed(tier *t, tier_block *b)
+{
+    b->spill_failed = true;
+    b->failed_at = t->nvme_frees;
+}
+
+static bool may_spill(const tier *t, const tier_block *b)
+{
+    return !b->spill_failed || b->failed_at != t->nvme_frees;
 }
 
 /* Applies one finished NVMe request. */
@@ -129,7 +147,7 @@ static void handle(tier *t, const nvme_completion *c)
                 return;
             }
             b->where = TIER_HOST;
-            b->spill_failed = true;
+            mark_spill_failed(t, b);
             push_event(t, id, TIER_EV_SPILL_FAILED, c->status, &c->err);
         }
         return;
@@ -201,7 +219,7 @@ static size_t evict_core(tier *t, size_t target)
     size_t nc = 0;
     for (uint32_t i = 0; i < t->n; i++) {
         tier_block *b = &t->b[i];
-        if (b->live && !b->freed && !b->spill_failed && (b->where == TIER_HOST || b->where == TIER_BOTH))
+        if (b->live && !b->freed && may_spill(t, b) && (b->where == TIER_HOST || b->where == TIER_BOTH))
             c[nc++] = (cand){i, b->waiting, b->step};
     }
     qsort(c, nc, sizeof *c, cand_cmp);
@@ -227,7 +245,7 @@ static size_t evict_core(tier *t, size_t target)
             /* E.g. the NVMe tier is full: the block stays in host memory. */
             t->st.spill_failures++;
             note_spill(t, rc, &err);
-            b->spill_failed = true;
+            mark_spill_failed(t, b);
             push_event(t, id_of(t, b), TIER_EV_SPILL_FAILED, rc, &err);
             continue;
         }
@@ -253,11 +271,19 @@ size_t tier_evict(tier *t)
 /* Reserves len host bytes, evicting (and waiting for spills) as long as that can help. */
 static int make_room(tier *t, size_t len, host_handle *h, uint8_t **p, strata_error *err)
 {
+    bool retried = false;
     for (;;) {
         int rc = host_arena_reserve(t->host, len, h, p, err);
         if (rc != STRATA_EFULL)
             return rc;
         size_t started = evict_core(t, t->spilling_bytes + host_bytes((uint32_t)len));
+        if (started == 0 && t->inflight == 0 && t->spill_err.code && !retried) {
+            /* Everything left failed to spill before: the disk may have recovered since. */
+            for (uint32_t i = 0; i < t->n; i++)
+                t->b[i].spill_failed = false;
+            retried = true;
+            continue;
+        }
         if (started == 0 && t->inflight == 0 && t->spill_err.code)   /* a disk fault, not a small budget */
             return strata_fail(err, STRATA_EIO, "tier: the host tier is full and the NVMe tier refuses writes: %s",
                                t->spill_err.msg);

@@ -343,6 +343,90 @@ static void test_full_host_names_the_disk(void **state)
     }
 }
 
+/* Spills that failed are tried again: after a disk fault clears, the put that finds the host tier
+ * full spills the blocks that failed before and succeeds; after an NVMe tier that was full frees
+ * copies, background eviction takes them again. Nothing is lost either way. */
+static void test_failed_spills_retried(void **state)
+{
+    (void)state;
+    for (int sync_io = 0; sync_io < 2; sync_io++) {
+        fixture f;
+        setup_fixture(&f, sync_io);
+        f.fail_writes = 1000000;   /* the disk refuses every write... */
+        strata_error err = {0};
+        enum { N = 40 };
+        tier_id id[N];
+        uint8_t *b[N];
+        size_t sz[N];
+        unsigned stored = 0;
+        int rc = STRATA_OK;
+        for (; stored < N; stored++) {
+            b[stored] = block(stored, &sz[stored]);
+            if ((rc = tier_put(f.t, b[stored], sz[stored], 0, stored, &id[stored], &err)) != STRATA_OK)
+                break;
+        }
+        assert_int_equal(rc, STRATA_EIO);
+        assert_true(stored > 0 && stored < N);
+        f.fail_writes = 0;   /* ...until it recovers */
+        for (unsigned i = stored; i < N; i++) {
+            if (i > stored)
+                b[i] = block(i, &sz[i]);
+            if ((rc = tier_put(f.t, b[i], sz[i], 0, i, &id[i], &err)) != STRATA_OK)
+                fail_msg("sync_io %d: put %u after the disk recovered: %s", sync_io, i, err.msg);
+        }
+        drain_events(&f, NULL, NULL);
+        tier_stats st;
+        tier_get_stats(f.t, &st);
+        assert_true(st.spills > 0);
+        assert_int_equal(st.spill_error.code, 0);   /* the last attempt succeeded */
+        assert_true(st.nvme_blocks >= N - 16);   /* 256 KiB of host arena holds 16 blocks */
+        for (unsigned i = 0; i < N; i++) {
+            assert_int_equal(tier_restore(f.t, id[i], &err), STRATA_OK);
+            assert_memory_equal(tier_get(f.t, id[i], NULL), b[i], sz[i]);
+        }
+        /* A failed spill is tried again after NVMe copies were freed: with every write failing,
+         * fill the host tier past its high watermark (every spill fails); the disk recovers, but
+         * nothing is tried again until a copy on NVMe is freed. */
+        for (unsigned i = 0; i < N; i++)
+            assert_int_equal(tier_free(f.t, id[i], &err), STRATA_OK);
+        drain_events(&f, NULL, NULL);
+        enum { M = 14 };   /* 224 KiB: past the 192 KiB watermark, within the 256 KiB arena */
+        f.fail_writes = 1000000;
+        for (unsigned i = 0; i < M; i++)
+            assert_int_equal(tier_put(f.t, b[i], sz[i], 1, i, &id[i], &err), STRATA_OK);
+        int failed = 0, spilled = 0;
+        drain_events(&f, &spilled, &failed);
+        assert_true(failed > 0);
+        assert_int_equal(spilled, 0);
+        f.fail_writes = 0;
+        drain_events(&f, &spilled, &failed);
+        assert_int_equal(spilled, 0);   /* nothing freed on NVMe, nothing used: no new try */
+        tier_get_stats(f.t, &st);
+        assert_int_equal(st.host_blocks, M);
+        tier_id extra;
+        assert_int_equal(tier_put(f.t, b[M], sz[M], 2, 100, &extra, &err), STRATA_OK);
+        drain_events(&f, &spilled, &failed);
+        assert_int_equal(spilled, 1);   /* the one block not marked went to NVMe */
+        assert_int_equal(tier_location(f.t, extra), TIER_NVME);
+        assert_int_equal(tier_free(f.t, extra, &err), STRATA_OK);
+        assert_true(tier_evict(f.t) > 0);   /* the freed copy made the failed ones candidates again */
+        spilled = 0;
+        drain_events(&f, &spilled, &failed);
+        assert_true(spilled > 0);
+        tier_get_stats(f.t, &st);
+        assert_true(st.host_blocks < M);
+        for (unsigned i = 0; i < M; i++) {
+            assert_int_equal(tier_restore(f.t, id[i], &err), STRATA_OK);
+            assert_memory_equal(tier_get(f.t, id[i], NULL), b[i], sz[i]);
+            assert_int_equal(tier_free(f.t, id[i], &err), STRATA_OK);
+        }
+        for (unsigned i = 0; i < N; i++)
+            free(b[i]);
+        drain_events(&f, NULL, NULL);
+        teardown_fixture(&f);
+    }
+}
+
 static void test_restore_of_damaged_block(void **state)
 {
     (void)state;
@@ -425,6 +509,7 @@ int main(void)
         cmocka_unit_test(test_lru_and_restore_sync),
         cmocka_unit_test(test_overflow_many),
         cmocka_unit_test(test_spill_failure_keeps_block),
+        cmocka_unit_test(test_failed_spills_retried),
         cmocka_unit_test(test_full_host_names_the_disk),
         cmocka_unit_test(test_restore_of_damaged_block),
         cmocka_unit_test(test_bad_arguments),
