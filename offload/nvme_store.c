@@ -188,7 +188,8 @@ static const char *kind_name(nvme_op_kind k, bool readback)
     return k == NVME_OP_WRITE ? (readback ? "read-back" : "write") : k == NVME_OP_READ ? "read" : "fdatasync";
 }
 
-/* Fails a request (first error wins) with "<what> of block <tag> (<len> bytes at <slab>:<off>): ...". */
+/* Fails a request (first error wins) with "<what> of <len> bytes at <slab> offset <off>: ...". The
+ * tag is the caller's and means nothing to a reader of the message, so it is left out. */
 static void req_fail(nvme_store *s, req *r, int code, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 static void req_fail(nvme_store *s, req *r, int code, const char *fmt, ...)
 {
@@ -200,9 +201,8 @@ static void req_fail(nvme_store *s, req *r, int code, const char *fmt, ...)
     vsnprintf(what, sizeof what, fmt, ap);
     va_end(ap);
     r->status = code;
-    strata_fail(&r->err, code, "nvme tier: %s of block %" PRIu64 " (%" PRIu32 " bytes at %s/%s offset %" PRIu64 "): %s",
-                kind_name(r->kind, r->readback), r->tag, r->loc.len, s->dir, s->slabs[r->loc.slab].name,
-                r->loc.offset, what);
+    strata_fail(&r->err, code, "nvme tier: %s of %" PRIu32 " bytes at %s/%s offset %" PRIu64 ": %s",
+                kind_name(r->kind, r->readback), r->loc.len, s->dir, s->slabs[r->loc.slab].name, r->loc.offset, what);
 }
 
 /* Maps a failed operation's errno to a status and counts it. */
@@ -419,6 +419,14 @@ static void complete_sync(nvme_store *s, uint32_t k, int res)
     }
 }
 
+/* The system call that moved a chunk, as the messages name it. */
+static const char *io_name(const nvme_store *s, bool writing)
+{
+    if (s->uring)
+        return writing ? "io_uring write" : "io_uring read";
+    return writing ? "pwrite" : "pread";
+}
+
 static void complete_chunk(nvme_store *s, uint32_t b, int res)
 {
     chunk_op *op = &s->ops[b];
@@ -431,11 +439,11 @@ static void complete_chunk(nvme_store *s, uint32_t b, int res)
     bool chunk_done = false;
     if (res < 0) {
         req_fail(s, r, errno_status(s, -res), "%s at offset %" PRIu64 " (%" PRIu32 " bytes) failed: %s",
-                 writing ? "pwrite" : "pread", off, want, strerror(-res));
+                 io_name(s, writing), off, want, strerror(-res));
     } else if (res == 0 || (uint32_t)res > want) {
         s->st.err_io++;
         req_fail(s, r, STRATA_EIO, "%s at offset %" PRIu64 " returned %d of %" PRIu32 " bytes%s",
-                 writing ? "pwrite" : "pread", off, res, want,
+                 io_name(s, writing), off, res, want,
                  res == 0 ? (writing ? " (no progress)" : " (end of file)") : "");
     } else if ((uint32_t)res < want) {
         s->st.short_transfers++;
@@ -699,9 +707,9 @@ int nvme_store_submit_write(nvme_store *s, const void *src, size_t len, uint64_t
             largest = l > largest ? l : largest;
         }
         return strata_fail(err, STRATA_EFULL,
-                           "nvme tier full: no free extent of %" PRIu64 " KiB for block %" PRIu64
-                           " in %s (%" PRIu64 " KiB free of %" PRIu64 " KiB budget, largest hole %" PRIu64 " KiB)",
-                           pages * 4, tag, s->dir, free_units * 4, s->page_total * 4, largest * 4);
+                           "nvme tier full: no free extent of %" PRIu64 " KiB in %s (%" PRIu64 " KiB free of %" PRIu64
+                           " KiB budget, largest hole %" PRIu64 " KiB)",
+                           pages * 4, s->dir, free_units * 4, s->page_total * 4, largest * 4);
     }
     req *r = &s->reqs[i];
     r->tag = tag;
