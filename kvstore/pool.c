@@ -12,6 +12,7 @@
 #include "kvstore/kv_cache.h"
 #include "kvstore/ott.h"
 #include "kvstore/seq_image.h"
+#include "kvstore/sysmem.h"
 
 typedef struct kv_block_ref kv_block_ref;
 
@@ -140,6 +141,19 @@ static kv_pool *pool_new(const kv_geometry *g, const kv_codec_params *codecs, co
             return NULL;
         }
         p->classes[c].n_slots += slots_of_layer[l];
+    }
+    size_t all_slots = 0;
+    for (int c = 0; c < p->n_classes; c++) {
+        slot_class *k = &p->classes[c];
+        size_t total;
+        if (!mul_ok(k->slot_bytes, k->n_slots, &total) || all_slots > SIZE_MAX - total)
+            all_slots = SIZE_MAX;
+        else
+            all_slots += total;
+    }
+    if (strata_check_memory("kv pool", all_slots, err) != STRATA_OK) {
+        kv_pool_destroy(p);
+        return NULL;
     }
     for (int c = 0; c < p->n_classes; c++) {
         slot_class *k = &p->classes[c];

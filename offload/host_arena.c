@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kvstore/sysmem.h"
 #include "offload/extent.h"
 
 typedef struct arena_slot {
@@ -53,6 +54,8 @@ host_arena *host_arena_create(size_t budget, const host_arena_allocator *alloc, 
                     budget, HOST_ARENA_PAGE);
         return NULL;
     }
+    if (strata_check_memory("host arena", capacity, err) != STRATA_OK)
+        return NULL;
     if (alloc && (!alloc->alloc || !alloc->release)) {
         strata_fail(err, STRATA_EINVAL, "host arena: allocator without alloc/release");
         return NULL;

@@ -14,6 +14,7 @@
 #include "kvstore/block.h"
 #include "kvstore/half.h"
 #include "kvstore/kv_cache.h"
+#include "kvstore/sysmem.h"
 #include "test_rng.h"
 
 static float *random_rows(size_t n_tokens, size_t row, uint64_t seed, float scale)
@@ -401,6 +402,12 @@ static void test_bad_arguments(void **state)
     kv_seq_destroy(NULL);
     kv_pool_destroy(pool);
     kv_pool_destroy(NULL);
+    /* A pool larger than the machine's memory is refused up front. */
+    size_t slot = kv_block_size(&p, &default_geom);
+    assert_null(kv_pool_create(&default_geom, &p, strata_memory_limit() / slot + 1, &err));
+    assert_int_equal(err.code, STRATA_EINVAL);
+    assert_non_null(strstr(err.msg, "kv pool"));
+    assert_non_null(strstr(err.msg, "more than this machine lets the process have"));
 }
 
 static void test_stats(void **state)

@@ -11,6 +11,7 @@
 
 #include <cmocka.h>
 
+#include "kvstore/sysmem.h"
 #include "offload/extent.h"
 #include "offload/host_arena.h"
 #include "tests/offload_blocks.h"
@@ -151,6 +152,17 @@ static void test_bad_handles(void **state)
     host_arena_destroy(a);
     assert_null(host_arena_create(4095, NULL, &err));
     assert_int_equal(err.code, STRATA_EINVAL);
+    /* More than the machine has is refused before anything is allocated (overcommit would grant
+     * it, and the OOM killer end the process once the tier fills). */
+    const size_t limit = strata_memory_limit();
+    assert_true(limit > (64u << 20) && limit < SIZE_MAX / 2);
+    assert_null(host_arena_create(limit + 2 * HOST_ARENA_PAGE, NULL, &err));
+    assert_int_equal(err.code, STRATA_EINVAL);
+    if (!strstr(err.msg, "host arena") || !strstr(err.msg, "MiB is more than this machine lets the process have"))
+        fail_msg("%s", err.msg);
+    a = host_arena_create(64u << 20, NULL, &err);   /* within it: fine */
+    assert_non_null(a);
+    host_arena_destroy(a);
 }
 
 typedef struct counting_alloc {

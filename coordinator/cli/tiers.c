@@ -209,9 +209,9 @@ int cli_kv_memory_create(const char *cmd, const cli_tier_opts *o, const kv_geome
             out->blocks_per_layer = out->blocks_for_ctx;   /* more than the context can use */
         out->pool = kv_pool_create_plan(g, codecs, out->blocks_per_layer, &err);
     }
-    if (!out->pool) {
+    if (!out->pool) {   /* EINVAL: a budget this machine cannot hold */
         fprintf(stderr, "strata %s: %s\n", cmd, err.msg);
-        return EXIT_RUNTIME;
+        return err.code == STRATA_EINVAL ? EXIT_USAGE : EXIT_RUNTIME;
     }
     if (o->host_mib > 0) {
         cli_tier_create(o, &out->tiers, &err);
@@ -226,7 +226,7 @@ int cli_kv_memory_create(const char *cmd, const cli_tier_opts *o, const kv_geome
         if (!out->tiers) {
             fprintf(stderr, "strata %s: %s\n", cmd, err.msg);
             cli_kv_memory_free(out);
-            return EXIT_RUNTIME;
+            return err.code == STRATA_EINVAL ? EXIT_USAGE : EXIT_RUNTIME;
         }
         if (!quiet)
             fprintf(stderr, "strata: KV tiers: device pool %.2f MiB (%zu slots shared by the layers; the context needs "

@@ -23,6 +23,7 @@
 #include "coordinator/server/api_server.h"
 #include "coordinator/service/coord.h"
 #include "kvstore/numarg.h"
+#include "kvstore/sysmem.h"
 #include "proto/credential_file.h"
 #include "worker/synthetic.h"
 
@@ -315,6 +316,17 @@ static int parse(int argc, char **argv, const char *prog, bool local, serve_opts
     if (local && o->replicas * o->stages > MAX_LOCAL_WORKERS) {
         fprintf(stderr, "%s: %ld local workers; at most %d\n", prog, o->replicas * o->stages, MAX_LOCAL_WORKERS);
         return EXIT_USAGE;
+    }
+    if (local) {   /* CPU workers on this machine: their KV pools and host tiers share its memory */
+        const long n = o->replicas * o->stages;
+        char what[160];
+        snprintf(what, sizeof what, "the KV of %ld local workers (%ld x (%.10g + %.10g MiB of --device-kv-mib and "
+                 "--host-kv-mib))", n, n, o->device_mib, o->host_mib);
+        strata_error merr = {0};
+        if (strata_check_memory(what, strata_mib_bytes((o->device_mib + o->host_mib) * (double)n), &merr) != STRATA_OK) {
+            fprintf(stderr, "%s: %s\n", prog, merr.msg);
+            return EXIT_USAGE;
+        }
     }
     if (!synthetic_is_path(o->model) && access(o->model, R_OK) != 0) {
         fprintf(stderr, "%s: model %s: %s%s\n", prog, o->model, strerror(errno),

@@ -36,6 +36,7 @@ serve_bad 'unknown kv codec "nosuch"' --kv nosuch
 printf '# a plan file as calibrate writes one\n0-1:kivi2\n2-3:nosuch\n' >"$tmp/bad.plan"
 serve_bad "KV plan: $tmp/bad.plan: kv plan line 3: unknown kv codec \"nosuch\"" --kv "$tmp/bad.plan"
 serve_bad "5 stages for a model of 4 layers" --stages 5
+serve_bad "the KV of 2 local workers (2 x (256 + 16000000 MiB of --device-kv-mib and --host-kv-mib)): 32000512.0 MiB is more than" --host-kv-mib 16000000
 serve_bad "does not divide block_tokens 7" --block-tokens 7
 serve_bad "exceeds max batch tokens 50" --max-seqs 100 --max-batch-tokens 50
 serve_bad "steps-in-flight: '0' is not an integer in \[1, 64\]" --steps-in-flight 0

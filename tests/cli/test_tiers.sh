@@ -19,6 +19,8 @@ gen=("$strata" generate -p - -n 8 --no-echo --stats)
 expect 2 "holds no block" "$strata" generate -p hi --kv fp16 --device-kv-mib 0.01 --host-kv-mib 1
 expect 2 "needs --nvme-dir" "$strata" generate -p hi --nvme-kv-mib 8
 expect 2 "not a number" "$strata" generate -p hi --host-kv-mib lots
+expect 2 "host arena: 16777216.0 MiB is more than this machine lets the process have" \
+  "$strata" generate -p hi --host-kv-mib 16777216
 expect 2 "holds less than one block per layer" "$strata" generate -p hi --kv fp16 --device-kv-mib 0.5
 echo '{"host_kv_mib": 1, "nvme_dri": "/tmp/x"}' > "$tmp/typo.json"
 expect 2 'unknown key "nvme_dri"' "$strata" generate -p hi --config "$tmp/typo.json"
