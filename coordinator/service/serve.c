@@ -425,6 +425,10 @@ static void spawn(supervisor *sv, local_worker *w)
     snprintf(threads, sizeof threads, "%ld", sv->threads);
     if (sv->o->nvme_dir)
         snprintf(nvme_dir, sizeof nvme_dir, "%s/%s", sv->o->nvme_dir, w->name);
+    /* Each worker makes its own folder inside the spill folder, which may have been removed
+     * while serving (a cleanup of /tmp, an operator): a restarted worker would fail for ever. */
+    if (sv->o->nvme_dir && mkdir(sv->o->nvme_dir, 0700) != 0 && errno != EEXIST)
+        fprintf(stderr, "%s: --nvme-dir %s: cannot create it again: %s\n", sv->prog, sv->o->nvme_dir, strerror(errno));
     w->started = mono();
     w->restart_at = 0;
     pid_t pid = fork();

@@ -38,12 +38,13 @@ want=$("$strata" generate -p "$p" -n 12 --ignore-eos --no-echo -q)
 got=$("$strata" generate --server "$addr" -p "$p" -n 12 --ignore-eos --no-echo -q) || fail "served generate"
 [ "$got" = "$want" ] || fail "served '$got', CPU '$want'"
 
-# Unmoved references, then the same two requests (one per replica) with a drain in the middle.
-ref1=$("$strata" generate --server "$addr" -p "Once upon a time" -n 48 --ignore-eos --no-echo -q)
-ref2=$("$strata" generate --server "$addr" -p "The weather today" -n 48 --ignore-eos --no-echo -q)
-"$strata" generate --server "$addr" -p "Once upon a time" -n 48 --ignore-eos --no-echo -q >"$tmp/a" 2>"$tmp/a.err" &
+# Unmoved references, then the same two requests (one per replica) with a drain in the middle
+# (long enough that the drain, a new process, arrives before they end even on a loaded machine).
+ref1=$("$strata" generate --server "$addr" -p "Once upon a time" -n 160 --ignore-eos --no-echo -q)
+ref2=$("$strata" generate --server "$addr" -p "The weather today" -n 160 --ignore-eos --no-echo -q)
+"$strata" generate --server "$addr" -p "Once upon a time" -n 160 --ignore-eos --no-echo -q >"$tmp/a" 2>"$tmp/a.err" &
 ga=$!
-"$strata" generate --server "$addr" -p "The weather today" -n 48 --ignore-eos --no-echo -q >"$tmp/b" 2>"$tmp/b.err" &
+"$strata" generate --server "$addr" -p "The weather today" -n 160 --ignore-eos --no-echo -q >"$tmp/b" 2>"$tmp/b.err" &
 gb=$!
 for _ in $(seq 600); do   # both running: each has streamed its first text
   [ -s "$tmp/a" ] && [ -s "$tmp/b" ] && break
