@@ -300,6 +300,20 @@ static void test_spill_failure_keeps_block(void **state)
     teardown_fixture(&f);
 }
 
+/* Puts blocks 0, 1, ... (made into b and sz) until a put fails or n are in; returns the last
+ * put's status, *stored the blocks in (b[*stored] is made but not in when a put failed). */
+static int put_until_refused(fixture *f, unsigned n, uint8_t **b, size_t *sz, tier_id *id, unsigned *stored,
+                             strata_error *err)
+{
+    int rc = STRATA_OK;
+    for (*stored = 0; *stored < n; (*stored)++) {
+        b[*stored] = block(*stored, &sz[*stored]);
+        if ((rc = tier_put(f->t, b[*stored], sz[*stored], 0, *stored, &id[*stored], err)) != STRATA_OK)
+            break;
+    }
+    return rc;
+}
+
 /* A disk that refuses every write (ENOSPC): the host tier fills, and the put that finds no room
  * says the NVMe tier is the cause, with the system's reason, as an I/O error (not "give the cache
  * more room"). Every block put before it is intact in host memory. */
@@ -316,13 +330,8 @@ static void test_full_host_names_the_disk(void **state)
         tier_id id[N];
         uint8_t *b[N];
         size_t sz[N];
-        unsigned stored = 0;
-        int rc = STRATA_OK;
-        for (; stored < N; stored++) {
-            b[stored] = block(stored, &sz[stored]);
-            if ((rc = tier_put(f.t, b[stored], sz[stored], 0, stored, &id[stored], &err)) != STRATA_OK)
-                break;
-        }
+        unsigned stored;
+        int rc = put_until_refused(&f, N, b, sz, id, &stored, &err);
         assert_true(stored > 0 && stored < N);
         if (rc != STRATA_EIO || !strstr(err.msg, "NVMe tier refuses writes") ||
             !strstr(err.msg, "No space left on device"))
@@ -358,13 +367,8 @@ static void test_failed_spills_retried(void **state)
         tier_id id[N];
         uint8_t *b[N];
         size_t sz[N];
-        unsigned stored = 0;
-        int rc = STRATA_OK;
-        for (; stored < N; stored++) {
-            b[stored] = block(stored, &sz[stored]);
-            if ((rc = tier_put(f.t, b[stored], sz[stored], 0, stored, &id[stored], &err)) != STRATA_OK)
-                break;
-        }
+        unsigned stored;
+        int rc = put_until_refused(&f, N, b, sz, id, &stored, &err);
         assert_int_equal(rc, STRATA_EIO);
         assert_true(stored > 0 && stored < N);
         f.fail_writes = 0;   /* ...until it recovers */

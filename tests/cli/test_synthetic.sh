@@ -213,30 +213,22 @@ print(f"spills {spills:.0f} restores {restores:.0f}")
 PY
   [ -d "$tmp/serve-spill/local-0" ] && [ -d "$tmp/serve-spill/local-1" ] ||
     fail "no worker spill folders in $tmp/serve-spill: $(ls -la "$tmp/serve-spill" 2>&1)"
+  # Whether a request is served within 60 s (a killed worker restarts and joins again).
+  served_again() {
+    for _ in $(seq 1 300); do
+      "$strata" generate --server "127.0.0.1:$port" --prompt "served?" --max-tokens 2 >/dev/null 2>&1 && return 0
+      sleep 0.2
+    done
+    return 1
+  }
   # A worker killed and restarted finds its spill folder there; serve still removes it at exit.
   pkill -KILL -f -- "--nvme-dir $tmp/serve-spill/local-1" || fail "no worker local-1 to kill"
-  served=
-  for _ in $(seq 1 300); do
-    if "$strata" generate --server "127.0.0.1:$port" --prompt "served?" --max-tokens 2 >/dev/null 2>&1; then
-      served=1
-      break
-    fi
-    sleep 0.2
-  done
-  [ -n "$served" ] || fail "serve did not serve again after local-1 was killed: $(tail -n 5 "$tmp/serve.log")"
+  served_again || fail "serve did not serve again after local-1 was killed: $(tail -n 5 "$tmp/serve.log")"
   # The spill folder removed while serving: a worker killed then comes back (serve makes the
   # folder again) instead of failing for ever.
   rm -rf "$tmp/serve-spill"
   pkill -KILL -f -- "--nvme-dir $tmp/serve-spill/local-0" || fail "no worker local-0 to kill"
-  served=
-  for _ in $(seq 1 300); do
-    if "$strata" generate --server "127.0.0.1:$port" --prompt "served?" --max-tokens 2 >/dev/null 2>&1; then
-      served=1
-      break
-    fi
-    sleep 0.2
-  done
-  [ -n "$served" ] || fail "serve did not serve again after its spill folder was removed: $(tail -n 5 "$tmp/serve.log")"
+  served_again || fail "serve did not serve again after its spill folder was removed: $(tail -n 5 "$tmp/serve.log")"
   [ -d "$tmp/serve-spill/local-0" ] || fail "the restarted worker has no spill folder: $(tail -n 5 "$tmp/serve.log")"
 fi
 kill -TERM "$server" 2>/dev/null
