@@ -142,19 +142,9 @@ static kv_pool *pool_new(const kv_geometry *g, const kv_codec_params *codecs, co
         }
         p->classes[c].n_slots += slots_of_layer[l];
     }
+    /* Every class is checked, and the whole pool against the machine's memory, before any
+     * slot memory is allocated. */
     size_t all_slots = 0;
-    for (int c = 0; c < p->n_classes; c++) {
-        slot_class *k = &p->classes[c];
-        size_t total;
-        if (!mul_ok(k->slot_bytes, k->n_slots, &total) || all_slots > SIZE_MAX - total)
-            all_slots = SIZE_MAX;
-        else
-            all_slots += total;
-    }
-    if (strata_check_memory("kv pool", all_slots, err) != STRATA_OK) {
-        kv_pool_destroy(p);
-        return NULL;
-    }
     for (int c = 0; c < p->n_classes; c++) {
         slot_class *k = &p->classes[c];
         size_t total;
@@ -163,12 +153,21 @@ static kv_pool *pool_new(const kv_geometry *g, const kv_codec_params *codecs, co
             kv_pool_destroy(p);
             return NULL;
         }
-        if (!mul_ok(k->slot_bytes, k->n_slots, &total)) {
+        if (!mul_ok(k->slot_bytes, k->n_slots, &total) || all_slots > SIZE_MAX - total) {
             strata_fail(err, STRATA_EINVAL, "kv pool: %zu slots of %zu bytes overflow the address space", k->n_slots,
                         k->slot_bytes);
             kv_pool_destroy(p);
             return NULL;
         }
+        all_slots += total;
+    }
+    if (strata_check_memory("kv pool", all_slots, err) != STRATA_OK) {
+        kv_pool_destroy(p);
+        return NULL;
+    }
+    for (int c = 0; c < p->n_classes; c++) {
+        slot_class *k = &p->classes[c];
+        const size_t total = k->slot_bytes * k->n_slots;   /* checked above */
         k->mem = aligned_alloc(64, total);   /* slot sizes are multiples of 64 */
         k->free_stack = malloc(k->n_slots * sizeof *k->free_stack);
         if (!k->mem || !k->free_stack) {

@@ -54,22 +54,26 @@ static size_t cgroup_limit(void)
     return best;
 }
 
-size_t strata_memory_limit(void)
+static size_t physical_memory(void)
 {
     long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    size_t phys = pages > 0 && page > 0 && (unsigned long)pages <= SIZE_MAX / (unsigned long)page
-                      ? (size_t)pages * (size_t)page
-                      : SIZE_MAX;
-    size_t cg = cgroup_limit();
+    return pages > 0 && page > 0 && (unsigned long)pages <= SIZE_MAX / (unsigned long)page
+               ? (size_t)pages * (size_t)page
+               : SIZE_MAX;
+}
+
+size_t strata_memory_limit(void)
+{
+    size_t phys = physical_memory(), cg = cgroup_limit();
     return cg < phys ? cg : phys;
 }
 
 int strata_check_memory(const char *what, size_t bytes, strata_error *err)
 {
-    size_t limit = strata_memory_limit();
+    size_t phys = physical_memory(), cg = cgroup_limit(), limit = cg < phys ? cg : phys;
     if (bytes <= limit)
         return STRATA_OK;
     return strata_fail(err, STRATA_EINVAL, "%s: %.1f MiB is more than this machine lets the process have (%.1f MiB%s)",
                        what, (double)bytes / 1048576.0, (double)limit / 1048576.0,
-                       cgroup_limit() == limit ? ", its cgroup's memory limit" : " of physical memory");
+                       cg < phys ? ", its cgroup's memory limit" : " of physical memory");
 }

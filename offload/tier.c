@@ -277,16 +277,16 @@ static int make_room(tier *t, size_t len, host_handle *h, uint8_t **p, strata_er
         if (rc != STRATA_EFULL)
             return rc;
         size_t started = evict_core(t, t->spilling_bytes + host_bytes((uint32_t)len));
-        if (started == 0 && t->inflight == 0 && t->spill_err.code && !retried) {
-            /* Everything left failed to spill before: the disk may have recovered since. */
-            for (uint32_t i = 0; i < t->n; i++)
-                t->b[i].spill_failed = false;
-            retried = true;
-            continue;
-        }
-        if (started == 0 && t->inflight == 0 && t->spill_err.code)   /* a disk fault, not a small budget */
+        if (started == 0 && t->inflight == 0 && t->spill_err.code) {   /* a disk fault, not a small budget */
+            if (!retried) {   /* everything left failed to spill before: the disk may have recovered */
+                for (uint32_t i = 0; i < t->n; i++)
+                    t->b[i].spill_failed = false;
+                retried = true;
+                continue;
+            }
             return strata_fail(err, STRATA_EIO, "tier: the host tier is full and the NVMe tier refuses writes: %s",
                                t->spill_err.msg);
+        }
         if (started == 0 && t->inflight == 0)
             return strata_error_prefix(err, "tier: nothing left to evict");
         if (t->inflight > 0 && !wait_one(t))
