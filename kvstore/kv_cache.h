@@ -105,13 +105,23 @@ kv_pool *kv_pool_create_shared(const kv_geometry *g, const kv_codec_params *code
 /* The largest block size of a plan (the slot size of kv_pool_create_shared); 0 if a codec does
  * not validate. */
 size_t kv_plan_largest_block(const kv_geometry *g, const kv_codec_params *codecs);
+/* A pool whose sequences may use any of n_plans plans (kv_seq_create_plan); plans[0] is the
+ * pool's own (kv_pool_codec, and a sequence's when it names none). Each layer's slots hold the
+ * largest block the plans make there, so every block of a row costs that much whatever plan
+ * made it. shared false: kv_pool_create_plan's layout, n = blocks per layer; true:
+ * kv_pool_create_shared's, n = slots of the largest block, shared by every layer. */
+kv_pool *kv_pool_create_plans(const kv_geometry *g, const kv_codec_params *const *plans, int n_plans, size_t n,
+                              bool shared, strata_error *err);
+/* kv_plan_row_bytes and kv_plan_largest_block for such a pool: per layer the plans' largest block. */
+size_t kv_plans_row_bytes(const kv_geometry *g, const kv_codec_params *const *plans, int n_plans);
+size_t kv_plans_largest_block(const kv_geometry *g, const kv_codec_params *const *plans, int n_plans);
 void kv_pool_destroy(kv_pool *pool);
 size_t kv_pool_capacity(const kv_pool *pool);   /* slots */
 size_t kv_pool_free(const kv_pool *pool);       /* free slots */
 size_t kv_pool_slot_bytes(const kv_pool *pool); /* the largest slot */
 size_t kv_pool_bytes(const kv_pool *pool);      /* all slots */
 const kv_geometry *kv_pool_geometry(const kv_pool *pool);
-/* The codec of layer 0 (of every layer for a pool made by kv_pool_create). */
+/* The pool's own plan: layer 0's codec (every layer's for a pool made by kv_pool_create). */
 const kv_codec_params *kv_pool_codec(const kv_pool *pool);
 const kv_codec_params *kv_pool_layer_codec(const kv_pool *pool, int layer);
 
@@ -157,9 +167,15 @@ typedef struct kv_pool_stats {
 
 void kv_pool_get_stats(const kv_pool *pool, kv_pool_stats *out);
 
-/* A new, empty sequence whose blocks come from pool. max_tokens bounds the sequence length
- * (the tail buffers are sized from it). */
+/* A new, empty sequence whose blocks come from pool, with the pool's plan. max_tokens bounds the
+ * sequence length (the tail buffers are sized from it). */
 kv_seq *kv_seq_create(kv_pool *pool, size_t max_tokens, strata_error *err);
+/* The same with the sequence's own plan (g->n_layers codecs; NULL: the pool's). STRATA_EINVAL
+ * when a codec does not validate or makes blocks larger than the pool's slots of that layer
+ * (see kv_pool_create_plans). */
+kv_seq *kv_seq_create_plan(kv_pool *pool, const kv_codec_params *codecs, size_t max_tokens, strata_error *err);
+/* The codec of a sequence's layer (its own plan's or the pool's); NULL for a bad layer. */
+const kv_codec_params *kv_seq_codec(const kv_seq *seq, int layer);
 /* Returns every block of the sequence to its pool. */
 void kv_seq_destroy(kv_seq *seq);
 
@@ -227,14 +243,15 @@ int kv_seq_spill(kv_seq *seq, strata_error *err);
 int kv_seq_resume(kv_seq *seq, strata_error *err);
 bool kv_seq_is_spilled(const kv_seq *seq);
 
-/* Migration: the whole sequence as one byte image (docs/format.md, "Sequence image"): per
- * layer its blocks as their exact stored bytes (each still self-describing and CRC-protected),
- * its fp16 tail, its prompt length and OTT's pool state, with a CRC32C over the whole image. kv_seq_export reads
- * blocks that sit below the device from the lower tier (checking them) without moving them;
- * *out is malloc'd. kv_seq_import rebuilds the sequence in a pool of the same geometry and
- * codecs, checking every block's CRCs and place; the result is bit for bit the exported
- * sequence (appends and attention continue exactly as they would have; OTT's pool state travels
- * with its layer). A spilled sequence must be resumed first. */
+/* Migration: the whole sequence as one byte image (docs/format.md, "Sequence image"): its plan,
+ * then per layer its blocks as their exact stored bytes (each still self-describing and
+ * CRC-protected), its fp16 tail, its prompt length and OTT's pool state, with a CRC32C over the
+ * whole image. kv_seq_export reads blocks that sit below the device from the lower tier (checking
+ * them) without moving them; *out is malloc'd. kv_seq_import rebuilds the sequence in a pool of
+ * the same geometry, with the image's plan (which must fit the pool's slots, as for
+ * kv_seq_create_plan), checking every block's CRCs, place and codec; the result is bit for bit
+ * the exported sequence (appends and attention continue exactly as they would have; OTT's pool
+ * state travels with its layer). A spilled sequence must be resumed first. */
 int kv_seq_export(kv_seq *seq, uint8_t **out, size_t *len, strata_error *err);
 kv_seq *kv_seq_import(kv_pool *pool, size_t max_tokens, const uint8_t *image, size_t len, strata_error *err);
 

@@ -77,6 +77,7 @@ typedef struct kv_layer {
 
 struct kv_seq {
     kv_pool *pool;
+    kv_codec_params *codecs;   /* [n_layers]: the pool's plan or the sequence's own */
     uint64_t id;
     size_t max_tokens;
     size_t max_blocks;
@@ -89,13 +90,26 @@ struct kv_seq {
 
 static bool mul_ok(size_t a, size_t b, size_t *out) { return !__builtin_mul_overflow(a, b, out); }
 
-size_t kv_plan_row_bytes(const kv_geometry *g, const kv_codec_params *codecs)
+/* The slot a layer needs so that a block of any of the plans fits; 0 if one does not validate. */
+static size_t layer_slot(const kv_geometry *g, const kv_codec_params *const *plans, int n_plans, int layer)
 {
-    if (!g || !codecs || g->n_layers < 1)
+    size_t slot = 0;
+    for (int i = 0; i < n_plans; i++) {
+        size_t b = kv_block_size(&plans[i][layer], g);
+        if (b == 0)
+            return 0;
+        slot = b > slot ? b : slot;
+    }
+    return slot;
+}
+
+size_t kv_plans_row_bytes(const kv_geometry *g, const kv_codec_params *const *plans, int n_plans)
+{
+    if (!g || !plans || n_plans < 1 || g->n_layers < 1)
         return 0;
     size_t total = 0;
     for (int l = 0; l < g->n_layers; l++) {
-        size_t b = kv_block_size(&codecs[l], g);
+        size_t b = layer_slot(g, plans, n_plans, l);
         if (b == 0 || total > SIZE_MAX - b)
             return 0;
         total += b;
@@ -103,15 +117,48 @@ size_t kv_plan_row_bytes(const kv_geometry *g, const kv_codec_params *codecs)
     return total;
 }
 
-static kv_pool *pool_new(const kv_geometry *g, const kv_codec_params *codecs, const size_t *slots_of_layer,
-                         bool one_class, strata_error *err)
+size_t kv_plans_largest_block(const kv_geometry *g, const kv_codec_params *const *plans, int n_plans)
+{
+    size_t largest = 0;
+    for (int l = 0; g && plans && n_plans > 0 && l < g->n_layers; l++) {
+        size_t b = layer_slot(g, plans, n_plans, l);
+        if (b == 0)
+            return 0;
+        largest = b > largest ? b : largest;
+    }
+    return largest;
+}
+
+size_t kv_plan_row_bytes(const kv_geometry *g, const kv_codec_params *codecs)
+{
+    return kv_plans_row_bytes(g, &codecs, 1);
+}
+
+size_t kv_plan_largest_block(const kv_geometry *g, const kv_codec_params *codecs)
+{
+    return kv_plans_largest_block(g, &codecs, 1);
+}
+
+static int validate_plan(const kv_geometry *g, const kv_codec_params *codecs, strata_error *err)
 {
     for (int l = 0; l < g->n_layers; l++)
         if (kv_codec_validate(&codecs[l], g, err) != STRATA_OK) {
             if (err && g->n_layers > 1)
                 strata_error_prefix(err, "kv plan layer %d", l);
-            return NULL;
+            return err ? err->code : STRATA_EINVAL;
         }
+    return STRATA_OK;
+}
+
+/* plans[0] is the pool's own plan (a sequence's unless it names another); the slots of a layer
+ * hold the largest block any of the plans makes there. */
+static kv_pool *pool_new(const kv_geometry *g, const kv_codec_params *const *plans, int n_plans,
+                         const size_t *slots_of_layer, bool one_class, strata_error *err)
+{
+    for (int i = 0; i < n_plans; i++)
+        if (validate_plan(g, plans[i], err) != STRATA_OK)
+            return NULL;
+    const kv_codec_params *codecs = plans[0];
     kv_pool *p = calloc(1, sizeof *p);
     if (!p)
         goto oom;
@@ -123,12 +170,9 @@ static kv_pool *pool_new(const kv_geometry *g, const kv_codec_params *codecs, co
     if (!p->codecs || !p->layer_class || !p->classes)
         goto oom;
     memcpy(p->codecs, codecs, L * sizeof *codecs);
-    size_t largest = 0;
-    for (size_t l = 0; l < L; l++)
-        if (kv_block_size(&codecs[l], g) > largest)
-            largest = kv_block_size(&codecs[l], g);
+    const size_t largest = kv_plans_largest_block(g, plans, n_plans);
     for (size_t l = 0; l < L; l++) {
-        size_t slot = one_class ? largest : kv_block_size(&codecs[l], g);
+        size_t slot = one_class ? largest : layer_slot(g, plans, n_plans, (int)l);
         int c = 0;
         while (c < p->n_classes && p->classes[c].slot_bytes != slot)
             c++;
@@ -219,52 +263,33 @@ kv_pool *kv_pool_create(const kv_geometry *g, const kv_codec_params *codec, size
         for (size_t l = 0; l < L; l++)
             codecs[l] = *codec;
         slots[0] = n_slots;   /* one class: all layers share every slot */
-        p = pool_new(g, codecs, slots, false, err);
+        const kv_codec_params *plan = codecs;
+        p = pool_new(g, &plan, 1, slots, false, err);
     }
     free(codecs);
     free(slots);
     return p;
 }
 
-kv_pool *kv_pool_create_plan(const kv_geometry *g, const kv_codec_params *codecs, size_t blocks_per_layer,
-                             strata_error *err)
+kv_pool *kv_pool_create_plans(const kv_geometry *g, const kv_codec_params *const *plans, int n_plans,
+                              size_t blocks_per_layer, bool shared, strata_error *err)
 {
-    if (!g || !codecs) {
+    if (!g || !plans || n_plans < 1) {
         strata_fail(err, STRATA_EINVAL, "kv pool: NULL geometry or plan");
         return NULL;
     }
+    for (int i = 0; i < n_plans; i++)
+        if (!plans[i]) {
+            strata_fail(err, STRATA_EINVAL, "kv pool: NULL geometry or plan");
+            return NULL;
+        }
     if (g->n_layers < 1) {
         strata_fail(err, STRATA_EINVAL, "kv geometry: n_layers %d must be positive", g->n_layers);
         return NULL;
     }
     if (blocks_per_layer < 1) {
-        strata_fail(err, STRATA_EINVAL, "kv pool: blocks_per_layer must be at least 1");
-        return NULL;
-    }
-    size_t *slots = malloc((size_t)g->n_layers * sizeof *slots);
-    if (!slots) {
-        strata_fail(err, STRATA_ENOMEM, "kv pool: out of memory");
-        return NULL;
-    }
-    for (int l = 0; l < g->n_layers; l++)
-        slots[l] = blocks_per_layer;
-    kv_pool *p = pool_new(g, codecs, slots, false, err);
-    free(slots);
-    return p;
-}
-
-kv_pool *kv_pool_create_shared(const kv_geometry *g, const kv_codec_params *codecs, size_t n_slots, strata_error *err)
-{
-    if (!g || !codecs) {
-        strata_fail(err, STRATA_EINVAL, "kv pool: NULL geometry or plan");
-        return NULL;
-    }
-    if (g->n_layers < 1) {
-        strata_fail(err, STRATA_EINVAL, "kv geometry: n_layers %d must be positive", g->n_layers);
-        return NULL;
-    }
-    if (n_slots < 1) {
-        strata_fail(err, STRATA_EINVAL, "kv pool: n_slots must be at least 1");
+        strata_fail(err, STRATA_EINVAL, shared ? "kv pool: n_slots must be at least 1"
+                                               : "kv pool: blocks_per_layer must be at least 1");
         return NULL;
     }
     size_t *slots = calloc((size_t)g->n_layers, sizeof *slots);
@@ -272,23 +297,22 @@ kv_pool *kv_pool_create_shared(const kv_geometry *g, const kv_codec_params *code
         strata_fail(err, STRATA_ENOMEM, "kv pool: out of memory");
         return NULL;
     }
-    slots[0] = n_slots;
-    kv_pool *p = pool_new(g, codecs, slots, true, err);
+    for (int l = 0; l < g->n_layers; l++)
+        slots[l] = shared ? (l == 0 ? blocks_per_layer : 0) : blocks_per_layer;
+    kv_pool *p = pool_new(g, plans, n_plans, slots, shared, err);
     free(slots);
     return p;
 }
 
-size_t kv_plan_largest_block(const kv_geometry *g, const kv_codec_params *codecs)
+kv_pool *kv_pool_create_plan(const kv_geometry *g, const kv_codec_params *codecs, size_t blocks_per_layer,
+                             strata_error *err)
 {
-    size_t largest = 0;
-    for (int l = 0; g && codecs && l < g->n_layers; l++) {
-        size_t b = kv_block_size(&codecs[l], g);
-        if (b == 0)
-            return 0;
-        if (b > largest)
-            largest = b;
-    }
-    return largest;
+    return kv_pool_create_plans(g, &codecs, 1, blocks_per_layer, false, err);
+}
+
+kv_pool *kv_pool_create_shared(const kv_geometry *g, const kv_codec_params *codecs, size_t n_slots, strata_error *err)
+{
+    return kv_pool_create_plans(g, &codecs, 1, n_slots, true, err);
 }
 
 void kv_pool_destroy(kv_pool *pool)
@@ -475,6 +499,29 @@ static int slot_take(kv_pool *p, int cls, uint8_t **out, strata_error *err)
 
 kv_seq *kv_seq_create(kv_pool *pool, size_t max_tokens, strata_error *err)
 {
+    return kv_seq_create_plan(pool, NULL, max_tokens, err);
+}
+
+/* A sequence's own plan must validate and make no block larger than the pool's slots there. */
+static int plan_fits_pool(const kv_pool *pool, const kv_codec_params *codecs, strata_error *err)
+{
+    const kv_geometry *g = &pool->geom;
+    int rc = validate_plan(g, codecs, err);
+    for (int l = 0; rc == STRATA_OK && l < g->n_layers; l++) {
+        const size_t block = kv_block_size(&codecs[l], g), slot = pool->classes[pool->layer_class[l]].slot_bytes;
+        if (block > slot) {
+            char name[64];
+            kv_codec_name(&codecs[l], name, sizeof name);
+            rc = strata_fail(err, STRATA_EINVAL, "kv sequence: layer %d's codec %s makes blocks of %zu bytes; this "
+                             "pool's slots there hold %zu (a pool takes other plans only when made for them)", l,
+                             name, block, slot);
+        }
+    }
+    return rc;
+}
+
+kv_seq *kv_seq_create_plan(kv_pool *pool, const kv_codec_params *codecs, size_t max_tokens, strata_error *err)
+{
     if (!pool) {
         strata_fail(err, STRATA_EINVAL, "kv sequence: NULL pool");
         return NULL;
@@ -483,6 +530,8 @@ kv_seq *kv_seq_create(kv_pool *pool, size_t max_tokens, strata_error *err)
         strata_fail(err, STRATA_EINVAL, "kv sequence: max_tokens must be at least 1");
         return NULL;
     }
+    if (codecs && plan_fits_pool(pool, codecs, err) != STRATA_OK)
+        return NULL;
     const kv_geometry *g = &pool->geom;
     const size_t bt = (size_t)g->block_tokens;
     const size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim;
@@ -496,14 +545,18 @@ kv_seq *kv_seq_create(kv_pool *pool, size_t max_tokens, strata_error *err)
     s->max_tokens = max_tokens;
     s->max_blocks = max_tokens / bt;
     s->layers = calloc((size_t)g->n_layers, sizeof *s->layers);
-    if (!s->layers) {
+    s->codecs = malloc((size_t)g->n_layers * sizeof *s->codecs);
+    if (!s->layers || !s->codecs) {
+        free(s->layers);
+        free(s->codecs);
         free(s);
         strata_fail(err, STRATA_ENOMEM, "kv sequence: out of memory for %d layers", g->n_layers);
         return NULL;
     }
+    memcpy(s->codecs, codecs ? codecs : pool->codecs, (size_t)g->n_layers * sizeof *s->codecs);
     for (int l = 0; l < g->n_layers; l++) {
         kv_layer *L = &s->layers[l];
-        const kv_codec_params *c = &pool->codecs[l];
+        const kv_codec_params *c = &s->codecs[l];
         size_t window = (size_t)c->residual + bt, tail_elems;
         L->tail_cap = max_tokens < window ? max_tokens : window;
         if (!mul_ok(L->tail_cap, row, &tail_elems) || tail_elems > SIZE_MAX / sizeof(uint16_t)) {
@@ -559,6 +612,7 @@ void kv_seq_destroy(kv_seq *seq)
         kv_ott_tracker_destroy(L->ott_undo);
     }
     free(seq->layers);
+    free(seq->codecs);
     if (seq->prev)
         seq->prev->next = seq->next;
     else if (p->seqs == seq)
@@ -569,6 +623,13 @@ void kv_seq_destroy(kv_seq *seq)
 }
 
 const kv_pool *kv_seq_pool(const kv_seq *seq) { return seq->pool; }
+
+const kv_codec_params *kv_seq_codec(const kv_seq *seq, int layer)
+{
+    if (!seq || layer < 0 || layer >= seq->pool->geom.n_layers)
+        return NULL;
+    return &seq->codecs[layer];
+}
 uint64_t kv_seq_id(const kv_seq *seq) { return seq->id; }
 void kv_seq_set_id(kv_seq *seq, uint64_t id) { seq->id = id; }
 
@@ -643,7 +704,7 @@ int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t
     kv_layer *L = &seq->layers[layer];
     const int cls_index = p->layer_class[layer];
     slot_class *cls = &p->classes[cls_index];
-    const kv_codec_params *codec = &p->codecs[layer];
+    const kv_codec_params *codec = &seq->codecs[layer];
     const size_t bt = (size_t)g->block_tokens, R = (size_t)codec->residual;
     const size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim;
     size_t len = L->n_blocks * bt + L->tail_len;
@@ -799,7 +860,7 @@ void kv_seq_layer_error(const kv_seq *seq, int layer, kv_layer_error *out)
 static size_t new_blocks(const kv_seq *seq, int layer, size_t n_tokens)
 {
     const kv_pool *p = seq->pool;
-    const size_t bt = (size_t)p->geom.block_tokens, R = (size_t)p->codecs[layer].residual;
+    const size_t bt = (size_t)p->geom.block_tokens, R = (size_t)seq->codecs[layer].residual;
     return blocks_leaving(seq->layers[layer].tail_len + n_tokens, R, bt);
 }
 
@@ -1175,15 +1236,25 @@ int kv_seq_export(kv_seq *seq, uint8_t **out, size_t *out_len, strata_error *err
         return strata_fail(err, STRATA_EINVAL, "kv export: NULL sequence");
     if (seq->spilled)
         return strata_fail(err, STRATA_EINVAL, "kv export: sequence %" PRIu64 " is spilled; resume it first", seq->id);
-    const kv_image_source src = {seq, export_layer, export_ott, export_block_bytes, export_block, export_tail};
+    const kv_image_source src = {.ctx = seq, .layer = export_layer, .ott_state = export_ott,
+                                 .block_bytes = export_block_bytes, .block = export_block, .tail = export_tail,
+                                 .codecs = seq->codecs};
     return kv_image_write(&seq->pool->geom, &src, out, out_len, err);
 }
 
 typedef struct import_ctx {
-    kv_seq *s;
+    kv_pool *pool;
+    kv_seq *s;           /* made when the image's plan is read */
     size_t max_tokens;
     size_t prompt_end;   /* of the layer being read */
 } import_ctx;
+
+static int import_plan(void *ctx, const kv_codec_params *codecs, strata_error *err)
+{
+    import_ctx *c = ctx;
+    c->s = kv_seq_create_plan(c->pool, codecs, c->max_tokens, err);
+    return c->s ? STRATA_OK : strata_error_prefix(err, "kv import");
+}
 
 static int import_layer(void *ctx, int l, const kv_image_layer *info, const uint8_t *ott, strata_error *err)
 {
@@ -1195,8 +1266,8 @@ static int import_layer(void *ctx, int l, const kv_image_layer *info, const uint
         return strata_fail(err, STRATA_EINVAL, "kv import: layer %d holds %zu blocks and %zu tail tokens; this "
                            "sequence takes at most %zu tokens", l, info->n_blocks, info->tail_len, c->max_tokens);
     if ((info->ott_bytes != 0) != (L->ott != NULL) || (L->ott && !kv_ott_tracker_load(L->ott, ott, info->ott_bytes)))
-        return strata_fail(err, STRATA_EINVAL, "kv import: layer %d's OTT state (%zu bytes) does not fit this pool's "
-                           "codec", l, info->ott_bytes);
+        return strata_fail(err, STRATA_EINVAL, "kv import: layer %d's OTT state (%zu bytes) does not fit the "
+                           "sequence's codec", l, info->ott_bytes);
     c->prompt_end = info->prompt_end;
     return STRATA_OK;
 }
@@ -1206,9 +1277,12 @@ static int import_block(void *ctx, int l, size_t b, const kv_block *blk, strata_
     import_ctx *c = ctx;
     kv_pool *pool = c->s->pool;
     kv_layer *L = &c->s->layers[l];
-    if ((int)blk->desc.codec != (int)pool->codecs[l].codec || blk->block_bytes > class_of(pool, l)->slot_bytes)
-        return strata_fail(err, STRATA_EINVAL, "kv import: layer %d block %zu (codec %s, %zu bytes) is not what this "
-                           "pool stores there", l, b, kv_codec_id_name(blk->desc.codec), (size_t)blk->block_bytes);
+    const kv_codec_params *want = &c->s->codecs[l];
+    if ((int)blk->desc.codec != (int)want->codec || blk->desc.k_bits != want->bits ||
+        blk->block_bytes > kv_block_size(want, &pool->geom))
+        return strata_fail(err, STRATA_EINVAL, "kv import: layer %d block %zu (codec %s, %zu bytes) is not what the "
+                           "sequence's plan stores there", l, b, kv_codec_id_name(blk->desc.codec),
+                           (size_t)blk->block_bytes);
     uint8_t *slot = NULL;
     int rc = slot_take(pool, pool->layer_class[l], &slot, err);
     if (rc != STRATA_OK)
@@ -1243,14 +1317,12 @@ kv_seq *kv_seq_import(kv_pool *pool, size_t max_tokens, const uint8_t *img, size
         strata_fail(err, STRATA_EINVAL, "kv import: NULL argument");
         return NULL;
     }
-    kv_seq *s = kv_seq_create(pool, max_tokens, err);
-    if (!s)
-        return NULL;
-    import_ctx c = {.s = s, .max_tokens = max_tokens};
-    const kv_image_sink sink = {&c, import_layer, import_block, import_tail};
+    import_ctx c = {.pool = pool, .max_tokens = max_tokens};
+    const kv_image_sink sink = {.ctx = &c, .plan = import_plan, .layer = import_layer, .block = import_block,
+                                .tail = import_tail};
     if (kv_image_read(&pool->geom, img, len, &sink, err) != STRATA_OK) {
-        kv_seq_destroy(s);
+        kv_seq_destroy(c.s);
         return NULL;
     }
-    return s;
+    return c.s;
 }

@@ -6,10 +6,12 @@
 
 #include "kvstore/bytes.h"
 #include "kvstore/crc32c.h"
+#include "kvstore/plan.h"
 
 #define SEQ_IMAGE_MAGIC 0x49564b53u   /* "SKVI" */
-#define SEQ_IMAGE_VERSION 1u
+#define SEQ_IMAGE_VERSION 2u          /* 2: the plan follows the head (sequences may have their own) */
 #define SEQ_IMAGE_HEAD 24u            /* magic, version, flags, n_layers, heads, head_dim, block_tokens */
+#define SEQ_IMAGE_PLAN_MAX 65536u     /* a plan's range list never comes near it */
 #define SEQ_IMAGE_LAYER_HEAD 16u      /* n_blocks, tail_len, prompt_end */
 
 typedef struct image_writer {
@@ -93,10 +95,21 @@ int kv_image_write(const kv_geometry *g, const kv_image_source *src, uint8_t **o
     *out_len = 0;
     if (!g || !src)
         return strata_fail(err, STRATA_EINVAL, "kv export: NULL argument");
+    if (!src->codecs || g->n_layers < 1)
+        return strata_fail(err, STRATA_EINVAL, "kv export: the sequence's plan is missing");
+    /* A codec's canonical name is under 64 bytes; a range adds "ddd-ddd:," */
+    const size_t plan_cap = (size_t)g->n_layers * 96 + 1;
+    char *plan = malloc(plan_cap);
+    if (!plan)
+        return strata_fail(err, STRATA_ENOMEM, "kv export: out of memory");
+    kv_plan_format(src->codecs, g->n_layers, plan, plan_cap);
+    const size_t plan_len = strlen(plan);
     image_writer w = {0};
     uint16_t *rows = NULL;
     size_t rows_cap = 0;
-    int rc = image_room(&w, SEQ_IMAGE_HEAD, err);
+    int rc = plan_len == 0 || plan_len > SEQ_IMAGE_PLAN_MAX
+                 ? strata_fail(err, STRATA_EINVAL, "kv export: the sequence's plan does not format")
+                 : image_room(&w, SEQ_IMAGE_HEAD + 4 + plan_len, err);
     if (rc == STRATA_OK) {
         kv_st32(w.buf, SEQ_IMAGE_MAGIC);
         kv_st16(w.buf + 4, SEQ_IMAGE_VERSION);
@@ -105,8 +118,11 @@ int kv_image_write(const kv_geometry *g, const kv_image_source *src, uint8_t **o
         kv_st32(w.buf + 12, (uint32_t)g->n_kv_heads);
         kv_st32(w.buf + 16, (uint32_t)g->head_dim);
         kv_st32(w.buf + 20, (uint32_t)g->block_tokens);
-        w.len = SEQ_IMAGE_HEAD;
+        kv_st32(w.buf + SEQ_IMAGE_HEAD, (uint32_t)plan_len);
+        memcpy(w.buf + SEQ_IMAGE_HEAD + 4, plan, plan_len);
+        w.len = SEQ_IMAGE_HEAD + 4 + plan_len;
     }
+    free(plan);
     for (int l = 0; rc == STRATA_OK && l < g->n_layers; l++)
         rc = write_layer(g, src, l, &w, &rows, &rows_cap, err);
     if (rc == STRATA_OK && (rc = image_room(&w, 4, err)) == STRATA_OK) {
@@ -178,10 +194,45 @@ static int read_layer(const kv_geometry *g, const uint8_t *img, size_t body, siz
     return rc;
 }
 
+/* The plan after the head: u32 length, then its range list (printable ASCII, no terminator). */
+static int read_plan(const kv_geometry *g, const uint8_t *img, size_t body, size_t *at, const kv_image_sink *sink,
+                     strata_error *err)
+{
+    const uint8_t *lp = image_take(img, body, at, 4);
+    const size_t plan_len = lp ? kv_ld32(lp) : 0;
+    if (!lp || plan_len == 0 || plan_len > SEQ_IMAGE_PLAN_MAX)
+        return strata_fail(err, STRATA_EFORMAT, "kv import: the image's plan is missing or %zu bytes long", plan_len);
+    const uint8_t *text = image_take(img, body, at, plan_len);
+    if (!text)
+        return strata_fail(err, STRATA_EFORMAT, "kv import: the image ends in its plan");
+    for (size_t i = 0; i < plan_len; i++)
+        if (text[i] < 0x20 || text[i] > 0x7e)
+            return strata_fail(err, STRATA_EFORMAT, "kv import: the image's plan holds byte 0x%02x", text[i]);
+    char *spec = malloc(plan_len + 1);
+    kv_codec_params *codecs = calloc((size_t)g->n_layers, sizeof *codecs);
+    int rc = STRATA_OK;
+    if (!spec || !codecs) {
+        rc = strata_fail(err, STRATA_ENOMEM, "kv import: out of memory");
+    } else {
+        memcpy(spec, text, plan_len);
+        spec[plan_len] = 0;
+        if ((rc = kv_plan_parse(spec, g->n_layers, codecs, err)) != STRATA_OK)
+            strata_error_prefix(err, "kv import: the image's plan");
+        for (int l = 0; rc == STRATA_OK && l < g->n_layers; l++)
+            if ((rc = kv_codec_validate(&codecs[l], g, err)) != STRATA_OK)
+                strata_error_prefix(err, "kv import: the image's plan at layer %d", l);
+        if (rc == STRATA_OK)
+            rc = sink->plan(sink->ctx, codecs, err);
+    }
+    free(spec);
+    free(codecs);
+    return rc;
+}
+
 int kv_image_read(const kv_geometry *g, const uint8_t *img, size_t len, const kv_image_sink *sink,
                   strata_error *err)
 {
-    if (!g || !img || !sink)
+    if (!g || !img || !sink || !sink->plan || g->n_layers < 1)
         return strata_fail(err, STRATA_EINVAL, "kv import: NULL argument");
     if (len < SEQ_IMAGE_HEAD + 4 || kv_ld32(img) != SEQ_IMAGE_MAGIC)
         return strata_fail(err, STRATA_EFORMAT, "kv import: not a sequence image (%zu bytes)", len);
@@ -199,9 +250,12 @@ int kv_image_read(const kv_geometry *g, const uint8_t *img, size_t len, const kv
                            g->n_kv_heads, g->head_dim, g->block_tokens);
     const size_t body = len - 4;
     size_t at = SEQ_IMAGE_HEAD, first = 0;
+    int rc = read_plan(g, img, body, &at, sink, err);
+    if (rc != STRATA_OK)
+        return rc;
     for (int l = 0; l < g->n_layers; l++) {
         size_t tokens = 0;
-        int rc = read_layer(g, img, body, &at, l, sink, &tokens, err);
+        rc = read_layer(g, img, body, &at, l, sink, &tokens, err);
         if (rc != STRATA_OK)
             return rc;
         if (l == 0)

@@ -29,6 +29,7 @@ typedef struct kv_image_source {
     int (*block_bytes)(void *ctx, int l, size_t b, uint32_t *bytes, strata_error *err);
     int (*block)(void *ctx, int l, size_t b, uint8_t *dst, strata_error *err);    /* its exact bytes */
     int (*tail)(void *ctx, int l, uint16_t *k, uint16_t *v, strata_error *err);   /* tail_len rows each */
+    const kv_codec_params *codecs;   /* the sequence's plan: n_layers entries, written as its range list */
 } kv_image_source;
 
 /* The image of a sequence of geometry g (n_layers local layers); *out is malloc'd. Every block
@@ -41,6 +42,8 @@ int kv_image_write(const kv_geometry *g, const kv_image_source *src, uint8_t **o
  * knows (codec, slot size, its room, whether its OTT state fits). */
 typedef struct kv_image_sink {
     void *ctx;
+    /* the sequence's plan (n_layers entries, parsed from the image), before any layer */
+    int (*plan)(void *ctx, const kv_codec_params *codecs, strata_error *err);
     /* layer l's counts and OTT state (NULL when ott_bytes is 0), before its blocks */
     int (*layer)(void *ctx, int l, const kv_image_layer *info, const uint8_t *ott_state, strata_error *err);
     int (*block)(void *ctx, int l, size_t b, const kv_block *parsed, strata_error *err);
@@ -48,7 +51,7 @@ typedef struct kv_image_sink {
     int (*tail)(void *ctx, int l, const uint8_t *k, const uint8_t *v, size_t tail_len, strata_error *err);
 } kv_image_sink;
 
-/* Checks the image (CRC, magic, version, geometry g, each record's bounds, every block, equal
+/* Checks the image (CRC, magic, version, geometry g, its plan, each record's bounds, every block, equal
  * token counts across layers, nothing after the last layer) while handing it to the sink in
  * order. STRATA_EFORMAT for a truncated or malformed image, STRATA_ECRC for a CRC mismatch,
  * STRATA_EINVAL for an image that does not fit g; the sink's own codes pass through. On failure

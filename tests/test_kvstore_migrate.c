@@ -78,6 +78,15 @@ static void recrc(uint8_t *img, size_t len)
         img[len - 4 + (size_t)i] = (uint8_t)(c >> (8 * i));
 }
 
+static size_t ld32(const uint8_t *p) { return (size_t)p[0] | (size_t)p[1] << 8 | (size_t)p[2] << 16 | (size_t)p[3] << 24; }
+
+static const char *spec_canon(const kv_codec_params *plan)
+{
+    static char buf[512];
+    kv_plan_format(plan, LAYERS, buf, sizeof buf);
+    return buf;
+}
+
 static void round_trip(const char *spec)
 {
     kv_codec_params plan[LAYERS];
@@ -123,8 +132,10 @@ static void round_trip(const char *spec)
     assert_non_null(c);
     kv_seq_destroy(c);
     memcpy(bad, img, len);
-    const size_t ott0 = (size_t)img[40] | (size_t)img[41] << 8 | (size_t)img[42] << 16 | (size_t)img[43] << 24;
-    bad[24 + 20 + ott0 + 4 + 200] ^= 0x01;   /* layer 0's first block, in its payload */
+    const size_t layer0 = 24 + 4 + ld32(img + 24);   /* the head, then the plan's length and text */
+    assert_memory_equal(img + 28, spec_canon(plan), ld32(img + 24));
+    const size_t ott0 = ld32(img + layer0 + 16);
+    bad[layer0 + 20 + ott0 + 4 + 200] ^= 0x01;   /* layer 0's first block, in its payload */
     recrc(bad, len);
     assert_null(kv_seq_import(pb, 1024, bad, len, &err));
     assert_int_equal(err.code, STRATA_ECRC);
@@ -134,7 +145,7 @@ static void round_trip(const char *spec)
     assert_null(kv_seq_import(pb, 1024, bad, len, &err));
     assert_int_equal(err.code, STRATA_EFORMAT);
     memcpy(bad, img, len);
-    bad[24 + 8] = 0xff;      /* layer 0's prompt_end beyond its tokens */
+    bad[layer0 + 8] = 0xff;  /* layer 0's prompt_end beyond its tokens */
     recrc(bad, len);
     assert_null(kv_seq_import(pb, 1024, bad, len, &err));
     assert_int_equal(err.code, STRATA_EINVAL);

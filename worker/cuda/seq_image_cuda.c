@@ -8,6 +8,7 @@
 
 #include "kvstore/bytes.h"
 #include "kvstore/ott.h"
+#include "kvstore/plan.h"
 #include "kvstore/seq_image.h"
 #include "worker/cuda/model_cuda_impl.h"
 
@@ -134,13 +135,36 @@ int cuda_seq_export(cuda_seq *s, uint8_t **img, size_t *len, strata_error *err)
     const kv_geometry g = {.n_layers = s->n_layers, .n_kv_heads = cfg->n_kv_heads, .head_dim = cfg->head_dim,
                            .block_tokens = s->block_tokens};
     image_ctx c = {.s = s};
-    const kv_image_source src = {&c, ex_layer, ex_ott, ex_block_bytes, ex_block, ex_tail};
+    const kv_image_source src = {.ctx = &c, .layer = ex_layer, .ott_state = ex_ott, .block_bytes = ex_block_bytes,
+                                 .block = ex_block, .tail = ex_tail, .codecs = s->codecs};
     int rc = kv_image_write(&g, &src, img, len, err);
     free(c.stage);
     return rc;
 }
 
 /* ---- import ---- */
+
+/* The GPU sequence is made with the caller's plan before the image is read: the image's must be
+ * the same (the device kernels take one layout per layer of a sequence, set at creation). */
+static int im_plan(void *ctx, const kv_codec_params *codecs, strata_error *err)
+{
+    const cuda_seq *s = ((image_ctx *)ctx)->s;
+    const size_t cap = (size_t)s->n_layers * 96 + 1;
+    char *mine = malloc(cap), *theirs = malloc(cap);
+    int rc = STRATA_OK;
+    if (!mine || !theirs) {
+        rc = strata_fail(err, STRATA_ENOMEM, "kv import: out of memory");
+    } else {
+        kv_plan_format(s->codecs, s->n_layers, mine, cap);
+        kv_plan_format(codecs, s->n_layers, theirs, cap);
+        if (strcmp(mine, theirs) != 0)
+            rc = strata_fail(err, STRATA_EUNSUPPORTED, "kv import: the image's plan '%s' is not this GPU sequence's "
+                             "'%s'", theirs, mine);
+    }
+    free(mine);
+    free(theirs);
+    return rc;
+}
 
 static int im_layer(void *ctx, int l, const kv_image_layer *info, const uint8_t *ott, strata_error *err)
 {
@@ -246,7 +270,7 @@ cuda_seq *cuda_seq_import(cuda_model *cm, const kv_codec_params *codecs, int blo
     const kv_geometry g = {.n_layers = s->n_layers, .n_kv_heads = cm->cfg.n_kv_heads, .head_dim = cm->cfg.head_dim,
                            .block_tokens = block_tokens};
     image_ctx c = {.s = s, .max_tokens = max_tokens};
-    const kv_image_sink sink = {&c, im_layer, im_block, im_tail};
+    const kv_image_sink sink = {.ctx = &c, .plan = im_plan, .layer = im_layer, .block = im_block, .tail = im_tail};
     const int rc = kv_image_read(&g, img, len, &sink, err);
     free(c.stage);
     if (rc != STRATA_OK) {
