@@ -57,6 +57,7 @@ typedef struct seq_spec {
     int32_t got[STEPS + 1];
     size_t n_got;
     size_t len;                 /* tokens in its KV */
+    const char *kv;             /* its own KV plan (SeqWork.kv_plan), NULL: the stage's */
 } seq_spec;
 
 static void reference(seq_spec *q, int n_tokens, const char *kv)
@@ -111,6 +112,7 @@ static void build_plan(plan_buf *b, uint64_t step, seq_spec *seqs, size_t n, int
             for (size_t k = 0; k < q->n_prompt; k++)
                 b->tokens[b->plan.n_seqs][k] = (uint32_t)q->prompt[k];
             w->n_tokens = q->n_prompt;
+            w->kv_plan = (char *)(q->kv ? q->kv : "");
         } else {
             b->tokens[b->plan.n_seqs][0] = (uint32_t)q->got[q->n_got - 1];
             w->n_tokens = 1;
@@ -203,21 +205,24 @@ static void link_pair(accept_job *aj, dp_link **to_back)
     assert_int_equal(aj->rc, STRATA_OK);
 }
 
-/* Two stages over a TCP link; o NULL: the CPU, whose tokens equal the whole model's bit for bit.
- * With o->cuda (only where a GPU is present) the stages run on the GPU with fp16 weights: every
- * step must run, and the tokens are compared with the CPU's (first tokens equal; the agreement is
+/* Two stages over a TCP link; o NULL: the CPU, whose tokens equal the whole model's bit for bit,
+ * with two of the three sequences on plans of their own (one that differs across the stages'
+ * layers), each against the whole model on that plan. With o->cuda (only where a GPU is present)
+ * the stages run on the GPU with fp16 weights and every sequence on the stages' plan: every step
+ * must run, and the tokens are compared with the CPU's (first tokens equal; the agreement is
  * printed, since fp16 weights may turn a greedy choice later on). */
 static void two_stages(const stage_options *o)
 {
     const bool gpu = o && o->cuda;
     const char *kv = "kivi2";
+    char *others[] = {"fp16", "0-14:kivi4,15-29:tada2"};
     seq_spec seqs[3] = {{.id = 11, .n_prompt = 40, .join_step = 1},
-                        {.id = 22, .n_prompt = 150, .join_step = 1},
-                        {.id = 33, .n_prompt = 7, .join_step = 4}};
+                        {.id = 22, .n_prompt = 150, .join_step = 1, .kv = gpu ? NULL : "fp16"},
+                        {.id = 33, .n_prompt = 7, .join_step = 4, .kv = gpu ? NULL : "0-14:kivi4,15-19:tada2,20-29:tada2"}};
     for (size_t i = 0; i < 3; i++) {
         for (size_t k = 0; k < seqs[i].n_prompt; k++)
             seqs[i].prompt[k] = (int32_t)(1 + (k * 7919 + i * 104729) % 40000);
-        reference(&seqs[i], STEPS, kv);
+        reference(&seqs[i], STEPS, seqs[i].kv ? seqs[i].kv : kv);
     }
     strata_error err = {0};
     accept_job aj;
@@ -226,6 +231,8 @@ static void two_stages(const stage_options *o)
     pthread_t th;
 
     Strata__Internal__V1__Assignment a0 = assignment(front, kv), a1 = assignment(back, kv);
+    a0.n_kv_plans = a1.n_kv_plans = gpu ? 0 : 2;
+    a0.kv_plans = a1.kv_plans = others;
     stage *s0 = stage_create(&a0, pick(front, o), o, NULL, to_back, &err);
     if (!s0)
         fail_msg("%s", err.msg);
@@ -263,6 +270,24 @@ static void two_stages(const stage_options *o)
     }
     if (gpu)
         print_message("GPU stages: %d of %d tokens equal to the CPU's\n", agree, 3 * STEPS);
+    /* Each sequence made the blocks of its own plan (equal greedy tokens alone could hide a
+     * sequence run on the stages' plan): fp16 keeps no window, the others 128 tokens. */
+    if (!gpu) {
+        size_t want[2] = {0, 0};
+        kv_codec_params plan[64];
+        for (size_t i = 0; i < 3; i++) {
+            assert_int_equal(kv_plan_parse(seqs[i].kv ? seqs[i].kv : kv, model_get_config(full)->n_layers, plan, &err),
+                             STRATA_OK);
+            for (int l = 0; l < model_get_config(full)->n_layers; l++)
+                want[l >= model_layer_end(front)] += (seqs[i].len - kv_tail_tokens(&plan[l], 64, seqs[i].len)) / 64;
+        }
+        stage_kv_usage u0, u1;
+        stage_get_kv_usage(s0, &u0);
+        stage_get_kv_usage(s1, &u1);
+        assert_true(want[0] > 0);
+        assert_int_equal(u0.device_blocks, want[0]);
+        assert_int_equal(u1.device_blocks, want[1]);
+    }
 
     /* A plan that is wrong for one sequence (position) fails it on both stages; the others go on. */
     build_plan(&b, 100, seqs, 2, 100, STEPS + 1);
@@ -278,11 +303,36 @@ static void two_stages(const stage_options *o)
     assert_int_equal(r0.seqs[0].status, STRATA_EINVAL);
     bool other_sampled = false, first_failed = false;
     for (size_t k = 0; k < bj.res.n_seqs; k++) {
-        other_sampled |= bj.res.seqs[k].seq_id == seqs[1].id && bj.res.seqs[k].sampled;
+        if (bj.res.seqs[k].seq_id == seqs[1].id && bj.res.seqs[k].sampled) {
+            other_sampled = true;
+            seqs[1].got[seqs[1].n_got++] = (int32_t)bj.res.seqs[k].token;
+            seqs[1].len++;
+        }
         first_failed |= bj.res.seqs[k].seq_id == seqs[0].id && bj.res.seqs[k].status == STRATA_EINVAL;
     }
     assert_true(other_sampled);
     assert_true(first_failed);
+
+    /* A sequence on a plan the stages were not assigned fails on both, named; the others go on. */
+    seq_spec odd = {.id = 44, .n_prompt = 5, .join_step = 0, .kv = "gear2"};
+    for (size_t k = 0; k < odd.n_prompt; k++)
+        odd.prompt[k] = (int32_t)(100 + k);
+    seq_spec two[2] = {seqs[1], odd};
+    build_plan(&b, 101, two, 2, 101, STEPS + 2);
+    bj = (back_job){.st = s1, .plan = &b.plan};
+    pthread_create(&th, NULL, run_back, &bj);
+    assert_int_equal(stage_step(s0, &b.plan, &r0, &err), STRATA_OK);
+    pthread_join(th, NULL);
+    assert_int_equal(bj.rc, STRATA_OK);
+    assert_int_equal(r0.n_seqs, 1);
+    assert_int_equal(r0.seqs[0].seq_id, 44);
+    assert_int_equal(r0.seqs[0].status, STRATA_EUNSUPPORTED);
+    if (!strstr(r0.seqs[0].message, "'gear2'"))
+        fail_msg("%s", r0.seqs[0].message);
+    other_sampled = false;
+    for (size_t k = 0; k < bj.res.n_seqs; k++)
+        other_sampled |= bj.res.seqs[k].seq_id == seqs[1].id && bj.res.seqs[k].sampled;
+    assert_true(other_sampled);
 
     stage_destroy(s0);
     stage_destroy(s1);
@@ -533,7 +583,10 @@ static void test_migrate(void **state)
     stage *st_ref = stage_create(&plain, full, NULL, NULL, NULL, &err);
     stage *st_a = stage_create(&tiered, pick(full, &o), &o, NULL, NULL, &err);
     stage *st_b = stage_create(&plain, full, NULL, NULL, NULL, &err);
-    assert_true(st_ref && st_a && st_b);
+    /* larger slots, but not assigned the sequences' plan: its pool could hold them, it refuses */
+    Strata__Internal__V1__Assignment wider = assignment(full, "kivi4-r32");
+    stage *st_c = stage_create(&wider, full, NULL, NULL, NULL, &err);
+    assert_true(st_ref && st_a && st_b && st_c);
     plan_buf b;
     stage_result r;
     for (int step = 1; step <= STEPS; step++) {
@@ -551,6 +604,7 @@ static void test_migrate(void **state)
                 assert_int_equal(stage_export_seq(st_a, mov[i].id, &img, &len, &err), STRATA_OK);
                 assert_int_equal(stage_import_seq(st_b, mov[i].id, img, len, &err), STRATA_OK);
                 assert_int_equal(stage_import_seq(st_b, mov[i].id, img, len, &err), STRATA_EINVAL);   /* twice */
+                assert_int_equal(stage_import_seq(st_c, mov[i].id, img, len, &err), STRATA_EUNSUPPORTED);
                 img[len / 2] ^= 1;
                 assert_int_not_equal(stage_import_seq(st_ref, 99, img, len, &err), STRATA_OK);   /* damaged */
                 free(img);
@@ -575,6 +629,7 @@ static void test_migrate(void **state)
     stage_destroy(st_ref);
     stage_destroy(st_a);
     stage_destroy(st_b);
+    stage_destroy(st_c);
     nftw(base, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
 }
 

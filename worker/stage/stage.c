@@ -30,6 +30,13 @@ struct stage {
     const model_config *cfg;
     bool first, last;
     size_t max_seq_tokens;
+    uint32_t layer_begin;
+    kv_geometry geo;           /* this stage's layers */
+    /* The plans a sequence may use, this stage's layers only: [0] the assignment's kv_plan, then
+     * its kv_plans; as parsed and in canonical form (a request's is compared by its form). */
+    kv_codec_params **plans;
+    char **plan_names;
+    int n_plans;
     kv_pool *pool;
     kv_tiers *tiers;
     stage_gpu *gpu;            /* a GPU stage: its compute and KV (pool and tiers stay NULL) */
@@ -70,6 +77,98 @@ static int grow(void **p, size_t *cap, size_t need, size_t elem)
     return STRATA_OK;
 }
 
+#define STAGE_MAX_PLANS 64   /* the assignment's plan and up to 63 others a request may choose */
+
+/* A plan for the whole model (spec) cut to this stage's layers, each validated; *names its
+ * canonical form (malloc'd). */
+static int stage_plan_slice(const stage *s, const char *spec, const kv_geometry *geo, kv_codec_params **out,
+                            char **name, strata_error *err)
+{
+    const int L = s->cfg->n_layers;
+    kv_codec_params *all = malloc((size_t)L * sizeof *all);
+    *out = malloc((size_t)geo->n_layers * sizeof **out);
+    const size_t cap = (size_t)geo->n_layers * 96 + 1;   /* a range and a codec name per layer at most */
+    *name = malloc(cap);
+    int rc = !all || !*out || !*name ? strata_fail(err, STRATA_ENOMEM, "stage: out of memory")
+                                     : kv_plan_parse(spec, L, all, err);
+    if (rc == STRATA_OK)
+        memcpy(*out, all + s->layer_begin, (size_t)geo->n_layers * sizeof **out);
+    for (int l = 0; rc == STRATA_OK && l < geo->n_layers; l++)
+        if ((rc = kv_codec_validate(&(*out)[l], geo, err)) != STRATA_OK)
+            strata_error_prefix(err, "layer %u", s->layer_begin + (unsigned)l);
+    if (rc == STRATA_OK)
+        kv_plan_format(*out, geo->n_layers, *name, cap);
+    free(all);
+    if (rc != STRATA_OK) {
+        free(*out);
+        free(*name);
+        *out = NULL;
+        *name = NULL;
+    }
+    return rc;
+}
+
+/* The assignment's plans: kv_plan (empty: kivi4), then kv_plans, cut to this stage's layers. */
+static int stage_plans(stage *s, const Strata__Internal__V1__Assignment *a, const kv_geometry *geo, strata_error *err)
+{
+    const size_t n = 1 + a->n_kv_plans;
+    if (n > STAGE_MAX_PLANS)
+        return strata_fail(err, STRATA_EINVAL, "stage: %zu KV plans assigned; at most %d", n, STAGE_MAX_PLANS);
+    s->plans = calloc(n, sizeof *s->plans);
+    s->plan_names = calloc(n, sizeof *s->plan_names);
+    if (!s->plans || !s->plan_names)
+        return strata_fail(err, STRATA_ENOMEM, "stage: out of memory");
+    for (size_t i = 0; i < n; i++) {
+        const char *spec = i == 0 ? (a->kv_plan && *a->kv_plan ? a->kv_plan : "kivi4") : a->kv_plans[i - 1];
+        int rc = stage_plan_slice(s, spec, geo, &s->plans[i], &s->plan_names[i], err);
+        if (rc != STRATA_OK)
+            return strata_error_prefix(err, "stage: KV plan '%s'", spec);
+        s->n_plans++;
+    }
+    return STRATA_OK;
+}
+
+/* Which of the stage's plans a sequence's plan (the whole model's spec) is; -1 with err set
+ * (STRATA_EUNSUPPORTED) when it is none of them. */
+static int stage_plan_index(const stage *s, const char *spec, strata_error *err)
+{
+    kv_codec_params *plan = NULL;
+    char *name = NULL;
+    int found = -1;
+    if (stage_plan_slice(s, spec, &s->geo, &plan, &name, err) != STRATA_OK) {
+        strata_error_prefix(err, "KV plan '%s'", spec);
+        return -1;
+    }
+    for (int i = 0; i < s->n_plans && found < 0; i++)
+        if (strcmp(name, s->plan_names[i]) == 0)
+            found = i;
+    if (found < 0)
+        strata_fail(err, STRATA_EUNSUPPORTED, "KV plan '%s' (here '%s') is not one this worker was assigned: its own "
+                    "'%s' and %d other(s)", spec, name, s->plan_names[0], s->n_plans - 1);
+    free(plan);
+    free(name);
+    return found;
+}
+
+/* True when a sequence's plan (this stage's layers) is one of the stage's. */
+static bool stage_plan_known(const stage *s, const kv_seq *kv)
+{
+    kv_codec_params *plan = malloc((size_t)s->geo.n_layers * sizeof *plan);
+    const size_t cap = (size_t)s->geo.n_layers * 96 + 1;
+    char *name = malloc(cap);
+    bool known = false;
+    if (plan && name) {
+        for (int l = 0; l < s->geo.n_layers; l++)
+            plan[l] = *kv_seq_codec(kv, l);
+        kv_plan_format(plan, s->geo.n_layers, name, cap);
+        for (int i = 0; i < s->n_plans && !known; i++)
+            known = strcmp(name, s->plan_names[i]) == 0;
+    }
+    free(plan);
+    free(name);
+    return known;
+}
+
 stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const stage_options *o, dp_link *prev,
                     dp_link *next, strata_error *err)
 {
@@ -100,10 +199,7 @@ stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const s
         return NULL;
     }
     stage *s = calloc(1, sizeof *s);
-    kv_codec_params *all = malloc((size_t)cfg->n_layers * sizeof *all);
-    if (!s || !all) {
-        free(s);
-        free(all);
+    if (!s) {
         strata_fail(err, STRATA_ENOMEM, "stage: out of memory");
         return NULL;
     }
@@ -119,11 +215,10 @@ stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const s
     s->link_timeout_ms = o && o->link_timeout_ms > 0 ? o->link_timeout_ms : 120000;
 
     kv_geometry geo = model_stage_kv_geometry(m, (int)a->block_tokens);
-    int rc = kv_plan_parse(a->kv_plan && *a->kv_plan ? a->kv_plan : "kivi4", cfg->n_layers, all, err);
-    const kv_codec_params *codecs = all + a->layer_begin;   /* this stage's layers */
-    for (int l = 0; rc == STRATA_OK && l < geo.n_layers; l++)
-        if ((rc = kv_codec_validate(&codecs[l], &geo, err)) != STRATA_OK)
-            strata_error_prefix(err, "layer %u", a->layer_begin + (unsigned)l);
+    s->layer_begin = a->layer_begin;
+    s->geo = geo;
+    int rc = stage_plans(s, a, &geo, err);
+    const kv_codec_params *codecs = rc == STRATA_OK ? s->plans[0] : NULL;   /* this stage's layers */
     const size_t per_seq_blocks = (a->max_seq_tokens + a->block_tokens - 1) / a->block_tokens;
     if (rc == STRATA_OK && model_is_for_device(m) != (o && o->cuda))
         rc = strata_fail(err, STRATA_EINVAL, "stage: a %s stage needs a model loaded %s", o && o->cuda ? "GPU" : "CPU",
@@ -144,7 +239,7 @@ stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const s
         kv_tiers_options to = {.host_bytes = (size_t)a->host_kv_bytes,
                                .nvme_dir = o && o->nvme_dir && a->nvme_kv_bytes ? o->nvme_dir : NULL,
                                .nvme_bytes = a->nvme_kv_bytes};
-        size_t slot = kv_plan_largest_block(&geo, codecs);
+        size_t slot = kv_plans_largest_block(&geo, (const kv_codec_params *const *)s->plans, s->n_plans);
         size_t n_slots = a->device_kv_bytes ? (size_t)a->device_kv_bytes / slot
                                             : per_seq_blocks * a->max_batch_seqs * (size_t)geo.n_layers;
         if (n_slots == 0)
@@ -152,22 +247,23 @@ stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const s
                              a->device_kv_bytes, slot);
         if (rc == STRATA_OK && !(s->tiers = kv_tiers_create(&to, err)))
             rc = err ? err->code : STRATA_EIO;
-        if (rc == STRATA_OK && !(s->pool = kv_pool_create_shared(&geo, codecs, n_slots, err)))
+        if (rc == STRATA_OK && !(s->pool = kv_pool_create_plans(&geo, (const kv_codec_params *const *)s->plans,
+                                                                 s->n_plans, n_slots, true, err)))
             rc = err ? err->code : STRATA_ENOMEM;
         if (rc == STRATA_OK) {
             kv_lower_tier lower = kv_tiers_lower(s->tiers);
             rc = kv_pool_set_lower_tier(s->pool, &lower, err);
         }
     } else if (rc == STRATA_OK) {
-        size_t row = kv_plan_row_bytes(&geo, codecs);
+        size_t row = kv_plans_row_bytes(&geo, (const kv_codec_params *const *)s->plans, s->n_plans);
         size_t per_layer = a->device_kv_bytes ? (size_t)a->device_kv_bytes / row : per_seq_blocks * a->max_batch_seqs;
         if (per_layer == 0)
             rc = strata_fail(err, STRATA_EINVAL, "stage: a device KV budget of %" PRIu64 " bytes holds less than one "
                              "block per layer (%zu bytes)", a->device_kv_bytes, row);
-        else if (!(s->pool = kv_pool_create_plan(&geo, codecs, per_layer, err)))
+        else if (!(s->pool = kv_pool_create_plans(&geo, (const kv_codec_params *const *)s->plans, s->n_plans,
+                                                   per_layer, false, err)))
             rc = err ? err->code : STRATA_ENOMEM;
     }
-    free(all);
     if (rc != STRATA_OK) {
         stage_destroy(s);
         return NULL;
@@ -201,6 +297,12 @@ void stage_destroy(stage *s)
     free(s->seqs);
     kv_pool_destroy(s->pool);
     kv_tiers_destroy(s->tiers);
+    for (int i = 0; i < s->n_plans; i++) {
+        free(s->plans[i]);
+        free(s->plan_names[i]);
+    }
+    free(s->plans);
+    free(s->plan_names);
     stage_gpu_destroy(s->gpu);
     free(s->gpu_items);
     free(s->gpu_sample);
@@ -425,11 +527,15 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
             continue;
         seq_entry *e = find(s, w->seq_id);
         if (!e && w->pos0 == 0 && w->n_tokens > 0) {
-            if (w->kv_plan && *w->kv_plan) {
-                fail_seq(s, w->seq_id, STRATA_EUNSUPPORTED, "per-request KV plans are not supported by this worker yet");
+            const int kv_plan = w->kv_plan && *w->kv_plan ? stage_plan_index(s, w->kv_plan, &e1) : 0;
+            if (kv_plan < 0 || (kv_plan > 0 && s->gpu)) {
+                if (kv_plan > 0)
+                    strata_fail(&e1, STRATA_EUNSUPPORTED, "KV plan '%s': a GPU stage runs only its own plan ('%s'); "
+                                "per-request KV codecs need CPU workers", w->kv_plan, s->plan_names[0]);
+                fail_seq(s, w->seq_id, e1.code, e1.msg);
                 continue;
             }
-            kv_seq *kv = s->gpu ? NULL : kv_seq_create(s->pool, s->max_seq_tokens, &e1);
+            kv_seq *kv = s->gpu ? NULL : kv_seq_create_plan(s->pool, s->plans[kv_plan], s->max_seq_tokens, &e1);
             stage_gpu_seq *gq = s->gpu ? stage_gpu_seq_create(s->gpu, &e1) : NULL;
             const bool made = kv || gq;
             if (!made || grow((void **)&s->seqs, &s->cap_seqs, s->n_seqs + 1, sizeof *s->seqs) != STRATA_OK) {
@@ -650,6 +756,11 @@ int stage_import_seq(stage *s, uint64_t id, const uint8_t *img, size_t len, stra
         gq = stage_gpu_seq_import(s->gpu, img + MIGRATION_HEAD, len - MIGRATION_HEAD, err);
     else
         kv = kv_seq_import(s->pool, s->max_seq_tokens, img + MIGRATION_HEAD, len - MIGRATION_HEAD, err);
+    if (kv && !stage_plan_known(s, kv)) {
+        kv_seq_destroy(kv);
+        kv = NULL;
+        strata_fail(err, STRATA_EUNSUPPORTED, "the sequence's KV plan is not one this worker was assigned");
+    }
     if (!kv && !gq) {
         sampler_free(smp);
         return err ? err->code : STRATA_EFORMAT;
