@@ -35,6 +35,7 @@ typedef struct creq {
     uint32_t last_token;
     text_stream ts;
     double t_accept, t_last;
+    int plan;                    /* index in coord.plans: 0 the server's, else the request's kv_codec */
 } creq;
 
 /* A (replica, stage) place for a worker. */
@@ -93,6 +94,9 @@ typedef struct drain_state {
     char message[512];
 } drain_state;
 
+#define COORD_MAX_PLANS 64   /* the server's plan and up to 63 that requests may choose (a stage's limit) */
+#define PLAN_NAME_CAP(c) ((size_t)(c)->mc.n_layers * 96 + 1)   /* a range and codec name per layer at most */
+
 typedef struct coord_metrics {
     metrics_counter *requests, *tokens, *spills, *restores, *crc, *spill_failures, *restore_failures;
     metrics_counter *finished[5];   /* stop, length, abort, error, cancelled */
@@ -108,7 +112,12 @@ struct coord {
     char kv_canonical[1024];
     model_config mc;
     tokenizer *tok;
-    kv_codec_params *codecs;     /* mc.n_layers */
+    kv_codec_params *codecs;     /* mc.n_layers: the server's plan, plans[0] */
+    /* The plans a request may use: [0] the server's (codecs), then --kv-codecs; each mc.n_layers
+     * codecs and its canonical form (what a request's kv_codec is compared with). */
+    kv_codec_params **plans;
+    char **plan_names;
+    int n_plans;
     uint32_t *layer_begin;       /* stages + 1 entries */
     proto_generate_limits limits;
     char model_name[128], arch[32];
@@ -212,8 +221,9 @@ static void fail_req(coord *c, creq *q, int code, const char *msg)
 /* ---- capacity ---- */
 
 /* Block rows (one block of each of a stage's layers) replica stages hold on the device and in
- * all tiers: the smallest over the stages. The rules mirror worker/stage/stage.c: with a tier
- * below, the device pool has slots of the plan's largest block shared by all layers. */
+ * all tiers: the smallest over the stages. The rules mirror worker/stage/stage.c: a layer's slot
+ * holds the largest block of the plans a request may use there; with a tier below, the device
+ * pool has slots of the largest of them shared by all layers. */
 static int replica_capacity(const coord *c, sched_replica_config *out, strata_error *err)
 {
     size_t dev_min = SIZE_MAX, stream_min = SIZE_MAX, total_min = SIZE_MAX;
@@ -221,8 +231,10 @@ static int replica_capacity(const coord *c, sched_replica_config *out, strata_er
         uint32_t b = c->layer_begin[s], e = c->layer_begin[s + 1];
         kv_geometry g = {.n_layers = (int)(e - b), .n_kv_heads = c->mc.n_kv_heads, .head_dim = c->mc.head_dim,
                          .block_tokens = (int)c->cfg.block_tokens};
-        const kv_codec_params *codecs = c->codecs + b;
-        size_t row = kv_plan_row_bytes(&g, codecs);
+        const kv_codec_params *stage_plans[COORD_MAX_PLANS];   /* each plan's layers of this stage */
+        for (int i = 0; i < c->n_plans; i++)
+            stage_plans[i] = c->plans[i] + b;
+        size_t row = kv_plans_row_bytes(&g, stage_plans, c->n_plans);
         if (row == 0)
             return strata_fail(err, STRATA_EINVAL, "the KV plan does not fit layers %u-%u", b, e - 1);
         size_t dev, stream, total;
@@ -230,7 +242,7 @@ static int replica_capacity(const coord *c, sched_replica_config *out, strata_er
             /* The workers' pools share slots of the plan's largest block among the stage's layers
              * (kv_pool_create_shared, cuda_kv_pool_sizing). One layer of a sequence alone may
              * take every slot but one: a GPU stage keeps one for the block forming. */
-            size_t slots = (size_t)(c->cfg.device_kv_bytes / kv_plan_largest_block(&g, codecs));
+            size_t slots = (size_t)(c->cfg.device_kv_bytes / kv_plans_largest_block(&g, stage_plans, c->n_plans));
             dev = slots / (size_t)g.n_layers;
             stream = slots > dev + 1 ? slots - 1 : dev;
             /* the host arena and the slab files keep some bytes per block: count 90 % */
@@ -281,6 +293,8 @@ static void send_assignments(coord *c, uint32_t r)
         a.n_stage_data_addrs = c->cfg.stages;
         a.stage_data_addrs = addrs;
         a.kv_plan = c->kv_canonical;
+        a.n_kv_plans = (size_t)c->n_plans - 1;
+        a.kv_plans = c->plan_names + 1;
         a.block_tokens = c->cfg.block_tokens;
         a.max_seq_tokens = c->cfg.ctx;
         a.device_kv_bytes = c->cfg.device_kv_bytes;
@@ -685,6 +699,8 @@ static bool start_step(coord *c, uint32_t r)
             for (size_t k = 0; k < sw->n_tokens; k++)
                 toks[at + k] = (uint32_t)q->prompt[sw->pos0 + k];
             w->last_chunk_of_prompt = sw->pos0 + sw->n_tokens == q->n_prompt;
+            if (sw->pos0 == 0 && q->plan > 0)
+                w->kv_plan = c->plan_names[q->plan];
         } else {
             toks[at] = q->last_token;
         }
@@ -925,29 +941,115 @@ static void *step_thread(void *arg)
     return NULL;
 }
 
+/* ---- the plans a request may choose ---- */
+
+/* Adds a plan unless it is one already there (the same canonical form). */
+static int add_plan(coord *c, const char *entry, const kv_geometry *g, strata_error *err)
+{
+    kv_codec_params *p = calloc((size_t)c->mc.n_layers, sizeof *p);
+    char *name = malloc(PLAN_NAME_CAP(c));
+    int rc = !p || !name ? strata_fail(err, STRATA_ENOMEM, "out of memory")
+             : kv_plan_is_file(entry) ? kv_plan_load(entry, c->mc.n_layers, p, err)
+                                      : kv_plan_parse(entry, c->mc.n_layers, p, err);
+    for (int l = 0; rc == STRATA_OK && l < c->mc.n_layers; l++)
+        if ((rc = kv_codec_validate(&p[l], g, err)) != STRATA_OK)
+            strata_error_prefix(err, "layer %d", l);
+    bool known = false;
+    if (rc == STRATA_OK) {
+        kv_plan_format(p, c->mc.n_layers, name, PLAN_NAME_CAP(c));
+        for (int i = 0; i < c->n_plans && !known; i++)
+            known = strcmp(name, c->plan_names[i]) == 0;
+        if (!known && c->n_plans == COORD_MAX_PLANS)
+            rc = strata_fail(err, STRATA_EINVAL, "more than %d plans", COORD_MAX_PLANS - 1);
+        if (!known && strlen(name) > c->limits.max_kv_codec_bytes)
+            rc = strata_fail(err, STRATA_EINVAL, "its range list '%s' is longer than a request's kv_codec may be (%zu "
+                             "bytes)", name, c->limits.max_kv_codec_bytes);
+    }
+    if (rc != STRATA_OK || known) {
+        free(p);
+        free(name);
+        return rc == STRATA_OK ? STRATA_OK : strata_error_prefix(err, "coordinator: --kv-codecs '%s'", entry);
+    }
+    c->plans[c->n_plans] = p;
+    c->plan_names[c->n_plans++] = name;
+    return STRATA_OK;
+}
+
+/* The server's plan, then the --kv-codecs list: entries separated by ';', where an entry that
+ * is not a plan file or a range list (no ':') may hold several codec names separated by ','. */
+static int load_plans(coord *c, const char *list, const kv_geometry *g, strata_error *err)
+{
+    c->plans = calloc(COORD_MAX_PLANS, sizeof *c->plans);
+    c->plan_names = calloc(COORD_MAX_PLANS, sizeof *c->plan_names);
+    char *copy = strdup(list ? list : "");
+    if (!c->plans || !c->plan_names || !copy || !(c->plan_names[0] = strdup(c->kv_canonical))) {
+        free(copy);
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    }
+    c->plans[0] = c->codecs;
+    c->n_plans = 1;
+    int rc = STRATA_OK;
+    char *save = NULL;
+    for (char *entry = strtok_r(copy, ";", &save); entry && rc == STRATA_OK; entry = strtok_r(NULL, ";", &save)) {
+        entry += strspn(entry, " \t");
+        size_t n = strlen(entry);
+        while (n && (entry[n - 1] == ' ' || entry[n - 1] == '\t'))
+            entry[--n] = 0;
+        if (!*entry)
+            continue;
+        if (kv_plan_is_file(entry) || strchr(entry, ':')) {
+            rc = add_plan(c, entry, g, err);
+            continue;
+        }
+        char *save2 = NULL;
+        for (char *name = strtok_r(entry, ", ", &save2); name && rc == STRATA_OK; name = strtok_r(NULL, ", ", &save2))
+            rc = add_plan(c, name, g, err);
+    }
+    free(copy);
+    return rc;
+}
+
 /* ---- the API backend ---- */
 
 static uint32_t workers_total(const coord *c) { return c->cfg.replicas * c->cfg.stages; }
 int coord_drain_worker(coord *c, const char *worker, coord_drain_report *out, strata_error *err);
 
-static int check_kv(const coord *c, const char *spec, strata_error *err)
+/* Which of the server's plans a request's kv_codec names (*plan: 0 when empty). */
+static int check_kv(const coord *c, const char *spec, int *plan, strata_error *err)
 {
+    *plan = 0;
     if (!spec || !*spec)
         return STRATA_OK;
     kv_codec_params *p = calloc((size_t)c->mc.n_layers, sizeof *p);
-    if (!p)
+    char *canon = malloc(PLAN_NAME_CAP(c));
+    if (!p || !canon) {
+        free(p);
+        free(canon);
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    }
     int rc = kv_plan_parse(spec, c->mc.n_layers, p, err);
     if (rc == STRATA_OK) {
-        char canon[1024];
-        kv_plan_format(p, c->mc.n_layers, canon, sizeof canon);
-        if (strcmp(canon, c->kv_canonical) != 0)
-            rc = strata_fail(err, STRATA_EUNSUPPORTED, "kv_codec '%s': per-request KV codecs are not supported yet; this "
-                             "server runs '%s' for every request (ModelInfo.default_kv_codec)", spec, c->kv_canonical);
+        kv_plan_format(p, c->mc.n_layers, canon, PLAN_NAME_CAP(c));
+        *plan = -1;
+        for (int i = 0; i < c->n_plans && *plan < 0; i++)
+            if (strcmp(canon, c->plan_names[i]) == 0)
+                *plan = i;
+        if (*plan < 0) {
+            char offered[1024] = "";
+            for (int i = 1; i < c->n_plans; i++)
+                snprintf(offered + strlen(offered), sizeof offered - strlen(offered), "%s'%s'", i > 1 ? ", " : "",
+                         c->plan_names[i]);
+            rc = strata_fail(err, STRATA_EUNSUPPORTED, "kv_codec '%s' is not offered by this server: it runs '%s' "
+                             "(ModelInfo.default_kv_codec)%s%s%s", spec, c->kv_canonical,
+                             c->n_plans > 1 ? " and, when a request names one, " : "", offered,
+                             c->n_plans > 1 ? " (ModelInfo.kv_codecs)" : "; strata serve --kv-codecs offers others");
+            *plan = 0;
+        }
     } else {
         strata_error_prefix(err, "kv_codec");
     }
     free(p);
+    free(canon);
     return rc;
 }
 
@@ -956,13 +1058,15 @@ static int api_generate(void *ctx, const Strata__V1__GenerateRequest *req, api_s
 {
     (void)deadline;   /* the server cancels the stream when it passes */
     coord *c = ctx;
-    int rc = check_kv(c, req->kv_codec, err);
+    int plan = 0;
+    int rc = check_kv(c, req->kv_codec, &plan, err);
     if (rc != STRATA_OK)
         return rc;
     creq *q = calloc(1, sizeof *q);
     if (!q)
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
     q->req = req;
+    q->plan = plan;
     q->stream = stream;
     q->t_accept = now_s();
     if (req->input_case == STRATA__V1__GENERATE_REQUEST__INPUT_TEXT) {
@@ -1098,6 +1202,8 @@ static int api_model_info(void *ctx, Strata__V1__ModelInfo *out, strata_error *e
     out->n_vocab = (uint32_t)c->mc.n_vocab;
     out->n_ctx = c->cfg.ctx;
     out->default_kv_codec = c->kv_canonical;
+    out->n_kv_codecs = (size_t)c->n_plans - 1;
+    out->kv_codecs = c->plan_names + 1;
     out->replicas = c->cfg.replicas;
     out->stages_per_replica = c->cfg.stages;
     out->block_tokens = c->cfg.block_tokens;
@@ -1138,7 +1244,7 @@ static int api_stats(void *ctx, Strata__V1__Stats *out, strata_error *err)
         const size_t n = c->reqs[i]->n_prompt + c->reqs[i]->n_generated;
         cached += n;
         for (int l = 0; st == SCHED_RUNNING && l < c->mc.n_layers; l++)
-            kv_bytes += tail_row_bytes * kv_tail_tokens(&c->codecs[l], (int)c->cfg.block_tokens, n);
+            kv_bytes += tail_row_bytes * kv_tail_tokens(&c->plans[c->reqs[i]->plan][l], (int)c->cfg.block_tokens, n);
     }
     out->kv_bytes_per_token = cached ? (double)kv_bytes / (double)cached : 0.0;
     sched_stats st;
@@ -1384,6 +1490,12 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
             if ((rc = kv_codec_validate(&c->codecs[l], &g, err)) != STRATA_OK)
                 strata_error_prefix(err, "coordinator: KV plan, layer %d", l);
         kv_plan_format(c->codecs, c->mc.n_layers, c->kv_canonical, sizeof c->kv_canonical);
+        if (rc == STRATA_OK && strlen(c->kv_canonical) + 1 >= sizeof c->kv_canonical)
+            rc = strata_fail(err, STRATA_EINVAL, "coordinator: the KV plan's range list is longer than %zu bytes",
+                             sizeof c->kv_canonical - 2);
+        c->limits = proto_generate_limits_default(c->cfg.ctx, (uint32_t)c->mc.n_vocab);
+        if (rc == STRATA_OK)
+            rc = load_plans(c, cfg->kv_codecs, &g, err);
     }
     if (rc == STRATA_OK) {
         /* Layers split as evenly as possible; the first stages take one more when uneven. */
@@ -1434,11 +1546,8 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
     if (rc == STRATA_OK && (!(c->mig.send_ok = calloc(cfg->stages, sizeof *c->mig.send_ok)) ||
                             !(c->mig.recv_ok = calloc(cfg->stages, sizeof *c->mig.recv_ok))))
         rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
-    if (rc == STRATA_OK) {
-        c->limits = proto_generate_limits_default(c->cfg.ctx, (uint32_t)c->mc.n_vocab);
-        if (cfg->metrics)
-            rc = register_metrics(c, cfg->metrics, err);
-    }
+    if (rc == STRATA_OK && cfg->metrics)
+        rc = register_metrics(c, cfg->metrics, err);
     if (rc == STRATA_OK) {
         if (pthread_create(&c->thread, NULL, step_thread, c) != 0)
             rc = strata_fail(err, STRATA_ENOMEM, "coordinator: cannot start the step thread");
@@ -1452,9 +1561,15 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
     char streaming[96] = "";
     if (cap.stream_blocks > cap.device_blocks)
         snprintf(streaming, sizeof streaming, ", %zu for a sequence alone (streaming its layers)", cap.stream_blocks);
-    logf_(c, "model %s: %d layers in %u stages x %u replicas, KV %s, context %u; KV blocks of %u tokens per replica: "
+    char others[512] = "";
+    for (int i = 1; i < c->n_plans; i++)
+        snprintf(others + strlen(others), sizeof others - strlen(others), "%s%s", i > 1 ? ", " : " (requests may name ",
+                 c->plan_names[i]);
+    if (c->n_plans > 1)
+        snprintf(others + strlen(others), sizeof others - strlen(others), ")");
+    logf_(c, "model %s: %d layers in %u stages x %u replicas, KV %s%s, context %u; KV blocks of %u tokens per replica: "
           "%zu on the device%s, %zu in all tiers", c->model_name, c->mc.n_layers, cfg->stages, cfg->replicas,
-          c->kv_canonical, c->cfg.ctx, cfg->block_tokens, cap.device_blocks, streaming, cap.total_blocks);
+          c->kv_canonical, others, c->cfg.ctx, cfg->block_tokens, cap.device_blocks, streaming, cap.total_blocks);
     return c;
 }
 
@@ -1557,6 +1672,13 @@ void coord_destroy(coord *c)
     free(c->mig.send_ok);
     free(c->mig.recv_ok);
     sched_destroy(c->sched);
+    for (int i = 0; c->plans && i < c->n_plans; i++) {
+        if (i > 0)
+            free(c->plans[i]);   /* plans[0] is codecs */
+        free(c->plan_names[i]);
+    }
+    free(c->plans);
+    free(c->plan_names);
     free(c->codecs);
     free(c->layer_begin);
     tokenizer_free(c->tok);

@@ -27,6 +27,8 @@ typedef struct coord_config {
     uint32_t replicas;           /* data-parallel replicas, >= 1 */
     uint32_t stages;             /* workers per replica, 1..n_layers; layers split evenly */
     const char *kv;              /* default KV plan: codec name, "tada", range list, or a plan file */
+    const char *kv_codecs;       /* other plans a request may name (kv_codec), ';'-separated (an entry
+                                  * without ':' may list codec names with ','); NULL or "": none */
     uint32_t block_tokens;       /* tokens per KV block */
     uint32_t ctx;                /* serving context (prompt + output); 0: min(trained, 8192) */
     uint32_t max_seqs;           /* running sequences per replica */

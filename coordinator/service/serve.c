@@ -31,7 +31,8 @@ enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
 #define MAX_LOCAL_WORKERS 64
 
 typedef struct serve_opts {
-    const char *config, *model, *listen, *control, *metrics, *secret_file, *kv, *tls_cert, *tls_key, *token_file;
+    const char *config, *model, *listen, *control, *metrics, *secret_file, *kv, *kv_codecs, *tls_cert, *tls_key;
+    const char *token_file;
     const char *nvme_dir, *worker_bin;
     long replicas, stages, block_tokens, ctx, max_seqs, max_batch_tokens, steps_in_flight;
     double device_mib, host_mib, nvme_mib;   /* fractions allowed, as for strata generate */
@@ -41,7 +42,7 @@ typedef struct serve_opts {
 
 /* Every option: flag name = config key with '-' for '_'. */
 enum {
-    O_CONFIG = 256, O_MODEL, O_LISTEN, O_CONTROL, O_METRICS, O_SECRET, O_REPLICAS, O_STAGES, O_KV, O_BLOCK, O_CTX,
+    O_CONFIG = 256, O_MODEL, O_LISTEN, O_CONTROL, O_METRICS, O_SECRET, O_REPLICAS, O_STAGES, O_KV, O_KV_CODECS, O_BLOCK, O_CTX,
     O_MAX_SEQS, O_MAX_BATCH, O_DEVICE, O_HOST, O_NVME, O_NVME_DIR, O_TLS_CERT, O_TLS_KEY, O_TOKEN, O_DRAIN,
     O_READY, O_WORKER_BIN, O_THREADS, O_IN_FLIGHT,
 };
@@ -67,9 +68,14 @@ static void usage(FILE *out, const char *prog, bool local)
             "  --replicas N            data-parallel replicas (default 1)\n"
             "  --stages N              pipeline stages (workers) per replica; layers split evenly\n"
             "                          (default %s)\n"
-            "  --kv SPEC               KV codec or plan for every request (default kivi4): a codec name,\n"
-            "                          tada, a range list such as 0-14:tada4,15-29:tada2, or a plan file\n"
-            "                          (strata calibrate --out)\n"
+            "  --kv SPEC               KV codec or plan of a request that names none (default kivi4):\n"
+            "                          a codec name, tada, a range list such as 0-14:tada4,15-29:tada2,\n"
+            "                          or a plan file (strata calibrate --out)\n"
+            "  --kv-codecs LIST        other KV codecs or plans a request may choose (its kv_codec), e.g.\n"
+            "                          fp16,kivi4 (';' between range lists or plan files); every KV slot\n"
+            "                          is then sized for the largest of them, so the KV budgets hold\n"
+            "                          fewer blocks (default: none; CPU workers only, GPU workers run\n"
+            "                          --kv alone)\n"
             "  --block-tokens N        tokens per KV block (default 64)\n"
             "  --ctx N                 serving context, prompt + output tokens per request (default: the\n"
             "                          model's trained context, at most 8192)\n"
@@ -109,7 +115,8 @@ static const struct option long_opts[] = {
     {"listen", required_argument, NULL, O_LISTEN},       {"control", required_argument, NULL, O_CONTROL},
     {"metrics", required_argument, NULL, O_METRICS},     {"secret-file", required_argument, NULL, O_SECRET},
     {"replicas", required_argument, NULL, O_REPLICAS},   {"stages", required_argument, NULL, O_STAGES},
-    {"kv", required_argument, NULL, O_KV},               {"block-tokens", required_argument, NULL, O_BLOCK},
+    {"kv", required_argument, NULL, O_KV},               {"kv-codecs", required_argument, NULL, O_KV_CODECS},
+    {"block-tokens", required_argument, NULL, O_BLOCK},
     {"ctx", required_argument, NULL, O_CTX},             {"max-seqs", required_argument, NULL, O_MAX_SEQS},
     {"max-batch-tokens", required_argument, NULL, O_MAX_BATCH}, {"steps-in-flight", required_argument, NULL, O_IN_FLIGHT},
     {"device-kv-mib", required_argument, NULL, O_DEVICE}, {"host-kv-mib", required_argument, NULL, O_HOST},
@@ -131,6 +138,7 @@ static bool apply(const char *prog, serve_opts *o, int id, const char *flag, con
     case O_METRICS: o->metrics = v; return true;
     case O_SECRET: o->secret_file = v; return true;
     case O_KV: o->kv = v; return true;
+    case O_KV_CODECS: o->kv_codecs = v; return true;
     case O_TLS_CERT: o->tls_cert = v; return true;
     case O_TLS_KEY: o->tls_key = v; return true;
     case O_TOKEN: o->token_file = v; return true;
@@ -675,7 +683,7 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
         goto out;
     }
     coord_config cc = {.model_path = o.model, .replicas = (uint32_t)o.replicas, .stages = (uint32_t)o.stages,
-                       .kv = o.kv, .block_tokens = (uint32_t)o.block_tokens, .ctx = (uint32_t)o.ctx,
+                       .kv = o.kv, .kv_codecs = o.kv_codecs, .block_tokens = (uint32_t)o.block_tokens, .ctx = (uint32_t)o.ctx,
                        .max_seqs = (uint32_t)o.max_seqs, .max_batch_tokens = (uint32_t)o.max_batch_tokens,
                        .steps_in_flight = (uint32_t)o.steps_in_flight, .device_kv_bytes = strata_mib_bytes(o.device_mib), .host_kv_bytes = strata_mib_bytes(o.host_mib),
                        .nvme_kv_bytes = strata_mib_bytes(o.nvme_mib), .metrics = reg, .quiet = o.quiet};

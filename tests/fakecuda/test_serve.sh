@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `strata serve` with its workers computing on the fake GPU (tests/fakecuda/README.md): two
 # replicas of two GPU stages each. Greedy output equals single-process `strata generate` on the
-# CPU; `strata drain` moves a running request between GPU workers (its blocks travel as the
-# sequence image) and the request finishes with the tokens it gives unmoved.
+# CPU; a request naming one of --kv-codecs is refused (GPU stages run the server's plan alone)
+# while the server goes on; `strata drain` moves a running request between GPU workers (its blocks
+# travel as the sequence image) and the request finishes with the tokens it gives unmoved.
 # usage: test_serve.sh STRATA STRATA_WORKER_FAKECUDA
 set -euo pipefail
 strata=$1
@@ -18,7 +19,7 @@ fail() { echo "FAIL: $*" >&2; [ -f "$tmp/serve.log" ] && tail -30 "$tmp/serve.lo
 
 printf '#!/bin/sh\nexec "%s" --device cuda:0 "$@"\n' "$fakeworker" >"$tmp/worker"
 chmod +x "$tmp/worker"
-"$strata" serve --listen 127.0.0.1:0 --replicas 2 --stages 2 --ctx 512 --worker-bin "$tmp/worker" \
+"$strata" serve --listen 127.0.0.1:0 --replicas 2 --stages 2 --ctx 512 --kv-codecs fp16 --worker-bin "$tmp/worker" \
   >"$tmp/serve.log" 2>&1 &
 pid=$!
 port=
@@ -37,6 +38,13 @@ p="The capital of France is"
 want=$("$strata" generate -p "$p" -n 12 --ignore-eos --no-echo -q)
 got=$("$strata" generate --server "$addr" -p "$p" -n 12 --ignore-eos --no-echo -q) || fail "served generate"
 [ "$got" = "$want" ] || fail "served '$got', CPU '$want'"
+if out=$("$strata" generate --server "$addr" -p "$p" -n 4 --kv fp16 2>&1); then
+  fail "GPU workers ran a request on its own KV plan: $out"
+fi
+case $out in
+  *UNIMPLEMENTED*"GPU stage runs only its own plan"*) ;;
+  *) fail "a request's own plan on GPU workers: $out" ;;
+esac
 
 # Unmoved references, then the same two requests (one per replica) with a drain in the middle
 # (long enough that the drain, a new process, arrives before they end even on a loaded machine).

@@ -128,10 +128,10 @@ def expect_status(fn, code, what, contains=None):
     raise AssertionError(f"{what}: succeeded, want {code}")
 
 
-def reference(prompt, n):
+def reference(prompt, n, kv="kivi4"):
     """Single-process `strata generate` output text (greedy, one thread like each worker)."""
     out = subprocess.run([STRATA, "generate", "-p", prompt, "-n", str(n), "--ignore-eos", "-q", "--no-echo",
-                          "--threads", "1", "--ctx", "512"], capture_output=True, timeout=300)
+                          "--threads", "1", "--ctx", "512", "--kv", kv], capture_output=True, timeout=300)
     assert out.returncode == 0, out.stderr.decode(errors="replace")
     text = out.stdout.decode()
     assert text.endswith("\n")   # generate ends its output with a newline of its own
@@ -140,6 +140,10 @@ def reference(prompt, n):
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "The three primary colors are"]
+# About 370 tokens: past the 128-token fp16 window, so the KV codec shapes the output (greedy
+# kivi2 and kivi4 differ within 24 tokens; the short prompts above stay in the window).
+LONG = " ".join(f"Alice has {i} apples and Bob has {3 * i + 1} pears." for i in range(1, 26)) + \
+    " In total, Alice and Bob have"
 
 
 # ------------------------------------------------------------------------------------------
@@ -157,7 +161,20 @@ def test_equals_generate(c):
                           "--no-echo", "-q"], capture_output=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.decode() == reference(PROMPTS[0], 24) + "\n"
-    out = subprocess.run([STRATA, "generate", "--server", ADDR[0], "-p", "hi", "--kv", "kivi2"], capture_output=True,
+    # a request's own KV codec (the server offers fp16 and kivi2 besides kivi4): the single-process
+    # output on that codec, from the API and from the command-line client
+    assert reference(LONG, 24, "kivi2") != reference(LONG, 24), "the long prompt no longer tells kivi2 from kivi4"
+    for p, kv in ((PROMPTS[1], "fp16"), (LONG, "kivi2"), (LONG, "fp16")):
+        r = req(p, max_tokens=24, ignore_eos=True)
+        r.kv_codec = kv
+        text = c.generate(r)[1]
+        want = reference(p, 24, kv)
+        assert text == want, f"served on {kv}: {text!r} != generate {want!r}"
+    out = subprocess.run([STRATA, "generate", "--server", ADDR[0], "-p", LONG, "-n", "24", "--ignore-eos",
+                          "--no-echo", "-q", "--kv", "kivi2-g32"], capture_output=True, timeout=120)   # = kivi2
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.decode() == reference(LONG, 24, "kivi2") + "\n"
+    out = subprocess.run([STRATA, "generate", "--server", ADDR[0], "-p", "hi", "--kv", "gear2"], capture_output=True,
                          timeout=120)
     assert out.returncode == 1 and b"UNIMPLEMENTED" in out.stderr and out.stdout == b"", out
 
@@ -221,8 +238,8 @@ def test_bad_inputs(c):
     r = req("hi")
     r.kv_codec = "nosuchcodec"
     expect_status(run(r), I, "unknown codec")
-    r.kv_codec = "kivi2"
-    expect_status(run(r), U, "a codec other than the server's")
+    r.kv_codec = "kivi2-r64"
+    expect_status(run(r), U, "a codec the server does not offer", "'fp16', 'kivi2'")
     r.kv_codec = "kivi4"
     assert c.generate(r)[2].complete.completion_tokens >= 1   # the server's own codec is fine
     # invalid UTF-8: field 2 (text) with bytes ff fe, then sampling {max_tokens: 4}
@@ -245,6 +262,7 @@ def test_info_stats_metrics(c, metrics_port):
     assert (info.n_layers, info.replicas, info.stages_per_replica, info.n_ctx, info.default_kv_codec) == \
         (30, 1, 2, 512, "kivi4"), info
     assert info.n_vocab == 49152 and info.block_tokens == 64 and info.arch == "llama"
+    assert list(info.kv_codecs) == ["fp16", "kivi2"], info
     h = c.health(pb.HealthRequest(), timeout=T)
     assert h.status == pb.SERVING_STATUS_SERVING and h.workers_ready == 2 == h.workers_total, h
     # KV blocks exist while a request runs
@@ -369,16 +387,23 @@ def test_sigterm_drain_cut():
 def test_two_replicas_migration():
     """Two replicas of two stages: two requests are routed one per replica; draining a worker moves
     the request of its replica to the other one mid-generation (its KV blocks travel worker to
-    worker) and both still give exactly the single-process tokens. A step budget of 64 tokens
-    makes a long prompt run as chunks."""
-    s = Serve("two", "--replicas", "2", "--stages", "2", "--ctx", "512", "--max-batch-tokens", "64")
+    worker) and both still give exactly the single-process tokens. Each request names its own KV
+    codec, which travels with the moved one. A step budget of 64 tokens makes a long prompt run as
+    chunks."""
+    s = Serve("two", "--replicas", "2", "--stages", "2", "--ctx", "512", "--max-batch-tokens", "64",
+              "--kv-codecs", "fp16,kivi2")
     try:
         c = Client(s.addr())
         h = c.health(pb.HealthRequest(), timeout=T)
         assert h.workers_ready == 4 == h.workers_total, h
         n = 48
-        want = {p: reference(p, n) for p in PROMPTS[2:4]}
-        streams = {p: c.stream(req(p, max_tokens=n, ignore_eos=True)) for p in PROMPTS[2:4]}
+        codec = {PROMPTS[2]: "fp16", LONG: "kivi2"}
+        want = {p: reference(p, n, codec[p]) for p in codec}
+        streams = {}
+        for p in codec:
+            r = req(p, max_tokens=n, ignore_eos=True)
+            r.kv_codec = codec[p]
+            streams[p] = c.stream(r)
         texts = {}
         for p, it in streams.items():
             first = next(it)
@@ -423,7 +448,7 @@ def main():
             failures.append(name)
             print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
 
-    s = Serve("main", "--ctx", "512", "--metrics", "127.0.0.1:0")
+    s = Serve("main", "--ctx", "512", "--metrics", "127.0.0.1:0", "--kv-codecs", "fp16, kivi2;kivi4")
     pm = re.search(rb"metrics port (\d+)", s.text())
     metrics_port = int(pm.group(1)) if pm else None
     ADDR[0] = s.addr()
