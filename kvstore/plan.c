@@ -234,8 +234,10 @@ void kv_plan_format(const kv_codec_params *layers, int n_layers, char *buf, size
             kv_codec_name(&layers[l + 1], next, sizeof next);
         if (l + 1 < n_layers && strcmp(name, next) == 0)
             continue;
-        if (start == 0 && l == n_layers - 1) {
-            snprintf(buf, cap, "%s", name);   /* uniform */
+        /* Uniform: one name, unless parsing that name would change it (one OTT name leaves
+         * layers 0 and 1 without a pool; a uniform plan with a pool there is written as a range). */
+        if (start == 0 && l == n_layers - 1 && !(layers[0].codec == KV_CODEC_OTT && layers[0].pool_tokens > 0)) {
+            snprintf(buf, cap, "%s", name);
             return;
         }
         int w = start == l ? snprintf(buf + at, cap - at, "%s%d:%s", at ? "," : "", l, name)

@@ -29,7 +29,9 @@ int kv_plan_load(const char *path, int n_layers, kv_codec_params *out, strata_er
  * range list and a file of that name exists. */
 bool kv_plan_is_file(const char *spec);
 
-/* Writes the canonical range list of a plan ("0-9:tada4,10-29:tada2"; one name if uniform). */
+/* Writes the canonical range list of a plan ("0-9:tada4,10-29:tada2"; one name if uniform, unless
+ * parsing that name would give another plan: "0-29:ott2" keeps layers 0-1's pools). Parsing the
+ * result gives the plan. */
 void kv_plan_format(const kv_codec_params *layers, int n_layers, char *buf, size_t cap);
 
 /* Writes a plan file: comment lines (each prefixed with "# "; may be NULL; control characters

@@ -99,6 +99,17 @@ static void test_format_round_trip(void **state)
     assert_int_equal(kv_plan_parse("ott2", L, o, NULL), STRATA_OK);
     kv_plan_format(o, L, buf, sizeof buf);
     assert_string_equal(buf, "0-1:ott2-n0,2-29:ott2");
+    /* and every layer with a pool as the range that keeps it (one name would drop layers 0-1's) */
+    assert_int_equal(kv_plan_parse("0-29:ott2", L, o, NULL), STRATA_OK);
+    kv_plan_format(o, L, buf, sizeof buf);
+    assert_string_equal(buf, "0-29:ott2");
+    kv_codec_params back[L];
+    assert_int_equal(kv_plan_parse(buf, L, back, NULL), STRATA_OK);
+    for (int l = 0; l < L; l++)
+        assert_int_equal(back[l].pool_tokens, o[l].pool_tokens);
+    assert_int_equal(kv_plan_parse("ott2-n0", L, o, NULL), STRATA_OK);   /* no pool anywhere: one name */
+    kv_plan_format(o, L, buf, sizeof buf);
+    assert_string_equal(buf, "ott2-n0");
 }
 
 static void test_files(void **state)

@@ -328,6 +328,9 @@ static void test_roundtrip_public(void **state)
     mi.n_vocab = 49152;
     mi.n_ctx = 8192;
     mi.default_kv_codec = "kivi4";
+    char *offered[] = {"fp16", "0-14:kivi4,15-29:kivi2"};
+    mi.n_kv_codecs = 2;
+    mi.kv_codecs = offered;
     mi.replicas = 2;
     mi.stages_per_replica = 4;
     mi.block_tokens = 64;
@@ -495,6 +498,9 @@ static void test_roundtrip_internal(void **state)
     as.n_stage_data_addrs = 2;
     as.stage_data_addrs = addrs;
     as.kv_plan = "0-14:tada4,15-29:tada2";
+    char *others[] = {"fp16", "kivi2"};
+    as.n_kv_plans = 2;
+    as.kv_plans = others;
     as.block_tokens = 64;
     as.max_seq_tokens = 131072;
     as.device_kv_bytes = (uint64_t)40 << 30;

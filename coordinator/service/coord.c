@@ -588,9 +588,15 @@ static bool deliver(coord *c, creq *q, uint32_t tok)
     if (!tokenizer_is_control(c->tok, (int32_t)tok)) {
         size_t len;
         const char *bytes = tokenizer_token_bytes(c->tok, (int32_t)tok, &len);
-        if (bytes && text_stream_push(&q->ts, bytes, len, &err) != STRATA_OK) {
-            fail_req(c, q, err.code, err.msg);
-            return true;
+        /* U+0000 is left out of the text: the chunk's string would end at it (protobuf-c strings
+         * are NUL-terminated) and lose what follows; token_ids still carry the token. */
+        for (size_t at = 0, end; bytes && at < len; at = end + 1) {
+            const char *nul = memchr(bytes + at, 0, len - at);
+            end = nul ? (size_t)(nul - bytes) : len;
+            if (end > at && text_stream_push(&q->ts, bytes + at, end - at, &err) != STRATA_OK) {
+                fail_req(c, q, err.code, err.msg);
+                return true;
+            }
         }
     }
     const char *text;

@@ -35,6 +35,8 @@ serve_bad() { expect 2 "$1" timeout 60 "$strata" serve --listen 127.0.0.1:0 --mo
 serve_bad 'unknown kv codec "nosuch"' --kv nosuch
 printf '# a plan file as calibrate writes one\n0-1:kivi2\n2-3:nosuch\n' >"$tmp/bad.plan"
 serve_bad "KV plan: $tmp/bad.plan: kv plan line 3: unknown kv codec \"nosuch\"" --kv "$tmp/bad.plan"
+serve_bad "--kv-codecs 'nosuch': unknown kv codec" --kv-codecs "fp16, nosuch"
+serve_bad "--kv-codecs '0-1:kivi2': kv plan: layer 2 has no codec" --kv-codecs "fp16;0-1:kivi2"
 serve_bad "5 stages for a model of 4 layers" --stages 5
 serve_bad "the KV of 2 local workers (2 x (256 + 16000000 MiB of --device-kv-mib and --host-kv-mib)): 32000512.0 MiB is more than" --host-kv-mib 16000000
 serve_bad "does not divide block_tokens 7" --block-tokens 7
@@ -156,14 +158,23 @@ long_prompt=$(printf 'streamed through the device layer by layer %.0s' 1 2 3 4 5
   2>/dev/null || fail "local generate of the long prompt failed"
 python3 -c 'import sys; sys.stdout.buffer.write(open(sys.argv[1], "rb").read().decode("utf-8", "replace").encode())' \
   "$tmp/long.raw" >"$tmp/long-local.txt"
+# The same on one plan for every layer, which a request names (--kv-codecs below)
+"$strata" generate --model synthetic:tiny:seed=4 --kv kivi4-r0 --prompt "$long_prompt" --max-tokens 12 \
+  --no-echo >"$tmp/long4.raw" 2>/dev/null || fail "local generate of the long prompt on kivi4-r0 failed"
+# (its text holds a U+0000, which the API's text chunks leave out: strata.proto's Chunk.text)
+python3 -c 'import sys; sys.stdout.buffer.write(open(sys.argv[1], "rb").read().decode("utf-8", "replace")
+                                                .replace("\0", "").encode())' "$tmp/long4.raw" >"$tmp/long4-local.txt"
+cmp -s "$tmp/long4-local.txt" "$tmp/long-local.txt" && fail "kivi4-r0 and the plan file give the same text"
 # Not quiet, and up to 240 s as tests/serve does: under the sanitizers beside other tests the start
 # is slow, and if it never comes the log says how far it got.
 # With KV tiers down to NVMe in a spill folder that does not exist yet: serve makes it (each worker
 # its own folder inside) and removes it at exit. The KV plan comes from a file, as calibrate writes.
 # The device budget (0.05 MiB: 2 blocks of every layer, 4 of one) is below the long prompt's KV,
-# which then streams its layers through the device alone, as `strata generate` would.
+# which then streams its layers through the device alone, as `strata generate` would. A request may
+# name kivi4-r0 instead (its blocks are the size of the plan's largest: the capacity stays).
 "$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 --device-kv-mib 0.05 --host-kv-mib 1 \
-  --nvme-kv-mib 8 --nvme-dir "$tmp/serve-spill" --kv "$tmp/serve.plan" --metrics 127.0.0.1:0 2>"$tmp/serve.log" &
+  --nvme-kv-mib 8 --nvme-dir "$tmp/serve-spill" --kv "$tmp/serve.plan" --kv-codecs kivi4-r0 \
+  --metrics 127.0.0.1:0 2>"$tmp/serve.log" &
 server=$!
 port=
 for _ in $(seq 1 1200); do
@@ -179,7 +190,7 @@ else
     fail "generate --server failed: $(tail -2 "$tmp/err")"
   cmp -s "$tmp/served.txt" "$tmp/local.txt" ||
     fail "served text differs from local: '$(head -c 120 "$tmp/served.txt")' vs '$(head -c 120 "$tmp/local.txt")'"
-  grep -q "KV 0-1:kivi2-r0,2-3:kivi4-r0," "$tmp/serve.log" || fail "the plan file's plan is not served: $(grep KV "$tmp/serve.log")"
+  grep -q "KV 0-1:kivi2-r0,2-3:kivi4-r0 (requests may name kivi4-r0)," "$tmp/serve.log" || fail "the plan file's plan is not served: $(grep KV "$tmp/serve.log")"
   grep -q "2 on the device, 4 for a sequence alone (streaming its layers)" "$tmp/serve.log" ||
     fail "unexpected KV capacity: $(grep 'KV blocks' "$tmp/serve.log")"
   # The long prompt and two short ones at once: the long one runs alone past the device budget
@@ -195,6 +206,11 @@ else
   wait "$long_client" || fail "the long prompt was not served: $(tail -2 "$tmp/long.err")"
   cmp -s "$tmp/long-served.txt" "$tmp/long-local.txt" ||
     fail "streamed text differs from local: '$(head -c 120 "$tmp/long-served.txt")' vs '$(head -c 120 "$tmp/long-local.txt")'"
+  # On the request's own plan, streamed the same way
+  "$strata" generate --server "127.0.0.1:$port" --prompt "$long_prompt" --max-tokens 12 --no-echo --kv kivi4-r0 \
+    >"$tmp/long4-served.txt" 2>"$tmp/long4.err" || fail "the long prompt on kivi4-r0: $(tail -2 "$tmp/long4.err")"
+  cmp -s "$tmp/long4-served.txt" "$tmp/long4-local.txt" ||
+    fail "streamed on kivi4-r0: '$(head -c 120 "$tmp/long4-served.txt")' vs '$(head -c 120 "$tmp/long4-local.txt")'"
   # The workers report their tiers with their next step (here, the one freeing the sequences).
   mport=$(sed -n 's/.*ready: serving .* metrics port \([0-9]*\).*/\1/p' "$tmp/serve.log")
   python3 - "$mport" >"$tmp/metrics.txt" 2>&1 <<'PY' || fail "metrics after streaming: $(tail -3 "$tmp/metrics.txt")"

@@ -783,8 +783,9 @@ static void test_migration(void **state)
         img[len / 2] ^= 0x04;
         assert_null(cuda_seq_import(own, plan, BT, TOKENS, img, len, &err));
         assert_int_equal(err.code, STRATA_ECRC);
-        /* An intact image of the same codec at another bit width: refused, since the device reads
-         * every block of a layer with one layout (2-bit blocks fit 4-bit slots). */
+        /* An intact image of the same codec at another bit width: refused by the plan it names,
+         * since the device reads every block of a layer with one layout (2-bit blocks would fit
+         * 4-bit slots). */
         if (codec.codec != KV_CODEC_FP16) {
             char wider[32];
             snprintf(wider, sizeof wider, "%s", codecs[ci]);
@@ -794,7 +795,7 @@ static void test_migration(void **state)
             for (int l = 0; l < model_get_config(m)->n_layers; l++)
                 plan4[l] = w4;
             assert_null(cuda_seq_import(own, plan4, BT, TOKENS, img2, len2, &err));
-            if (err.code != STRATA_EINVAL || !strstr(err.msg, "is not laid out as this GPU sequence's blocks"))
+            if (err.code != STRATA_EUNSUPPORTED || !strstr(err.msg, "is not this GPU sequence's"))
                 fail_msg("%s image as %s: %s", codecs[ci], wider, err.msg);
         }
         printf("  migration %s: GPU to GPU bit for bit (own arena, shared pool), to the CPU within %.2e\n", codecs[ci],
