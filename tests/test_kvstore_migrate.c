@@ -15,6 +15,7 @@
 #include "kvstore/crc32c.h"
 #include "kvstore/kv_cache.h"
 #include "kvstore/plan.h"
+#include "kv_seq_same.h"
 #include "test_rng.h"
 
 enum { LAYERS = 3, HEADS = 3, DIM = 64, BT = 64 };
@@ -44,30 +45,6 @@ static void feed(kv_seq *s, size_t n, bool prompt, uint64_t seed)
     }
     free(k);
     free(v);
-}
-
-/* Same length, same block bytes, same tail bits, layer by layer. */
-static void assert_same(const kv_seq *a, const kv_seq *b)
-{
-    strata_error err = {0};
-    for (int l = 0; l < LAYERS; l++) {
-        kv_layer_view va, vb;
-        kv_seq_layer_view(a, l, &va);
-        kv_seq_layer_view(b, l, &vb);
-        assert_int_equal(va.n_blocks, vb.n_blocks);
-        assert_int_equal(va.tail_tokens, vb.tail_tokens);
-        for (size_t i = 0; i < va.n_blocks; i++) {
-            kv_block blk;
-            assert_non_null(va.blocks[i]);
-            assert_non_null(vb.blocks[i]);
-            assert_int_equal(kv_block_parse(va.blocks[i], va.block_bytes, &blk, &err), STRATA_OK);
-            assert_memory_equal(va.blocks[i], vb.blocks[i], blk.block_bytes);
-        }
-        if (va.tail_tokens) {
-            assert_memory_equal(va.tail_k, vb.tail_k, va.tail_tokens * HEADS * DIM * 2);
-            assert_memory_equal(va.tail_v, vb.tail_v, va.tail_tokens * HEADS * DIM * 2);
-        }
-    }
 }
 
 /* The image CRC (the last four bytes) recomputed after a deliberate change. */
@@ -106,11 +83,11 @@ static void round_trip(const char *spec)
     if (!b)
         fail_msg("%s: %s", spec, err.msg);
     assert_int_equal(kv_seq_length(b, 0), 225);
-    assert_same(a, b);
+    assert_seqs_same(a, b);
     /* Both continue identically: the next blocks are made from the same tails. */
     feed(a, 90, false, 13);
     feed(b, 90, false, 13);
-    assert_same(a, b);
+    assert_seqs_same(a, b);
 
     /* Damage anywhere is caught: the image CRC, then each block's own CRCs. */
     for (size_t at = 0; at < len; at += len / 7 + 1) {

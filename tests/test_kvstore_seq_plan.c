@@ -16,6 +16,7 @@
 #include "kvstore/block.h"
 #include "kvstore/kv_cache.h"
 #include "kvstore/plan.h"
+#include "kv_seq_same.h"
 #include "test_rng.h"
 
 enum { LAYERS = 3, HEADS = 2, DIM = 64, BT = 64, ROW = HEADS * DIM };
@@ -66,29 +67,6 @@ static void feed(kv_seq *const *seqs, int n_seqs, size_t n, bool prompt, uint64_
         }
     free(k);
     free(v);
-}
-
-static void assert_same(const kv_seq *a, const kv_seq *b)
-{
-    strata_error err = {0};
-    for (int l = 0; l < LAYERS; l++) {
-        kv_layer_view va, vb;
-        kv_seq_layer_view(a, l, &va);
-        kv_seq_layer_view(b, l, &vb);
-        assert_int_equal(va.n_blocks, vb.n_blocks);
-        assert_int_equal(va.tail_tokens, vb.tail_tokens);
-        for (size_t i = 0; i < va.n_blocks; i++) {
-            kv_block ba, bb;
-            assert_int_equal(kv_block_parse(va.blocks[i], va.block_bytes, &ba, &err), STRATA_OK);
-            assert_int_equal(kv_block_parse(vb.blocks[i], vb.block_bytes, &bb, &err), STRATA_OK);
-            assert_int_equal(ba.block_bytes, bb.block_bytes);
-            assert_memory_equal(va.blocks[i], vb.blocks[i], ba.block_bytes);
-        }
-        if (va.tail_tokens) {
-            assert_memory_equal(va.tail_k, vb.tail_k, va.tail_tokens * ROW * 2);
-            assert_memory_equal(va.tail_v, vb.tail_v, va.tail_tokens * ROW * 2);
-        }
-    }
 }
 
 static size_t largest_at(const plans *ps, int layer)
@@ -170,7 +148,7 @@ static void check_side_by_side(bool shared)
     feed(in_mixed, N_PLANS, 140, false, 42);
     feed(alone, N_PLANS, 140, false, 42);
     for (int i = 0; i < N_PLANS; i++) {
-        assert_same(in_mixed[i], alone[i]);
+        assert_seqs_same(in_mixed[i], alone[i]);
         kv_seq_stats st;
         kv_seq_get_stats(in_mixed[i], &st);
         assert_int_equal(st.tokens, 440 * LAYERS);
@@ -245,10 +223,10 @@ static void test_plan_travels(void **state)
             fail_msg("%s: %s", specs[i], err.msg);
         for (int l = 0; l < LAYERS; l++)
             assert_int_equal(kv_seq_codec(moved, l)->codec, ps.p[i][l].codec);
-        assert_same(s, moved);
+        assert_seqs_same(s, moved);
         kv_seq *both[] = {s, moved};
         feed(both, 2, 90, false, 9);
-        assert_same(s, moved);
+        assert_seqs_same(s, moved);
         /* every named plan here makes larger blocks than kivi2 in some layer */
         assert_null(kv_seq_import(only_default, 1024, img, len, &err));
         assert_int_equal(err.code, STRATA_EINVAL);
