@@ -249,6 +249,18 @@ void kv_plan_format(const kv_codec_params *layers, int n_layers, char *buf, size
     }
 }
 
+char *kv_plan_name(const kv_codec_params *layers, int n_layers)
+{
+    if (!layers || n_layers < 1)
+        return NULL;
+    /* a codec's canonical name is under 64 bytes; each range adds at most "ddddd-ddddd:," */
+    const size_t cap = (size_t)n_layers * 96 + 1;
+    char *buf = malloc(cap);
+    if (buf)
+        kv_plan_format(layers, n_layers, buf, cap);
+    return buf;
+}
+
 int kv_plan_save(const char *path, const kv_codec_params *layers, int n_layers, const char *comment,
                  strata_error *err)
 {

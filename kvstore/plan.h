@@ -33,6 +33,8 @@ bool kv_plan_is_file(const char *spec);
  * parsing that name would give another plan: "0-29:ott2" keeps layers 0-1's pools). Parsing the
  * result gives the plan. */
 void kv_plan_format(const kv_codec_params *layers, int n_layers, char *buf, size_t cap);
+/* The same, malloc'd and never truncated; NULL when out of memory or n_layers < 1. */
+char *kv_plan_name(const kv_codec_params *layers, int n_layers);
 
 /* Writes a plan file: comment lines (each prefixed with "# "; may be NULL; control characters
  * written as '?') then one range per line. */

@@ -97,12 +97,9 @@ int kv_image_write(const kv_geometry *g, const kv_image_source *src, uint8_t **o
         return strata_fail(err, STRATA_EINVAL, "kv export: NULL argument");
     if (!src->codecs || g->n_layers < 1)
         return strata_fail(err, STRATA_EINVAL, "kv export: the sequence's plan is missing");
-    /* A codec's canonical name is under 64 bytes; a range adds "ddd-ddd:," */
-    const size_t plan_cap = (size_t)g->n_layers * 96 + 1;
-    char *plan = malloc(plan_cap);
+    char *plan = kv_plan_name(src->codecs, g->n_layers);
     if (!plan)
         return strata_fail(err, STRATA_ENOMEM, "kv export: out of memory");
-    kv_plan_format(src->codecs, g->n_layers, plan, plan_cap);
     const size_t plan_len = strlen(plan);
     image_writer w = {0};
     uint16_t *rows = NULL;

@@ -95,7 +95,6 @@ typedef struct drain_state {
 } drain_state;
 
 #define COORD_MAX_PLANS 64   /* the server's plan and up to 63 that requests may choose (a stage's limit) */
-#define PLAN_NAME_CAP(c) ((size_t)(c)->mc.n_layers * 96 + 1)   /* a range and codec name per layer at most */
 
 typedef struct coord_metrics {
     metrics_counter *requests, *tokens, *spills, *restores, *crc, *spill_failures, *restore_failures;
@@ -953,16 +952,17 @@ static void *step_thread(void *arg)
 static int add_plan(coord *c, const char *entry, const kv_geometry *g, strata_error *err)
 {
     kv_codec_params *p = calloc((size_t)c->mc.n_layers, sizeof *p);
-    char *name = malloc(PLAN_NAME_CAP(c));
-    int rc = !p || !name ? strata_fail(err, STRATA_ENOMEM, "out of memory")
+    char *name = NULL;
+    int rc = !p ? strata_fail(err, STRATA_ENOMEM, "out of memory")
              : kv_plan_is_file(entry) ? kv_plan_load(entry, c->mc.n_layers, p, err)
                                       : kv_plan_parse(entry, c->mc.n_layers, p, err);
     for (int l = 0; rc == STRATA_OK && l < c->mc.n_layers; l++)
         if ((rc = kv_codec_validate(&p[l], g, err)) != STRATA_OK)
             strata_error_prefix(err, "layer %d", l);
     bool known = false;
+    if (rc == STRATA_OK && !(name = kv_plan_name(p, c->mc.n_layers)))
+        rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
     if (rc == STRATA_OK) {
-        kv_plan_format(p, c->mc.n_layers, name, PLAN_NAME_CAP(c));
         for (int i = 0; i < c->n_plans && !known; i++)
             known = strcmp(name, c->plan_names[i]) == 0;
         if (!known && c->n_plans == COORD_MAX_PLANS)
@@ -1027,15 +1027,13 @@ static int check_kv(const coord *c, const char *spec, int *plan, strata_error *e
     if (!spec || !*spec)
         return STRATA_OK;
     kv_codec_params *p = calloc((size_t)c->mc.n_layers, sizeof *p);
-    char *canon = malloc(PLAN_NAME_CAP(c));
-    if (!p || !canon) {
-        free(p);
-        free(canon);
+    if (!p)
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
-    }
+    char *canon = NULL;
     int rc = kv_plan_parse(spec, c->mc.n_layers, p, err);
+    if (rc == STRATA_OK && !(canon = kv_plan_name(p, c->mc.n_layers)))
+        rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
     if (rc == STRATA_OK) {
-        kv_plan_format(p, c->mc.n_layers, canon, PLAN_NAME_CAP(c));
         *plan = -1;
         for (int i = 0; i < c->n_plans && *plan < 0; i++)
             if (strcmp(canon, c->plan_names[i]) == 0)

@@ -149,14 +149,11 @@ int cuda_seq_export(cuda_seq *s, uint8_t **img, size_t *len, strata_error *err)
 static int im_plan(void *ctx, const kv_codec_params *codecs, strata_error *err)
 {
     const cuda_seq *s = ((image_ctx *)ctx)->s;
-    const size_t cap = (size_t)s->n_layers * 96 + 1;
-    char *mine = malloc(cap), *theirs = malloc(cap);
+    char *mine = kv_plan_name(s->codecs, s->n_layers), *theirs = kv_plan_name(codecs, s->n_layers);
     int rc = STRATA_OK;
     if (!mine || !theirs) {
         rc = strata_fail(err, STRATA_ENOMEM, "kv import: out of memory");
     } else {
-        kv_plan_format(s->codecs, s->n_layers, mine, cap);
-        kv_plan_format(codecs, s->n_layers, theirs, cap);
         if (strcmp(mine, theirs) != 0)
             rc = strata_fail(err, STRATA_EUNSUPPORTED, "kv import: the image's plan '%s' is not this GPU sequence's "
                              "'%s'", theirs, mine);

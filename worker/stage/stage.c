@@ -87,17 +87,15 @@ static int stage_plan_slice(const stage *s, const char *spec, const kv_geometry 
     const int L = s->cfg->n_layers;
     kv_codec_params *all = malloc((size_t)L * sizeof *all);
     *out = malloc((size_t)geo->n_layers * sizeof **out);
-    const size_t cap = (size_t)geo->n_layers * 96 + 1;   /* a range and a codec name per layer at most */
-    *name = malloc(cap);
-    int rc = !all || !*out || !*name ? strata_fail(err, STRATA_ENOMEM, "stage: out of memory")
-                                     : kv_plan_parse(spec, L, all, err);
+    *name = NULL;
+    int rc = !all || !*out ? strata_fail(err, STRATA_ENOMEM, "stage: out of memory") : kv_plan_parse(spec, L, all, err);
     if (rc == STRATA_OK)
         memcpy(*out, all + s->layer_begin, (size_t)geo->n_layers * sizeof **out);
     for (int l = 0; rc == STRATA_OK && l < geo->n_layers; l++)
         if ((rc = kv_codec_validate(&(*out)[l], geo, err)) != STRATA_OK)
             strata_error_prefix(err, "layer %u", s->layer_begin + (unsigned)l);
-    if (rc == STRATA_OK)
-        kv_plan_format(*out, geo->n_layers, *name, cap);
+    if (rc == STRATA_OK && !(*name = kv_plan_name(*out, geo->n_layers)))
+        rc = strata_fail(err, STRATA_ENOMEM, "stage: out of memory");
     free(all);
     if (rc != STRATA_OK) {
         free(*out);
@@ -154,13 +152,14 @@ static int stage_plan_index(const stage *s, const char *spec, strata_error *err)
 static bool stage_plan_known(const stage *s, const kv_seq *kv)
 {
     kv_codec_params *plan = malloc((size_t)s->geo.n_layers * sizeof *plan);
-    const size_t cap = (size_t)s->geo.n_layers * 96 + 1;
-    char *name = malloc(cap);
+    char *name = NULL;
     bool known = false;
-    if (plan && name) {
+    if (plan) {
         for (int l = 0; l < s->geo.n_layers; l++)
             plan[l] = *kv_seq_codec(kv, l);
-        kv_plan_format(plan, s->geo.n_layers, name, cap);
+        name = kv_plan_name(plan, s->geo.n_layers);
+    }
+    if (name) {
         for (int i = 0; i < s->n_plans && !known; i++)
             known = strcmp(name, s->plan_names[i]) == 0;
     }
