@@ -400,7 +400,7 @@ void api_stream_fail(api_stream *st, int status, const char *message)
     if (!message || !*message)
         message = strata_status_name(status);
     /* One line, valid UTF-8 and short: it becomes a status message or a proto string. */
-    char line[512];
+    char line[768];
     proto_status_line(line, sizeof line, message);
 
     pthread_mutex_lock(&st->mu);

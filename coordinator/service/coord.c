@@ -59,7 +59,7 @@ typedef struct flight {
     bool *sampled;
     bool *expect;                /* the work samples (decode, or a prompt's last chunk) */
     int *status;
-    char (*message)[256];
+    char (*message)[640];        /* a worker's message (up to 512 bytes) and where it came from */
 } flight;
 
 typedef struct creplica {
@@ -108,7 +108,7 @@ enum { FIN_STOP, FIN_LENGTH, FIN_ABORT, FIN_ERROR, FIN_CANCELLED };
 struct coord {
     coord_config cfg;
     char model_path[4096];
-    char kv_canonical[1024];
+    char *kv_canonical;          /* the server's own plan, canonical (kv_plan_name) */
     model_config mc;
     tokenizer *tok;
     kv_codec_params *codecs;     /* mc.n_layers: the server's plan, plans[0] */
@@ -1493,10 +1493,8 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
         for (int l = 0; rc == STRATA_OK && l < c->mc.n_layers; l++)
             if ((rc = kv_codec_validate(&c->codecs[l], &g, err)) != STRATA_OK)
                 strata_error_prefix(err, "coordinator: KV plan, layer %d", l);
-        kv_plan_format(c->codecs, c->mc.n_layers, c->kv_canonical, sizeof c->kv_canonical);
-        if (rc == STRATA_OK && strlen(c->kv_canonical) + 1 >= sizeof c->kv_canonical)
-            rc = strata_fail(err, STRATA_EINVAL, "coordinator: the KV plan's range list is longer than %zu bytes",
-                             sizeof c->kv_canonical - 2);
+        if (rc == STRATA_OK && !(c->kv_canonical = kv_plan_name(c->codecs, c->mc.n_layers)))
+            rc = strata_fail(err, STRATA_ENOMEM, "coordinator: out of memory");
         c->limits = proto_generate_limits_default(c->cfg.ctx, (uint32_t)c->mc.n_vocab);
         if (rc == STRATA_OK)
             rc = load_plans(c, cfg->kv_codecs, &g, err);
@@ -1683,6 +1681,7 @@ void coord_destroy(coord *c)
     }
     free(c->plans);
     free(c->plan_names);
+    free(c->kv_canonical);
     free(c->codecs);
     free(c->layer_begin);
     tokenizer_free(c->tok);

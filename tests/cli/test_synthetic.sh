@@ -249,6 +249,8 @@ PY
 fi
 kill -TERM "$server" 2>/dev/null
 wait "$server" || fail "strata serve exited $? after SIGTERM: $(tail -3 "$tmp/serve.log")"
+# (under the sanitizers a worker's report would only be in the log: its restart hides it otherwise)
+grep -q "Sanitizer\|runtime error" "$tmp/serve.log" && fail "sanitizer report in the serve log: $(grep -m3 "Sanitizer\|runtime error" "$tmp/serve.log")"
 [ ! -e "$tmp/serve-spill" ] || fail "serve left its spill folder: $(ls -laR "$tmp/serve-spill" 2>&1 | head)"
 serve_bad "--nvme-dir $tmp/none/spill: cannot create it" --host-kv-mib 1 --nvme-kv-mib 8 --nvme-dir "$tmp/none/spill"
 

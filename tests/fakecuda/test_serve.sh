@@ -69,3 +69,5 @@ echo "serve_fakecuda: ok ($(tail -1 "$tmp/drain"))"
 kill -TERM "$pid"
 wait "$pid" || fail "strata serve did not stop cleanly"
 pid=
+# (under the sanitizers a worker's report would only be in the log: its restart hides it otherwise)
+! grep -q "Sanitizer\|runtime error" "$tmp/serve.log" || fail "sanitizer report in the serve log"
