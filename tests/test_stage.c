@@ -205,20 +205,20 @@ static void link_pair(accept_job *aj, dp_link **to_back)
     assert_int_equal(aj->rc, STRATA_OK);
 }
 
-/* Two stages over a TCP link; o NULL: the CPU, whose tokens equal the whole model's bit for bit,
- * with two of the three sequences on plans of their own (one that differs across the stages'
- * layers), each against the whole model on that plan. With o->cuda (only where a GPU is present)
- * the stages run on the GPU with fp16 weights and every sequence on the stages' plan: every step
- * must run, and the tokens are compared with the CPU's (first tokens equal; the agreement is
- * printed, since fp16 weights may turn a greedy choice later on). */
+/* Two stages over a TCP link, with two of the three sequences on plans of their own (one that
+ * differs across the stages' layers), each against the whole model on that plan on the CPU.
+ * o NULL: the CPU, whose tokens equal the whole model's bit for bit. With o->cuda (a GPU, or the
+ * fake device) the stages run on the GPU with fp16 weights: every step must run, and the tokens
+ * are compared with the CPU's (first tokens equal; the agreement is printed, since fp16 weights
+ * may turn a greedy choice later on). */
 static void two_stages(const stage_options *o)
 {
     const bool gpu = o && o->cuda;
     const char *kv = "kivi2";
     char *others[] = {"fp16", "0-14:kivi4,15-29:tada2"};
     seq_spec seqs[3] = {{.id = 11, .n_prompt = 40, .join_step = 1},
-                        {.id = 22, .n_prompt = 150, .join_step = 1, .kv = gpu ? NULL : "fp16"},
-                        {.id = 33, .n_prompt = 7, .join_step = 4, .kv = gpu ? NULL : "0-14:kivi4,15-19:tada2,20-29:tada2"}};
+                        {.id = 22, .n_prompt = 150, .join_step = 1, .kv = "fp16"},
+                        {.id = 33, .n_prompt = 7, .join_step = 4, .kv = "0-14:kivi4,15-19:tada2,20-29:tada2"}};
     for (size_t i = 0; i < 3; i++) {
         for (size_t k = 0; k < seqs[i].n_prompt; k++)
             seqs[i].prompt[k] = (int32_t)(1 + (k * 7919 + i * 104729) % 40000);
@@ -231,7 +231,7 @@ static void two_stages(const stage_options *o)
     pthread_t th;
 
     Strata__Internal__V1__Assignment a0 = assignment(front, kv), a1 = assignment(back, kv);
-    a0.n_kv_plans = a1.n_kv_plans = gpu ? 0 : 2;
+    a0.n_kv_plans = a1.n_kv_plans = 2;
     a0.kv_plans = a1.kv_plans = others;
     stage *s0 = stage_create(&a0, pick(front, o), o, NULL, to_back, &err);
     if (!s0)
@@ -271,8 +271,9 @@ static void two_stages(const stage_options *o)
     if (gpu)
         print_message("GPU stages: %d of %d tokens equal to the CPU's\n", agree, 3 * STEPS);
     /* Each sequence made the blocks of its own plan (equal greedy tokens alone could hide a
-     * sequence run on the stages' plan): fp16 keeps no window, the others 128 tokens. */
-    if (!gpu) {
+     * sequence run on the stages' plan): fp16 keeps no window, the others 128 tokens. The GPU
+     * stages form blocks by the same rule. */
+    {
         size_t want[2] = {0, 0};
         kv_codec_params plan[64];
         for (size_t i = 0; i < 3; i++) {
@@ -389,20 +390,24 @@ static void test_two_stages_equal_whole_model(void **state)
     two_stages(NULL);
 }
 
-/* Migration with GPU stages (only where a GPU is present): two sequences move GPU stage to GPU
+/* Migration with GPU stages (a GPU, or the fake device): two sequences move GPU stage to GPU
  * stage at step 3 and give the tokens of the same sequences left where they were (same kernels,
  * same bytes); at step 6 they move to a CPU stage and at step 9 back to a GPU stage, and every
  * step after each move runs (the CPU's tokens may differ from fp16 weights' later on). kv: the
- * stage's KV codec or plan. */
-static void gpu_migration(const stage_options *o, const char *kv)
+ * stage's KV codec or plan; own: the second sequence's own plan (NULL: the stage's), which the
+ * stages are assigned besides kv and which travels with it. */
+static void gpu_migration(const stage_options *o, const char *kv, const char *own)
 {
-    seq_spec ref[2] = {{.id = 7, .n_prompt = 150, .join_step = 1}, {.id = 8, .n_prompt = 90, .join_step = 1}};
+    seq_spec ref[2] = {{.id = 7, .n_prompt = 150, .join_step = 1}, {.id = 8, .n_prompt = 90, .join_step = 1, .kv = own}};
     for (size_t i = 0; i < 2; i++)
         for (size_t k = 0; k < ref[i].n_prompt; k++)
             ref[i].prompt[k] = (int32_t)(9 + (k * 7919 + i * 31) % 40000);
     seq_spec mov[2];
     memcpy(mov, ref, sizeof mov);
     Strata__Internal__V1__Assignment a = assignment(full, kv);
+    char *others[] = {(char *)own};
+    a.n_kv_plans = own ? 1 : 0;
+    a.kv_plans = others;
     strata_error err = {0};
     stage *g_ref = stage_create(&a, pick(full, o), o, NULL, NULL, &err);
     stage *g1 = g_ref ? stage_create(&a, pick(full, o), o, NULL, NULL, &err) : NULL;
@@ -463,9 +468,9 @@ static void test_gpu_stage(void **state)
     assert_non_null(strstr(err.msg, "model_load_for_device"));
     if (stage_gpu_probe(0, &err) == STRATA_OK) {
         two_stages(&o);
-        gpu_migration(&o, "kivi2-r32");
+        gpu_migration(&o, "kivi2-r32", "fp16");
         if (!getenv("STRATA_SANITIZED"))   /* plans under the sanitizers: test_cuda_model_fake's test_kv_plan */
-            gpu_migration(&o, "0-9:kivi2-r32,10-19:kivi4-r32,20-29:tada4-r32");   /* a codec per layer range */
+            gpu_migration(&o, "0-9:kivi2-r32,10-19:kivi4-r32,20-29:tada4-r32", NULL);   /* a codec per layer range */
         return;
     }
     assert_true(err.code == STRATA_EIO || err.code == STRATA_EUNSUPPORTED);

@@ -43,7 +43,7 @@ static int pool_slots(const cli_tier_opts *t, const kv_codec_params *codecs, con
         return 0;
     cuda_kv_pool_size z;
     strata_error err = {0};
-    if (cuda_kv_pool_sizing(codecs, g, ctx, 1, t->device_mib < 0 ? 0 : (uint64_t)(t->device_mib * 1048576.0),
+    if (cuda_kv_pool_sizing(&codecs, 1, g, ctx, 1, t->device_mib < 0 ? 0 : (uint64_t)(t->device_mib * 1048576.0),
                             t->host_mib > 0, &z, &err) != STRATA_OK) {
         fprintf(stderr, "strata generate: %s\n", err.msg);
         return EXIT_USAGE;

@@ -13,9 +13,10 @@
  * across a quantization step); fp16 weights 5e-2 and 1e-1. NaN never passes. The greedy tokens of
  * the fp32-weight runs must agree with the CPU's on at least 90% of the steps.
  * Batched steps (cuda_model_forward_batch) are checked the same way per sequence, with prompts of
- * different lengths prefilled together, decoding together, and a prompt joining mid-way; bad
- * batches are refused. A shared block pool with a pinned host tier below gives the same logits as
- * per-sequence arenas while blocks move off the device and back. Two pipeline stages, their rows
+ * different lengths prefilled together, decoding together, and a prompt joining mid-way, all on
+ * one codec or each on its own (per-request KV codecs); bad batches are refused. A shared block
+ * pool with a pinned host tier below gives the same logits as per-sequence arenas while blocks
+ * move off the device and back, also with sequences on three plans in the same steps. Two pipeline stages, their rows
  * through an NCCL loopback link, give the whole model's logits. A prompt in chunks matches the
  * CPU's chunked prefill, with arenas and with the shared pool. Migration images move sequences
  * GPU to GPU bit for bit and between GPU and CPU. A KV plan (a codec per layer) matches the CPU's.
@@ -241,17 +242,30 @@ static void test_default_model(void **state)
 /* Batched steps: four prompts of different lengths prefilled in one step, then decoded together,
  * blocks forming in different sequences at different steps; a fifth prompt joins mid-way (a step
  * mixing decode and prefill). Each sequence's logits against its own CPU run. */
-static void batched(model *m, const char *codec_name)
+/* Five sequences, prompts of different lengths prefilled together, decoding together, and one
+ * joining mid-way; sequence i on the codec names[i] (per-request KV codecs: the decode items of a
+ * step run one group per plan), each against the CPU with its own codec. */
+static void batched(model *m, const char *label, const char *const names[5])
 {
     enum { N = 5, STEPS = 80, JOIN = 30 };
     static const size_t prompt[N] = {10, 150, 200, 193, 61};
     strata_error err = {0};
     const model_config *c = model_get_config(m);
     const size_t nv = (size_t)c->n_vocab, max_tokens = 200 + STEPS + 1;
-    kv_codec_params codec;
-    assert_int_equal(kv_codec_parse(codec_name, &codec, &err), STRATA_OK);
     kv_geometry geo = model_kv_geometry(m, 64);
-    kv_pool *pool = kv_pool_create(&geo, &codec, N * (max_tokens / 64 + 1) * (size_t)geo.n_layers, &err);
+    kv_codec_params *plans[N];
+    double bound[N];
+    for (int i = 0; i < N; i++) {
+        kv_codec_params codec;
+        assert_int_equal(kv_codec_parse(names[i], &codec, &err), STRATA_OK);
+        plans[i] = malloc((size_t)geo.n_layers * sizeof *plans[i]);
+        assert_non_null(plans[i]);
+        for (int l = 0; l < geo.n_layers; l++)
+            plans[i][l] = codec;
+        bound[i] = codec.codec == KV_CODEC_FP16 ? 2e-3 : 3e-2;
+    }
+    kv_pool *pool = kv_pool_create_plans(&geo, (const kv_codec_params *const *)plans, N, N * (max_tokens / 64 + 1),
+                                         false, &err);
     assert_non_null(pool);
     cuda_model *cm = create_cuda(m, CUDA_WEIGHTS_F32, &err);
     if (!cm)
@@ -262,8 +276,8 @@ static void batched(model *m, const char *codec_name)
     size_t len[N] = {0};
     uint64_t seed = 9;
     for (int i = 0; i < N; i++) {
-        cpu_seq[i] = kv_seq_create(pool, max_tokens, &err);
-        gpu_seq[i] = cuda_seq_create(cm, &codec, 64, max_tokens, &err);
+        cpu_seq[i] = kv_seq_create_plan(pool, plans[i], max_tokens, &err);
+        gpu_seq[i] = cuda_seq_create_plan(cm, plans[i], 64, max_tokens, &err);
         tokens[i] = malloc(max_tokens * sizeof **tokens);
         assert_true(cpu_seq[i] && gpu_seq[i] && tokens[i]);
         for (size_t t = 0; t < prompt[i]; t++)
@@ -271,7 +285,6 @@ static void batched(model *m, const char *codec_name)
     }
     float *cpu = malloc(nv * sizeof *cpu), *gpu = malloc(N * nv * sizeof *gpu);
     assert_true(cpu && gpu);
-    const double bound = codec.codec == KV_CODEC_FP16 ? 2e-3 : 3e-2;
     double worst = 0.0;
     for (int step = 0; step <= STEPS; step++) {
         cuda_batch_item items[N];
@@ -287,31 +300,38 @@ static void batched(model *m, const char *codec_name)
         for (size_t x = 0; x < (size_t)n_items * nv; x++)
             gpu[x] = NAN;
         if (cuda_model_forward_batch(cm, items, (size_t)n_items, gpu, &err) != STRATA_OK)
-            fail_msg("%s step %d: %s", codec_name, step, err.msg);
+            fail_msg("%s step %d: %s", label, step, err.msg);
         for (int k = 0; k < n_items; k++) {
             const int i = who[k];
             const size_t n = items[k].n_tokens;
             assert_int_equal(model_forward(m, cpu_seq[i], tokens[i] + len[i], n, len[i], cpu, false, &err), STRATA_OK);
             const double e = rel_error(gpu + (size_t)k * nv, cpu, nv);
             worst = e > worst ? e : worst;
-            if (!(e <= bound))
-                fail_msg("%s batched step %d, sequence %d at position %zu: %.3e > %.0e", codec_name, step, i,
-                         len[i] + n - 1, e, bound);
+            if (!(e <= bound[i]))
+                fail_msg("%s batched step %d, sequence %d (%s) at position %zu: %.3e > %.0e", label, step, i, names[i],
+                         len[i] + n - 1, e, bound[i]);
             len[i] += n;
             tokens[i][len[i]] = (int32_t)argmax(cpu, nv);
             assert_int_equal(cuda_seq_length(gpu_seq[i]), len[i]);
         }
     }
-    printf("  batched %s (5 sequences, one joining at step %d): worst logits error %.2e\n", codec_name, JOIN, worst);
+    printf("  batched %s (5 sequences, one joining at step %d): worst logits error %.2e\n", label, JOIN, worst);
     for (int i = 0; i < N; i++) {
         kv_seq_destroy(cpu_seq[i]);
         cuda_seq_free(gpu_seq[i]);
         free(tokens[i]);
+        free(plans[i]);
     }
     free(cpu);
     free(gpu);
     cuda_model_free(cm);
     kv_pool_destroy(pool);
+}
+
+static void batched_one(model *m, const char *codec_name)
+{
+    const char *const names[5] = {codec_name, codec_name, codec_name, codec_name, codec_name};
+    batched(m, codec_name, names);
 }
 
 static void test_batched_steps(void **state)
@@ -324,11 +344,15 @@ static void test_batched_steps(void **state)
     model *m = load_twin("synthetic:smollm2-135m:seed=5", 0, -1, &err);
 #endif
     assert_non_null(m);
-    batched(m, "ott4");
+    batched_one(m, "ott4");
+    /* Each sequence on its own codec (fp16 keeps no window: its blocks form at other steps);
+     * the two kivi2 sequences share a group. */
+    const char *const mixed[5] = {"kivi2", "fp16", "gear2", "kivi2", "ott4"};
+    batched(m, "mixed plans", mixed);
     if (!getenv("STRATA_SANITIZED")) {   /* see compare_model */
-        batched(m, "fp16");
-        batched(m, "kivi2");
-        batched(m, "gear2");
+        batched_one(m, "fp16");
+        batched_one(m, "kivi2");
+        batched_one(m, "gear2");
     }
     free_twin(m);
 }
@@ -504,6 +528,98 @@ static void test_shared_pool(void **state)
     cuda_model_free(shared);
     cuda_model_free(own);
     kv_tiers_destroy(tiers);
+    free(la);
+    free(lb);
+    free_twin(m);
+}
+
+/* Per-request KV codecs in the shared pool: sequences on three plans (slots sized for the largest
+ * block of any, cuda_model_create_kv_pool_plans) decode in the same steps, their prompts in one
+ * step too, while blocks move to a host tier and back; each sequence's logits are bit for bit
+ * those of the same batch with per-sequence arenas. A plan the pool was not sized for, whose
+ * blocks do not fit its slots, is refused. */
+static void test_shared_pool_plans(void **state)
+{
+    (void)state;
+    enum { SEQS = 3, TOKENS = 300, BT = 16, P0 = 40 };
+    strata_error err = {0};
+    model *m = load_twin("synthetic:tiny:seed=12", 0, -1, &err);
+    assert_non_null(m);
+    const int L = model_get_config(m)->n_layers;
+    const size_t nv = (size_t)model_get_config(m)->n_vocab;
+    const char *names[SEQS] = {"kivi2-g16", "fp16", "gear2-g16"};
+    kv_codec_params *plans[SEQS];
+    for (int i = 0; i < SEQS; i++) {
+        kv_codec_params codec;
+        assert_int_equal(kv_codec_parse(names[i], &codec, &err), STRATA_OK);
+        assert_non_null(plans[i] = malloc((size_t)L * sizeof *plans[i]));
+        for (int l = 0; l < L; l++)
+            plans[i][l] = codec;
+    }
+    kv_tiers_options to = {.host_bytes = 64u << 20, .allocator = cuda_pinned_host_allocator()};
+    kv_tiers *tiers = kv_tiers_create(&to, &err);
+    if (!tiers)
+        fail_msg("%s", err.msg);
+    const kv_lower_tier lower = kv_tiers_lower(tiers);
+    cuda_model *own = create_cuda(m, CUDA_WEIGHTS_F16, &err), *shared = create_cuda(m, CUDA_WEIGHTS_F16, &err);
+    assert_true(own && shared);
+    /* One layer's blocks of all three at the end, plus the ones forming: well below the cache. */
+    if (cuda_model_create_kv_pool_plans(shared, (const kv_codec_params *const *)plans, SEQS, BT, 3 * TOKENS / BT,
+                                        &lower, &err) != STRATA_OK)
+        fail_msg("%s", err.msg);
+    cuda_seq *a[SEQS], *b[SEQS];
+    for (int i = 0; i < SEQS; i++) {
+        a[i] = cuda_seq_create_plan(own, plans[i], BT, TOKENS + 1, &err);
+        b[i] = cuda_seq_create_plan(shared, plans[i], BT, TOKENS + 1, &err);
+        if (!a[i] || !b[i])
+            fail_msg("%s: %s", names[i], err.msg);
+    }
+    float *la = malloc(SEQS * nv * sizeof *la), *lb = malloc(SEQS * nv * sizeof *lb);
+    int32_t tok[SEQS][P0];
+    assert_true(la && lb);
+    for (int i = 0; i < SEQS; i++)
+        for (int t = 0; t < P0; t++)
+            tok[i][t] = 30 + 5 * i + t;
+    for (size_t pos = 0; pos < TOKENS - P0; pos++) {
+        cuda_batch_item ia[SEQS], ib[SEQS];
+        for (int i = 0; i < SEQS; i++) {
+            const int32_t *in = pos == 0 ? tok[i] : &tok[i][P0 - 1];
+            const size_t n = pos == 0 ? P0 : 1;
+            ia[i] = (cuda_batch_item){a[i], in, n};
+            ib[i] = (cuda_batch_item){b[i], in, n};
+        }
+        assert_int_equal(cuda_model_forward_batch(own, ia, SEQS, la, &err), STRATA_OK);
+        if (cuda_model_forward_batch(shared, ib, SEQS, lb, &err) != STRATA_OK)
+            fail_msg("step at %zu: %s", pos, err.msg);
+        for (int i = 0; i < SEQS; i++) {
+            if (memcmp(la + (size_t)i * nv, lb + (size_t)i * nv, nv * sizeof *la) != 0)
+                fail_msg("%s at %zu: the shared pool's logits differ from the arena's", names[i], pos);
+            tok[i][P0 - 1] = (int32_t)argmax(la + (size_t)i * nv, nv);
+        }
+    }
+    device_pool_stats st;
+    cuda_model_kv_pool_stats(shared, &st);
+    printf("  shared pool, plans %s, %s, %s: %zu slots, %llu evictions, %llu fetches\n", names[0], names[1], names[2],
+           st.slots, (unsigned long long)st.evictions, (unsigned long long)st.fetches);
+    assert_true(st.evictions > 0 && st.fetches > 0);
+    for (int i = 0; i < SEQS; i++) {
+        cuda_seq_free(a[i]);
+        cuda_seq_free(b[i]);
+    }
+    cuda_model_free(shared);
+    /* Slots sized for kivi2 alone do not hold an fp16 block. */
+    shared = create_cuda(m, CUDA_WEIGHTS_F16, &err);
+    assert_non_null(shared);
+    assert_int_equal(cuda_model_create_kv_pool_plans(shared, (const kv_codec_params *const *)plans, 1, BT, 64, &lower,
+                                                     &err), STRATA_OK);
+    assert_null(cuda_seq_create_plan(shared, plans[1], BT, TOKENS, &err));
+    assert_int_equal(err.code, STRATA_EINVAL);
+    assert_non_null(strstr(err.msg, "the shared KV pool's slots hold"));
+    cuda_model_free(shared);
+    cuda_model_free(own);
+    kv_tiers_destroy(tiers);
+    for (int i = 0; i < SEQS; i++)
+        free(plans[i]);
     free(la);
     free(lb);
     free_twin(m);
@@ -742,8 +858,9 @@ static void test_migration(void **state)
         size_t len = 0;
         if (cuda_seq_export(a, &img, &len, &err) != STRATA_OK)
             fail_msg("%s: export: %s", codecs[ci], err.msg);
-        cuda_seq *b = cuda_seq_import(own, plan, BT, TOKENS, img, len, &err);
-        cuda_seq *c = b ? cuda_seq_import(shared, plan, BT, TOKENS, img, len, &err) : NULL;
+        const kv_codec_params *plans[] = {plan};
+        cuda_seq *b = cuda_seq_import(own, plans, 1, BT, TOKENS, img, len, &err);
+        cuda_seq *c = b ? cuda_seq_import(shared, plans, 1, BT, TOKENS, img, len, &err) : NULL;
         if (!b || !c)
             fail_msg("%s: import: %s", codecs[ci], err.msg);
         assert_int_equal(cuda_seq_length(b), START + 10);
@@ -772,7 +889,7 @@ static void test_migration(void **state)
         uint8_t *img2 = NULL;
         size_t len2 = 0;
         assert_int_equal(kv_seq_export(cpu, &img2, &len2, &err), STRATA_OK);
-        cuda_seq *d = cuda_seq_import(own, plan, BT, TOKENS, img2, len2, &err);
+        cuda_seq *d = cuda_seq_import(own, plans, 1, BT, TOKENS, img2, len2, &err);
         if (!d)
             fail_msg("%s: the CPU image on the GPU: %s", codecs[ci], err.msg);
         const size_t t = START + 10 + STEPS;
@@ -781,11 +898,11 @@ static void test_migration(void **state)
         if (!(rel_error(lc, lb, nv) <= (codec.codec == KV_CODEC_FP16 ? 2e-3 : 3e-2)))
             fail_msg("%s: the CPU's sequence continued on the GPU differs by %.3e", codecs[ci], rel_error(lc, lb, nv));
         img[len / 2] ^= 0x04;
-        assert_null(cuda_seq_import(own, plan, BT, TOKENS, img, len, &err));
+        assert_null(cuda_seq_import(own, plans, 1, BT, TOKENS, img, len, &err));
         assert_int_equal(err.code, STRATA_ECRC);
-        /* An intact image of the same codec at another bit width: refused by the plan it names,
-         * since the device reads every block of a layer with one layout (2-bit blocks would fit
-         * 4-bit slots). */
+        /* An intact image of the same codec at another bit width: refused when its plan is not
+         * one the caller takes, since the device reads every block of a layer with one layout
+         * (2-bit blocks would fit 4-bit slots); taken on its own plan when it is one of them. */
         if (codec.codec != KV_CODEC_FP16) {
             char wider[32];
             snprintf(wider, sizeof wider, "%s", codecs[ci]);
@@ -794,9 +911,16 @@ static void test_migration(void **state)
             assert_int_equal(kv_codec_parse(wider, &w4, &err), STRATA_OK);
             for (int l = 0; l < model_get_config(m)->n_layers; l++)
                 plan4[l] = w4;
-            assert_null(cuda_seq_import(own, plan4, BT, TOKENS, img2, len2, &err));
-            if (err.code != STRATA_EUNSUPPORTED || !strstr(err.msg, "is not this GPU sequence's"))
+            const kv_codec_params *only4[] = {plan4}, *both[] = {plan4, plan};
+            assert_null(cuda_seq_import(own, only4, 1, BT, TOKENS, img2, len2, &err));
+            if (err.code != STRATA_EUNSUPPORTED || !strstr(err.msg, "is not one this GPU model takes"))
                 fail_msg("%s image as %s: %s", codecs[ci], wider, err.msg);
+            cuda_seq *e = cuda_seq_import(own, both, 2, BT, TOKENS, img2, len2, &err);
+            if (!e)
+                fail_msg("%s image with %s offered too: %s", codecs[ci], wider, err.msg);
+            assert_int_equal(cuda_model_forward(own, e, tok + t, 1, la, &err), STRATA_OK);
+            assert_memory_equal(la, lc, nv * sizeof *la);   /* on its own plan, as d was */
+            cuda_seq_free(e);
         }
         printf("  migration %s: GPU to GPU bit for bit (own arena, shared pool), to the CPU within %.2e\n", codecs[ci],
                worst);
@@ -1051,11 +1175,10 @@ static void test_bad_batches(void **state)
     assert_int_equal(cuda_model_forward_batch(cm, items, 2, NULL, &err), STRATA_OK);       /* two prompts */
     items[0] = (cuda_batch_item){a, toks, 1};
     items[1] = (cuda_batch_item){b, toks, 1};
-    assert_int_equal(cuda_model_forward_batch(cm, items, 2, NULL, &err), STRATA_EINVAL);   /* codecs differ */
-    assert_non_null(strstr(err.msg, "share KV plan"));
+    assert_int_equal(cuda_model_forward_batch(cm, items, 2, NULL, &err), STRATA_OK);       /* codecs differ */
     items[0] = (cuda_batch_item){a, toks, 3};
     assert_int_equal(cuda_model_forward_batch(cm, items, 1, NULL, &err), STRATA_OK);       /* a prompt chunk */
-    assert_int_equal(cuda_seq_length(a), 5);
+    assert_int_equal(cuda_seq_length(a), 6);
     cuda_seq_free(a);
     cuda_seq_free(b);
     cuda_model_free(cm);
@@ -1285,6 +1408,7 @@ int main(void)
         cmocka_unit_test(test_greedy_and_sizes),
         cmocka_unit_test(test_nonfinite_logits),
         cmocka_unit_test(test_shared_pool),
+        cmocka_unit_test(test_shared_pool_plans),
         cmocka_unit_test(test_phase_times),
         cmocka_unit_test(test_chunked_prompt),
         cmocka_unit_test(test_migration),

@@ -625,20 +625,51 @@ static int upload_row(cuda_seq *s, int layer, size_t n, strata_error *err)
     return STRATA_OK;
 }
 
+/* Decode items whose sequences share a KV plan (per-request codecs: a step may hold several):
+ * one encoder launch, one tail move and one attention launch per layer each. */
+typedef struct dec_group {
+    size_t begin, end;       /* its decode items: internal positions [begin, end) */
+    size_t full_begin;       /* its forming blocks' jobs in a layer's slice: [full_begin, + n_full) */
+    size_t n_full;           /* decode items whose tail fills this step (a block forms) */
+    size_t n_full_prompt;    /* of those, GEAR blocks at the prompt rank (their jobs come first) */
+    int max_blocks;          /* the most blocks a sequence of the group has after the step */
+    cuda_kv_plan attn;       /* its attention launch */
+} dec_group;
+
 /* One step's plan: items reordered so that the decode items (one token on a non-empty sequence)
- * come first, their rows contiguous for the batched attention, then the prompts. */
+ * come first, group by group, their rows contiguous for the batched attention, then the prompts. */
 typedef struct step_plan {
     size_t n_items, n_dec, rows;
     size_t *order;     /* internal position -> caller's item index */
     size_t *row0;      /* internal position -> first row */
-    size_t n_full;     /* decode items whose tail fills this step (a block forms) */
-    size_t n_full_prompt;  /* of those, GEAR blocks at the prompt rank (their jobs come first) */
+    dec_group *groups;
+    size_t n_groups;
+    size_t n_full;     /* forming blocks of every group */
+    size_t work;       /* encoder scratch per forming block (the groups' largest) */
     cuda_seq **full_seq;   /* shared pool: the sequence of each forming block, in the jobs' order */
 } step_plan;
 
+/* Whether two sequences' blocks are made and read alike: the same block size and, layer by
+ * layer, the same codec (compared field by field: the structs may hold padding). */
+static bool same_codec(const kv_codec_params *a, const kv_codec_params *b)
+{
+    return a->codec == b->codec && a->bits == b->bits && a->group == b->group && a->residual == b->residual &&
+           a->rank_prompt == b->rank_prompt && a->rank_decode == b->rank_decode && a->power_iters == b->power_iters &&
+           a->sparse_pct == b->sparse_pct && a->pool_tokens == b->pool_tokens && a->aux_tokens == b->aux_tokens;
+}
+
+static bool same_plan(const cuda_seq *a, const cuda_seq *b)
+{
+    if (a->block_tokens != b->block_tokens || a->n_layers != b->n_layers)
+        return false;
+    for (int l = 0; l < a->n_layers; l++)
+        if (!same_codec(&a->codecs[l], &b->codecs[l]))
+            return false;
+    return true;
+}
+
 static int check_items(cuda_model *cm, const cuda_batch_item *items, size_t n_items, strata_error *err)
 {
-    const cuda_seq *first_dec = NULL;
     cm->step++;   /* a fresh mark for this step's sequences (never 0: new sequences start at 0) */
     for (size_t i = 0; i < n_items; i++) {
         const cuda_batch_item *it = &items[i];
@@ -658,14 +689,6 @@ static int check_items(cuda_model *cm, const cuda_batch_item *items, size_t n_it
         if (s->seen_in_step == cm->step)
             return strata_fail(err, STRATA_EINVAL, "batch item %zu: a sequence named twice in one step", i);
         it->seq->seen_in_step = cm->step;
-        if (s->len > 0) {
-            if (!first_dec)
-                first_dec = s;
-            else if (first_dec->block_tokens != s->block_tokens ||
-                     memcmp(first_dec->enc, s->enc, (size_t)s->n_layers * sizeof *s->enc) != 0)
-                return strata_fail(err, STRATA_EINVAL,
-                                   "batch item %zu: decoding sequences of one step must share KV plan and block size", i);
-        }
     }
     return STRATA_OK;
 }
@@ -674,54 +697,65 @@ static int check_items(cuda_model *cm, const cuda_batch_item *items, size_t n_it
  * tail moves, and the attention views after the append; uploaded in four copies. */
 static int ensure_encoder_scratch(cuda_model *cm, size_t bytes, strata_error *err);
 
-static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_plan *sp, int *max_blocks,
-                             strata_error *err)
+static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_plan *sp, strata_error *err)
 {
     const size_t L = (size_t)cm->n_local, nd = sp->n_dec;
-    size_t n_full = 0, n_prompt = 0;
-    *max_blocks = 0;
-    /* The full tails first: how many blocks form, and how many of them at GEAR's prompt rank. */
-    for (size_t j = 0; j < nd; j++) {
-        const cuda_seq *s = items[sp->order[j]].seq;
-        if (s->tail_len[0] + 1 == s->residual + s->block_tokens) {
-            n_full++;
-            n_prompt += prompt_block(s, (size_t)s->n_blocks[0]);
+    size_t n_full = 0;
+    /* The full tails first: how many blocks form in each group, and how many of them at GEAR's
+     * prompt rank; each group's jobs take the next stretch of a layer's slice. */
+    sp->work = 0;
+    for (size_t g = 0; g < sp->n_groups; g++) {
+        dec_group *G = &sp->groups[g];
+        G->full_begin = n_full;
+        G->n_full = G->n_full_prompt = 0;
+        G->max_blocks = 0;
+        for (size_t j = G->begin; j < G->end; j++) {
+            const cuda_seq *s = items[sp->order[j]].seq;
+            if (s->tail_len[0] + 1 == s->residual + s->block_tokens) {
+                G->n_full++;
+                G->n_full_prompt += prompt_block(s, (size_t)s->n_blocks[0]);
+            }
+            sp->work = s->work_bytes > sp->work ? s->work_bytes : sp->work;
         }
+        n_full += G->n_full;
     }
-    const size_t work = nd ? items[sp->order[0]].seq->work_bytes : 0;
+    const size_t work = sp->work;
     int rc = ensure_encoder_scratch(cm, n_full * work, err);
     if (rc != STRATA_OK)
         return rc;
     if (cm->pool && n_full && !(sp->full_seq = malloc(n_full * sizeof *sp->full_seq)))
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
-    size_t at_prompt = 0, at_decode = n_prompt;   /* where each full tail's jobs go in a layer's slice */
-    for (size_t j = 0; j < nd; j++) {
-        cuda_seq *s = items[sp->order[j]].seq;
-        const int full = s->tail_len[0] + 1 == s->residual + s->block_tokens;
-        const int blocks_after = s->n_blocks[0] + full, tail_after = full ? s->residual : s->tail_len[0] + 1;
-        if (full && (size_t)s->n_blocks[0] >= s->max_blocks)
-            return strata_fail(err, STRATA_EFULL, "sequence at %zu tokens: no block slot left", s->len);
-        if (blocks_after > *max_blocks)
-            *max_blocks = blocks_after;
-        size_t slot_in_layer = 0;
-        if (full)
-            slot_in_layer = prompt_block(s, (size_t)s->n_blocks[0]) ? at_prompt++ : at_decode++;
-        for (size_t l = 0; l < L; l++) {
-            const int il = (int)l;
-            cm->h_append[l * nd + j] = (cuda_kv_append_job){
-                .dst_k = cuda_seq_tail_at(s, s->tail_k, il, (size_t)s->tail_len[0]),
-                .dst_v = cuda_seq_tail_at(s, s->tail_v, il, (size_t)s->tail_len[0]),
-                .src_row = (int)j,
-                .n_rows = 1,
-            };
-            cm->h_views[l * nd + j] = (cuda_kv_seq){
-                .blocks = s->d_tables + l * s->max_blocks,
-                .tail_k = cuda_seq_tail_at(s, s->tail_k, il, 0),
-                .tail_v = cuda_seq_tail_at(s, s->tail_v, il, 0),
-                .n_blocks = blocks_after,
-                .tail_tokens = tail_after,
-            };
-            if (full) {
+    for (size_t g = 0; g < sp->n_groups; g++) {
+        dec_group *G = &sp->groups[g];
+        size_t at_prompt = G->full_begin, at_decode = G->full_begin + G->n_full_prompt;   /* where its jobs go */
+        for (size_t j = G->begin; j < G->end; j++) {
+            cuda_seq *s = items[sp->order[j]].seq;
+            const int full = s->tail_len[0] + 1 == s->residual + s->block_tokens;
+            const int blocks_after = s->n_blocks[0] + full, tail_after = full ? s->residual : s->tail_len[0] + 1;
+            if (full && (size_t)s->n_blocks[0] >= s->max_blocks)
+                return strata_fail(err, STRATA_EFULL, "sequence at %zu tokens: no block slot left", s->len);
+            if (blocks_after > G->max_blocks)
+                G->max_blocks = blocks_after;
+            size_t slot_in_layer = 0;
+            if (full)
+                slot_in_layer = prompt_block(s, (size_t)s->n_blocks[0]) ? at_prompt++ : at_decode++;
+            for (size_t l = 0; l < L; l++) {
+                const int il = (int)l;
+                cm->h_append[l * nd + j] = (cuda_kv_append_job){
+                    .dst_k = cuda_seq_tail_at(s, s->tail_k, il, (size_t)s->tail_len[0]),
+                    .dst_v = cuda_seq_tail_at(s, s->tail_v, il, (size_t)s->tail_len[0]),
+                    .src_row = (int)j,
+                    .n_rows = 1,
+                };
+                cm->h_views[l * nd + j] = (cuda_kv_seq){
+                    .blocks = s->d_tables + l * s->max_blocks,
+                    .tail_k = cuda_seq_tail_at(s, s->tail_k, il, 0),
+                    .tail_v = cuda_seq_tail_at(s, s->tail_v, il, 0),
+                    .n_blocks = blocks_after,
+                    .tail_tokens = tail_after,
+                };
+                if (!full)
+                    continue;
                 /* Shared pool: the slot is taken when the layer runs (acquire_layer). */
                 uint8_t *dst = NULL;
                 if (!cm->pool) {
@@ -744,7 +778,6 @@ static int stage_decode_jobs(cuda_model *cm, const cuda_batch_item *items, step_
             }
         }
     }
-    sp->n_full_prompt = n_prompt;
     sp->n_full = n_full;
     if (nd == 0)
         return STRATA_OK;
@@ -829,13 +862,11 @@ static int acquire_layer(cuda_model *cm, const cuda_batch_item *items, const ste
     return STRATA_OK;
 }
 
-/* The decode items' K/V of one layer into their tails, the blocks that fill, then attention over
- * every decode item's cache at once. */
-static int decode_layer(cuda_model *cm, const cuda_batch_item *items, const step_plan *sp, const cuda_kv_plan *plan,
-                        int il, strata_error *err)
+/* The decode items' K/V of one layer into their tails (one launch), then group by group the
+ * blocks that fill and attention over every decode item's cache of the group at once. */
+static int decode_layer(cuda_model *cm, const cuda_batch_item *items, const step_plan *sp, int il, strata_error *err)
 {
-    const size_t nd = sp->n_dec, l = (size_t)il;
-    const cuda_seq *s0 = items[sp->order[0]].seq;
+    const size_t nd = sp->n_dec, l = (size_t)il, e = (size_t)cm->cfg.n_embd;
     if (cm->pool) {
         cuda_phase_mark(cm->phases, CUDA_PHASE_KV_FETCH);
         int rc = acquire_layer(cm, items, sp, il, err);
@@ -843,25 +874,39 @@ static int decode_layer(cuda_model *cm, const cuda_batch_item *items, const step
             return rc;
     }
     cuda_phase_mark(cm->phases, CUDA_PHASE_KV_APPEND);
-    KERNEL(cuda_kv_append_rows(cm->d_append + l * nd, (int)nd, cm->k16, cm->v16, s0->row, NULL), "appending K/V");
-    if (sp->n_full) {
-        /* The jobs of blocks made only of prompt tokens come first: on a GEAR layer they take the
-         * prompt-rank encoder, on any other layer the layer's one encoder takes them all. */
-        const size_t np = s0->codecs[l].codec == KV_CODEC_GEAR ? sp->n_full_prompt : 0;
-        int rc = np ? cuda_kv_encode_blocks(&s0->enc_prompt[l], cm->d_encode + l * nd, (int)np, NULL, err) : STRATA_OK;
-        if (rc == STRATA_OK && sp->n_full > np)
-            rc = cuda_kv_encode_blocks(&s0->enc[l], cm->d_encode + l * nd + np, (int)(sp->n_full - np), NULL, err);
+    const size_t row = items[sp->order[0]].seq->row;   /* the model's: every sequence's */
+    KERNEL(cuda_kv_append_rows(cm->d_append + l * nd, (int)nd, cm->k16, cm->v16, row, NULL), "appending K/V");
+    for (size_t g = 0; g < sp->n_groups; g++) {
+        const dec_group *G = &sp->groups[g];
+        const cuda_seq *s0 = items[sp->order[G->begin]].seq;
+        if (G->n_full) {
+            /* The jobs of blocks made only of prompt tokens come first: on a GEAR layer they take
+             * the prompt-rank encoder, on any other layer the layer's one encoder takes them all. */
+            if (g > 0)   /* back from the group before's attention */
+                cuda_phase_mark(cm->phases, CUDA_PHASE_KV_APPEND);
+            const cuda_kv_encode_job *jobs = cm->d_encode + l * nd + G->full_begin;
+            const size_t np = s0->codecs[l].codec == KV_CODEC_GEAR ? G->n_full_prompt : 0;
+            int rc = np ? cuda_kv_encode_blocks(&s0->enc_prompt[l], jobs, (int)np, NULL, err) : STRATA_OK;
+            if (rc == STRATA_OK && G->n_full > np)
+                rc = cuda_kv_encode_blocks(&s0->enc[l], jobs + np, (int)(G->n_full - np), NULL, err);
+            if (rc != STRATA_OK)
+                return rc;
+            KERNEL(cuda_kv_shift_tails(cm->d_shift + l * nd + G->full_begin, (int)G->n_full, s0->block_tokens,
+                                       s0->residual, s0->row, NULL),
+                   "moving tails");
+        }
+        cuda_kv_layout layout = s0->enc[l].layout;
+        layout.layer = (uint32_t)il;
+        layout.block_bytes = (uint32_t)s0->layer_slot[l];   /* GEAR: prompt-rank blocks are the larger ones */
+        if (g == 0 || G->n_full)
+            cuda_phase_mark(cm->phases, CUDA_PHASE_DECODE_ATTN);
+        /* Decode item j's query and output are row j (decode rows come first). */
+        int rc = cuda_kv_attention(&layout, &G->attn, cm->d_views + l * nd + G->begin, cm->q + G->begin * e,
+                                   cm->attn + G->begin * e, cm->d_ws, cm->d_status, NULL, err);
         if (rc != STRATA_OK)
             return rc;
-        KERNEL(cuda_kv_shift_tails(cm->d_shift + l * nd, (int)sp->n_full, s0->block_tokens, s0->residual, s0->row,
-                                   NULL),
-               "moving tails");
     }
-    cuda_kv_layout layout = s0->enc[l].layout;
-    layout.layer = (uint32_t)il;
-    layout.block_bytes = (uint32_t)s0->layer_slot[l];   /* GEAR: prompt-rank blocks are the larger ones */
-    cuda_phase_mark(cm->phases, CUDA_PHASE_DECODE_ATTN);
-    return cuda_kv_attention(&layout, plan, cm->d_views + l * nd, cm->q, cm->attn, cm->d_ws, cm->d_status, NULL, err);
+    return STRATA_OK;
 }
 
 /* The tile of a sequence's past that a prompt chunk reads at a time: cm->chunk_tile_keys keys,
@@ -1012,10 +1057,11 @@ static int append_prompts_layer(cuda_model *cm, const cuda_batch_item *items, co
         return STRATA_OK;
     cuda_phase_mark(cm->phases, CUDA_PHASE_PROMPT_BLOCKS);
     const cuda_seq *s0 = items[sp->order[sp->n_dec]].seq;
-    const size_t bt = (size_t)s0->block_tokens, row = s0->row, work = s0->work_bytes;
-    size_t n_jobs = 0, rounds = 0, widest = 0, stream_rows = 0, n_fresh = 0;
+    const size_t row = s0->row;   /* the model's: every sequence's */
+    size_t n_jobs = 0, rounds = 0, widest = 0, stream_rows = 0, n_fresh = 0, work = 0;
     for (size_t p = sp->n_dec; p < sp->n_items; p++) {
         const cuda_batch_item *it = &items[sp->order[p]];
+        work = it->seq->work_bytes > work ? it->seq->work_bytes : work;
         const size_t t0 = (size_t)it->seq->tail_len[il], nb = blocks_forming(it->seq, t0, it->n_tokens);
         n_jobs += nb;
         rounds = nb > rounds ? nb : rounds;
@@ -1036,7 +1082,7 @@ static int append_prompts_layer(cuda_model *cm, const cuda_batch_item *items, co
         const cuda_batch_item *it = &items[sp->order[p]];
         cuda_seq *s = it->seq;
         const size_t i = p - sp->n_dec, t0 = (size_t)s->tail_len[il], n = it->n_tokens, r0 = sp->row0[p];
-        const size_t keep_from = blocks_forming(s, t0, n) * bt;   /* the stream's rows the tail keeps */
+        const size_t keep_from = blocks_forming(s, t0, n) * (size_t)s->block_tokens;   /* the rows the tail keeps */
         uint16_t *tk = cuda_seq_tail_at(s, s->tail_k, il, 0), *tv = cuda_seq_tail_at(s, s->tail_v, il, 0);
         if (t0 == 0) {
             cm->h_stream_k[i] = cm->k16 + r0 * row;
@@ -1056,44 +1102,59 @@ static int append_prompts_layer(cuda_model *cm, const cuda_batch_item *items, co
         cm->h_ptail[chunk_at++] = (cuda_kv_append_job){tk, tv, (int)(at_row + keep_from), (int)(t0 + n - keep_from)};
         at_row += t0 + n;
     }
-    /* The blocks, round by round; each job's scratch is its slot in the round. Every block a
-     * multi-token append forms ends before the append's end (prompt_end), so a round's encoder
+    /* The blocks, round by round, and within a round one launch per codec of the layer (requests
+     * may use their own plans); each job's scratch is its slot in its launch. Every block a
+     * multi-token append forms ends before the append's end (prompt_end), so a launch's encoder
      * is its first block's (block_encoder: on a GEAR layer the prompt rank). */
-    struct round { size_t end; const cuda_kv_encoder *enc; } *round = malloc((rounds + 1) * sizeof *round);
-    if (!round)
+    struct launch { size_t end; const cuda_kv_encoder *enc; } *launch = malloc((n_jobs + 1) * sizeof *launch);
+    bool *placed = malloc(n_items * sizeof *placed);
+    if (!launch || !placed) {
+        free(launch);
+        free(placed);
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
-    size_t at = 0;
-    for (size_t j = 0; j < rounds && rc == STRATA_OK; j++) {
-        size_t slot = 0;
-        for (size_t p = sp->n_dec; p < sp->n_items && rc == STRATA_OK; p++) {
-            const cuda_batch_item *it = &items[sp->order[p]];
-            cuda_seq *s = it->seq;
-            const size_t i = p - sp->n_dec;
-            if (blocks_forming(s, (size_t)s->tail_len[il], it->n_tokens) <= j)
-                continue;
-            const size_t b = (size_t)s->n_blocks[il] + j;
-            uint8_t *dst = NULL;
-            if (b >= s->max_blocks) {
-                rc = strata_fail(err, STRATA_EFULL, "layer %d: no block slot left", il);
-                break;
-            }
-            if ((rc = cuda_seq_new_block(s, il, b, &dst, err)) != STRATA_OK)
-                break;
-            if (slot == 0)
-                round[j].enc = block_encoder(s, il, b);
-            cm->h_pencode[at++] = (cuda_kv_encode_job){
-                .k = cm->h_stream_k[i] + j * bt * row,
-                .v = cm->h_stream_v[i] + j * bt * row,
-                .dst = dst,
-                .first_pos = (uint64_t)b * bt,
-                .layer = (uint32_t)il,
-                .work = work ? cm->d_gear_work + slot * work : NULL,
-                .ott_state = ott_state(s, il),
-            };
-            slot++;
-        }
-        round[j].end = at;
     }
+    size_t at = 0, n_launch = 0;
+    for (size_t j = 0; j < rounds && rc == STRATA_OK; j++) {
+        for (size_t i = 0; i < n_items; i++) {
+            const cuda_batch_item *it = &items[sp->order[sp->n_dec + i]];
+            placed[i] = blocks_forming(it->seq, (size_t)it->seq->tail_len[il], it->n_tokens) <= j;   /* none */
+        }
+        for (size_t first = 0; first < n_items && rc == STRATA_OK; first++) {
+            if (placed[first])
+                continue;
+            const cuda_seq *lead = items[sp->order[sp->n_dec + first]].seq;
+            size_t slot = 0;
+            for (size_t i = first; i < n_items && rc == STRATA_OK; i++) {
+                cuda_seq *s = items[sp->order[sp->n_dec + i]].seq;
+                if (placed[i] || s->block_tokens != lead->block_tokens || !same_codec(&s->codecs[il], &lead->codecs[il]))
+                    continue;
+                placed[i] = true;
+                const size_t bt = (size_t)s->block_tokens, b = (size_t)s->n_blocks[il] + j;
+                uint8_t *dst = NULL;
+                if (b >= s->max_blocks) {
+                    rc = strata_fail(err, STRATA_EFULL, "layer %d: no block slot left", il);
+                    break;
+                }
+                if ((rc = cuda_seq_new_block(s, il, b, &dst, err)) != STRATA_OK)
+                    break;
+                if (slot == 0)
+                    launch[n_launch].enc = block_encoder(s, il, b);
+                cm->h_pencode[at++] = (cuda_kv_encode_job){
+                    .k = cm->h_stream_k[i] + j * bt * row,
+                    .v = cm->h_stream_v[i] + j * bt * row,
+                    .dst = dst,
+                    .first_pos = (uint64_t)b * bt,
+                    .layer = (uint32_t)il,
+                    .work = work ? cm->d_gear_work + slot * work : NULL,
+                    .ott_state = ott_state(s, il),
+                };
+                slot++;
+            }
+            if (slot)
+                launch[n_launch++].end = at;
+        }
+    }
+    free(placed);
     cudaError_t ce = cudaSuccess;
     if (rc == STRATA_OK && n_jobs)
         ce = cudaMemcpy(cm->d_pencode, cm->h_pencode, n_jobs * sizeof *cm->h_pencode, cudaMemcpyHostToDevice);
@@ -1101,9 +1162,9 @@ static int append_prompts_layer(cuda_model *cm, const cuda_batch_item *items, co
         ce = cudaMemcpy(cm->d_ptail, cm->h_ptail, n_items * sizeof *cm->h_ptail, cudaMemcpyHostToDevice);
     if (rc == STRATA_OK && ce != cudaSuccess)
         rc = strata_fail(err, STRATA_EIO, "CUDA encoder jobs: %s", cudaGetErrorString(ce));
-    for (size_t j = 0, from = 0; j < rounds && rc == STRATA_OK; from = round[j++].end)
-        rc = cuda_kv_encode_blocks(round[j].enc, cm->d_pencode + from, (int)(round[j].end - from), NULL, err);
-    free(round);
+    for (size_t k = 0, from = 0; k < n_launch && rc == STRATA_OK; from = launch[k++].end)
+        rc = cuda_kv_encode_blocks(launch[k].enc, cm->d_pencode + from, (int)(launch[k].end - from), NULL, err);
+    free(launch);
     if (rc != STRATA_OK)
         return rc;
     KERNEL(cuda_kv_append_rows(cm->d_ptail, (int)n_fresh, cm->k16, cm->v16, row, NULL), "prompt tails");
@@ -1113,13 +1174,12 @@ static int append_prompts_layer(cuda_model *cm, const cuda_batch_item *items, co
         cuda_seq *s = items[sp->order[p]].seq;
         const size_t t0 = (size_t)s->tail_len[il], n = items[sp->order[p]].n_tokens, nb = blocks_forming(s, t0, n);
         s->n_blocks[il] += (int)nb;
-        s->tail_len[il] = (int)(t0 + n - nb * bt);
+        s->tail_len[il] = (int)(t0 + n - nb * (size_t)s->block_tokens);
     }
     return STRATA_OK;
 }
 
-static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_plan *sp, const cuda_kv_plan *plan,
-                     int il, strata_error *err)
+static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_plan *sp, int il, strata_error *err)
 {
     const model_config *c = &cm->cfg;
     const cuda_layer *L = &cm->layers[il];
@@ -1142,7 +1202,7 @@ static int run_layer(cuda_model *cm, const cuda_batch_item *items, const step_pl
         KERNEL(cuda_f16_to_f32(cm->k16 + p0, cm->k + p0, np, NULL), "keys at fp16 precision");
         KERNEL(cuda_f16_to_f32(cm->v16 + p0, cm->v + p0, np, NULL), "values at fp16 precision");
     }
-    if (sp->n_dec && (rc = decode_layer(cm, items, sp, plan, il, err)) != STRATA_OK)
+    if (sp->n_dec && (rc = decode_layer(cm, items, sp, il, err)) != STRATA_OK)
         return rc;
     for (size_t p = sp->n_dec; p < sp->n_items; p++) {
         const cuda_batch_item *it = &items[sp->order[p]];
@@ -1314,34 +1374,57 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
     step_plan sp = {.n_items = n_items};
     sp.order = malloc(n_items * sizeof *sp.order);
     sp.row0 = malloc(n_items * sizeof *sp.row0);
-    if (!sp.order || !sp.row0) {
+    sp.groups = malloc(n_items * sizeof *sp.groups);
+    size_t *group_of = malloc(n_items * sizeof *group_of);   /* a decode item's group, by caller's index */
+    if (!sp.order || !sp.row0 || !sp.groups || !group_of) {
         free(sp.order);
         free(sp.row0);
+        free(sp.groups);
+        free(group_of);
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
     }
-    for (size_t i = 0; i < n_items; i++)
-        sp.n_dec += is_decode(&items[i]);
+    /* Decode items first, group by group (a group: the sequences of one KV plan, in the order
+     * the plans first appear), then prompts and prompt chunks. */
+    size_t *lead = sp.row0;   /* scratch until the rows are counted: each group's first item */
+    for (size_t i = 0; i < n_items; i++) {
+        if (!is_decode(&items[i]))
+            continue;
+        sp.n_dec++;
+        size_t g = 0;
+        while (g < sp.n_groups && !same_plan(items[lead[g]].seq, items[i].seq))
+            g++;
+        if (g == sp.n_groups)
+            lead[sp.n_groups++] = i;
+        group_of[i] = g;
+    }
     size_t at = 0;
-    for (int pass = 0; pass < 2; pass++)   /* decode items first, then prompts and prompt chunks */
+    for (size_t g = 0; g < sp.n_groups; g++) {
+        sp.groups[g] = (dec_group){.begin = at};
         for (size_t i = 0; i < n_items; i++)
-            if (is_decode(&items[i]) == (pass == 0)) {
-                sp.order[at] = i;
-                sp.row0[at] = sp.rows;
-                sp.rows += items[i].n_tokens;
-                at++;
-            }
+            if (is_decode(&items[i]) && group_of[i] == g)
+                sp.order[at++] = i;
+        sp.groups[g].end = at;
+    }
+    for (size_t i = 0; i < n_items; i++)
+        if (!is_decode(&items[i]))
+            sp.order[at++] = i;
+    free(group_of);
+    for (size_t p = 0; p < n_items; p++) {
+        sp.row0[p] = sp.rows;
+        sp.rows += items[sp.order[p]].n_tokens;
+    }
 
     const model_config *c = &cm->cfg;
     const size_t e = (size_t)c->n_embd;
-    int max_blocks = 0;
-    cuda_kv_plan plan = {0};
     if ((rc = ensure_workspace(cm, sp.rows, err)) == STRATA_OK && (rc = ensure_items(cm, n_items, err)) == STRATA_OK)
-        rc = stage_decode_jobs(cm, items, &sp, &max_blocks, err);
-    if (rc == STRATA_OK && sp.n_dec) {
-        const cuda_seq *s0 = items[sp.order[0]].seq;
-        rc = cuda_kv_attention_plan(&s0->enc[0].layout, (int)sp.n_dec, c->n_heads, max_blocks, cm->sm_count, &plan, err);
+        rc = stage_decode_jobs(cm, items, &sp, err);
+    for (size_t g = 0; rc == STRATA_OK && g < sp.n_groups; g++) {   /* the groups run one after another */
+        dec_group *G = &sp.groups[g];
+        const cuda_seq *s0 = items[sp.order[G->begin]].seq;
+        rc = cuda_kv_attention_plan(&s0->enc[0].layout, (int)(G->end - G->begin), c->n_heads, G->max_blocks,
+                                    cm->sm_count, &G->attn, err);
         if (rc == STRATA_OK)
-            rc = ensure_attention_workspace(cm, cuda_kv_attention_workspace(&s0->enc[0].layout, &plan), err);
+            rc = ensure_attention_workspace(cm, cuda_kv_attention_workspace(&s0->enc[0].layout, &G->attn), err);
     }
     /* A prompt's attention (cuda_attention_prefill_gemm) keeps its score tiles in the same
      * workspace, after the step's decode attention on the same stream; a chunk continuing a
@@ -1383,7 +1466,7 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
             rc = move_rows(cm, items, &sp, hidden_in, NULL, err);
     }
     for (int il = 0; rc == STRATA_OK && il < cm->n_local; il++)
-        if ((rc = run_layer(cm, items, &sp, &plan, il, err)) != STRATA_OK)
+        if ((rc = run_layer(cm, items, &sp, il, err)) != STRATA_OK)
             strata_error_prefix(err, "layer %d", cm->layer_begin + il);
     if (rc == STRATA_OK) {
         after_step(items, &sp);
@@ -1404,6 +1487,7 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
         rc = cuda_phase_timer_end_step(cm->phases, err);
     device_pool_unpin_all(cm->pool);   /* also after a failure mid-layer */
     free(sp.full_seq);
+    free(sp.groups);
     free(sp.order);
     free(sp.row0);
     return rc;
@@ -1473,21 +1557,24 @@ static size_t seq_bytes(const cuda_model *cm, size_t slot, int block_tokens, int
     return blocks + 2 * L * (size_t)(residual + block_tokens) * row * 2 + L * max_blocks * sizeof(void *);
 }
 
-int cuda_model_create_kv_pool_plan(cuda_model *cm, const kv_codec_params *codecs, int block_tokens, size_t n_blocks,
-                                   const kv_lower_tier *lower, strata_error *err)
+int cuda_model_create_kv_pool_plans(cuda_model *cm, const kv_codec_params *const *plans, int n_plans, int block_tokens,
+                                    size_t n_blocks, const kv_lower_tier *lower, strata_error *err)
 {
-    if (!cm || !codecs || block_tokens < 1 || n_blocks < 1)
+    if (!cm || !plans || n_plans < 1 || block_tokens < 1 || n_blocks < 1)
         return strata_fail(err, STRATA_EINVAL, "cuda_model_create_kv_pool: bad arguments");
     if (cm->pool)
         return strata_fail(err, STRATA_EINVAL, "cuda_model_create_kv_pool: the model already has a pool");
     if (cm->next_owner || cm->step)
         return strata_fail(err, STRATA_EINVAL, "cuda_model_create_kv_pool: create the pool before any sequence");
-    int rc = cuda_seq_check_plan(codecs, cm->n_local, err);
-    if (rc != STRATA_OK)
-        return rc;
+    for (int i = 0; i < n_plans; i++) {
+        int rc = plans[i] ? cuda_seq_check_plan(plans[i], cm->n_local, err)
+                          : strata_fail(err, STRATA_EINVAL, "cuda_model_create_kv_pool: bad arguments");
+        if (rc != STRATA_OK)
+            return rc;
+    }
     const kv_geometry g = {.n_layers = cm->n_local, .n_kv_heads = cm->cfg.n_kv_heads,
                            .head_dim = cm->cfg.head_dim, .block_tokens = block_tokens};
-    const size_t slot = kv_plan_largest_block(&g, codecs);   /* any layer's block fits any slot */
+    const size_t slot = kv_plans_largest_block(&g, plans, n_plans);   /* any layer's block of any plan fits */
     if (slot == 0)
         return strata_fail(err, STRATA_EINVAL, "cuda_model_create_kv_pool: no block size for this plan and geometry");
     int device = 0;
@@ -1502,6 +1589,12 @@ int cuda_model_create_kv_pool_plan(cuda_model *cm, const kv_codec_params *codecs
     }
     cm->pool_slot = slot;
     return STRATA_OK;
+}
+
+int cuda_model_create_kv_pool_plan(cuda_model *cm, const kv_codec_params *codecs, int block_tokens, size_t n_blocks,
+                                   const kv_lower_tier *lower, strata_error *err)
+{
+    return cuda_model_create_kv_pool_plans(cm, &codecs, 1, block_tokens, n_blocks, lower, err);
 }
 
 int cuda_model_create_kv_pool(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t n_blocks,
@@ -1519,10 +1612,11 @@ int cuda_model_create_kv_pool(cuda_model *cm, const kv_codec_params *codec, int 
     return rc;
 }
 
-int cuda_kv_pool_sizing(const kv_codec_params *codecs, const kv_geometry *g, size_t max_tokens, size_t n_seqs,
-                        uint64_t budget_bytes, bool tier_below, cuda_kv_pool_size *out, strata_error *err)
+int cuda_kv_pool_sizing(const kv_codec_params *const *plans, int n_plans, const kv_geometry *g, size_t max_tokens,
+                        size_t n_seqs, uint64_t budget_bytes, bool tier_below, cuda_kv_pool_size *out,
+                        strata_error *err)
 {
-    const size_t slot = codecs && g && g->block_tokens > 0 ? kv_plan_largest_block(g, codecs) : 0;
+    const size_t slot = plans && n_plans > 0 && g && g->block_tokens > 0 ? kv_plans_largest_block(g, plans, n_plans) : 0;
     if (slot == 0)
         return strata_fail(err, STRATA_EINVAL, "KV pool: no block size for this plan and geometry");
     const size_t per_layer = (max_tokens + (size_t)g->block_tokens - 1) / (size_t)g->block_tokens;

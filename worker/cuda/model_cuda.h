@@ -68,22 +68,26 @@ int cuda_model_set_chunk_tile(cuda_model *cm, int keys, strata_error *err);
  * via cuda_pinned_host_allocator, then NVMe) blocks move down when the pool is full; without one,
  * a full pool fails the step with STRATA_EFULL, as does a layer asking for more blocks than the
  * pool holds. Call before creating any sequence. The _plan form takes a KV plan (one codec per
- * layer the model holds); its slots fit the plan's largest block. */
+ * layer the model holds); its slots fit the plan's largest block. The _plans form takes every
+ * plan the sequences may use (per-request KV codecs): its slots fit the largest block of any. */
 int cuda_model_create_kv_pool(cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t n_blocks,
                               const kv_lower_tier *lower, strata_error *err);
 int cuda_model_create_kv_pool_plan(cuda_model *cm, const kv_codec_params *codecs, int block_tokens, size_t n_blocks,
                                    const kv_lower_tier *lower, strata_error *err);
+int cuda_model_create_kv_pool_plans(cuda_model *cm, const kv_codec_params *const *plans, int n_plans, int block_tokens,
+                                    size_t n_blocks, const kv_lower_tier *lower, strata_error *err);
 /* Sizing a shared pool, on the host (no device needed): slots of slot_bytes (the largest block of
- * the plan codecs[0 .. g->n_layers) for geometry g) that budget_bytes holds (0: room for n_seqs
- * sequences of max_tokens), and the fewest a step of one sequence of max_tokens needs: one layer's
- * blocks and the one forming with a tier below, every block of every layer without. STRATA_EINVAL
- * when the plan has no blocks for g. */
+ * any of the n_plans plans, each g->n_layers codecs, for geometry g) that budget_bytes holds (0:
+ * room for n_seqs sequences of max_tokens), and the fewest a step of one sequence of max_tokens
+ * needs: one layer's blocks and the one forming with a tier below, every block of every layer
+ * without. STRATA_EINVAL when a plan has no blocks for g. */
 typedef struct cuda_kv_pool_size {
     size_t slot_bytes, slots, need;
     size_t seq_blocks;   /* every block of one sequence of max_tokens, all layers */
 } cuda_kv_pool_size;
-int cuda_kv_pool_sizing(const kv_codec_params *codecs, const kv_geometry *g, size_t max_tokens, size_t n_seqs,
-                        uint64_t budget_bytes, bool tier_below, cuda_kv_pool_size *out, strata_error *err);
+int cuda_kv_pool_sizing(const kv_codec_params *const *plans, int n_plans, const kv_geometry *g, size_t max_tokens,
+                        size_t n_seqs, uint64_t budget_bytes, bool tier_below, cuda_kv_pool_size *out,
+                        strata_error *err);
 
 /* Where the steps' time goes (worker/cuda/phase_timer.h): on, every later step records a CUDA
  * event at each phase boundary and the host waits for the step's last one (the steps no longer
@@ -120,13 +124,14 @@ void cuda_seq_set_waiting(cuda_seq *s, bool waiting);
  * the same bytes kv_seq_export writes for a CPU sequence, so images move between GPU and CPU
  * stages: its blocks as their exact bytes (with the shared pool, a block below the device is
  * brought back for the copy), its fp16 tails, its prompt length and OTT's tracker state. *img is
- * malloc'd. Call between steps. cuda_seq_import makes a new sequence of the given plan (one
- * codec per layer the model holds) and size from an image, checking it as kv_seq_import does
- * (STRATA_EINVAL for an image that does not fit, STRATA_EFORMAT / STRATA_ECRC for a malformed or
- * damaged one). */
+ * malloc'd. Call between steps. cuda_seq_import makes a new sequence of the given size from an
+ * image whose plan is one of plans[0 .. n_plans) (each one codec per layer the model holds;
+ * compared in canonical form), on that plan, checking it as kv_seq_import does (STRATA_EUNSUPPORTED
+ * for another plan, STRATA_EINVAL for an image that does not fit, STRATA_EFORMAT / STRATA_ECRC
+ * for a malformed or damaged one). */
 int cuda_seq_export(cuda_seq *s, uint8_t **img, size_t *len, strata_error *err);
-cuda_seq *cuda_seq_import(cuda_model *cm, const kv_codec_params *codecs, int block_tokens, size_t max_tokens,
-                          const uint8_t *img, size_t len, strata_error *err);
+cuda_seq *cuda_seq_import(cuda_model *cm, const kv_codec_params *const *plans, int n_plans, int block_tokens,
+                          size_t max_tokens, const uint8_t *img, size_t len, strata_error *err);
 
 /* Runs n tokens at the sequence's next positions, like model_forward: a prompt on an empty
  * sequence (n > 1) goes through exact causal attention over its fp16 K/V, one token on a
@@ -152,7 +157,8 @@ typedef struct cuda_batch_item {
  * before the chunk plus its own fp16 K/V, causal (the cache written out as fp32 rows, then the
  * cuBLAS prefill: the CPU's kern_kv_attention_rows semantics); then the prompts and chunks join
  * their caches, the blocks they form encoded in a few launches per layer. Decoding sequences of
- * one step must share codec and block size.
+ * one step may use different plans (per-request KV codecs): their decode items run in one group
+ * per plan (an encoder launch, a tail move and an attention launch per layer and group).
  * logits: n_items rows of n_vocab floats (host), the last token of each item in the items'
  * order, or NULL. A logit that is not finite (NaN, +inf or -inf: weights or metadata that overflow
  * fp32) fails the step with STRATA_EFORMAT naming it, as the CPU head does, whichever way the

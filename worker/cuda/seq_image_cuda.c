@@ -13,7 +13,10 @@
 #include "worker/cuda/model_cuda_impl.h"
 
 typedef struct image_ctx {
-    cuda_seq *s;
+    cuda_seq *s;           /* import: made by im_plan on the image's plan */
+    cuda_model *cm;        /* import: where, and the plans it may be on */
+    const kv_codec_params *const *plans;
+    int n_plans, block_tokens;
     size_t max_tokens;
     uint8_t *stage;        /* host staging: one slot, or one layer's OTT state */
     size_t stage_bytes;
@@ -144,21 +147,32 @@ int cuda_seq_export(cuda_seq *s, uint8_t **img, size_t *len, strata_error *err)
 
 /* ---- import ---- */
 
-/* The GPU sequence is made with the caller's plan before the image is read: the image's must be
- * the same (the device kernels take one layout per layer of a sequence, set at creation). */
+/* The GPU sequence is made on the image's plan when it is one of the caller's (the device kernels
+ * take one layout per layer of a sequence, set at creation; the pool's slots are sized for the
+ * caller's plans), before any layer is read. */
 static int im_plan(void *ctx, const kv_codec_params *codecs, strata_error *err)
 {
-    const cuda_seq *s = ((image_ctx *)ctx)->s;
-    char *mine = kv_plan_name(s->codecs, s->n_layers), *theirs = kv_plan_name(codecs, s->n_layers);
-    int rc = STRATA_OK;
-    if (!mine || !theirs) {
-        rc = strata_fail(err, STRATA_ENOMEM, "kv import: out of memory");
-    } else {
-        if (strcmp(mine, theirs) != 0)
-            rc = strata_fail(err, STRATA_EUNSUPPORTED, "kv import: the image's plan '%s' is not this GPU sequence's "
-                             "'%s'", theirs, mine);
+    image_ctx *c = ctx;
+    const int L = c->cm->n_local;
+    char *theirs = kv_plan_name(codecs, L), *own = kv_plan_name(c->plans[0], L);
+    int found = -1, rc = STRATA_OK;
+    for (int i = 0; theirs && own && found < 0 && rc == STRATA_OK && i < c->n_plans; i++) {
+        char *mine = i == 0 ? own : kv_plan_name(c->plans[i], L);
+        if (!mine)
+            rc = STRATA_ENOMEM;
+        else if (strcmp(mine, theirs) == 0)
+            found = i;
+        if (i > 0)
+            free(mine);
     }
-    free(mine);
+    if (!theirs || !own || rc != STRATA_OK)
+        rc = strata_fail(err, STRATA_ENOMEM, "kv import: out of memory");
+    else if (found < 0)
+        rc = strata_fail(err, STRATA_EUNSUPPORTED, "kv import: the image's plan '%s' is not one this GPU model takes "
+                         "(its own '%s' and %d other(s))", theirs, own, c->n_plans - 1);
+    else if (!(c->s = cuda_seq_create_plan(c->cm, c->plans[found], c->block_tokens, c->max_tokens, err)))
+        rc = err ? err->code : STRATA_ENOMEM;
+    free(own);
     free(theirs);
     return rc;
 }
@@ -254,25 +268,25 @@ static int im_tail(void *ctx, int l, const uint8_t *k, const uint8_t *v, size_t 
     return STRATA_OK;
 }
 
-cuda_seq *cuda_seq_import(cuda_model *cm, const kv_codec_params *codecs, int block_tokens, size_t max_tokens,
-                          const uint8_t *img, size_t len, strata_error *err)
+cuda_seq *cuda_seq_import(cuda_model *cm, const kv_codec_params *const *plans, int n_plans, int block_tokens,
+                          size_t max_tokens, const uint8_t *img, size_t len, strata_error *err)
 {
-    if (!cm || !codecs || !img) {
-        strata_fail(err, STRATA_EINVAL, "cuda_seq_import: NULL argument");
+    if (!cm || !plans || n_plans < 1 || !img || block_tokens < 1) {
+        strata_fail(err, STRATA_EINVAL, "cuda_seq_import: bad arguments");
         return NULL;
     }
-    cuda_seq *s = cuda_seq_create_plan(cm, codecs, block_tokens, max_tokens, err);
-    if (!s)
-        return NULL;
-    const kv_geometry g = {.n_layers = s->n_layers, .n_kv_heads = cm->cfg.n_kv_heads, .head_dim = cm->cfg.head_dim,
+    const kv_geometry g = {.n_layers = cm->n_local, .n_kv_heads = cm->cfg.n_kv_heads, .head_dim = cm->cfg.head_dim,
                            .block_tokens = block_tokens};
-    image_ctx c = {.s = s, .max_tokens = max_tokens};
+    image_ctx c = {.cm = cm, .plans = plans, .n_plans = n_plans, .block_tokens = block_tokens,
+                   .max_tokens = max_tokens};
     const kv_image_sink sink = {.ctx = &c, .plan = im_plan, .layer = im_layer, .block = im_block, .tail = im_tail};
-    const int rc = kv_image_read(&g, img, len, &sink, err);
+    int rc = kv_image_read(&g, img, len, &sink, err);
+    if (rc == STRATA_OK && !c.s)
+        rc = strata_fail(err, STRATA_EFORMAT, "kv import: the image names no plan");
     free(c.stage);
     if (rc != STRATA_OK) {
-        cuda_seq_free(s);
+        cuda_seq_free(c.s);
         return NULL;
     }
-    return s;
+    return c.s;
 }

@@ -217,18 +217,20 @@ stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const s
     s->layer_begin = a->layer_begin;
     s->geo = geo;
     int rc = stage_plans(s, a, &geo, err);
-    const kv_codec_params *codecs = rc == STRATA_OK ? s->plans[0] : NULL;   /* this stage's layers */
     const size_t per_seq_blocks = (a->max_seq_tokens + a->block_tokens - 1) / a->block_tokens;
     if (rc == STRATA_OK && model_is_for_device(m) != (o && o->cuda))
         rc = strata_fail(err, STRATA_EINVAL, "stage: a %s stage needs a model loaded %s", o && o->cuda ? "GPU" : "CPU",
                          o && o->cuda ? "by model_load_for_device" : "by model_load");
     if (rc == STRATA_OK && o && o->cuda) {
-        if ((rc = kv_plan_check_one_window(codecs, geo.n_layers, err)) != STRATA_OK)   /* before any device */
-            strata_error_prefix(err, "stage: the plan '%s'", a->kv_plan && *a->kv_plan ? a->kv_plan : "kivi4");
+        for (int i = 0; rc == STRATA_OK && i < s->n_plans; i++)   /* before any device */
+            if ((rc = kv_plan_check_one_window(s->plans[i], geo.n_layers, err)) != STRATA_OK)
+                strata_error_prefix(err, "stage: the plan '%s'",
+                                    i > 0 ? a->kv_plans[i - 1] : a->kv_plan && *a->kv_plan ? a->kv_plan : "kivi4");
         kv_tiers_options to = {.host_bytes = (size_t)a->host_kv_bytes,
                                .nvme_dir = o->nvme_dir && a->nvme_kv_bytes ? o->nvme_dir : NULL,
                                .nvme_bytes = a->nvme_kv_bytes};
-        const stage_gpu_config gc = {.device = o->cuda_device, .codecs = codecs, .block_tokens = (int)a->block_tokens,
+        const stage_gpu_config gc = {.device = o->cuda_device, .plans = (const kv_codec_params *const *)s->plans,
+                                     .n_plans = s->n_plans, .block_tokens = (int)a->block_tokens,
                                      .max_seq_tokens = a->max_seq_tokens, .max_batch_seqs = a->max_batch_seqs,
                                      .device_kv_bytes = a->device_kv_bytes,
                                      .tiers = a->host_kv_bytes > 0 ? &to : NULL};
@@ -527,15 +529,12 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
         seq_entry *e = find(s, w->seq_id);
         if (!e && w->pos0 == 0 && w->n_tokens > 0) {
             const int kv_plan = w->kv_plan && *w->kv_plan ? stage_plan_index(s, w->kv_plan, &e1) : 0;
-            if (kv_plan < 0 || (kv_plan > 0 && s->gpu)) {
-                if (kv_plan > 0)
-                    strata_fail(&e1, STRATA_EUNSUPPORTED, "KV plan '%s': a GPU stage runs only its own plan ('%s'); "
-                                "per-request KV codecs need CPU workers", w->kv_plan, s->plan_names[0]);
+            if (kv_plan < 0) {
                 fail_seq(s, w->seq_id, e1.code, e1.msg);
                 continue;
             }
             kv_seq *kv = s->gpu ? NULL : kv_seq_create_plan(s->pool, s->plans[kv_plan], s->max_seq_tokens, &e1);
-            stage_gpu_seq *gq = s->gpu ? stage_gpu_seq_create(s->gpu, &e1) : NULL;
+            stage_gpu_seq *gq = s->gpu ? stage_gpu_seq_create(s->gpu, kv_plan, &e1) : NULL;
             const bool made = kv || gq;
             if (!made || grow((void **)&s->seqs, &s->cap_seqs, s->n_seqs + 1, sizeof *s->seqs) != STRATA_OK) {
                 kv_seq_destroy(kv);

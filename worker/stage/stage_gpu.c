@@ -35,8 +35,8 @@ struct stage_gpu {
     bool first, last;
     cuda_model *cm;
     kv_tiers *tiers;
-    stage_gpu_config c;
-    kv_codec_params *codecs;      /* c.codecs points here */
+    stage_gpu_config c;           /* c.plans points at plans */
+    kv_codec_params **plans;      /* copies of the config's plans, each the stage's layers */
     /* per-step scratch, grown on demand */
     float *d_in, *d_out;          /* device rows of a step whose rows come or go through the host */
     size_t cap_d;                 /* floats in each */
@@ -73,24 +73,32 @@ int stage_gpu_create(model *m, const stage_gpu_config *c, stage_gpu **out, strat
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
     g->c = *c;
     g->c.tiers = NULL;
-    const int n_plan = model_layer_end(m) - model_layer_begin(m);
-    if (!c->codecs || !(g->codecs = malloc((size_t)n_plan * sizeof *g->codecs))) {
+    const int n_layers = model_layer_end(m) - model_layer_begin(m);
+    if (!c->plans || c->n_plans < 1 || !(g->plans = calloc((size_t)c->n_plans, sizeof *g->plans))) {
         free(g);
-        return strata_fail(err, c->codecs ? STRATA_ENOMEM : STRATA_EINVAL, "GPU stage: no KV plan, or out of memory");
+        return strata_fail(err, c->plans && c->n_plans > 0 ? STRATA_ENOMEM : STRATA_EINVAL,
+                           "GPU stage: no KV plan, or out of memory");
     }
-    memcpy(g->codecs, c->codecs, (size_t)n_plan * sizeof *g->codecs);
-    g->c.codecs = g->codecs;
+    g->c.plans = (const kv_codec_params *const *)g->plans;
+    for (int i = 0; i < c->n_plans; i++) {
+        if (!c->plans[i] || !(g->plans[i] = malloc((size_t)n_layers * sizeof **g->plans))) {
+            stage_gpu_destroy(g);
+            return strata_fail(err, c->plans[i] ? STRATA_ENOMEM : STRATA_EINVAL, "GPU stage: no KV plan %d, or out "
+                               "of memory", i);
+        }
+        memcpy(g->plans[i], c->plans[i], (size_t)n_layers * sizeof **g->plans);
+    }
     g->cfg = model_get_config(m);
     g->first = model_layer_begin(m) == 0;
     g->last = model_layer_end(m) == g->cfg->n_layers;
-    const int n_layers = model_layer_end(m) - model_layer_begin(m);
     const kv_geometry geo = {.n_layers = n_layers, .n_kv_heads = g->cfg->n_kv_heads, .head_dim = g->cfg->head_dim,
                              .block_tokens = c->block_tokens};
     cuda_kv_pool_size z = {0};
-    rc = cuda_seq_check_plan(g->codecs, n_layers, err);
+    for (int i = 0; rc == STRATA_OK && i < c->n_plans; i++)
+        rc = cuda_seq_check_plan(g->plans[i], n_layers, err);
     if (rc == STRATA_OK)
-        rc = cuda_kv_pool_sizing(g->codecs, &geo, c->max_seq_tokens, c->max_batch_seqs, c->device_kv_bytes,
-                             c->tiers != NULL, &z, err);
+        rc = cuda_kv_pool_sizing(g->c.plans, c->n_plans, &geo, c->max_seq_tokens, c->max_batch_seqs,
+                                 c->device_kv_bytes, c->tiers != NULL, &z, err);
     if (rc == STRATA_OK && z.slots < z.need)
         rc = strata_fail(err, STRATA_EINVAL, "GPU stage: a device KV budget of %llu bytes holds %zu blocks of %zu "
                          "bytes; a %zu-token sequence needs %zu%s", (unsigned long long)c->device_kv_bytes, z.slots,
@@ -109,7 +117,8 @@ int stage_gpu_create(model *m, const stage_gpu_config *c, stage_gpu **out, strat
             lower = kv_tiers_lower(g->tiers);
     }
     if (rc == STRATA_OK)
-        rc = cuda_model_create_kv_pool_plan(g->cm, g->codecs, c->block_tokens, slots, g->tiers ? &lower : NULL, err);
+        rc = cuda_model_create_kv_pool_plans(g->cm, g->c.plans, c->n_plans, c->block_tokens, slots,
+                                             g->tiers ? &lower : NULL, err);
     if (rc != STRATA_OK) {
         stage_gpu_destroy(g);
         return rc;
@@ -130,13 +139,20 @@ void stage_gpu_destroy(stage_gpu *g)
     cuda_model_free(g->cm);   /* the pool, and its copies in the tiers */
     kv_tiers_destroy(g->tiers);
     free(g->batch);
-    free(g->codecs);
+    for (int i = 0; g->plans && i < g->c.n_plans; i++)
+        free(g->plans[i]);
+    free(g->plans);
     free(g);
 }
 
-/* A new sequence of the stage: empty (img NULL) or made from a migration image. */
-static stage_gpu_seq *new_seq(stage_gpu *g, const uint8_t *img, size_t len, strata_error *err)
+/* A new sequence of the stage: empty on plans[plan] (img NULL) or made from a migration image
+ * on its own plan, one of the stage's. */
+static stage_gpu_seq *new_seq(stage_gpu *g, int plan, const uint8_t *img, size_t len, strata_error *err)
 {
+    if (plan < 0 || plan >= g->c.n_plans) {
+        strata_fail(err, STRATA_EINVAL, "GPU stage: no KV plan %d", plan);
+        return NULL;
+    }
     if (use_device(g, err) != STRATA_OK)
         return NULL;
     stage_gpu_seq *q = calloc(1, sizeof *q);
@@ -145,8 +161,9 @@ static stage_gpu_seq *new_seq(stage_gpu *g, const uint8_t *img, size_t len, stra
         return NULL;
     }
     q->device = g->c.device;
-    q->s = img ? cuda_seq_import(g->cm, g->codecs, g->c.block_tokens, g->c.max_seq_tokens, img, len, err)
-               : cuda_seq_create_plan(g->cm, g->codecs, g->c.block_tokens, g->c.max_seq_tokens, err);
+    q->s = img ? cuda_seq_import(g->cm, g->c.plans, g->c.n_plans, g->c.block_tokens, g->c.max_seq_tokens, img, len,
+                                 err)
+               : cuda_seq_create_plan(g->cm, g->plans[plan], g->c.block_tokens, g->c.max_seq_tokens, err);
     if (!q->s) {
         free(q);
         return NULL;
@@ -154,7 +171,7 @@ static stage_gpu_seq *new_seq(stage_gpu *g, const uint8_t *img, size_t len, stra
     return q;
 }
 
-stage_gpu_seq *stage_gpu_seq_create(stage_gpu *g, strata_error *err) { return new_seq(g, NULL, 0, err); }
+stage_gpu_seq *stage_gpu_seq_create(stage_gpu *g, int plan, strata_error *err) { return new_seq(g, plan, NULL, 0, err); }
 
 void stage_gpu_seq_free(stage_gpu_seq *q)
 {
@@ -187,7 +204,7 @@ stage_gpu_seq *stage_gpu_seq_import(stage_gpu *g, const uint8_t *img, size_t len
         strata_fail(err, STRATA_EINVAL, "stage_gpu_seq_import: no image");
         return NULL;
     }
-    return new_seq(g, img, len, err);
+    return new_seq(g, 0, img, len, err);
 }
 
 static int ensure(stage_gpu *g, size_t items, size_t rows, strata_error *err)
@@ -348,9 +365,9 @@ int stage_gpu_create(model *m, const stage_gpu_config *c, stage_gpu **out, strat
 
 void stage_gpu_destroy(stage_gpu *g) { (void)g; }
 
-stage_gpu_seq *stage_gpu_seq_create(stage_gpu *g, strata_error *err)
+stage_gpu_seq *stage_gpu_seq_create(stage_gpu *g, int plan, strata_error *err)
 {
-    (void)g;
+    (void)g, (void)plan;
     no_cuda(err);
     return NULL;
 }

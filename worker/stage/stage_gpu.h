@@ -4,7 +4,7 @@
  * plans, the data-plane frames (rows cross in host memory: TCP) and the samplers; this file only
  * runs a step's items and keeps the device sequences.
  *
- * Differences from the CPU stage: a KV plan's layers must share the fp16 window R; a preempted
+ * Differences from the CPU stage: each KV plan's layers must share the fp16 window R; a preempted
  * sequence keeps its device tail and has its blocks marked to leave the device first (they move
  * to the host tier when room is needed) instead of being spilled whole. Sequences migrate as
  * sequence images (stage_gpu_seq_export / _import), the CPU stage's format.
@@ -30,7 +30,11 @@ typedef struct stage_gpu_seq stage_gpu_seq;
 
 typedef struct stage_gpu_config {
     int device;                    /* CUDA device index */
-    const kv_codec_params *codecs; /* the KV plan of the stage's layers (copied) */
+    /* The KV plans the stage's sequences may use, each the stage's layers (copied): plans[0] the
+     * assignment's own, then those requests may name (per-request KV codecs). Every plan keeps
+     * one fp16 window across its layers; the device pool's slots fit the largest block of any. */
+    const kv_codec_params *const *plans;
+    int n_plans;
     int block_tokens;
     size_t max_seq_tokens, max_batch_seqs;
     uint64_t device_kv_bytes;      /* 0: room for max_batch_seqs sequences of max_seq_tokens */
@@ -45,14 +49,16 @@ int stage_gpu_probe(int device, strata_error *err);
 int stage_gpu_create(model *m, const stage_gpu_config *c, stage_gpu **out, strata_error *err);
 void stage_gpu_destroy(stage_gpu *g);
 
-stage_gpu_seq *stage_gpu_seq_create(stage_gpu *g, strata_error *err);
+/* A new, empty sequence on the config's plans[plan]. */
+stage_gpu_seq *stage_gpu_seq_create(stage_gpu *g, int plan, strata_error *err);
 void stage_gpu_seq_free(stage_gpu_seq *q);
 size_t stage_gpu_seq_length(const stage_gpu_seq *q);
 /* Preempted (true) or running again (false): see the top of this file. */
 void stage_gpu_seq_set_waiting(stage_gpu_seq *q, bool waiting);
 
 /* Migration: a sequence as a sequence image (cuda_seq_export: the bytes a CPU stage's
- * kv_seq_export writes), and a sequence of this stage made from one (cuda_seq_import). */
+ * kv_seq_export writes), and a sequence of this stage made from one (cuda_seq_import) on the
+ * image's plan, which must be one of the stage's (STRATA_EUNSUPPORTED otherwise). */
 int stage_gpu_seq_export(stage_gpu *g, stage_gpu_seq *q, uint8_t **img, size_t *len, strata_error *err);
 stage_gpu_seq *stage_gpu_seq_import(stage_gpu *g, const uint8_t *img, size_t len, strata_error *err);
 
