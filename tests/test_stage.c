@@ -471,6 +471,21 @@ static void test_gpu_stage(void **state)
         gpu_migration(&o, "kivi2-r32", "fp16");
         if (!getenv("STRATA_SANITIZED"))   /* plans under the sanitizers: test_cuda_model_fake's test_kv_plan */
             gpu_migration(&o, "0-9:kivi2-r32,10-19:kivi4-r32,20-29:tada4-r32", NULL);   /* a codec per layer range */
+        /* A budget the coordinator counts in rows of each layer's block size, which a GPU pool
+         * (one slot size) cannot hold when the layers' blocks differ and no host tier is below:
+         * refused at the start, naming the way out; with a host tier (both count the largest
+         * slots) it runs. */
+        Strata__Internal__V1__Assignment het = assignment(full, "0-9:kivi2-r32,10-29:kivi4-r32");
+        het.device_kv_bytes = 8u << 20;
+        assert_null(stage_create(&het, full_dev, &o, NULL, NULL, &err));
+        assert_int_equal(err.code, STRATA_EINVAL);
+        if (!strstr(err.msg, "host tier"))
+            fail_msg("%s", err.msg);
+        het.host_kv_bytes = 8u << 20;
+        stage *ok = stage_create(&het, full_dev, &o, NULL, NULL, &err);
+        if (!ok)
+            fail_msg("with a host tier: %s", err.msg);
+        stage_destroy(ok);
         return;
     }
     assert_true(err.code == STRATA_EIO || err.code == STRATA_EUNSUPPORTED);

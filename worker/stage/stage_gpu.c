@@ -104,6 +104,20 @@ int stage_gpu_create(model *m, const stage_gpu_config *c, stage_gpu **out, strat
                          "bytes; a %zu-token sequence needs %zu%s", (unsigned long long)c->device_kv_bytes, z.slots,
                          z.slot_bytes, c->max_seq_tokens, z.need,
                          c->tiers ? " (one layer's blocks and the one forming)" : " without a host tier below");
+    /* Without a tier below, the coordinator counts block rows of each layer's own slot size
+     * (kv_plans_row_bytes, as a CPU stage's pool holds them); this pool's slots all take the
+     * largest block, so where the plans' layers differ in size it would hold fewer rows than
+     * the coordinator admits, and steps would fail for want of slots. Refused here instead. */
+    if (rc == STRATA_OK && !c->tiers && c->device_kv_bytes) {
+        const size_t row = kv_plans_row_bytes(&geo, g->c.plans, c->n_plans);
+        const size_t counted = row ? (size_t)(c->device_kv_bytes / row) : 0, held = z.slots / (size_t)n_layers;
+        if (held < counted)
+            rc = strata_fail(err, STRATA_EINVAL, "GPU stage: its KV pool has one slot size for every layer (%zu bytes, "
+                             "the largest block of its plans), so the device budget holds %zu blocks per layer where "
+                             "the coordinator counts %zu (the plans' layers differ in block size): give the workers a "
+                             "host tier (--host-kv-mib), with which both count slots of the largest block",
+                             z.slot_bytes, held, counted);
+    }
     const size_t slots = z.slots;
     if (rc == STRATA_OK && !(g->cm = cuda_model_create(m, CUDA_WEIGHTS_F16, err)))
         rc = err ? err->code : STRATA_EIO;
