@@ -176,13 +176,7 @@ cmp -s "$tmp/long4-local.txt" "$tmp/long-local.txt" && fail "kivi4-r0 and the pl
   --nvme-kv-mib 8 --nvme-dir "$tmp/serve-spill" --kv "$tmp/serve.plan" --kv-codecs kivi4-r0 \
   --metrics 127.0.0.1:0 2>"$tmp/serve.log" &
 server=$!
-port=
-for _ in $(seq 1 1200); do
-  port=$(sed -n 's/.*ready: serving .* on port \([0-9]*\).*/\1/p' "$tmp/serve.log")
-  [ -n "$port" ] && break
-  kill -0 "$server" 2>/dev/null || break
-  sleep 0.2
-done
+port=$(serve_port "$tmp/serve.log" "$server")
 if [ -z "$port" ]; then
   fail "strata serve on synthetic:tiny did not become ready: $(tail -n 30 "$tmp/serve.log")"
 else

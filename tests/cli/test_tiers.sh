@@ -111,13 +111,7 @@ fi
 "$strata" serve --listen 127.0.0.1:0 --metrics 127.0.0.1:0 "${tight[@]}" --nvme-dir "$tmp/served-spill" \
   2> "$tmp/serve.log" &
 server=$!
-port=
-for _ in $(seq 1 1200); do
-  port=$(sed -n 's/.*ready: serving .* on port \([0-9]*\).*/\1/p' "$tmp/serve.log")
-  [ -n "$port" ] && break
-  kill -0 "$server" 2>/dev/null || break
-  sleep 0.2
-done
+port=$(serve_port "$tmp/serve.log" "$server")
 if [ -z "$port" ]; then
   fail "strata serve with tight tiers did not become ready: $(tail -n 20 "$tmp/serve.log")"
 else

@@ -242,16 +242,30 @@ static void test_default_model(void **state)
 /* Batched steps: four prompts of different lengths prefilled in one step, then decoded together,
  * blocks forming in different sequences at different steps; a fifth prompt joins mid-way (a step
  * mixing decode and prefill). Each sequence's logits against its own CPU run. */
-/* Five sequences, prompts of different lengths prefilled together, decoding together, and one
- * joining mid-way; sequence i on the codec names[i] (per-request KV codecs: the decode items of a
- * step run one group per plan), each against the CPU with its own codec. */
-static void batched(model *m, const char *label, const char *const names[5])
+/* Five sequences with prompts of different lengths, prefilled together or joining mid-way, then
+ * decoding together; sequence i on the codec names[i] (per-request KV codecs: the decode items of
+ * a step run one group per plan), each against the CPU with its own codec. */
+enum { N_BATCHED = 5 };
+typedef struct batched_case {
+    const char *label;
+    const char *names[N_BATCHED];
+    size_t prompt[N_BATCHED];
+    int join[N_BATCHED];   /* the step whose batch holds its prompt */
+    int steps;
+} batched_case;
+
+static void batched(model *m, const batched_case *bc)
 {
-    enum { N = 5, STEPS = 80, JOIN = 30 };
-    static const size_t prompt[N] = {10, 150, 200, 193, 61};
+    enum { N = N_BATCHED };
+    const char *const *names = bc->names, *label = bc->label;
+    const size_t *prompt = bc->prompt;
+    const int STEPS = bc->steps;
     strata_error err = {0};
     const model_config *c = model_get_config(m);
-    const size_t nv = (size_t)c->n_vocab, max_tokens = 200 + STEPS + 1;
+    size_t longest = 0;
+    for (int i = 0; i < N; i++)
+        longest = prompt[i] > longest ? prompt[i] : longest;
+    const size_t nv = (size_t)c->n_vocab, max_tokens = longest + (size_t)STEPS + 1;
     kv_geometry geo = model_kv_geometry(m, 64);
     kv_codec_params *plans[N];
     double bound[N];
@@ -290,7 +304,7 @@ static void batched(model *m, const char *label, const char *const names[5])
         cuda_batch_item items[N];
         int who[N], n_items = 0;
         for (int i = 0; i < N; i++) {
-            const bool joins = i == N - 1 ? step == JOIN : step == 0;
+            const bool joins = step == bc->join[i];
             const bool decodes = len[i] > 0;
             if (!joins && !decodes)
                 continue;
@@ -315,7 +329,7 @@ static void batched(model *m, const char *label, const char *const names[5])
             assert_int_equal(cuda_seq_length(gpu_seq[i]), len[i]);
         }
     }
-    printf("  batched %s (5 sequences, one joining at step %d): worst logits error %.2e\n", label, JOIN, worst);
+    printf("  batched %s (5 sequences, %d steps): worst logits error %.2e\n", label, STEPS, worst);
     for (int i = 0; i < N; i++) {
         kv_seq_destroy(cpu_seq[i]);
         cuda_seq_free(gpu_seq[i]);
@@ -330,8 +344,9 @@ static void batched(model *m, const char *label, const char *const names[5])
 
 static void batched_one(model *m, const char *codec_name)
 {
-    const char *const names[5] = {codec_name, codec_name, codec_name, codec_name, codec_name};
-    batched(m, codec_name, names);
+    const batched_case bc = {codec_name, {codec_name, codec_name, codec_name, codec_name, codec_name},
+                             {10, 150, 200, 193, 61}, {0, 0, 0, 0, 30}, 80};
+    batched(m, &bc);
 }
 
 static void test_batched_steps(void **state)
@@ -345,10 +360,13 @@ static void test_batched_steps(void **state)
 #endif
     assert_non_null(m);
     batched_one(m, "ott4");
-    /* Each sequence on its own codec (fp16 keeps no window: its blocks form at other steps);
-     * the two kivi2 sequences share a group. */
-    const char *const mixed[5] = {"kivi2", "fp16", "gear2", "kivi2", "ott4"};
-    batched(m, "mixed plans", mixed);
+    /* Each sequence on its own codec (R = 128, fp16 none). At step 42 the gear2 and fp16
+     * sequences form blocks while decoding (two groups' jobs in one layer slice) and three
+     * prompts join that form blocks too (more GEAR/OTT scratch than the decoders': the decoders'
+     * jobs point into it); at step 98 the three joiners form blocks in three groups at once. */
+    const batched_case mixed = {"mixed plans", {"gear2", "fp16", "gear2", "ott4", "kivi2"},
+                                {214, 150, 200, 200, 200}, {0, 0, 42, 42, 42}, 100};
+    batched(m, &mixed);
     if (!getenv("STRATA_SANITIZED")) {   /* see compare_model */
         batched_one(m, "fp16");
         batched_one(m, "kivi2");

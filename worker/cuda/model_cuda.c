@@ -1041,6 +1041,22 @@ static size_t blocks_forming(const cuda_seq *s, size_t t0, size_t n)
     return t0 + n >= r + bt ? (t0 + n - r) / bt : 0;
 }
 
+/* Encoder scratch the step's prompts and chunks need in each layer: a slot for every item that
+ * forms a block (a round's launch holds at most one block of each), of the largest work size.
+ * The same in every layer (their tails are equal between steps). */
+static size_t prompt_scratch_bytes(const cuda_batch_item *items, const step_plan *sp)
+{
+    size_t widest = 0, work = 0;
+    for (size_t p = sp->n_dec; p < sp->n_items; p++) {
+        const cuda_batch_item *it = &items[sp->order[p]];
+        if (blocks_forming(it->seq, (size_t)it->seq->tail_len[0], it->n_tokens) == 0)
+            continue;
+        widest++;
+        work = it->seq->work_bytes > work ? it->seq->work_bytes : work;
+    }
+    return widest * work;
+}
+
 /* The multi-token items of a step (prompts, and chunks continuing a sequence) join one layer's
  * cache, after their attention: every block they form is encoded straight from its rows, in one
  * launch per round (round j: the j-th block of each item, so an OTT tracker sees its sequence's
@@ -1061,8 +1077,9 @@ static int append_prompts_layer(cuda_model *cm, const cuda_batch_item *items, co
     size_t n_jobs = 0, rounds = 0, widest = 0, stream_rows = 0, n_fresh = 0, work = 0;
     for (size_t p = sp->n_dec; p < sp->n_items; p++) {
         const cuda_batch_item *it = &items[sp->order[p]];
-        work = it->seq->work_bytes > work ? it->seq->work_bytes : work;
         const size_t t0 = (size_t)it->seq->tail_len[il], nb = blocks_forming(it->seq, t0, it->n_tokens);
+        if (nb && it->seq->work_bytes > work)   /* as prompt_scratch_bytes counts it */
+            work = it->seq->work_bytes;
         n_jobs += nb;
         rounds = nb > rounds ? nb : rounds;
         widest += nb > 0;
@@ -1070,10 +1087,13 @@ static int append_prompts_layer(cuda_model *cm, const cuda_batch_item *items, co
         n_fresh += t0 == 0;
     }
     int rc = ensure_prompt_appends(cm, n_jobs, n_items, 2 * stream_rows * row, err);
-    if (rc == STRATA_OK)
-        rc = ensure_encoder_scratch(cm, widest * work, err);
     if (rc != STRATA_OK)
         return rc;
+    /* Reserved by forward_batch before the decode jobs took their scratch slots: growing it here
+     * would free the buffer those jobs point into. */
+    if (widest * work > cm->gear_work_bytes)
+        return strata_fail(err, STRATA_EINVAL, "layer %d: the prompts' encoder scratch (%zu bytes) was not reserved "
+                           "before the step", il, widest * work);
     /* Streams and tails: items whose tail is empty first (their rows are in cm->k16/v16), then
      * the chunks (their streams in cm->d_stream, keys then values). */
     uint16_t *stream_k = cm->d_stream, *stream_v = cm->d_stream + stream_rows * row;
@@ -1416,7 +1436,9 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
 
     const model_config *c = &cm->cfg;
     const size_t e = (size_t)c->n_embd;
-    if ((rc = ensure_workspace(cm, sp.rows, err)) == STRATA_OK && (rc = ensure_items(cm, n_items, err)) == STRATA_OK)
+    /* The prompts' encoder scratch first: the decode jobs written next point into it. */
+    if ((rc = ensure_workspace(cm, sp.rows, err)) == STRATA_OK && (rc = ensure_items(cm, n_items, err)) == STRATA_OK &&
+        (rc = ensure_encoder_scratch(cm, prompt_scratch_bytes(items, &sp), err)) == STRATA_OK)
         rc = stage_decode_jobs(cm, items, &sp, err);
     for (size_t g = 0; rc == STRATA_OK && g < sp.n_groups; g++) {   /* the groups run one after another */
         dec_group *G = &sp.groups[g];

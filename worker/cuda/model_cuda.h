@@ -158,7 +158,7 @@ typedef struct cuda_batch_item {
  * cuBLAS prefill: the CPU's kern_kv_attention_rows semantics); then the prompts and chunks join
  * their caches, the blocks they form encoded in a few launches per layer. Decoding sequences of
  * one step may use different plans (per-request KV codecs): their decode items run in one group
- * per plan (an encoder launch, a tail move and an attention launch per layer and group).
+ * per plan (per layer and group: its encoder launches, a tail move and an attention launch).
  * logits: n_items rows of n_vocab floats (host), the last token of each item in the items'
  * order, or NULL. A logit that is not finite (NaN, +inf or -inf: weights or metadata that overflow
  * fp32) fails the step with STRATA_EFORMAT naming it, as the CPU head does, whichever way the
