@@ -102,6 +102,17 @@ static void free_twin(model *host)
     twins[i].host = twins[i].dev = NULL;
 }
 
+/* A 64 MiB tier of pinned host memory below a shared pool (the test fails without one). */
+static kv_tiers *pinned_host_tier(void)
+{
+    strata_error err = {0};
+    kv_tiers_options to = {.host_bytes = 64u << 20, .allocator = cuda_pinned_host_allocator()};
+    kv_tiers *tiers = kv_tiers_create(&to, &err);
+    if (!tiers)
+        fail_msg("host tier: %s", err.msg);
+    return tiers;
+}
+
 static size_t argmax(const float *x, size_t n)
 {
     size_t best = 0;
@@ -484,10 +495,7 @@ static void test_shared_pool(void **state)
     kv_codec_params k2;
     assert_int_equal(kv_codec_parse("kivi2-g16", &k2, &err), STRATA_OK);
     const size_t blocks_per_layer = (TOKENS - (size_t)k2.residual) / BT;
-    kv_tiers_options to = {.host_bytes = 64u << 20, .allocator = cuda_pinned_host_allocator()};
-    kv_tiers *tiers = kv_tiers_create(&to, &err);
-    if (!tiers)
-        fail_msg("%s", err.msg);
+    kv_tiers *tiers = pinned_host_tier();
     const kv_lower_tier lower = kv_tiers_lower(tiers);
     cuda_model *own = create_cuda(m, CUDA_WEIGHTS_F16, &err), *shared = create_cuda(m, CUDA_WEIGHTS_F16, &err);
     assert_true(own && shared);
@@ -574,10 +582,7 @@ static void test_shared_pool_plans(void **state)
         for (int l = 0; l < L; l++)
             plans[i][l] = codec;
     }
-    kv_tiers_options to = {.host_bytes = 64u << 20, .allocator = cuda_pinned_host_allocator()};
-    kv_tiers *tiers = kv_tiers_create(&to, &err);
-    if (!tiers)
-        fail_msg("%s", err.msg);
+    kv_tiers *tiers = pinned_host_tier();
     const kv_lower_tier lower = kv_tiers_lower(tiers);
     cuda_model *own = create_cuda(m, CUDA_WEIGHTS_F16, &err), *shared = create_cuda(m, CUDA_WEIGHTS_F16, &err);
     assert_true(own && shared);
@@ -766,10 +771,7 @@ static void test_chunked_prompt(void **state)
     assert_non_null(m);
     const size_t nv = (size_t)model_get_config(m)->n_vocab;
     const char *codecs[] = {"fp16", "kivi2-g16", "gear2-g16", "ott2-g16", "tada4-g16"};   /* groups dividing BT */
-    kv_tiers_options to = {.host_bytes = 64u << 20, .allocator = cuda_pinned_host_allocator()};
-    kv_tiers *tiers = kv_tiers_create(&to, &err);
-    if (!tiers)
-        fail_msg("%s", err.msg);
+    kv_tiers *tiers = pinned_host_tier();
     const kv_lower_tier lower = kv_tiers_lower(tiers);
     float *cpu = malloc(nv * sizeof *cpu), *gpu = malloc(2 * nv * sizeof *gpu);
     int32_t *tok = malloc(TOKENS * sizeof *tok);
@@ -843,10 +845,7 @@ static void test_migration(void **state)
     model *m = load_twin("synthetic:tiny:seed=9", 0, -1, &err);
     assert_non_null(m);
     const size_t nv = (size_t)model_get_config(m)->n_vocab;
-    kv_tiers_options to = {.host_bytes = 64u << 20, .allocator = cuda_pinned_host_allocator()};
-    kv_tiers *tiers = kv_tiers_create(&to, &err);
-    if (!tiers)
-        fail_msg("%s", err.msg);
+    kv_tiers *tiers = pinned_host_tier();
     const kv_lower_tier lower = kv_tiers_lower(tiers);
     float *la = malloc(nv * sizeof *la), *lb = malloc(nv * sizeof *lb), *lc = malloc(nv * sizeof *lc);
     int32_t *tok = malloc(TOKENS * sizeof *tok);
@@ -980,9 +979,7 @@ static void test_kv_plan(void **state)
     kv_codec_params plan[4];
     for (int l = 0; l < 4; l++)
         assert_int_equal(kv_codec_parse(names[l], &plan[l], &err), STRATA_OK);
-    kv_tiers_options to = {.host_bytes = 64u << 20, .allocator = cuda_pinned_host_allocator()};
-    kv_tiers *tiers = kv_tiers_create(&to, &err);
-    assert_non_null(tiers);
+    kv_tiers *tiers = pinned_host_tier();
     const kv_lower_tier lower = kv_tiers_lower(tiers);
     float *cpu = malloc(nv * sizeof *cpu), *gpu = malloc(nv * sizeof *gpu);
     int32_t *tok = malloc(TOKENS * sizeof *tok);
