@@ -106,20 +106,25 @@ kv_pool *kv_pool_create_shared(const kv_geometry *g, const kv_codec_params *code
  * not validate. */
 size_t kv_plan_largest_block(const kv_geometry *g, const kv_codec_params *codecs);
 /* A pool whose sequences may use any of n_plans plans (kv_seq_create_plan); plans[0] is the
- * pool's own (kv_pool_codec, and a sequence's when it names none). Each layer's slots hold the
- * largest block the plans make there, so every block of a row costs that much whatever plan
- * made it. shared false: kv_pool_create_plan's layout, n = blocks per layer; true:
- * kv_pool_create_shared's, n = slots of the largest block, shared by every layer. */
+ * pool's own (kv_pool_codec, and a sequence's when it names none). The memory is slabs of the
+ * largest block the plans make in a layer (kvstore/slab.h): a slab serves one block size at a
+ * time and holds as many blocks of it as fit, so a plan with smaller blocks stores more of them
+ * in the same memory. When a block size needs a slab and none is free, another size's sparsest
+ * slab is emptied into that size's free slots (compaction, in memory), and only then, with a
+ * lower tier, blocks are evicted. shared false: kv_pool_create_plan's layout, n = slabs per
+ * layer; true: kv_pool_create_shared's, n = slabs of the largest block, shared by every layer. */
 kv_pool *kv_pool_create_plans(const kv_geometry *g, const kv_codec_params *const *plans, int n_plans, size_t n,
                               bool shared, strata_error *err);
 /* kv_plan_row_bytes and kv_plan_largest_block for such a pool: per layer the plans' largest block. */
 size_t kv_plans_row_bytes(const kv_geometry *g, const kv_codec_params *const *plans, int n_plans);
 size_t kv_plans_largest_block(const kv_geometry *g, const kv_codec_params *const *plans, int n_plans);
 void kv_pool_destroy(kv_pool *pool);
-size_t kv_pool_capacity(const kv_pool *pool);   /* slots */
-size_t kv_pool_free(const kv_pool *pool);       /* free slots */
-size_t kv_pool_slot_bytes(const kv_pool *pool); /* the largest slot */
-size_t kv_pool_bytes(const kv_pool *pool);      /* all slots */
+/* Slots are counted in slabs (one block of the largest size each; with one plan, slot and slab
+ * are the same). */
+size_t kv_pool_capacity(const kv_pool *pool);   /* slabs */
+size_t kv_pool_free(const kv_pool *pool);       /* slabs holding no block */
+size_t kv_pool_slot_bytes(const kv_pool *pool); /* the largest slab */
+size_t kv_pool_bytes(const kv_pool *pool);      /* all slabs */
 const kv_geometry *kv_pool_geometry(const kv_pool *pool);
 /* The pool's own plan: layer 0's codec (every layer's for a pool made by kv_pool_create). */
 const kv_codec_params *kv_pool_codec(const kv_pool *pool);
@@ -129,9 +134,11 @@ const kv_codec_params *kv_pool_layer_codec(const kv_pool *pool, int layer);
  * short. The pool calls it; offload/kv_tiers.h implements it over the host arena and the NVMe
  * store. Blocks cross it as their exact bytes (docs/format.md); handles are opaque and non-zero.
  *
- * With a lower tier, a block may leave its device slot: when a slot is needed and none is free,
- * the least recently used unpinned block of that slot size is evicted (copied down first if it
- * has no copy below yet; blocks never change, so a copy below stays valid while the block lives).
+ * With a lower tier, a block may leave its device slot: when a slot is needed and none is free
+ * (nor freed by compaction), the least recently used unpinned block of the pool's region goes
+ * down if it has that size, else its whole slab does (every block in it, none pinned); a block
+ * is copied down first if it has no copy below yet (blocks never change, so a copy below stays
+ * valid while the block lives).
  * Attention then needs kv_seq_acquire_layer, which brings a layer's blocks back. */
 typedef struct kv_lower_tier {
     void *ctx;
@@ -156,13 +163,15 @@ typedef struct kv_lower_tier {
 int kv_pool_set_lower_tier(kv_pool *pool, const kv_lower_tier *lower, strata_error *err);
 
 typedef struct kv_pool_stats {
-    size_t slots, free_slots;
+    size_t slots, free_slots;  /* slabs (kv_pool_capacity, kv_pool_free) */
     uint64_t evictions;        /* blocks that left a slot for the lower tier */
     uint64_t writebacks;       /* of those, blocks first copied down (no copy below yet) */
     uint64_t writeback_bytes;
     uint64_t fetches;          /* blocks brought back into a slot */
     uint64_t fetch_bytes;
     uint64_t seq_spills, seq_resumes;  /* kv_seq_spill / kv_seq_resume */
+    uint64_t compactions;      /* slabs emptied in memory for another block size (see below) */
+    uint64_t compaction_bytes; /* block bytes those moves copied */
 } kv_pool_stats;
 
 void kv_pool_get_stats(const kv_pool *pool, kv_pool_stats *out);

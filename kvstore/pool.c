@@ -12,29 +12,30 @@
 #include "kvstore/kv_cache.h"
 #include "kvstore/ott.h"
 #include "kvstore/seq_image.h"
+#include "kvstore/slab.h"
 #include "kvstore/sysmem.h"
 
 typedef struct kv_block_ref kv_block_ref;
 
-/* Slots of one size. A bit plan's layers may need blocks of different sizes; layers with equal
- * slot sizes share a class. */
-typedef struct slot_class {
-    size_t slot_bytes;
-    size_t n_slots;
-    size_t n_free;
-    uint8_t *mem;          /* n_slots * slot_bytes, 64-byte aligned */
-    size_t *free_stack;    /* slot indices; the top is free_stack[n_free - 1] */
-    /* The class's resident blocks, oldest last_use first, so the eviction victim is the first
+/* Slab memory and its books. Without a lower tier the layers whose largest block (over the
+ * plans) has one size share a region, each bringing its blocks_per_layer slabs; with one, every
+ * layer shares one region of slabs of the largest block (decisions.md, "Slabs"). A slab serves
+ * one block size at a time: a plan whose blocks are smaller fits several in a slab. */
+typedef struct slab_region {
+    kv_slabs *books;
+    uint8_t *mem;          /* slab_bytes * slabs, 64-byte aligned */
+    /* The region's resident blocks, oldest last_use first, so the eviction victim is the first
      * unpinned one from the front: pins are recent uses, so that is almost always the front. */
     kv_block_ref *oldest, *newest;
-} slot_class;
+} slab_region;
 
 struct kv_pool {
     kv_geometry geom;
     kv_codec_params *codecs;   /* [n_layers] */
-    int *layer_class;          /* [n_layers] */
-    slot_class *classes;
-    int n_classes;
+    int *layer_region;         /* [n_layers] */
+    slab_region *regions;
+    int n_regions;
+    int max_classes;           /* the most block sizes of one region */
     float *stage_k;            /* one block of fp32 rows handed to the encoder */
     float *stage_v;
     float *check_k;            /* the same block decoded again, for error tracking */
@@ -78,6 +79,7 @@ typedef struct kv_layer {
 struct kv_seq {
     kv_pool *pool;
     kv_codec_params *codecs;   /* [n_layers]: the pool's plan or the sequence's own */
+    int *slot_class;           /* [n_layers]: the class of its layer's blocks in the layer's region */
     uint64_t id;
     size_t max_tokens;
     size_t max_blocks;
@@ -150,79 +152,92 @@ static int validate_plan(const kv_geometry *g, const kv_codec_params *codecs, st
     return STRATA_OK;
 }
 
-/* plans[0] is the pool's own plan (a sequence's unless it names another); the slots of a layer
- * hold the largest block any of the plans makes there. */
+/* The distinct block sizes the plans make in the layers of region r (its slot classes). */
+static int region_sizes(const kv_pool *p, const kv_codec_params *const *plans, int n_plans, int r, size_t *sizes)
+{
+    int n = 0;
+    for (int l = 0; l < p->geom.n_layers; l++)
+        for (int i = 0; p->layer_region[l] == r && i < n_plans; i++) {
+            size_t b = kv_block_size(&plans[i][l], &p->geom);
+            int c = 0;
+            while (c < n && sizes[c] != b)
+                c++;
+            if (c == n)
+                sizes[n++] = b;
+        }
+    return n;
+}
+
+/* plans[0] is the pool's own plan (a sequence's unless it names another); a layer's slabs are the
+ * largest block any of the plans makes there (one_region: the largest of all layers). */
 static kv_pool *pool_new(const kv_geometry *g, const kv_codec_params *const *plans, int n_plans,
-                         const size_t *slots_of_layer, bool one_class, strata_error *err)
+                         const size_t *slabs_of_layer, bool one_region, strata_error *err)
 {
     for (int i = 0; i < n_plans; i++)
         if (validate_plan(g, plans[i], err) != STRATA_OK)
             return NULL;
     const kv_codec_params *codecs = plans[0];
+    size_t *slab_bytes = NULL, *n_slabs = NULL, *sizes = NULL;
     kv_pool *p = calloc(1, sizeof *p);
     if (!p)
         goto oom;
     p->geom = *g;
     const size_t L = (size_t)g->n_layers;
     p->codecs = malloc(L * sizeof *p->codecs);
-    p->layer_class = malloc(L * sizeof *p->layer_class);
-    p->classes = calloc(L, sizeof *p->classes);
-    if (!p->codecs || !p->layer_class || !p->classes)
+    p->layer_region = malloc(L * sizeof *p->layer_region);
+    p->regions = calloc(L, sizeof *p->regions);
+    slab_bytes = calloc(L, sizeof *slab_bytes);
+    n_slabs = calloc(L, sizeof *n_slabs);
+    sizes = malloc(L * (size_t)n_plans * sizeof *sizes);
+    if (!p->codecs || !p->layer_region || !p->regions || !slab_bytes || !n_slabs || !sizes)
         goto oom;
     memcpy(p->codecs, codecs, L * sizeof *codecs);
     const size_t largest = kv_plans_largest_block(g, plans, n_plans);
     for (size_t l = 0; l < L; l++) {
-        size_t slot = one_class ? largest : layer_slot(g, plans, n_plans, (int)l);
-        int c = 0;
-        while (c < p->n_classes && p->classes[c].slot_bytes != slot)
-            c++;
-        if (c == p->n_classes)
-            p->classes[p->n_classes++].slot_bytes = slot;
-        p->layer_class[l] = c;
-        if (p->classes[c].n_slots > SIZE_MAX - slots_of_layer[l]) {
+        size_t slab = one_region ? largest : layer_slot(g, plans, n_plans, (int)l);
+        int r = 0;
+        while (r < p->n_regions && slab_bytes[r] != slab)
+            r++;
+        if (r == p->n_regions)
+            slab_bytes[p->n_regions++] = slab;
+        p->layer_region[l] = r;
+        if (n_slabs[r] > SIZE_MAX - slabs_of_layer[l]) {
             strata_fail(err, STRATA_EINVAL, "kv pool: slot count overflows");
-            kv_pool_destroy(p);
-            return NULL;
+            goto fail;
         }
-        p->classes[c].n_slots += slots_of_layer[l];
+        n_slabs[r] += slabs_of_layer[l];
     }
-    /* Every class is checked, and the whole pool against the machine's memory, before any
-     * slot memory is allocated. */
-    size_t all_slots = 0;
-    for (int c = 0; c < p->n_classes; c++) {
-        slot_class *k = &p->classes[c];
+    /* Every region is checked, and the whole pool against the machine's memory, before any slab
+     * memory is allocated. */
+    size_t all_bytes = 0;
+    for (int r = 0; r < p->n_regions; r++) {
         size_t total;
-        if (k->n_slots < 1) {
+        if (n_slabs[r] < 1) {
             strata_fail(err, STRATA_EINVAL, "kv pool: n_slots must be at least 1");
-            kv_pool_destroy(p);
-            return NULL;
+            goto fail;
         }
-        if (!mul_ok(k->slot_bytes, k->n_slots, &total) || all_slots > SIZE_MAX - total) {
-            strata_fail(err, STRATA_EINVAL, "kv pool: %zu slots of %zu bytes overflow the address space", k->n_slots,
-                        k->slot_bytes);
-            kv_pool_destroy(p);
-            return NULL;
+        if (!mul_ok(slab_bytes[r], n_slabs[r], &total) || all_bytes > SIZE_MAX - total) {
+            strata_fail(err, STRATA_EINVAL, "kv pool: %zu slots of %zu bytes overflow the address space", n_slabs[r],
+                        slab_bytes[r]);
+            goto fail;
         }
-        all_slots += total;
+        all_bytes += total;
     }
-    if (strata_check_memory("kv pool", all_slots, err) != STRATA_OK) {
-        kv_pool_destroy(p);
-        return NULL;
-    }
-    for (int c = 0; c < p->n_classes; c++) {
-        slot_class *k = &p->classes[c];
-        const size_t total = k->slot_bytes * k->n_slots;   /* checked above */
-        k->mem = aligned_alloc(64, total);   /* slot sizes are multiples of 64 */
-        k->free_stack = malloc(k->n_slots * sizeof *k->free_stack);
-        if (!k->mem || !k->free_stack) {
-            strata_fail(err, STRATA_ENOMEM, "kv pool: cannot allocate %zu slots of %zu bytes (%zu MiB)", k->n_slots,
-                        k->slot_bytes, total >> 20);
-            kv_pool_destroy(p);
-            return NULL;
+    if (strata_check_memory("kv pool", all_bytes, err) != STRATA_OK)
+        goto fail;
+    for (int r = 0; r < p->n_regions; r++) {
+        slab_region *rg = &p->regions[r];
+        const int n_sizes = region_sizes(p, plans, n_plans, r, sizes);
+        p->max_classes = n_sizes > p->max_classes ? n_sizes : p->max_classes;
+        rg->books = kv_slabs_create(slab_bytes[r], n_slabs[r], sizes, n_sizes, err);
+        if (!rg->books)
+            goto fail;
+        rg->mem = aligned_alloc(64, slab_bytes[r] * n_slabs[r]);   /* block sizes are multiples of 64 */
+        if (!rg->mem) {
+            strata_fail(err, STRATA_ENOMEM, "kv pool: cannot allocate %zu slots of %zu bytes (%zu MiB)", n_slabs[r],
+                        slab_bytes[r], (slab_bytes[r] * n_slabs[r]) >> 20);
+            goto fail;
         }
-        k->n_free = k->n_slots;
-        for (size_t i = 0; i < k->n_slots; i++)
-            k->free_stack[i] = k->n_slots - 1 - i;   /* slot 0 is handed out first */
     }
     size_t stage = (size_t)g->block_tokens * (size_t)g->n_kv_heads * (size_t)g->head_dim;
     p->stage_k = malloc(stage * sizeof(float));
@@ -233,9 +248,16 @@ static kv_pool *pool_new(const kv_geometry *g, const kv_codec_params *const *pla
     if (!p->stage_k || !p->stage_v || !p->check_k || !p->check_v || !p->ott)
         goto oom;
     p->next_seq_id = 1;
+    free(slab_bytes);
+    free(n_slabs);
+    free(sizes);
     return p;
 oom:
     strata_fail(err, STRATA_ENOMEM, "kv pool: out of memory");
+fail:
+    free(slab_bytes);
+    free(n_slabs);
+    free(sizes);
     kv_pool_destroy(p);
     return NULL;
 }
@@ -319,14 +341,14 @@ void kv_pool_destroy(kv_pool *pool)
 {
     if (!pool)
         return;
-    if (pool->classes)
-        for (int c = 0; c < pool->n_classes; c++) {
-            free(pool->classes[c].mem);
-            free(pool->classes[c].free_stack);
+    if (pool->regions)
+        for (int r = 0; r < pool->n_regions; r++) {
+            free(pool->regions[r].mem);
+            kv_slabs_destroy(pool->regions[r].books);
         }
-    free(pool->classes);
+    free(pool->regions);
     free(pool->codecs);
-    free(pool->layer_class);
+    free(pool->layer_region);
     free(pool->stage_k);
     free(pool->stage_v);
     free(pool->check_k);
@@ -339,33 +361,33 @@ void kv_pool_destroy(kv_pool *pool)
 size_t kv_pool_capacity(const kv_pool *pool)
 {
     size_t n = 0;
-    for (int c = 0; c < pool->n_classes; c++)
-        n += pool->classes[c].n_slots;
+    for (int r = 0; r < pool->n_regions; r++)
+        n += kv_slabs_count(pool->regions[r].books);
     return n;
 }
 
 size_t kv_pool_free(const kv_pool *pool)
 {
     size_t n = 0;
-    for (int c = 0; c < pool->n_classes; c++)
-        n += pool->classes[c].n_free;
+    for (int r = 0; r < pool->n_regions; r++)
+        n += kv_slabs_free_slabs(pool->regions[r].books);
     return n;
 }
 
 size_t kv_pool_slot_bytes(const kv_pool *pool)
 {
     size_t m = 0;
-    for (int c = 0; c < pool->n_classes; c++)
-        if (pool->classes[c].slot_bytes > m)
-            m = pool->classes[c].slot_bytes;
+    for (int r = 0; r < pool->n_regions; r++)
+        if (kv_slabs_slab_bytes(pool->regions[r].books) > m)
+            m = kv_slabs_slab_bytes(pool->regions[r].books);
     return m;
 }
 
 size_t kv_pool_bytes(const kv_pool *pool)
 {
     size_t n = 0;
-    for (int c = 0; c < pool->n_classes; c++)
-        n += pool->classes[c].n_slots * pool->classes[c].slot_bytes;
+    for (int r = 0; r < pool->n_regions; r++)
+        n += kv_slabs_count(pool->regions[r].books) * kv_slabs_slab_bytes(pool->regions[r].books);
     return n;
 }
 
@@ -379,54 +401,54 @@ const kv_codec_params *kv_pool_layer_codec(const kv_pool *pool, int layer)
     return &pool->codecs[layer];
 }
 
-static slot_class *class_of(kv_pool *p, int layer) { return &p->classes[p->layer_class[layer]]; }
+static slab_region *region_of(kv_pool *p, int layer) { return &p->regions[p->layer_region[layer]]; }
 
-static uint8_t *pool_take(slot_class *k) { return k->mem + k->free_stack[--k->n_free] * k->slot_bytes; }
-
-static void pool_give(slot_class *k, uint8_t *slot)
+/* The bytes of a slot of a sequence's layer. */
+static size_t slot_bytes_of(const kv_seq *seq, int layer)
 {
-    k->free_stack[k->n_free++] = (size_t)(slot - k->mem) / k->slot_bytes;
+    const kv_pool *p = seq->pool;
+    return kv_slabs_slot_bytes(p->regions[p->layer_region[layer]].books, seq->slot_class[layer]);
 }
 
 /* Block refs live in per-sequence tables sized once at creation, so the links stay valid. */
-static void use_order_push(slot_class *k, kv_block_ref *r)
+static void use_order_push(slab_region *rg, kv_block_ref *r)
 {
-    r->older = k->newest;
+    r->older = rg->newest;
     r->newer = NULL;
-    if (k->newest)
-        k->newest->newer = r;
+    if (rg->newest)
+        rg->newest->newer = r;
     else
-        k->oldest = r;
-    k->newest = r;
+        rg->oldest = r;
+    rg->newest = r;
 }
 
-static void use_order_remove(slot_class *k, kv_block_ref *r)
+static void use_order_remove(slab_region *rg, kv_block_ref *r)
 {
     if (r->older)
         r->older->newer = r->newer;
     else
-        k->oldest = r->newer;
+        rg->oldest = r->newer;
     if (r->newer)
         r->newer->older = r->older;
     else
-        k->newest = r->older;
+        rg->newest = r->older;
     r->older = r->newer = NULL;
 }
 
-/* A block entering a slot: stamped now, so the class's list stays in last_use order. */
-static void block_resident(kv_pool *p, slot_class *k, kv_seq *owner, kv_block_ref *r, uint8_t *slot)
+/* A block entering a slot: stamped now, so the region's list stays in last_use order. */
+static void block_resident(kv_pool *p, slab_region *rg, kv_seq *owner, kv_block_ref *r, uint8_t *slot)
 {
     r->slot = slot;
     r->owner = owner;
     r->last_use = ++p->clock;
-    use_order_push(k, r);
+    use_order_push(rg, r);
 }
 
 /* A block leaving its slot (evicted, spilled, rolled back or freed with its sequence). */
-static void block_leaves(slot_class *k, kv_block_ref *r)
+static void block_leaves(slab_region *rg, kv_block_ref *r)
 {
-    use_order_remove(k, r);
-    pool_give(k, r->slot);
+    use_order_remove(rg, r);
+    kv_slabs_give(rg->books, (size_t)(r->slot - rg->mem));
     r->slot = NULL;
 }
 
@@ -458,20 +480,10 @@ void kv_pool_get_stats(const kv_pool *pool, kv_pool_stats *out)
 
 static bool pinned(const kv_seq *s, const kv_block_ref *r) { return r->last_use > s->pin_floor; }
 
-/* Moves the least recently used unpinned block of slot class cls down to the lower tier and
- * frees its slot. */
-static int evict_one(kv_pool *p, int cls, strata_error *err)
+/* Moves a resident, unpinned block down to the lower tier (copying it first if it has no copy
+ * there) and frees its slot. */
+static int evict_block(kv_pool *p, slab_region *rg, kv_block_ref *victim, strata_error *err)
 {
-    slot_class *k = &p->classes[cls];
-    if (!has_lower(p))
-        return strata_fail(err, STRATA_EFULL, "KV block pool exhausted: all %zu slots of %zu bytes are in use "
-                           "(no host/NVMe tier to evict to)", k->n_slots, k->slot_bytes);
-    kv_block_ref *victim = k->oldest;
-    while (victim && pinned(victim->owner, victim))
-        victim = victim->newer;
-    if (!victim)
-        return strata_fail(err, STRATA_EFULL, "KV block pool too small: all %zu slots of %zu bytes hold blocks "
-                           "in use by this step; raise the device KV budget", k->n_slots, k->slot_bytes);
     if (!victim->lower) {
         int rc = p->lower.put(p->lower.ctx, victim->slot, victim->bytes, victim->owner->id, p->clock, &victim->lower,
                               err);
@@ -480,20 +492,127 @@ static int evict_one(kv_pool *p, int cls, strata_error *err)
         p->stats.writebacks++;
         p->stats.writeback_bytes += victim->bytes;
     }
-    block_leaves(k, victim);
+    block_leaves(rg, victim);
     p->stats.evictions++;
     return STRATA_OK;
 }
 
-static int slot_take(kv_pool *p, int cls, uint8_t **out, strata_error *err)
+/* The used slots of the slab holding r, as block refs; false when one of them is pinned. */
+static bool slab_unpinned(const slab_region *rg, const kv_block_ref *r, kv_block_ref **refs, size_t *n)
 {
-    slot_class *k = &p->classes[cls];
-    if (k->n_free == 0) {
-        int rc = evict_one(p, cls, err);
+    size_t offsets[KV_SLABS_MAX_PER_SLAB];
+    *n = kv_slabs_slab_used(rg->books, kv_slabs_slab_of(rg->books, (size_t)(r->slot - rg->mem)), offsets);
+    for (size_t i = 0; i < *n; i++) {
+        refs[i] = kv_slabs_owner(rg->books, offsets[i]);
+        if (pinned(refs[i]->owner, refs[i]))
+            return false;
+    }
+    return true;
+}
+
+/* Frees room for one slot of class cls of region rg: the least recently used unpinned block of
+ * the region goes down when it is of that class; when it is of another, its whole slab does
+ * (every block in it, none pinned), and the slab is then free for cls. With one block size this
+ * is plain LRU over the region's blocks. */
+static int evict_for(kv_pool *p, slab_region *rg, int cls, strata_error *err)
+{
+    const kv_slabs *b = rg->books;
+    if (!has_lower(p))
+        return strata_fail(err, STRATA_EFULL, "KV block pool exhausted: all %zu slots of %zu bytes are in use "
+                           "(no host/NVMe tier to evict to)", kv_slabs_count(b), kv_slabs_slab_bytes(b));
+    for (kv_block_ref *v = rg->oldest; v; v = v->newer) {
+        if (pinned(v->owner, v))
+            continue;
+        const int v_cls = kv_slabs_slab_class(b, kv_slabs_slab_of(b, (size_t)(v->slot - rg->mem)));
+        if (v_cls == cls)
+            return evict_block(p, rg, v, err);
+        kv_block_ref *refs[KV_SLABS_MAX_PER_SLAB];
+        size_t n;
+        if (!slab_unpinned(rg, v, refs, &n))
+            continue;
+        for (size_t i = 0; i < n; i++) {
+            int rc = evict_block(p, rg, refs[i], err);
+            if (rc != STRATA_OK)
+                return rc;   /* the blocks evicted so far are below, as evictions leave them */
+        }
+        return STRATA_OK;
+    }
+    return strata_fail(err, STRATA_EFULL, "KV block pool too small: all %zu slots of %zu bytes hold blocks in use "
+                       "by this step; raise the device KV budget", kv_slabs_count(b), kv_slabs_slab_bytes(b));
+}
+
+static bool slab_holds_pinned(void *ctx, size_t slab)
+{
+    const slab_region *rg = ctx;
+    size_t offsets[KV_SLABS_MAX_PER_SLAB];
+    const size_t n = kv_slabs_slab_used(rg->books, slab, offsets);
+    for (size_t i = 0; i < n; i++) {
+        const kv_block_ref *r = kv_slabs_owner(rg->books, offsets[i]);
+        if (pinned(r->owner, r))
+            return true;
+    }
+    return false;
+}
+
+/* Frees a slab for class cls by compaction: another class whose slabs have a slab's worth of
+ * free slots moves the blocks of its sparsest slab (none of them pinned) into those, in memory.
+ * Nothing goes down a tier, so this comes before eviction. false when no class can. */
+static bool compact_for(kv_pool *p, slab_region *rg, int cls)
+{
+    kv_slabs *b = rg->books;
+    for (int d = 0; d < kv_slabs_n_classes(b); d++) {
+        if (d == cls || kv_slabs_per_slab(b, d) < 2 || kv_slabs_free_slots(b, d) < kv_slabs_per_slab(b, d))
+            continue;
+        size_t src[KV_SLABS_MAX_PER_SLAB], dst[KV_SLABS_MAX_PER_SLAB], n;
+        const size_t slab = kv_slabs_sparsest(b, d, slab_holds_pinned, rg);
+        if (slab == SIZE_MAX || !kv_slabs_evacuate(b, slab, src, dst, &n))
+            continue;
+        for (size_t i = 0; i < n; i++) {
+            kv_block_ref *r = kv_slabs_owner(b, dst[i]);
+            memcpy(rg->mem + dst[i], rg->mem + src[i], r->bytes);
+            r->slot = rg->mem + dst[i];   /* views re-read it (kv_seq_layer_view) */
+            p->stats.compaction_bytes += r->bytes;
+        }
+        p->stats.compactions++;
+        return true;
+    }
+    return false;
+}
+
+/* Slabs a region's blocks would need if every class were packed (what compaction reaches), with
+ * extra[c] more blocks of class c (NULL: none). */
+static size_t packed_slabs(const kv_slabs *b, const size_t *extra)
+{
+    size_t slabs = 0;
+    for (int c = 0; c < kv_slabs_n_classes(b); c++) {
+        const size_t n = kv_slabs_used_slots(b, c) + (extra ? extra[c] : 0), per = kv_slabs_per_slab(b, c);
+        slabs += (n + per - 1) / per;
+    }
+    return slabs;
+}
+
+/* Blocks of class cls region rg can take without evicting (compacting the other classes). */
+static size_t region_room(const kv_slabs *b, int cls)
+{
+    const size_t others = packed_slabs(b, NULL) - (kv_slabs_used_slots(b, cls) + kv_slabs_per_slab(b, cls) - 1) /
+                                                      kv_slabs_per_slab(b, cls);
+    const size_t n = kv_slabs_count(b);
+    return n > others ? (n - others) * kv_slabs_per_slab(b, cls) - kv_slabs_used_slots(b, cls) : 0;
+}
+
+/* A slot of class cls of region rg for block r: a free one, else one freed by compaction, else by
+ * eviction. */
+static int slot_take(kv_pool *p, slab_region *rg, int cls, kv_block_ref *r, uint8_t **out, strata_error *err)
+{
+    size_t offset;
+    while (!kv_slabs_take(rg->books, cls, r, &offset)) {
+        if (compact_for(p, rg, cls))
+            continue;
+        int rc = evict_for(p, rg, cls, err);
         if (rc != STRATA_OK)
             return rc;
     }
-    *out = pool_take(k);
+    *out = rg->mem + offset;
     return STRATA_OK;
 }
 
@@ -508,7 +627,8 @@ static int plan_fits_pool(const kv_pool *pool, const kv_codec_params *codecs, st
     const kv_geometry *g = &pool->geom;
     int rc = validate_plan(g, codecs, err);
     for (int l = 0; rc == STRATA_OK && l < g->n_layers; l++) {
-        const size_t block = kv_block_size(&codecs[l], g), slot = pool->classes[pool->layer_class[l]].slot_bytes;
+        const size_t block = kv_block_size(&codecs[l], g),
+                     slot = kv_slabs_slab_bytes(pool->regions[pool->layer_region[l]].books);
         if (block > slot) {
             char name[64];
             kv_codec_name(&codecs[l], name, sizeof name);
@@ -518,6 +638,19 @@ static int plan_fits_pool(const kv_pool *pool, const kv_codec_params *codecs, st
         }
     }
     return rc;
+}
+
+/* The class a layer's blocks of a plan take in its region: the smallest slot that holds them
+ * (the size itself for the pool's plans; the slab size, a class, holds any block that fits). */
+static int class_for(const kv_pool *p, int layer, const kv_codec_params *codec)
+{
+    const kv_slabs *b = p->regions[p->layer_region[layer]].books;
+    const size_t block = kv_block_size(codec, &p->geom);
+    int best = -1;
+    for (int c = 0; c < kv_slabs_n_classes(b); c++)
+        if (kv_slabs_slot_bytes(b, c) >= block && (best < 0 || kv_slabs_slot_bytes(b, c) < kv_slabs_slot_bytes(b, best)))
+            best = c;
+    return best;
 }
 
 kv_seq *kv_seq_create_plan(kv_pool *pool, const kv_codec_params *codecs, size_t max_tokens, strata_error *err)
@@ -546,14 +679,18 @@ kv_seq *kv_seq_create_plan(kv_pool *pool, const kv_codec_params *codecs, size_t 
     s->max_blocks = max_tokens / bt;
     s->layers = calloc((size_t)g->n_layers, sizeof *s->layers);
     s->codecs = malloc((size_t)g->n_layers * sizeof *s->codecs);
-    if (!s->layers || !s->codecs) {
+    s->slot_class = malloc((size_t)g->n_layers * sizeof *s->slot_class);
+    if (!s->layers || !s->codecs || !s->slot_class) {
         free(s->layers);
         free(s->codecs);
+        free(s->slot_class);
         free(s);
         strata_fail(err, STRATA_ENOMEM, "kv sequence: out of memory for %d layers", g->n_layers);
         return NULL;
     }
     memcpy(s->codecs, codecs ? codecs : pool->codecs, (size_t)g->n_layers * sizeof *s->codecs);
+    for (int l = 0; l < g->n_layers; l++)
+        s->slot_class[l] = class_for(pool, l, &s->codecs[l]);   /* >= 0: plan_fits_pool checked the size */
     for (int l = 0; l < g->n_layers; l++) {
         kv_layer *L = &s->layers[l];
         const kv_codec_params *c = &s->codecs[l];
@@ -598,7 +735,7 @@ void kv_seq_destroy(kv_seq *seq)
         kv_layer *L = &seq->layers[l];
         for (size_t b = 0; b < L->n_blocks; b++) {
             if (L->refs[b].slot)
-                block_leaves(class_of(p, l), &L->refs[b]);
+                block_leaves(region_of(p, l), &L->refs[b]);
             if (L->refs[b].lower)
                 p->lower.release(p->lower.ctx, L->refs[b].lower);
         }
@@ -613,6 +750,7 @@ void kv_seq_destroy(kv_seq *seq)
     }
     free(seq->layers);
     free(seq->codecs);
+    free(seq->slot_class);
     if (seq->prev)
         seq->prev->next = seq->next;
     else if (p->seqs == seq)
@@ -702,8 +840,9 @@ int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t
     if (seq->spilled)
         return strata_fail(err, STRATA_EINVAL, "kv append: sequence %" PRIu64 " is spilled; resume it first", seq->id);
     kv_layer *L = &seq->layers[layer];
-    const int cls_index = p->layer_class[layer];
-    slot_class *cls = &p->classes[cls_index];
+    slab_region *rg = region_of(p, layer);
+    const int cls = seq->slot_class[layer];
+    const size_t slot_bytes = kv_slabs_slot_bytes(rg->books, cls);
     const kv_codec_params *codec = &seq->codecs[layer];
     const size_t bt = (size_t)g->block_tokens, R = (size_t)codec->residual;
     const size_t row = (size_t)g->n_kv_heads * (size_t)g->head_dim;
@@ -715,11 +854,12 @@ int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t
     /* The tail followed by the new rows is one stream */
     size_t stream = L->tail_len + n_tokens;
     size_t n_new = blocks_leaving(stream, R, bt);
-    if (n_new > cls->n_free && !has_lower(p))
+    if (!has_lower(p) && n_new > region_room(rg->books, cls))
         return strata_fail(err, STRATA_EFULL,
                            "KV block pool exhausted: sequence %" PRIu64 " layer %d needs %zu new block(s) of %zu bytes, "
-                           "%zu of the pool's %zu slots of that size are free",
-                           seq->id, layer, n_new, cls->slot_bytes, cls->n_free, cls->n_slots);
+                           "the pool has room for %zu (%zu of its %zu slots of %zu bytes are free)",
+                           seq->id, layer, n_new, slot_bytes, region_room(rg->books, cls),
+                           kv_slabs_free_slabs(rg->books), kv_slabs_count(rg->books), kv_slabs_slab_bytes(rg->books));
     const size_t prompt_end = n_tokens > 1 ? len + n_tokens : L->prompt_end;
     const kv_layer_error error_before = L->error;
     if (n_new && L->ott)
@@ -747,21 +887,22 @@ int kv_seq_append(kv_seq *seq, int layer, const float *k, const float *v, size_t
         }
         uint8_t *slot = NULL;
         size_t written = 0;
-        int rc = slot_take(p, cls_index, &slot, err);
+        kv_block_ref *ref = &L->refs[L->n_blocks + b];
+        *ref = (kv_block_ref){0};
+        int rc = slot_take(p, rg, cls, ref, &slot, err);
         if (rc == STRATA_OK) {
             /* not visible until n_blocks moves; pinned so that the rest of this call cannot evict it */
-            L->refs[L->n_blocks + b] = (kv_block_ref){0};
-            block_resident(p, cls, seq, &L->refs[L->n_blocks + b], slot);
-            rc = kv_block_encode_ex(&d, p->stage_k, p->stage_v, &extra, slot, cls->slot_bytes, &written, err);
-            L->refs[L->n_blocks + b].bytes = (uint32_t)written;
+            block_resident(p, rg, seq, ref, slot);
+            rc = kv_block_encode_ex(&d, p->stage_k, p->stage_v, &extra, slot, slot_bytes, &written, err);
+            ref->bytes = (uint32_t)written;
         }
         if (rc == STRATA_OK && seq->track_error)
-            rc = measure_block(p, L, slot, cls->slot_bytes, err);
+            rc = measure_block(p, L, slot, slot_bytes, err);
         if (rc) {
             for (size_t u = 0; u < b; u++)
-                block_leaves(cls, &L->refs[L->n_blocks + u]);
+                block_leaves(rg, &L->refs[L->n_blocks + u]);
             if (slot)
-                block_leaves(cls, &L->refs[L->n_blocks + b]);
+                block_leaves(rg, ref);
             if (L->ott)
                 kv_ott_tracker_copy(L->ott, L->ott_undo);
             L->error = error_before;
@@ -812,7 +953,7 @@ void kv_seq_layer_view(const kv_seq *seq, int layer, kv_layer_view *view)
     for (size_t b = 0; b < L->n_blocks; b++)
         L->blocks[b] = L->refs[b].slot;
     view->blocks = (const uint8_t *const *)L->blocks;
-    view->block_bytes = class_of(seq->pool, layer)->slot_bytes;
+    view->block_bytes = slot_bytes_of(seq, layer);
     view->tail_tokens = L->tail_len;
     view->tail_k = L->tail_k;
     view->tail_v = L->tail_v;
@@ -834,7 +975,7 @@ void kv_seq_get_stats(const kv_seq *seq, kv_seq_stats *st)
             st->resident_blocks += L->refs[b].slot != NULL;
             st->lower_blocks += L->refs[b].lower != 0;
         }
-        st->slot_bytes += L->n_blocks * class_of(seq->pool, l)->slot_bytes;
+        st->slot_bytes += L->n_blocks * slot_bytes_of(seq, l);
         st->tail_tokens += L->tail_len;
         st->tail_bytes += L->tail_len * row_bytes;
     }
@@ -882,37 +1023,43 @@ int kv_seq_check_room(const kv_seq *seq, size_t n_tokens, strata_error *err)
     if (n_tokens > seq->max_tokens - len)
         return strata_fail(err, STRATA_EINVAL, "sequence %" PRIu64 " holds %zu tokens; %zu more exceed its limit of %zu",
                            seq->id, len, n_tokens, seq->max_tokens);
-    size_t *need = calloc((size_t)p->n_classes, sizeof *need);   /* new blocks per slot class */
+    const size_t C = (size_t)p->max_classes;
+    size_t *need = calloc((size_t)p->n_regions * C, sizeof *need);   /* new blocks per region and class */
     if (!need)
         return strata_fail(err, STRATA_ENOMEM, "kv room: out of memory");
     size_t evict_bytes = 0;
     int rc = STRATA_OK;
     for (int l = 0; l < g->n_layers; l++) {
-        int c = p->layer_class[l];
+        const int r = p->layer_region[l], c = seq->slot_class[l];
+        const kv_slabs *b = p->regions[r].books;
         size_t n_new = new_blocks(seq, l, n_tokens);
-        need[c] += n_new;
+        need[(size_t)r * C + (size_t)c] += n_new;
         /* A decode step pins a layer's whole table for attention; a prefill its new blocks. */
         size_t at_once = n_tokens > 1 && len == 0 ? n_new : seq->layers[l].n_blocks + n_new;
-        if (has_lower(p) && at_once > p->classes[c].n_slots) {
+        const size_t most = kv_slabs_count(b) * kv_slabs_per_slab(b, c);
+        if (has_lower(p) && at_once > most) {
             rc = strata_fail(err, STRATA_EFULL,
                              "the device KV pool holds %zu blocks of %zu bytes, but layer %d of sequence %" PRIu64
                              " needs %zu at once for this step (%zu tokens); raise the device KV budget",
-                             p->classes[c].n_slots, p->classes[c].slot_bytes, l, seq->id, at_once, len + n_tokens);
+                             most, kv_slabs_slot_bytes(b, c), l, seq->id, at_once, len + n_tokens);
             break;
         }
     }
-    for (int c = 0; c < p->n_classes && rc == STRATA_OK; c++) {
-        const slot_class *k = &p->classes[c];
-        if (need[c] <= k->n_free)
+    /* Per region: the slabs every block would need after the step, packed by compaction. */
+    for (int r = 0; r < p->n_regions && rc == STRATA_OK; r++) {
+        const kv_slabs *b = p->regions[r].books;
+        const size_t after = packed_slabs(b, need + (size_t)r * C), n_slabs = kv_slabs_count(b);
+        if (after <= n_slabs)
             continue;
         if (!has_lower(p)) {
+            const size_t now = packed_slabs(b, NULL), free_slabs = n_slabs > now ? n_slabs - now : 0;
             rc = strata_fail(err, STRATA_EFULL,
-                             "KV block pool exhausted: sequence %" PRIu64 " needs %zu new block(s) of %zu bytes for "
-                             "%zu more tokens, %zu of the pool's %zu slots of that size are free",
-                             seq->id, need[c], k->slot_bytes, n_tokens, k->n_free, k->n_slots);
+                             "KV block pool exhausted: sequence %" PRIu64 " needs %zu more slot(s) of %zu bytes for "
+                             "%zu more tokens, %zu of the pool's %zu are free",
+                             seq->id, after - now, kv_slabs_slab_bytes(b), n_tokens, free_slabs, n_slabs);
             break;
         }
-        evict_bytes += (need[c] - k->n_free) * k->slot_bytes;
+        evict_bytes += (after - n_slabs) * kv_slabs_slab_bytes(b);
     }
     free(need);
     if (rc == STRATA_OK && has_lower(p) && p->lower.room) {
@@ -936,21 +1083,22 @@ int kv_seq_acquire_layer(kv_seq *seq, int layer, kv_layer_view *view, strata_err
     if (seq->spilled)
         return strata_fail(err, STRATA_EINVAL, "sequence %" PRIu64 " is spilled; resume it first", seq->id);
     kv_layer *L = &seq->layers[layer];
-    const int cls = p->layer_class[layer];
-    if (L->n_blocks > p->classes[cls].n_slots)
+    slab_region *rg = region_of(p, layer);
+    const int cls = seq->slot_class[layer];
+    const size_t most = kv_slabs_count(rg->books) * kv_slabs_per_slab(rg->books, cls);
+    if (L->n_blocks > most)
         return strata_fail(err, STRATA_EFULL,
                            "the device KV pool holds %zu blocks of %zu bytes, but attention over layer %d of sequence "
                            "%" PRIu64 " needs its %zu blocks at once; raise the device KV budget",
-                           p->classes[cls].n_slots, p->classes[cls].slot_bytes, layer, seq->id, L->n_blocks);
+                           most, kv_slabs_slot_bytes(rg->books, cls), layer, seq->id, L->n_blocks);
     /* Pin the layer's resident blocks first, so that bringing one block back never evicts another
      * of it; each fetched block is pinned as it arrives. */
-    slot_class *k = &p->classes[cls];
     for (size_t b = 0; b < L->n_blocks; b++) {
         kv_block_ref *r = &L->refs[b];
         if (r->slot) {
             r->last_use = ++p->clock;
-            use_order_remove(k, r);
-            use_order_push(k, r);
+            use_order_remove(rg, r);
+            use_order_push(rg, r);
         }
     }
     kv_seq_prefetch_layer(seq, layer);
@@ -959,15 +1107,15 @@ int kv_seq_acquire_layer(kv_seq *seq, int layer, kv_layer_view *view, strata_err
         if (r->slot)
             continue;
         uint8_t *slot;
-        int rc = slot_take(p, cls, &slot, err);
+        int rc = slot_take(p, rg, cls, r, &slot, err);
         if (rc == STRATA_OK) {
-            rc = p->lower.get(p->lower.ctx, r->lower, slot, k->slot_bytes, p->clock, err);
+            rc = p->lower.get(p->lower.ctx, r->lower, slot, kv_slabs_slot_bytes(rg->books, cls), p->clock, err);
             if (rc != STRATA_OK)
-                pool_give(k, slot);
+                kv_slabs_give(rg->books, (size_t)(slot - rg->mem));
         }
         if (rc != STRATA_OK)
             return strata_error_prefix(err, "sequence %" PRIu64 " layer %d block %zu", seq->id, layer, b);
-        block_resident(p, k, seq, r, slot);
+        block_resident(p, rg, seq, r, slot);
         p->stats.fetches++;
         p->stats.fetch_bytes += r->bytes;
     }
@@ -1057,7 +1205,7 @@ int kv_seq_spill(kv_seq *seq, strata_error *err)
                 p->stats.writebacks++;
                 p->stats.writeback_bytes += r->bytes;
             }
-            block_leaves(class_of(p, l), r);
+            block_leaves(region_of(p, l), r);
             p->stats.evictions++;
         }
     }
@@ -1284,12 +1432,13 @@ static int import_block(void *ctx, int l, size_t b, const kv_block *blk, strata_
                            "sequence's plan stores there", l, b, kv_codec_id_name(blk->desc.codec),
                            (size_t)blk->block_bytes);
     uint8_t *slot = NULL;
-    int rc = slot_take(pool, pool->layer_class[l], &slot, err);
+    slab_region *rg = region_of(pool, l);
+    L->refs[b] = (kv_block_ref){.bytes = (uint32_t)blk->block_bytes};
+    int rc = slot_take(pool, rg, c->s->slot_class[l], &L->refs[b], &slot, err);
     if (rc != STRATA_OK)
         return rc;
     memcpy(slot, blk->bytes, blk->block_bytes);
-    L->refs[b] = (kv_block_ref){.bytes = (uint32_t)blk->block_bytes};
-    block_resident(pool, class_of(pool, l), c->s, &L->refs[b], slot);
+    block_resident(pool, rg, c->s, &L->refs[b], slot);
     L->blocks[b] = slot;
     L->n_blocks = b + 1;
     kv_seq_unpin(c->s);   /* imported blocks may make room for the next ones */

@@ -343,7 +343,7 @@ static void test_pool_exhaustion(void **state)
     assert_non_null(strstr(err.msg, "sequence 4242"));
     assert_non_null(strstr(err.msg, "layer 1"));
     assert_non_null(strstr(err.msg, "needs 3"));
-    assert_non_null(strstr(err.msg, "2 of the pool's 5 slots"));
+    assert_non_null(strstr(err.msg, "2 of its 5 slots"));
     assert_unchanged(s2, 1, &before);
     assert_int_equal(kv_pool_free(pool), 2);
     /* a fitting append still works afterwards and continues the same stream */

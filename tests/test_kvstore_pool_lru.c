@@ -16,6 +16,7 @@
 
 #include <cmocka.h>
 
+#include "kvstore/block.h"
 #include "kvstore/kv_cache.h"
 #include "test_rng.h"
 
@@ -326,10 +327,135 @@ static void test_eviction_against_model(void **state)
     free(rows);
 }
 
+/* One layer of a sequence against its reference (a pool of its own plan, no tier): acquired
+ * (fetched back as needed), every block's stored bytes and the tail equal. */
+static void assert_layer_same(kv_seq *s, const kv_seq *ref, int l)
+{
+    strata_error err = {0};
+    kv_layer_view v, w;
+    if (kv_seq_acquire_layer(s, l, &v, &err) != STRATA_OK)
+        fail_msg("acquire layer %d: %s", l, err.msg);
+    kv_seq_layer_view(ref, l, &w);
+    assert_int_equal(v.n_blocks, w.n_blocks);
+    assert_int_equal(v.tail_tokens, w.tail_tokens);
+    for (size_t b = 0; b < v.n_blocks; b++) {
+        kv_block bv, bw;
+        assert_int_equal(kv_block_parse(v.blocks[b], v.block_bytes, &bv, &err), STRATA_OK);
+        assert_int_equal(kv_block_parse(w.blocks[b], w.block_bytes, &bw, &err), STRATA_OK);
+        assert_int_equal(bv.block_bytes, bw.block_bytes);
+        assert_memory_equal(v.blocks[b], w.blocks[b], bw.block_bytes);
+    }
+    const size_t row = (size_t)v.n_kv_heads * (size_t)v.head_dim * 2;
+    if (v.tail_tokens) {
+        assert_memory_equal(v.tail_k, w.tail_k, v.tail_tokens * row);
+        assert_memory_equal(v.tail_v, w.tail_v, v.tail_tokens * row);
+    }
+    kv_seq_unpin(s);
+}
+
+/* Two block sizes (fp16 and kivi2 sequences) in one shared pool over a lower tier: same-size
+ * eviction and whole-slab eviction for the other size (and compaction when it applies) under
+ * random appends, acquires, spills, resumes and frees; every sequence always reads back what a
+ * pool of its own plan holds. (test_kvstore_seq_plan forces compaction.) */
+static void test_mixed_sizes_over_tier(void **state)
+{
+    (void)state;
+    enum { SEQS = 6, SLABS = 10, MAX_TOKENS = 40 * BT, OPS = 1500 };
+    const kv_geometry g = {LAYERS, 2, 64, BT};
+    kv_codec_params p16[LAYERS], p2[LAYERS];
+    strata_error err = {0};
+    for (int l = 0; l < LAYERS; l++) {
+        assert_int_equal(kv_codec_parse("fp16", &p16[l], &err), STRATA_OK);
+        assert_int_equal(kv_codec_parse("kivi2-r32", &p2[l], &err), STRATA_OK);
+    }
+    const kv_codec_params *both[] = {p16, p2};
+    kv_pool *pool = kv_pool_create_plans(&g, both, 2, SLABS, true, &err);
+    kv_pool *ref16 = kv_pool_create_plan(&g, p16, SEQS * MAX_TOKENS / BT, &err);
+    kv_pool *ref2 = kv_pool_create_plan(&g, p2, SEQS * MAX_TOKENS / BT, &err);
+    assert_non_null(pool);
+    assert_non_null(ref16);
+    assert_non_null(ref2);
+    static heap_store store;
+    memset(&store, 0, sizeof store);
+    const kv_lower_tier lower = {.ctx = &store, .put = store_put, .get = store_get, .release = store_release};
+    assert_int_equal(kv_pool_set_lower_tier(pool, &lower, &err), STRATA_OK);
+    const size_t row = 2 * 64;
+    float *rows = malloc(2 * BT * row * sizeof(float));
+    assert_non_null(rows);
+    uint64_t seed = 77;
+    kv_seq *seqs[SEQS] = {0}, *refs[SEQS] = {0};
+    size_t counts[5] = {0};
+    for (int op = 0; op < OPS; op++) {
+        const int i = (int)(rng_next(&seed) % SEQS);
+        const unsigned what = (unsigned)(rng_next(&seed) % 16);
+        if (!seqs[i]) {
+            const bool fp16 = rng_next(&seed) % 2;
+            seqs[i] = kv_seq_create_plan(pool, fp16 ? p16 : p2, MAX_TOKENS, &err);
+            refs[i] = kv_seq_create(fp16 ? ref16 : ref2, MAX_TOKENS, &err);
+            assert_non_null(seqs[i]);
+            assert_non_null(refs[i]);
+            continue;
+        }
+        if (what < 9 && !kv_seq_is_spilled(seqs[i])) {   /* a step: n tokens through every layer */
+            const size_t n = what < 4 ? 1 + (size_t)(rng_next(&seed) % BT) : 1;
+            if (kv_seq_length(seqs[i], 0) + n > MAX_TOKENS || kv_seq_check_room(seqs[i], n, &err) != STRATA_OK)
+                continue;
+            for (size_t t = 0; t < 2 * BT * row; t++)   /* K rows, then V rows */
+                rows[t] = (float)((double)(rng_next(&seed) >> 11) * 0x1p-52 - 0.5);
+            for (int l = 0; l < LAYERS; l++) {
+                if (kv_seq_append(seqs[i], l, rows, rows + BT * row, n, &err) != STRATA_OK)
+                    fail_msg("append: %s", err.msg);
+                assert_int_equal(kv_seq_append(refs[i], l, rows, rows + BT * row, n, &err), STRATA_OK);
+                kv_layer_view v;
+                if (n == 1 && kv_seq_acquire_layer(seqs[i], l, &v, &err) != STRATA_OK)
+                    fail_msg("acquire: %s", err.msg);
+                kv_seq_unpin(seqs[i]);
+            }
+            counts[0]++;
+        } else if (what < 11 && !kv_seq_is_spilled(seqs[i])) {
+            for (int l = 0; l < LAYERS; l++)
+                assert_layer_same(seqs[i], refs[i], l);
+            counts[1]++;
+        } else if (what == 11) {
+            if (kv_seq_is_spilled(seqs[i])) {
+                assert_int_equal(kv_seq_resume(seqs[i], &err), STRATA_OK);
+                counts[2]++;
+            } else {
+                assert_int_equal(kv_seq_spill(seqs[i], &err), STRATA_OK);
+                counts[3]++;
+            }
+        } else if (what == 12) {
+            kv_seq_destroy(seqs[i]);
+            kv_seq_destroy(refs[i]);
+            seqs[i] = refs[i] = NULL;
+            counts[4]++;
+        }
+    }
+    for (size_t k = 0; k < sizeof counts / sizeof *counts; k++)
+        assert_true(counts[k] > 0);
+    kv_pool_stats st;
+    kv_pool_get_stats(pool, &st);
+    assert_true(st.evictions > 100);
+    assert_true(st.fetches > 100);
+    for (int i = 0; i < SEQS; i++) {
+        kv_seq_destroy(seqs[i]);
+        kv_seq_destroy(refs[i]);
+    }
+    kv_pool_get_stats(pool, &st);
+    assert_int_equal(st.free_slots, st.slots);
+    for (size_t h = 0; h < STORE_CAP; h++)
+        assert_null(store.bytes[h]);
+    kv_pool_destroy(pool);
+    kv_pool_destroy(ref16);
+    kv_pool_destroy(ref2);
+    free(rows);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_eviction_against_model),
+        cmocka_unit_test(test_mixed_sizes_over_tier),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -49,7 +49,9 @@ static float *rows(size_t n, uint64_t seed)
     return x;
 }
 
-/* The same n rows, as a prompt call or token by token, to every layer of each sequence. */
+/* The same n rows, as a prompt call or token by token, to every layer of each sequence; each
+ * sequence is unpinned after its appends, as the forward pass does after a layer (pinned blocks
+ * are never moved by compaction). */
 static void feed(kv_seq *const *seqs, int n_seqs, size_t n, bool prompt, uint64_t seed)
 {
     float *k = rows(n, seed), *v = rows(n, seed + 1);
@@ -64,6 +66,7 @@ static void feed(kv_seq *const *seqs, int n_seqs, size_t n, bool prompt, uint64_
                     if (kv_seq_append(seqs[s], l, k + t * ROW, v + t * ROW, 1, &err) != STRATA_OK)
                         fail_msg("sequence %d layer %d token %zu: %s", s, l, t, err.msg);
             }
+            kv_seq_unpin(seqs[s]);
         }
     free(k);
     free(v);
@@ -243,6 +246,108 @@ static void test_plan_travels(void **state)
     kv_pool_destroy(only_default);
 }
 
+/* Slabs: in a pool sized for fp16 blocks, a kivi2 sequence stores as many kivi2 blocks as fit a
+ * slab, not one per fp16 slot; once they are gone the same memory holds fp16 blocks. */
+static void test_slabs_hold_smaller_blocks(void **state)
+{
+    (void)state;
+    enum { SLABS = 4 };   /* per layer */
+    kv_codec_params p16[LAYERS], p2[LAYERS];
+    strata_error err = {0};
+    assert_int_equal(kv_plan_parse("fp16", LAYERS, p16, &err), STRATA_OK);
+    assert_int_equal(kv_plan_parse("kivi2", LAYERS, p2, &err), STRATA_OK);
+    const kv_codec_params *both[] = {p16, p2};
+    kv_pool *pool = kv_pool_create_plans(&geom, both, 2, SLABS, false, &err);
+    assert_non_null(pool);
+    const size_t per = kv_block_size(&p16[0], &geom) / kv_block_size(&p2[0], &geom);
+    assert_true(per >= 4);
+    kv_seq *s = kv_seq_create_plan(pool, p2, 8192, &err);
+    assert_non_null(s);
+    const size_t blocks = SLABS * per, tokens = (size_t)p2[0].residual + BT * blocks;
+    assert_int_equal(kv_seq_check_room(s, tokens, &err), STRATA_OK);
+    feed(&s, 1, tokens, true, 5);
+    kv_seq_stats st;
+    kv_seq_get_stats(s, &st);
+    assert_int_equal(st.blocks, blocks * LAYERS);   /* SLABS per layer if a block took a slot */
+    assert_int_equal(kv_pool_free(pool), 0);
+    assert_int_equal(kv_seq_check_room(s, BT, &err), STRATA_EFULL);
+    kv_seq *f = kv_seq_create_plan(pool, p16, 8192, &err);
+    assert_non_null(f);
+    assert_int_equal(kv_seq_check_room(f, BT, &err), STRATA_EFULL);
+    kv_seq_destroy(s);
+    assert_int_equal(kv_pool_free(pool), kv_pool_capacity(pool));
+    assert_int_equal(kv_seq_check_room(f, BT * SLABS, &err), STRATA_OK);
+    feed(&f, 1, BT * SLABS, true, 6);
+    assert_int_equal(kv_pool_free(pool), 0);
+    kv_seq_destroy(f);
+    kv_pool_destroy(pool);
+}
+
+/* Compaction: kivi2 blocks left scattered over every slab by finished sequences are moved
+ * together so that fp16 blocks get whole slabs; the moved sequences keep their bytes. */
+static void test_slabs_compact(void **state)
+{
+    (void)state;
+    enum { SLABS = 4, MAX_SEQS = 64 };
+    kv_codec_params p16[LAYERS], p2[LAYERS];
+    strata_error err = {0};
+    assert_int_equal(kv_plan_parse("fp16", LAYERS, p16, &err), STRATA_OK);
+    assert_int_equal(kv_plan_parse("kivi2", LAYERS, p2, &err), STRATA_OK);
+    const kv_codec_params *both[] = {p16, p2};
+    kv_pool *pool = kv_pool_create_plans(&geom, both, 2, SLABS, false, &err);
+    kv_pool *ref_pool = kv_pool_create_plan(&geom, p2, MAX_SEQS, &err);
+    assert_non_null(pool);
+    assert_non_null(ref_pool);
+    const size_t per = kv_block_size(&p16[0], &geom) / kv_block_size(&p2[0], &geom);
+    const size_t n_seqs = SLABS * per, tokens = (size_t)p2[0].residual + BT;   /* one block per layer each */
+    assert_true(n_seqs <= MAX_SEQS);
+    kv_seq *seqs[MAX_SEQS], *refs[MAX_SEQS];
+    for (size_t i = 0; i < n_seqs; i++) {
+        seqs[i] = kv_seq_create_plan(pool, p2, 1024, &err);
+        refs[i] = kv_seq_create(ref_pool, 1024, &err);
+        assert_non_null(seqs[i]);
+        assert_non_null(refs[i]);
+        feed(&seqs[i], 1, tokens, true, 100 + i);
+        feed(&refs[i], 1, tokens, true, 100 + i);
+    }
+    assert_int_equal(kv_pool_free(pool), 0);   /* every slab full of kivi2 blocks */
+    for (size_t i = 0; i < n_seqs; i++)
+        if (i % 4 != 0) {
+            kv_seq_destroy(seqs[i]);
+            seqs[i] = NULL;
+        }
+    /* The survivors' blocks sit in (nearly) every slab: without compaction no fp16 block fits. */
+    const size_t survivors = (n_seqs + 3) / 4, kivi_slabs = (survivors * LAYERS + per - 1) / per;
+    const size_t fp16_blocks = (SLABS * LAYERS - kivi_slabs) / LAYERS;
+    assert_true(fp16_blocks >= 2);
+    assert_true(kv_pool_free(pool) < fp16_blocks * LAYERS);
+    kv_seq *f = kv_seq_create_plan(pool, p16, 1024, &err);
+    assert_non_null(f);
+    if (kv_seq_check_room(f, BT * fp16_blocks, &err) != STRATA_OK)
+        fail_msg("%s", err.msg);
+    feed(&f, 1, BT * fp16_blocks, true, 7);
+    kv_pool_stats ps;
+    kv_pool_get_stats(pool, &ps);
+    assert_true(ps.compactions > 0);
+    assert_true(ps.compaction_bytes > 0);
+    for (size_t i = 0; i < n_seqs; i += 4)
+        assert_seqs_same(seqs[i], refs[i]);   /* moved, unchanged */
+    /* and they go on growing exactly as their references do */
+    for (size_t i = 0; i < n_seqs; i += 4) {
+        feed(&seqs[i], 1, 3, false, 200 + i);
+        feed(&refs[i], 1, 3, false, 200 + i);
+        assert_seqs_same(seqs[i], refs[i]);
+    }
+    for (size_t i = 0; i < n_seqs; i++) {
+        kv_seq_destroy(seqs[i]);
+        kv_seq_destroy(refs[i]);
+    }
+    kv_seq_destroy(f);
+    assert_int_equal(kv_pool_free(pool), kv_pool_capacity(pool));
+    kv_pool_destroy(pool);
+    kv_pool_destroy(ref_pool);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -250,6 +355,8 @@ int main(void)
         cmocka_unit_test(test_side_by_side),
         cmocka_unit_test(test_plan_must_fit),
         cmocka_unit_test(test_plan_travels),
+        cmocka_unit_test(test_slabs_hold_smaller_blocks),
+        cmocka_unit_test(test_slabs_compact),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
