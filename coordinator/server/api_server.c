@@ -481,10 +481,13 @@ static bool stream_ref_if_live(api_stream *st)
     return false;
 }
 
-/* Ends a stream from the server side (the drain ran out) and tells the backend. Queued messages
- * are dropped; after the message in flight, if any, a stream that has produced output gets an
- * Error message and status OK (the Generate contract: a failure after output is a message),
- * one that has not gets the status itself. Either goes out as a normal batch, which reaches the
+/* Ends a stream from the server side (the drain ran out) and tells the backend. A stream whose
+ * backend has already ended it (its status is set, its last message queued) is left to flush:
+ * dropping its queue would send that status, OK, after a truncated stream with no final message;
+ * a client too slow to take the rest meets the forced cancel after the grace period instead.
+ * Otherwise queued messages are dropped; after the message in flight, if any, a stream that has
+ * produced output gets an Error message and status OK (the Generate contract: a failure after
+ * output is a message), one that has not gets the status itself. Either goes out as a normal batch, which reaches the
  * client reliably, also on a connection that is draining after GOAWAY, where cancelling the
  * call can close the connection before the status is written (gRPC 1.51). */
 static void stream_server_end(api_stream *st, grpc_status_code code, const char *message)
@@ -495,8 +498,8 @@ static void stream_server_end(api_stream *st, grpc_status_code code, const char 
 
     bool call_cancel = false;
     pthread_mutex_lock(&st->mu);
-    proto_sendq_drop(&st->q);
     if (!st->q.dead && !st->q.status_pending) {
+        proto_sendq_drop(&st->q);
         if (st->chunk_queued && m) {
             proto_sendq_push(&st->q, m);
             m = NULL;

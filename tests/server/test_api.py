@@ -553,6 +553,36 @@ def test_shutdown_stuck_client():
     c.close()
 
 
+def test_shutdown_completed_unread():
+    """SIGTERM after the backend has finished a long stream the client is still reading slowly:
+    the client gets every chunk and the Complete message, or a non-OK status; never status OK
+    after a truncated stream without its final message."""
+    s = Server("completed_unread", "--drain-ms", "200", "--max-queue", "1000000", "--tick-ms", "1")
+    c = Client("127.0.0.1:%d" % s.port)
+    n = 20000
+    stream = c.generate(req("flood", max_tokens=n), timeout=60)
+    next(iter(stream))
+    time.sleep(2.0)  # the backend has produced every token and ended the stream by now
+    s.proc.send_signal(signal.SIGTERM)
+    chunks, final = 1, []
+    try:
+        for m in stream:
+            if m.WhichOneof("kind") == "chunk":
+                chunks += 1
+                time.sleep(0.0005)
+            else:
+                final.append(m)
+        check(chunks == n and len(final) == 1 and final[0].WhichOneof("kind") == "complete",
+              "status OK after %d of %d chunks, final messages %s" % (chunks, n, final))
+        print("     the client read the whole stream (%d chunks) and its Complete" % chunks)
+    except grpc.RpcError as e:
+        check(e.code() != grpc.StatusCode.OK, "a non-OK status")
+        print("     the client got %s after %d of %d chunks" % (e.code(), chunks, n))
+    rc, took = s.stop()
+    check(rc == 0, "server exit %s after %.1fs; log:\n%s" % (rc, took, s.log_text()))
+    c.close()
+
+
 # ------------------------------------------------------------------------------------------
 
 def main():
@@ -597,6 +627,7 @@ def main():
     run("shutdown_drain_completes", test_shutdown_drain_completes)
     run("shutdown_cancels", test_shutdown_cancels)
     run("shutdown_stuck_client", test_shutdown_stuck_client)
+    run("shutdown_completed_unread", test_shutdown_completed_unread)
     if failed:
         print("FAILED: " + ", ".join(failed))
         sys.exit(1)
