@@ -320,10 +320,12 @@ static void simulate(size_t stream, size_t max_prompt, size_t depth)
             uint64_t id = 1 + rng_next(&seed) % (next_id - 1);
             int from = sched_get_replica(s, id);
             sched_state st = sched_get_state(s, id);
+            const bool prefilling = sched_is_prefilling(s, id);
             if (!done[id] && from >= 0) {
                 int rc = sched_move(s, id, 1 - from, &err);
                 assert_true(rc == STRATA_OK || rc == STRATA_EFULL ||
-                            (rc == STRATA_EINVAL && (st == SCHED_PREEMPTED || in_step[id])));
+                            (rc == STRATA_EINVAL && (st == SCHED_PREEMPTED || in_step[id] || prefilling)));
+                assert_true(rc != STRATA_EINVAL || !prefilling || in_step[id] || strstr(err.msg, "still being prefilled"));
                 assert_true(rc != STRATA_OK || !in_step[id]);
                 moved_running += rc == STRATA_OK && st == SCHED_RUNNING;
             }
@@ -641,6 +643,59 @@ static void test_chunked_prefill(void **state)
 
 /* A replica whose workers are gone takes no requests; its outstanding step and frees are dropped
  * and it can come back. */
+/* Two prompts prefilled in chunks side by side, two steps out at a time, on a device that holds
+ * only one of them whole (plus room to stream one alone): the second must not start beside the
+ * first (a prefilling sequence cannot be preempted; two half-prefilled prompts that fill the
+ * device between them could neither go on nor be spilled, and the replica would plan nothing
+ * for ever). Both finish. */
+static void test_prefills_never_wedge(void **state)
+{
+    (void)state;
+    sched_replica_config cap = {.device_blocks = 40, .stream_blocks = 100, .total_blocks = 1000};
+    sched_config c = {.block_tokens = 1, .max_batch_tokens = 8, .max_seqs = 4, .max_steps_in_flight = 2,
+                      .n_replicas = 1, .replicas = &cap};
+    strata_error err = {0};
+    scheduler *s = sched_create(&c, &err);
+    assert_non_null(s);
+    int r;
+    assert_int_equal(sched_submit(s, 1, 60, 4, &r, &err), STRATA_OK);
+    assert_int_equal(sched_submit(s, 2, 60, 4, &r, &err), STRATA_OK);
+    uint64_t out[2];
+    sched_outcome res[2][4];
+    size_t n_res[2] = {0, 0}, n_out = 0, produced[3] = {0, 0, 0};
+    bool finished[3] = {false, false, false};
+    for (int round = 0; round < 400 && !(finished[1] && finished[2]); round++) {
+        while (n_out < 2) {   /* keep two steps out when there is work */
+            sched_plan p;
+            assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+            if (p.step == 0)
+                break;
+            size_t k = 0;
+            for (size_t i = 0; i < p.n_work; i++) {
+                const uint64_t id = p.work[i].id;
+                bool ends = false;
+                if (p.work[i].sample)
+                    ends = ++produced[id] == 4;
+                res[n_out][k++] = (sched_outcome){id, ends};
+            }
+            n_res[n_out] = k;
+            out[n_out++] = p.step;
+        }
+        if (n_out == 0)
+            fail_msg("round %d: nothing planned and no step out; finished %d %d", round, finished[1], finished[2]);
+        assert_int_equal(sched_step_done(s, 0, out[0], res[0], n_res[0], &err), STRATA_OK);   /* oldest first */
+        for (size_t i = 0; i < n_res[0]; i++)
+            if (res[0][i].finished)
+                finished[res[0][i].id] = true;
+        out[0] = out[1];
+        memcpy(res[0], res[1], sizeof res[0]);
+        n_res[0] = n_res[1];
+        n_out--;
+    }
+    assert_true(finished[1] && finished[2]);
+    sched_destroy(s);
+}
+
 static void test_availability(void **state)
 {
     (void)state;
@@ -690,6 +745,7 @@ int main(void)
         cmocka_unit_test(test_steps_in_flight_per_replica),
         cmocka_unit_test(test_streaming_alone),
         cmocka_unit_test(test_streaming_preempted_resumes_alone),
+        cmocka_unit_test(test_prefills_never_wedge),
         cmocka_unit_test(test_availability),
         cmocka_unit_test(test_chunked_prefill),
     };

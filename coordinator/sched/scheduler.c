@@ -63,7 +63,11 @@ static size_t one_sequence_blocks(const sched_replica_config *c)
  * token, or, while a step is out with it, with that step's tokens and the next one. */
 static size_t held_blocks(const scheduler *s, const request *q)
 {
-    return blocks_for(s, q->len + (q->in_step ? q->step_tokens : 0) + 1);
+    /* A prompt being prefilled counts all of it from its first chunk on: it is never preempted,
+     * so the device keeps room for the rest (two half-prefilled prompts must never fill the
+     * device between them, where neither could go on nor be spilled). */
+    size_t tokens = q->len + (q->in_step ? q->step_tokens : 0);
+    return blocks_for(s, (tokens > q->prompt ? tokens : q->prompt) + 1);
 }
 
 /* What a step may hold on the device: a sequence alone on its replica (nothing else running
@@ -383,7 +387,6 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
             chunk--;
         if (chunk == 0)
             continue;   /* it waits a step; its blocks stay counted */
-        working = others + blocks_for(s, q->len + chunk + (q->len + chunk == q->prompt));
         p->work[n_work++] = (sched_work){.id = q->id, .pos0 = q->len, .n_tokens = chunk,
                                          .sample = q->len + chunk == q->prompt};
         tokens += chunk;
@@ -420,7 +423,7 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
         size_t chunk = q->prompt < left ? q->prompt : left;
         size_t least = s->cfg.max_batch_tokens / 2 ? s->cfg.max_batch_tokens / 2 : 1;
         least = q->prompt < least ? q->prompt : least;
-        size_t need = blocks_for(s, chunk + (chunk == q->prompt));
+        size_t need = blocks_for(s, q->prompt + 1);   /* the whole prompt (held_blocks) */
         if (chunk < least || live + 1 > s->cfg.max_seqs || working + need > device_room(p, working == 0))
             break;
         q->state = SCHED_RUNNING;
@@ -518,6 +521,12 @@ void sched_get_stats(const scheduler *s, int r, sched_stats *out)
     out->finished = s->finished;
 }
 
+bool sched_is_prefilling(const scheduler *s, uint64_t id)
+{
+    const request *q = s ? find(s, id) : NULL;
+    return q && q->state == SCHED_RUNNING && q->len < q->prompt;
+}
+
 sched_state sched_get_state(const scheduler *s, uint64_t id)
 {
     const request *q = s ? find(s, id) : NULL;
@@ -583,9 +592,11 @@ int sched_move(scheduler *s, uint64_t id, int to, strata_error *err)
     request *q = s ? find(s, id) : NULL;
     if (!q || to < 0 || to >= s->cfg.n_replicas)
         return strata_fail(err, STRATA_EINVAL, "scheduler: no request %" PRIu64 " or no replica %d", id, to);
-    if (q->replica < 0 || q->in_step || (q->state != SCHED_WAITING && q->state != SCHED_RUNNING))
+    if (q->replica < 0 || q->in_step || (q->state != SCHED_WAITING && q->state != SCHED_RUNNING) ||
+        (q->state == SCHED_RUNNING && q->len < q->prompt))
         return strata_fail(err, STRATA_EINVAL, "scheduler: request %" PRIu64 " cannot move now (%s)", id,
-                           q->in_step ? "in a step" : q->replica < 0 ? "not routed" : "preempted or finished");
+                           q->in_step ? "in a step" : q->replica < 0 ? "not routed"
+                           : q->state == SCHED_RUNNING ? "its prompt is still being prefilled" : "preempted or finished");
     if (q->replica == to)
         return STRATA_OK;
     replica *dst = &s->reps[to];

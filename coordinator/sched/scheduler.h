@@ -163,7 +163,8 @@ size_t sched_steps_in_flight(const scheduler *s, int r);
 
 /* Moves a request to replica `to` (migration): a request whose prompt has not run yet (WAITING)
  * or a RUNNING one that is not in an outstanding step; its reservation moves with it. STRATA_EFULL
- * when `to` lacks room, STRATA_EINVAL for another state or an unknown id. The caller moves the
+ * when `to` lacks room, STRATA_EINVAL for another state (a RUNNING request still prefilling its
+ * prompt included: it could not be preempted there) or an unknown id. The caller moves the
  * KV blocks of a RUNNING request first. A RUNNING request may take `to` past max_seqs: its next
  * step preempts the most recently admitted decoders until the count fits. */
 int sched_move(scheduler *s, uint64_t id, int to, strata_error *err);
@@ -175,5 +176,7 @@ int sched_free_on(scheduler *s, int r, uint64_t id);
 /* The replica a request is routed to, or -1 (unknown id, or still waiting for a replica). */
 int sched_get_replica(const scheduler *s, uint64_t id);
 sched_state sched_get_state(const scheduler *s, uint64_t id);   /* 0 when unknown */
+/* Whether a RUNNING request's prompt is still being prefilled (it cannot move: sched_move). */
+bool sched_is_prefilling(const scheduler *s, uint64_t id);
 
 #endif

@@ -36,6 +36,7 @@ typedef struct creq {
     text_stream ts;
     double t_accept, t_last;
     int plan;                    /* index in coord.plans: 0 the server's, else the request's kv_codec */
+    bool stay;                   /* a migration of it failed without moving it: the drain waits for it */
 } creq;
 
 /* A (replica, stage) place for a worker. */
@@ -508,11 +509,21 @@ static void lose_replica(coord *c, uint32_t r, const char *why)
             fail_req(c, q, STRATA_EIO, why);
         if (r == c->mig.from)
             (void)sched_free_on(c->sched, (int)c->mig.to, c->mig.seq);
+        sched_set_accepting(c->sched, (int)c->mig.to, true);
         c->mig.active = false;
     }
+    /* A replica lost while being drained: the drain ends here, before workers that join next
+     * rebuild it (drain_progress must not take the fresh replica for a drained one). */
+    if (c->drain.active && !c->drain.done && c->drain.replica == r) {
+        c->drain.done = true;
+        (void)sched_set_steps_in_flight(c->sched, (int)r, 0);
+        snprintf(c->drain.message, sizeof c->drain.message, "replica %u was lost during the drain", r);
+    }
+    sched_set_accepting(c->sched, (int)r, true);   /* whatever a drain or migration had set */
     sched_set_available(c->sched, (int)r, false);
     rp->serving = false;
     rp->n_flights = 0;
+    pthread_cond_broadcast(&c->wake);   /* the other replica of a migration may run again */
     /* With no replica left, queued requests would wait for workers that may never come. */
     bool any = false;
     for (uint32_t k = 0; k < c->cfg.replicas; k++)
@@ -792,6 +803,9 @@ static void migration_start(coord *c, uint64_t seq, uint32_t from, uint32_t to)
     mg->why[0] = '\0';
     memset(mg->send_ok, 0, c->cfg.stages * sizeof *mg->send_ok);
     memset(mg->recv_ok, 0, c->cfg.stages * sizeof *mg->recv_ok);
+    /* Nothing new is routed to `to` while the blocks travel: its room, checked by move_target,
+     * must still be there at the commit (it runs no step meanwhile anyway). */
+    sched_set_accepting(c->sched, (int)to, false);
     migration_kick(c);
 }
 
@@ -806,6 +820,7 @@ static void migration_finish(coord *c)
     }
     creq *q = find_by_id(c, mg->seq);
     strata_error err = {0};
+    sched_set_accepting(c->sched, (int)mg->to, true);
     if (all && q && sched_move(c->sched, mg->seq, (int)mg->to, &err) == STRATA_OK) {
         c->drain.moved += c->drain.active;
         logf_(c, "request %s moved from replica %u to %u", api_stream_request_id(q->stream), mg->from, mg->to);
@@ -824,6 +839,7 @@ static void migration_finish(coord *c)
             snprintf(msg, sizeof msg, "migration failed half way: %s", mg->why);
             fail_req(c, q, STRATA_EIO, msg);
         } else if (q) {
+            q->stay = true;
             logf_(c, "request %s stays on replica %u: migration failed: %s", api_stream_request_id(q->stream),
                   mg->from, mg->why);
         }
@@ -884,9 +900,10 @@ static void drain_progress(coord *c)
     if (!d->active || d->done || c->mig.active)
         return;
     creplica *rp = &c->reps[d->replica];
-    if (!rp->serving) {   /* lost meanwhile: its requests already ended */
+    if (!rp->serving) {   /* lost meanwhile (lose_replica ends the drain; kept for safety) */
         d->done = true;
         (void)sched_set_steps_in_flight(c->sched, (int)d->replica, 0);
+        sched_set_accepting(c->sched, (int)d->replica, true);
         snprintf(d->message, sizeof d->message, "replica %u was lost during the drain", d->replica);
         return;
     }
@@ -897,6 +914,12 @@ static void drain_progress(coord *c)
             continue;
         left++;
         sched_state st = sched_get_state(c->sched, q->id);
+        /* A prompt still prefilling moves once it decodes; one whose migration failed (a cause
+         * that would fail again: an image over the data plane's limit, links that do not
+         * connect) finishes here, the drain waiting for it, instead of being retried at once
+         * with both replicas paused. */
+        if (q->stay || sched_is_prefilling(c->sched, q->id))
+            continue;
         int to = move_target(c, d->replica, blocks_of(c, q));
         if (to < 0 || rp->n_flights)
             continue;
