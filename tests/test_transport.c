@@ -349,6 +349,59 @@ static void test_authentication(void **state)
     dp_listener_close(l);
 }
 
+typedef struct connect_job {
+    const char *addr;
+    dp_link *link;
+    int rc;
+    strata_error err;
+} connect_job;
+
+static void *connect_main(void *p)
+{
+    connect_job *j = p;
+    j->rc = dp_tcp_connect(j->addr, &auth_a, NULL, TIMEOUT, &j->link, &j->err);
+    return NULL;
+}
+
+/* A connection that sends nothing, accepted before the real peer, holds the acceptor only for the
+ * handshake's own deadline, not the caller's whole window: an accept loop (as a worker's) then
+ * links the real peer, which waited in the backlog. */
+static void test_silent_connection_first(void **state)
+{
+    (void)state;
+    dp_listener *l;
+    char addr[64];
+    listen_local(&l, addr, sizeof addr);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(dp_listener_port(l)),
+                             .sin_addr.s_addr = htonl(0x7f000001)};
+    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    connect_job j = {.addr = addr};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, connect_main, &j), 0);
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    dp_link *link = NULL;
+    strata_error err = {0};
+    int tries = 0, rc;
+    do {   /* the window is TIMEOUT, longer than the handshake's deadline */
+        rc = dp_tcp_accept(l, &auth_a, NULL, TIMEOUT, &link, &err);
+        tries++;
+    } while (rc != STRATA_OK && tries < 3);
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    assert_int_equal(pthread_join(t, NULL), 0);
+    if (rc != STRATA_OK || j.rc != STRATA_OK)
+        fail_msg("accept: %s; connect: %s", err.msg, j.err.msg);
+    assert_int_equal(tries, 2);   /* the silent one timed out first */
+    const long ms = (b.tv_sec - a.tv_sec) * 1000 + (b.tv_nsec - a.tv_nsec) / 1000000;
+    assert_true(ms < DP_HANDSHAKE_TIMEOUT_MS + 2000);
+    dp_link_close(link);
+    dp_link_close(j.link);
+    close(fd);
+    dp_listener_close(l);
+}
+
 static void test_peer_closes_mid_payload(void **state)
 {
     (void)state;
@@ -1089,6 +1142,7 @@ int main(void)
         cmocka_unit_test(test_round_trip_kinds_and_sizes),
         cmocka_unit_test(test_two_step_and_small_buffers),
         cmocka_unit_test(test_authentication),
+        cmocka_unit_test(test_silent_connection_first),
         cmocka_unit_test(test_peer_closes_mid_payload),
         cmocka_unit_test(test_corrupted_frames),
         cmocka_unit_test(test_max_payload),

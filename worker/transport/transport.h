@@ -114,6 +114,7 @@ typedef struct dp_options {
 } dp_options;
 #define DP_DEFAULT_MAX_PAYLOAD (256ull << 20)
 #define DP_DEFAULT_IO_TIMEOUT_MS 30000
+#define DP_HANDSHAKE_TIMEOUT_MS 3000
 
 /* ---- TCP ---- */
 
@@ -127,7 +128,8 @@ int dp_listener_fd(const dp_listener *l);
 void dp_listener_close(dp_listener *l);
 
 /* Accepts one connection and runs the handshake (hello, then mutual HMAC proof) within
- * timeout_ms for both. A peer with the wrong secret: STRATA_EINVAL "data plane: peer ... failed
+ * timeout_ms for both, the handshake itself within DP_HANDSHAKE_TIMEOUT_MS of the accept (a
+ * connection that stays silent is dropped then, and the caller accepts again). A peer with the wrong secret: STRATA_EINVAL "data plane: peer ... failed
  * authentication", the connection is closed and the listener stays usable (call again). No
  * connection within the timeout: STRATA_EIO "... timed out". */
 int dp_tcp_accept(dp_listener *l, const dp_auth *auth, const dp_options *opts, int timeout_ms,

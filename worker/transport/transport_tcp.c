@@ -567,7 +567,11 @@ int dp_tcp_accept(dp_listener *l, const dp_auth *auth, const dp_options *opts, i
         if (w < 0)
             return strata_fail(err, STRATA_EIO, "data plane: poll on %s failed: %s", l->addr, strerror(errno));
     }
-    return make_link(fd, ROLE_ACCEPTOR, auth, opts, deadline, out, err);
+    /* The handshake has its own short deadline: a connection that sends nothing (a port probe, a
+     * stranger without the secret) must not hold the listener for the caller's whole window,
+     * during which the real peer waits in the backlog. */
+    const int64_t handshake = dp_deadline(DP_HANDSHAKE_TIMEOUT_MS);
+    return make_link(fd, ROLE_ACCEPTOR, auth, opts, handshake < deadline ? handshake : deadline, out, err);
 }
 
 /* Non-blocking connect to one address within deadline. Returns the socket or -1 with *e set. */
