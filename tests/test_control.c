@@ -546,6 +546,16 @@ static void test_join_refusals(void **state)
                    "control protocol version mismatch: worker speaks 2, coordinator speaks 1");
     expect_refused(port, "", SECRET, 1, GRPC_STATUS_INVALID_ARGUMENT, "Join.worker_name must be");
     expect_refused(port, "bad\nname", SECRET, 1, GRPC_STATUS_INVALID_ARGUMENT, "Join.worker_name must be");
+    /* A first message above CTL_MAX_JOIN_BYTES is not decoded: a stranger's 64 MiB costs nothing
+     * beyond gRPC's own buffer. */
+    char *huge = malloc(CTL_MAX_JOIN_BYTES + 1);
+    assert_non_null(huge);
+    memset(huge, 'n', CTL_MAX_JOIN_BYTES);
+    huge[CTL_MAX_JOIN_BYTES] = 0;
+    expect_refused(port, huge, "not-the-cluster-secret-at-all-00000", 1, GRPC_STATUS_RESOURCE_EXHAUSTED,
+                   "undecodable WorkerMessage: strata.internal.v1.WorkerMessage: message of 65613 bytes is above "
+                   "the limit of 65536");
+    free(huge);
     pthread_mutex_lock(&h.mu);
     assert_int_equal(h.joins, 0);
     pthread_mutex_unlock(&h.mu);

@@ -335,7 +335,10 @@ static void peer_recv_done(proto_tag *t, bool success)
 
     ProtobufCMessage *pm = NULL;
     strata_error err = {0};
-    int rc = proto_unpack(bb, &strata__internal__v1__worker_message__descriptor, s->max_bytes, &pm, &err);
+    /* Before the Join is checked the peer is a stranger: a Join is well under a KiB, so a first
+     * message is not decoded (copied twice) beyond CTL_MAX_JOIN_BYTES whatever the stream's limit. */
+    const size_t limit = state == PEER_NEW && s->max_bytes > CTL_MAX_JOIN_BYTES ? CTL_MAX_JOIN_BYTES : s->max_bytes;
+    int rc = proto_unpack(bb, &strata__internal__v1__worker_message__descriptor, limit, &pm, &err);
     grpc_byte_buffer_destroy(bb);
     Strata__Internal__V1__WorkerMessage *m = (Strata__Internal__V1__WorkerMessage *)pm;
     grpc_status_code refuse = GRPC_STATUS_OK;

@@ -69,6 +69,9 @@
 /* Defaults of ctl_server_options (a zero field means the default). */
 #define CTL_SERVER_DEFAULT_ADDR "127.0.0.1:50052"
 #define CTL_DEFAULT_MAX_MESSAGE_BYTES ((size_t)64 << 20)
+/* A stream's first message (a Join, under a KiB) is decoded only up to this: until its secret is
+ * checked the peer is a stranger. */
+#define CTL_MAX_JOIN_BYTES ((size_t)64 << 10)
 #define CTL_SERVER_DEFAULT_MAX_QUEUED 4096
 #define CTL_SERVER_DEFAULT_THREADS 2
 #define CTL_DEFAULT_KEEPALIVE_TIME_MS 2000
