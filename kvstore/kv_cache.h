@@ -154,7 +154,8 @@ typedef struct kv_lower_tier {
     void (*release)(void *ctx, uint64_t handle);
     /* Marks a sequence's blocks as waiting/preempted (moved further down first); optional. */
     void (*set_waiting)(void *ctx, uint64_t seq_id, int waiting);
-    /* Bytes it can still take (SIZE_MAX if unknown); optional. Used by kv_seq_check_room. */
+    /* Bytes it can still take (SIZE_MAX if unknown); optional. Used by kv_seq_check_room, which
+     * counts each block it may have to move as its slot rounded up to whole 4 KiB pages. */
     size_t (*room)(void *ctx);
 } kv_lower_tier;
 

@@ -1059,7 +1059,8 @@ int kv_seq_check_room(const kv_seq *seq, size_t n_tokens, strata_error *err)
                              seq->id, after - now, kv_slabs_slab_bytes(b), n_tokens, free_slabs, n_slabs);
             break;
         }
-        evict_bytes += (after - n_slabs) * kv_slabs_slab_bytes(b);
+        /* the tiers below store a block in whole 4 KiB pages (host arena extents, NVMe slabs) */
+        evict_bytes += (after - n_slabs) * ((kv_slabs_slab_bytes(b) + 4095) / 4096 * 4096);
     }
     free(need);
     if (rc == STRATA_OK && has_lower(p) && p->lower.room) {

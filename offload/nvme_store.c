@@ -619,16 +619,36 @@ static void pump(nvme_store *s)
     } while (progress);
 }
 
-/* Blocks until at least one completion arrived (or nothing is outstanding). */
+/* Blocks until at least one completion arrived (or nothing is outstanding). Requests a failed
+ * submit left in the ring are submitted here first: waiting alone would never end when they are
+ * all that is in flight. A transient refusal (EAGAIN: the kernel is short of memory; EBUSY: the
+ * completion queue is full) is retried every millisecond, unless completions are there to reap,
+ * for up to 10 s; then it returns with the requests still unsubmitted (to_submit > 0). */
 static void block_once(nvme_store *s)
 {
     if (s->k_inflight == 0 || !s->uring || s->scq_n > 0)
         return;
     struct io_uring_cqe *cqe;
-    int rc;
-    do {
-        rc = io_uring_wait_cqe(&s->ring, &cqe);
-    } while (rc == -EINTR);
+    for (int refused = 0; refused < 10000; refused++) {
+        int rc;
+        if (s->to_submit > 0) {
+            rc = io_uring_submit_and_wait(&s->ring, 1);
+            if (rc >= 0) {
+                s->to_submit = 0;
+                return;
+            }
+        } else {
+            rc = io_uring_wait_cqe(&s->ring, &cqe);
+            if (rc != -EINTR)
+                return;
+        }
+        if (rc == -EINTR)
+            continue;
+        if (io_uring_cq_ready(&s->ring) > 0)
+            return;
+        const struct timespec ms = {0, 1000000};
+        nanosleep(&ms, NULL);
+    }
 }
 
 /* ---- public API ---- */
@@ -1201,9 +1221,9 @@ void nvme_store_destroy(nvme_store *s)
      * (completions are handled normally; nothing new is issued but short-count resubmits). */
     while (s->k_inflight > 0) {
         flush_submit(s);
-        if (s->uring && s->to_submit > 0)
-            break;  /* the ring refuses submissions: nothing more will complete */
-        block_once(s);
+        block_once(s);   /* submits what a refused submit left, retrying a while */
+        if (s->uring && s->to_submit > 0 && io_uring_cq_ready(&s->ring) == 0)
+            break;  /* the ring refused submissions for 10 s: nothing more will complete */
         reap(s);
     }
     close_all(s, true);

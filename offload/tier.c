@@ -424,7 +424,8 @@ int tier_prefetch(tier *t, tier_id id, strata_error *err)
     /* make_room may have waited for other blocks' I/O; this block, on NVMe only, was not
      * touched by that (it is no eviction candidate and has no I/O of its own). */
     uint64_t ticket;
-    rc = nvme_store_submit_read(t->nvme, &b->loc, p, b->len, id, &ticket, err);
+    /* the extent is whole pages: with room for the padded read, it goes straight into it */
+    rc = nvme_store_submit_read(t->nvme, &b->loc, p, host_bytes(b->len), id, &ticket, err);
     if (rc != STRATA_OK) {
         host_arena_free(t->host, h, NULL);
         return rc;

@@ -416,10 +416,46 @@ static void test_faults_fail_one_sequence(void **state)
     tiers_down(&f);
 }
 
+/* The room check counts blocks as the tiers store them, in whole 4 KiB pages: a host tier of two
+ * pages takes two 1.6 KiB kivi2 blocks, not four. A step the check passes then runs; before, the
+ * check counted raw bytes, passed, and the step failed half way (layers of unequal length). */
+static void test_room_in_pages(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    kv_tiers_options o = {.host_bytes = 2 * 4096};
+    kv_tiers *t = kv_tiers_create(&o, &err);
+    assert_non_null(t);
+    const kv_geometry g = {.n_layers = LAYERS, .n_kv_heads = HEADS, .head_dim = DIM, .block_tokens = BT};
+    kv_codec_params plan[LAYERS];
+    assert_int_equal(kv_plan_parse("kivi2-r32", LAYERS, plan, &err), STRATA_OK);
+    kv_pool *p = kv_pool_create_plan(&g, plan, 1, &err);   /* one slot per layer */
+    assert_non_null(p);
+    assert_true(kv_pool_slot_bytes(p) < 4096 / 2);
+    kv_lower_tier lower = kv_tiers_lower(t);
+    assert_int_equal(kv_pool_set_lower_tier(p, &lower, &err), STRATA_OK);
+    kv_seq *s = kv_seq_create(p, 16 * BT, &err);
+    assert_non_null(s);
+    float rows[64 * HEADS * DIM];
+    for (size_t i = 0; i < sizeof rows / sizeof *rows; i++)
+        rows[i] = (float)((int)(i * 37 % 2001) - 1000) / 250.0f;
+    for (int l = 0; l < LAYERS; l++) {   /* one block per layer: the pool is full */
+        assert_int_equal(kv_seq_append(s, l, rows, rows, 64, &err), STRATA_OK);
+        kv_seq_unpin(s);
+    }
+    /* The next block row must move four blocks down: four pages, the tier has two. */
+    assert_int_equal(kv_seq_check_room(s, BT, &err), STRATA_EFULL);
+    assert_non_null(strstr(err.msg, "KV tiers full"));
+    kv_seq_destroy(s);
+    kv_pool_destroy(p);
+    kv_tiers_destroy(t);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_identical_host_only),
+        cmocka_unit_test(test_room_in_pages),
         cmocka_unit_test(test_identical_nvme),
         cmocka_unit_test(test_spill_resume),
         cmocka_unit_test(test_check_room),
