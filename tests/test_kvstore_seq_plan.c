@@ -246,6 +246,20 @@ static void test_plan_travels(void **state)
     kv_pool_destroy(only_default);
 }
 
+/* The fp16 and kivi2 plans and a pool for both (slabs per layer, without a tier); *per: kivi2
+ * blocks in one slab. */
+static kv_pool *fp16_kivi2_pool(kv_codec_params *p16, kv_codec_params *p2, size_t slabs, size_t *per)
+{
+    strata_error err = {0};
+    assert_int_equal(kv_plan_parse("fp16", LAYERS, p16, &err), STRATA_OK);
+    assert_int_equal(kv_plan_parse("kivi2", LAYERS, p2, &err), STRATA_OK);
+    const kv_codec_params *both[] = {p16, p2};
+    kv_pool *pool = kv_pool_create_plans(&geom, both, 2, slabs, false, &err);
+    assert_non_null(pool);
+    *per = kv_block_size(&p16[0], &geom) / kv_block_size(&p2[0], &geom);
+    return pool;
+}
+
 /* Slabs: in a pool sized for fp16 blocks, a kivi2 sequence stores as many kivi2 blocks as fit a
  * slab, not one per fp16 slot; once they are gone the same memory holds fp16 blocks. */
 static void test_slabs_hold_smaller_blocks(void **state)
@@ -254,12 +268,8 @@ static void test_slabs_hold_smaller_blocks(void **state)
     enum { SLABS = 4 };   /* per layer */
     kv_codec_params p16[LAYERS], p2[LAYERS];
     strata_error err = {0};
-    assert_int_equal(kv_plan_parse("fp16", LAYERS, p16, &err), STRATA_OK);
-    assert_int_equal(kv_plan_parse("kivi2", LAYERS, p2, &err), STRATA_OK);
-    const kv_codec_params *both[] = {p16, p2};
-    kv_pool *pool = kv_pool_create_plans(&geom, both, 2, SLABS, false, &err);
-    assert_non_null(pool);
-    const size_t per = kv_block_size(&p16[0], &geom) / kv_block_size(&p2[0], &geom);
+    size_t per;
+    kv_pool *pool = fp16_kivi2_pool(p16, p2, SLABS, &per);
     assert_true(per >= 4);
     kv_seq *s = kv_seq_create_plan(pool, p2, 8192, &err);
     assert_non_null(s);
@@ -291,14 +301,10 @@ static void test_slabs_compact(void **state)
     enum { SLABS = 4, MAX_SEQS = 64 };
     kv_codec_params p16[LAYERS], p2[LAYERS];
     strata_error err = {0};
-    assert_int_equal(kv_plan_parse("fp16", LAYERS, p16, &err), STRATA_OK);
-    assert_int_equal(kv_plan_parse("kivi2", LAYERS, p2, &err), STRATA_OK);
-    const kv_codec_params *both[] = {p16, p2};
-    kv_pool *pool = kv_pool_create_plans(&geom, both, 2, SLABS, false, &err);
+    size_t per;
+    kv_pool *pool = fp16_kivi2_pool(p16, p2, SLABS, &per);
     kv_pool *ref_pool = kv_pool_create_plan(&geom, p2, MAX_SEQS, &err);
-    assert_non_null(pool);
     assert_non_null(ref_pool);
-    const size_t per = kv_block_size(&p16[0], &geom) / kv_block_size(&p2[0], &geom);
     const size_t n_seqs = SLABS * per, tokens = (size_t)p2[0].residual + BT;   /* one block per layer each */
     assert_true(n_seqs <= MAX_SEQS);
     kv_seq *seqs[MAX_SEQS], *refs[MAX_SEQS];
