@@ -64,6 +64,16 @@ static void store_release(void *ctx, uint64_t handle)
     s->bytes[handle - 1] = NULL;
 }
 
+/* After every sequence is gone: every slot free and nothing left in the store below. */
+static void assert_all_returned(const kv_pool *pool, const heap_store *store)
+{
+    kv_pool_stats st;
+    kv_pool_get_stats(pool, &st);
+    assert_int_equal(st.free_slots, st.slots);
+    for (size_t h = 0; h < STORE_CAP; h++)
+        assert_null(store->bytes[h]);
+}
+
 /* The model. */
 enum { LAYERS = 4, MAX_SEQS = 5, MAX_BLOCKS = 12, BT = 32, SLOTS_PER_LAYER = 3 };
 typedef struct model_block {
@@ -319,10 +329,7 @@ static void test_eviction_against_model(void **state)
     assert_true(st.fetches > 100);
     for (int i = 0; i < MAX_SEQS; i++)
         kv_seq_destroy(m.s[i].seq);   /* NULL for unused entries */
-    kv_pool_get_stats(pool, &st);
-    assert_int_equal(st.free_slots, st.slots);
-    for (size_t h = 0; h < STORE_CAP; h++)
-        assert_null(store.bytes[h]);
+    assert_all_returned(pool, &store);
     kv_pool_destroy(pool);
     free(rows);
 }
@@ -441,10 +448,7 @@ static void test_mixed_sizes_over_tier(void **state)
         kv_seq_destroy(seqs[i]);
         kv_seq_destroy(refs[i]);
     }
-    kv_pool_get_stats(pool, &st);
-    assert_int_equal(st.free_slots, st.slots);
-    for (size_t h = 0; h < STORE_CAP; h++)
-        assert_null(store.bytes[h]);
+    assert_all_returned(pool, &store);
     kv_pool_destroy(pool);
     kv_pool_destroy(ref16);
     kv_pool_destroy(ref2);
