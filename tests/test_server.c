@@ -5,7 +5,8 @@
  * a chunk with invalid UTF-8 refused without ending the stream, api_stream_fail with a
  * multi-line message and with STRATA_OK, the release of a cancelled stream (its concurrency
  * slot comes back), optional backend callbacks left NULL, shutdown while the backend holds a
- * stream (cancel then release), and the start errors (options, bind conflicts). */
+ * stream (cancel then release), DrainWorker's message written into the server's buffer, and the
+ * start errors (options, bind conflicts). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -25,6 +26,7 @@
 #include <grpc/grpc_security.h>
 
 #include "coordinator/server/api_server.h"
+#include "tests/api_client.h"
 #include "proto/grpc_util.h"
 
 /* ---- an in-process backend whose behaviour is chosen by the prompt text ---- */
@@ -125,11 +127,25 @@ static int cb_stats(void *ctx, Strata__V1__Stats *out, strata_error *err)
     return STRATA_OK;
 }
 
+/* Fills the whole message buffer the server provides; the server packs it after the return. */
+static int cb_drain(void *ctx, const char *worker, Strata__V1__DrainWorkerResponse *out, strata_error *err)
+{
+    (void)ctx;
+    (void)err;
+    out->done = true;
+    out->moved = 3;
+    memset(out->message, 'm', API_DRAIN_MESSAGE_BYTES - 1);
+    out->message[API_DRAIN_MESSAGE_BYTES - 1] = '\0';
+    memcpy(out->message, worker, strlen(worker));
+    return STRATA_OK;
+}
+
 static api_backend make_backend(cbackend *b)
 {
     memset(b, 0, sizeof *b);
     pthread_mutex_init(&b->mu, NULL);
-    api_backend be = {.ctx = b, .generate = cb_generate, .cancel = cb_cancel, .abort = cb_abort, .stats = cb_stats};
+    api_backend be = {.ctx = b, .generate = cb_generate, .cancel = cb_cancel, .abort = cb_abort, .stats = cb_stats,
+                      .drain_worker = cb_drain};
     return be;
 }
 
@@ -149,10 +165,20 @@ static void result_free(result *r)
     r->n = 0;
 }
 
-static void pluck(grpc_completion_queue *cq, void *tag)
+typedef struct call_sink {
+    result *r;
+    ProtobufCMessage **unary_out;
+} call_sink;
+
+static void keep_response(void *user, ProtobufCMessage *m)
 {
-    grpc_event ev = grpc_completion_queue_pluck(cq, tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-    assert_int_equal(ev.type, GRPC_OP_COMPLETE);
+    call_sink *k = user;
+    if (k->unary_out) {
+        *k->unary_out = m;
+    } else {
+        assert_true(k->r->n < 16);
+        k->r->msg[k->r->n++] = (Strata__V1__GenerateResponse *)m;
+    }
 }
 
 /* Calls method with the packed request msg (NULL: empty message); for Generate it reads every
@@ -161,70 +187,9 @@ static void call(grpc_channel *ch, const char *method, const ProtobufCMessage *m
                  const ProtobufCMessageDescriptor *resp_desc, result *r, ProtobufCMessage **unary_out)
 {
     memset(r, 0, sizeof *r);
-    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
-    gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
-    grpc_call *c = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, grpc_slice_from_static_string(method),
-                                            NULL, deadline, NULL);
-    assert_non_null(c);
-    grpc_byte_buffer *send = NULL;
-    if (msg)
-        assert_int_equal(proto_pack(msg, 1 << 20, &send, NULL), STRATA_OK);
-    else
-        send = grpc_raw_byte_buffer_create(NULL, 0);
-    grpc_metadata_array md_in, trailing;
-    grpc_metadata_array_init(&md_in);
-    grpc_metadata_array_init(&trailing);
-    grpc_op ops[4];
-    memset(ops, 0, sizeof ops);
-    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-    ops[1].op = GRPC_OP_SEND_MESSAGE;
-    ops[1].data.send_message.send_message = send;
-    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
-    ops[3].data.recv_initial_metadata.recv_initial_metadata = &md_in;
-    assert_int_equal(grpc_call_start_batch(c, ops, 4, (void *)1, NULL), GRPC_CALL_OK);
-    pluck(cq, (void *)1);
-    for (;;) {
-        grpc_byte_buffer *bb = NULL;
-        grpc_op op;
-        memset(&op, 0, sizeof op);
-        op.op = GRPC_OP_RECV_MESSAGE;
-        op.data.recv_message.recv_message = &bb;
-        assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)2, NULL), GRPC_CALL_OK);
-        pluck(cq, (void *)2);
-        if (!bb)
-            break;
-        ProtobufCMessage *m = NULL;
-        const ProtobufCMessageDescriptor *d = resp_desc ? resp_desc : &strata__v1__generate_response__descriptor;
-        assert_int_equal(proto_unpack(bb, d, 1 << 20, &m, NULL), STRATA_OK);
-        grpc_byte_buffer_destroy(bb);
-        if (unary_out) {
-            *unary_out = m;
-        } else {
-            assert_true(r->n < 16);
-            r->msg[r->n++] = (Strata__V1__GenerateResponse *)m;
-        }
-    }
-    grpc_slice details;
-    grpc_op op;
-    memset(&op, 0, sizeof op);
-    op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-    op.data.recv_status_on_client.trailing_metadata = &trailing;
-    op.data.recv_status_on_client.status = &r->status;
-    op.data.recv_status_on_client.status_details = &details;
-    assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)3, NULL), GRPC_CALL_OK);
-    pluck(cq, (void *)3);
-    snprintf(r->details, sizeof r->details, "%.*s", (int)GRPC_SLICE_LENGTH(details),
-             (const char *)GRPC_SLICE_START_PTR(details));
-    grpc_slice_unref(details);
-    grpc_metadata_array_destroy(&md_in);
-    grpc_metadata_array_destroy(&trailing);
-    grpc_byte_buffer_destroy(send);
-    grpc_call_unref(c);
-    grpc_completion_queue_shutdown(cq);
-    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {
-    }
-    grpc_completion_queue_destroy(cq);
+    call_sink k = {r, unary_out};
+    api_client_call(ch, method, msg, timeout_ms, resp_desc ? resp_desc : &strata__v1__generate_response__descriptor,
+                    keep_response, &k, &r->status, r->details, sizeof r->details);
 }
 
 static void generate(grpc_channel *ch, const char *text, int timeout_ms, result *r)
@@ -252,11 +217,7 @@ static void fixture_start(fixture *f, uint32_t max_streams)
     o.max_streams = max_streams;
     strata_error err = {0};
     assert_int_equal(api_server_start(&o, &be, &f->srv, &err), STRATA_OK);
-    char target[64];
-    snprintf(target, sizeof target, "127.0.0.1:%d", api_server_port(f->srv));
-    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-    f->ch = grpc_channel_create(target, creds, NULL);
-    grpc_channel_credentials_release(creds);
+    f->ch = api_client_channel(api_server_port(f->srv));
 }
 
 static void fixture_stop(fixture *f, int drain_ms)
@@ -378,6 +339,29 @@ static void test_cancel_releases_slot(void **state)
         usleep(5000);
     }
     assert_null(f.b.held);
+    fixture_stop(&f, 0);
+}
+
+/* DrainWorker's message is written by the backend into the server's buffer (nothing the backend
+ * may change after the call is referenced), up to API_DRAIN_MESSAGE_BYTES - 1 bytes. */
+static void test_drain_message(void **state)
+{
+    (void)state;
+    fixture f;
+    fixture_start(&f, 0);
+    Strata__V1__DrainWorkerRequest req = STRATA__V1__DRAIN_WORKER_REQUEST__INIT;
+    req.worker_name = (char *)"gpu-3";
+    result r;
+    ProtobufCMessage *m = NULL;
+    call(f.ch, "/strata.v1.Strata/DrainWorker", &req.base, 5000, &strata__v1__drain_worker_response__descriptor, &r, &m);
+    assert_int_equal(r.status, GRPC_STATUS_OK);
+    assert_non_null(m);
+    Strata__V1__DrainWorkerResponse *d = (Strata__V1__DrainWorkerResponse *)m;
+    assert_true(d->done);
+    assert_int_equal(d->moved, 3);
+    assert_int_equal(strlen(d->message), API_DRAIN_MESSAGE_BYTES - 1);
+    assert_memory_equal(d->message, "gpu-3mmm", 8);
+    protobuf_c_message_free_unpacked(m, NULL);
     fixture_stop(&f, 0);
 }
 
@@ -548,6 +532,7 @@ int main(void)
         cmocka_unit_test(test_invalid_utf8_chunk_refused),
         cmocka_unit_test(test_fail_forms),
         cmocka_unit_test(test_cancel_releases_slot),
+        cmocka_unit_test(test_drain_message),
         cmocka_unit_test(test_optional_callbacks),
         cmocka_unit_test(test_shutdown_with_held_stream),
         cmocka_unit_test(test_start_errors),

@@ -714,6 +714,8 @@ static void handle_drain(api_server *s, grpc_call *call, grpc_metadata_array *md
     for (size_t i = 0; ok && i < n; i++)
         ok = (unsigned char)name[i] >= 0x20 && name[i] != 0x7f;
     Strata__V1__DrainWorkerResponse resp = STRATA__V1__DRAIN_WORKER_RESPONSE__INIT;
+    char message[API_DRAIN_MESSAGE_BYTES] = "";
+    resp.message = message;
     if (!ok)
         reply_error(s, call, GRPC_STATUS_INVALID_ARGUMENT, "worker_name must be 1 to 128 bytes without control characters");
     else if (!s->be.drain_worker)

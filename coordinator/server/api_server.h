@@ -77,6 +77,8 @@
 #define API_SERVER_DEFAULT_THREADS 2
 /* Most tiers a backend can report in GetStats (device, host, nvme; some room). */
 #define API_STATS_MAX_TIERS 8
+/* Room for DrainWorkerResponse.message (see drain_worker). */
+#define API_DRAIN_MESSAGE_BYTES 512
 
 typedef struct api_server api_server;
 typedef struct api_stream api_stream;
@@ -136,9 +138,10 @@ typedef struct api_backend {
     /* out->tiers points at API_STATS_MAX_TIERS initialized TierStats and out->n_tiers is 0:
      * set n_tiers (at most API_STATS_MAX_TIERS) and fill out->tiers[0..n_tiers). */
     int (*stats)(void *ctx, Strata__V1__Stats *out, strata_error *err);
-    /* DrainWorker (worker_name checked: 1-128 bytes, no control characters); strings placed in
-     * *out must stay valid while the server runs. NULL: UNIMPLEMENTED. Always needs the bearer
-     * token when the server has one. */
+    /* DrainWorker (worker_name checked: 1-128 bytes, no control characters). out->message
+     * points at API_DRAIN_MESSAGE_BYTES bytes holding "": write the message there (the server
+     * packs the answer after the call returns, so nothing the backend may change meanwhile is
+     * referenced). NULL: UNIMPLEMENTED. Always needs the bearer token when the server has one. */
     int (*drain_worker)(void *ctx, const char *worker_name, Strata__V1__DrainWorkerResponse *out, strata_error *err);
 } api_backend;
 

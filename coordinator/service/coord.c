@@ -92,6 +92,7 @@ typedef struct drain_state {
     uint32_t replica;
     uint32_t moved, failed;
     char worker[CTL_MAX_WORKER_NAME + 1];
+    uint32_t worker_id;          /* the drained worker's join (a restarted one has a new id) */
     char message[512];
 } drain_state;
 
@@ -820,7 +821,6 @@ static void migration_finish(coord *c)
     }
     creq *q = find_by_id(c, mg->seq);
     strata_error err = {0};
-    sched_set_accepting(c->sched, (int)mg->to, true);
     if (all && q && sched_move(c->sched, mg->seq, (int)mg->to, &err) == STRATA_OK) {
         c->drain.moved += c->drain.active;
         logf_(c, "request %s moved from replica %u to %u", api_stream_request_id(q->stream), mg->from, mg->to);
@@ -844,6 +844,9 @@ static void migration_finish(coord *c)
                   mg->from, mg->why);
         }
     }
+    /* Only now: accepting again routes waiting requests at once, which must not take the room
+     * the move was counted on (test_coord: test_destination_kept_free_during_move). */
+    sched_set_accepting(c->sched, (int)mg->to, true);
     mg->active = false;
     pthread_cond_signal(&c->wake);
 }
@@ -1301,7 +1304,7 @@ static int api_drain_worker(void *ctx, const char *worker, Strata__V1__DrainWork
     out->moved = rep.moved;
     out->remaining = rep.remaining;
     out->failed = rep.failed;
-    out->message = c->drain.message;   /* written once, before done: stable while it is read */
+    snprintf(out->message, API_DRAIN_MESSAGE_BYTES, "%s", rep.message);
     return STRATA_OK;
 }
 
@@ -1326,12 +1329,17 @@ int coord_drain_worker(coord *c, const char *worker, coord_drain_report *out, st
     drain_state *d = &c->drain;
     int rc = STRATA_OK;
     int found = -1;
+    uint32_t found_id = 0;
     for (uint32_t r = 0; r < c->cfg.replicas && found < 0; r++)
         for (uint32_t s = 0; s < c->cfg.stages; s++)
-            if (c->reps[r].stages[s].peer && !strcmp(c->reps[r].stages[s].name, worker))
+            if (c->reps[r].stages[s].peer && !strcmp(c->reps[r].stages[s].name, worker)) {
                 found = (int)r;
-    bool same = d->active && !strcmp(d->worker, worker);
-    if (same && (d->done || found == (int)d->replica)) {
+                found_id = c->reps[r].stages[s].worker_id;
+            }
+    /* The drain asked for before, unless the worker of that name is a new one (restarted after
+     * the drain, joined again with a fresh id): draining that is a new drain. */
+    bool same = d->active && !strcmp(d->worker, worker) && (found < 0 || found_id == d->worker_id);
+    if (same) {
         /* progress of the drain asked for before */
     } else if (found < 0) {
         rc = strata_fail(err, STRATA_EINVAL, "no worker named '%s' is joined", worker);
@@ -1352,6 +1360,7 @@ int coord_drain_worker(coord *c, const char *worker, coord_drain_report *out, st
         memset(d, 0, sizeof *d);
         d->active = true;
         d->replica = (uint32_t)found;
+        d->worker_id = found_id;
         snprintf(d->worker, sizeof d->worker, "%s", worker);
         sched_set_accepting(c->sched, found, false);
         (void)sched_set_steps_in_flight(c->sched, found, 1);

@@ -61,7 +61,8 @@ const proto_generate_limits *coord_limits(const coord *c);
  * data plane, as their exact bytes), requests not started yet are re-routed, preempted ones
  * move once they resume there; then its workers are told to shut down (a supervisor restarts them and they
  * join as a fresh replica). Starts the drain and returns at once; calling again with the same
- * worker reports the progress. STRATA_EINVAL: no such worker; STRATA_EFULL: no other replica to
+ * worker reports the progress (a worker of that name that joined again after the drain, with a
+ * fresh worker id, is drained anew). STRATA_EINVAL: no such worker; STRATA_EFULL: no other replica to
  * move to, or another drain is running. */
 typedef struct coord_drain_report {
     bool done;

@@ -1,0 +1,722 @@
+/* The coordinator's core (coordinator/service/coord.c) with everything real but the workers: the
+ * real control server and public API server on loopback, a real gRPC client, the real model's
+ * configuration and tokenizer; the workers are scripted control-plane peers in this process (a
+ * ctl_client each) that answer step plans with a fixed token after a short delay and answer,
+ * fail or hold migrations as a test asks. So the corners of migration and drain that a real
+ * worker cannot be made to reach on demand are driven here: a migration that fails without
+ * moving (the request stays, and is not retried), one whose destination could be filled meanwhile
+ * (nothing new is routed there), a replica lost in its own drain (it serves again once rebuilt),
+ * a destination lost mid-move (the source goes on at once), and a drained worker that comes back
+ * under its name (a new drain). serve_e2e runs the same paths with real workers. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include <pthread.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "coordinator/service/coord.h"
+#include "kvstore/plan.h"
+#include "tests/api_client.h"
+#include "worker/control/control_client.h"
+#include "worker/model.h"
+
+static const char SECRET[] = "strata-test-cluster-secret-0123456789";
+#define BLOCK_TOKENS 16
+#define PROMPT_TOKENS 4
+#define FAKE_TOKEN 282u /* an ordinary word piece of the model's vocabulary: never a stop token */
+#define MAX_FAKES 4
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void sleep_ms(int ms)
+{
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&ts, NULL);
+}
+
+/* ---- scripted workers ---- */
+
+typedef enum { MIG_OK, MIG_FAIL, MIG_HOLD } mig_mode;
+
+typedef struct fake {
+    char name[32];
+    int port;
+    uint64_t device_kv_bytes;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    /* behaviour (set by the test) */
+    int step_ms;
+    mig_mode mig;
+    bool release; /* a held MigrateDone may go */
+    bool kill;    /* end the stream now, as a worker that dies */
+    /* what it saw */
+    bool assigned;
+    uint32_t replica;
+    int plans;
+    int migrates_send, migrates_recv;
+    bool shutdown, shutdown_drain;
+    uint64_t seqs[64];
+    int n_seqs;
+    bool ended;
+    char error[600];
+} fake;
+
+static void fake_send(fake *f, ctl_client *cli, Strata__Internal__V1__WorkerMessage *m)
+{
+    strata_error err = {0};
+    if (ctl_client_send(cli, m, &err) != STRATA_OK) {
+        pthread_mutex_lock(&f->mu);
+        snprintf(f->error, sizeof f->error, "send: %s", err.msg);
+        pthread_mutex_unlock(&f->mu);
+    }
+}
+
+static void fake_migrate_done(fake *f, ctl_client *cli, uint64_t seq, uint32_t status)
+{
+    Strata__Internal__V1__MigrateDone d = STRATA__INTERNAL__V1__MIGRATE_DONE__INIT;
+    d.seq_id = seq;
+    d.status = status;
+    d.message = status ? (char *)"link refused by the scripted worker" : (char *)"";
+    Strata__Internal__V1__WorkerMessage m = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
+    m.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_MIGRATE_DONE;
+    m.migrate_done = &d;
+    fake_send(f, cli, &m);
+}
+
+static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__StepPlan *p)
+{
+    pthread_mutex_lock(&f->mu);
+    int delay = f->step_ms;
+    f->plans++;
+    for (size_t i = 0; i < p->n_seqs; i++) {
+        bool seen = false;
+        for (int k = 0; k < f->n_seqs; k++)
+            seen |= f->seqs[k] == p->seqs[i]->seq_id;
+        if (!seen && f->n_seqs < 64)
+            f->seqs[f->n_seqs++] = p->seqs[i]->seq_id;
+    }
+    pthread_mutex_unlock(&f->mu);
+    sleep_ms(delay);
+    Strata__Internal__V1__SeqResult *rs = calloc(p->n_seqs ? p->n_seqs : 1, sizeof *rs);
+    Strata__Internal__V1__SeqResult **rp = calloc(p->n_seqs ? p->n_seqs : 1, sizeof *rp);
+    assert_non_null(rs);
+    assert_non_null(rp);
+    for (size_t i = 0; i < p->n_seqs; i++) {
+        strata__internal__v1__seq_result__init(&rs[i]);
+        rs[i].seq_id = p->seqs[i]->seq_id;
+        rs[i].token = p->seqs[i]->sample ? FAKE_TOKEN : 0;
+        rp[i] = &rs[i];
+    }
+    Strata__Internal__V1__StepResult r = STRATA__INTERNAL__V1__STEP_RESULT__INIT;
+    r.step = p->step;
+    r.n_results = p->n_seqs;
+    r.results = rp;
+    Strata__Internal__V1__WorkerMessage m = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
+    m.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_STEP_RESULT;
+    m.step_result = &r;
+    fake_send(f, cli, &m);
+    free(rs);
+    free(rp);
+}
+
+static void *fake_main(void *arg)
+{
+    fake *f = arg;
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", f->port);
+    Strata__Internal__V1__Join j = STRATA__INTERNAL__V1__JOIN__INIT;
+    j.cluster_secret.data = (uint8_t *)SECRET;
+    j.cluster_secret.len = sizeof SECRET - 1;
+    j.worker_name = f->name;
+    j.device = (char *)"cpu";
+    j.device_kv_bytes = f->device_kv_bytes;
+    j.data_addr = (char *)"127.0.0.1:9"; /* never dialled: no block moves between scripted workers */
+    ctl_client *cli = NULL;
+    strata_error err = {0};
+    if (ctl_client_connect(addr, &j, 5000, &cli, &err) != STRATA_OK) {
+        pthread_mutex_lock(&f->mu);
+        snprintf(f->error, sizeof f->error, "connect: %s", err.msg);
+        f->ended = true;
+        pthread_mutex_unlock(&f->mu);
+        return NULL;
+    }
+    bool held = false;
+    uint64_t held_seq = 0;
+    for (;;) {
+        pthread_mutex_lock(&f->mu);
+        bool kill = f->kill, go = held && (f->mig == MIG_OK || f->release);
+        pthread_mutex_unlock(&f->mu);
+        if (kill)
+            break;
+        if (go) {
+            fake_migrate_done(f, cli, held_seq, 0);
+            held = false;
+        }
+        Strata__Internal__V1__CoordinatorMessage *m = NULL;
+        int rc = ctl_client_recv(cli, 20, &m, &err);
+        if (rc == STRATA_EIO)
+            break;
+        if (!m)
+            continue;
+        bool stop = false;
+        switch (m->kind_case) {
+        case STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ASSIGNMENT: {
+            pthread_mutex_lock(&f->mu);
+            f->assigned = true;
+            f->replica = m->assignment->replica;
+            pthread_mutex_unlock(&f->mu);
+            Strata__Internal__V1__KvReport k = STRATA__INTERNAL__V1__KV_REPORT__INIT;
+            Strata__Internal__V1__WorkerMessage w = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
+            w.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_KV_REPORT;
+            w.kv_report = &k;
+            fake_send(f, cli, &w);
+            break;
+        }
+        case STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_STEP_PLAN:
+            fake_step(f, cli, m->step_plan);
+            break;
+        case STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_MIGRATE: {
+            pthread_mutex_lock(&f->mu);
+            mig_mode mode = f->mig;
+            if (m->migrate->send)
+                f->migrates_send++;
+            else
+                f->migrates_recv++;
+            pthread_mutex_unlock(&f->mu);
+            if (mode == MIG_HOLD) {
+                held = true;
+                held_seq = m->migrate->seq_id;
+            } else {
+                fake_migrate_done(f, cli, m->migrate->seq_id, mode == MIG_FAIL ? STRATA_EIO : 0);
+            }
+            break;
+        }
+        case STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_SHUTDOWN:
+            pthread_mutex_lock(&f->mu);
+            f->shutdown = true;
+            f->shutdown_drain = m->shutdown->drain;
+            pthread_mutex_unlock(&f->mu);
+            stop = true;
+            break;
+        default:
+            break;
+        }
+        protobuf_c_message_free_unpacked(&m->base, NULL);
+        if (stop)
+            break;
+    }
+    ctl_client_close(cli);
+    pthread_mutex_lock(&f->mu);
+    f->ended = true;
+    pthread_mutex_unlock(&f->mu);
+    return NULL;
+}
+
+/* ---- requests through the public API ---- */
+
+typedef struct gen_job {
+    grpc_channel *ch;
+    uint32_t max_tokens;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    int tokens;
+    int finish;      /* Complete's reason, 0 until then */
+    uint32_t error;  /* an Error message's code (after output), 0 if none */
+    char error_message[256];
+    grpc_status_code status;
+    char details[256];
+    bool done;
+} gen_job;
+
+static void on_generate_response(void *user, ProtobufCMessage *msg)
+{
+    gen_job *g = user;
+    Strata__V1__GenerateResponse *r = (Strata__V1__GenerateResponse *)msg;
+    pthread_mutex_lock(&g->mu);
+    if (r->kind_case == STRATA__V1__GENERATE_RESPONSE__KIND_CHUNK)
+        g->tokens += (int)r->chunk->n_token_ids;
+    else if (r->kind_case == STRATA__V1__GENERATE_RESPONSE__KIND_COMPLETE)
+        g->finish = r->complete->finish_reason;
+    else if (r->kind_case == STRATA__V1__GENERATE_RESPONSE__KIND_ERROR) {
+        g->error = r->error->code;
+        snprintf(g->error_message, sizeof g->error_message, "%s", r->error->message);
+    }
+    pthread_mutex_unlock(&g->mu);
+    protobuf_c_message_free_unpacked(msg, NULL);
+}
+
+static void *gen_main(void *arg)
+{
+    gen_job *g = arg;
+    uint32_t ids[PROMPT_TOKENS] = {504, 1115, 314, 253};
+    Strata__V1__TokenIds t = STRATA__V1__TOKEN_IDS__INIT;
+    t.n_ids = PROMPT_TOKENS;
+    t.ids = ids;
+    Strata__V1__SamplingParams sp = STRATA__V1__SAMPLING_PARAMS__INIT;
+    sp.max_tokens = g->max_tokens;
+    Strata__V1__GenerateRequest req = STRATA__V1__GENERATE_REQUEST__INIT;
+    req.input_case = STRATA__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS;
+    req.token_ids = &t;
+    req.sampling = &sp;
+    grpc_status_code status;
+    char details[256];
+    api_client_call(g->ch, "/strata.v1.Strata/Generate", &req.base, 60000, &strata__v1__generate_response__descriptor,
+                    on_generate_response, g, &status, details, sizeof details);
+    pthread_mutex_lock(&g->mu);
+    g->status = status;
+    snprintf(g->details, sizeof g->details, "%s", details);
+    g->done = true;
+    pthread_mutex_unlock(&g->mu);
+    return NULL;
+}
+
+static void gen_start(gen_job *g, grpc_channel *ch, uint32_t max_tokens)
+{
+    memset(g, 0, sizeof *g);
+    g->ch = ch;
+    g->max_tokens = max_tokens;
+    pthread_mutex_init(&g->mu, NULL);
+    assert_int_equal(pthread_create(&g->thread, NULL, gen_main, g), 0);
+}
+
+static int gen_tokens(gen_job *g)
+{
+    pthread_mutex_lock(&g->mu);
+    int n = g->tokens;
+    pthread_mutex_unlock(&g->mu);
+    return n;
+}
+
+static void gen_join(gen_job *g)
+{
+    assert_int_equal(pthread_join(g->thread, NULL), 0);
+    pthread_mutex_destroy(&g->mu);
+}
+
+/* The request ran to its length limit with every token. */
+static void assert_complete(gen_job *g)
+{
+    if (g->status != GRPC_STATUS_OK || g->error || g->finish != STRATA__V1__FINISH_REASON__FINISH_REASON_LENGTH)
+        fail_msg("request: status %d (%s), error %u (%s), finish %d", g->status, g->details, g->error, g->error_message,
+                 g->finish);
+    assert_int_equal(g->tokens, (int)g->max_tokens);
+}
+
+/* ---- the fixture: coordinator, control server, API server, scripted workers ---- */
+
+typedef struct fixture {
+    coord *co;
+    ctl_server *ctl;
+    api_server *api;
+    grpc_channel *ch;
+    uint64_t device_kv_bytes;
+    fake fakes[MAX_FAKES];
+    int n_fakes;
+} fixture;
+
+static const char *model_path(void)
+{
+    return getenv("STRATA_MODEL") ? getenv("STRATA_MODEL") : STRATA_DEFAULT_MODEL;
+}
+
+/* Bytes of `blocks` fp16 block rows of the whole model (one stage holds every layer). */
+static uint64_t fp16_rows_bytes(size_t blocks)
+{
+    model_config mc;
+    tokenizer *tok = NULL;
+    strata_error err = {0};
+    if (model_read_meta(model_path(), &mc, &tok, &err) != STRATA_OK)
+        fail_msg("%s", err.msg);
+    tokenizer_free(tok);
+    kv_codec_params *plan = calloc((size_t)mc.n_layers, sizeof *plan);
+    assert_non_null(plan);
+    assert_int_equal(kv_plan_parse("fp16", mc.n_layers, plan, &err), STRATA_OK);
+    kv_geometry g = {.n_layers = mc.n_layers, .n_kv_heads = mc.n_kv_heads, .head_dim = mc.head_dim,
+                     .block_tokens = BLOCK_TOKENS};
+    const kv_codec_params *plans[1] = {plan};
+    size_t row = kv_plans_row_bytes(&g, plans, 1);
+    free(plan);
+    assert_true(row > 0);
+    return (uint64_t)row * blocks;
+}
+
+static fake *fake_start(fixture *fx, const char *name, mig_mode mig)
+{
+    assert_true(fx->n_fakes < MAX_FAKES);
+    fake *f = &fx->fakes[fx->n_fakes++];
+    memset(f, 0, sizeof *f);
+    snprintf(f->name, sizeof f->name, "%s", name);
+    f->port = ctl_server_port(fx->ctl);
+    f->device_kv_bytes = fx->device_kv_bytes;
+    f->step_ms = 10;
+    f->mig = mig;
+    pthread_mutex_init(&f->mu, NULL);
+    assert_int_equal(pthread_create(&f->thread, NULL, fake_main, f), 0);
+    return f;
+}
+
+static void fixture_start(fixture *fx, uint32_t replicas, size_t blocks_per_replica)
+{
+    memset(fx, 0, sizeof *fx);
+    fx->device_kv_bytes = fp16_rows_bytes(blocks_per_replica);
+    coord_config cc = {.model_path = model_path(), .replicas = replicas, .stages = 1, .kv = "fp16",
+                       .block_tokens = BLOCK_TOKENS, .ctx = 512, .max_seqs = 4, .max_batch_tokens = 64,
+                       .device_kv_bytes = fx->device_kv_bytes, .quiet = true};
+    strata_error err = {0};
+    if (!(fx->co = coord_create(&cc, &err)))
+        fail_msg("coord_create: %s", err.msg);
+    ctl_server_options co = ctl_server_options_default();
+    co.listen_addr = "127.0.0.1:0";
+    co.cluster_secret = SECRET;
+    co.cluster_secret_len = sizeof SECRET - 1;
+    ctl_handler h = coord_ctl_handler(fx->co);
+    if (ctl_server_start(&co, &h, &fx->ctl, &err) != STRATA_OK)
+        fail_msg("ctl_server_start: %s", err.msg);
+    api_server_options ao = api_server_options_default();
+    ao.listen_addr = "127.0.0.1:0";
+    ao.limits = coord_limits(fx->co);
+    api_backend b = coord_api_backend(fx->co);
+    if (api_server_start(&ao, &b, &fx->api, &err) != STRATA_OK)
+        fail_msg("api_server_start: %s", err.msg);
+    fx->ch = api_client_channel(api_server_port(fx->api));
+}
+
+static void fixture_stop(fixture *fx)
+{
+    grpc_channel_destroy(fx->ch);
+    api_server_shutdown(fx->api, 0);
+    coord_stop(fx->co);   /* Shutdown to every worker still joined: the scripted ones end */
+    for (int i = 0; i < fx->n_fakes; i++) {
+        fake *f = &fx->fakes[i];
+        pthread_mutex_lock(&f->mu);
+        f->kill = true;
+        pthread_mutex_unlock(&f->mu);
+        assert_int_equal(pthread_join(f->thread, NULL), 0);
+        pthread_mutex_destroy(&f->mu);
+    }
+    ctl_server_shutdown(fx->ctl);
+    coord_destroy(fx->co);
+}
+
+/* Polls cond (an expression over the fixture's state, read under the fakes' locks by the
+ * helpers below) every 10 ms for up to ms. */
+#define WAIT_FOR(cond, ms)                                                                         \
+    do {                                                                                           \
+        int64_t until_ = now_ms() + (ms);                                                          \
+        while (!(cond) && now_ms() < until_)                                                       \
+            sleep_ms(10);                                                                          \
+        if (!(cond))                                                                               \
+            fail_msg("timed out after %d ms waiting for %s", (int)(ms), #cond);                    \
+    } while (0)
+
+static int fake_int(fake *f, const int *field)
+{
+    pthread_mutex_lock(&f->mu);
+    int v = *field;
+    pthread_mutex_unlock(&f->mu);
+    return v;
+}
+
+static bool fake_flag(fake *f, const bool *field)
+{
+    pthread_mutex_lock(&f->mu);
+    bool v = *field;
+    pthread_mutex_unlock(&f->mu);
+    return v;
+}
+
+static void fake_set(fake *f, bool *field)
+{
+    pthread_mutex_lock(&f->mu);
+    *field = true;
+    pthread_mutex_unlock(&f->mu);
+}
+
+static bool gen_done(gen_job *g)
+{
+    pthread_mutex_lock(&g->mu);
+    bool d = g->done;
+    pthread_mutex_unlock(&g->mu);
+    return d;
+}
+
+static uint32_t workers_ready(fixture *fx)
+{
+    uint32_t ready, total;
+    coord_worker_counts(fx->co, &ready, &total);
+    return ready;
+}
+
+static void wait_ready(fixture *fx)
+{
+    if (!coord_wait_ready(fx->co, 10000))
+        fail_msg("the replicas did not become ready (first fake: %s)", fx->fakes[0].error);
+}
+
+/* The scripted worker (of the first n) that has run a request. */
+static fake *runner(fixture *fx, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (fake_int(&fx->fakes[i], &fx->fakes[i].n_seqs) > 0)
+            return &fx->fakes[i];
+    return NULL;
+}
+
+static coord_drain_report drain(fixture *fx, const char *worker)
+{
+    coord_drain_report rep;
+    strata_error err = {0};
+    if (coord_drain_worker(fx->co, worker, &rep, &err) != STRATA_OK)
+        fail_msg("drain %s: %s", worker, err.msg);
+    return rep;
+}
+
+static coord_drain_report drain_until_done(fixture *fx, const char *worker)
+{
+    coord_drain_report rep = drain(fx, worker);
+    int64_t until = now_ms() + 10000;
+    while (!rep.done && now_ms() < until) {
+        sleep_ms(10);
+        rep = drain(fx, worker);
+    }
+    if (!rep.done)
+        fail_msg("the drain of %s did not finish: %u moved, %u remaining, %u failed", worker, rep.moved, rep.remaining,
+                 rep.failed);
+    return rep;
+}
+
+/* ---- tests ---- */
+
+/* A running request moves to the other replica and finishes there with every token; the drained
+ * worker is told to stop; once it joins again under its name, draining it is a new drain. */
+static void test_drain_moves_then_drains_again(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start(&fx, 2, 64);
+    fake_start(&fx, "w0", MIG_OK);
+    fake_start(&fx, "w1", MIG_OK);
+    wait_ready(&fx);
+    gen_job a;
+    gen_start(&a, fx.ch, 80);
+    WAIT_FOR(gen_tokens(&a) >= 5, 10000);
+    fake *x = runner(&fx, 2), *y = x == &fx.fakes[0] ? &fx.fakes[1] : &fx.fakes[0];
+    assert_non_null(x);
+    coord_drain_report rep = drain(&fx, x->name);
+    assert_false(rep.done);
+    WAIT_FOR(gen_done(&a), 20000);
+    gen_join(&a);
+    assert_complete(&a);
+    rep = drain_until_done(&fx, x->name);
+    assert_int_equal(rep.moved, 1);
+    assert_int_equal(rep.failed, 0);
+    assert_int_equal(fake_int(x, &x->migrates_send), 1);
+    assert_int_equal(fake_int(y, &y->migrates_recv), 1);
+    assert_true(fake_int(y, &y->n_seqs) >= 1);   /* it went on there */
+    WAIT_FOR(fake_flag(x, &x->ended), 5000);
+    assert_true(x->shutdown && x->shutdown_drain);
+
+    /* The worker comes back under its name (a supervisor restarted it) and rebuilds its replica. */
+    fake *x2 = fake_start(&fx, x->name, MIG_OK);
+    WAIT_FOR(fake_flag(x2, &x2->assigned), 10000);
+    wait_ready(&fx);
+    rep = drain_until_done(&fx, x->name);
+    assert_int_equal(rep.moved, 0);   /* not the old drain's report */
+    WAIT_FOR(fake_flag(x2, &x2->ended), 5000);
+    assert_true(x2->shutdown && x2->shutdown_drain);
+    fixture_stop(&fx);
+}
+
+/* Both ends refuse the move (nothing left the source): the request stays and finishes where it
+ * was, the drain waits for it, and the move is not tried again. */
+static void test_failed_migration_stays(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start(&fx, 2, 64);
+    fake_start(&fx, "w0", MIG_FAIL);
+    fake_start(&fx, "w1", MIG_FAIL);
+    wait_ready(&fx);
+    gen_job a;
+    gen_start(&a, fx.ch, 60);
+    WAIT_FOR(gen_tokens(&a) >= 5, 10000);
+    fake *x = runner(&fx, 2), *y = x == &fx.fakes[0] ? &fx.fakes[1] : &fx.fakes[0];
+    assert_non_null(x);
+    drain(&fx, x->name);
+    WAIT_FOR(gen_done(&a), 20000);
+    gen_join(&a);
+    assert_complete(&a);
+    coord_drain_report rep = drain_until_done(&fx, x->name);
+    assert_int_equal(rep.moved, 0);
+    assert_int_equal(rep.failed, 1);
+    assert_int_equal(fake_int(x, &x->migrates_send), 1);
+    assert_int_equal(fake_int(y, &y->migrates_recv), 1);
+    assert_int_equal(fake_int(y, &y->n_seqs), 0);
+    fixture_stop(&fx);
+}
+
+/* The sender moved its blocks but the receiver failed: the request cannot go on anywhere and
+ * ends with UNAVAILABLE after its output so far. */
+static void test_half_moved_fails(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start(&fx, 2, 64);
+    fake *w0 = fake_start(&fx, "w0", MIG_OK);
+    fake *w1 = fake_start(&fx, "w1", MIG_OK);
+    wait_ready(&fx);
+    gen_job a;
+    gen_start(&a, fx.ch, 60);
+    WAIT_FOR(gen_tokens(&a) >= 5, 10000);
+    fake *x = runner(&fx, 2), *y = x == w0 ? w1 : w0;
+    assert_non_null(x);
+    pthread_mutex_lock(&y->mu);
+    y->mig = MIG_FAIL;
+    pthread_mutex_unlock(&y->mu);
+    drain(&fx, x->name);
+    WAIT_FOR(gen_done(&a), 20000);
+    gen_join(&a);
+    assert_int_equal(a.status, GRPC_STATUS_OK);   /* output had started: the failure is a message */
+    assert_int_equal(a.error, GRPC_STATUS_UNAVAILABLE);
+    assert_non_null(strstr(a.error_message, "migration failed half way"));
+    assert_true(a.tokens < 60);
+    coord_drain_report rep = drain_until_done(&fx, x->name);
+    assert_int_equal(rep.failed, 1);
+    fixture_stop(&fx);
+}
+
+/* Each replica has room for one request. While a request's blocks travel to the other replica,
+ * a new request must not be routed there (the room the move counted on would be gone at the
+ * commit); it waits, and both finish. */
+static void test_destination_kept_free_during_move(void **state)
+{
+    (void)state;
+    fixture fx;
+    const size_t need = (PROMPT_TOKENS + 60 + BLOCK_TOKENS - 1) / BLOCK_TOKENS;
+    fixture_start(&fx, 2, need);
+    fake_start(&fx, "w0", MIG_HOLD);
+    fake_start(&fx, "w1", MIG_HOLD);
+    wait_ready(&fx);
+    gen_job a, n;
+    gen_start(&a, fx.ch, 60);
+    WAIT_FOR(gen_tokens(&a) >= 5, 10000);
+    fake *x = runner(&fx, 2), *y = x == &fx.fakes[0] ? &fx.fakes[1] : &fx.fakes[0];
+    assert_non_null(x);
+    drain(&fx, x->name);
+    WAIT_FOR(fake_int(y, &y->migrates_recv) == 1 && fake_int(x, &x->migrates_send) == 1, 10000);
+    gen_start(&n, fx.ch, 60);
+    sleep_ms(300);
+    assert_int_equal(gen_tokens(&n), 0);
+    assert_false(gen_done(&n));
+    fake_set(x, &x->release);
+    fake_set(y, &y->release);
+    WAIT_FOR(gen_done(&a) && gen_done(&n), 30000);
+    gen_join(&a);
+    gen_join(&n);
+    assert_complete(&a);
+    assert_complete(&n);
+    coord_drain_report rep = drain_until_done(&fx, x->name);
+    assert_int_equal(rep.moved, 1);
+    assert_int_equal(rep.failed, 0);
+    fixture_stop(&fx);
+}
+
+/* The drained replica loses its worker mid-move: the moving request ends with UNAVAILABLE, the
+ * drain ends, and the replica rebuilt by the next worker to join takes requests again. */
+static void test_replica_lost_during_drain(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start(&fx, 2, 64);
+    fake_start(&fx, "w0", MIG_HOLD);
+    fake_start(&fx, "w1", MIG_HOLD);
+    wait_ready(&fx);
+    gen_job a;
+    gen_start(&a, fx.ch, 60);
+    WAIT_FOR(gen_tokens(&a) >= 5, 10000);
+    fake *x = runner(&fx, 2), *y = x == &fx.fakes[0] ? &fx.fakes[1] : &fx.fakes[0];
+    assert_non_null(x);
+    drain(&fx, x->name);
+    WAIT_FOR(fake_int(y, &y->migrates_recv) == 1, 10000);
+    fake_set(x, &x->kill);
+    WAIT_FOR(gen_done(&a), 10000);
+    gen_join(&a);
+    assert_true(a.error == GRPC_STATUS_UNAVAILABLE || a.status == GRPC_STATUS_UNAVAILABLE);
+    coord_drain_report rep = drain(&fx, x->name);
+    assert_true(rep.done);
+    assert_non_null(strstr(rep.message, "lost"));
+    fake_set(y, &y->release);   /* its late answer belongs to no migration any more */
+
+    fake *x2 = fake_start(&fx, "w2", MIG_OK);
+    WAIT_FOR(fake_flag(x2, &x2->assigned), 10000);
+    wait_ready(&fx);
+    /* Two requests at once: least-loaded routing puts one on each replica. */
+    gen_job b, c;
+    gen_start(&b, fx.ch, 40);
+    gen_start(&c, fx.ch, 40);
+    WAIT_FOR(gen_done(&b) && gen_done(&c), 20000);
+    gen_join(&b);
+    gen_join(&c);
+    assert_complete(&b);
+    assert_complete(&c);
+    assert_true(fake_int(x2, &x2->n_seqs) >= 1);
+    fixture_stop(&fx);
+}
+
+/* The destination of a move is lost while both replicas wait for it: the source's other request
+ * goes on at once (the step thread is woken), the drain finishes once it is done. */
+static void test_destination_lost_source_goes_on(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start(&fx, 2, 64);
+    fake *x = fake_start(&fx, "w0", MIG_HOLD);
+    /* Only one replica serves: both requests run on x. */
+    WAIT_FOR(workers_ready(&fx) == 1, 10000);
+    gen_job a, b;
+    gen_start(&a, fx.ch, 60);
+    gen_start(&b, fx.ch, 60);
+    WAIT_FOR(gen_tokens(&a) >= 3 && gen_tokens(&b) >= 3, 10000);
+    fake *y = fake_start(&fx, "w1", MIG_HOLD);
+    wait_ready(&fx);
+    drain(&fx, x->name);
+    WAIT_FOR(fake_int(y, &y->migrates_recv) == 1, 10000);
+    fake_set(y, &y->kill);
+    /* One of the two was moving (it ends with UNAVAILABLE), the other finishes on x. */
+    WAIT_FOR(gen_done(&a) && gen_done(&b), 10000);
+    gen_join(&a);
+    gen_join(&b);
+    gen_job *moved = a.error || a.status ? &a : &b, *stayed = moved == &a ? &b : &a;
+    assert_true(moved->error == GRPC_STATUS_UNAVAILABLE || moved->status == GRPC_STATUS_UNAVAILABLE);
+    assert_complete(stayed);
+    coord_drain_report rep = drain_until_done(&fx, x->name);
+    assert_true(rep.done);
+    fixture_stop(&fx);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_drain_moves_then_drains_again),
+        cmocka_unit_test(test_failed_migration_stays),
+        cmocka_unit_test(test_half_moved_fails),
+        cmocka_unit_test(test_destination_kept_free_during_move),
+        cmocka_unit_test(test_replica_lost_during_drain),
+        cmocka_unit_test(test_destination_lost_source_goes_on),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
