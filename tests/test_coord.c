@@ -55,7 +55,7 @@ typedef enum { MIG_OK, MIG_FAIL, MIG_HOLD } mig_mode;
 typedef struct fake {
     char name[32];
     int port;
-    uint64_t device_kv_bytes;
+    uint64_t device_kv_bytes, host_kv_bytes;
     pthread_t thread;
     pthread_mutex_t mu;
     /* behaviour (set by the test) */
@@ -63,10 +63,12 @@ typedef struct fake {
     mig_mode mig;
     bool release; /* a held MigrateDone may go */
     bool kill;    /* end the stream now, as a worker that dies */
+    bool fail_preempt; /* answer every preemption with a failed spill */
     /* what it saw */
     bool assigned;
     uint32_t replica;
     int plans;
+    int preempts;
     int migrates_send, migrates_recv;
     bool shutdown, shutdown_drain;
     uint64_t seqs[64];
@@ -101,7 +103,9 @@ static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__Step
 {
     pthread_mutex_lock(&f->mu);
     int delay = f->step_ms;
+    bool fail_preempt = f->fail_preempt;
     f->plans++;
+    f->preempts += (int)p->n_preempt_seqs;
     for (size_t i = 0; i < p->n_seqs; i++) {
         bool seen = false;
         for (int k = 0; k < f->n_seqs; k++)
@@ -111,19 +115,26 @@ static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__Step
     }
     pthread_mutex_unlock(&f->mu);
     sleep_ms(delay);
-    Strata__Internal__V1__SeqResult *rs = calloc(p->n_seqs ? p->n_seqs : 1, sizeof *rs);
-    Strata__Internal__V1__SeqResult **rp = calloc(p->n_seqs ? p->n_seqs : 1, sizeof *rp);
+    const size_t n = p->n_seqs + (fail_preempt ? p->n_preempt_seqs : 0);
+    Strata__Internal__V1__SeqResult *rs = calloc(n ? n : 1, sizeof *rs);
+    Strata__Internal__V1__SeqResult **rp = calloc(n ? n : 1, sizeof *rp);
     assert_non_null(rs);
     assert_non_null(rp);
-    for (size_t i = 0; i < p->n_seqs; i++) {
+    for (size_t i = 0; i < n; i++) {
         strata__internal__v1__seq_result__init(&rs[i]);
-        rs[i].seq_id = p->seqs[i]->seq_id;
-        rs[i].token = p->seqs[i]->sample ? FAKE_TOKEN : 0;
         rp[i] = &rs[i];
+        if (i < p->n_seqs) {
+            rs[i].seq_id = p->seqs[i]->seq_id;
+            rs[i].token = p->seqs[i]->sample ? FAKE_TOKEN : 0;
+        } else {   /* as a stage whose kv_seq_spill failed */
+            rs[i].seq_id = p->preempt_seqs[i - p->n_seqs];
+            rs[i].status = STRATA_EIO;
+            rs[i].message = (char *)"spilling to the host tier failed: scripted";
+        }
     }
     Strata__Internal__V1__StepResult r = STRATA__INTERNAL__V1__STEP_RESULT__INIT;
     r.step = p->step;
-    r.n_results = p->n_seqs;
+    r.n_results = n;
     r.results = rp;
     Strata__Internal__V1__WorkerMessage m = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
     m.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_STEP_RESULT;
@@ -144,6 +155,7 @@ static void *fake_main(void *arg)
     j.worker_name = f->name;
     j.device = (char *)"cpu";
     j.device_kv_bytes = f->device_kv_bytes;
+    j.host_kv_bytes = f->host_kv_bytes;
     j.data_addr = (char *)"127.0.0.1:9"; /* never dialled: no block moves between scripted workers */
     ctl_client *cli = NULL;
     strata_error err = {0};
@@ -323,7 +335,7 @@ typedef struct fixture {
     ctl_server *ctl;
     api_server *api;
     grpc_channel *ch;
-    uint64_t device_kv_bytes;
+    uint64_t device_kv_bytes, host_kv_bytes;
     fake fakes[MAX_FAKES];
     int n_fakes;
 } fixture;
@@ -362,6 +374,7 @@ static fake *fake_start(fixture *fx, const char *name, mig_mode mig)
     snprintf(f->name, sizeof f->name, "%s", name);
     f->port = ctl_server_port(fx->ctl);
     f->device_kv_bytes = fx->device_kv_bytes;
+    f->host_kv_bytes = fx->host_kv_bytes;
     f->step_ms = 10;
     f->mig = mig;
     pthread_mutex_init(&f->mu, NULL);
@@ -369,13 +382,15 @@ static fake *fake_start(fixture *fx, const char *name, mig_mode mig)
     return f;
 }
 
-static void fixture_start(fixture *fx, uint32_t replicas, size_t blocks_per_replica)
+/* host_blocks: block rows of a host tier (0: none). */
+static void fixture_start(fixture *fx, uint32_t replicas, size_t blocks_per_replica, size_t host_blocks)
 {
     memset(fx, 0, sizeof *fx);
     fx->device_kv_bytes = fp16_rows_bytes(blocks_per_replica);
+    fx->host_kv_bytes = host_blocks ? fp16_rows_bytes(host_blocks) : 0;
     coord_config cc = {.model_path = model_path(), .replicas = replicas, .stages = 1, .kv = "fp16",
                        .block_tokens = BLOCK_TOKENS, .ctx = 512, .max_seqs = 4, .max_batch_tokens = 64,
-                       .device_kv_bytes = fx->device_kv_bytes, .quiet = true};
+                       .device_kv_bytes = fx->device_kv_bytes, .host_kv_bytes = fx->host_kv_bytes, .quiet = true};
     strata_error err = {0};
     if (!(fx->co = coord_create(&cc, &err)))
         fail_msg("coord_create: %s", err.msg);
@@ -507,7 +522,7 @@ static void test_drain_moves_then_drains_again(void **state)
 {
     (void)state;
     fixture fx;
-    fixture_start(&fx, 2, 64);
+    fixture_start(&fx, 2, 64, 0);
     fake_start(&fx, "w0", MIG_OK);
     fake_start(&fx, "w1", MIG_OK);
     wait_ready(&fx);
@@ -547,7 +562,7 @@ static void test_failed_migration_stays(void **state)
 {
     (void)state;
     fixture fx;
-    fixture_start(&fx, 2, 64);
+    fixture_start(&fx, 2, 64, 0);
     fake_start(&fx, "w0", MIG_FAIL);
     fake_start(&fx, "w1", MIG_FAIL);
     wait_ready(&fx);
@@ -575,7 +590,7 @@ static void test_half_moved_fails(void **state)
 {
     (void)state;
     fixture fx;
-    fixture_start(&fx, 2, 64);
+    fixture_start(&fx, 2, 64, 0);
     fake *w0 = fake_start(&fx, "w0", MIG_OK);
     fake *w1 = fake_start(&fx, "w1", MIG_OK);
     wait_ready(&fx);
@@ -607,7 +622,7 @@ static void test_destination_kept_free_during_move(void **state)
     (void)state;
     fixture fx;
     const size_t need = (PROMPT_TOKENS + 60 + BLOCK_TOKENS - 1) / BLOCK_TOKENS;
-    fixture_start(&fx, 2, need);
+    fixture_start(&fx, 2, need, 0);
     fake_start(&fx, "w0", MIG_HOLD);
     fake_start(&fx, "w1", MIG_HOLD);
     wait_ready(&fx);
@@ -641,7 +656,7 @@ static void test_replica_lost_during_drain(void **state)
 {
     (void)state;
     fixture fx;
-    fixture_start(&fx, 2, 64);
+    fixture_start(&fx, 2, 64, 0);
     fake_start(&fx, "w0", MIG_HOLD);
     fake_start(&fx, "w1", MIG_HOLD);
     wait_ready(&fx);
@@ -683,7 +698,7 @@ static void test_destination_lost_source_goes_on(void **state)
 {
     (void)state;
     fixture fx;
-    fixture_start(&fx, 2, 64);
+    fixture_start(&fx, 2, 64, 0);
     fake *x = fake_start(&fx, "w0", MIG_HOLD);
     /* Only one replica serves: both requests run on x. */
     WAIT_FOR(workers_ready(&fx) == 1, 10000);
@@ -708,6 +723,32 @@ static void test_destination_lost_source_goes_on(void **state)
     fixture_stop(&fx);
 }
 
+/* The device holds 8 block rows, a host tier many more: two requests that each grow to 7 rows
+ * cannot both stay, so one is preempted. Its spill fails on the worker (a preempt-only sequence,
+ * not in the step's work): that request ends with the worker's message, the other completes. */
+static void test_failed_spill_ends_request(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start(&fx, 1, 8, 256);
+    fake *w = fake_start(&fx, "w0", MIG_OK);
+    fake_set(w, &w->fail_preempt);
+    wait_ready(&fx);
+    gen_job a, b;
+    gen_start(&a, fx.ch, 100);
+    gen_start(&b, fx.ch, 100);
+    WAIT_FOR(gen_done(&a) && gen_done(&b), 30000);
+    gen_join(&a);
+    gen_join(&b);
+    assert_true(fake_int(w, &w->preempts) >= 1);
+    gen_job *failed = a.error || a.status ? &a : &b, *other = failed == &a ? &b : &a;
+    if (!strstr(failed->error_message, "spilling to the host tier failed") && !strstr(failed->details, "spilling"))
+        fail_msg("the preempted request: status %d (%s), error %u (%s), %d tokens", failed->status, failed->details,
+                 failed->error, failed->error_message, failed->tokens);
+    assert_complete(other);
+    fixture_stop(&fx);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -717,6 +758,7 @@ int main(void)
         cmocka_unit_test(test_destination_kept_free_during_move),
         cmocka_unit_test(test_replica_lost_during_drain),
         cmocka_unit_test(test_destination_lost_source_goes_on),
+        cmocka_unit_test(test_failed_spill_ends_request),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

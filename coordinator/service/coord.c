@@ -61,6 +61,13 @@ typedef struct flight {
     bool *expect;                /* the work samples (decode, or a prompt's last chunk) */
     int *status;
     char (*message)[640];        /* a worker's message (up to 512 bytes) and where it came from */
+    /* The step's message and its outcomes, allocated once (max_seqs works, max_batch_tokens
+     * tokens: the scheduler's limits, test_sched): a step once planned is out, and running out
+     * of memory while sending or finishing it would leave the scheduler waiting for it. */
+    Strata__Internal__V1__SeqWork *works;
+    Strata__Internal__V1__SeqWork **work_ptrs;
+    uint32_t *plan_tokens;
+    sched_outcome *outcomes;
 } flight;
 
 typedef struct creplica {
@@ -458,9 +465,11 @@ static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal
     flight *f = &rp->flights[k];
     for (size_t i = 0; i < res->n_results; i++) {
         const Strata__Internal__V1__SeqResult *sr = res->results[i];
+        bool in_work = false;
         for (size_t w = 0; w < f->n_work; w++) {
             if (f->work_ids[w] != sr->seq_id)
                 continue;
+            in_work = true;
             if (sr->status != 0 && f->status[w] == 0) {
                 f->status[w] = (int)sr->status;
                 snprintf(f->message[w], sizeof f->message[w], "replica %u stage %u (worker %s): %s", r, s,
@@ -469,6 +478,17 @@ static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal
                 f->sampled[w] = true;
                 f->tokens[w] = sr->token;
             }
+        }
+        /* A sequence the step only preempted or resumed, whose spill or restore failed on this
+         * stage: its blocks are not where the scheduler now counts them (off the device, or
+         * back on it), so it cannot go on; end it now rather than when it next runs. */
+        creq *q = !in_work && sr->status != 0 ? find_by_id(c, sr->seq_id) : NULL;
+        if (q) {
+            char msg[640];
+            snprintf(msg, sizeof msg, "replica %u stage %u (worker %s): %s", r, s, rp->stages[s].name,
+                     sr->message && *sr->message ? sr->message : "moving its KV blocks between tiers failed");
+            logf_(c, "request %s failed: %s", api_stream_request_id(q->stream), msg);
+            fail_req(c, q, (int)sr->status, msg);
         }
     }
     if (++f->answers == c->cfg.stages)
@@ -639,7 +659,7 @@ static void finish_step(coord *c, uint32_t r, uint32_t k)
 {
     creplica *rp = &c->reps[r];
     flight *f = &rp->flights[k];
-    sched_outcome *out = calloc(f->n_work ? f->n_work : 1, sizeof *out);
+    sched_outcome *out = f->outcomes;
     for (size_t w = 0; w < f->n_work; w++) {
         creq *q = find_by_id(c, f->work_ids[w]);
         bool ended = true;
@@ -657,13 +677,11 @@ static void finish_step(coord *c, uint32_t r, uint32_t k)
         } else if (q) {
             ended = deliver(c, q, f->tokens[w]);
         }
-        if (out)
-            out[w] = (sched_outcome){.id = f->work_ids[w], .finished = ended};
+        out[w] = (sched_outcome){.id = f->work_ids[w], .finished = ended};
     }
     strata_error err = {0};
-    if (!out || sched_step_done(c->sched, (int)r, f->step, out, f->n_work, &err) != STRATA_OK)
-        logf_(c, "replica %u step %" PRIu64 ": %s", r, f->step, out ? err.msg : "out of memory");
-    free(out);
+    if (sched_step_done(c->sched, (int)r, f->step, out, f->n_work, &err) != STRATA_OK)
+        logf_(c, "replica %u step %" PRIu64 ": %s", r, f->step, err.msg);
     /* The last flight takes this one's place (their arrays are swapped, not copied). */
     flight done = *f;
     *f = rp->flights[--rp->n_flights];
@@ -692,16 +710,8 @@ static bool start_step(coord *c, uint32_t r)
     }
     if (plan.step == 0)
         return false;
-    Strata__Internal__V1__SeqWork *works = calloc(plan.n_work ? plan.n_work : 1, sizeof *works);
-    Strata__Internal__V1__SeqWork **wp = calloc(plan.n_work ? plan.n_work : 1, sizeof *wp);
-    uint32_t *toks = malloc((plan.n_tokens ? plan.n_tokens : 1) * sizeof *toks);
-    if (!works || !wp || !toks) {
-        free(works);
-        free(wp);
-        free(toks);
-        logf_(c, "replica %u: out of memory planning a step", r);
-        return false;
-    }
+    Strata__Internal__V1__SeqWork *works = f->works, **wp = f->work_ptrs;
+    uint32_t *toks = f->plan_tokens;
     size_t at = 0;
     for (size_t i = 0; i < plan.n_work; i++) {
         const sched_work *sw = &plan.work[i];
@@ -756,9 +766,6 @@ static bool start_step(coord *c, uint32_t r)
         if (ctl_peer_send(rp->stages[s].peer, &m, &err) != STRATA_OK)
             logf_(c, "replica %u step %" PRIu64 " to worker %s: %s", r, plan.step, rp->stages[s].name, err.msg);
     /* A failed send means the stream is ending: on_gone tears the replica down. */
-    free(works);
-    free(wp);
-    free(toks);
     return true;
 }
 
@@ -1572,7 +1579,12 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
             f->expect = calloc(n, sizeof *f->expect);
             f->status = calloc(n, sizeof *f->status);
             f->message = calloc(n, sizeof *f->message);
-            if (!f->work_ids || !f->tokens || !f->sampled || !f->expect || !f->status || !f->message)
+            f->works = calloc(n, sizeof *f->works);
+            f->work_ptrs = calloc(n, sizeof *f->work_ptrs);
+            f->plan_tokens = calloc(cfg->max_batch_tokens, sizeof *f->plan_tokens);
+            f->outcomes = calloc(n, sizeof *f->outcomes);
+            if (!f->work_ids || !f->tokens || !f->sampled || !f->expect || !f->status || !f->message || !f->works ||
+                !f->work_ptrs || !f->plan_tokens || !f->outcomes)
                 rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
         }
     }
@@ -1699,6 +1711,10 @@ void coord_destroy(coord *c)
             free(f->expect);
             free(f->status);
             free(f->message);
+            free(f->works);
+            free(f->work_ptrs);
+            free(f->plan_tokens);
+            free(f->outcomes);
         }
         free(rp->flights);
     }
