@@ -437,7 +437,13 @@ static void complete_chunk(nvme_store *s, uint32_t b, int res)
     uint32_t want = op->len - op->done;
     res = fault(s, writing ? NVME_OP_WRITE : NVME_OP_READ, r, r->loc.slab, off, want, res);
     bool chunk_done = false;
-    if (res < 0) {
+    if ((res == -EINTR || res == -EAGAIN) && ++op->retries <= NVME_MAX_RETRIES) {
+        /* Interrupted or refused for now (a signal, a full device queue): nothing was moved,
+         * issue the same transfer again. */
+        s->st.retried_transient++;
+        issue_op(s, b);
+        return;
+    } else if (res < 0) {
         req_fail(s, r, errno_status(s, -res), "%s at offset %" PRIu64 " (%" PRIu32 " bytes) failed: %s",
                  io_name(s, writing), off, want, strerror(-res));
     } else if (res == 0 || (uint32_t)res > want) {
@@ -519,12 +525,14 @@ static bool backend_issue(nvme_store *s, uint64_t ud, nvme_op_kind kind, uint32_
     s->k_inflight++;
     if (!s->uring) {
         ssize_t n;
-        if (kind == NVME_OP_WRITE)
-            n = pwrite(fd, buf, len, (off_t)off);
-        else if (kind == NVME_OP_READ)
-            n = pread(fd, buf, len, (off_t)off);
-        else
-            n = fdatasync(fd);
+        do {   /* a signal before any byte moved (files on FUSE or NFS can be interrupted) */
+            if (kind == NVME_OP_WRITE)
+                n = pwrite(fd, buf, len, (off_t)off);
+            else if (kind == NVME_OP_READ)
+                n = pread(fd, buf, len, (off_t)off);
+            else
+                n = fdatasync(fd);
+        } while (n < 0 && errno == EINTR);
         /* The queue is sized for every operation that can be outstanding at once. */
         unsigned at = (s->scq_head + s->scq_n++) % s->scq_cap;
         s->scq[at] = (sync_cqe){ud, n < 0 ? -errno : (int)n};

@@ -21,7 +21,8 @@
  * A write is reported complete (status STRATA_OK) only when all of the following hold:
  *  - written fully: every chunk's completion covered its whole length. A short count is
  *    resubmitted for the remainder (up to NVME_MAX_RETRIES times per chunk, then EIO); 0 bytes
- *    written is an error, never a loop.
+ *    written is an error, never a loop. A transfer that completes with EINTR or EAGAIN is
+ *    issued again (the same count of retries; the synchronous path retries EINTR at once).
  *  - durable: after the data of the write completed, an fdatasync (IORING_OP_FSYNC with
  *    IORING_FSYNC_DATASYNC) of its slab file completed successfully. fdatasyncs are batched: one
  *    is issued per slab file when no more writes to it are in flight (or sync_batch writes are
@@ -202,6 +203,7 @@ typedef struct nvme_store_stats {
     uint64_t crc_failures;                  /* reads whose bytes failed kv_block_verify */
     uint64_t readback_mismatches;
     uint64_t short_transfers;               /* short counts resubmitted */
+    uint64_t retried_transient;             /* EINTR/EAGAIN completions reissued */
     uint64_t err_nospace, err_io, err_other;  /* failed operations by errno: ENOSPC, EIO, rest */
     uint64_t requests_failed;
     bool io_uring, direct, registered;      /* the active path */

@@ -547,6 +547,18 @@ static void test_fault_short_transfers(void **state)
     }
 }
 
+static void test_fault_transient(void **state)
+{
+    (void)state;
+    for (int sync_io = 0; sync_io <= 1; sync_io++) {
+        /* Interrupted or refused for now: issued again, every block arrives intact. */
+        fault_run(sync_io, NVME_OP_WRITE, -1, INJ_RESULT, -EINTR, 5, STRATA_OK, "");
+        fault_run(sync_io, NVME_OP_READ, -1, INJ_RESULT, -EAGAIN, 5, STRATA_OK, "");
+        /* Refused for good: a clear failure after the retries, not a loop. */
+        fault_run(sync_io, NVME_OP_WRITE, -1, INJ_RESULT, -EAGAIN, 1000, STRATA_EIO, "Resource temporarily unavailable");
+    }
+}
+
 /* A counter of short transfers shows in the stats. */
 static void test_short_counted(void **state)
 {
@@ -917,6 +929,7 @@ int main(void)
         cmocka_unit_test(test_fault_eio),
         cmocka_unit_test(test_fault_enospc_injected),
         cmocka_unit_test(test_fault_short_transfers),
+        cmocka_unit_test(test_fault_transient),
         cmocka_unit_test(test_short_counted),
         cmocka_unit_test(test_corrupted_on_disk),
         cmocka_unit_test(test_refuses_bad_block),
