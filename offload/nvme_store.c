@@ -240,6 +240,7 @@ static void finish(nvme_store *s, uint32_t i)
         }
     } else if (r->status == STRATA_OK) {
         s->st.reads++;
+        s->st.zero_copy_reads += r->zero_copy;
         s->st.bytes_read += r->loc.len;
     }
     if (r->status != STRATA_OK)

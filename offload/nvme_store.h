@@ -195,6 +195,7 @@ typedef struct nvme_store_stats {
     uint64_t blocks_stored, bytes_stored;   /* live blocks and their bytes */
     uint64_t capacity_bytes, free_bytes;    /* budget and free pages, in bytes */
     uint64_t writes, reads;                 /* requests completed OK */
+    uint64_t zero_copy_reads;               /* of the reads, those straight into dst (no staging) */
     uint64_t bytes_written, bytes_read;     /* block bytes of those requests */
     uint64_t fsyncs;                        /* fdatasync operations completed */
     uint64_t readbacks;                     /* NVME_VERIFY_READBACK reads completed */

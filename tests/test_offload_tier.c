@@ -157,6 +157,8 @@ static void lru_and_restore(bool sync_io)
     assert_int_equal(host_arena_used_bytes(f.host), 8 * 16 * 1024);
     /* Restore every spilled block: byte-exact; restoring makes room by evicting again. */
     tier_set_waiting(f.t, 1, false);
+    nvme_store_stats ns0;
+    nvme_store_get_stats(f.nvme, &ns0);
     for (int k = 0; k < 5; k++) {
         unsigned i = expect_out[k];
         assert_int_equal(tier_restore(f.t, id[i], &err), STRATA_OK);
@@ -168,6 +170,11 @@ static void lru_and_restore(bool sync_io)
         assert_memory_equal(p, b[i], sz[i]);
         assert_int_equal(tier_touch(f.t, id[i], 2000 + (uint64_t)k, &err), STRATA_OK);
     }
+    /* Each restore read straight into its host extent (page-aligned, padded): no staging copy. */
+    nvme_store_stats ns1;
+    nvme_store_get_stats(f.nvme, &ns1);
+    assert_int_equal(ns1.reads - ns0.reads, 5);
+    assert_int_equal(ns1.zero_copy_reads - ns0.zero_copy_reads, 5);
     /* 13 blocks in 192 KiB: above nothing yet; one more put evicts; restored (clean) blocks are
      * the most recent, so the others go first. Then push them out too: clean evictions, no I/O. */
     tier_stats st;
