@@ -268,29 +268,56 @@ size_t tier_evict(tier *t)
     return evict_core(t, used - t->low);
 }
 
-/* Reserves len host bytes, evicting (and waiting for spills) as long as that can help. */
+/* Host blocks left out of eviction because their spill failed (may_spill). */
+static tier_block *first_blocked(tier *t, size_t *count)
+{
+    tier_block *first = NULL;
+    *count = 0;
+    for (uint32_t i = 0; i < t->n; i++) {
+        tier_block *b = &t->b[i];
+        if (b->live && !b->freed && b->where == TIER_HOST && !may_spill(t, b)) {
+            first = first ? first : b;
+            (*count)++;
+        }
+    }
+    return first;
+}
+
+/* Reserves len host bytes, evicting (and waiting for spills) as long as that can help. When only
+ * blocks whose spill failed are left, one of them is tried again as a probe (the disk may have
+ * recovered): one failing write per call while the disk stays broken, not one per block; once
+ * a spill succeeds again, every such block is a candidate again. */
 static int make_room(tier *t, size_t len, host_handle *h, uint8_t **p, strata_error *err)
 {
-    bool retried = false;
+    bool probed = false;
     for (;;) {
         int rc = host_arena_reserve(t->host, len, h, p, err);
         if (rc != STRATA_EFULL)
             return rc;
         size_t started = evict_core(t, t->spilling_bytes + host_bytes((uint32_t)len));
-        if (started == 0 && t->inflight == 0 && t->spill_err.code) {   /* a disk fault, not a small budget */
-            if (!retried) {   /* everything left failed to spill before: the disk may have recovered */
-                for (uint32_t i = 0; i < t->n; i++)
-                    t->b[i].spill_failed = false;
-                retried = true;
-                continue;
-            }
-            return strata_fail(err, STRATA_EIO, "tier: the host tier is full and the NVMe tier refuses writes: %s",
-                               t->spill_err.msg);
+        if (t->inflight > 0) {
+            if (!wait_one(t))
+                return strata_error_prefix(err, "tier: waiting for spills");
+            continue;
         }
-        if (started == 0 && t->inflight == 0)
+        if (started > 0)
+            continue;
+        size_t blocked;
+        tier_block *probe = first_blocked(t, &blocked);
+        if (!probe)   /* the budget is too small for what is pinned or reserved, not a disk fault */
             return strata_error_prefix(err, "tier: nothing left to evict");
-        if (t->inflight > 0 && !wait_one(t))
-            return strata_error_prefix(err, "tier: waiting for spills");
+        if (t->spill_err.code == STRATA_OK) {   /* a spill succeeded since these failed: the disk is back */
+            for (uint32_t i = 0; i < t->n; i++)
+                t->b[i].spill_failed = false;
+            continue;
+        }
+        if (!probed) {
+            probe->spill_failed = false;
+            probed = true;
+            continue;
+        }
+        return strata_fail(err, STRATA_EIO, "tier: the host tier is full and the NVMe tier refuses writes (%zu block(s) "
+                           "could not be spilled): %s", blocked, t->spill_err.msg);
     }
 }
 

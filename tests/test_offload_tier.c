@@ -36,11 +36,13 @@ typedef struct fixture {
     tier *t;
     int fail_writes;  /* injected: this many write completions fail, with write_errno (EIO when 0) */
     int write_errno;
+    int write_attempts;  /* write completions seen */
 } fixture;
 
 static int inject(void *ctx, const nvme_fault_op *op, int res)
 {
     fixture *f = ctx;
+    f->write_attempts += op->kind == NVME_OP_WRITE;
     if (op->kind == NVME_OP_WRITE && f->fail_writes > 0) {
         f->fail_writes--;
         return f->write_errno ? -f->write_errno : -EIO;
@@ -343,6 +345,16 @@ static void test_full_host_names_the_disk(void **state)
         if (rc != STRATA_EIO || !strstr(err.msg, "NVMe tier refuses writes") ||
             !strstr(err.msg, "No space left on device"))
             fail_msg("sync_io %d: rc %d, '%s'", sync_io, rc, err.msg);
+        /* While the disk stays broken, each put that finds the host tier full tries one block
+         * again (a probe), not every block that failed before. */
+        for (int k = 0; k < 3; k++) {
+            const int before = f.write_attempts;
+            tier_id none;
+            assert_int_equal(tier_put(f.t, b[stored], sz[stored], 0, stored, &none, &err), STRATA_EIO);
+            assert_non_null(strstr(err.msg, "NVMe tier refuses writes"));
+            if (f.write_attempts - before > 1)
+                fail_msg("sync_io %d: a refused put tried %d writes", sync_io, f.write_attempts - before);
+        }
         free(b[stored]);
         tier_stats st;   /* what a worker reports to the coordinator */
         tier_get_stats(f.t, &st);
