@@ -154,9 +154,10 @@ typedef struct kv_lower_tier {
     void (*release)(void *ctx, uint64_t handle);
     /* Marks a sequence's blocks as waiting/preempted (moved further down first); optional. */
     void (*set_waiting)(void *ctx, uint64_t seq_id, int waiting);
-    /* Bytes it can still take (SIZE_MAX if unknown); optional. Used by kv_seq_check_room, which
-     * counts each block it may have to move as its slot rounded up to whole 4 KiB pages. */
-    size_t (*room)(void *ctx);
+    /* Bytes it can still take as blocks of unit_bytes each (whole units only, where free space
+     * is fragmented; SIZE_MAX if unknown); optional. Used by kv_seq_check_room, which counts
+     * each block it may have to move as its slot rounded up to whole 4 KiB pages (unit_bytes). */
+    size_t (*room)(void *ctx, size_t unit_bytes);
 } kv_lower_tier;
 
 /* Attaches a lower tier (copied; ctx must outlive the pool's sequences). Only while the pool has

@@ -1027,7 +1027,7 @@ int kv_seq_check_room(const kv_seq *seq, size_t n_tokens, strata_error *err)
     size_t *need = calloc((size_t)p->n_regions * C, sizeof *need);   /* new blocks per region and class */
     if (!need)
         return strata_fail(err, STRATA_ENOMEM, "kv room: out of memory");
-    size_t evict_bytes = 0;
+    size_t evict_bytes = 0, evict_unit = 0;
     int rc = STRATA_OK;
     for (int l = 0; l < g->n_layers; l++) {
         const int r = p->layer_region[l], c = seq->slot_class[l];
@@ -1060,11 +1060,13 @@ int kv_seq_check_room(const kv_seq *seq, size_t n_tokens, strata_error *err)
             break;
         }
         /* the tiers below store a block in whole 4 KiB pages (host arena extents, NVMe slabs) */
-        evict_bytes += (after - n_slabs) * ((kv_slabs_slab_bytes(b) + 4095) / 4096 * 4096);
+        const size_t unit = (kv_slabs_slab_bytes(b) + 4095) / 4096 * 4096;
+        evict_bytes += (after - n_slabs) * unit;
+        evict_unit = unit > evict_unit ? unit : evict_unit;
     }
     free(need);
     if (rc == STRATA_OK && has_lower(p) && p->lower.room) {
-        size_t room = p->lower.room(p->lower.ctx);
+        size_t room = evict_bytes ? p->lower.room(p->lower.ctx, evict_unit) : SIZE_MAX;
         if (evict_bytes > room)
             rc = strata_fail(err, STRATA_EFULL,
                              "KV tiers full: this step must move %zu bytes of blocks out of the device pool but the "

@@ -97,6 +97,14 @@ int off_extents_free(off_extents *x, uint64_t start, uint64_t len)
     return STRATA_OK;
 }
 
+uint64_t off_extents_fit(const off_extents *x, uint64_t len)
+{
+    uint64_t n = 0;
+    for (size_t i = 0; len && i < x->n; i++)
+        n += x->v[i].len / len;
+    return n;
+}
+
 uint64_t off_extents_largest(const off_extents *x)
 {
     uint64_t best = 0;

@@ -45,4 +45,8 @@ int off_extents_free(off_extents *x, uint64_t start, uint64_t len);
 /* Units in the largest free extent (0 when full). */
 uint64_t off_extents_largest(const off_extents *x);
 
+/* How many allocations of len (>= 1) units the free space holds as it is now (each hole counts
+ * whole allocations only: what fragmentation leaves usable). */
+uint64_t off_extents_fit(const off_extents *x, uint64_t len);
+
 #endif

@@ -186,14 +186,16 @@ static void lower_set_waiting(void *ctx, uint64_t seq_id, int waiting)
         tier_set_waiting(t->tier, seq_id, waiting != 0);
 }
 
-static size_t lower_room(void *ctx)
+/* Host memory counts whole: making room there spills blocks to NVMe, which also merges the
+ * holes. NVMe counts what its holes hold as blocks of unit_bytes: nothing moves there once
+ * written, so a fragmented slab keeps holes no block fits. */
+static size_t lower_room(void *ctx, size_t unit_bytes)
 {
     kv_tiers *t = ctx;
     size_t room = host_arena_free_bytes(t->arena);
     if (t->nvme) {
-        nvme_store_stats st;
-        nvme_store_get_stats(t->nvme, &st);
-        room += st.free_bytes > SIZE_MAX - room ? SIZE_MAX - room : (size_t)st.free_bytes;
+        uint64_t fit = nvme_store_fit_bytes(t->nvme, unit_bytes);
+        room += fit > SIZE_MAX - room ? SIZE_MAX - room : (size_t)fit;
     }
     return room;
 }

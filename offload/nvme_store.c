@@ -924,6 +924,15 @@ int nvme_store_free(nvme_store *s, const nvme_loc *loc, strata_error *err)
 
 size_t nvme_store_pending(const nvme_store *s) { return s->n_pending_reqs; }
 
+uint64_t nvme_store_fit_bytes(const nvme_store *s, size_t block_bytes)
+{
+    const uint64_t pages = ((uint64_t)block_bytes + NVME_PAGE - 1) / NVME_PAGE;
+    uint64_t n = 0;
+    for (uint32_t k = 0; pages && k < s->n_slabs; k++)
+        n += off_extents_fit(&s->slabs[k].ext, pages);
+    return n * pages * NVME_PAGE;
+}
+
 void nvme_store_get_stats(const nvme_store *s, nvme_store_stats *out)
 {
     *out = s->st;

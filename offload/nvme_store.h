@@ -64,7 +64,7 @@
 #include "kvstore/error.h"
 
 #define NVME_PAGE 4096u
-#define NVME_MAX_RETRIES 8  /* resubmissions of one chunk after short counts */
+#define NVME_MAX_RETRIES 8  /* resubmissions of one chunk (short counts, EINTR/EAGAIN) */
 
 typedef struct nvme_store nvme_store;
 
@@ -187,6 +187,10 @@ int nvme_store_read(nvme_store *s, const nvme_loc *loc, void *dst, size_t cap, u
 
 /* Releases a block's extent. STRATA_EINVAL if loc is not a live extent (double free). */
 int nvme_store_free(nvme_store *s, const nvme_loc *loc, strata_error *err);
+
+/* Bytes of free space usable by blocks of block_bytes each: whole blocks per free extent
+ * (page-rounded), so fragmentation shows; stats' free_bytes counts every free page. */
+uint64_t nvme_store_fit_bytes(const nvme_store *s, size_t block_bytes);
 
 /* Requests submitted and not yet returned by poll/wait. */
 size_t nvme_store_pending(const nvme_store *s);

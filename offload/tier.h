@@ -87,7 +87,8 @@ tier_where tier_location(const tier *t, tier_id id);
 
 /* Marks a block used at step (for LRU); clears a previous spill failure mark. A block whose spill
  * failed is otherwise tried again once NVMe copies were freed since, or when the host tier is
- * full (the put that finds no room tries every such block once before it reports the disk). */
+ * full: the put that finds no room tries one such block as a probe before it reports the disk,
+ * and all of them once a spill has succeeded since. */
 int tier_touch(tier *t, tier_id id, uint64_t step, strata_error *err);
 
 /* Marks every block of sequence seq as waiting/preempted (evicted first) or not. */

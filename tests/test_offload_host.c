@@ -277,7 +277,7 @@ static void test_random_against_model(void **state)
     host_arena_destroy(a);
 }
 
-/* The extent allocator on its own: first fit, merging, double-free detection. */
+/* The extent allocator on its own: first fit, merging, double-free detection, what fits. */
 static void test_extents(void **state)
 {
     (void)state;
@@ -294,8 +294,14 @@ static void test_extents(void **state)
     assert_int_equal(off_extents_free(&x, 2, 2), STRATA_EINVAL);     /* overlaps the hole */
     assert_int_equal(off_extents_free(&x, 9, 5), STRATA_EINVAL);     /* out of range */
     assert_int_equal(off_extents_largest(&x), 3);
+    /* holes [3,6) and [9,10): what fits counts whole allocations per hole */
+    assert_int_equal(off_extents_fit(&x, 1), 4);
+    assert_int_equal(off_extents_fit(&x, 2), 1);
+    assert_int_equal(off_extents_fit(&x, 3), 1);
+    assert_int_equal(off_extents_fit(&x, 4), 0);
     assert_int_equal(off_extents_free(&x, a, 3), STRATA_OK);         /* merges with b's hole */
     assert_int_equal(off_extents_largest(&x), 6);
+    assert_int_equal(off_extents_fit(&x, 2), 3);
     assert_int_equal(off_extents_free(&x, c, 3), STRATA_OK);         /* everything merges */
     assert_int_equal(x.n, 1);
     assert_int_equal(off_extents_largest(&x), 10);
