@@ -520,6 +520,23 @@ static coord_drain_report drain_until_done(fixture *fx, const char *worker)
     return rep;
 }
 
+/* Two replicas of one scripted worker each (w0, w1, answering migrations as mig), each with
+ * room for `blocks` block rows; request a (max_tokens) is running: *x is the worker that runs
+ * it, *y the other. */
+static void two_replicas_running(fixture *fx, size_t blocks, mig_mode mig, gen_job *a, uint32_t max_tokens, fake **x,
+                                 fake **y)
+{
+    fixture_start(fx, 2, blocks, 0);
+    fake_start(fx, "w0", mig);
+    fake_start(fx, "w1", mig);
+    wait_ready(fx);
+    gen_start(a, fx->ch, max_tokens);
+    WAIT_FOR(gen_tokens(a) >= 5, 10000);
+    *x = runner(fx, 2);
+    assert_non_null(*x);
+    *y = *x == &fx->fakes[0] ? &fx->fakes[1] : &fx->fakes[0];
+}
+
 /* ---- tests ---- */
 
 /* A running request moves to the other replica and finishes there with every token; the drained
@@ -528,15 +545,9 @@ static void test_drain_moves_then_drains_again(void **state)
 {
     (void)state;
     fixture fx;
-    fixture_start(&fx, 2, 64, 0);
-    fake_start(&fx, "w0", MIG_OK);
-    fake_start(&fx, "w1", MIG_OK);
-    wait_ready(&fx);
     gen_job a;
-    gen_start(&a, fx.ch, 80);
-    WAIT_FOR(gen_tokens(&a) >= 5, 10000);
-    fake *x = runner(&fx, 2), *y = x == &fx.fakes[0] ? &fx.fakes[1] : &fx.fakes[0];
-    assert_non_null(x);
+    fake *x, *y;
+    two_replicas_running(&fx, 64, MIG_OK, &a, 80, &x, &y);
     coord_drain_report rep = drain(&fx, x->name);
     assert_false(rep.done);
     WAIT_FOR(gen_done(&a), 20000);
@@ -569,15 +580,9 @@ static void test_failed_migration_stays(void **state)
 {
     (void)state;
     fixture fx;
-    fixture_start(&fx, 2, 64, 0);
-    fake_start(&fx, "w0", MIG_FAIL);
-    fake_start(&fx, "w1", MIG_FAIL);
-    wait_ready(&fx);
     gen_job a;
-    gen_start(&a, fx.ch, 60);
-    WAIT_FOR(gen_tokens(&a) >= 5, 10000);
-    fake *x = runner(&fx, 2), *y = x == &fx.fakes[0] ? &fx.fakes[1] : &fx.fakes[0];
-    assert_non_null(x);
+    fake *x, *y;
+    two_replicas_running(&fx, 64, MIG_FAIL, &a, 60, &x, &y);
     drain(&fx, x->name);
     WAIT_FOR(gen_done(&a), 20000);
     gen_join(&a);
@@ -597,15 +602,9 @@ static void test_half_moved_fails(void **state)
 {
     (void)state;
     fixture fx;
-    fixture_start(&fx, 2, 64, 0);
-    fake *w0 = fake_start(&fx, "w0", MIG_OK);
-    fake *w1 = fake_start(&fx, "w1", MIG_OK);
-    wait_ready(&fx);
     gen_job a;
-    gen_start(&a, fx.ch, 60);
-    WAIT_FOR(gen_tokens(&a) >= 5, 10000);
-    fake *x = runner(&fx, 2), *y = x == w0 ? w1 : w0;
-    assert_non_null(x);
+    fake *x, *y;
+    two_replicas_running(&fx, 64, MIG_OK, &a, 60, &x, &y);
     pthread_mutex_lock(&y->mu);
     y->mig = MIG_FAIL;
     pthread_mutex_unlock(&y->mu);
@@ -629,15 +628,9 @@ static void test_destination_kept_free_during_move(void **state)
     (void)state;
     fixture fx;
     const size_t need = (PROMPT_TOKENS + 60 + BLOCK_TOKENS - 1) / BLOCK_TOKENS;
-    fixture_start(&fx, 2, need, 0);
-    fake_start(&fx, "w0", MIG_HOLD);
-    fake_start(&fx, "w1", MIG_HOLD);
-    wait_ready(&fx);
     gen_job a, n;
-    gen_start(&a, fx.ch, 60);
-    WAIT_FOR(gen_tokens(&a) >= 5, 10000);
-    fake *x = runner(&fx, 2), *y = x == &fx.fakes[0] ? &fx.fakes[1] : &fx.fakes[0];
-    assert_non_null(x);
+    fake *x, *y;
+    two_replicas_running(&fx, need, MIG_HOLD, &a, 60, &x, &y);
     drain(&fx, x->name);
     WAIT_FOR(fake_int(y, &y->migrates_recv) == 1 && fake_int(x, &x->migrates_send) == 1, 10000);
     gen_start(&n, fx.ch, 60);
@@ -663,15 +656,9 @@ static void test_replica_lost_during_drain(void **state)
 {
     (void)state;
     fixture fx;
-    fixture_start(&fx, 2, 64, 0);
-    fake_start(&fx, "w0", MIG_HOLD);
-    fake_start(&fx, "w1", MIG_HOLD);
-    wait_ready(&fx);
     gen_job a;
-    gen_start(&a, fx.ch, 60);
-    WAIT_FOR(gen_tokens(&a) >= 5, 10000);
-    fake *x = runner(&fx, 2), *y = x == &fx.fakes[0] ? &fx.fakes[1] : &fx.fakes[0];
-    assert_non_null(x);
+    fake *x, *y;
+    two_replicas_running(&fx, 64, MIG_HOLD, &a, 60, &x, &y);
     drain(&fx, x->name);
     WAIT_FOR(fake_int(y, &y->migrates_recv) == 1, 10000);
     fake_set(x, &x->kill);
