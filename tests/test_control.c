@@ -30,6 +30,7 @@
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
 
+#include "tests/test_time.h"
 #include "coordinator/control/control_server.h"
 #include "proto/grpc_util.h"
 #include "worker/control/control_client.h"
@@ -38,19 +39,6 @@ extern char **environ;
 
 static const char SECRET[] = "strata-test-cluster-secret-0123456789";
 #define SECRET_LEN (sizeof SECRET - 1)
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static void sleep_ms(int ms)
-{
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
 
 /* ---- the handler: records everything, checks order and callback overlap per peer ---- */
 

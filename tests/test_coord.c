@@ -23,6 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "tests/test_time.h"
 #include "coordinator/service/coord.h"
 #include "kvstore/plan.h"
 #include "tests/api_client.h"
@@ -34,19 +35,6 @@ static const char SECRET[] = "strata-test-cluster-secret-0123456789";
 #define PROMPT_TOKENS 4
 #define FAKE_TOKEN 282u /* an ordinary word piece of the model's vocabulary: never a stop token */
 #define MAX_FAKES 4
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
-static void sleep_ms(int ms)
-{
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
 
 /* ---- scripted workers ---- */
 

@@ -27,15 +27,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "tests/test_time.h"
 #include "coordinator/metrics/http.h"
 #include "coordinator/metrics/metrics.h"
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 static char *render(metrics_registry *r, size_t *len)
 {

@@ -25,6 +25,7 @@
 #include <grpc/grpc.h>
 #include <grpc/grpc_security.h>
 
+#include "tests/test_time.h"
 #include "coordinator/server/api_server.h"
 #include "tests/api_client.h"
 #include "proto/grpc_util.h"
@@ -226,13 +227,6 @@ static void fixture_stop(fixture *f, int drain_ms)
     api_server_shutdown(f->srv, drain_ms);
     assert_int_equal(f->b.bad, 0);
     pthread_mutex_destroy(&f->b.mu);
-}
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
 /* ---- tests ---- */

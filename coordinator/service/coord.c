@@ -55,18 +55,16 @@ typedef struct flight {
     uint64_t step;
     uint32_t answers;
     size_t n_work;
-    uint64_t *work_ids;          /* max_seqs entries each */
-    uint32_t *tokens;
-    bool *sampled;
-    bool *expect;                /* the work samples (decode, or a prompt's last chunk) */
-    int *status;
-    char (*message)[640];        /* a worker's message (up to 512 bytes) and where it came from */
-    /* The step's message and its outcomes, allocated once (max_seqs works, max_batch_tokens
-     * tokens: the scheduler's limits, test_sched): a step once planned is out, and running out
-     * of memory while sending or finishing it would leave the scheduler waiting for it. */
-    Strata__Internal__V1__SeqWork *works;
+    /* Every array is allocated once (max_seqs entries, max_batch_tokens tokens: the scheduler's
+     * limits, test_sched): a step once planned is out, and running out of memory while sending
+     * or finishing it would leave the scheduler waiting for it. */
+    Strata__Internal__V1__SeqWork *works;   /* the step's work as sent (seq_id, sample, ...) */
     Strata__Internal__V1__SeqWork **work_ptrs;
     uint32_t *plan_tokens;
+    uint32_t *tokens;
+    bool *sampled;
+    int *status;
+    char (*message)[640];        /* a worker's message (up to 512 bytes) and where it came from */
     sched_outcome *outcomes;
 } flight;
 
@@ -454,6 +452,14 @@ static void take_report(coord *c, uint32_t r, uint32_t s, const Strata__Internal
 static void finish_step(coord *c, uint32_t r, uint32_t k);
 static void take_migrate_done(coord *c, uint32_t r, uint32_t s, const Strata__Internal__V1__MigrateDone *d);
 
+/* "replica R stage S (worker NAME): what the worker said" (fallback when it said nothing). */
+static void worker_message(const coord *c, uint32_t r, uint32_t s, const Strata__Internal__V1__SeqResult *sr,
+                           const char *fallback, char *out, size_t cap)
+{
+    snprintf(out, cap, "replica %u stage %u (worker %s): %s", r, s, c->reps[r].stages[s].name,
+             sr->message && *sr->message ? sr->message : fallback);
+}
+
 static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal__V1__StepResult *res)
 {
     creplica *rp = &c->reps[r];
@@ -467,26 +473,24 @@ static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal
         const Strata__Internal__V1__SeqResult *sr = res->results[i];
         bool in_work = false;
         for (size_t w = 0; w < f->n_work; w++) {
-            if (f->work_ids[w] != sr->seq_id)
+            if (f->works[w].seq_id != sr->seq_id)
                 continue;
             in_work = true;
             if (sr->status != 0 && f->status[w] == 0) {
                 f->status[w] = (int)sr->status;
-                snprintf(f->message[w], sizeof f->message[w], "replica %u stage %u (worker %s): %s", r, s,
-                         rp->stages[s].name, sr->message && *sr->message ? sr->message : "failed");
+                worker_message(c, r, s, sr, "failed", f->message[w], sizeof f->message[w]);
             } else if (sr->status == 0 && s == c->cfg.stages - 1) {
                 f->sampled[w] = true;
                 f->tokens[w] = sr->token;
             }
         }
-        /* A sequence the step only preempted or resumed, whose spill or restore failed on this
-         * stage: its blocks are not where the scheduler now counts them (off the device, or
-         * back on it), so it cannot go on; end it now rather than when it next runs. */
+        /* A sequence the step preempted (not in its work) whose spill failed on this stage: its
+         * blocks are not where the scheduler now counts them (off the device), so it cannot go
+         * on; end it now rather than when it next runs. */
         creq *q = !in_work && sr->status != 0 ? find_by_id(c, sr->seq_id) : NULL;
         if (q) {
             char msg[640];
-            snprintf(msg, sizeof msg, "replica %u stage %u (worker %s): %s", r, s, rp->stages[s].name,
-                     sr->message && *sr->message ? sr->message : "moving its KV blocks between tiers failed");
+            worker_message(c, r, s, sr, "moving its KV blocks between tiers failed", msg, sizeof msg);
             logf_(c, "request %s failed: %s", api_stream_request_id(q->stream), msg);
             fail_req(c, q, (int)sr->status, msg);
         }
@@ -661,14 +665,14 @@ static void finish_step(coord *c, uint32_t r, uint32_t k)
     flight *f = &rp->flights[k];
     sched_outcome *out = f->outcomes;
     for (size_t w = 0; w < f->n_work; w++) {
-        creq *q = find_by_id(c, f->work_ids[w]);
+        creq *q = find_by_id(c, f->works[w].seq_id);
         bool ended = true;
         if (q && f->status[w] != 0) {
             logf_(c, "request %s failed: %s", api_stream_request_id(q->stream), f->message[w]);
             api_stream_fail(q->stream, f->status[w], f->message[w]);
             count_finish(c, FIN_ERROR);
             drop_req(c, q);
-        } else if (q && !f->expect[w]) {
+        } else if (q && !f->works[w].sample) {
             ended = false;   /* a prompt chunk ran; the next one (or the token) comes later */
         } else if (q && !f->sampled[w]) {
             api_stream_fail(q->stream, STRATA_EIO, "the last stage returned no token for this request");
@@ -677,7 +681,7 @@ static void finish_step(coord *c, uint32_t r, uint32_t k)
         } else if (q) {
             ended = deliver(c, q, f->tokens[w]);
         }
-        out[w] = (sched_outcome){.id = f->work_ids[w], .finished = ended};
+        out[w] = (sched_outcome){.id = f->works[w].seq_id, .finished = ended};
     }
     strata_error err = {0};
     if (sched_step_done(c->sched, (int)r, f->step, out, f->n_work, &err) != STRATA_OK)
@@ -732,7 +736,6 @@ static bool start_step(coord *c, uint32_t r)
             toks[at] = q->last_token;
         }
         w->sample = sw->sample;
-        f->expect[i] = sw->sample;
         const Strata__V1__SamplingParams *sp = q->req->sampling;
         w->temperature = sp->temperature;
         w->top_p = sp->top_p;
@@ -740,7 +743,6 @@ static bool start_step(coord *c, uint32_t r)
         w->seed = sp->seed;
         at += sw->n_tokens;
         wp[i] = w;
-        f->work_ids[i] = sw->id;
         f->status[i] = 0;
         f->sampled[i] = false;
         f->message[i][0] = '\0';
@@ -1573,18 +1575,16 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
         }
         for (uint32_t k = 0; k < c->cfg.steps_in_flight; k++) {
             flight *f = &rp->flights[k];
-            f->work_ids = calloc(n, sizeof *f->work_ids);
             f->tokens = calloc(n, sizeof *f->tokens);
             f->sampled = calloc(n, sizeof *f->sampled);
-            f->expect = calloc(n, sizeof *f->expect);
             f->status = calloc(n, sizeof *f->status);
             f->message = calloc(n, sizeof *f->message);
             f->works = calloc(n, sizeof *f->works);
             f->work_ptrs = calloc(n, sizeof *f->work_ptrs);
             f->plan_tokens = calloc(cfg->max_batch_tokens, sizeof *f->plan_tokens);
             f->outcomes = calloc(n, sizeof *f->outcomes);
-            if (!f->work_ids || !f->tokens || !f->sampled || !f->expect || !f->status || !f->message || !f->works ||
-                !f->work_ptrs || !f->plan_tokens || !f->outcomes)
+            if (!f->tokens || !f->sampled || !f->status || !f->message || !f->works || !f->work_ptrs ||
+                !f->plan_tokens || !f->outcomes)
                 rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
         }
     }
@@ -1705,10 +1705,8 @@ void coord_destroy(coord *c)
         free(rp->stages);
         for (uint32_t k = 0; rp->flights && k < c->cfg.steps_in_flight; k++) {
             flight *f = &rp->flights[k];
-            free(f->work_ids);
             free(f->tokens);
             free(f->sampled);
-            free(f->expect);
             free(f->status);
             free(f->message);
             free(f->works);
