@@ -76,6 +76,7 @@ typedef struct slab {
     req_list waiting;     /* RQ_SYNC_WAIT */
     req_list syncing;     /* RQ_SYNCING: covered by the fdatasync in flight */
     bool sync_inflight;
+    uint8_t sync_retries; /* EINTR/EAGAIN answers to the fdatasync in flight */
     char name[32];
 } slab;
 
@@ -378,6 +379,7 @@ static bool issue_syncs(nvme_store *s, bool force)
         }
         sl->n_waiting = 0;
         sl->sync_inflight = true;
+        sl->sync_retries = 0;
         backend_issue(s, (uint64_t)s->n_bufs + k, NVME_OP_FSYNC, k, NULL, 0, 0, 0);
         any = true;
     }
@@ -399,8 +401,15 @@ static int fault(nvme_store *s, nvme_op_kind kind, const req *r, uint32_t slab_i
 static void complete_sync(nvme_store *s, uint32_t k, int res)
 {
     slab *sl = &s->slabs[k];
-    sl->sync_inflight = false;
     res = fault(s, NVME_OP_FSYNC, NULL, k, 0, 0, res);
+    if ((res == -EINTR || res == -EAGAIN) && ++sl->sync_retries <= NVME_MAX_RETRIES) {
+        /* Interrupted or refused for now: the writes it covers are not durable yet, and
+         * nothing says they are lost. Ask again; the same requests stay in `syncing`. */
+        s->st.retried_transient++;
+        backend_issue(s, (uint64_t)s->n_bufs + k, NVME_OP_FSYNC, k, NULL, 0, 0, 0);
+        return;
+    }
+    sl->sync_inflight = false;
     int code = STRATA_OK;
     if (res < 0)
         code = errno_status(s, -res);

@@ -26,7 +26,8 @@
  *  - durable: after the data of the write completed, an fdatasync (IORING_OP_FSYNC with
  *    IORING_FSYNC_DATASYNC) of its slab file completed successfully. fdatasyncs are batched: one
  *    is issued per slab file when no more writes to it are in flight (or sync_batch writes are
- *    waiting), and it makes every write that completed before it durable. This was chosen over
+ *    waiting), and it makes every write that completed before it durable (one answering EINTR or EAGAIN is
+ *    issued again, up to NVME_MAX_RETRIES times, before its writes fail). This was chosen over
  *    RWF_DSYNC per write because preallocated extents are "unwritten" until first written, so
  *    every DSYNC write would commit the journal on its own; a batch commits once.
  *  - verified: see nvme_verify_mode. Only then may the copy in the tier above be freed.
@@ -64,7 +65,7 @@
 #include "kvstore/error.h"
 
 #define NVME_PAGE 4096u
-#define NVME_MAX_RETRIES 8  /* resubmissions of one chunk (short counts, EINTR/EAGAIN) */
+#define NVME_MAX_RETRIES 8  /* resubmissions of one chunk (short counts, EINTR/EAGAIN) or fdatasync */
 
 typedef struct nvme_store nvme_store;
 

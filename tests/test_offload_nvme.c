@@ -554,8 +554,10 @@ static void test_fault_transient(void **state)
         /* Interrupted or refused for now: issued again, every block arrives intact. */
         fault_run(sync_io, NVME_OP_WRITE, -1, INJ_RESULT, -EINTR, 5, STRATA_OK, "");
         fault_run(sync_io, NVME_OP_READ, -1, INJ_RESULT, -EAGAIN, 5, STRATA_OK, "");
+        fault_run(sync_io, NVME_OP_FSYNC, -1, INJ_RESULT, -EINTR, 3, STRATA_OK, "");
         /* Refused for good: a clear failure after the retries, not a loop. */
         fault_run(sync_io, NVME_OP_WRITE, -1, INJ_RESULT, -EAGAIN, 1000, STRATA_EIO, "Resource temporarily unavailable");
+        fault_run(sync_io, NVME_OP_FSYNC, -1, INJ_RESULT, -EINTR, 1000, STRATA_EIO, "Interrupted system call");
     }
 }
 
