@@ -237,6 +237,7 @@ static void *fake_main(void *arg)
 typedef struct gen_job {
     grpc_channel *ch;
     uint32_t max_tokens;
+    uint32_t prompt_tokens; /* 0: a short prompt of PROMPT_TOKENS */
     pthread_t thread;
     pthread_mutex_t mu;
     int tokens;
@@ -268,9 +269,13 @@ static void on_generate_response(void *user, ProtobufCMessage *msg)
 static void *gen_main(void *arg)
 {
     gen_job *g = arg;
-    uint32_t ids[PROMPT_TOKENS] = {504, 1115, 314, 253};
+    uint32_t ids[400] = {504, 1115, 314, 253};
+    uint32_t n = g->prompt_tokens ? g->prompt_tokens : PROMPT_TOKENS;
+    assert_true(n <= sizeof ids / sizeof *ids);
+    for (uint32_t i = PROMPT_TOKENS; i < n; i++)
+        ids[i] = 30000 + i;   /* a 3-byte varint each on the wire */
     Strata__V1__TokenIds t = STRATA__V1__TOKEN_IDS__INIT;
-    t.n_ids = PROMPT_TOKENS;
+    t.n_ids = n;
     t.ids = ids;
     Strata__V1__SamplingParams sp = STRATA__V1__SAMPLING_PARAMS__INIT;
     sp.max_tokens = g->max_tokens;
@@ -290,13 +295,19 @@ static void *gen_main(void *arg)
     return NULL;
 }
 
-static void gen_start(gen_job *g, grpc_channel *ch, uint32_t max_tokens)
+static void gen_start_prompt(gen_job *g, grpc_channel *ch, uint32_t prompt_tokens, uint32_t max_tokens)
 {
     memset(g, 0, sizeof *g);
     g->ch = ch;
+    g->prompt_tokens = prompt_tokens;
     g->max_tokens = max_tokens;
     pthread_mutex_init(&g->mu, NULL);
     assert_int_equal(pthread_create(&g->thread, NULL, gen_main, g), 0);
+}
+
+static void gen_start(gen_job *g, grpc_channel *ch, uint32_t max_tokens)
+{
+    gen_start_prompt(g, ch, 0, max_tokens);
 }
 
 static int gen_tokens(gen_job *g)
@@ -376,14 +387,22 @@ static fake *fake_start(fixture *fx, const char *name, mig_mode mig)
     return f;
 }
 
+/* What most tests leave at its default (0). */
+typedef struct fixture_limits {
+    uint32_t max_batch_tokens;   /* default 64 */
+    size_t max_message_bytes;    /* of the control stream; default the server's */
+} fixture_limits;
+
 /* host_blocks: block rows of a host tier (0: none). */
-static void fixture_start(fixture *fx, uint32_t replicas, size_t blocks_per_replica, size_t host_blocks)
+static void fixture_start_limits(fixture *fx, uint32_t replicas, size_t blocks_per_replica, size_t host_blocks,
+                                 fixture_limits lim)
 {
     memset(fx, 0, sizeof *fx);
     fx->device_kv_bytes = fp16_rows_bytes(blocks_per_replica);
     fx->host_kv_bytes = host_blocks ? fp16_rows_bytes(host_blocks) : 0;
     coord_config cc = {.model_path = model_path(), .replicas = replicas, .stages = 1, .kv = "fp16",
-                       .block_tokens = BLOCK_TOKENS, .ctx = 512, .max_seqs = 4, .max_batch_tokens = 64,
+                       .block_tokens = BLOCK_TOKENS, .ctx = 512, .max_seqs = 4,
+                       .max_batch_tokens = lim.max_batch_tokens ? lim.max_batch_tokens : 64,
                        .device_kv_bytes = fx->device_kv_bytes, .host_kv_bytes = fx->host_kv_bytes, .quiet = true};
     strata_error err = {0};
     if (!(fx->co = coord_create(&cc, &err)))
@@ -392,6 +411,8 @@ static void fixture_start(fixture *fx, uint32_t replicas, size_t blocks_per_repl
     co.listen_addr = "127.0.0.1:0";
     co.cluster_secret = SECRET;
     co.cluster_secret_len = sizeof SECRET - 1;
+    if (lim.max_message_bytes)
+        co.max_message_bytes = lim.max_message_bytes;
     ctl_handler h = coord_ctl_handler(fx->co);
     if (ctl_server_start(&co, &h, &fx->ctl, &err) != STRATA_OK)
         fail_msg("ctl_server_start: %s", err.msg);
@@ -402,6 +423,11 @@ static void fixture_start(fixture *fx, uint32_t replicas, size_t blocks_per_repl
     if (api_server_start(&ao, &b, &fx->api, &err) != STRATA_OK)
         fail_msg("api_server_start: %s", err.msg);
     fx->ch = api_client_channel(api_server_port(fx->api));
+}
+
+static void fixture_start(fixture *fx, uint32_t replicas, size_t blocks_per_replica, size_t host_blocks)
+{
+    fixture_start_limits(fx, replicas, blocks_per_replica, host_blocks, (fixture_limits){0});
 }
 
 static void fixture_stop(fixture *fx)
@@ -731,6 +757,31 @@ static void test_failed_spill_ends_request(void **state)
     fixture_stop(&fx);
 }
 
+/* A step plan the control stream cannot carry (here: a prompt larger than its message limit)
+ * must not leave the step out for ever, the request waiting and the replica stuck: the worker's
+ * stream is ended and the request fails at once with the reason. */
+static void test_unsendable_step_ends_request(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start_limits(&fx, 1, 64, 0, (fixture_limits){.max_batch_tokens = 512, .max_message_bytes = 700});
+    fake *w = fake_start(&fx, "w0", MIG_OK);
+    wait_ready(&fx);
+    gen_job a;
+    gen_start_prompt(&a, fx.ch, 300, 8);   /* about 900 bytes of token ids in one step */
+    WAIT_FOR(gen_done(&a), 10000);
+    gen_join(&a);
+    if (a.status != GRPC_STATUS_UNAVAILABLE && a.error != GRPC_STATUS_UNAVAILABLE)
+        fail_msg("request: status %d (%s), error %u (%s), %d tokens", a.status, a.details, a.error, a.error_message,
+                 a.tokens);
+    if (!strstr(a.details, "above the limit") && !strstr(a.error_message, "above the limit"))
+        fail_msg("the reason is missing: '%s' '%s'", a.details, a.error_message);
+    assert_int_equal(a.tokens, 0);
+    assert_int_equal(fake_int(w, &w->plans), 0);   /* the worker never saw the step */
+    WAIT_FOR(fake_flag(w, &w->ended), 10000);
+    fixture_stop(&fx);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -741,6 +792,7 @@ int main(void)
         cmocka_unit_test(test_replica_lost_during_drain),
         cmocka_unit_test(test_destination_lost_source_goes_on),
         cmocka_unit_test(test_failed_spill_ends_request),
+        cmocka_unit_test(test_unsendable_step_ends_request),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

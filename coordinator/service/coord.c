@@ -281,6 +281,22 @@ static void send_shutdown(ctl_peer *p, bool drain)
     (void)ctl_peer_send(p, &m, NULL);   /* a peer that is already gone needs no shutdown */
 }
 
+/* Sends msg to a worker. A message that could not be queued while the stream goes on (too large
+ * for the control stream, out of memory) would leave the worker out of step with the coordinator
+ * (a step it never runs, a migration it never answers), so that stream is ended: on_gone then
+ * treats the worker as lost. STRATA_EIO and STRATA_EFULL mean the stream is already ending. */
+static void send_or_end(coord *c, ctl_peer *p, const char *name,
+                        const Strata__Internal__V1__CoordinatorMessage *m, const char *what)
+{
+    strata_error err = {0};
+    int rc = ctl_peer_send(p, m, &err);
+    if (rc == STRATA_OK)
+        return;
+    logf_(c, "%s to worker %s: %s", what, name, err.msg);
+    if (rc != STRATA_EIO && rc != STRATA_EFULL)
+        ctl_peer_close(p, 13 /* GRPC_STATUS_INTERNAL */, err.msg);
+}
+
 static void send_assignments(coord *c, uint32_t r)
 {
     creplica *rp = &c->reps[r];
@@ -312,9 +328,7 @@ static void send_assignments(coord *c, uint32_t r)
         Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
         m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ASSIGNMENT;
         m.assignment = &a;
-        strata_error err = {0};
-        if (ctl_peer_send(rp->stages[s].peer, &m, &err) != STRATA_OK)
-            logf_(c, "assignment to worker %s: %s", rp->stages[s].name, err.msg);
+        send_or_end(c, rp->stages[s].peer, rp->stages[s].name, &m, "assignment");
     }
     rp->assigned = true;
     logf_(c, "replica %u: %u workers joined; assigned layers", r, c->cfg.stages);
@@ -764,10 +778,11 @@ static bool start_step(coord *c, uint32_t r)
     f->n_work = plan.n_work;
     f->answers = 0;
     rp->n_flights++;
+    char what[64];
+    snprintf(what, sizeof what, "replica %u step %" PRIu64, r, plan.step);
+    /* After a failed send on_gone tears the replica down, and its requests end with the reason. */
     for (uint32_t s = 0; s < c->cfg.stages; s++)
-        if (ctl_peer_send(rp->stages[s].peer, &m, &err) != STRATA_OK)
-            logf_(c, "replica %u step %" PRIu64 " to worker %s: %s", r, plan.step, rp->stages[s].name, err.msg);
-    /* A failed send means the stream is ending: on_gone tears the replica down. */
+        send_or_end(c, rp->stages[s].peer, rp->stages[s].name, &m, what);
     return true;
 }
 
@@ -783,9 +798,7 @@ static void send_migrate(coord *c, uint32_t r, uint32_t s, uint32_t peer_r, bool
     Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
     m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_MIGRATE;
     m.migrate = &mg;
-    strata_error err = {0};
-    if (ctl_peer_send(c->reps[r].stages[s].peer, &m, &err) != STRATA_OK)
-        logf_(c, "migrate to worker %s: %s", c->reps[r].stages[s].name, err.msg);
+    send_or_end(c, c->reps[r].stages[s].peer, c->reps[r].stages[s].name, &m, "migrate");
 }
 
 /* Sends the Migrate pairs once neither replica has a step out (receivers first: they wait). */
