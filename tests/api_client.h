@@ -1,10 +1,13 @@
 /* A minimal gRPC C-core client for the tests of the public API (test_server, test_coord): one
  * call, its request sent and half-closed, every response handed to a callback, then the status.
- * Blocking, one completion queue per call; cmocka asserts on the transport's own failures. */
+ * Blocking, one completion queue per call. Callable from any thread: a failure of the transport
+ * itself aborts the test binary with the condition, since a cmocka assert may only fail on the
+ * test's own thread (it jumps back into the test function). */
 #ifndef STRATA_TESTS_API_CLIENT_H
 #define STRATA_TESTS_API_CLIENT_H
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include <grpc/grpc.h>
@@ -12,13 +15,21 @@
 
 #include "proto/grpc_util.h"
 
+#define API_CLIENT_REQUIRE(cond)                                                                  \
+    do {                                                                                          \
+        if (!(cond)) {                                                                            \
+            fprintf(stderr, "%s:%d: api_client: %s does not hold\n", __FILE__, __LINE__, #cond); \
+            abort();                                                                              \
+        }                                                                                         \
+    } while (0)
+
 /* Takes ownership of m (free it with protobuf_c_message_free_unpacked). */
 typedef void (*api_client_on_response)(void *user, ProtobufCMessage *m);
 
 static inline void api_client_pluck(grpc_completion_queue *cq, void *tag)
 {
     grpc_event ev = grpc_completion_queue_pluck(cq, tag, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-    assert_int_equal(ev.type, GRPC_OP_COMPLETE);
+    API_CLIENT_REQUIRE(ev.type == GRPC_OP_COMPLETE);
 }
 
 /* Calls method with the packed request msg (NULL: an empty message) under a timeout_ms deadline;
@@ -32,10 +43,10 @@ static inline void api_client_call(grpc_channel *ch, const char *method, const P
     gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
     grpc_call *c = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, grpc_slice_from_static_string(method),
                                             NULL, deadline, NULL);
-    assert_non_null(c);
+    API_CLIENT_REQUIRE(c != NULL);
     grpc_byte_buffer *send = NULL;
     if (msg)
-        assert_int_equal(proto_pack(msg, 1 << 20, &send, NULL), STRATA_OK);
+        API_CLIENT_REQUIRE(proto_pack(msg, 1 << 20, &send, NULL) == STRATA_OK);
     else
         send = grpc_raw_byte_buffer_create(NULL, 0);
     grpc_metadata_array md_in, trailing;
@@ -49,7 +60,7 @@ static inline void api_client_call(grpc_channel *ch, const char *method, const P
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
     ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
     ops[3].data.recv_initial_metadata.recv_initial_metadata = &md_in;
-    assert_int_equal(grpc_call_start_batch(c, ops, 4, (void *)1, NULL), GRPC_CALL_OK);
+    API_CLIENT_REQUIRE(grpc_call_start_batch(c, ops, 4, (void *)1, NULL) == GRPC_CALL_OK);
     api_client_pluck(cq, (void *)1);
     for (;;) {
         grpc_byte_buffer *bb = NULL;
@@ -57,12 +68,12 @@ static inline void api_client_call(grpc_channel *ch, const char *method, const P
         memset(&op, 0, sizeof op);
         op.op = GRPC_OP_RECV_MESSAGE;
         op.data.recv_message.recv_message = &bb;
-        assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)2, NULL), GRPC_CALL_OK);
+        API_CLIENT_REQUIRE(grpc_call_start_batch(c, &op, 1, (void *)2, NULL) == GRPC_CALL_OK);
         api_client_pluck(cq, (void *)2);
         if (!bb)
             break;
         ProtobufCMessage *m = NULL;
-        assert_int_equal(proto_unpack(bb, resp_desc, 1 << 20, &m, NULL), STRATA_OK);
+        API_CLIENT_REQUIRE(proto_unpack(bb, resp_desc, 1 << 20, &m, NULL) == STRATA_OK);
         grpc_byte_buffer_destroy(bb);
         on_response(user, m);
     }
@@ -73,7 +84,7 @@ static inline void api_client_call(grpc_channel *ch, const char *method, const P
     op.data.recv_status_on_client.trailing_metadata = &trailing;
     op.data.recv_status_on_client.status = status;
     op.data.recv_status_on_client.status_details = &slice;
-    assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)3, NULL), GRPC_CALL_OK);
+    API_CLIENT_REQUIRE(grpc_call_start_batch(c, &op, 1, (void *)3, NULL) == GRPC_CALL_OK);
     api_client_pluck(cq, (void *)3);
     snprintf(details, details_cap, "%.*s", (int)GRPC_SLICE_LENGTH(slice), (const char *)GRPC_SLICE_START_PTR(slice));
     grpc_slice_unref(slice);

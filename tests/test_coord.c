@@ -270,8 +270,7 @@ static void *gen_main(void *arg)
 {
     gen_job *g = arg;
     uint32_t ids[400] = {504, 1115, 314, 253};
-    uint32_t n = g->prompt_tokens ? g->prompt_tokens : PROMPT_TOKENS;
-    assert_true(n <= sizeof ids / sizeof *ids);
+    uint32_t n = g->prompt_tokens ? g->prompt_tokens : PROMPT_TOKENS;   /* checked by gen_start_prompt */
     for (uint32_t i = PROMPT_TOKENS; i < n; i++)
         ids[i] = 30000 + i;   /* a 3-byte varint each on the wire */
     Strata__V1__TokenIds t = STRATA__V1__TOKEN_IDS__INIT;
@@ -297,6 +296,7 @@ static void *gen_main(void *arg)
 
 static void gen_start_prompt(gen_job *g, grpc_channel *ch, uint32_t prompt_tokens, uint32_t max_tokens)
 {
+    assert_true(prompt_tokens <= 400);   /* gen_main's array */
     memset(g, 0, sizeof *g);
     g->ch = ch;
     g->prompt_tokens = prompt_tokens;
