@@ -132,23 +132,45 @@ static int save_to(kv_seq *seq, FILE *f, const char *path, strata_error *err)
 
 int kv_blockfile_save(kv_seq *seq, const char *path, strata_error *err)
 {
-    if (!seq || !path)
-        return strata_fail(err, STRATA_EINVAL, "saving a block file: NULL argument");
-    int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (fd < 0)
-        return strata_fail(err, STRATA_EIO, "cannot create %s: %s", path, strerror(errno));
-    FILE *f = fdopen(fd, "wb");
-    if (!f) {
+    if (!seq || !path || !*path)
+        return strata_fail(err, STRATA_EINVAL, "saving a block file: no sequence or path");
+    /* Only a regular file is ever replaced: a device node or a FIFO in its place is the user's. */
+    struct stat st;
+    if (lstat(path, &st) == 0 && !S_ISREG(st.st_mode))
+        return strata_fail(err, STRATA_EIO, "%s exists and is not a regular file: not replacing it", path);
+    /* Written beside its final name and renamed there once complete and on disk, so a failure
+     * (a full disk, an I/O error) leaves a file that was there as it was, never half written. */
+    size_t n = strlen(path);
+    char *tmp = malloc(n + sizeof ".tmp-XXXXXX");
+    if (!tmp)
+        return strata_fail(err, STRATA_ENOMEM, "saving %s: out of memory", path);
+    memcpy(tmp, path, n);
+    memcpy(tmp + n, ".tmp-XXXXXX", sizeof ".tmp-XXXXXX");
+    int fd = mkostemp(tmp, O_CLOEXEC);   /* mode 0600 */
+    if (fd < 0) {
         int e = errno;
-        close(fd);
-        unlink(path);
-        return strata_fail(err, STRATA_EIO, "cannot open %s: %s", path, strerror(e));
+        free(tmp);
+        return strata_fail(err, STRATA_EIO, "cannot create a file beside %s: %s", path, strerror(e));
     }
-    int rc = save_to(seq, f, path, err);
-    if (fclose(f) != 0 && rc == STRATA_OK)
-        rc = strata_fail(err, STRATA_EIO, "writing %s: %s", path, strerror(errno));
-    if (rc)
-        unlink(path);   /* a half-written file would only mislead a later inspect */
+    FILE *f = fdopen(fd, "wb");
+    int rc = STRATA_OK;
+    if (!f) {
+        rc = strata_fail(err, STRATA_EIO, "cannot open %s: %s", tmp, strerror(errno));
+        close(fd);
+    } else {
+        rc = save_to(seq, f, path, err);
+        if (rc == STRATA_OK && fflush(f) != 0)
+            rc = strata_fail(err, STRATA_EIO, "writing %s: %s", path, strerror(errno));
+        if (rc == STRATA_OK && fsync(fd) != 0)
+            rc = strata_fail(err, STRATA_EIO, "writing %s: %s", path, strerror(errno));
+        if (fclose(f) != 0 && rc == STRATA_OK)
+            rc = strata_fail(err, STRATA_EIO, "writing %s: %s", path, strerror(errno));
+    }
+    if (rc == STRATA_OK && rename(tmp, path) != 0)
+        rc = strata_fail(err, STRATA_EIO, "renaming %s to %s: %s", tmp, path, strerror(errno));
+    if (rc != STRATA_OK)
+        unlink(tmp);
+    free(tmp);
     return rc;
 }
 

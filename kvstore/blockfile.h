@@ -17,7 +17,9 @@
 /* Writes every block of seq, layer by layer in position order, each layer's non-empty fp16 tail
  * following its blocks as one fp16-codec block, so the file holds the whole sequence.
  * The file is created with mode 0600 (it holds activations of a user's request). Blocks held in
- * a lower tier are fetched back (kv_seq_acquire_layer). */
+ * a lower tier are fetched back (kv_seq_acquire_layer). It is written as PATH.tmp-XXXXXX, synced,
+ * then renamed to path: on failure whatever was at path is untouched and the temporary file is
+ * removed. An existing path that is not a regular file (a device, a FIFO) is refused. */
 int kv_blockfile_save(kv_seq *seq, const char *path, strata_error *err);
 
 /* Reads a block file, prints its header and, per block, the header fields, section table and

@@ -8,6 +8,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
+#include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -257,6 +260,65 @@ static void test_save_errors(void **state)
     assert_int_equal(kv_blockfile_save(NULL, f->path, &err), STRATA_EINVAL);
 }
 
+static int entries_in(const char *dir)
+{
+    DIR *d = opendir(dir);
+    assert_non_null(d);
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));)
+        n += strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0;
+    closedir(d);
+    return n;
+}
+
+/* A save that fails leaves what was at the path as it was (a file written before, a FIFO) and
+ * nothing beside it: the disk filling half way (here a file size limit) must not cost the
+ * user an older dump, and a path that is not a regular file is never replaced. */
+static void test_save_failure_keeps_old(void **state)
+{
+    fixture *f = *state;
+    strata_error err = {0};
+    char dir[] = "/tmp/strata_blockfile_dir_XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char old[64], fifo[64];
+    snprintf(old, sizeof old, "%s/old.skv", dir);
+    snprintf(fifo, sizeof fifo, "%s/fifo", dir);
+    static const uint8_t before[100] = {1, 2, 3};
+    spit(old, before, sizeof before);
+    struct rlimit was;
+    assert_int_equal(getrlimit(RLIMIT_FSIZE, &was), 0);
+    struct rlimit small = {4096, was.rlim_max};
+    void (*prev)(int) = signal(SIGXFSZ, SIG_IGN);   /* a write past the limit fails with EFBIG */
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &small), 0);
+    int rc = kv_blockfile_save(f->seq, old, &err);
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &was), 0);
+    signal(SIGXFSZ, prev);
+    assert_int_equal(rc, STRATA_EIO);
+    assert_non_null(strstr(err.msg, "File too large"));
+    size_t n;
+    uint8_t *after = slurp(old, &n);
+    assert_int_equal(n, sizeof before);
+    assert_memory_equal(after, before, n);
+    free(after);
+    assert_int_equal(entries_in(dir), 1);   /* no temporary file left */
+    /* Not a regular file: refused before anything is written, and kept. */
+    assert_int_equal(mkfifo(fifo, 0600), 0);
+    assert_int_equal(kv_blockfile_save(f->seq, fifo, &err), STRATA_EIO);
+    assert_non_null(strstr(err.msg, "not a regular file"));
+    struct stat st;
+    assert_int_equal(lstat(fifo, &st), 0);
+    assert_true(S_ISFIFO(st.st_mode));
+    /* And a save that succeeds replaces the old file whole. */
+    assert_int_equal(kv_blockfile_save(f->seq, old, &err), STRATA_OK);
+    assert_int_equal(stat(old, &st), 0);
+    assert_true(st.st_size > 4096);
+    assert_int_equal(st.st_mode & 0777, 0600);
+    assert_int_equal(entries_in(dir), 2);
+    unlink(old);
+    unlink(fifo);
+    assert_int_equal(rmdir(dir), 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -264,6 +326,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(test_inspect_ok, setup, teardown),
         cmocka_unit_test_setup_teardown(test_inspect_damage, setup, teardown),
         cmocka_unit_test_setup_teardown(test_save_errors, setup, teardown),
+        cmocka_unit_test_setup_teardown(test_save_failure_keeps_old, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

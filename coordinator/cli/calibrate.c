@@ -139,7 +139,7 @@ static int parse_opts(int argc, char **argv, cal_opts *o)
         fprintf(stderr, "strata calibrate: --text, --budget and --out are required (try --help)\n");
         return EXIT_USAGE;
     }
-    if (!cli_check_writable("calibrate", "--out", o->out_path))
+    if (!cli_check_writable("calibrate", "--out", o->out_path, false))
         return EXIT_USAGE;
     return cli_tier_finish("calibrate", &o->tiers);
 }

@@ -40,9 +40,10 @@ int cli_tokenize_document(const struct tokenizer *tok, const char *text, size_t 
 
 /* Whether the file an output flag names could be written, checked before a long run so that a
  * typo does not throw the run's result away: its folder must exist and be writable, and the
- * path must not be a folder (or an existing file we may not write). Prints
+ * path must not be a folder (or an existing file we may not write; with regular_only, anything
+ * but a regular file: a device or FIFO the output would replace). Prints
  * "strata CMD: FLAG PATH: ..." and returns false otherwise. Nothing is created. */
-bool cli_check_writable(const char *cmd, const char *flag, const char *path);
+bool cli_check_writable(const char *cmd, const char *flag, const char *path, bool regular_only);
 
 /* Reads the --text of eval and calibrate (at most 64 MiB, NUL-terminated, malloc'd): it must be
  * UTF-8 without NUL bytes, since the scores of a binary or mis-encoded file would be numbers

@@ -279,7 +279,7 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
         fprintf(stderr, "strata generate: --kv and --kv-plan both set the KV codecs; give one\n");
         return EXIT_USAGE;
     }
-    if (o->save_kv && !cli_check_writable("generate", "--save-kv", o->save_kv))
+    if (o->save_kv && !cli_check_writable("generate", "--save-kv", o->save_kv, true))
         return EXIT_USAGE;
     int rc = cli_tier_finish("generate", &o->tiers);
     if (rc == 0 && o->cuda_device >= 0 && o->save_kv) {

@@ -18,7 +18,7 @@ double cli_now_seconds(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-bool cli_check_writable(const char *cmd, const char *flag, const char *path)
+bool cli_check_writable(const char *cmd, const char *flag, const char *path, bool regular_only)
 {
     const char *why = NULL;
     struct stat st;
@@ -27,6 +27,8 @@ bool cli_check_writable(const char *cmd, const char *flag, const char *path)
     } else if (stat(path, &st) == 0) {
         if (S_ISDIR(st.st_mode))
             why = "is a folder";
+        else if (regular_only && !S_ISREG(st.st_mode))
+            why = "exists and is not a regular file";
         else if (access(path, W_OK) != 0)
             why = strerror(errno);
     } else if (errno != ENOENT) {

@@ -59,6 +59,9 @@ done
 expect 2 "--kv and --kv-plan both set the KV codecs" "${syn[@]}" -p hi --kv kivi2 --kv-plan "$tmp/plan.txt"
 expect 2 "--save-kv $tmp/none/kv.bin: its folder does not exist" "${syn[@]}" -p hi --save-kv "$tmp/none/kv.bin"
 expect 2 "--save-kv $tmp: is a folder" "${syn[@]}" -p hi --save-kv "$tmp"
+mkfifo "$tmp/fifo"   # never replaced: a device or FIFO at the path is the user's
+expect 2 "--save-kv $tmp/fifo: exists and is not a regular file" "${syn[@]}" -p hi --save-kv "$tmp/fifo"
+[[ -p $tmp/fifo ]] || { echo "test_synthetic: the FIFO at --save-kv's path is gone"; exit 1; }
 expect 2 "--out $tmp/none/p.txt: its folder does not exist" "$strata" calibrate --text "$tmp/x" --budget 9 \
   --out "$tmp/none/p.txt"
 expect 2 "--chat does not apply with --server" "$strata" generate --server 127.0.0.1:1 --chat -p hi
