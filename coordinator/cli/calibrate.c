@@ -45,11 +45,12 @@ static void usage(FILE *out)
             "      --budget BYTES      bytes per token, summed over layers (required); strata eval\n"
             "                          prints each codec's B/token for reference\n"
             "      --out PLAN          the plan file to write (required)\n"
-            "      --candidates LIST   codecs a layer may use (default tada2,tada4,tada8)\n"
+            "      --candidates LIST   codecs a layer may use, each once (default tada2,tada4,tada8)\n"
             "      --kv-group G        quantization group for every candidate (default: each codec's)\n"
             "      --kv-residual R     fp16 residual window for every candidate (default 128)\n"
             "      --block-tokens N    tokens per KV block (default 64)\n"
-            "      --prefill N         tokens prefilled exactly (default 512)\n"
+            "      --prefill N         tokens prefilled exactly (default 512); with --tokens, enough for\n"
+            "                          every candidate to form a block (its window R + one block)\n"
             "      --tokens T          decode steps scored per run (default 32)\n"
             "  -q, --quiet             no progress on stderr\n"
             "      --threads N         compute threads: matmul kernel and BLAS (default: the number\n"
@@ -184,6 +185,15 @@ static int parse_candidates(const cal_opts *o, const kv_geometry *g, candidate *
             return EXIT_USAGE;
         }
         c->block_bytes = kv_block_size(&c->codec, g);
+        char mine[64], theirs[64];
+        kv_codec_name(&c->codec, mine, sizeof mine);
+        for (int i = 0; i < *n; i++) {
+            kv_codec_name(&out[i].codec, theirs, sizeof theirs);
+            if (strcmp(mine, theirs) == 0) {
+                fprintf(stderr, "strata calibrate: --candidates: %s is the same codec as %s\n", c->name, out[i].name);
+                return EXIT_USAGE;
+            }
+        }
         (*n)++;
         p += len + (p[len] ? 1 : 0);
     }
@@ -328,15 +338,31 @@ int cmd_calibrate(int argc, char **argv)
         exit_code = rc;
         goto done;
     }
-    /* Budget per token summed over layers -> bytes per block row. */
+    /* Budget per token summed over layers -> bytes per block row; a budget above the most precise
+     * plan's is that plan's (the search table has a column per 64 bytes of it). */
     const double bt = o.kv.block_tokens;
-    size_t cap = (size_t)floor(o.budget * bt);
-    double min_bpt = (double)cand[0].block_bytes * L / bt, max_bpt = (double)cand[C - 1].block_bytes * L / bt;
+    const double max_row = (double)cand[C - 1].block_bytes * L;
+    size_t cap = o.budget * bt < max_row ? (size_t)floor(o.budget * bt) : (size_t)max_row;
+    double min_bpt = (double)cand[0].block_bytes * L / bt, max_bpt = max_row / bt;
     if ((double)cand[0].block_bytes * L > (double)cap) {
         fprintf(stderr, "strata calibrate: --budget %.1f is below the cheapest plan (every layer %s: %.1f bytes/token)\n",
                 o.budget, cand[0].name, min_bpt);
         exit_code = EXIT_USAGE;
         goto done;
+    }
+
+    /* A codec whose layers form no block in the run is never measured (its KL is 0 whatever its
+     * damage), and the search would pick it everywhere. */
+    for (int c = 0; c < C; c++) {
+        long need = (long)cand[c].codec.residual + o.kv.block_tokens;
+        if (o.prefill + o.tokens < need) {
+            fprintf(stderr, "strata calibrate: --prefill %ld + --tokens %ld = %ld tokens form no block of %s (its fp16 "
+                            "window of %d tokens plus one %ld-token block: %ld); use a longer --prefill\n",
+                    o.prefill, o.tokens, o.prefill + o.tokens, cand[c].name, cand[c].codec.residual,
+                    (long)o.kv.block_tokens, need);
+            exit_code = EXIT_USAGE;
+            goto done;
+        }
     }
 
     const tokenizer *tok = model_get_tokenizer(m);
@@ -424,8 +450,8 @@ int cmd_calibrate(int argc, char **argv)
     }
     if (ps.tty && !o.quiet)
         fputc('\n', stderr);
-    if (solve(L, C, cost, cand, cap, choice) != 0) {
-        fprintf(stderr, "strata calibrate: no plan fits the budget (or out of memory)\n");
+    if ((rc = solve(L, C, cost, cand, cap, choice)) != 0) {
+        fprintf(stderr, "strata calibrate: %s\n", rc == -2 ? "out of memory for the plan search" : "no plan fits the budget");
         goto done;
     }
     for (int l = 0; l < L; l++)

@@ -48,6 +48,14 @@ PY
 expect 2 "required" "$strata" calibrate --text "$tmp/text.txt"
 expect 2 "below the cheapest plan" "$strata" calibrate --text "$tmp/text.txt" --budget 100 --out "$tmp/p.txt" -q
 expect 2 "at least two codecs" "$strata" calibrate --text "$tmp/text.txt" --budget 9000 --out "$tmp/p.txt" --candidates kivi2 -q
+expect 2 "kivi2-g32 is the same codec as kivi2" "$strata" calibrate --text "$tmp/text.txt" --budget 9000 \
+  --out "$tmp/p.txt" --candidates kivi2,kivi2-g32 -q
+# too short a run to form one block: every codec would look free
+expect 2 "form no block of kivi2" "$strata" calibrate --text "$tmp/text.txt" --budget 9000 --out "$tmp/p.txt" \
+  --candidates kivi2,kivi4 --prefill 64 --tokens 4 -q
+# a budget above the most precise plan is that plan's (the search's table once grew with it)
+"$strata" calibrate --text "$tmp/text.txt" --budget 1e9 --out "$tmp/big.txt" --candidates kivi2,kivi4 \
+  --prefill 192 --tokens 1 -q >/dev/null 2>"$tmp/err" || fail "calibrate --budget 1e9: $(cat "$tmp/err")"
 "$strata" calibrate --text "$tmp/text.txt" --budget 5000 --out "$tmp/plan.txt" --candidates kivi2,kivi4 \
   --prefill 200 --tokens 2 -q >"$tmp/cal.out" 2>"$tmp/err" || fail "calibrate run: $(cat "$tmp/err")"
 grep -q "^# strata calibrate" "$tmp/plan.txt" || fail "plan file lacks its comment"
