@@ -242,3 +242,5 @@ void kv_tiers_get_stats(const kv_tiers *t, kv_tiers_stats *out)
 }
 
 const char *kv_tiers_describe(const kv_tiers *t) { return t ? t->describe : ""; }
+
+const nvme_store *kv_tiers_nvme(const kv_tiers *t) { return t ? t->nvme : NULL; }

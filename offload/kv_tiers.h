@@ -61,6 +61,9 @@ typedef struct kv_tiers_stats {
 
 void kv_tiers_get_stats(const kv_tiers *t, kv_tiers_stats *out);
 
+/* The NVMe store under the host tier (NULL: host only), for nvme_store_owned_paths. */
+const nvme_store *kv_tiers_nvme(const kv_tiers *t);
+
 /* One line: the host arena's size and memory kind, and the NVMe path in use (or none). */
 const char *kv_tiers_describe(const kv_tiers *t);
 

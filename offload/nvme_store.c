@@ -964,6 +964,18 @@ void nvme_store_get_stats(const nvme_store *s, nvme_store_stats *out)
 
 const char *nvme_store_describe(const nvme_store *s) { return s->describe; }
 
+size_t nvme_store_owned_paths(const nvme_store *s, char *paths, size_t path_cap, size_t cap)
+{
+    size_t n = s->n_slabs + (s->created_dir ? 1 : 0);
+    for (size_t i = 0; i < n && i < cap; i++) {
+        int len = i < s->n_slabs ? snprintf(paths + i * path_cap, path_cap, "%s/%s", s->dir, s->slabs[i].name)
+                                 : snprintf(paths + i * path_cap, path_cap, "%s", s->dir);
+        if (len < 0 || (size_t)len >= path_cap)
+            return 0;
+    }
+    return n;
+}
+
 /* ---- create / destroy ---- */
 
 static void close_all(nvme_store *s, bool unlink_files)

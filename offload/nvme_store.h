@@ -141,6 +141,13 @@ nvme_store *nvme_store_create(const nvme_store_options *o, strata_error *err);
  * closes everything and deletes the slab files (and the directory if the store created it). */
 void nvme_store_destroy(nvme_store *s);
 
+/* The paths destroy removes, for a process that must remove them where destroy cannot run (a
+ * handler of a fatal signal; the store keeps no global state for that): every slab file, then
+ * the spill directory when the store created it (remove the files first). Writes path i at
+ * paths + i * path_cap for i < cap; returns how many there are, or 0 when one does not fit
+ * path_cap bytes. */
+size_t nvme_store_owned_paths(const nvme_store *s, char *paths, size_t path_cap, size_t cap);
+
 /* A finished request. */
 typedef struct nvme_completion {
     uint64_t ticket;

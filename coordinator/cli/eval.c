@@ -521,7 +521,7 @@ done:
     free(codecs);
     eval_reference_free(&ref);
     eval_prefix_free(&prefix);
-    kv_tiers_destroy(tiers);   /* after the runs: each destroyed its pool and sequence */
+    cli_tier_destroy(tiers);   /* after the runs: each destroyed its pool and sequence */
     free(ids);
     free(text);
     model_free(m);

@@ -144,7 +144,7 @@ done:
     generate_result_free(&result);
     cuda_seq_free(f.seq);
     cuda_model_free(f.cm);   /* the pool, and its copies in the tiers */
-    kv_tiers_destroy(kt);
+    cli_tier_destroy(kt);
     return exit_code;
 }
 

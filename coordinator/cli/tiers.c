@@ -1,10 +1,14 @@
 /* KV memory tiers for the model commands (tiers.h). */
 #include "coordinator/cli/tiers.h"
 
+#include <errno.h>
 #include <inttypes.h>
 #include <jansson.h>
+#include <limits.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "coordinator/cli/cli.h"
 #include "kvstore/numarg.h"
@@ -162,6 +166,75 @@ size_t cli_tier_device_slots(const cli_tier_opts *o, const kv_geometry *g, const
     return n < most ? n : most;
 }
 
+/* ---- the spill files of a command ended by a signal ----
+ * A command that Ctrl-C, SIGTERM or SIGHUP ends would otherwise leave its slab files (each up
+ * to a GiB, preallocated) and the spill directory it made. The handler removes them with
+ * async-signal-safe calls only (unlink, rmdir), then dies of the signal as it would have. The
+ * paths are copied when the tiers are made; a command makes one set of tiers at a time. */
+
+static const int cleanup_signals[] = {SIGINT, SIGTERM, SIGHUP};
+#define N_CLEANUP_SIGNALS (sizeof cleanup_signals / sizeof cleanup_signals[0])
+static char *cleanup_paths;              /* cleanup_n paths of PATH_MAX bytes */
+static volatile sig_atomic_t cleanup_n;
+static struct sigaction cleanup_old[N_CLEANUP_SIGNALS];
+static bool cleanup_installed[N_CLEANUP_SIGNALS];
+
+static void remove_spill_and_die(int sig)
+{
+    int saved = errno;
+    for (sig_atomic_t i = 0; i < cleanup_n; i++) {
+        const char *p = cleanup_paths + (size_t)i * PATH_MAX;
+        if (unlink(p) != 0)
+            rmdir(p);   /* the directory, emptied by the unlinks before it */
+    }
+    errno = saved;
+    /* SA_RESETHAND put the default action back: the signal, pending until this returns, ends
+     * the process with the status a shell expects (130 for Ctrl-C). */
+    raise(sig);
+}
+
+static void cleanup_arm(const kv_tiers *t)
+{
+    const nvme_store *nv = kv_tiers_nvme(t);
+    if (!nv || cleanup_paths)
+        return;
+    size_t n = nvme_store_owned_paths(nv, NULL, PATH_MAX, 0);
+    char *paths = n ? malloc(n * PATH_MAX) : NULL;
+    if (!paths || nvme_store_owned_paths(nv, paths, PATH_MAX, n) != n) {
+        free(paths);   /* not fatal: the files are then left as a crash would leave them */
+        return;
+    }
+    cleanup_paths = paths;
+    cleanup_n = (sig_atomic_t)n;
+    struct sigaction sa = {.sa_handler = remove_spill_and_die, .sa_flags = SA_RESETHAND};
+    sigemptyset(&sa.sa_mask);
+    for (size_t i = 0; i < N_CLEANUP_SIGNALS; i++) {
+        /* A signal the command was started ignoring (nohup) stays ignored. */
+        cleanup_installed[i] = sigaction(cleanup_signals[i], NULL, &cleanup_old[i]) == 0 &&
+                               cleanup_old[i].sa_handler != SIG_IGN &&
+                               sigaction(cleanup_signals[i], &sa, NULL) == 0;
+    }
+}
+
+static void cleanup_disarm(void)
+{
+    for (size_t i = 0; i < N_CLEANUP_SIGNALS; i++)
+        if (cleanup_installed[i])
+            sigaction(cleanup_signals[i], &cleanup_old[i], NULL);
+    memset(cleanup_installed, 0, sizeof cleanup_installed);
+    cleanup_n = 0;
+    free(cleanup_paths);
+    cleanup_paths = NULL;
+}
+
+void cli_tier_destroy(kv_tiers *t)
+{
+    if (!t)
+        return;
+    kv_tiers_destroy(t);   /* removes the files itself; a signal meanwhile finds some gone */
+    cleanup_disarm();
+}
+
 int cli_tier_create(const cli_tier_opts *o, kv_tiers **out, strata_error *err)
 {
     return cli_tier_create_with(o, NULL, out, err);
@@ -177,7 +250,10 @@ int cli_tier_create_with(const cli_tier_opts *o, const host_arena_allocator *all
                            .nvme_bytes = o->nvme_mib > 0 ? (uint64_t)(o->nvme_mib * 1048576.0) : 0,
                            .allocator = alloc};
     *out = kv_tiers_create(&to, err);
-    return *out ? STRATA_OK : (err ? err->code : STRATA_EIO);
+    if (!*out)
+        return err ? err->code : STRATA_EIO;
+    cleanup_arm(*out);
+    return STRATA_OK;
 }
 
 int cli_kv_memory_create(const char *cmd, const cli_tier_opts *o, const kv_geometry *g, const kv_codec_params *codecs,
@@ -219,7 +295,7 @@ int cli_kv_memory_create(const char *cmd, const cli_tier_opts *o, const kv_geome
         if (out->tiers) {
             lower = kv_tiers_lower(out->tiers);
             if (kv_pool_set_lower_tier(out->pool, &lower, &err) != STRATA_OK) {
-                kv_tiers_destroy(out->tiers);
+                cli_tier_destroy(out->tiers);
                 out->tiers = NULL;
             }
         }
@@ -239,7 +315,7 @@ int cli_kv_memory_create(const char *cmd, const cli_tier_opts *o, const kv_geome
 void cli_kv_memory_free(cli_kv_memory *mem)
 {
     kv_pool_destroy(mem->pool);
-    kv_tiers_destroy(mem->tiers);
+    cli_tier_destroy(mem->tiers);
     mem->pool = NULL;
     mem->tiers = NULL;
 }

@@ -53,12 +53,17 @@ int cli_tier_finish(const char *cmd, cli_tier_opts *o);
 size_t cli_tier_device_slots(const cli_tier_opts *o, const kv_geometry *g, const kv_codec_params *codecs, size_t ctx);
 
 /* The host (and NVMe) tiers the options ask for in *out, or NULL without --host-kv-mib /
- * --nvme-dir. Fails with the kv_tiers_create error. */
+ * --nvme-dir. Fails with the kv_tiers_create error. Until cli_tier_destroy, SIGINT, SIGTERM and
+ * SIGHUP (unless ignored) remove the NVMe tier's slab files and the spill directory it made
+ * before the signal ends the process. */
 int cli_tier_create(const cli_tier_opts *o, kv_tiers **out, strata_error *err);
 /* The same with the host arena's memory from alloc (NULL: aligned host memory; a GPU passes
  * pinned memory). */
 int cli_tier_create_with(const cli_tier_opts *o, const host_arena_allocator *alloc, kv_tiers **out,
                          strata_error *err);
+
+/* kv_tiers_destroy, and the signal handlers of cli_tier_create put back. NULL: nothing. */
+void cli_tier_destroy(kv_tiers *t);
 
 /* A block pool sized by the options for ctx tokens, with the host/NVMe tiers attached when
  * asked for. */

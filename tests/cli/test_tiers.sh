@@ -106,6 +106,33 @@ else
   fail "generate with tight tiers produced no text: $(tail -3 "$tmp/damaged.err")"
 fi
 
+# Ended by a signal (SIGTERM, SIGHUP; a background job of a script ignores SIGINT) half way:
+# the slab file (a GiB here, preallocated) and the spill directory the command made are removed,
+# and the command still dies of the signal (128 + its number); a directory that was there stays.
+mkdir -m 700 "$tmp/kept"
+for sig in TERM HUP; do
+  for dir in "$tmp/made-$sig" "$tmp/kept"; do
+    "$strata" generate -p - -n 4000 --ignore-eos --no-echo "${tight[@]}" --nvme-kv-mib 1024 --nvme-dir "$dir" \
+      < "$tmp/prompt.txt" > /dev/null 2> "$tmp/sig.err" &
+    run=$!
+    for _ in $(seq 1 600); do
+      grep -q "KV tiers:" "$tmp/sig.err" && break
+      kill -0 "$run" 2>/dev/null || break
+      sleep 0.1
+    done
+    [ -f "$dir/slab-0000.kv" ] || fail "SIG$sig: no slab file in $dir: $(tail -2 "$tmp/sig.err")"
+    kill -s "$sig" "$run"
+    wait "$run"; got=$?
+    want=$((128 + $(kill -l "$sig")))
+    [ "$got" -eq "$want" ] || fail "generate ended by SIG$sig exited $got, expected $want"
+    if [ "$dir" = "$tmp/kept" ]; then
+      [ -d "$dir" ] && [ -z "$(ls -A "$dir")" ] || fail "SIG$sig: $dir is not there and empty: $(ls -A "$dir" 2>&1)"
+    else
+      [ ! -e "$dir" ] || fail "SIG$sig: the spill directory $dir was left: $(ls -A "$dir" 2>&1)"
+    fi
+  done
+done
+
 # The same under strata serve: the request ends with a status naming the file, the server serves
 # the next request and its metrics count the failed check.
 "$strata" serve --listen 127.0.0.1:0 --metrics 127.0.0.1:0 "${tight[@]}" --nvme-dir "$tmp/served-spill" \
