@@ -90,6 +90,14 @@ static bool conn_open(remote_conn *c, const char *cmd, const char *server, const
         free(c->token);
         return false;
     }
+    /* gRPC would take anything here and fail each connection with a log line of its own. */
+    if (pem && !strstr(pem, "-----BEGIN CERTIFICATE-----")) {
+        fprintf(stderr, "%s: --tls-ca %s holds no PEM certificate (-----BEGIN CERTIFICATE-----)\n", cmd, tls_ca);
+        explicit_bzero(pem, strlen(pem));   /* perhaps a private key given by mistake */
+        free(pem);
+        free(c->token);
+        return false;
+    }
     grpc_init();
     grpc_channel_credentials *creds = pem ? grpc_ssl_credentials_create(pem, NULL, NULL, NULL)
                                           : grpc_insecure_credentials_create();

@@ -8,6 +8,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "coordinator/cli/cli.h"
@@ -87,6 +88,11 @@ static int config_mib(const char *cmd, const char *path, json_t *root, const cha
 static int read_config(const char *cmd, cli_tier_opts *o)
 {
     static const char *const known[] = {"device_kv_mib", "host_kv_mib", "nvme_dir", "nvme_kv_mib"};
+    struct stat st;
+    if (stat(o->config, &st) == 0 && S_ISDIR(st.st_mode)) {   /* jansson reads it as empty text */
+        fprintf(stderr, "strata %s: --config %s: is a directory, not a JSON file\n", cmd, o->config);
+        return EXIT_USAGE;
+    }
     json_error_t jerr;
     json_t *root = json_load_file(o->config, JSON_REJECT_DUPLICATES, &jerr);
     if (!root) {

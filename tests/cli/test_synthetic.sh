@@ -74,6 +74,9 @@ expect 2 "^strata generate: --token-file $tmp: Is a directory" "$strata" generat
   --token-file "$tmp" -p hi
 expect 2 "--token-file $tmp/empty-token is empty" "$strata" generate --server 127.0.0.1:1 \
   --token-file "$tmp/empty-token" -p hi
+printf 'not a certificate\n' >"$tmp/ca.txt"
+expect 2 "^strata generate: --tls-ca $tmp/ca.txt holds no PEM certificate" "$strata" generate \
+  --server 127.0.0.1:1 --tls-ca "$tmp/ca.txt" -p hi
 serve_bad "--token-file $tmp: Is a directory" --token-file "$tmp"
 serve_bad "--secret-file $tmp/none: No such file" --secret-file "$tmp/none"
 # "strata help CMD" is that command's --help
@@ -92,6 +95,7 @@ printf '{"max_seqs": 4, "max-seqs": 8}' >"$tmp/twice.json"
 serve_bad "key 'max-seqs' sets --max-seqs a second time" --config "$tmp/twice.json"
 serve_bad "--nvme-dir $tmp/twice.json: not a folder" --host-kv-mib 1 --nvme-kv-mib 8 --nvme-dir "$tmp/twice.json"
 expect 2 "config $tmp/none.json: unable to open" "$strata" generate --model synthetic:tiny -p hi --config "$tmp/none.json"
+expect 2 "config $tmp: is a directory, not a JSON file" "$strata" generate --model synthetic:tiny -p hi --config "$tmp"
 printf '{"metrics": 9, "quiet": true}' >"$tmp/metrics.json"
 expect 2 "metrics address '9': expected HOST:PORT" \
   timeout 60 "$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 --config "$tmp/metrics.json"
