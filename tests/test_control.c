@@ -67,6 +67,8 @@ typedef struct hstate {
     int messages;
     int bad; /* checks that failed on a server thread (cmocka asserts only on the test's) */
     int join_rc; /* what on_join returns */
+    int refused; /* on_refused calls */
+    char refused_peer[128], refused_why[160];
     peer_rec recs[MAX_RECS];
     int n_recs;
 } hstate;
@@ -115,6 +117,18 @@ static int on_join(void *ctx, ctl_peer *peer, const Strata__Internal__V1__Join *
     pthread_cond_broadcast(&h->cond);
     pthread_mutex_unlock(&h->mu);
     return STRATA_OK;
+}
+
+static void on_refused(void *ctx, const char *peer, int grpc_status, const char *why)
+{
+    hstate *h = ctx;
+    pthread_mutex_lock(&h->mu);
+    H_CHECK(h, grpc_status != GRPC_STATUS_OK);
+    h->refused++;
+    snprintf(h->refused_peer, sizeof h->refused_peer, "%s", peer);
+    snprintf(h->refused_why, sizeof h->refused_why, "%s", why);
+    pthread_cond_broadcast(&h->cond);
+    pthread_mutex_unlock(&h->mu);
 }
 
 static void on_message(void *ctx, ctl_peer *peer, const Strata__Internal__V1__WorkerMessage *msg)
@@ -246,7 +260,8 @@ static ctl_server *start_server(hstate *h, const srv_cfg *cfg)
         o.max_queued_messages = cfg->max_queued;
         o.max_message_bytes = cfg->max_bytes;
     }
-    ctl_handler hd = {.ctx = h, .on_join = on_join, .on_message = on_message, .on_gone = on_gone};
+    ctl_handler hd = {.ctx = h, .on_join = on_join, .on_message = on_message, .on_gone = on_gone,
+                      .on_refused = on_refused};
     ctl_server *s = NULL;
     strata_error err = {0};
     int rc = ctl_server_start(&o, &hd, &s, &err);
@@ -544,8 +559,18 @@ static void test_join_refusals(void **state)
                    "undecodable WorkerMessage: strata.internal.v1.WorkerMessage: message of 65613 bytes is above "
                    "the limit of 65536");
     free(huge);
+    /* The handler heard of each (for the coordinator's log): the client may see its status
+     * before the callback ran, so wait for the count. */
     pthread_mutex_lock(&h.mu);
     assert_int_equal(h.joins, 0);
+    for (int i = 0; i < 500 && h.refused < 8; i++) {
+        pthread_mutex_unlock(&h.mu);
+        sleep_ms(10);
+        pthread_mutex_lock(&h.mu);
+    }
+    assert_int_equal(h.refused, 8);
+    assert_non_null(strstr(h.refused_why, "undecodable WorkerMessage"));
+    assert_non_null(strstr(h.refused_peer, "127.0.0.1"));
     pthread_mutex_unlock(&h.mu);
 
     /* on_join refuses: its code and message become the status; no on_gone for it. */
@@ -555,6 +580,7 @@ static void test_join_refusals(void **state)
     expect_refused(port, "late", SECRET, 1, GRPC_STATUS_RESOURCE_EXHAUSTED, "no free worker slot for late");
     pthread_mutex_lock(&h.mu);
     assert_int_equal(h.joins, 1);
+    assert_int_equal(h.refused, 8);   /* on_join's own refusal is not reported back to it */
     h.join_rc = STRATA_OK;
     pthread_mutex_unlock(&h.mu);
 

@@ -358,10 +358,16 @@ static void peer_recv_done(proto_tag *t, bool success)
 
     pthread_mutex_lock(&p->mu);
     if (refuse != GRPC_STATUS_OK) {
-        if (state == PEER_NEW)
+        char *addr = NULL;
+        if (state == PEER_NEW) {
             p->state = PEER_REFUSED;
+            addr = s->h.on_refused && p->call ? grpc_call_get_peer(p->call) : NULL;
+        }
         peer_end(p, refuse, why, true, false);
         pthread_mutex_unlock(&p->mu);
+        if (state == PEER_NEW && s->h.on_refused)
+            s->h.on_refused(s->h.ctx, addr ? addr : "?", (int)refuse, why);
+        gpr_free(addr);
     } else if (p->ended) {
         /* ctl_peer_close or shutdown meanwhile: the message is not delivered. */
         pthread_mutex_unlock(&p->mu);

@@ -127,6 +127,10 @@ typedef struct ctl_handler {
     /* The stream of a joined peer ended; exactly once per joined peer. grpc_status is a
      * grpc_status_code (GRPC_STATUS_OK when the worker closed its side cleanly). Required. */
     void (*on_gone)(void *ctx, ctl_peer *peer, int grpc_status, const char *why);
+    /* Optional: a worker failed the server's own Join checks (wrong secret, protocol version,
+     * name, an undecodable first message), so the handler never saw it; peer is its address as
+     * gRPC names it. For a log line: an operator otherwise learns of it only on the worker. */
+    void (*on_refused)(void *ctx, const char *peer, int grpc_status, const char *why);
 } ctl_handler;
 
 /* Options with every field at its default (cluster_secret NULL: must be set). */

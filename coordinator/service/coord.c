@@ -13,6 +13,7 @@
 #include "coordinator/sched/scheduler.h"
 #include "kvstore/kv_cache.h"
 #include "kvstore/plan.h"
+#include "proto/grpc_util.h"
 #include "proto/strata_internal.pb-c.h"
 #include "worker/model.h"
 #include "worker/textstream.h"
@@ -378,6 +379,8 @@ static int on_join(void *ctx, ctl_peer *peer, const Strata__Internal__V1__Join *
     if (rc == STRATA_OK && best < 0)
         rc = strata_fail(err, STRATA_EFULL, "all %u worker slots are taken (%u replicas x %u stages)",
                          c->cfg.replicas * c->cfg.stages, c->cfg.replicas, c->cfg.stages);
+    if (rc != STRATA_OK)
+        logf_(c, "refused worker %s: %s", join->worker_name, err ? err->msg : "");
     if (rc == STRATA_OK) {
         creplica *rp = &c->reps[best];
         uint32_t s = 0;
@@ -399,6 +402,11 @@ static int on_join(void *ctx, ctl_peer *peer, const Strata__Internal__V1__Join *
     }
     pthread_mutex_unlock(&c->mu);
     return rc;
+}
+
+static void on_refused(void *ctx, const char *peer, int grpc_status, const char *why)
+{
+    logf_(ctx, "refused a worker from %s: %s (%s)", peer, why, proto_grpc_status_name(grpc_status));
 }
 
 static bool locate(const coord *c, const ctl_peer *peer, uint32_t *r_out, uint32_t *s_out)
@@ -1339,7 +1347,8 @@ api_backend coord_api_backend(coord *c)
 
 ctl_handler coord_ctl_handler(coord *c)
 {
-    return (ctl_handler){.ctx = c, .on_join = on_join, .on_message = on_message, .on_gone = on_gone};
+    return (ctl_handler){.ctx = c, .on_join = on_join, .on_message = on_message, .on_gone = on_gone,
+                         .on_refused = on_refused};
 }
 
 const proto_generate_limits *coord_limits(const coord *c) { return &c->limits; }
