@@ -35,20 +35,46 @@ static inline void api_client_pluck(grpc_completion_queue *cq, void *tag)
 /* Calls method with the packed request msg (NULL: an empty message) under a timeout_ms deadline;
  * each response is unpacked with resp_desc and given to on_response; the call's status and its
  * details come back in *status and details. */
+static inline void api_client_call_bytes(grpc_channel *ch, const char *method, grpc_byte_buffer *send, int timeout_ms,
+                                         const ProtobufCMessageDescriptor *resp_desc,
+                                         api_client_on_response on_response, void *user, grpc_status_code *status,
+                                         char *details, size_t details_cap);
+
 static inline void api_client_call(grpc_channel *ch, const char *method, const ProtobufCMessage *msg, int timeout_ms,
                                    const ProtobufCMessageDescriptor *resp_desc, api_client_on_response on_response,
                                    void *user, grpc_status_code *status, char *details, size_t details_cap)
+{
+    grpc_byte_buffer *send = NULL;
+    if (msg)
+        API_CLIENT_REQUIRE(proto_pack(msg, 1 << 20, &send, NULL) == STRATA_OK);
+    else
+        send = grpc_raw_byte_buffer_create(NULL, 0);
+    api_client_call_bytes(ch, method, send, timeout_ms, resp_desc, on_response, user, status, details, details_cap);
+}
+
+/* The same with the request's bytes as they are (a malformed message, say). */
+static inline void api_client_call_raw(grpc_channel *ch, const char *method, const void *bytes, size_t len,
+                                       int timeout_ms, const ProtobufCMessageDescriptor *resp_desc,
+                                       api_client_on_response on_response, void *user, grpc_status_code *status,
+                                       char *details, size_t details_cap)
+{
+    grpc_slice slice = grpc_slice_from_copied_buffer(bytes, len);
+    grpc_byte_buffer *send = grpc_raw_byte_buffer_create(&slice, 1);
+    grpc_slice_unref(slice);
+    api_client_call_bytes(ch, method, send, timeout_ms, resp_desc, on_response, user, status, details, details_cap);
+}
+
+/* Sends send (and takes it). */
+static inline void api_client_call_bytes(grpc_channel *ch, const char *method, grpc_byte_buffer *send, int timeout_ms,
+                                         const ProtobufCMessageDescriptor *resp_desc,
+                                         api_client_on_response on_response, void *user, grpc_status_code *status,
+                                         char *details, size_t details_cap)
 {
     grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
     gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
     grpc_call *c = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, grpc_slice_from_static_string(method),
                                             NULL, deadline, NULL);
     API_CLIENT_REQUIRE(c != NULL);
-    grpc_byte_buffer *send = NULL;
-    if (msg)
-        API_CLIENT_REQUIRE(proto_pack(msg, 1 << 20, &send, NULL) == STRATA_OK);
-    else
-        send = grpc_raw_byte_buffer_create(NULL, 0);
     grpc_metadata_array md_in, trailing;
     grpc_metadata_array_init(&md_in);
     grpc_metadata_array_init(&trailing);

@@ -267,6 +267,36 @@ static void test_invalid_utf8_chunk_refused(void **state)
     fixture_stop(&f, 0);
 }
 
+/* Bytes that are no request: INTERNAL naming the message type (what gRPC's own servers answer
+ * to a request they cannot parse; coordinator/server/README.md), on every method, and the server
+ * goes on serving. */
+static void test_malformed_request(void **state)
+{
+    (void)state;
+    fixture f;
+    fixture_start(&f, 0);
+    static const uint8_t junk[] = {0x0a, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80};
+    static const char *const methods[] = {"/strata.v1.Strata/Generate", "/strata.v1.Strata/Abort",
+                                          "/strata.v1.Strata/Health", "/strata.v1.Strata/GetStats"};
+    for (size_t i = 0; i < sizeof methods / sizeof *methods; i++) {
+        result r;
+        memset(&r, 0, sizeof r);
+        ProtobufCMessage *unary = NULL;
+        call_sink k = {&r, i ? &unary : NULL};
+        api_client_call_raw(f.ch, methods[i], junk, sizeof junk, 5000, &strata__v1__generate_response__descriptor,
+                            keep_response, &k, &r.status, r.details, sizeof r.details);
+        if (r.status != GRPC_STATUS_INTERNAL || !strstr(r.details, "malformed message"))
+            fail_msg("%s: status %d '%s'", methods[i], r.status, r.details);
+        assert_null(unary);
+        result_free(&r);
+    }
+    result r;
+    generate(f.ch, "inline", 5000, &r);
+    assert_int_equal(r.status, GRPC_STATUS_OK);
+    result_free(&r);
+    fixture_stop(&f, 0);
+}
+
 static void test_fail_forms(void **state)
 {
     (void)state;
@@ -525,6 +555,7 @@ int main(void)
         cmocka_unit_test(test_terminal_inside_generate),
         cmocka_unit_test(test_invalid_utf8_chunk_refused),
         cmocka_unit_test(test_fail_forms),
+        cmocka_unit_test(test_malformed_request),
         cmocka_unit_test(test_cancel_releases_slot),
         cmocka_unit_test(test_drain_message),
         cmocka_unit_test(test_optional_callbacks),
