@@ -1237,14 +1237,14 @@ nvme_store *nvme_store_create(const nvme_store_options *o, strata_error *err)
         }
     }
     /* A description cut at the buffer's end is still a description: the length is not checked. */
-    int described = snprintf(s->describe, sizeof s->describe, "%s%s%s%s%s, %s%s%s%s, %" PRIu32 " slab%s of %" PRIu64 " MiB%s in %s, "
+    int described = snprintf(s->describe, sizeof s->describe, "%s%s%s%s%s, %s%s%s%s, %" PRIu32 " slab%s of %.4g MiB%s in %s, "
              "%u staging buffers of %zu KiB, verify %s",
              s->uring ? "io_uring" : "pread/pwrite", s->uring ? "" : " (", s->uring ? "" : why_sync,
              s->uring ? (s->reg_bufs && s->reg_files ? " (registered buffers and files)" : " (unregistered: ") : ")",
              s->uring && !(s->reg_bufs && s->reg_files) ? why_unreg : "",
              s->uring && !(s->reg_bufs && s->reg_files) ? ")" : "",
              s->direct ? "O_DIRECT" : "buffered (", s->direct ? "" : why_buffered, s->direct ? "" : ")",
-             s->n_slabs, s->n_slabs == 1 ? "" : "s", op->slab_bytes >> 20, prealloc ? " (preallocated)" : " (sparse)",
+             s->n_slabs, s->n_slabs == 1 ? "" : "s", (double)(s->n_slabs ? s->slabs[0].bytes : 0) / 1048576.0, prealloc ? " (preallocated)" : " (sparse)",
              s->dir, s->n_bufs, s->buf_bytes / 1024, op->verify == NVME_VERIFY_READBACK ? "read-back" : "crc");
     (void)described;
     s->st.io_uring = s->uring;

@@ -92,6 +92,10 @@ static int split_specs(const char *list, eval_opts *o)
 {
     const char *p = list;
     bool prev_range = false;
+    if (!*list) {
+        fprintf(stderr, "strata eval: --kv: an empty list\n");
+        return EXIT_USAGE;
+    }
     while (*p) {
         size_t n = strcspn(p, ",");
         bool range = memchr(p, ':', n) != NULL;

@@ -297,8 +297,11 @@ static double now_seconds(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static char *read_stdin(size_t *out_len)
+/* All of stdin; NULL with *read_errno 0 when out of memory, else with the read's errno (EISDIR
+ * when stdin is a folder). */
+static char *read_stdin(size_t *out_len, int *read_errno)
 {
+    *read_errno = 0;
     size_t cap = 4096, len = 0;
     char *buf = malloc(cap);
     while (buf) {
@@ -315,6 +318,11 @@ static char *read_stdin(size_t *out_len)
             buf = grown;
             cap *= 2;
         }
+    }
+    if (buf && ferror(stdin)) {
+        *read_errno = errno ? errno : EIO;
+        free(buf);
+        buf = NULL;
     }
     if (buf)
         buf[len] = '\0';
@@ -389,8 +397,13 @@ int cmd_generate(int argc, char **argv)
     char *stdin_prompt = NULL;
     size_t prompt_len = strlen(o.prompt);
     if (!strcmp(o.prompt, "-")) {
-        stdin_prompt = read_stdin(&prompt_len);
+        int read_errno;
+        stdin_prompt = read_stdin(&prompt_len, &read_errno);
         if (!stdin_prompt) {
+            if (read_errno) {
+                fprintf(stderr, "strata generate: reading the prompt from stdin: %s\n", strerror(read_errno));
+                return EXIT_USAGE;
+            }
             fprintf(stderr, "strata generate: out of memory reading the prompt from stdin\n");
             return EXIT_RUNTIME;
         }

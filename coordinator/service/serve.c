@@ -535,8 +535,13 @@ static bool find_worker_bin(const char *prog, const serve_opts *o, char *out, si
             return false;
         }
     }
-    if (access(out, X_OK) != 0) {
+    struct stat st;
+    if (access(out, X_OK) != 0 || stat(out, &st) != 0) {
         fprintf(stderr, "%s: worker binary %s: %s (build it, or pass --worker-bin)\n", prog, out, strerror(errno));
+        return false;
+    }
+    if (!S_ISREG(st.st_mode)) {   /* a folder passes access(X_OK) */
+        fprintf(stderr, "%s: worker binary %s is not a file (pass --worker-bin PATH/strata-worker)\n", prog, out);
         return false;
     }
     return true;
@@ -779,7 +784,8 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
                         "above)\n", prog, ready, total, o.ready_timeout_s);
                 break;
             }
-            fprintf(stderr, "%s: %u of %u workers ready; still waiting\n", prog, ready, total);
+            if (!o.quiet)
+                fprintf(stderr, "%s: %u of %u workers ready; still waiting\n", prog, ready, total);
             waited = 0;
         }
     }

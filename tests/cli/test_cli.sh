@@ -17,6 +17,7 @@ head -c 6000 "$text" > "$tmp/text.txt"
 expect 2 "required" "$strata" eval
 expect 2 "No such file" "$strata" eval --text "$tmp/none.txt"
 expect 2 "unknown kv codec \"kivi3\"" "$strata" eval --text "$tmp/text.txt" --kv fp16,kivi3 -q
+expect 2 "--kv: an empty list" "$strata" eval --text "$tmp/text.txt" --kv "" -q
 expect 2 "needs" "$strata" eval --text "$tmp/text.txt" --prefill 5000 --tokens 4 -q
 expect 2 "G=48" "$strata" eval --text "$tmp/text.txt" --kv kivi2 --kv-group 48 -q
 expect 2 "layer 10 has no codec" "$strata" eval --text "$tmp/text.txt" --kv 0-9:kivi2 -q

@@ -38,6 +38,7 @@ serve_bad "KV plan: $tmp/bad.plan: kv plan line 3: unknown kv codec \"nosuch\"" 
 serve_bad "--kv-codecs 'nosuch': unknown kv codec" --kv-codecs "fp16, nosuch"
 serve_bad "--kv-codecs '0-1:kivi2': kv plan: layer 2 has no codec" --kv-codecs "fp16;0-1:kivi2"
 serve_bad "5 stages for a model of 4 layers" --stages 5
+serve_bad "worker binary $tmp is not a file" --worker-bin "$tmp"
 serve_bad "the KV of 2 local workers (2 x (256 + 16000000 MiB of --device-kv-mib and --host-kv-mib)): 32000512.0 MiB is more than" --host-kv-mib 16000000
 serve_bad "does not divide block_tokens 7" --block-tokens 7
 serve_bad "exceeds max batch tokens 50" --max-seqs 100 --max-batch-tokens 50
@@ -50,6 +51,7 @@ expect 2 "port in 1..65535" "$strata" generate --server 127.0.0.1 --prompt hi
 syn=("$strata" generate --model synthetic:tiny:seed=4 -n 1 -q)
 expect 2 "the prompt read from stdin contains a NUL byte" bash -c 'printf "ab\0cd" | "$@"' _ "${syn[@]}" -p -
 expect 2 "the prompt read from stdin is empty" bash -c ': | "$@"' _ "${syn[@]}" -p -
+expect 2 "reading the prompt from stdin: Is a directory" bash -c 'dir=$1; shift; "$@" < "$dir"' _ "$tmp" "${syn[@]}" -p -
 expect 2 "the prompt is not valid UTF-8" "${syn[@]}" -p $'\xc3\x28'
 expect 2 "the prompt is not valid UTF-8" bash -c 'printf "\xff" | "$@"' _ "${syn[@]}" -p -
 "${syn[@]}" -p "é ü" --no-echo >/dev/null 2>"$tmp/err" || fail "a UTF-8 prompt: $(cat "$tmp/err")"
