@@ -18,6 +18,7 @@
 #include "proto/credential_file.h"
 #include "proto/grpc_call.h"
 #include "proto/grpc_util.h"
+#include "proto/validate.h"
 #include "proto/strata.pb-c.h"
 
 enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
@@ -151,6 +152,13 @@ int cli_remote_generate(const remote_request *r)
     req.kv_codec = (char *)(r->kv ? r->kv : "");
     grpc_byte_buffer *send_bb = NULL;
     strata_error err = {0};
+    /* The limits strata.proto documents (a server may have tighter ones): a prompt over them is
+     * told here in the field's terms, not as an oversized message. */
+    proto_generate_limits lim = proto_generate_limits_default(UINT32_MAX, 0);
+    if (proto_validate_generate(&req, &lim, &err) != STRATA_OK) {
+        fprintf(stderr, "strata generate: the request: %s\n", err.msg);
+        return EXIT_USAGE;
+    }
     if (proto_pack(&req.base, MAX_RESPONSE_BYTES, &send_bb, &err) != STRATA_OK) {
         fprintf(stderr, "strata generate: the request: %s\n", err.msg);
         return EXIT_USAGE;

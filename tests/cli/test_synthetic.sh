@@ -67,6 +67,9 @@ expect 2 "--save-kv $tmp/fifo: exists and is not a regular file" "${syn[@]}" -p 
 expect 2 "--out $tmp/none/p.txt: its folder does not exist" "$strata" calibrate --text "$tmp/x" --budget 9 \
   --out "$tmp/none/p.txt"
 expect 2 "--chat does not apply with --server" "$strata" generate --server 127.0.0.1:1 --chat -p hi
+head -c 1100000 /dev/zero | tr '\0' a >"$tmp/big.txt"   # over strata.proto's 1 MiB of text: told before sending
+expect 2 "input.text is 1100000 bytes, at most 1048576 are allowed" bash -c 'f=$1; shift; "$@" < "$f"' _ \
+  "$tmp/big.txt" "$strata" generate --server 127.0.0.1:1 -p -
 # Token and secret files: each message names the command that read it; a folder or an empty file
 # is not a token.
 : >"$tmp/empty-token"
