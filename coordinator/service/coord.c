@@ -1627,8 +1627,11 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
         return NULL;
     }
     char streaming[96] = "";
-    if (cap.stream_blocks > cap.device_blocks)
-        snprintf(streaming, sizeof streaming, ", %zu for a sequence alone (streaming its layers)", cap.stream_blocks);
+    /* stream_blocks counts one layer's blocks, the others rows of every layer: what one sequence
+     * alone may reach is the smaller of it and what the tiers hold. */
+    size_t alone = cap.stream_blocks < cap.total_blocks ? cap.stream_blocks : cap.total_blocks;
+    if (alone > cap.device_blocks)
+        snprintf(streaming, sizeof streaming, ", up to %zu for a sequence alone (streaming its layers)", alone);
     char others[512] = "";
     for (int i = 1; i < c->n_plans; i++)
         snprintf(others + strlen(others), sizeof others - strlen(others), "%s%s", i > 1 ? ", " : " (requests may name ",

@@ -127,12 +127,24 @@ static int build_weights(cuda_model *cm, strata_error *err)
     return rc;
 }
 
+/* Why cudaGetDeviceCount found no device, in a user's terms: the runtime calls a machine without
+ * an NVIDIA driver "CUDA driver version is insufficient", which reads as an upgrade hint. */
+static int no_device(cudaError_t e, strata_error *err)
+{
+    if (e == cudaSuccess || e == cudaErrorNoDevice)
+        return strata_fail(err, STRATA_EIO, "no CUDA device: the NVIDIA driver finds no GPU on this machine");
+    if (e == cudaErrorInsufficientDriver)
+        return strata_fail(err, STRATA_EIO, "no CUDA device: no NVIDIA driver is loaded, or it is older than this "
+                           "build's CUDA runtime (%s)", cudaGetErrorString(e));
+    return strata_fail(err, STRATA_EIO, "no CUDA device: %s", cudaGetErrorString(e));
+}
+
 int cuda_select_device(int device, strata_error *err)
 {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n == 0)
-        return strata_fail(err, STRATA_EIO, "no CUDA device (%s)", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+        return no_device(e, err);
     if (device < 0 || device >= n)
         return strata_fail(err, STRATA_EINVAL, "CUDA device %d does not exist (this machine has cuda:0..cuda:%d)", device,
                            n - 1);
@@ -165,7 +177,7 @@ cuda_model *cuda_model_create(const model *m, cuda_weight_dtype dtype, strata_er
     int n_dev = 0;
     cudaError_t e = cudaGetDeviceCount(&n_dev);
     if (e != cudaSuccess || n_dev == 0) {
-        strata_fail(err, STRATA_EIO, "no CUDA device (%s)", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+        no_device(e, err);
         return NULL;
     }
     cuda_model *cm = calloc(1, sizeof *cm);
