@@ -56,11 +56,19 @@ int kv_gear_outliers(double pct, int n)
 static int parse_suffixes(const char *name, const char *s, const char *letters, kv_codec_params *p,
                           strata_error *err)
 {
+    char seen[16] = "";
     while (*s) {
         if (s[0] != '-' || !s[1] || !strchr(letters, s[1]))
             return strata_fail(err, STRATA_EINVAL, "kv codec \"%s\": unexpected \"%s\" (this codec takes suffixes %s)",
                                name, s, letters[0] ? letters : "none");
         char opt = s[1];
+        if (strchr(seen, opt))   /* which of two values was meant is not ours to guess */
+            return strata_fail(err, STRATA_EINVAL, "kv codec \"%s\": -%c given twice", name, opt);
+        size_t n_seen = strlen(seen);
+        if (n_seen + 1 < sizeof seen) {
+            seen[n_seen] = opt;
+            seen[n_seen + 1] = '\0';
+        }
         char *end;
         errno = 0;
         if (opt == 's') {

@@ -56,6 +56,9 @@ static void test_codec_names(void **state)
         assert_int_equal(err.code, STRATA_EINVAL);
         assert_non_null(strstr(err.msg, "fp16, kivi2, kivi4"));
     }
+    /* A suffix given twice: which value was meant is unknown. */
+    assert_int_equal(kv_codec_parse("kivi2-g64-r32-g32", &p, &err), STRATA_EINVAL);
+    assert_non_null(strstr(err.msg, "-g given twice"));
     const char *names[] = {"fp16", "kivi2", "kivi4", "kivi2-g64", "kivi4-r32", "kivi2-g64-r64"};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         char buf[32];
