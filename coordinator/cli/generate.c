@@ -52,7 +52,8 @@ static void usage(FILE *out)
     cli_kv_usage(out, "kivi4");
     fprintf(out,
             "      --ctx N             context length: prompt + generated tokens (default: the\n"
-            "                          model's training context, at most 8192)\n"
+            "                          model's training context, at most 8192; beyond the training\n"
+            "                          context: a warning)\n"
             "      --save-kv FILE      after generating, write the sequence's KV blocks to FILE\n"
             "                          (read it with strata inspect)\n");
     cli_tier_usage(out);
@@ -507,6 +508,9 @@ int cmd_generate(int argc, char **argv)
     }
 
     size_t ctx = o.ctx ? (size_t)o.ctx : (size_t)(cfg->n_ctx_train < 8192 ? cfg->n_ctx_train : 8192);
+    if (ctx > (size_t)cfg->n_ctx_train)   /* allowed here (strata serve refuses it), but said */
+        fprintf(stderr, "strata generate: warning: --ctx %zu is beyond the model's trained context of %d: positions "
+                        "past it were never trained, text there is unreliable\n", ctx, cfg->n_ctx_train);
     if (n_prompt >= ctx) {
         fprintf(stderr, "strata generate: the prompt has %zu tokens but the context holds %zu (raise --ctx)\n",
                 n_prompt, ctx);

@@ -164,6 +164,7 @@ grep -q "note: kivi2 formed no block" "$tmp/out" || fail "short eval printed no 
 # generate: --ctx bounds prompt + generated tokens (as the server's context does)
 expect 0 "finish:  length after 3 tokens" "$strata" generate -p "hello there" --ctx 5 -n 10 --ignore-eos --stats
 grep -q "prompt 2 tokens, context 5" "$tmp/err" || fail "generate --ctx 5: $(head -1 "$tmp/err")"
+expect 0 "warning: --ctx 9000 is beyond the model's trained context of 8192" "$strata" generate -p hi -n 1 --ctx 9000 -q
 
 [ "$failures" -eq 0 ] && echo "test_cli: all checks passed"
 exit $((failures > 0))
