@@ -139,6 +139,7 @@ fi
 worker="$(dirname "$strata")/strata-worker"
 printf 'a cluster secret of 32 bytes....' >"$tmp/secret"
 expect 2 "takes cpu, cuda or cuda:N" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" --device gpu
+expect 2 "--nvme-dir $tmp/secret: not a folder" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" --nvme-dir "$tmp/secret"
 # The secret's length as both programs count it: 256 bytes and a newline is a 256-byte secret.
 { head -c 256 /dev/zero | tr '\0' s; echo; } >"$tmp/secret256"
 head -c 257 /dev/zero | tr '\0' s >"$tmp/secret257"

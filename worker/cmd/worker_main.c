@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "kernels/ops.h"
@@ -129,6 +130,11 @@ static int parse(int argc, char **argv, worker_opts *o)
     }
     if (o->nvme_mib >= 0 && !o->nvme_dir) {
         fprintf(stderr, "strata-worker: --nvme-kv-mib needs --nvme-dir\n");
+        return EXIT_USAGE;
+    }
+    struct stat st;   /* told now rather than after joining, when the stage first opens it */
+    if (o->nvme_dir && stat(o->nvme_dir, &st) == 0 && !S_ISDIR(st.st_mode)) {
+        fprintf(stderr, "strata-worker: --nvme-dir %s: not a folder\n", o->nvme_dir);
         return EXIT_USAGE;
     }
     if (o->nvme_dir && o->nvme_mib < 0)
