@@ -281,6 +281,7 @@ const char *cudaGetErrorString(cudaError_t e)
     case cudaErrorInvalidValue: return "invalid argument (fake device)";
     case cudaErrorMemoryAllocation: return "out of memory (fake device)";
     case cudaErrorInvalidDevicePointer: return "invalid device pointer (fake device)";
+    case cudaErrorInsufficientDriver: return "driver version insufficient (fake device)";
     case cudaErrorInvalidDevice: return "invalid device ordinal (fake device)";
     case cudaErrorNoDevice: return "no CUDA-capable device (fake device)";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle (fake device)";
