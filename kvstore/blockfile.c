@@ -134,23 +134,38 @@ int kv_blockfile_save(kv_seq *seq, const char *path, strata_error *err)
 {
     if (!seq || !path || !*path)
         return strata_fail(err, STRATA_EINVAL, "saving a block file: no sequence or path");
-    /* Only a regular file is ever replaced: a device node or a FIFO in its place is the user's. */
+    /* Only a regular file is ever replaced: a device node or a FIFO in its place is the user's.
+     * A link to a regular file is kept, and its target replaced. */
     struct stat st;
-    if (lstat(path, &st) == 0 && !S_ISREG(st.st_mode))
+    char *target = NULL;
+    if (lstat(path, &st) == 0 && S_ISLNK(st.st_mode)) {
+        if (!(target = realpath(path, NULL)))
+            return strata_fail(err, STRATA_EIO, "%s is a symbolic link to nothing (%s)", path, strerror(errno));
+        if (stat(target, &st) != 0 || !S_ISREG(st.st_mode)) {
+            free(target);
+            return strata_fail(err, STRATA_EIO, "%s links to something that is not a regular file: not replacing it",
+                               path);
+        }
+    } else if (lstat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
         return strata_fail(err, STRATA_EIO, "%s exists and is not a regular file: not replacing it", path);
+    }
+    const char *dest = target ? target : path;
     /* Written beside its final name and renamed there once complete and on disk, so a failure
      * (a full disk, an I/O error) leaves a file that was there as it was, never half written. */
-    size_t n = strlen(path);
+    size_t n = strlen(dest);
     char *tmp = malloc(n + sizeof ".tmp-XXXXXX");
-    if (!tmp)
+    if (!tmp) {
+        free(target);
         return strata_fail(err, STRATA_ENOMEM, "saving %s: out of memory", path);
-    memcpy(tmp, path, n);
+    }
+    memcpy(tmp, dest, n);
     memcpy(tmp + n, ".tmp-XXXXXX", sizeof ".tmp-XXXXXX");
     int fd = mkostemp(tmp, O_CLOEXEC);   /* mode 0600 */
     if (fd < 0) {
         int e = errno;
         free(tmp);
-        return strata_fail(err, STRATA_EIO, "cannot create a file beside %s: %s", path, strerror(e));
+        free(target);
+        return strata_fail(err, STRATA_EIO, "cannot create a file beside %s: %s", dest, strerror(e));
     }
     FILE *f = fdopen(fd, "wb");
     int rc = STRATA_OK;
@@ -166,11 +181,12 @@ int kv_blockfile_save(kv_seq *seq, const char *path, strata_error *err)
         if (fclose(f) != 0 && rc == STRATA_OK)
             rc = strata_fail(err, STRATA_EIO, "writing %s: %s", path, strerror(errno));
     }
-    if (rc == STRATA_OK && rename(tmp, path) != 0)
-        rc = strata_fail(err, STRATA_EIO, "renaming %s to %s: %s", tmp, path, strerror(errno));
+    if (rc == STRATA_OK && rename(tmp, dest) != 0)
+        rc = strata_fail(err, STRATA_EIO, "renaming %s to %s: %s", tmp, dest, strerror(errno));
     if (rc != STRATA_OK)
         unlink(tmp);
     free(tmp);
+    free(target);
     return rc;
 }
 

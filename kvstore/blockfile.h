@@ -19,7 +19,9 @@
  * The file is created with mode 0600 (it holds activations of a user's request). Blocks held in
  * a lower tier are fetched back (kv_seq_acquire_layer). It is written as PATH.tmp-XXXXXX, synced,
  * then renamed to path: on failure whatever was at path is untouched and the temporary file is
- * removed. An existing path that is not a regular file (a device, a FIFO) is refused. */
+ * removed. The new file replaces the old one (its mode, owner and other hard links are not
+ * carried over); a symbolic link to a regular file stays and its target is replaced. An existing
+ * path that is not a regular file (a device, a FIFO, a link to nothing) is refused. */
 int kv_blockfile_save(kv_seq *seq, const char *path, strata_error *err);
 
 /* Reads a block file, prints its header and, per block, the header fields, section table and

@@ -314,6 +314,24 @@ static void test_save_failure_keeps_old(void **state)
     assert_true(st.st_size > 4096);
     assert_int_equal(st.st_mode & 0777, 0600);
     assert_int_equal(entries_in(dir), 2);
+    /* Through a symbolic link: the link stays, its target is replaced; a link to nothing is
+     * refused. */
+    char link[64], dangling[64];
+    snprintf(link, sizeof link, "%s/link", dir);
+    snprintf(dangling, sizeof dangling, "%s/dangling", dir);
+    spit(old, before, sizeof before);
+    assert_int_equal(symlink("old.skv", link), 0);
+    assert_int_equal(kv_blockfile_save(f->seq, link, &err), STRATA_OK);
+    assert_int_equal(lstat(link, &st), 0);
+    assert_true(S_ISLNK(st.st_mode));
+    assert_int_equal(stat(old, &st), 0);
+    assert_true(st.st_size > 4096);
+    assert_int_equal(symlink("none.skv", dangling), 0);
+    assert_int_equal(kv_blockfile_save(f->seq, dangling, &err), STRATA_EIO);
+    assert_non_null(strstr(err.msg, "symbolic link to nothing"));
+    assert_int_equal(entries_in(dir), 4);
+    unlink(link);
+    unlink(dangling);
     unlink(old);
     unlink(fifo);
     assert_int_equal(rmdir(dir), 0);

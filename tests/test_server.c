@@ -276,17 +276,29 @@ static void test_malformed_request(void **state)
     fixture f;
     fixture_start(&f, 0);
     static const uint8_t junk[] = {0x0a, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80};
-    static const char *const methods[] = {"/strata.v1.Strata/Generate", "/strata.v1.Strata/Abort",
-                                          "/strata.v1.Strata/Health", "/strata.v1.Strata/GetStats"};
-    for (size_t i = 0; i < sizeof methods / sizeof *methods; i++) {
+    static const struct {
+        const char *method, *request;
+        const ProtobufCMessageDescriptor *response;
+    } calls[] = {
+        {"/strata.v1.Strata/Generate", "strata.v1.GenerateRequest", &strata__v1__generate_response__descriptor},
+        {"/strata.v1.Strata/Abort", "strata.v1.AbortRequest", &strata__v1__abort_response__descriptor},
+        {"/strata.v1.Strata/Health", "strata.v1.HealthRequest", &strata__v1__health_response__descriptor},
+        {"/strata.v1.Strata/GetStats", "strata.v1.StatsRequest", &strata__v1__stats__descriptor},
+    };
+    for (size_t i = 0; i < sizeof calls / sizeof *calls; i++) {
         result r;
         memset(&r, 0, sizeof r);
         ProtobufCMessage *unary = NULL;
         call_sink k = {&r, i ? &unary : NULL};
-        api_client_call_raw(f.ch, methods[i], junk, sizeof junk, 5000, &strata__v1__generate_response__descriptor,
-                            keep_response, &k, &r.status, r.details, sizeof r.details);
-        if (r.status != GRPC_STATUS_INTERNAL || !strstr(r.details, "malformed message"))
-            fail_msg("%s: status %d '%s'", methods[i], r.status, r.details);
+        api_client_call_raw(f.ch, calls[i].method, junk, sizeof junk, 5000, calls[i].response, keep_response, &k,
+                            &r.status, r.details, sizeof r.details);
+        char want[96];
+        snprintf(want, sizeof want, "%s: malformed message", calls[i].request);
+        if (r.status != GRPC_STATUS_INTERNAL || !strstr(r.details, want))
+            fail_msg("%s: status %d '%s'", calls[i].method, r.status, r.details);
+        if (unary)
+            protobuf_c_message_free_unpacked(unary, NULL);
+        assert_int_equal(r.n, 0);
         assert_null(unary);
         result_free(&r);
     }

@@ -49,8 +49,8 @@ static void usage(FILE *out)
             "      --kv-group G        quantization group for every candidate (default: each codec's)\n"
             "      --kv-residual R     fp16 residual window for every candidate (default 128)\n"
             "      --block-tokens N    tokens per KV block (default 64)\n"
-            "      --prefill N         tokens prefilled exactly (default 512); with --tokens, enough for\n"
-            "                          every candidate to form a block (its window R + one block)\n"
+            "      --prefill N         tokens prefilled exactly (default 512); at least every\n"
+            "                          candidate's window R plus one block, so each scored step sees one\n"
             "      --tokens T          decode steps scored per run (default 32)\n"
             "  -q, --quiet             no progress on stderr\n"
             "      --threads N         compute threads: matmul kernel and BLAS (default: the number\n"
@@ -351,15 +351,15 @@ int cmd_calibrate(int argc, char **argv)
         goto done;
     }
 
-    /* A codec whose layers form no block in the run is never measured (its KL is 0 whatever its
-     * damage), and the search would pick it everywhere. */
+    /* Every scored step must see a block of every candidate: a step before the first block
+     * forms scores 0 whatever the codec's damage, which dilutes the mean, and more so for a
+     * candidate with a larger window (a run forming no block at all would look free). */
     for (int c = 0; c < C; c++) {
         long need = (long)cand[c].codec.residual + o.kv.block_tokens;
-        if (o.prefill + o.tokens < need) {
-            fprintf(stderr, "strata calibrate: --prefill %ld + --tokens %ld = %ld tokens form no block of %s (its fp16 "
+        if (o.prefill < need) {
+            fprintf(stderr, "strata calibrate: --prefill %ld forms no block of %s before the scored steps (its fp16 "
                             "window of %d tokens plus one %ld-token block: %ld); use a longer --prefill\n",
-                    o.prefill, o.tokens, o.prefill + o.tokens, cand[c].name, cand[c].codec.residual,
-                    (long)o.kv.block_tokens, need);
+                    o.prefill, cand[c].name, cand[c].codec.residual, (long)o.kv.block_tokens, need);
             exit_code = EXIT_USAGE;
             goto done;
         }

@@ -401,9 +401,9 @@ int cmd_generate(int argc, char **argv)
         int read_errno;
         stdin_prompt = read_stdin(&prompt_len, &read_errno);
         if (!stdin_prompt) {
-            if (read_errno) {
+            if (read_errno) {   /* a folder is the user's mistake; an I/O error is not */
                 fprintf(stderr, "strata generate: reading the prompt from stdin: %s\n", strerror(read_errno));
-                return EXIT_USAGE;
+                return read_errno == EISDIR ? EXIT_USAGE : EXIT_RUNTIME;
             }
             fprintf(stderr, "strata generate: out of memory reading the prompt from stdin\n");
             return EXIT_RUNTIME;

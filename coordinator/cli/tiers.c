@@ -6,6 +6,7 @@
 #include <jansson.h>
 #include <limits.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -176,19 +177,24 @@ size_t cli_tier_device_slots(const cli_tier_opts *o, const kv_geometry *g, const
  * A command that Ctrl-C, SIGTERM or SIGHUP ends would otherwise leave its slab files (each up
  * to a GiB, preallocated) and the spill directory it made. The handler removes them with
  * async-signal-safe calls only (unlink, rmdir), then dies of the signal as it would have. The
- * paths are copied when the tiers are made; a command makes one set of tiers at a time. */
+ * signal may be handled on any thread (matmul workers, BLAS) while the main thread tears the
+ * tiers down, so the handler reads only an atomic count and a buffer that is never freed while
+ * it could be read: it is replaced only when another set of tiers is armed. A command makes one
+ * set of tiers at a time. */
 
 static const int cleanup_signals[] = {SIGINT, SIGTERM, SIGHUP};
 #define N_CLEANUP_SIGNALS (sizeof cleanup_signals / sizeof cleanup_signals[0])
 static char *cleanup_paths;              /* cleanup_n paths of PATH_MAX bytes */
-static volatile sig_atomic_t cleanup_n;
+static atomic_int cleanup_n;             /* lock-free: async-signal-safe */
+static const kv_tiers *cleanup_tiers;    /* the tiers armed, NULL: none */
 static struct sigaction cleanup_old[N_CLEANUP_SIGNALS];
 static bool cleanup_installed[N_CLEANUP_SIGNALS];
 
 static void remove_spill_and_die(int sig)
 {
     int saved = errno;
-    for (sig_atomic_t i = 0; i < cleanup_n; i++) {
+    int n = atomic_load(&cleanup_n);
+    for (int i = 0; i < n; i++) {
         const char *p = cleanup_paths + (size_t)i * PATH_MAX;
         if (unlink(p) != 0)
             rmdir(p);   /* the directory, emptied by the unlinks before it */
@@ -202,18 +208,22 @@ static void remove_spill_and_die(int sig)
 static void cleanup_arm(const kv_tiers *t)
 {
     const nvme_store *nv = kv_tiers_nvme(t);
-    if (!nv || cleanup_paths)
+    if (!nv || cleanup_tiers)
         return;
     size_t n = nvme_store_owned_paths(nv, NULL, PATH_MAX, 0);
-    char *paths = n ? malloc(n * PATH_MAX) : NULL;
+    char *paths = n && n <= INT_MAX ? malloc(n * PATH_MAX) : NULL;
     if (!paths || nvme_store_owned_paths(nv, paths, PATH_MAX, n) != n) {
         free(paths);   /* not fatal: the files are then left as a crash would leave them */
         return;
     }
+    free(cleanup_paths);   /* disarmed before (count 0, handlers restored) */
     cleanup_paths = paths;
-    cleanup_n = (sig_atomic_t)n;
+    atomic_store(&cleanup_n, (int)n);
+    cleanup_tiers = t;
     struct sigaction sa = {.sa_handler = remove_spill_and_die, .sa_flags = SA_RESETHAND};
     sigemptyset(&sa.sa_mask);
+    for (size_t i = 0; i < N_CLEANUP_SIGNALS; i++)
+        sigaddset(&sa.sa_mask, cleanup_signals[i]);   /* one cleanup at a time per thread */
     for (size_t i = 0; i < N_CLEANUP_SIGNALS; i++) {
         /* A signal the command was started ignoring (nohup) stays ignored. */
         cleanup_installed[i] = sigaction(cleanup_signals[i], NULL, &cleanup_old[i]) == 0 &&
@@ -224,21 +234,23 @@ static void cleanup_arm(const kv_tiers *t)
 
 static void cleanup_disarm(void)
 {
+    atomic_store(&cleanup_n, 0);
     for (size_t i = 0; i < N_CLEANUP_SIGNALS; i++)
         if (cleanup_installed[i])
             sigaction(cleanup_signals[i], &cleanup_old[i], NULL);
     memset(cleanup_installed, 0, sizeof cleanup_installed);
-    cleanup_n = 0;
-    free(cleanup_paths);
-    cleanup_paths = NULL;
+    cleanup_tiers = NULL;
+    /* cleanup_paths stays: a handler that started before the count went to 0 may still read it. */
 }
 
 void cli_tier_destroy(kv_tiers *t)
 {
     if (!t)
         return;
+    bool armed = t == cleanup_tiers;
     kv_tiers_destroy(t);   /* removes the files itself; a signal meanwhile finds some gone */
-    cleanup_disarm();
+    if (armed)
+        cleanup_disarm();
 }
 
 int cli_tier_create(const cli_tier_opts *o, kv_tiers **out, strata_error *err)

@@ -18,6 +18,25 @@ double cli_now_seconds(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* Why the folder of path (a file's path) cannot take a new file, or NULL. */
+static const char *folder_refuses(const char *path)
+{
+    const char *why = NULL;
+    struct stat st;
+    const char *slash = strrchr(path, '/');
+    char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
+    if (!dir)
+        why = "out of memory";
+    else if (stat(dir, &st) != 0)
+        why = errno == ENOENT ? "its folder does not exist" : strerror(errno);
+    else if (!S_ISDIR(st.st_mode))
+        why = "its folder is not a folder";
+    else if (access(dir, W_OK | X_OK) != 0)
+        why = "its folder is not writable";
+    free(dir);
+    return why;
+}
+
 bool cli_check_writable(const char *cmd, const char *flag, const char *path, bool regular_only)
 {
     const char *why = NULL;
@@ -25,26 +44,25 @@ bool cli_check_writable(const char *cmd, const char *flag, const char *path, boo
     if (!*path) {
         why = "an empty path";
     } else if (stat(path, &st) == 0) {
-        if (S_ISDIR(st.st_mode))
+        if (S_ISDIR(st.st_mode)) {
             why = "is a folder";
-        else if (regular_only && !S_ISREG(st.st_mode))
+        } else if (regular_only && !S_ISREG(st.st_mode)) {
             why = "exists and is not a regular file";
-        else if (access(path, W_OK) != 0)
+        } else if (access(path, W_OK) != 0) {
             why = strerror(errno);
+        } else if (regular_only) {
+            /* Replaced by a new file beside it (or beside a link's target): its folder must
+             * take one too. */
+            char *target = realpath(path, NULL);
+            why = target ? folder_refuses(target) : strerror(errno);
+            free(target);
+        }
     } else if (errno != ENOENT) {
         why = strerror(errno);
+    } else if (lstat(path, &st) == 0) {
+        why = "is a symbolic link to nothing";
     } else {
-        const char *slash = strrchr(path, '/');
-        char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
-        if (!dir)
-            why = "out of memory";
-        else if (stat(dir, &st) != 0)
-            why = errno == ENOENT ? "its folder does not exist" : strerror(errno);
-        else if (!S_ISDIR(st.st_mode))
-            why = "its folder is not a folder";
-        else if (access(dir, W_OK | X_OK) != 0)
-            why = "its folder is not writable";
-        free(dir);
+        why = folder_refuses(path);
     }
     if (why)
         fprintf(stderr, "strata %s: %s %s: %s\n", cmd, flag, path, why);

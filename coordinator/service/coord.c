@@ -5,6 +5,7 @@
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -115,6 +116,7 @@ enum { FIN_STOP, FIN_LENGTH, FIN_ABORT, FIN_ERROR, FIN_CANCELLED };
 
 struct coord {
     coord_config cfg;
+    atomic_ulong workers_refused;   /* by the control server's Join checks (on_refused) */
     char model_path[4096];
     char *kv_canonical;          /* the server's own plan, canonical (kv_plan_name) */
     model_config mc;
@@ -406,7 +408,12 @@ static int on_join(void *ctx, ctl_peer *peer, const Strata__Internal__V1__Join *
 
 static void on_refused(void *ctx, const char *peer, int grpc_status, const char *why)
 {
-    logf_(ctx, "refused a worker from %s: %s (%s)", peer, why, proto_grpc_status_name(grpc_status));
+    /* Anyone who reaches the port can cause these: the first ten, then one in a hundred. */
+    coord *c = ctx;
+    unsigned long n = atomic_fetch_add(&c->workers_refused, 1) + 1;
+    if (n <= 10 || n % 100 == 0)
+        logf_(c, "refused a worker from %s: %s (%s; %lu refused so far)", peer, why,
+              proto_grpc_status_name(grpc_status), n);
 }
 
 static bool locate(const coord *c, const ctl_peer *peer, uint32_t *r_out, uint32_t *s_out)

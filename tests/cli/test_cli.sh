@@ -52,7 +52,7 @@ expect 2 "at least two codecs" "$strata" calibrate --text "$tmp/text.txt" --budg
 expect 2 "kivi2-g32 is the same codec as kivi2" "$strata" calibrate --text "$tmp/text.txt" --budget 9000 \
   --out "$tmp/p.txt" --candidates kivi2,kivi2-g32 -q
 # too short a run to form one block: every codec would look free
-expect 2 "form no block of kivi2" "$strata" calibrate --text "$tmp/text.txt" --budget 9000 --out "$tmp/p.txt" \
+expect 2 "forms no block of kivi2" "$strata" calibrate --text "$tmp/text.txt" --budget 9000 --out "$tmp/p.txt" \
   --candidates kivi2,kivi4 --prefill 64 --tokens 4 -q
 # a budget above the most precise plan is that plan's (the search's table once grew with it)
 "$strata" calibrate --text "$tmp/text.txt" --budget 1e9 --out "$tmp/big.txt" --candidates kivi2,kivi4 \

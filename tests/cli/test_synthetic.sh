@@ -64,6 +64,8 @@ expect 2 "--save-kv $tmp: is a folder" "${syn[@]}" -p hi --save-kv "$tmp"
 mkfifo "$tmp/fifo"   # never replaced: a device or FIFO at the path is the user's
 expect 2 "--save-kv $tmp/fifo: exists and is not a regular file" "${syn[@]}" -p hi --save-kv "$tmp/fifo"
 [[ -p $tmp/fifo ]] || { echo "test_synthetic: the FIFO at --save-kv's path is gone"; exit 1; }
+ln -s none "$tmp/dangling"
+expect 2 "--save-kv $tmp/dangling: is a symbolic link to nothing" "${syn[@]}" -p hi --save-kv "$tmp/dangling"
 expect 2 "--out $tmp/none/p.txt: its folder does not exist" "$strata" calibrate --text "$tmp/x" --budget 9 \
   --out "$tmp/none/p.txt"
 expect 2 "--chat does not apply with --server" "$strata" generate --server 127.0.0.1:1 --chat -p hi

@@ -110,7 +110,9 @@ fi
 # the slab file (a GiB here, preallocated) and the spill directory the command made are removed,
 # and the command still dies of the signal (128 + its number); a directory that was there stays.
 mkdir -m 700 "$tmp/kept"
-for sig in TERM HUP; do
+sigs=(TERM)   # and HUP unless this script was started ignoring it (nohup): so is the command then
+(( 16#$(awk '/^SigIgn/ {print $2}' /proc/self/status) & 1 )) || sigs+=(HUP)
+for sig in "${sigs[@]}"; do
   for dir in "$tmp/made-$sig" "$tmp/kept"; do
     "$strata" generate -p - -n 4000 --ignore-eos --no-echo "${tight[@]}" --nvme-kv-mib 1024 --nvme-dir "$dir" \
       < "$tmp/prompt.txt" > /dev/null 2> "$tmp/sig.err" &
