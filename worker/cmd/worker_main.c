@@ -506,8 +506,7 @@ int main(int argc, char **argv)
         return EXIT_RUNTIME;
     }
     if (!o.quiet)
-        fprintf(stderr, "strata-worker %s: connected to %s and asked to join (data plane %s); the "
-                        "coordinator assigns layers once its replica is complete\n", o.name, o.coordinator, data_addr);
+        fprintf(stderr, "strata-worker %s: asked %s to join (data plane %s)\n", o.name, o.coordinator, data_addr);
 
     inbox in = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .cc = cc};
     pthread_t receiver;
