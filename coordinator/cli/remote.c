@@ -14,6 +14,10 @@
 #include <grpc/support/alloc.h>
 #include <grpc/support/string_util.h>
 #include <grpc/support/time.h>
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 
 #include "proto/credential_file.h"
 #include "proto/grpc_call.h"
@@ -79,6 +83,20 @@ typedef struct remote_conn {
     size_t n_md;
 } remote_conn;
 
+/* How many X.509 certificates in pem parse; -1 when out of memory. */
+static int pem_certificates(const char *pem)
+{
+    BIO *bio = BIO_new_mem_buf(pem, -1);
+    if (!bio)
+        return -1;
+    int n = 0;
+    for (X509 *x; (x = PEM_read_bio_X509(bio, NULL, NULL, NULL)) != NULL; n++)
+        X509_free(x);
+    ERR_clear_error();   /* the read that ended the loop leaves its "no start line" */
+    BIO_free(bio);
+    return n;
+}
+
 /* Reads the token and CA files and opens the channel; false (EXIT_USAGE) after a message. */
 static bool conn_open(remote_conn *c, const char *cmd, const char *server, const char *token_file,
                       const char *tls_ca)
@@ -91,9 +109,11 @@ static bool conn_open(remote_conn *c, const char *cmd, const char *server, const
         free(c->token);
         return false;
     }
-    /* gRPC would take anything here and fail each connection with a log line of its own. */
-    if (pem && !strstr(pem, "-----BEGIN CERTIFICATE-----")) {
-        fprintf(stderr, "%s: --tls-ca %s holds no PEM certificate (-----BEGIN CERTIFICATE-----)\n", cmd, tls_ca);
+    /* gRPC takes anything here and then fails every connection ("empty address list", the
+     * reason only in its own log lines): read the certificates as its TLS stack will. */
+    if (pem && pem_certificates(pem) <= 0) {
+        fprintf(stderr, "%s: --tls-ca %s holds no valid PEM certificate (-----BEGIN CERTIFICATE-----)\n", cmd,
+                tls_ca);
         explicit_bzero(pem, strlen(pem));   /* perhaps a private key given by mistake */
         free(pem);
         free(c->token);

@@ -82,8 +82,11 @@ expect 2 "^strata generate: --token-file $tmp: Is a directory" "$strata" generat
 expect 2 "--token-file $tmp/empty-token is empty" "$strata" generate --server 127.0.0.1:1 \
   --token-file "$tmp/empty-token" -p hi
 printf 'not a certificate\n' >"$tmp/ca.txt"
-expect 2 "^strata generate: --tls-ca $tmp/ca.txt holds no PEM certificate" "$strata" generate \
+expect 2 "^strata generate: --tls-ca $tmp/ca.txt holds no valid PEM certificate" "$strata" generate \
   --server 127.0.0.1:1 --tls-ca "$tmp/ca.txt" -p hi
+printf -- '-----BEGIN CERTIFICATE-----\nZ2FyYmFnZQ==\n-----END CERTIFICATE-----\n' >"$tmp/ca.pem"   # the look, not a certificate
+expect 2 "^strata generate: --tls-ca $tmp/ca.pem holds no valid PEM certificate" "$strata" generate \
+  --server 127.0.0.1:1 --tls-ca "$tmp/ca.pem" -p hi
 serve_bad "--token-file $tmp: Is a directory" --token-file "$tmp"
 serve_bad "--secret-file $tmp/none: No such file" --secret-file "$tmp/none"
 # "strata help CMD" is that command's --help
