@@ -138,7 +138,8 @@ int kv_blockfile_save(kv_seq *seq, const char *path, strata_error *err)
      * A link to a regular file is kept, and its target replaced. */
     struct stat st;
     char *target = NULL;
-    if (lstat(path, &st) == 0 && S_ISLNK(st.st_mode)) {
+    const bool exists = lstat(path, &st) == 0;
+    if (exists && S_ISLNK(st.st_mode)) {
         if (!(target = realpath(path, NULL)))
             return strata_fail(err, STRATA_EIO, "%s is a symbolic link to nothing (%s)", path, strerror(errno));
         if (stat(target, &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -146,7 +147,7 @@ int kv_blockfile_save(kv_seq *seq, const char *path, strata_error *err)
             return strata_fail(err, STRATA_EIO, "%s links to something that is not a regular file: not replacing it",
                                path);
         }
-    } else if (lstat(path, &st) == 0 && !S_ISREG(st.st_mode)) {
+    } else if (exists && !S_ISREG(st.st_mode)) {
         return strata_fail(err, STRATA_EIO, "%s exists and is not a regular file: not replacing it", path);
     }
     const char *dest = target ? target : path;
