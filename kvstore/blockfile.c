@@ -130,6 +130,24 @@ static int save_to(kv_seq *seq, FILE *f, const char *path, strata_error *err)
     return rc;
 }
 
+/* fsync of the folder holding path, so a rename into it is on disk. */
+static int sync_folder_of(const char *path, strata_error *err)
+{
+    const char *slash = strrchr(path, '/');
+    char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
+    if (!dir)
+        return strata_fail(err, STRATA_ENOMEM, "saving %s: out of memory", path);
+    int rc = STRATA_OK;
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0 || fsync(fd) != 0)
+        rc = strata_fail(err, STRATA_EIO, "%s was written but its folder %s could not be synced: %s", path, dir,
+                         strerror(errno));
+    if (fd >= 0)
+        close(fd);
+    free(dir);
+    return rc;
+}
+
 int kv_blockfile_save(kv_seq *seq, const char *path, strata_error *err)
 {
     if (!seq || !path || !*path)
@@ -174,7 +192,12 @@ int kv_blockfile_save(kv_seq *seq, const char *path, strata_error *err)
         rc = strata_fail(err, STRATA_EIO, "cannot open %s: %s", tmp, strerror(errno));
         close(fd);
     } else {
-        rc = save_to(seq, f, path, err);
+        /* A replaced file keeps its permissions; a new one stays 0600 (it holds the prompt's
+         * keys and values). */
+        if (exists && fchmod(fd, st.st_mode & 07777) != 0)
+            rc = strata_fail(err, STRATA_EIO, "setting the mode of %s: %s", tmp, strerror(errno));
+        if (rc == STRATA_OK)
+            rc = save_to(seq, f, path, err);
         if (rc == STRATA_OK && fflush(f) != 0)
             rc = strata_fail(err, STRATA_EIO, "writing %s: %s", path, strerror(errno));
         if (rc == STRATA_OK && fsync(fd) != 0)
@@ -186,6 +209,8 @@ int kv_blockfile_save(kv_seq *seq, const char *path, strata_error *err)
         rc = strata_fail(err, STRATA_EIO, "renaming %s to %s: %s", tmp, dest, strerror(errno));
     if (rc != STRATA_OK)
         unlink(tmp);
+    else
+        rc = sync_folder_of(dest, err);   /* the rename itself survives a crash only then */
     free(tmp);
     free(target);
     return rc;

@@ -308,12 +308,20 @@ static void test_save_failure_keeps_old(void **state)
     struct stat st;
     assert_int_equal(lstat(fifo, &st), 0);
     assert_true(S_ISFIFO(st.st_mode));
-    /* And a save that succeeds replaces the old file whole. */
+    /* And a save that succeeds replaces the old file whole, keeping its permissions; a new
+     * file is the user's alone (it holds the prompt's keys and values). */
+    assert_int_equal(chmod(old, 0640), 0);
     assert_int_equal(kv_blockfile_save(f->seq, old, &err), STRATA_OK);
     assert_int_equal(stat(old, &st), 0);
     assert_true(st.st_size > 4096);
-    assert_int_equal(st.st_mode & 0777, 0600);
+    assert_int_equal(st.st_mode & 07777, 0640);
     assert_int_equal(entries_in(dir), 2);
+    char fresh[64];
+    snprintf(fresh, sizeof fresh, "%s/fresh.skv", dir);
+    assert_int_equal(kv_blockfile_save(f->seq, fresh, &err), STRATA_OK);
+    assert_int_equal(stat(fresh, &st), 0);
+    assert_int_equal(st.st_mode & 07777, 0600);
+    assert_int_equal(unlink(fresh), 0);
     /* Through a symbolic link: the link stays, its target is replaced; a link to nothing is
      * refused. */
     char link[64], dangling[64];
