@@ -43,8 +43,11 @@ int cuda_attention_prefill_gemm(void *cublas_handle, const float *d_q, const flo
 
 /* The past of a prompt chunk as fp32 rows, a range at a time: keys and values [k0, k0 + nk) of
  * the positions cached before the chunk into d_k, d_v ([nk][n_kv_heads][head_dim], device).
+ * Work it queues goes on `stream`, the one the GEMMs that read the rows run on (the cuBLAS
+ * handle's), so a tile is written only after the previous tile's products are done with it.
  * Returns a strata status (its message in err). */
-typedef int (*cuda_past_rows_fn)(void *ctx, int k0, int nk, float *d_k, float *d_v, strata_error *err);
+typedef int (*cuda_past_rows_fn)(void *ctx, int k0, int nk, float *d_k, float *d_v, strata_cuda_stream stream,
+                                 strata_error *err);
 
 /* Bytes of device workspace cuda_attention_chunk_gemm needs for n rows after n_past positions with
  * key tiles of tile_keys: two tiles of fp32 K/V rows, the rows' softmax state, and score tiles of

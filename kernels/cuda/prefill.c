@@ -179,7 +179,7 @@ int cuda_attention_chunk_gemm(void *cublas_handle, const float *d_q, int n_past,
     for (int t = 0; t <= n_past_tiles; t++) {
         const bool own = t == n_past_tiles;
         const int k0 = t * tile, nk = own ? n : (n_past - k0 < tile ? n_past - k0 : tile);
-        int rc = own ? STRATA_OK : past(past_ctx, k0, nk, tile_k, tile_v, err);
+        int rc = own ? STRATA_OK : past(past_ctx, k0, nk, tile_k, tile_v, (strata_cuda_stream)stream, err);
         if (rc != STRATA_OK)
             return rc;
         const float *keys = own ? d_k : tile_k, *values = own ? d_v : tile_v;

@@ -1288,13 +1288,15 @@ typedef struct rows_past {
     int calls;
 } rows_past;
 
-static int copy_past_rows(void *ctx, int k0, int nk, float *d_k, float *d_v, strata_error *err)
+static int copy_past_rows(void *ctx, int k0, int nk, float *d_k, float *d_v, strata_cuda_stream stream,
+                          strata_error *err)
 {
     rows_past *p = ctx;
     p->calls++;
     const size_t bytes = (size_t)nk * p->row * sizeof(float);
-    if (cudaMemcpy(d_k, p->k + (size_t)k0 * p->row, bytes, cudaMemcpyDeviceToDevice) != cudaSuccess ||
-        cudaMemcpy(d_v, p->v + (size_t)k0 * p->row, bytes, cudaMemcpyDeviceToDevice) != cudaSuccess)
+    cudaStream_t s = (cudaStream_t)stream;
+    if (cudaMemcpyAsync(d_k, p->k + (size_t)k0 * p->row, bytes, cudaMemcpyDeviceToDevice, s) != cudaSuccess ||
+        cudaMemcpyAsync(d_v, p->v + (size_t)k0 * p->row, bytes, cudaMemcpyDeviceToDevice, s) != cudaSuccess)
         return strata_fail(err, STRATA_EIO, "copying past rows");
     return STRATA_OK;
 }

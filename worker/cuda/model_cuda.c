@@ -936,10 +936,11 @@ typedef struct chunk_past {
     int *d_status;
 } chunk_past;
 
-static int chunk_past_rows(void *ctx, int k0, int nk, float *d_k, float *d_v, strata_error *err)
+static int chunk_past_rows(void *ctx, int k0, int nk, float *d_k, float *d_v, strata_cuda_stream stream,
+                           strata_error *err)
 {
     const chunk_past *p = ctx;
-    return cuda_kv_dequantize_rows(p->layout, p->view, k0, nk, d_k, d_v, p->d_status, NULL, err);
+    return cuda_kv_dequantize_rows(p->layout, p->view, k0, nk, d_k, d_v, p->d_status, stream, err);
 }
 
 /* A prompt chunk continuing s, one layer: its rows attend the layer's blocks and tail as they were
