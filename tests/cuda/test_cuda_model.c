@@ -430,6 +430,52 @@ static void test_nonfinite_logits(void **state)
     free_twin(m);
 }
 
+/* A block the attention rejects (its magic overwritten on the device) fails its step with
+ * STRATA_EFORMAT, and only that step: a healthy sequence's later steps run, as the kernels only
+ * ever set the status the step reads back. */
+static void test_rejected_block_fails_one_step(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    model *m = load_twin("synthetic:tiny:seed=3", 0, -1, &err);
+    assert_non_null(m);
+    cuda_model *cm = create_cuda(m, CUDA_WEIGHTS_F32, &err);
+    assert_non_null(cm);
+    kv_codec_params f16;
+    assert_int_equal(kv_codec_parse("fp16", &f16, &err), STRATA_OK);
+    cuda_seq *bad = cuda_seq_create(cm, &f16, 16, 64, &err), *good = cuda_seq_create(cm, &f16, 16, 64, &err);
+    assert_true(bad && good);
+    float *logits = malloc(2 * (size_t)model_get_config(m)->n_vocab * sizeof *logits);   /* a row per item */
+    assert_non_null(logits);
+    int32_t tok[40];
+    for (int i = 0; i < 40; i++)
+        tok[i] = 7 + i;
+    const cuda_batch_item prompts[2] = {{bad, tok, 40}, {good, tok, 40}};   /* two blocks each, and a tail */
+    assert_int_equal(cuda_model_forward_batch(cm, prompts, 2, logits, &err), STRATA_OK);
+    const uint8_t *block0;   /* layer 0's first block */
+    CUDA_CHECK(cudaMemcpy(&block0, bad->d_tables, sizeof block0, cudaMemcpyDeviceToHost));
+    uint8_t magic;
+    CUDA_CHECK(cudaMemcpy(&magic, block0, 1, cudaMemcpyDeviceToHost));
+    magic ^= 0xffu;
+    CUDA_CHECK(cudaMemcpy((uint8_t *)block0, &magic, 1, cudaMemcpyHostToDevice));
+    const cuda_batch_item bad_step = {bad, &tok[0], 1};
+    memset(&err, 0, sizeof err);
+    int rc = cuda_model_forward_batch(cm, &bad_step, 1, logits, &err);
+    if (rc != STRATA_EFORMAT || !strstr(err.msg, "rejected a block"))
+        fail_msg("damaged block: rc %d, '%s'", rc, err.msg);
+    for (int step = 0; step < 3; step++) {
+        const cuda_batch_item good_step = {good, &tok[step], 1};
+        memset(&err, 0, sizeof err);
+        if (cuda_model_forward_batch(cm, &good_step, 1, logits, &err) != STRATA_OK)
+            fail_msg("healthy step %d after a rejected block: '%s'", step, err.msg);
+    }
+    free(logits);
+    cuda_seq_free(bad);
+    cuda_seq_free(good);
+    cuda_model_free(cm);
+    free_twin(m);
+}
+
 /* Greedy sampling on the device picks the argmax of the logits the other call returns, and a
  * KIVI sequence needs fewer device bytes than an fp16 one. */
 static void test_greedy_and_sizes(void **state)
@@ -1424,6 +1470,7 @@ int main(void)
         cmocka_unit_test(test_bad_batches),
         cmocka_unit_test(test_greedy_and_sizes),
         cmocka_unit_test(test_nonfinite_logits),
+        cmocka_unit_test(test_rejected_block_fails_one_step),
         cmocka_unit_test(test_shared_pool),
         cmocka_unit_test(test_shared_pool_plans),
         cmocka_unit_test(test_phase_times),

@@ -1404,6 +1404,11 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
         rc = cuda_uploads_begin(&cm->uploads, err);
     if (rc != STRATA_OK)
         return rc;
+    /* The kernels only ever set the status: a block rejected in an earlier step (or a status a
+     * failed step left) must not fail this one. */
+    cudaError_t zeroed = cudaMemsetAsync(cm->d_status, 0, sizeof(int), 0);
+    if (zeroed != cudaSuccess)
+        return strata_fail(err, STRATA_EIO, "CUDA: clearing the step's status: %s", cudaGetErrorString(zeroed));
     step_plan sp = {.n_items = n_items};
     sp.order = malloc(n_items * sizeof *sp.order);
     sp.row0 = malloc(n_items * sizeof *sp.row0);
@@ -1503,6 +1508,10 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
     for (int il = 0; rc == STRATA_OK && il < cm->n_local; il++)
         if ((rc = run_layer(cm, items, &sp, il, err)) != STRATA_OK)
             strata_error_prefix(err, "layer %d", cm->layer_begin + il);
+    /* The rows handed on are copied before the status is read: that read waits for the device,
+     * so the rows are complete when the caller passes them to another stream (an NCCL link). */
+    if (rc == STRATA_OK && hidden_out)
+        rc = move_rows(cm, items, &sp, NULL, hidden_out, err);
     if (rc == STRATA_OK) {
         after_step(items, &sp);
         cuda_phase_mark(cm->phases, CUDA_PHASE_HEAD);
@@ -1514,8 +1523,6 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
             rc = strata_fail(err, STRATA_EFORMAT, "the CUDA attention kernel rejected a block of a cache (status %d)",
                              status);
     }
-    if (rc == STRATA_OK && hidden_out)
-        rc = move_rows(cm, items, &sp, NULL, hidden_out, err);
     if (rc == STRATA_OK && (logits || next))
         rc = run_head(cm, items, &sp, logits, sample, next, err);
     if (rc == STRATA_OK)

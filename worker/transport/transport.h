@@ -11,7 +11,10 @@
  *   NCCL (GPUs): ncclSend/ncclRecv on a dedicated CUDA stream of the link; the same 64-byte
  *        header travels as its own NCCL message before the payload. Payload pointers are DEVICE
  *        memory (cudaMalloc'd on the link's device, or managed memory); host pointers are
- *        refused with STRATA_EINVAL. Every call synchronises its stream before returning.
+ *        refused with STRATA_EINVAL. A transfer is queued behind the caller's work on the legacy
+ *        default stream (a payload still being written there is sent once written; a buffer
+ *        still read there is received into afterwards), and every call synchronises its stream
+ *        before returning.
  *        A one-rank "loopback" NCCL link (dp_nccl_create with nranks 1) sends to itself; it
  *        exists only to test the NCCL path on a machine with one GPU (see dp_nccl_create).
  *

@@ -53,6 +53,7 @@ typedef struct lb_msg {
 typedef struct nccl_state {
     ncclComm_t comm;
     cudaStream_t stream;
+    cudaEvent_t caller_work; /* recorded on the legacy default stream; the link's stream waits for it */
     uint8_t *dev_hdr;  /* DP_FRAME_HEADER_BYTES on the device */
     uint8_t *host_hdr; /* 2 * DP_FRAME_HEADER_BYTES pinned: the header sent, then the one received
                         * (apart, so a loopback send's two copies never share bytes) */
@@ -141,8 +142,27 @@ static int set_device(dp_link *link, strata_error *err)
     return e == cudaSuccess ? STRATA_OK : cuda_fail(err, e, "cudaSetDevice", link->desc);
 }
 
+/* The link's stream is non-blocking, so it does not wait for the caller's work on the legacy
+ * default stream by itself: a payload a kernel or copy there is still writing would be sent
+ * early, and a buffer it still reads could be overwritten by a receive. Every transfer of a
+ * caller's buffer is queued behind the work queued there so far. Nothing is enqueued on the
+ * link's stream when this fails. */
+static int after_caller_work(dp_link *link, strata_error *err)
+{
+    nccl_state *s = link->impl;
+    cudaError_t e = cudaEventRecord(s->caller_work, 0);
+    if (e == cudaSuccess)
+        e = cudaStreamWaitEvent(s->stream, s->caller_work, 0);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return cuda_fail(err, e, "ordering after the caller's device work", link->desc);
+    }
+    return STRATA_OK;
+}
+
 /* What both kinds of send do before enqueueing anything: the link's device, a device payload, the
- * frame header in the pinned host buffer. A failure here leaves the link in sync. */
+ * frame header in the pinned host buffer, the link's stream behind the payload's writers. A
+ * failure here leaves the link in sync. */
 static int prepare_send(dp_link *link, const dp_msg_header *h, const void *payload, size_t len, strata_error *err)
 {
     nccl_state *s = link->impl;
@@ -151,6 +171,8 @@ static int prepare_send(dp_link *link, const dp_msg_header *h, const void *paylo
         rc = check_device_ptr(link, payload, "payload", err);
     if (rc == STRATA_OK)
         rc = dp_frame_encode(h, len, 0, 0, s->host_hdr, err);
+    if (rc == STRATA_OK && len > 0)
+        rc = after_caller_work(link, err);
     return rc;
 }
 
@@ -207,6 +229,8 @@ static int nccl_recv_payload(dp_link *link, void *buf, strata_error *err)
     int rc = set_device(link, err);
     if (rc == STRATA_OK && buf)
         rc = check_device_ptr(link, buf, "payload buffer", err);
+    if (rc == STRATA_OK && buf)
+        rc = after_caller_work(link, err);
     if (rc != STRATA_OK)
         return rc; /* still pending, nothing enqueued */
     void *dst = buf, *scratch = NULL;
@@ -384,6 +408,8 @@ static int lb_recv_payload(dp_link *link, void *buf, strata_error *err)
     int rc = set_device(link, err);
     if (rc == STRATA_OK && buf)
         rc = check_device_ptr(link, buf, "payload buffer", err);
+    if (rc == STRATA_OK && buf)
+        rc = after_caller_work(link, err);
     if (rc != STRATA_OK)
         return rc; /* still pending, nothing enqueued */
     if (buf) {
@@ -416,6 +442,8 @@ static void nccl_close(dp_link *link)
         else
             (void)ncclCommDestroy(s->comm);
     }
+    if (s->caller_work)
+        (void)cudaEventDestroy(s->caller_work);
     if (s->stream)
         (void)cudaStreamDestroy(s->stream);
     if (s->dev_hdr)
@@ -515,6 +543,8 @@ int dp_nccl_create(const void *unique_id, size_t id_len, int rank, int nranks, i
         rc = cuda_fail(err, e, "cudaSetDevice", ctx);
     else if ((e = cudaStreamCreateWithFlags(&s->stream, cudaStreamNonBlocking)) != cudaSuccess)
         rc = cuda_fail(err, e, "cudaStreamCreateWithFlags", ctx);
+    else if ((e = cudaEventCreateWithFlags(&s->caller_work, cudaEventDisableTiming)) != cudaSuccess)
+        rc = cuda_fail(err, e, "cudaEventCreateWithFlags", ctx);
     else if ((e = cudaMalloc((void **)&s->dev_hdr, DP_FRAME_HEADER_BYTES)) != cudaSuccess)
         rc = cuda_fail(err, e, "cudaMalloc of the header buffer", ctx);
     else if ((e = cudaMallocHost((void **)&s->host_hdr, 2 * DP_FRAME_HEADER_BYTES)) != cudaSuccess)
