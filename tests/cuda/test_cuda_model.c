@@ -476,6 +476,70 @@ static void test_rejected_block_fails_one_step(void **state)
     free_twin(m);
 }
 
+/* Out of device memory fails the step that asked, with STRATA_ENOMEM, and not the next one (the
+ * runtime records a failed allocation for the next launch's cudaGetLastError); short of pinned
+ * memory, steps go on with synchronous uploads. The fake device's limits provoke both; a real
+ * device has no portable way to, so there the test only runs the steps. */
+static void test_out_of_memory_fails_one_step(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    model *m = load_twin("synthetic:tiny:seed=3", 0, -1, &err);
+    assert_non_null(m);
+    cuda_model *cm = create_cuda(m, CUDA_WEIGHTS_F32, &err);
+    assert_non_null(cm);
+    kv_codec_params f16;
+    assert_int_equal(kv_codec_parse("fp16", &f16, &err), STRATA_OK);
+    cuda_seq *a = cuda_seq_create(cm, &f16, 16, 256, &err), *b = cuda_seq_create(cm, &f16, 16, 256, &err);
+    assert_true(a && b);
+    float *logits = malloc(2 * (size_t)model_get_config(m)->n_vocab * sizeof *logits);
+    assert_non_null(logits);
+    int32_t tok[200];
+    for (int i = 0; i < 200; i++)
+        tok[i] = 3 + i % 50;
+    const cuda_batch_item small = {a, tok, 8};
+    assert_int_equal(cuda_model_forward_batch(cm, &small, 1, logits, &err), STRATA_OK);
+#ifdef STRATA_FAKE_CUDA
+    const cuda_batch_item large = {b, tok, 200};   /* more rows than the workspace holds */
+    fakecuda_limit_memory(1, 0);   /* every new device allocation fails */
+    memset(&err, 0, sizeof err);
+    int rc = cuda_model_forward_batch(cm, &large, 1, logits, &err);
+    fakecuda_limit_memory(0, 0);
+    if (rc != STRATA_ENOMEM || !strstr(err.msg, "200 tokens"))
+        fail_msg("a step out of device memory: rc %d, '%s'", rc, err.msg);
+#endif
+    for (int step = 0; step < 2; step++) {
+        const cuda_batch_item next = {a, &tok[8 + step], 1};
+        memset(&err, 0, sizeof err);
+        if (cuda_model_forward_batch(cm, &next, 1, logits, &err) != STRATA_OK)
+            fail_msg("step %d after one out of memory: '%s'", step, err.msg);
+    }
+#ifdef STRATA_FAKE_CUDA
+    fakecuda_limit_memory(0, 1);   /* the upload staging cannot grow */
+    const size_t grows_before = cm->uploads.failed_grows;
+#endif
+    cuda_seq_free(b);
+    b = cuda_seq_create(cm, &f16, 16, 256, &err);
+    assert_non_null(b);
+    for (int step = 0; step < 3; step++) {
+        const cuda_batch_item both[2] = {{a, &tok[10 + step], 1},
+                                         step ? (cuda_batch_item){b, &tok[100 + step], 1}
+                                              : (cuda_batch_item){b, tok, 200}};
+        memset(&err, 0, sizeof err);
+        if (cuda_model_forward_batch(cm, both, 2, logits, &err) != STRATA_OK)
+            fail_msg("step %d short of pinned memory: '%s'", step, err.msg);
+    }
+#ifdef STRATA_FAKE_CUDA
+    fakecuda_limit_memory(0, 0);
+    assert_true(cm->uploads.failed_grows > grows_before);
+#endif
+    free(logits);
+    cuda_seq_free(a);
+    cuda_seq_free(b);
+    cuda_model_free(cm);
+    free_twin(m);
+}
+
 /* Greedy sampling on the device picks the argmax of the logits the other call returns, and a
  * KIVI sequence needs fewer device bytes than an fp16 one. */
 static void test_greedy_and_sizes(void **state)
@@ -1471,6 +1535,7 @@ int main(void)
         cmocka_unit_test(test_greedy_and_sizes),
         cmocka_unit_test(test_nonfinite_logits),
         cmocka_unit_test(test_rejected_block_fails_one_step),
+        cmocka_unit_test(test_out_of_memory_fails_one_step),
         cmocka_unit_test(test_shared_pool),
         cmocka_unit_test(test_shared_pool_plans),
         cmocka_unit_test(test_phase_times),

@@ -78,8 +78,15 @@ cudaError_t cudaEventDestroy(cudaEvent_t event);
 int fakecuda_is_device(const void *p, size_t bytes);
 
 /* Every emulated kernel and cuBLAS call first runs the asynchronous copies queued before it
- * (fakecuda.c), as the device would have. */
-void fakecuda_launch(void);
+ * (fakecuda.c), as the device would have. An emulated kernel then reports what the real launch
+ * wrapper's cudaGetLastError would: the error an earlier failed runtime call recorded and nobody
+ * took (taking it), or cudaSuccess; on an error the kernel does not run. */
+cudaError_t fakecuda_launch(void);
+
+/* Test control, fake device only: cudaMalloc fails with cudaErrorMemoryAllocation (recording
+ * it, as the runtime does) once the live device allocations would pass `bytes`; 0: no limit.
+ * cudaHostAlloc likewise with pinned_bytes. */
+void fakecuda_limit_memory(size_t bytes, size_t pinned_bytes);
 
 #ifdef __cplusplus
 }

@@ -9,6 +9,7 @@
  * pinned destination, gets what a GPU running behind would give it. */
 #define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,6 +33,8 @@ static size_t n_allocs, cap_allocs;
 static allocation *pinned;   /* cudaHostAlloc'd blocks */
 static size_t n_pinned, cap_pinned;
 static cudaError_t last_error;
+static size_t live_device, live_pinned;     /* bytes allocated now */
+static size_t limit_device, limit_pinned;   /* fakecuda_limit_memory; 0: none */
 
 typedef struct pending_copy {
     void *dst;
@@ -88,7 +91,15 @@ static void run_pending(void)
     pthread_mutex_unlock(&lock);
 }
 
-void fakecuda_launch(void) { run_pending(); }
+cudaError_t fakecuda_launch(void)
+{
+    run_pending();
+    pthread_mutex_lock(&lock);
+    const cudaError_t e = last_error;
+    last_error = cudaSuccess;
+    pthread_mutex_unlock(&lock);
+    return e;
+}
 
 int fakecuda_is_device(const void *p, size_t bytes)
 {
@@ -120,11 +131,30 @@ static void drop_converted(uintptr_t base, size_t bytes)
     }
 }
 
+void fakecuda_limit_memory(size_t bytes, size_t pinned_bytes)
+{
+    pthread_mutex_lock(&lock);
+    limit_device = bytes;
+    limit_pinned = pinned_bytes;
+    pthread_mutex_unlock(&lock);
+}
+
+/* Whether bytes more fit under a limit (0: none) with live bytes allocated. */
+static bool under_limit(size_t live, size_t limit, size_t bytes)
+{
+    pthread_mutex_lock(&lock);
+    const bool ok = !limit || (live <= limit && bytes <= limit - live);
+    pthread_mutex_unlock(&lock);
+    return ok;
+}
+
 /* A new block p in a registry, handed out through *ptr; freed again if the registry cannot grow. */
 static cudaError_t keep(allocation **arr, size_t *n, size_t *cap, void *p, size_t bytes, void **ptr, const char *oom)
 {
     pthread_mutex_lock(&lock);
     const int added = registry_add(arr, n, cap, p, bytes);
+    if (added == 0)
+        *(arr == &allocs ? &live_device : &live_pinned) += bytes;
     pthread_mutex_unlock(&lock);
     if (added != 0) {
         free(p);
@@ -139,6 +169,8 @@ cudaError_t cudaMalloc(void **ptr, size_t bytes)
     if (!ptr)
         return fail(cudaErrorInvalidValue, "cudaMalloc: NULL");
     *ptr = NULL;
+    if (!under_limit(live_device, limit_device, bytes))
+        return fail(cudaErrorMemoryAllocation, "cudaMalloc: out of memory (the test's limit)");
     void *p = malloc(bytes ? bytes : 1);
     if (!p)
         return fail(cudaErrorMemoryAllocation, "cudaMalloc: out of memory");
@@ -160,6 +192,7 @@ cudaError_t cudaFree(void *ptr)
         return fail(cudaErrorInvalidDevicePointer, "cudaFree: not the start of a device allocation");
     }
     drop_converted(allocs[i].base, allocs[i].bytes);
+    live_device -= allocs[i].bytes;
     allocs[i] = allocs[--n_allocs];
     pthread_mutex_unlock(&lock);
     free(ptr);
@@ -173,6 +206,8 @@ cudaError_t cudaHostAlloc(void **ptr, size_t bytes, unsigned flags)
         return fail(cudaErrorInvalidValue, "cudaHostAlloc: NULL");
     /* pinned memory comes in whole pages, as the real allocator's does */
     const size_t rounded = (bytes + 4095) / 4096 * 4096 + (bytes ? 0 : 4096);
+    if (!under_limit(live_pinned, limit_pinned, rounded))
+        return fail(cudaErrorMemoryAllocation, "cudaHostAlloc: out of memory (the test's limit)");
     void *p = aligned_alloc(4096, rounded);
     if (!p)
         return fail(cudaErrorMemoryAllocation, "cudaHostAlloc: out of memory");
@@ -189,8 +224,10 @@ cudaError_t cudaFreeHost(void *ptr)
     while (i < n_pinned && pinned[i].base != (uintptr_t)ptr)
         i++;
     const int found = i < n_pinned;
-    if (found)
+    if (found) {
+        live_pinned -= pinned[i].bytes;
         pinned[i] = pinned[--n_pinned];
+    }
     pthread_mutex_unlock(&lock);
     if (!found)
         return fail(cudaErrorInvalidValue, "cudaFreeHost: not the start of a cudaHostAlloc block");
@@ -528,7 +565,7 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cub
     (void)computeType, (void)algo;
     if (!handle || m < 0 || n < 0 || k < 0 || Ctype != CUDA_R_32F || Atype != Btype)
         return CUBLAS_STATUS_INVALID_VALUE;
-    fakecuda_launch();
+    run_pending();   /* cuBLAS does not report the runtime's recorded error */
     return gemm_one(transa, transb, m, n, k, *(const float *)alpha, A, Atype, lda, B, Btype, ldb,
                     *(const float *)beta, C, ldc, 1, "cublasGemmEx");
 }
@@ -543,7 +580,7 @@ cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t handle, cublasOperation
     (void)computeType, (void)algo;
     if (!handle || m < 0 || n < 0 || k < 0 || batchCount < 0 || Ctype != CUDA_R_32F || Atype != Btype)
         return CUBLAS_STATUS_INVALID_VALUE;
-    fakecuda_launch();
+    run_pending();
     const size_t esz = Atype == CUDA_R_16F ? 2 : 4;
     for (int b = 0; b < batchCount; b++) {
         const cublasStatus_t st = gemm_one(

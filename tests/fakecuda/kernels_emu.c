@@ -28,6 +28,22 @@
 #include "kvstore/crc32c_math.h"
 #include "kvstore/half.h"
 
+/* What the real launch wrappers' cudaGetLastError reports (fakecuda_launch): an error an earlier
+ * runtime call recorded and nobody took fails this launch, the kernel not run. */
+#define FAKE_LAUNCH_OR_RETURN()                                                                            \
+    do {                                                                                                   \
+        const cudaError_t launch_e_ = fakecuda_launch();                                                   \
+        if (launch_e_ != cudaSuccess)                                                                      \
+            return (int)launch_e_;                                                                         \
+    } while (0)
+#define FAKE_LAUNCH_OR_FAIL(err, kernel)                                                                   \
+    do {                                                                                                   \
+        const cudaError_t launch_e_ = fakecuda_launch();                                                   \
+        if (launch_e_ != cudaSuccess)                                                                      \
+            return strata_fail((err), STRATA_EIO, "CUDA %s launch: %s", (kernel),                          \
+                               cudaGetErrorString(launch_e_));                                             \
+    } while (0)
+
 /* A launch's argument that must be device memory; reports and fails the launch otherwise. */
 static bool dev(const void *p, size_t bytes, const char *kernel, const char *arg)
 {
@@ -42,7 +58,7 @@ static bool dev(const void *p, size_t bytes, const char *kernel, const char *arg
 int cuda_rmsnorm(const float *x, const float *weight, size_t n_rows, size_t dim, float eps, float *out,
                  strata_cuda_stream stream)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_RETURN();
     (void)stream;
     const size_t n = n_rows * dim * sizeof(float);
     if (!dev(x, n, "rmsnorm", "x") || !dev(weight, dim * sizeof(float), "rmsnorm", "weight") ||
@@ -80,7 +96,7 @@ static void rotate(float *x, size_t n_rows, size_t n_heads, size_t head_dim, con
 int cuda_rope(float *x, size_t n_tokens, size_t n_heads, size_t head_dim, size_t pos0, float theta,
               strata_cuda_stream stream)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_RETURN();
     (void)stream;
     if (!dev(x, n_tokens * n_heads * head_dim * sizeof(float), "rope", "x"))
         return (int)cudaErrorInvalidValue;
@@ -91,7 +107,7 @@ int cuda_rope(float *x, size_t n_tokens, size_t n_heads, size_t head_dim, size_t
 int cuda_rope_rows(float *x, size_t n_rows, size_t n_heads, size_t head_dim, const int32_t *d_pos, float theta,
                    strata_cuda_stream stream)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_RETURN();
     (void)stream;
     if (!dev(x, n_rows * n_heads * head_dim * sizeof(float), "rope_rows", "x") ||
         !dev(d_pos, n_rows * sizeof(int32_t), "rope_rows", "positions"))
@@ -102,7 +118,7 @@ int cuda_rope_rows(float *x, size_t n_rows, size_t n_heads, size_t head_dim, con
 
 int cuda_swiglu(const float *gate, const float *up, size_t n, float *out, strata_cuda_stream stream)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_RETURN();
     (void)stream;
     if (!dev(gate, n * 4, "swiglu", "gate") || !dev(up, n * 4, "swiglu", "up") || !dev(out, n * 4, "swiglu", "out"))
         return (int)cudaErrorInvalidValue;
@@ -115,7 +131,7 @@ int cuda_swiglu(const float *gate, const float *up, size_t n, float *out, strata
 
 int cuda_add(float *y, const float *x, size_t n, strata_cuda_stream stream)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_RETURN();
     (void)stream;
     if (!dev(y, n * 4, "add", "y") || !dev(x, n * 4, "add", "x"))
         return (int)cudaErrorInvalidValue;
@@ -126,7 +142,7 @@ int cuda_add(float *y, const float *x, size_t n, strata_cuda_stream stream)
 
 int cuda_f32_to_f16(const float *src, uint16_t *dst, size_t n, strata_cuda_stream stream)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_RETURN();
     (void)stream;
     if (!dev(src, n * 4, "f32_to_f16", "src") || !dev(dst, n * 2, "f32_to_f16", "dst"))
         return (int)cudaErrorInvalidValue;
@@ -152,7 +168,7 @@ static bool weights_store(void *out, bool out_f16, uint64_t i, float v)
 int cuda_weights_from_gguf(uint32_t type, const void *d_data, uint64_t n, uint64_t first, void *out, bool out_f16,
                            unsigned long long *d_first_bad, strata_cuda_stream stream)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_RETURN();
     (void)stream;
     uint64_t block_elems, block_bytes;
     if (!gguf_type_block(type, &block_elems, &block_bytes) || !d_data || !out || !d_first_bad)
@@ -171,7 +187,7 @@ int cuda_weights_from_gguf(uint32_t type, const void *d_data, uint64_t n, uint64
 int cuda_weights_synthetic(uint64_t key, float amp, uint64_t first, uint64_t n, void *out, bool out_f16,
                            strata_cuda_stream stream)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_RETURN();
     (void)stream;
     if (!out || !dev(out, (size_t)n * (out_f16 ? 2 : 4), "weights_synthetic", "out"))
         return (int)cudaErrorInvalidValue;
@@ -184,7 +200,7 @@ int cuda_weights_synthetic(uint64_t key, float amp, uint64_t first, uint64_t n, 
 
 int cuda_f16_to_f32(const uint16_t *src, float *dst, size_t n, strata_cuda_stream stream)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_RETURN();
     (void)stream;
     if (!dev(src, n * 2, "f16_to_f32", "src") || !dev(dst, n * 4, "f16_to_f32", "dst"))
         return (int)cudaErrorInvalidValue;
@@ -196,7 +212,7 @@ int cuda_f16_to_f32(const uint16_t *src, float *dst, size_t n, strata_cuda_strea
 int cuda_prefill_softmax(float *d_s, int rows, int kn, int i0, int n_heads, size_t head_stride,
                          strata_cuda_stream stream)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_RETURN();
     (void)stream;
     enum { THREADS = 128 };
     if (rows <= 0 || n_heads <= 0)
@@ -224,7 +240,7 @@ int cuda_prefill_softmax(float *d_s, int rows, int kn, int i0, int n_heads, size
 
 int cuda_chunk_softmax_tile(const cuda_chunk_tile *t, strata_cuda_stream stream)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_RETURN();
     (void)stream;
     enum { THREADS = 128 };
     if (t->rows <= 0 || t->n_heads <= 0)
@@ -256,7 +272,7 @@ int cuda_chunk_softmax_tile(const cuda_chunk_tile *t, strata_cuda_stream stream)
 
 int cuda_chunk_normalize(float *d_out, const float *d_l, int n_rows, int head_dim, strata_cuda_stream stream)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_RETURN();
     (void)stream;
     enum { THREADS = 128 };
     if (n_rows <= 0)
@@ -272,7 +288,7 @@ int cuda_chunk_normalize(float *d_out, const float *d_l, int n_rows, int head_di
 
 int cuda_argmax_rows(const float *x, size_t n_rows, size_t n_cols, int32_t *out, strata_cuda_stream stream)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_RETURN();
     (void)stream;
     if (!dev(x, n_rows * n_cols * 4, "argmax", "x") || !dev(out, n_rows * 4, "argmax", "out"))
         return (int)cudaErrorInvalidValue;
@@ -292,7 +308,7 @@ int cuda_argmax_rows(const float *x, size_t n_rows, size_t n_cols, int32_t *out,
 
 int cuda_first_nonfinite_rows(const float *x, size_t n_rows, size_t n_cols, int32_t *out, strata_cuda_stream stream)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_RETURN();
     (void)stream;
     if (n_rows == 0)
         return 0;
@@ -317,7 +333,7 @@ int cuda_first_nonfinite_rows(const float *x, size_t n_rows, size_t n_cols, int3
 int cuda_kv_append_rows(const cuda_kv_append_job *d_jobs, int n_jobs, const uint16_t *k16, const uint16_t *v16,
                         size_t row_elems, strata_cuda_stream stream)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_RETURN();
     (void)stream;
     if (n_jobs <= 0)
         return 0;
@@ -338,7 +354,7 @@ int cuda_kv_append_rows(const cuda_kv_append_job *d_jobs, int n_jobs, const uint
 int cuda_kv_shift_tails(const cuda_kv_shift_job *d_jobs, int n_jobs, int shift, int keep, size_t row_elems,
                         strata_cuda_stream stream)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_RETURN();
     (void)stream;
     if (n_jobs <= 0 || keep <= 0)
         return 0;
@@ -365,7 +381,7 @@ int cuda_kv_shift_tails(const cuda_kv_shift_job *d_jobs, int n_jobs, int shift, 
 int cuda_kv_encode_blocks(const cuda_kv_encoder *enc, const cuda_kv_encode_job *d_jobs, int n_jobs,
                           strata_cuda_stream stream, strata_error *err)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_FAIL(err, "cuda_kv_encode_blocks");
     (void)stream;
     if (!enc || (n_jobs > 0 && !d_jobs) || n_jobs < 0)
         return strata_fail(err, STRATA_EINVAL, "cuda_kv_encode_blocks: bad arguments");
@@ -436,7 +452,7 @@ int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_plan *plan, co
                       const float *d_q, float *d_out, void *d_workspace, int *d_status, strata_cuda_stream stream,
                       strata_error *err)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_FAIL(err, "cuda_kv_attention");
     (void)stream;
     if (!layout || !plan || !d_seqs || !d_q || !d_out || !d_workspace || !d_status)
         return strata_fail(err, STRATA_EINVAL, "cuda_kv_attention: NULL argument");
@@ -471,7 +487,7 @@ int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_plan *plan, co
 int cuda_kv_dequantize_rows(const cuda_kv_layout *layout, const cuda_kv_seq *seq, int k0, int nk, float *d_k,
                             float *d_v, int *d_status, strata_cuda_stream stream, strata_error *err)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_FAIL(err, "cuda_kv_dequantize_rows");
     (void)stream;
     if (!layout || !seq || !d_k || !d_v || !d_status || layout->n_kv_heads < 1 || layout->head_dim < 1 ||
         layout->block_tokens < 1 || seq->n_blocks < 0 || seq->tail_tokens < 0 || (seq->n_blocks && !seq->blocks) ||
@@ -523,7 +539,7 @@ int cuda_kv_dequantize_rows(const cuda_kv_layout *layout, const cuda_kv_seq *seq
 int cuda_kv_dequantize_view(const cuda_kv_layout *layout, const cuda_kv_seq *seq, float *d_k, float *d_v,
                             int *d_status, strata_cuda_stream stream, strata_error *err)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_FAIL(err, "cuda_kv_dequantize_view");
     if (!layout || !seq)
         return strata_fail(err, STRATA_EINVAL, "cuda_kv_dequantize_view: bad arguments");
     const long total = (long)seq->n_blocks * layout->block_tokens + seq->tail_tokens;
@@ -539,7 +555,7 @@ int cuda_kv_dequantize_view(const cuda_kv_layout *layout, const cuda_kv_seq *seq
 int cuda_sample_rows(const float *logits, int n_rows, int n_vocab, const cuda_sample_row *d_rows, int32_t *out,
                      strata_cuda_stream stream)
 {
-    fakecuda_launch();
+    FAKE_LAUNCH_OR_RETURN();
     (void)stream;
     if (n_rows <= 0)
         return 0;

@@ -108,7 +108,7 @@ static int build_weights(cuda_model *cm, strata_error *err)
     cudaError_t e;
     if ((e = cudaMalloc(&b.stage, WEIGHT_STAGE_BYTES)) != cudaSuccess ||
         (e = cudaMalloc((void **)&b.d_first_bad, sizeof *b.d_first_bad)) != cudaSuccess)
-        rc = strata_fail(err, STRATA_EIO, "CUDA: allocating the weights' staging buffer: %s", cudaGetErrorString(e));
+        rc = cuda_fail(err, e, "allocating the weights' staging buffer");
     for (int il = 0; rc == STRATA_OK && il < cm->n_local; il++) {
         cuda_layer *L = &cm->layers[il];
         void **dst[MODEL_LAYER_TENSORS] = {
@@ -207,7 +207,7 @@ cuda_model *cuda_model_create(const model *m, cuda_weight_dtype dtype, strata_er
     }
     if (rc == STRATA_OK && ((e = cudaMalloc((void **)&cm->d_status, sizeof(int))) != cudaSuccess ||
                             (e = cudaMemset(cm->d_status, 0, sizeof(int))) != cudaSuccess))
-        rc = strata_fail(err, STRATA_EIO, "CUDA: %s", cudaGetErrorString(e));
+        rc = cuda_fail(err, e, "allocating the status flag");
     if (rc == STRATA_OK)
         rc = build_weights(cm, err);
     if (rc != STRATA_OK) {
@@ -336,7 +336,7 @@ static int ensure_workspace(cuda_model *cm, size_t n, strata_error *err)
         cudaError_t e_ = cudaMalloc(want[i].p, want[i].bytes);
         if (e_ != cudaSuccess) {
             free_workspace(cm);
-            return strata_fail(err, STRATA_EIO, "CUDA: activations for %zu tokens: %s", n, cudaGetErrorString(e_));
+            return cuda_failf(err, e_, "activations for %zu tokens", n);
         }
     }
     if (!(cm->h_rows = malloc(n * e * sizeof(float))) || !(cm->h_pos = malloc(n * sizeof(int32_t)))) {
@@ -369,7 +369,7 @@ static int ensure_items(cuda_model *cm, size_t n, strata_error *err)
         cudaError_t e_ = cudaMalloc(want[i].d, want[i].bytes);
         if (e_ != cudaSuccess) {
             free_item_buffers(cm);
-            return strata_fail(err, STRATA_EIO, "CUDA: buffers for %zu sequences: %s", n, cudaGetErrorString(e_));
+            return cuda_failf(err, e_, "buffers for %zu sequences", n);
         }
         if (want[i].h && !(*want[i].h = malloc(want[i].bytes))) {
             free_item_buffers(cm);
@@ -538,7 +538,7 @@ cuda_seq *cuda_seq_create_plan(cuda_model *cm, const kv_codec_params *codecs, in
         (e = cudaMalloc((void **)&s->d_ott, L * s->ott_stride)) == cudaSuccess)
         e = cudaMemset(s->d_ott, 0, L * s->ott_stride);   /* empty pools, as the CPU tracker starts */
     if (rc == STRATA_OK && e != cudaSuccess)
-        rc = strata_fail(err, STRATA_EIO, "CUDA: KV cache for %zu tokens: %s", max_tokens, cudaGetErrorString(e));
+        rc = cuda_failf(err, e, "KV cache for %zu tokens", max_tokens);
     /* Own arena: block b of layer l always lives in slot l * max_blocks + b: the tables never
      * change. Shared pool: entries are written as blocks form and move (upload_row). */
     if (rc == STRATA_OK && !cm->pool) {
@@ -549,7 +549,7 @@ cuda_seq *cuda_seq_create_plan(cuda_model *cm, const kv_codec_params *codecs, in
             table[i] = s->arena + i * s->slot;
         if (table && (e = cudaMemcpy(s->d_tables, table, L * s->max_blocks * sizeof *table, cudaMemcpyHostToDevice)) !=
                          cudaSuccess)
-            rc = strata_fail(err, STRATA_EIO, "CUDA: block tables: %s", cudaGetErrorString(e));
+            rc = cuda_fail(err, e, "block tables");
         free(table);
     }
     if (rc != STRATA_OK) {
@@ -1188,13 +1188,14 @@ static int append_prompts_layer(cuda_model *cm, const cuda_batch_item *items, co
         }
     }
     free(placed);
-    cudaError_t ce = cudaSuccess;
+    /* Through the step's pinned staging, as the decode jobs go: a copy from pageable memory would
+     * wait for the device to finish the layers before, every layer of a step with a prompt. */
     if (rc == STRATA_OK && n_jobs)
-        ce = cudaMemcpy(cm->d_pencode, cm->h_pencode, n_jobs * sizeof *cm->h_pencode, cudaMemcpyHostToDevice);
-    if (rc == STRATA_OK && ce == cudaSuccess)
-        ce = cudaMemcpy(cm->d_ptail, cm->h_ptail, n_items * sizeof *cm->h_ptail, cudaMemcpyHostToDevice);
-    if (rc == STRATA_OK && ce != cudaSuccess)
-        rc = strata_fail(err, STRATA_EIO, "CUDA encoder jobs: %s", cudaGetErrorString(ce));
+        rc = cuda_uploads_copy(&cm->uploads, cm->d_pencode, cm->h_pencode, n_jobs * sizeof *cm->h_pencode,
+                               "prompt encoder jobs", err);
+    if (rc == STRATA_OK)
+        rc = cuda_uploads_copy(&cm->uploads, cm->d_ptail, cm->h_ptail, n_items * sizeof *cm->h_ptail,
+                               "prompt tail jobs", err);
     for (size_t k = 0, from = 0; k < n_launch && rc == STRATA_OK; from = launch[k++].end)
         rc = cuda_kv_encode_blocks(launch[k].enc, cm->d_pencode + from, (int)(launch[k].end - from), NULL, err);
     free(launch);
@@ -1376,7 +1377,7 @@ static int move_rows(cuda_model *cm, const cuda_batch_item *items, const step_pl
     }
     free(caller_row);
     if (ce != cudaSuccess)
-        return strata_fail(err, STRATA_EIO, "CUDA stage %s rows: %s", src ? "input" : "output", cudaGetErrorString(ce));
+        return cuda_failf(err, ce, "stage %s rows", src ? "input" : "output");
     return STRATA_OK;
 }
 
@@ -1408,7 +1409,7 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
      * failed step left) must not fail this one. */
     cudaError_t zeroed = cudaMemsetAsync(cm->d_status, 0, sizeof(int), 0);
     if (zeroed != cudaSuccess)
-        return strata_fail(err, STRATA_EIO, "CUDA: clearing the step's status: %s", cudaGetErrorString(zeroed));
+        return cuda_fail(err, zeroed, "clearing the step's status");
     step_plan sp = {.n_items = n_items};
     sp.order = malloc(n_items * sizeof *sp.order);
     sp.row0 = malloc(n_items * sizeof *sp.row0);
@@ -1501,7 +1502,7 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
         if (ce == cudaSuccess)
             ce = cudaMemcpy(cm->d_pos, cm->h_pos, sp.rows * sizeof(int32_t), cudaMemcpyHostToDevice);
         if (ce != cudaSuccess)
-            rc = strata_fail(err, STRATA_EIO, "CUDA: embedding rows: %s", cudaGetErrorString(ce));
+            rc = cuda_fail(err, ce, "embedding rows");
         if (rc == STRATA_OK && !table)
             rc = move_rows(cm, items, &sp, hidden_in, NULL, err);
     }
@@ -1518,7 +1519,7 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
         int status = 0;
         cudaError_t ce = cudaMemcpy(&status, cm->d_status, sizeof status, cudaMemcpyDeviceToHost);
         if (ce != cudaSuccess)
-            rc = strata_fail(err, STRATA_EIO, "CUDA: %s", cudaGetErrorString(ce));
+            rc = cuda_fail(err, ce, "reading the step's status");
         else if (status)
             rc = strata_fail(err, STRATA_EFORMAT, "the CUDA attention kernel rejected a block of a cache (status %d)",
                              status);

@@ -14,6 +14,7 @@
 #include "kernels/cuda_kv_tail.h"
 #include "kernels/cuda_sample.h"
 #include "offload/device_pool.h"
+#include "worker/cuda/cuda_fail.h"
 #include "worker/cuda/device_mem.h"
 #include "worker/cuda/model_cuda.h"
 #include "worker/cuda/phase_timer.h"
@@ -111,7 +112,7 @@ struct cuda_seq {
     do {                                                                                                   \
         cudaError_t e_ = (call);                                                                           \
         if (e_ != cudaSuccess)                                                                             \
-            return strata_fail(err, STRATA_EIO, "CUDA %s: %s", (what), cudaGetErrorString(e_));            \
+            return cuda_fail(err, e_, (what));                                                             \
     } while (0)
 
 /* Row `token` of a layer's fp16 tail (base: s->tail_k or s->tail_v). */

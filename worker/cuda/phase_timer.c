@@ -1,5 +1,6 @@
 /* A forward step's time by phase, from CUDA events (phase_timer.h). */
 #include "worker/cuda/phase_timer.h"
+#include "worker/cuda/cuda_fail.h"
 
 #include <cuda_runtime.h>
 #include <stdbool.h>
@@ -135,7 +136,7 @@ int cuda_phase_timer_end_step(cuda_phase_timer *t, strata_error *err)
     }
     cuda_phase_timer_discard(t);
     if (e != cudaSuccess)
-        return strata_fail(err, STRATA_EIO, "CUDA phase timer: %s", cudaGetErrorString(e));
+        return cuda_fail(err, e, "phase timer");
     for (size_t i = 0; i < marks; i++)
         t->totals.marks[t->phase[i]]++;
     for (int p = 0; p < CUDA_PHASE_COUNT; p++) {

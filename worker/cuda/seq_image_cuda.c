@@ -92,7 +92,7 @@ static int ex_fetch(image_ctx *c, int l, size_t b, strata_error *err)
     if (!s->arena)
         device_pool_unpin_all(s->cm->pool);   /* between steps nothing else is pinned */
     if (e != cudaSuccess)
-        return strata_fail(err, STRATA_EIO, "CUDA: reading layer %d block %zu: %s", l, b, cudaGetErrorString(e));
+        return cuda_failf(err, e, "reading layer %d block %zu", l, b);
     return STRATA_OK;
 }
 
@@ -239,7 +239,7 @@ static int im_block(void *ctx, int l, size_t b, const kv_block *blk, strata_erro
     if (s->cm->pool)
         device_pool_unpin_all(s->cm->pool);   /* written: it may move down to make room for the next */
     if (e != cudaSuccess)
-        return strata_fail(err, STRATA_EIO, "CUDA: writing layer %d block %zu: %s", l, b, cudaGetErrorString(e));
+        return cuda_failf(err, e, "writing layer %d block %zu", l, b);
     s->n_blocks[l] = (int)b + 1;
     return STRATA_OK;
 }
@@ -261,7 +261,7 @@ static int im_tail(void *ctx, int l, const uint8_t *k, const uint8_t *v, size_t 
         e = cudaMemcpy(cuda_seq_tail_at(s, s->tail_v, l, 0), rows + n, n * 2, cudaMemcpyHostToDevice);
     free(rows);
     if (e != cudaSuccess)
-        return strata_fail(err, STRATA_EIO, "CUDA: writing layer %d's tail: %s", l, cudaGetErrorString(e));
+        return cuda_failf(err, e, "writing layer %d's tail", l);
     s->tail_len[l] = (int)tail_len;
     s->prompt_end = c->prompt_end;
     s->len = (size_t)s->n_blocks[l] * (size_t)s->block_tokens + tail_len;

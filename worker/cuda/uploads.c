@@ -17,11 +17,16 @@ int cuda_uploads_begin(cuda_uploads *u, strata_error *err)
     if (u->wanted > u->cap) {
         const size_t cap = u->wanted + u->wanted / 2;   /* room for the tables to grow a while */
         void *p = NULL;
-        if ((e = cudaHostAlloc(&p, cap, cudaHostAllocDefault)) != cudaSuccess)
-            return cuda_fail(err, e, "allocating pinned upload staging");
-        cudaFreeHost(u->pinned);
-        u->pinned = p;
-        u->cap = cap;
+        if ((e = cudaHostAlloc(&p, cap, cudaHostAllocDefault)) == cudaSuccess) {
+            cudaFreeHost(u->pinned);
+            u->pinned = p;
+            u->cap = cap;
+        } else {
+            /* Not a reason to fail the step (pinned memory may be short: a host tier, a low
+             * memlock limit): what does not fit the buffer kept is copied synchronously. */
+            (void)cudaGetLastError();
+            u->failed_grows++;
+        }
     }
     u->used = 0;
     u->wanted = 0;

@@ -21,10 +21,12 @@ typedef struct cuda_uploads {
     size_t cap, used;    /* bytes */
     size_t wanted;       /* bytes asked for since the step began, fitting or not */
     size_t sync_copies;  /* uploads that did not fit, since creation */
+    size_t failed_grows; /* steps whose larger buffer could not be allocated (the old one kept) */
 } cuda_uploads;
 
 /* A new step: waits for the device if the last step's uploads may still be in flight, grows the
- * buffer to what the last step wanted, and empties it. */
+ * buffer to what the last step wanted (keeping the old one when pinned memory is short), and
+ * empties it. */
 int cuda_uploads_begin(cuda_uploads *u, strata_error *err);
 
 /* n bytes from host src to device dst, in stream order on the legacy default stream. src may be

@@ -29,6 +29,7 @@ void stage_usage_add_tiers(const kv_tiers *t, stage_kv_usage *out)
 #include "offload/device_pool.h"
 #include "worker/cuda/device_mem.h"
 #include "worker/cuda/model_cuda.h"
+#include "worker/cuda/cuda_fail.h"
 
 struct stage_gpu {
     const model_config *cfg;
@@ -59,7 +60,7 @@ static int use_device(const stage_gpu *g, strata_error *err)
 {
     cudaError_t e = cudaSetDevice(g->c.device);
     return e == cudaSuccess ? STRATA_OK
-                            : strata_fail(err, STRATA_EIO, "CUDA: selecting cuda:%d: %s", g->c.device, cudaGetErrorString(e));
+                            : cuda_failf(err, e, "selecting cuda:%d", g->c.device);
 }
 
 int stage_gpu_create(model *m, const stage_gpu_config *c, stage_gpu **out, strata_error *err)
@@ -240,7 +241,7 @@ static int ensure(stage_gpu *g, size_t items, size_t rows, strata_error *err)
         if (ce == cudaSuccess)
             ce = cudaMalloc((void **)&g->d_out, floats * sizeof(float));
         if (ce != cudaSuccess)
-            return strata_fail(err, STRATA_EIO, "CUDA: rows of a step: %s", cudaGetErrorString(ce));
+            return cuda_fail(err, ce, "rows of a step");
         g->cap_d = floats;
     }
     return STRATA_OK;
@@ -262,7 +263,7 @@ float *stage_gpu_device_rows(stage_gpu *g, int which, size_t rows, strata_error 
             ce = cudaMemcpy(p, g->d_step[which], g->cap_step[which] * sizeof(float), cudaMemcpyDeviceToDevice);
         if (ce != cudaSuccess) {
             cudaFree(p);
-            strata_fail(err, STRATA_EIO, "CUDA: %zu rows of a step: %s", rows, cudaGetErrorString(ce));
+            cuda_failf(err, ce, "%zu rows of a step", rows);
             return NULL;
         }
         cudaFree(g->d_step[which]);
@@ -281,7 +282,7 @@ int stage_gpu_compact_rows(stage_gpu *g, size_t dst, size_t src, size_t n, strat
         cudaError_t ce = cudaMemcpy(g->d_step[0] + (dst + r) * e, g->d_step[0] + (src + r) * e, e * sizeof(float),
                                     cudaMemcpyDeviceToDevice);
         if (ce != cudaSuccess)
-            return strata_fail(err, STRATA_EIO, "CUDA: moving rows: %s", cudaGetErrorString(ce));
+            return cuda_fail(err, ce, "moving rows");
     }
     return STRATA_OK;
 }
@@ -312,7 +313,7 @@ static int forward_step(stage_gpu *g, const stage_gpu_item *items, size_t n_item
         io.hidden_in = in_on_device ? hidden_in : g->d_in;
         cudaError_t ce = in_on_device ? cudaSuccess : cudaMemcpy(g->d_in, hidden_in, bytes, cudaMemcpyHostToDevice);
         if (ce != cudaSuccess)
-            return strata_fail(err, STRATA_EIO, "CUDA: stage input rows: %s", cudaGetErrorString(ce));
+            return cuda_fail(err, ce, "stage input rows");
     }
     if (!g->last)
         io.hidden_out = out_on_device ? hidden_out : g->d_out;
@@ -321,7 +322,7 @@ static int forward_step(stage_gpu *g, const stage_gpu_item *items, size_t n_item
     if (rc == STRATA_OK && !g->last && !out_on_device) {
         cudaError_t ce = cudaMemcpy(hidden_out, g->d_out, bytes, cudaMemcpyDeviceToHost);
         if (ce != cudaSuccess)
-            rc = strata_fail(err, STRATA_EIO, "CUDA: stage output rows: %s", cudaGetErrorString(ce));
+            rc = cuda_fail(err, ce, "stage output rows");
     }
     return rc;
 }
