@@ -41,6 +41,8 @@ typedef struct cuda_kv_layout {
     int n_kv_heads, head_dim;
     uint32_t layer;        /* the layer the blocks must belong to */
     uint32_t off_k, off_k_scales, off_v, off_v_scales;  /* section offsets (scales: KIVI, TaDA) */
+    uint32_t len_k, len_k_scales, len_v, len_v_scales;  /* and their lengths: GEAR and OTT blocks'
+                                                         * own tables must give the same */
     uint32_t off_k_mean, off_v_mean;                    /* TaDA: the per-token means */
     uint32_t block_bytes;  /* every block's size; GEAR and OTT: the largest (the pool's slot size,
                             * kv_block_size), which the caller sets after cuda_kv_layout_from_block */

@@ -173,10 +173,11 @@ STRATA_HD static inline int kv_att_block_parse(const cuda_kv_layout *L, const ui
             return 1;
         uint64_t want = 0;
         switch (id) {
-        case 1: backbone += off == L->off_k; continue;
-        case 2: backbone += off == L->off_k_scales; continue;
-        case 3: backbone += off == L->off_v; continue;
-        case 4: backbone += off == L->off_v_scales; continue;
+        /* The backbone where the layout has it, and as long: the kernels read it from there. */
+        case 1: backbone += off == L->off_k && len == L->len_k; continue;
+        case 2: backbone += off == L->off_k_scales && len == L->len_k_scales; continue;
+        case 3: backbone += off == L->off_v && len == L->len_v; continue;
+        case 4: backbone += off == L->off_v_scales && len == L->len_v_scales; continue;
         case 16: info->off_k_sparse = off; want = H * D * (uint64_t)info->k_sparse * 4; break;
         case 17: info->off_v_sparse = off; want = T * H * (uint64_t)info->v_sparse * 4; break;
         case 18: info->off_k_lowrank = off; want = H * (T + D) * (uint64_t)info->rank * 2; break;
@@ -190,10 +191,17 @@ STRATA_HD static inline int kv_att_block_parse(const cuda_kv_layout *L, const ui
     if (backbone != 4 || (info->k_sparse && !info->off_k_sparse) || (info->v_sparse && !info->off_v_sparse) ||
         (info->rank && (!info->off_k_lowrank || !info->off_v_lowrank)) || (info->n_ott && !info->off_ott))
         return 1;
-    /* Indices the lookups compare against: in range, so a match means the element. */
-    for (uint64_t i = 0; i < (uint64_t)info->n_ott; i++)
-        if (kv_att_ld16(blk + info->off_ott + 4 * i) >= H || kv_att_ld16(blk + info->off_ott + 4 * i + 2) >= T)
+    /* Indices the lookups compare against: in range, so a match means the element; and in
+     * (token, head) order, each pair once (docs/format.md), so no two lanes write one score slot
+     * and no pooled token's value is added twice. */
+    uint32_t prev = 0;
+    for (uint64_t i = 0; i < (uint64_t)info->n_ott; i++) {
+        const uint32_t head = kv_att_ld16(blk + info->off_ott + 4 * i),
+                       token = kv_att_ld16(blk + info->off_ott + 4 * i + 2), key = token << 16 | head;
+        if (head >= H || token >= T || (i > 0 && key <= prev))
             return 1;
+        prev = key;
+    }
     return 0;
 }
 

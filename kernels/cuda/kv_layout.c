@@ -13,11 +13,12 @@
 
 enum { MAX_HEAD_DIM = 256, MAX_Q_PER_KV = 16, MAX_GRID_Y = 65535, CTAS_PER_SM = 2 };
 
-static int section_offset(const kv_block *b, uint16_t id, uint32_t *off, strata_error *err)
+static int section_place(const kv_block *b, uint16_t id, uint32_t *off, uint32_t *len, strata_error *err)
 {
     for (int i = 0; i < b->n_sections; i++) {
         if (b->sections[i].id == id) {
             *off = b->sections[i].offset;
+            *len = b->sections[i].length;
             return STRATA_OK;
         }
     }
@@ -47,19 +48,20 @@ int cuda_kv_layout_from_block(const kv_block *b, cuda_kv_layout *out, strata_err
         .block_bytes = b->block_bytes,
     };
     int rc;
+    uint32_t mean_len;
     if (d->codec == KV_CODEC_FP16) {
-        if ((rc = section_offset(b, KV_SEC_K_FP16, &l.off_k, err)) != STRATA_OK ||
-            (rc = section_offset(b, KV_SEC_V_FP16, &l.off_v, err)) != STRATA_OK)
+        if ((rc = section_place(b, KV_SEC_K_FP16, &l.off_k, &l.len_k, err)) != STRATA_OK ||
+            (rc = section_place(b, KV_SEC_V_FP16, &l.off_v, &l.len_v, err)) != STRATA_OK)
             return rc;
     } else {
-        if ((rc = section_offset(b, KV_SEC_K_CODES, &l.off_k, err)) != STRATA_OK ||
-            (rc = section_offset(b, KV_SEC_K_SCALES, &l.off_k_scales, err)) != STRATA_OK ||
-            (rc = section_offset(b, KV_SEC_V_CODES, &l.off_v, err)) != STRATA_OK ||
-            (rc = section_offset(b, KV_SEC_V_SCALES, &l.off_v_scales, err)) != STRATA_OK)
+        if ((rc = section_place(b, KV_SEC_K_CODES, &l.off_k, &l.len_k, err)) != STRATA_OK ||
+            (rc = section_place(b, KV_SEC_K_SCALES, &l.off_k_scales, &l.len_k_scales, err)) != STRATA_OK ||
+            (rc = section_place(b, KV_SEC_V_CODES, &l.off_v, &l.len_v, err)) != STRATA_OK ||
+            (rc = section_place(b, KV_SEC_V_SCALES, &l.off_v_scales, &l.len_v_scales, err)) != STRATA_OK)
             return rc;
         if (d->codec == KV_CODEC_TADA &&
-            ((rc = section_offset(b, KV_SEC_TADA_K_MEAN, &l.off_k_mean, err)) != STRATA_OK ||
-             (rc = section_offset(b, KV_SEC_TADA_V_MEAN, &l.off_v_mean, err)) != STRATA_OK))
+            ((rc = section_place(b, KV_SEC_TADA_K_MEAN, &l.off_k_mean, &mean_len, err)) != STRATA_OK ||
+             (rc = section_place(b, KV_SEC_TADA_V_MEAN, &l.off_v_mean, &mean_len, err)) != STRATA_OK))
             return rc;
     }
     *out = l;
@@ -139,12 +141,11 @@ size_t cuda_kv_attention_workspace(const cuda_kv_layout *layout, const cuda_kv_p
     return partials * ((size_t)layout->head_dim + 2) * sizeof(float);
 }
 
+/* A section's offset, 0 when the block has none. */
 static uint32_t section_at(const kv_block *b, uint16_t id)
 {
-    for (int i = 0; i < b->n_sections; i++)
-        if (b->sections[i].id == id)
-            return b->sections[i].offset;
-    return 0;
+    uint32_t off = 0, len;
+    return section_place(b, id, &off, &len, NULL) == STRATA_OK ? off : 0;
 }
 
 /* OTT: where the OTT_TOKENS section goes and how the header changes with the number of entries

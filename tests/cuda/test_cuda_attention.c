@@ -34,6 +34,7 @@
 #include "kernels/kv_attention.h"
 #include "kernels/ops.h"
 #include "kvstore/block.h"
+#include "kvstore/bytes.h"
 #include "kvstore/half.h"
 #include "kvstore/kv_cache.h"
 
@@ -484,7 +485,8 @@ enum { GEAR_READ_DEQUANT = -1 };
  * the 64-byte grid, 2.2) must raise status 1, emulated or on the GPU, whichever reads it: the
  * tensor-core kernel, the generic one or the dequantization. damage: 0 none, 1 a key vector's
  * second index equal to its first, 2 a value index past the head's channels, 3 the key outliers'
- * section moved 4 bytes (its bytes still inside the block). */
+ * section moved 4 bytes (its bytes still inside the block), 4 the key codes' section declared
+ * 64 bytes shorter than the layout's (the kernels would read the layout's length regardless). */
 static int gear_damage_status(int damage, int reader, bool on_gpu)
 {
     kv_codec_params p;
@@ -511,6 +513,10 @@ static int gear_damage_status(int damage, int reader, bool on_gpu)
         for (int i = 0; i < b.n_sections; i++)
             if (blk[64 + 12 * i] == KV_SEC_GEAR_K_SPARSE)
                 blk[64 + 12 * i + 4] += 4;
+    if (damage == 4)
+        for (int i = 0; i < b.n_sections; i++)
+            if (blk[64 + 12 * i] == KV_SEC_K_CODES)
+                kv_st32(blk + 64 + 12 * i + 8, kv_ld32(blk + 64 + 12 * i + 8) - 64);
     kv_block tmpl;
     assert_int_equal(kv_block_parse(hs.blocks, slot, &tmpl, &err), STRATA_OK);
     gpu_run r = {0};
@@ -558,7 +564,7 @@ static void check_gear_damage(bool on_gpu)
     const int readers[] = {CUDA_KV_KERNEL_AUTO, CUDA_KV_KERNEL_GENERIC, GEAR_READ_DEQUANT};
     const char *names[] = {"tensor-core kernel", "generic kernel", "dequantization"};
     for (int x = 0; x < (on_gpu ? 3 : 2); x++)
-        for (int damage = 0; damage <= 3; damage++) {
+        for (int damage = 0; damage <= 4; damage++) {
             const int status = gear_damage_status(damage, readers[x], on_gpu);
             printf("  %sGEAR block, damage %d, %s: status %d\n", on_gpu ? "" : "emulated ", damage, names[x], status);
             assert_int_equal(status, damage ? 1 : 0);
@@ -840,7 +846,9 @@ static void test_emulated_kernels(void **state)
     free_host_views(views, 1);
     free_seq(&hs);
 
-    /* An OTT block naming a head that does not exist is rejected, not read out of bounds. */
+    /* An OTT block naming a head that does not exist is rejected, not read out of bounds; so is
+     * one whose entries repeat a pair (two lanes would write one score, the value added twice)
+     * or leave (token, head) order. */
     assert_int_equal(kv_codec_parse("ott2", &p, &err), STRATA_OK);
     const size_t oslot = kv_block_size(&p, &g);
     make_seq(&p, &g, 3, 5, oslot, &hs);
@@ -853,8 +861,19 @@ static void test_emulated_kernels(void **state)
     assert_int_equal(cuda_kv_attention_plan(&layout, 1, 4, 3, 132, &plan, &err), STRATA_OK);
     views = host_views(&hs, 1, oslot);
     assert_int_equal(emu_attention(&layout, &plan, views, q, out), 0);
+    assert_int_equal(b.desc.ott_tokens, 2);   /* block 0: (head 0, token 0), (head 1, token 5) */
+    uint8_t pair[8];
+    memcpy(pair, entries, sizeof pair);
     entries[0] = 99;   /* head 99 of 2 */
     assert_int_equal(emu_attention(&layout, &plan, views, q, out), 1);
+    memcpy(entries + 4, pair, 4);   /* the first pair twice */
+    memcpy(entries, pair, 4);
+    assert_int_equal(emu_attention(&layout, &plan, views, q, out), 1);
+    memcpy(entries, pair + 4, 4);   /* the two pairs swapped */
+    memcpy(entries + 4, pair, 4);
+    assert_int_equal(emu_attention(&layout, &plan, views, q, out), 1);
+    memcpy(entries, pair, sizeof pair);
+    assert_int_equal(emu_attention(&layout, &plan, views, q, out), 0);
     free_host_views(views, 1);
     free_seq(&hs);
 
