@@ -151,6 +151,19 @@ head -c 257 /dev/zero | tr '\0' s >"$tmp/secret257"
 expect 1 "cannot reach the coordinator" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret256" \
   --connect-timeout-ms 200
 expect 2 "must be 16 to 256 bytes .* it has 257" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret257"
+# Stopped while it waits for a coordinator that is not there: it leaves at once, not after
+# --connect-timeout-ms (a launcher or systemd stopping it would wait that long, then kill it).
+for sig in TERM HUP; do
+  "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" --connect-timeout-ms 60000 2>"$tmp/wait.err" &
+  waiting=$!
+  sleep 0.5
+  kill -"$sig" "$waiting"
+  stopped_at=$SECONDS
+  wait "$waiting" && fail "a worker stopped by SIG$sig while connecting exited 0"
+  (( SECONDS - stopped_at <= 5 )) || fail "a worker took $((SECONDS - stopped_at)) s to stop on SIG$sig while connecting"
+  grep -q "stopped by a signal while reaching the coordinator" "$tmp/wait.err" ||
+    fail "SIG$sig while connecting: $(cat "$tmp/wait.err")"
+done
 expect 2 "has 257 bytes; it must have 16 to 256" timeout 60 "$(dirname "$strata")/strata-coordinator" \
   --secret-file "$tmp/secret257" --listen 127.0.0.1:0 --control 127.0.0.1:0 --model synthetic:tiny
 expect 2 "unexpected argument 'extra'" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" extra

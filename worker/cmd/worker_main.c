@@ -45,9 +45,9 @@ static void usage(FILE *out)
             "  --data HOST:PORT         data-plane listen address for pipeline neighbours\n"
             "                           (default 127.0.0.1:0, an ephemeral port)\n"
             "  --device cpu|cuda[:N]    where the layers and the KV run (default cpu); cuda: GPU N's\n"
-            "                           fp16 weights and compressed KV (one codec for the stage's\n"
-            "                           layers; rows to the neighbours over TCP; no migration; never\n"
-            "                           run on a GPU yet: docs/gpu.md)\n"
+            "                           fp16 weights and compressed KV (the codecs the coordinator\n"
+            "                           offers; rows to a GPU neighbour over NCCL, to a CPU one over\n"
+            "                           TCP; this program has not run on a GPU yet: docs/gpu.md)\n"
             "  --device-kv-mib N        device KV memory offered in MiB, fractions allowed (default 256)\n"
             "  --host-kv-mib N          host tier offered (default 0: none)\n"
             "  --nvme-dir DIR           spill directory of the NVMe tier (default: none)\n"
@@ -471,6 +471,7 @@ int main(int argc, char **argv)
     struct sigaction sa = {.sa_handler = on_signal};
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);   /* a terminal that goes away stops it as SIGTERM does */
 
     strata_error err = {0};
     char device[32] = "cpu";
@@ -500,8 +501,14 @@ int main(int argc, char **argv)
     join.nvme_kv_bytes = o.nvme_dir ? strata_mib_bytes(o.nvme_mib) : 0;
     join.data_addr = data_addr;
     ctl_client *cc = NULL;
-    if (ctl_client_connect(o.coordinator, &join, (int)o.connect_timeout_ms, &cc, &err) != STRATA_OK) {
-        fprintf(stderr, "strata-worker %s: %s\n", o.name, err.msg);
+    /* A stop request ends the wait for the coordinator at once, not after --connect-timeout-ms
+     * (a launcher or systemd stopping a worker whose coordinator is gone would wait for it). */
+    const ctl_client_options copts = {.cancel = &stop_requested};
+    if (ctl_client_connect_opts(o.coordinator, &join, (int)o.connect_timeout_ms, &copts, &cc, &err) != STRATA_OK) {
+        if (stop_requested)
+            fprintf(stderr, "strata-worker %s: stopped by a signal while reaching the coordinator\n", o.name);
+        else
+            fprintf(stderr, "strata-worker %s: %s\n", o.name, err.msg);
         dp_listener_close(listener);
         return EXIT_RUNTIME;
     }

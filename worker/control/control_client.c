@@ -318,12 +318,30 @@ int ctl_client_connect_opts(const char *coordinator_addr, const Strata__Internal
         client_teardown(c);
         return strata_fail(err, STRATA_EIO, "cannot start the control call: %s", grpc_call_error_to_string(e));
     }
-    grpc_event ev = pluck(c, &c->tag_send, deadline_ms(timeout_ms));
+    const volatile sig_atomic_t *cancel = o ? o->cancel : NULL;
+    const gpr_timespec deadline = deadline_ms(timeout_ms);
+    grpc_event ev;
+    bool cancelled = false;
+    for (;;) {   /* in slices, so that a stop request is seen while gRPC retries */
+        gpr_timespec until = deadline;
+        if (cancel) {
+            const gpr_timespec slice = deadline_ms(CTL_CLIENT_CANCEL_POLL_MS);
+            if (gpr_time_cmp(slice, until) < 0)
+                until = slice;
+        }
+        ev = pluck(c, &c->tag_send, until);
+        if (ev.type != GRPC_QUEUE_TIMEOUT || gpr_time_cmp(until, deadline) == 0)
+            break;
+        if ((cancelled = *cancel != 0))
+            break;
+    }
     if (ev.type == GRPC_QUEUE_TIMEOUT) {
         grpc_call_cancel(c->call, NULL);
         pluck(c, &c->tag_send, gpr_inf_future(GPR_CLOCK_REALTIME));
         grpc_byte_buffer_destroy(bb);
         client_teardown(c);
+        if (cancelled)
+            return strata_fail(err, STRATA_EIO, "stopped while reaching the coordinator at %s", coordinator_addr);
         return strata_fail(err, STRATA_EIO, "cannot reach the coordinator at %s within %d ms", coordinator_addr,
                            timeout_ms);
     }

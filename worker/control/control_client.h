@@ -23,6 +23,7 @@
 #ifndef STRATA_WORKER_CONTROL_CONTROL_CLIENT_H
 #define STRATA_WORKER_CONTROL_CONTROL_CLIENT_H
 
+#include <signal.h>
 #include <stdbool.h>
 #include <stddef.h>
 
@@ -39,6 +40,7 @@
 #define CTL_CLIENT_DEFAULT_KEEPALIVE_TIME_MS 2000
 #define CTL_CLIENT_DEFAULT_KEEPALIVE_TIMEOUT_MS 2000
 #define CTL_CLIENT_DEFAULT_CONNECT_TIMEOUT_MS 10000
+#define CTL_CLIENT_CANCEL_POLL_MS 100
 /* ctl_client_close waits this long for the coordinator's status after half-closing. */
 #define CTL_CLIENT_CLOSE_GRACE_MS 1000
 
@@ -52,6 +54,10 @@ typedef struct ctl_client_options {
      * min_recv_ping_interval_ms. 0: 2000 / 2000. */
     int keepalive_time_ms;
     int keepalive_timeout_ms;
+    /* While connecting, checked every CTL_CLIENT_CANCEL_POLL_MS: once *cancel is non-zero (a
+     * signal handler's flag) the connect gives up with STRATA_EIO ("stopped while ..."), so a
+     * stop request is not held up by connect_timeout_ms. NULL: never. */
+    const volatile sig_atomic_t *cancel;
 } ctl_client_options;
 
 /* Connects to the coordinator at coordinator_addr ("host:port"), opens the Attach call and sends
