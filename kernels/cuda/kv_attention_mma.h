@@ -132,7 +132,9 @@ STRATA_HD static inline size_t kv_mma_smem_bytes(const cuda_kv_layout *L)
  * (228 KiB a multiprocessor, 1 KiB of it kept per thread block), and at most as many as the
  * registers its loops need allow: three (168 registers a thread), two for GEAR (at three its
  * low-rank and outlier steps spilled up to 300 bytes) and for OTT at head_dim 128 (180-204
- * registers). */
+ * registers). At three, some head_dim-128 versions still spill a little (read from the sm_90
+ * cubin in session 25: TaDA 2-bit 24-104 bytes by group, KIVI 2-bit 16-56, KIVI/TaDA 4-bit
+ * with 64-token groups 24/64); whether two thread blocks run them faster is for a GPU to say. */
 STRATA_HD static inline KV_MMA_CONSTEXPR int kv_mma_ctas_per_sm(int head_dim, int bits, int group, int codec)
 {
     const int by_regs = codec == KV_CODEC_GEAR || (codec == KV_CODEC_OTT && head_dim == 128) ? 2 : 3;

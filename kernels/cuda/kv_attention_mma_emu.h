@@ -1,8 +1,10 @@
 /* The tensor-core attention kernel (kernels/cuda/kv_attention_mma.cu) on the CPU, lane by lane:
  * its stage layout, scale preparation, fragment maps and code decoding are the shared functions
  * of kv_attention_mma.h; the warp's collective steps (mma.sync, the shuffles) are done here over
- * the 32 lanes' values. Products of fp16 values are exact in fp32
- * and sums are fp32, as on the tensor cores (only their order differs). Host code only, for the
+ * the 32 lanes' values. Products of fp16 values are exact in fp32 and sums are fp32, as on the
+ * tensor cores; the device differs in the order of the tensor cores' sums, in the FMAs nvcc forms
+ * (dequantization, low-rank and OTT dot products) and in its approximate exponential (ex2.approx,
+ * flushing tiny weights to zero): about 1e-6 relative, far inside the tests' 2e-3. Host code only, for the
  * emulated tests (tests/cuda/test_cuda_attention.c) and the fake device (tests/fakecuda). */
 #ifndef STRATA_KERNELS_CUDA_KV_ATTENTION_MMA_EMU_H
 #define STRATA_KERNELS_CUDA_KV_ATTENTION_MMA_EMU_H

@@ -9,7 +9,9 @@
 
 /* The score tile of one KV head (its query heads x tile rows x keys, fp32): the workspace
  * cuda_prefill_workspace asks for keeps it within SCORE_TILE_BYTES; a workspace must hold at
- * least MIN_TILE_ROWS rows (or the whole prompt, when shorter). */
+ * least MIN_TILE_ROWS rows (or the whole prompt, when shorter). MAX_TOKENS is the forward pass's
+ * own limit on one item's rows in a step (worker/cuda/model_cuda.c, check_items; a longer prompt
+ * goes in chunks), not a launch limit: query rows are the softmax grid's x dimension. */
 enum { SCORE_TILE_BYTES = 32 << 20, MIN_TILE_ROWS = 16, MAX_TOKENS = 65535, MAX_KEYS = 1 << 24, MAX_HEAD_DIM = 256 };
 
 static size_t row_bytes(int n, int g) { return (size_t)g * (size_t)n * sizeof(float); }
