@@ -22,6 +22,9 @@
 #include "worker/model.h"
 #include "worker/stage/stage.h"
 #include "worker/stage/stage_gpu.h"
+#ifdef STRATA_FAKE_CUDA
+#include <cuda_runtime.h>   /* the fake device's test controls */
+#endif
 
 static model *full, *front, *back;
 /* The same ranges loaded for a GPU stage (model_load_for_device). */
@@ -485,6 +488,21 @@ static void test_gpu_stage(void **state)
         stage *ok = stage_create(&het, full_dev, &o, NULL, NULL, &err);
         if (!ok)
             fail_msg("with a host tier: %s", err.msg);
+#ifdef STRATA_FAKE_CUDA
+        /* A device that lost its context fails the stage, not only the step's sequences: every
+         * later step would fail, so the worker must leave and be restarted. */
+        seq_spec lost = {.id = 9, .n_prompt = 20, .join_step = 1};
+        for (size_t k = 0; k < lost.n_prompt; k++)
+            lost.prompt[k] = (int32_t)(5 + k);
+        plan_buf pb;
+        build_plan(&pb, 1, &lost, 1, 1, STEPS);
+        fakecuda_set_sticky_error(cudaErrorIllegalAddress);
+        stage_result r;
+        const int rc = stage_step(ok, &pb.plan, &r, &err);
+        fakecuda_set_sticky_error(cudaSuccess);
+        if (rc == STRATA_OK || !strstr(err.msg, "context is lost"))
+            fail_msg("a step on a lost device: rc %d, '%s'", rc, err.msg);
+#endif
         stage_destroy(ok);
         return;
     }

@@ -533,6 +533,19 @@ static void test_out_of_memory_fails_one_step(void **state)
     fakecuda_limit_memory(0, 0);
     assert_true(cm->uploads.failed_grows > grows_before);
 #endif
+    /* None of that lost the context; an error the device meets does, for every later step. */
+    assert_false(cuda_model_context_lost(cm, &err));
+#ifdef STRATA_FAKE_CUDA
+    fakecuda_set_sticky_error(cudaErrorIllegalAddress);
+    const cuda_batch_item after = {a, &tok[20], 1};
+    assert_int_not_equal(cuda_model_forward_batch(cm, &after, 1, logits, &err), STRATA_OK);
+    memset(&err, 0, sizeof err);
+    const bool lost = cuda_model_context_lost(cm, &err);
+    fakecuda_set_sticky_error(cudaSuccess);
+    assert_true(lost);
+    assert_non_null(strstr(err.msg, "context is lost"));
+    assert_false(cuda_model_context_lost(cm, &err));
+#endif
     free(logits);
     cuda_seq_free(a);
     cuda_seq_free(b);

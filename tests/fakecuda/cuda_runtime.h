@@ -19,6 +19,7 @@ typedef enum cudaError {
     cudaErrorInsufficientDriver = 35,
     cudaErrorInvalidDevice = 101,
     cudaErrorInvalidResourceHandle = 400,
+    cudaErrorIllegalAddress = 700,
     cudaErrorNoDevice = 100,
 } cudaError_t;
 
@@ -87,6 +88,11 @@ cudaError_t fakecuda_launch(void);
  * it, as the runtime does) once the live device allocations would pass `bytes`; 0: no limit.
  * cudaHostAlloc likewise with pinned_bytes. */
 void fakecuda_limit_memory(size_t bytes, size_t pinned_bytes);
+
+/* Test control, fake device only: an error the device met (cudaErrorIllegalAddress, say), which
+ * cudaDeviceSynchronize and every launch then report without clearing, as a lost context does;
+ * cudaSuccess restores the device. */
+void fakecuda_set_sticky_error(cudaError_t e);
 
 #ifdef __cplusplus
 }

@@ -35,6 +35,7 @@ static size_t n_pinned, cap_pinned;
 static cudaError_t last_error;
 static size_t live_device, live_pinned;     /* bytes allocated now */
 static size_t limit_device, limit_pinned;   /* fakecuda_limit_memory; 0: none */
+static cudaError_t sticky_error;            /* fakecuda_set_sticky_error */
 
 typedef struct pending_copy {
     void *dst;
@@ -95,10 +96,17 @@ cudaError_t fakecuda_launch(void)
 {
     run_pending();
     pthread_mutex_lock(&lock);
-    const cudaError_t e = last_error;
+    const cudaError_t e = sticky_error != cudaSuccess ? sticky_error : last_error;
     last_error = cudaSuccess;
     pthread_mutex_unlock(&lock);
     return e;
+}
+
+void fakecuda_set_sticky_error(cudaError_t e)
+{
+    pthread_mutex_lock(&lock);
+    sticky_error = e;
+    pthread_mutex_unlock(&lock);
 }
 
 int fakecuda_is_device(const void *p, size_t bytes)
@@ -329,6 +337,7 @@ const char *cudaGetErrorString(cudaError_t e)
     case cudaErrorInvalidDevice: return "invalid device ordinal (fake device)";
     case cudaErrorNoDevice: return "no CUDA-capable device (fake device)";
     case cudaErrorInvalidResourceHandle: return "invalid resource handle (fake device)";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered (fake device)";
     }
     return "unknown error (fake device)";
 }
@@ -388,7 +397,10 @@ cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int dev
 cudaError_t cudaDeviceSynchronize(void)
 {
     run_pending();
-    return cudaSuccess;
+    pthread_mutex_lock(&lock);
+    const cudaError_t e = sticky_error;
+    pthread_mutex_unlock(&lock);
+    return e;
 }
 
 struct CUstream_st { int unused; };

@@ -1574,6 +1574,22 @@ int cuda_model_forward_batch_sample(cuda_model *cm, const cuda_batch_item *items
     return rc != STRATA_OK ? rc : forward_batch(cm, items, n_items, NULL, NULL, sample, next, err);
 }
 
+bool cuda_model_context_lost(cuda_model *cm, strata_error *err)
+{
+    (void)cm;
+    /* An error recorded by a call that failed (out of memory, a bad argument) goes at the first
+     * synchronization and not at the second; one the device met stays. */
+    cudaError_t e = cudaDeviceSynchronize();
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        e = cudaDeviceSynchronize();
+    }
+    if (e == cudaSuccess)
+        return false;
+    strata_fail(err, STRATA_EIO, "the CUDA context is lost (%s); every later step would fail", cudaGetErrorString(e));
+    return true;
+}
+
 int cuda_model_stage_step_sample(cuda_model *cm, const cuda_batch_item *items, size_t n_items, const cuda_stage_io *io,
                                  const cuda_sample_row *sample, int32_t *next, strata_error *err)
 {

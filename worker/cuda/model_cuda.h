@@ -199,6 +199,12 @@ int cuda_model_stage_step(cuda_model *cm, const cuda_batch_item *items, size_t n
 int cuda_model_stage_step_sample(cuda_model *cm, const cuda_batch_item *items, size_t n_items, const cuda_stage_io *io,
                                  const cuda_sample_row *sample, int32_t *next, strata_error *err);
 
+/* After a failed step: whether the device context is lost (a kernel met an illegal address, a
+ * launch failed on the device, ...). Such an error stays for every later CUDA call of the
+ * process, so each step would fail; a long-lived caller should leave and be restarted with a
+ * new context. true with the reason in err; false when the device still runs work. */
+bool cuda_model_context_lost(cuda_model *cm, strata_error *err);
+
 /* Device bytes cuda_seq_create(cm, codec, block_tokens, max_tokens) takes: what a memory budget
  * divides by to size a batch. */
 int cuda_seq_device_bytes(const cuda_model *cm, const kv_codec_params *codec, int block_tokens, size_t max_tokens,

@@ -654,6 +654,11 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
                 drop(s, id);
             }
             n_run = rows = 0;
+            /* A device that lost its context fails every step from now on: the stage fails
+             * instead, so the worker leaves (the coordinator ends its requests as UNAVAILABLE,
+             * retry-safe) and is restarted with a new context. */
+            if (s->gpu && stage_gpu_context_lost(s->gpu, err))
+                return strata_error_prefix(err, "%s", e1.msg);
         }
     }
     if (!s->last && (rc = send_rows(s, plan, n_run, rows, err)) != STRATA_OK)

@@ -273,6 +273,13 @@ float *stage_gpu_device_rows(stage_gpu *g, int which, size_t rows, strata_error 
     return g->d_step[which];
 }
 
+bool stage_gpu_context_lost(stage_gpu *g, strata_error *err)
+{
+    if (!g)
+        return false;
+    return use_device(g, err) != STRATA_OK || cuda_model_context_lost(g->cm, err);   /* either way no step runs */
+}
+
 int stage_gpu_compact_rows(stage_gpu *g, size_t dst, size_t src, size_t n, strata_error *err)
 {
     const size_t e = (size_t)g->cfg->n_embd;
@@ -436,6 +443,12 @@ int stage_gpu_compact_rows(stage_gpu *g, size_t dst, size_t src, size_t n, strat
 {
     (void)g, (void)dst, (void)src, (void)n;
     return no_cuda(err);
+}
+
+bool stage_gpu_context_lost(stage_gpu *g, strata_error *err)
+{
+    (void)g, (void)err;
+    return false;
 }
 
 void stage_gpu_usage(const stage_gpu *g, stage_kv_usage *out)

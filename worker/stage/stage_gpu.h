@@ -92,6 +92,10 @@ float *stage_gpu_device_rows(stage_gpu *g, int which, size_t rows, strata_error 
  * cannot run here), row by row in device memory. */
 int stage_gpu_compact_rows(stage_gpu *g, size_t dst, size_t src, size_t n, strata_error *err);
 
+/* After a failed step: whether the stage's device context is lost (cuda_model_context_lost), so
+ * that every later step would fail too; true with the reason in err. */
+bool stage_gpu_context_lost(stage_gpu *g, strata_error *err);
+
 /* The device pool and tiers, for the worker's KV report. */
 void stage_gpu_usage(const stage_gpu *g, stage_kv_usage *out);
 
