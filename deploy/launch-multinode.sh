@@ -16,23 +16,25 @@ usage: launch-multinode.sh --control HOST:PORT (--hosts H1,H2 --gpus-per-host N 
 
 Starts strata-coordinator on this host and strata-worker processes on other hosts over ssh,
 one per GPU, each pinned with CUDA_VISIBLE_DEVICES. A worker that exits (its ssh session ends)
-is started again with backoff. SIGTERM or Ctrl-C drains the coordinator, then stops the local
-ssh sessions; remote workers exit by themselves when the coordinator ends their link. A second
-signal kills the coordinator. Exits with the coordinator's status.
+is started again with backoff. SIGTERM, SIGHUP or Ctrl-C drains the coordinator, then stops the
+local ssh sessions; remote workers exit by themselves when the coordinator ends their link. A
+second signal kills the coordinator. Exits with the coordinator's status.
 
 Hosts (ssh destinations [user@]host; the host part is also each worker's data-plane address, so
-use names or addresses that the other hosts reach on the private network; no IPv6 literals):
+use names or addresses that the other hosts reach on the private network; no IPv6 literals;
+each host once, whatever the user):
   --hosts LIST              comma-separated hosts, each with --gpus-per-host or
                             --cpu-workers-per-host workers
   --gpus-per-host N         workers on GPUs 0..N-1 of every --hosts host
   --cpu-workers-per-host N  N workers without a GPU on every --hosts host instead
-  --host HOST:GPUS          one host with its own GPU list, e.g. gpu7:0,1,3 (repeatable;
-                            may be combined with --hosts)
+  --host HOST:GPUS          one host with its own GPU list, e.g. gpu7:0,1,3, each GPU once
+                            (repeatable; may be combined with --hosts)
 
 Cluster:
   --control HOST:PORT       required: the address of THIS host on the private network where the
                             coordinator takes workers (the control port has no TLS: never a
-                            public address; loopback and wildcard addresses are refused)
+                            public address; loopback and wildcard addresses are refused; port
+                            1-65535, an IPv6 address in brackets)
   --data-port PORT          first data-plane port on each host (default 50060); worker K of a
                             host listens on PORT+K; workers must reach each other there
   --stages N                pipeline stages per replica (default 1); the workers form
@@ -48,20 +50,23 @@ Cluster:
   --nvme-dir DIR            NVMe spill root on the hosts: worker K spills to DIR/worker-K
   --worker-arg ARG          one more argument for every worker (repeatable)
   --ssh-option OPT          an ssh -o option, e.g. --ssh-option Port=2222 (repeatable); ssh
-                            always runs with BatchMode=yes (keys, no password prompts)
+                            always runs with BatchMode=yes (keys, no password prompts) and,
+                            unless given here, ConnectTimeout=10
 
 Supervision:
-  --restart-delay S         seconds before restarting a worker (default 1), doubled after each
-                            run shorter than a minute
-  --max-restart-delay S     the most it waits between restarts (default 30)
+  --restart-delay S         seconds before restarting a worker (default 1, at least 1), doubled
+                            after each run shorter than a minute
+  --max-restart-delay S     the most it waits between restarts (default 30, at least
+                            --restart-delay)
 
   --dry-run                 print the commands it would run, start nothing, exit 0
   -h, --help                this help
 
 Arguments after -- go to strata-coordinator unchanged (e.g. --model PATH, which must be the same
 path on every host, --listen, --metrics, --kv, --config, --tls-cert/--tls-key, --token-file);
-the launcher sets --secret-file, --control, --replicas and --stages itself. Options take their
-value as the next argument. Exit status: the coordinator's, 2 for bad usage.
+the launcher sets --secret-file, --control, --replicas and --stages itself and refuses them after
+-- (abbreviated too, as --stage). Options take their value as the next argument. Exit status:
+the coordinator's, 2 for bad usage.
 
 A GPU worker computes on the one GPU it sees (--device cuda:0), a CPU worker on host cores. The
 worker program has not yet run on a GPU, nor NCCL between two GPU workers (docs/gpu.md).
@@ -74,7 +79,7 @@ RESTART_DELAY=1 MAX_RESTART_DELAY=30
 host_list=() host_specs=() worker_args=() ssh_opts=(-o BatchMode=yes) coord_args=()
 while (($#)); do
   case $1 in
-    --hosts) need_value "$1" $#; IFS=, read -r -a more <<<"$2"; host_list+=("${more[@]}"); shift ;;
+    --hosts) need_value "$1" $#; split_list --hosts "$2"; host_list+=("${LIST[@]}"); shift ;;
     --gpus-per-host) need_value "$1" $#; gpus_per_host=$2; shift ;;
     --cpu-workers-per-host) need_value "$1" $#; cpu_per_host=$2; shift ;;
     --host) need_value "$1" $#; host_specs+=("$2"); shift ;;
@@ -98,21 +103,22 @@ while (($#)); do
   shift
 done
 
+# Without a connect timeout an unreachable host hangs the secret copy for minutes, silently.
+[[ ${ssh_opts[*],,} == *connecttimeout* ]] || ssh_opts+=(-o ConnectTimeout=10)
+
 check_shared_options "$stages"
 if ! is_pos "$data_port" || ((data_port > 65535)); then usage_error "--data-port: '$data_port' is not a port"; fi
 [[ -n $control ]] || usage_error "--control HOST:PORT is required (this host's private-network address)"
-[[ $control =~ ^(.+):[0-9]+$ ]] || usage_error "--control: '$control' is not HOST:PORT"
-case ${BASH_REMATCH[1]} in
-  localhost | 127.* | '[::1]' | 0.0.0.0 | '[::]' | '*')
+check_control "$control"
+# Host names are case-insensitive; ::ffff:127.x.y.z is IPv4 loopback mapped into IPv6.
+case ${CONTROL_HOST,,} in
+  localhost | localhost. | *.localhost | *.localhost. | localhost.localdomain | ip6-localhost | ip6-loopback | \
+    127.* | '[::1]' | '[0:0:0:0:0:0:0:1]' | '[::ffff:127.'* | '[::ffff:7f'* | '[0:0:0:0:0:ffff:127.'* | \
+    0 | 0.0.0.0 | '[::]' | '[0:0:0:0:0:0:0:0]' | '[::ffff:0.0.0.0]' | '*')
     usage_error "--control $control: remote workers need this host's private-network address" ;;
 esac
 [[ $remote_secret == ?* && $remote_secret != */ ]] || usage_error "--remote-secret: '$remote_secret' is not a file path"
-for a in "${coord_args[@]}"; do
-  case $a in
-    --secret-file | --secret-file=* | --control | --control=* | --replicas | --replicas=* | --stages | --stages=*)
-      usage_error "$a after --: the launcher sets it (use its own option)" ;;
-  esac
-done
+check_coord_args "${coord_args[@]}"
 
 # Every worker as parallel arrays: its ssh destination, its device ('' for CPU) and its index on
 # that host (the data port offset and the spill subdirectory).
@@ -143,15 +149,17 @@ elif [[ -n $gpus_per_host || -n $cpu_per_host ]]; then
 fi
 for spec in "${host_specs[@]}"; do
   [[ $spec == *:?* ]] || usage_error "--host '$spec' is not HOST:GPUS (e.g. gpu7:0,1)"
-  IFS=, read -r -a devs <<<"${spec#*:}"
-  for g in "${devs[@]}"; do
-    [[ $g =~ ^([0-9]+|(GPU|MIG)-[A-Za-z0-9/-]+)$ ]] || usage_error "--host $spec: '$g' is not a GPU index or UUID"
-  done
-  add_host "${spec%%:*}" "${devs[@]}"
+  split_list "--host $spec" "${spec#*:}"
+  check_gpus "--host $spec" "${LIST[@]}"
+  add_host "${spec%%:*}" "${LIST[@]}"
 done
 N_WORKERS=${#w_dest[@]}
 ((N_WORKERS)) || usage_error "no workers: give --hosts with --gpus-per-host, or --host HOST:GPUS"
-dup=$(printf '%s\n' "${dests[@]}" | sort | uniq -d | head -n1)
+# By host, not destination: u@gpu1 and v@gpu1 are one machine, where both workers would get the
+# same --name and --data port.
+dest_hosts=()
+for d in "${dests[@]}"; do dest_hosts+=("${d#*@}"); done
+dup=$(first_dup "${dest_hosts[@],,}")
 [[ -z $dup ]] || usage_error "host $dup is listed twice (give all its GPUs in one --host)"
 ((N_WORKERS % stages == 0)) || usage_error "$N_WORKERS workers do not split into replicas of $stages stages"
 
@@ -204,26 +212,29 @@ if ((dry_run)); then
   exit 0
 fi
 
+copied=()
+if ((generated)); then
+  # The copies go with the generated secret: nothing stays behind that could join a later cluster.
+  # Set before the first copy, so that a copy failing on one host removes those already made.
+  # shellcheck disable=SC2317 # called from the EXIT trap
+  cleanup_remote() {
+    local d
+    for d in "${copied[@]}"; do
+      # shellcheck disable=SC2029 # the paths are quoted for the remote shell by shq
+      ssh "${ssh_opts[@]}" "$d" "rm -f -- $(shq "$remote_secret" "$remote_secret.tmp")" </dev/null || true
+    done
+    rm -rf "$secret_dir"
+  }
+  trap cleanup_remote EXIT
+fi
 for d in "${dests[@]}"; do
   # shellcheck disable=SC2029 # copy_cmd is built for the remote shell, its words quoted by shq
   ssh "${ssh_opts[@]}" "$d" "$copy_cmd" <"$secret_file" || {
     log "$d: could not copy the cluster secret over ssh"
     exit 1
   }
+  copied+=("$d")
 done
-if ((generated)); then
-  # The copies go with the generated secret: nothing stays behind that could join a later cluster.
-  # shellcheck disable=SC2317 # called from the EXIT trap
-  cleanup_remote() {
-    local d
-    for d in "${dests[@]}"; do
-      # shellcheck disable=SC2029 # the path is quoted for the remote shell by shq
-      ssh "${ssh_opts[@]}" "$d" "rm -f -- $(shq "$remote_secret")" </dev/null || true
-    done
-    rm -rf "$secret_dir"
-  }
-  trap cleanup_remote EXIT
-fi
 rc=0
 run_cluster || rc=$?
 exit "$rc"

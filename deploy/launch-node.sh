@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One node: strata-coordinator plus one strata-worker per GPU (or N CPU workers), each worker
-# restarted when it exits, SIGTERM/SIGINT drains the coordinator before the workers stop.
+# restarted when it exits, SIGTERM/SIGINT/SIGHUP drains the coordinator before the workers stop.
 # deploy/README.md explains the layout; --help lists every option.
 set -euo pipefail
 PROG=launch-node.sh
@@ -13,14 +13,14 @@ usage() {
 usage: launch-node.sh [options] [-- COORDINATOR-ARGS...]
 
 Starts strata-coordinator and one strata-worker per GPU on this machine, supervises the workers
-(restarted with backoff whenever they exit) and, on SIGTERM or Ctrl-C, drains the coordinator
-first and stops the workers after it (a second signal kills the coordinator). Exits with the
-coordinator's status.
+(restarted with backoff whenever they exit) and, on SIGTERM, SIGHUP or Ctrl-C, drains the
+coordinator first and stops the workers after it (a second signal kills the coordinator). Exits
+with the coordinator's status.
 
 Workers:
   --gpus LIST            comma-separated GPU indexes or UUIDs, one worker each, pinned with
-                         CUDA_VISIBLE_DEVICES (default: every GPU that `nvidia-smi -L` lists;
-                         MIG instances must be given here by UUID)
+                         CUDA_VISIBLE_DEVICES, each at most once (default: every GPU that
+                         `nvidia-smi -L` lists; MIG instances must be given here by UUID)
   --cpu-workers N        N workers without a GPU (CUDA_VISIBLE_DEVICES empty) instead
   --stages N             pipeline stages per replica (default 1); the workers form
                          workers/N replicas, passed to the coordinator as --replicas/--stages
@@ -29,24 +29,27 @@ Workers:
                          --host-kv-mib=4096 (repeatable)
 
 Cluster:
-  --control HOST:PORT    the coordinator's worker endpoint (default 127.0.0.1:50052); it has
-                         no TLS, so keep it on loopback or a private network
+  --control HOST:PORT    the coordinator's worker endpoint (default 127.0.0.1:50052; port
+                         1-65535, an IPv6 address in brackets); it has no TLS, so keep it on
+                         loopback or a private network
   --secret-file FILE     the cluster secret (16-256 bytes, mode 0600); default: 32 random
                          bytes written to a private temporary directory, removed at exit
   --bin-dir DIR          where strata-coordinator and strata-worker are (default: PATH)
 
 Supervision:
-  --restart-delay S      seconds before restarting a worker that exited (default 1), doubled
-                         after each run shorter than a minute
-  --max-restart-delay S  the most it waits between restarts (default 30)
+  --restart-delay S      seconds before restarting a worker that exited (default 1, at least
+                         1), doubled after each run shorter than a minute
+  --max-restart-delay S  the most it waits between restarts (default 30, at least
+                         --restart-delay)
 
   --dry-run              print the commands it would run, start nothing, exit 0
   -h, --help             this help
 
 Arguments after -- go to strata-coordinator unchanged (e.g. --model, --listen, --metrics,
 --kv, --config, --tls-cert/--tls-key, --token-file, --drain-seconds); the launcher sets
---secret-file, --control, --replicas and --stages itself. Options take their value as the next
-argument. Exit status: the coordinator's, 2 for bad usage.
+--secret-file, --control, --replicas and --stages itself and refuses them after -- (abbreviated
+too, as --stage). Options take their value as the next argument. Exit status: the
+coordinator's, 2 for bad usage.
 
 A GPU worker computes on the one GPU it sees (--device cuda:0), a CPU worker on host cores. The
 worker program has not yet run on a GPU, nor NCCL between two GPU workers (docs/gpu.md).
@@ -77,13 +80,8 @@ while (($#)); do
 done
 
 check_shared_options "$stages"
-[[ $control =~ ^.+:[0-9]+$ ]] || usage_error "--control: '$control' is not HOST:PORT"
-for a in "${coord_args[@]}"; do
-  case $a in
-    --secret-file | --secret-file=* | --control | --control=* | --replicas | --replicas=* | --stages | --stages=*)
-      usage_error "$a after --: the launcher sets it (use its own option)" ;;
-  esac
-done
+check_control "$control"
+check_coord_args "${coord_args[@]}"
 
 # The devices: explicit list, CPU workers, or every GPU nvidia-smi reports ("GPU 0: ...").
 devices=()
@@ -93,10 +91,9 @@ elif [[ -n $cpu_workers ]]; then
   is_pos "$cpu_workers" || usage_error "--cpu-workers: '$cpu_workers' is not a positive integer"
   for ((k = 0; k < cpu_workers; k++)); do devices+=(''); done
 elif [[ -n $gpus ]]; then
-  IFS=, read -r -a devices <<<"$gpus"
-  for g in "${devices[@]}"; do
-    [[ $g =~ ^([0-9]+|(GPU|MIG)-[A-Za-z0-9/-]+)$ ]] || usage_error "--gpus: '$g' is not a GPU index or UUID"
-  done
+  split_list --gpus "$gpus"
+  devices=("${LIST[@]}")
+  check_gpus --gpus "${devices[@]}"
 elif command -v nvidia-smi >/dev/null; then
   mapfile -t devices < <(nvidia-smi -L | sed -n 's/^GPU \([0-9][0-9]*\):.*/\1/p')
 fi

@@ -4,11 +4,13 @@
 #  - each launcher's --help exits 0 and names every option its parser takes;
 #  - --dry-run prints the right commands (one worker per device, CUDA_VISIBLE_DEVICES per worker,
 #    secret file flags, ssh copies of the secret), and bad usage exits 2 with a message;
-#  - launch-node.sh really runs stub binaries: a worker that exits is restarted, SIGTERM drains
-#    the coordinator before the workers stop, the generated secret is 0600 and removed at exit,
-#    a worker refused for bad usage stops everything with status 2;
+#  - launch-node.sh really runs stub binaries: a worker that exits is restarted, SIGTERM and
+#    SIGHUP drain the coordinator before the workers stop, a second signal while the workers stop
+#    does not cut that short, the generated secret is 0600 and removed at exit, a worker refused
+#    for bad usage stops everything with status 2, a SIGKILLed launcher's workers are not
+#    restarted, and no process is left behind;
 #  - launch-multinode.sh really runs through a stand-in ssh (the secret lands 0600 on each
-#    "host" through stdin and is removed at exit);
+#    "host" through stdin and is removed at exit, also when the copy to a later host fails);
 #  - the flags the deploy files give strata-worker and strata-coordinator exist (in the built
 #    binaries' --help when given, else in the sources' option tables);
 #  - the Kubernetes manifest parses (/usr/bin/python3 + PyYAML) with the expected objects;
@@ -22,7 +24,7 @@ for tool in od stat mktemp sed grep sort; do
   command -v "$tool" >/dev/null || { echo "test_deploy: SKIP: $tool is missing" >&2; exit 77; }
 done
 tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+trap 'reap >/dev/null; rm -rf "$tmp"' EXIT
 failures=0
 fail() { echo "FAIL: $*" >&2; failures=$((failures + 1)); }
 note() { echo "test_deploy: $*" >&2; }
@@ -40,6 +42,49 @@ count() {
   local c
   c=$(grep -Ec -- "$1" "$2" 2>/dev/null)
   echo "${c:-0}"
+}
+# mentions FILE OPTION: FILE names OPTION as a whole word (--host is not --hosts).
+mentions() { grep -Eq -- "(^|[^a-z-])$2([^a-z-]|\$)" "$1"; }
+
+# The stubs append "PID PARENT ROLE" to $STUB_PIDS (a worker's parent is its supervisor, the
+# coordinator's the launcher). alive PID: PID runs (not a zombie) and is one of this test's
+# processes (its command line names $tmp), which guards against a reused pid.
+export STUB_PIDS=$tmp/pids
+alive() {
+  local state
+  [[ -r /proc/$1/stat ]] && read -r _ _ state _ <"/proc/$1/stat" 2>/dev/null && [[ $state != Z ]] &&
+    tr '\0' ' ' <"/proc/$1/cmdline" 2>/dev/null | grep -qF -- "$tmp/"
+}
+# reap: kills what the launchers left running (supervisors first, so that none restarts a
+# worker) and prints how many processes that was; 0 after every case that stops cleanly.
+reap() {
+  local pid ppid p n=0
+  [[ -f $STUB_PIDS ]] || { echo 0; return 0; }
+  while read -r pid ppid _; do
+    for p in "$ppid" "$pid"; do
+      if alive "$p"; then
+        kill -KILL "$p" 2>/dev/null && n=$((n + 1))
+      fi
+    done
+  done <"$STUB_PIDS"
+  echo "$n"
+}
+# finish PID: waits up to 10 s for the launcher PID to exit (then kills it), its status in rc.
+finish() {
+  local i
+  for ((i = 0; i < 100; i++)); do kill -0 "$1" 2>/dev/null || break; sleep 0.1; done
+  if kill -0 "$1" 2>/dev/null; then
+    fail "launcher $1 did not exit within 10 s: killed"
+    kill -KILL "$1"
+  fi
+  rc=0
+  wait "$1" || rc=$?
+}
+# no_leftovers CASE: nothing of the last run still runs.
+no_leftovers() {
+  local n
+  n=$(reap)
+  [[ $n == 0 ]] || fail "$1: $n process(es) were left running (killed now)"
 }
 
 node=$deploy/launch-node.sh
@@ -64,6 +109,7 @@ mkdir -p "$stubs"
 cat >"$stubs/strata-coordinator" <<'EOF'
 #!/usr/bin/env bash
 # Stub coordinator: logs its arguments; SIGTERM "drains" for 0.3 s and exits 0.
+echo "$$ $PPID coordinator" >>"$STUB_PIDS"
 echo "coordinator start $*" >>"$STUB_LOG"
 # STUB_COORD_STUCK=1: it ignores SIGTERM (a drain that hangs). (Setting the draining trap after
 # the ignoring one replaced it: the "stuck" stub drained in 0.3 s, and the test raced the second
@@ -79,8 +125,10 @@ cat >"$stubs/strata-worker" <<'EOF'
 #!/usr/bin/env bash
 # Stub worker: logs its device, data address and the mode of its secret file. Its first run
 # exits 1 at once (a lost control link); later runs wait for SIGTERM. STUB_WORKER_EXIT=N: every
-# run exits N at once.
+# run exits N at once. STUB_WORKER_STAY=1: the first run waits too. STUB_WORKER_SLOW_STOP=1:
+# SIGTERM takes a second (logged "stopped" at the end).
 # As the real worker, --device cuda without a visible device fails.
+echo "$$ $PPID worker" >>"$STUB_PIDS"
 name='' secret='' data='' device=cpu
 while (($#)); do
   case $1 in --name) name=$2; shift ;; --secret-file) secret=$2; shift ;; --data) data=$2; shift ;;
@@ -94,12 +142,17 @@ if [[ $device == cuda* && -z ${CUDA_VISIBLE_DEVICES:-} ]]; then
 fi
 if [[ -n ${STUB_WORKER_EXIT:-} ]]; then exit "$STUB_WORKER_EXIT"; fi
 runs=$STUB_LOG.runs-$name
-if [[ ! -e $runs ]]; then : >"$runs"; exit 1; fi
-trap 'echo "worker $name TERM" >>"$STUB_LOG"; exit 0' TERM
+if [[ ! -e $runs && -z ${STUB_WORKER_STAY:-} ]]; then : >"$runs"; exit 1; fi
+if [[ -n ${STUB_WORKER_SLOW_STOP:-} ]]; then
+  trap 'echo "worker $name TERM" >>"$STUB_LOG"; sleep 1; echo "worker $name stopped" >>"$STUB_LOG"; exit 0' TERM
+else
+  trap 'echo "worker $name TERM" >>"$STUB_LOG"; exit 0' TERM
+fi
 while :; do sleep 0.05; done
 EOF
 # Stand-in ssh: "ssh [-n] [-o OPT]... DEST COMMAND" runs COMMAND with sh in $SSH_HOSTS/HOST
-# (as that host's home directory), keeping stdin unless -n.
+# (as that host's home directory), keeping stdin unless -n. Hosts in SSH_FAIL_HOSTS (spaced)
+# are unreachable: exit 255, as ssh after its ConnectTimeout.
 cat >"$stubs/ssh" <<'EOF'
 #!/usr/bin/env bash
 null=0
@@ -107,6 +160,10 @@ while (($#)); do
   case $1 in -n) null=1 ;; -o) shift ;; *) break ;; esac
   shift
 done
+if [[ " ${SSH_FAIL_HOSTS:-} " == *" ${1#*@} "* ]]; then
+  echo "ssh: connect to host ${1#*@} port 22: Connection timed out" >&2
+  exit 255
+fi
 home=$SSH_HOSTS/${1#*@}
 mkdir -p "$home"
 cd "$home" || exit 255
@@ -135,10 +192,16 @@ for s in "$node" "$multi"; do
   ((${#flags[@]} >= 10)) || fail "$s: found only ${#flags[@]} options in its parser"
   expect 0 'usage:' "$s" --help
   for f in "${flags[@]}"; do
-    grep -q -- "$f" "$tmp/out" || fail "$s --help does not mention $f"
+    mentions "$tmp/out" "$f" || fail "$s --help does not mention $f"
   done
   expect 0 'usage:' "$s" -h
 done
+# The match is on whole option names: a help naming only --hosts and --gpus-per-host names
+# neither --host nor --gpus.
+printf '  --hosts LIST\n  --gpus-per-host N\n' >"$tmp/help"
+if mentions "$tmp/help" --host || mentions "$tmp/help" --gpus || ! mentions "$tmp/help" --hosts; then
+  fail "mentions: not a whole-option match"
+fi
 
 # ---- launch-node.sh --dry-run
 out=$tmp/dry
@@ -187,23 +250,79 @@ expect 2 'not a readable file' "$node" --dry-run --cpu-workers 2 --secret-file "
 expect 2 'must be 16 to 256 bytes' "$node" --dry-run --cpu-workers 2 --secret-file "$short"
 expect 2 'no executable strata-coordinator' "$node" --cpu-workers 2 --bin-dir "$tmp/missing"
 
+# Repeated GPUs (two workers on one GPU) and stray commas are refused, not merged or dropped.
+expect 2 "--gpus: '0' is listed twice" "$node" --dry-run --gpus 0,0
+expect 2 "--gpus: '1' is listed twice" "$node" --dry-run --gpus 1,01
+expect 2 "--gpus: 'GPU-ab' is listed twice" "$node" --dry-run --gpus GPU-ab,1,GPU-ab
+expect 2 "--gpus: '0,' is not a comma-separated list" "$node" --dry-run --gpus 0,
+expect 2 "--gpus: '0,,1' is not a comma-separated list" "$node" --dry-run --gpus 0,,1
+# Restart delays that give no backoff: a worker failing at once would respawn in a tight loop.
+expect 2 '--restart-delay: must be at least 1' "$node" --dry-run --cpu-workers 1 --restart-delay 0
+expect 2 '--max-restart-delay: 0 is below --restart-delay 1' "$node" --dry-run --cpu-workers 1 --max-restart-delay 0
+expect 2 '--max-restart-delay: 2 is below --restart-delay 5' "$node" --dry-run --cpu-workers 1 --restart-delay 5 --max-restart-delay 2
+expect 0 'doubling up to 5s' "$node" --dry-run --cpu-workers 1 --restart-delay 5 --max-restart-delay 5
+# getopt_long takes unambiguous prefixes: --stage would override the launcher's --stages.
+expect 2 '--stage after --: it abbreviates --stages' "$node" --dry-run --cpu-workers 2 -- --stage 2 --replica 1
+expect 2 '--rep=1 after --: it abbreviates --replicas' "$node" --dry-run --cpu-workers 2 -- --rep=1
+expect 2 '--cont after --: it abbreviates --control' "$node" --dry-run --cpu-workers 2 -- --model m --cont 127.0.0.1:1
+expect 2 '--secret after --: it abbreviates --secret-file' "$node" --dry-run --cpu-workers 2 -- --secret x
+expect 0 '--steps-in-flight 2 --ctx 512$' "$node" --dry-run --cpu-workers 2 -- --steps-in-flight 2 --ctx 512
+# Control ports the workers can dial; an IPv6 host in brackets (the coordinator splits at the
+# last colon).
+expect 2 "--control: 'h:99999' is not HOST:PORT" "$node" --dry-run --cpu-workers 1 --control h:99999
+expect 2 "--control: 'h:0' is not HOST:PORT" "$node" --dry-run --cpu-workers 1 --control h:0
+expect 2 "--control: '::1:50052' is not HOST:PORT" "$node" --dry-run --cpu-workers 1 --control ::1:50052
+expect 0 "--coordinator '\[::1\]:50052'" "$node" --dry-run --cpu-workers 1 --control '[::1]:50052'
+
+# The secret's bounds are the binaries': 16 to 256 bytes once trailing CR/LF bytes are dropped.
+mkdir -p "$tmp/sec"
+head -c 257 /dev/zero | tr '\0' x >"$tmp/sec/257"
+printf '0123456789abcde\n' >"$tmp/sec/15nl"
+{ head -c 256 /dev/zero | tr '\0' x; printf '\r\n'; } >"$tmp/sec/256crlf"
+printf '0123456789abcdef\n\n' >"$tmp/sec/16nlnl"
+chmod 600 "$tmp/sec"/*
+for f in 257 15nl; do
+  expect 2 'must be 16 to 256 bytes' "$node" --dry-run --cpu-workers 1 --secret-file "$tmp/sec/$f"
+done
+for f in 256crlf 16nlnl; do
+  expect 0 'strata-coordinator ' "$node" --dry-run --cpu-workers 1 --secret-file "$tmp/sec/$f"
+done
+# The same files through the real worker, when given: it refuses the first two at once (exit 2)
+# and takes the others (still trying to reach a coordinator on a closed port when stopped).
+if [[ -n ${3:-} && -x ${3:-} ]] && command -v timeout >/dev/null; then
+  for f in 257:2 15nl:2 256crlf:124 16nlnl:124; do
+    rc=0
+    # A refusal comes at once; an accepted secret leaves it waiting, cut after half a second.
+    timeout "$([[ ${f#*:} == 2 ]] && echo 10 || echo 0.5)" "$3" --coordinator 127.0.0.1:53999 \
+      --secret-file "$tmp/sec/${f%:*}" --name t >/dev/null 2>&1 || rc=$?
+    [[ $rc == "${f#*:}" ]] || fail "strata-worker with secret ${f%:*}: exit $rc, expected ${f#*:} (the launchers' bounds differ)"
+  done
+fi
+
+# log() cannot end the script when stderr is gone (closed here; a hung-up terminal gives EIO):
+# the mode warning must not abort a run.
+cp "$secret" "$tmp/sec/open" && chmod 644 "$tmp/sec/open"
+rc=0
+"$node" --dry-run --cpu-workers 1 --secret-file "$tmp/sec/open" >"$out" 2>&- || rc=$?
+if [[ $rc != 0 ]] || ! grep -q 'strata-coordinator ' "$out"; then fail "node dry run with stderr closed: exit $rc after a warning"; fi
+
 # ---- launch-multinode.sh --dry-run
 "$multi" --dry-run --hosts a,u@b --gpus-per-host 2 --control 10.0.0.1:50052 --secret-file "$secret" \
   --remote-bin-dir /opt/strata/bin >"$out" 2>&1 || fail "multinode dry run: $(tail -n 2 "$out")"
-[[ $(count "^ssh -o BatchMode=yes (a|u@b) 'umask 077 && .*cat > .*chmod 600 .*' < $secret\$" "$out") == 2 ]] ||
+[[ $(count "^ssh -o BatchMode=yes -o ConnectTimeout=10 (a|u@b) 'umask 077 && .*cat > .*chmod 600 .*' < $secret\$" "$out") == 2 ]] ||
   fail "multinode dry run: not one 0600 secret copy over stdin per host: $(cat "$out")"
 [[ $(count '/opt/strata/bin/strata-worker --coordinator 10.0.0.1:50052 --secret-file .strata/cluster.secret ' "$out") == 4 ]] ||
   fail "multinode dry run: not 4 workers with the remote secret: $(cat "$out")"
 for w in "a 0 50060" "a 1 50061" "u@b 0 50060" "u@b 1 50061"; do
   read -r dest gpu port <<<"$w"
-  grep -Eq -- "^ssh -n -o BatchMode=yes $dest 'exec env CUDA_VISIBLE_DEVICES=$gpu .* --data ${dest#*@}:$port --device cuda:0'\$" "$out" ||
+  grep -Eq -- "^ssh -n -o BatchMode=yes -o ConnectTimeout=10 $dest 'exec env CUDA_VISIBLE_DEVICES=$gpu .* --data ${dest#*@}:$port --device cuda:0'\$" "$out" ||
     fail "multinode dry run: worker on $dest GPU $gpu port $port: $(cat "$out")"
 done
 grep -q -- "--secret-file $secret --control 10.0.0.1:50052 --replicas 4 --stages 1" "$out" || fail "multinode dry run: coordinator"
 
 "$multi" --dry-run --host a:0,3 --host b:1 --stages 3 --control 10.0.0.1:50052 --secret-file "$secret" >"$out" 2>&1 ||
   fail "multinode dry run with --host: $(tail -n 2 "$out")"
-[[ $(grep -oE '^ssh -n .* (a|b) .*CUDA_VISIBLE_DEVICES=[^ ]*' "$out" | sed -E 's/^ssh -n -o BatchMode=yes ([ab]) .*(CUDA[^ ]*)$/\1 \2/' | tr '\n' ' ') == \
+[[ $(grep -oE '^ssh -n .* (a|b) .*CUDA_VISIBLE_DEVICES=[^ ]*' "$out" | sed -E 's/^ssh -n .* ([ab]) .*(CUDA[^ ]*)$/\1 \2/' | tr '\n' ' ') == \
   "a CUDA_VISIBLE_DEVICES=0 a CUDA_VISIBLE_DEVICES=3 b CUDA_VISIBLE_DEVICES=1 " ]] || fail "multinode dry run: per-host GPU lists: $(cat "$out")"
 grep -q -- '--replicas 1 --stages 3' "$out" || fail "multinode dry run: replicas of 3 stages"
 
@@ -224,6 +343,24 @@ expect 2 "--data-port: '70000'" "$multi" --dry-run --hosts a --gpus-per-host 1 -
 expect 2 'no workers' "$multi" --dry-run --control 10.0.0.1:1
 expect 2 "unknown option '--gpus'" "$multi" --dry-run --gpus 0
 expect 2 'the launcher sets it' "$multi" --dry-run --hosts a --gpus-per-host 1 --control 10.0.0.1:1 -- --secret-file x
+expect 2 '--stage=2 after --: it abbreviates --stages' "$multi" --dry-run --hosts a --gpus-per-host 1 --control 10.0.0.1:1 -- --stage=2
+# A user's ConnectTimeout replaces the default one (ssh would keep the first anyway).
+expect 0 ' -o ConnectTimeout=3 a ' "$multi" --dry-run --host a:0 --control 10.0.0.1:1 --ssh-option ConnectTimeout=3
+grep -q 'ConnectTimeout=10' "$tmp/out" && fail "multinode dry run: the default ConnectTimeout beside the user's"
+# One host twice (whatever the user: same --name and --data port), one GPU twice, stray commas.
+expect 2 'host gpu1 is listed twice' "$multi" --dry-run --hosts u@gpu1,v@gpu1 --gpus-per-host 1 --control 10.0.0.1:1
+expect 2 'host gpu1 is listed twice' "$multi" --dry-run --hosts gpu1 --gpus-per-host 1 --host GPU1:1 --control 10.0.0.1:1
+expect 2 "--host gpu1:0,0: '0' is listed twice" "$multi" --dry-run --host gpu1:0,0 --control 10.0.0.1:1
+expect 2 "--host gpu1:0,: '0,' is not a comma-separated list" "$multi" --dry-run --host gpu1:0, --control 10.0.0.1:1
+expect 2 "--hosts: 'a,' is not a comma-separated list" "$multi" --dry-run --hosts a, --gpus-per-host 1 --control 10.0.0.1:1
+# Loopback in any spelling, ports out of range, an unbracketed IPv6 address.
+for c in LOCALHOST:50052 localhost.localdomain:50052 '[::ffff:127.0.0.1]:50052' '[::1]:50052' 127.1.2.3:50052; do
+  expect 2 'private-network address' "$multi" --dry-run --host a:0 --control "$c"
+done
+for c in 10.0.0.1:0 10.0.0.1:65536 ::1:50052 10.0.0.1:050052; do
+  expect 2 'is not HOST:PORT' "$multi" --dry-run --host a:0 --control "$c"
+done
+expect 0 "--control '\[fd00::1\]:50052'" "$multi" --dry-run --host a:0 --control '[fd00::1]:50052'
 
 # ---- launch-node.sh for real, on the stubs
 # wait_for PATTERN FILE N: up to 5 s for N lines matching PATTERN.
@@ -251,6 +388,53 @@ order=$(grep -E 'TERM|drained' "$STUB_LOG" | awk '{print $1, $NF}' | tr '\n' ' '
 [[ $order =~ ^'coordinator TERM coordinator drained worker TERM worker TERM '$ ]] ||
   fail "node run: the coordinator must drain before the workers stop, got: $order"
 compgen -G "$tmp/strata-secret.*" >/dev/null && fail "node run: the generated secret was left behind"
+no_leftovers "node run"
+
+# SIGHUP (terminal closed, ssh lost) drains as SIGTERM does: the launcher must not die at once,
+# removing the secret under running workers and leaving the coordinator orphaned.
+rm -f "$STUB_LOG"*
+TMPDIR=$tmp STUB_WORKER_STAY=1 "$node" --cpu-workers 1 --bin-dir "$stubs" >"$tmp/run.err" 2>&1 &
+pid=$!
+wait_for 'worker .* start' "$STUB_LOG" 1 || fail "node run (SIGHUP): the worker did not start: $(cat "$tmp/run.err")"
+kill -HUP "$pid"
+finish "$pid"
+[[ $rc == 0 ]] || fail "node run: launcher exited $rc after SIGHUP, expected a drain and 0: $(cat "$tmp/run.err")"
+order=$(grep -E 'TERM|drained' "$STUB_LOG" | awk '{print $1, $NF}' | tr '\n' ' ')
+[[ $order == 'coordinator TERM coordinator drained worker TERM ' ]] || fail "node run (SIGHUP): no drain, got: $order"
+compgen -G "$tmp/strata-secret.*" >/dev/null && fail "node run (SIGHUP): the generated secret was left behind"
+no_leftovers "node run (SIGHUP)"
+
+# A second signal while the workers stop (one takes a second) must not end the launcher before
+# they have stopped.
+rm -f "$STUB_LOG"*
+STUB_WORKER_STAY=1 STUB_WORKER_SLOW_STOP=1 "$node" --cpu-workers 1 --bin-dir "$stubs" --secret-file "$secret" >"$tmp/run.err" 2>&1 &
+pid=$!
+wait_for 'worker .* start' "$STUB_LOG" 1 || fail "node run (slow stop): the worker did not start: $(cat "$tmp/run.err")"
+kill -TERM "$pid"
+wait_for 'worker .* TERM' "$STUB_LOG" 1 || fail "node run (slow stop): the worker got no SIGTERM: $(cat "$STUB_LOG")"
+kill -TERM "$pid"
+finish "$pid"
+grep -q 'worker .* stopped' "$STUB_LOG" || fail "node run: a second SIGTERM while the workers stopped made the launcher leave them running"
+[[ $rc == 0 ]] || fail "node run (slow stop): exit $rc, expected 0: $(cat "$tmp/run.err")"
+no_leftovers "node run (slow stop)"
+
+# The launcher SIGKILLed (no trap runs): its supervisors must not restart workers for ever; the
+# coordinator stays until killed (deploy/README.md).
+rm -f "$STUB_LOG"*
+STUB_WORKER_EXIT=1 "$node" --cpu-workers 1 --bin-dir "$stubs" --secret-file "$secret" --max-restart-delay 1 >"$tmp/run.err" 2>&1 &
+pid=$!
+wait_for 'worker .* start' "$STUB_LOG" 1 || fail "node run (SIGKILL): the worker did not start: $(cat "$tmp/run.err")"
+kill -KILL "$pid"
+{ wait "$pid"; } 2>/dev/null # reaped: a zombie would still answer kill -0 (quiet: no "Killed")
+sleep 1.5 # past the first restart delay (1 s)
+[[ $(count 'worker .* start' "$STUB_LOG") == 1 ]] ||
+  fail "node run: workers restarted after the launcher was SIGKILLed: $(cat "$STUB_LOG" "$tmp/run.err")"
+grep -q 'the launcher is gone: not restarting it' "$tmp/run.err" || fail "node run (SIGKILL): no message from the supervisor: $(cat "$tmp/run.err")"
+read -r cpid _ < <(grep ' coordinator$' "$STUB_PIDS" | tail -n 1)
+alive "$cpid" || fail "node run (SIGKILL): the coordinator did not stay up, as deploy/README.md says it does"
+read -r _ spid _ < <(grep ' worker$' "$STUB_PIDS" | tail -n 1)
+alive "$spid" && fail "node run (SIGKILL): the supervisor still runs"
+reap >/dev/null
 
 rm -f "$STUB_LOG"*
 STUB_WORKER_EXIT=2 "$node" --cpu-workers 2 --bin-dir "$stubs" --secret-file "$secret" >"$tmp/run.err" 2>&1 &
@@ -265,6 +449,7 @@ wait "$pid" || rc=$?
 [[ $rc == 2 ]] || fail "node run: exit $rc when a worker exits 2, expected 2: $(cat "$tmp/run.err")"
 [[ $(count 'worker .* start' "$STUB_LOG") == 2 ]] || fail "node run: a worker that exited 2 was restarted"
 grep -q 'bad usage (exit 2): not restarting' "$tmp/run.err" || fail "node run: no message for a worker's bad usage"
+no_leftovers "node run (exit 2)"
 
 # A coordinator whose drain hangs: the second SIGTERM kills it, the launcher still stops the
 # workers and exits with the coordinator's status (137).
@@ -279,11 +464,12 @@ rc=0
 wait "$pid" || rc=$?
 [[ $rc == 137 ]] || fail "node run (stuck drain): exit $rc after two SIGTERMs, expected 137: $(cat "$tmp/run.err")"
 grep -q 'second signal: killing the coordinator' "$tmp/run.err" || fail "node run (stuck drain): no message for the second signal"
+no_leftovers "node run (stuck drain)"
 
 # ---- launch-multinode.sh for real, through the stand-in ssh (generated secret)
 rm -f "$STUB_LOG"*
 TMPDIR=$tmp PATH="$stubs:$PATH" "$multi" --hosts h1,me@h2 --cpu-workers-per-host 1 --control 10.9.8.7:50052 \
-  --bin-dir "$stubs" --remote-bin-dir "$stubs" --restart-delay 0 >"$tmp/run.err" 2>&1 &
+  --bin-dir "$stubs" --remote-bin-dir "$stubs" --restart-delay 1 >"$tmp/run.err" 2>&1 &
 pid=$!
 wait_for 'worker .* start' "$STUB_LOG" 4 || fail "multinode run: workers did not start and restart: $(cat "$STUB_LOG" "$tmp/run.err")"
 for h in h1 h2; do
@@ -299,6 +485,19 @@ wait "$pid" || rc=$?
 [[ -e $SSH_HOSTS/h1/.strata/cluster.secret || -e $SSH_HOSTS/h2/.strata/cluster.secret ]] &&
   fail "multinode run: the generated secret was left on the hosts"
 grep -q 'coordinator drained' "$STUB_LOG" || fail "multinode run: the coordinator was not drained"
+no_leftovers "multinode run"
+
+# The copy to h2 fails (unreachable): the copy already on h1 goes too, with the local secret.
+rm -rf "$SSH_HOSTS"
+rc=0
+TMPDIR=$tmp SSH_FAIL_HOSTS=h2 PATH="$stubs:$PATH" "$multi" --hosts h1,h2 --cpu-workers-per-host 1 --control 10.9.8.7:50052 \
+  --bin-dir "$stubs" --remote-bin-dir "$stubs" >"$tmp/run.err" 2>&1 || rc=$?
+[[ $rc == 1 ]] || fail "multinode run (h2 unreachable): exit $rc, expected 1: $(cat "$tmp/run.err")"
+grep -q 'h2: could not copy the cluster secret' "$tmp/run.err" || fail "multinode run (h2 unreachable): no message: $(cat "$tmp/run.err")"
+[[ -d $SSH_HOSTS/h1/.strata ]] || fail "multinode run (h2 unreachable): the secret was never copied to h1"
+compgen -G "$SSH_HOSTS/h1/.strata/cluster.secret*" >/dev/null && fail "multinode run: a failed copy to h2 left the generated secret on h1"
+compgen -G "$tmp/strata-secret.*" >/dev/null && fail "multinode run (h2 unreachable): the local secret was left behind"
+no_leftovers "multinode run (h2 unreachable)"
 
 # ---- every flag the deploy files give the binaries exists: in their --help when the built
 # binaries are passed (arguments 2 and 3), else in their option tables in the sources.
@@ -313,10 +512,13 @@ known_flags() {
 }
 # check_flags NAME BINARY SOURCE USED...: every USED option is known.
 check_flags() {
-  local name=$1 known f
+  local name=$1 bin=$2 known f
   known=$(known_flags "$1" "$2" "$3")
   shift 3
-  if [[ -z $known ]]; then
+  if [[ -z $known && -n $bin ]]; then
+    fail "$bin --help names no options (not built, or it fails to start?): the flags deploy/ passes $name are unchecked"
+    return
+  elif [[ -z $known ]]; then
     note "no $name binary given and no source found: its flag check skipped"
     return
   fi
@@ -344,6 +546,12 @@ coord_used=$( {
 check_flags strata-worker "${3:-}" "$src/worker/cmd/worker_main.c" $worker_used
 # shellcheck disable=SC2086
 check_flags strata-coordinator "${2:-}" "$src/coordinator/service/serve.c" $coord_used
+# A binary that is given but lists nothing (missing, or failing to start) is a failure, not a skip.
+saved=$failures
+check_flags strata-worker "$tmp/missing/strata-worker" "$src/worker/cmd/worker_main.c" --name 2>/dev/null
+got=$((failures - saved))
+failures=$saved
+((got == 1)) || fail "flag check: a given binary without options was not a failure"
 
 # ---- Kubernetes manifest
 if /usr/bin/python3 -c 'import yaml' 2>/dev/null; then
