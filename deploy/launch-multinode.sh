@@ -228,12 +228,14 @@ if ((generated)); then
   trap cleanup_remote EXIT
 fi
 for d in "${dests[@]}"; do
+  # Counted before the copy: a copy that fails after the secret is in place (the spill folder's
+  # mkdir, a dropped connection) still leaves it there to remove.
+  copied+=("$d")
   # shellcheck disable=SC2029 # copy_cmd is built for the remote shell, its words quoted by shq
   ssh "${ssh_opts[@]}" "$d" "$copy_cmd" <"$secret_file" || {
     log "$d: could not copy the cluster secret over ssh"
     exit 1
   }
-  copied+=("$d")
 done
 rc=0
 run_cluster || rc=$?

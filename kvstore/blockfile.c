@@ -139,7 +139,8 @@ static int sync_folder_of(const char *path, strata_error *err)
         return strata_fail(err, STRATA_ENOMEM, "saving %s: out of memory", path);
     int rc = STRATA_OK;
     int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0 || fsync(fd) != 0)
+    /* Some file systems cannot sync a folder (EINVAL): the rename is then as durable as they make it. */
+    if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL))
         rc = strata_fail(err, STRATA_EIO, "%s was written but its folder %s could not be synced: %s", path, dir,
                          strerror(errno));
     if (fd >= 0)
@@ -194,7 +195,7 @@ int kv_blockfile_save(kv_seq *seq, const char *path, strata_error *err)
     } else {
         /* A replaced file keeps its permissions; a new one stays 0600 (it holds the prompt's
          * keys and values). */
-        if (exists && fchmod(fd, st.st_mode & 07777) != 0)
+        if (exists && fchmod(fd, st.st_mode & 0777) != 0)   /* not set-id bits onto a dump */
             rc = strata_fail(err, STRATA_EIO, "setting the mode of %s: %s", tmp, strerror(errno));
         if (rc == STRATA_OK)
             rc = save_to(seq, f, path, err);

@@ -171,7 +171,18 @@ check_secret() {
 
 # launcher_alive: the launcher still runs. In its background subshells $$ is still the launcher's
 # pid; once it is gone (SIGKILL: no trap ran) nobody would ever stop a restarted worker.
-launcher_alive() { kill -0 "$$" 2>/dev/null; }
+# The supervisor's parent is asked rather than kill -0 $$, which a killed launcher its own parent
+# has not reaped yet (a zombie), or a new process given its pid, would still answer.
+launcher_alive() {
+  local stat ppid
+  if ! stat=$(</proc/$BASHPID/stat) 2>/dev/null; then
+    kill -0 "$$" 2>/dev/null
+    return
+  fi
+  stat=${stat##*) } # the name in parentheses may hold spaces
+  read -r _ ppid _ <<<"$stat"
+  [[ $ppid == "$$" ]]
+}
 
 # supervise LABEL CMD...: runs CMD again whenever it exits (the worker exits when its coordinator
 # link breaks and must rejoin), waiting RESTART_DELAY seconds, doubled after each run shorter than

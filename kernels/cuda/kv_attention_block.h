@@ -165,7 +165,7 @@ STRATA_HD static inline int kv_att_block_parse(const cuda_kv_layout *L, const ui
         if ((uint64_t)info->n_ott > T * H)
             return 1;
     }
-    int backbone = 0;
+    unsigned backbone = 0;   /* bit id set for each backbone section found as the layout has it */
     for (int i = 0; i < n_sections && i < 16; i++) {
         const uint8_t *e = blk + 64 + 12 * i;
         const uint32_t id = kv_att_ld16(e), off = kv_att_ld32(e + 4), len = kv_att_ld32(e + 8);
@@ -174,10 +174,10 @@ STRATA_HD static inline int kv_att_block_parse(const cuda_kv_layout *L, const ui
         uint64_t want = 0;
         switch (id) {
         /* The backbone where the layout has it, and as long: the kernels read it from there. */
-        case 1: backbone += off == L->off_k && len == L->len_k; continue;
-        case 2: backbone += off == L->off_k_scales && len == L->len_k_scales; continue;
-        case 3: backbone += off == L->off_v && len == L->len_v; continue;
-        case 4: backbone += off == L->off_v_scales && len == L->len_v_scales; continue;
+        case 1: backbone |= (off == L->off_k && len == L->len_k) << 1; continue;
+        case 2: backbone |= (off == L->off_k_scales && len == L->len_k_scales) << 2; continue;
+        case 3: backbone |= (off == L->off_v && len == L->len_v) << 3; continue;
+        case 4: backbone |= (off == L->off_v_scales && len == L->len_v_scales) << 4; continue;
         case 16: info->off_k_sparse = off; want = H * D * (uint64_t)info->k_sparse * 4; break;
         case 17: info->off_v_sparse = off; want = T * H * (uint64_t)info->v_sparse * 4; break;
         case 18: info->off_k_lowrank = off; want = H * (T + D) * (uint64_t)info->rank * 2; break;
@@ -188,7 +188,7 @@ STRATA_HD static inline int kv_att_block_parse(const cuda_kv_layout *L, const ui
         if (len != want)
             return 1;
     }
-    if (backbone != 4 || (info->k_sparse && !info->off_k_sparse) || (info->v_sparse && !info->off_v_sparse) ||
+    if (backbone != 0x1eu || (info->k_sparse && !info->off_k_sparse) || (info->v_sparse && !info->off_v_sparse) ||
         (info->rank && (!info->off_k_lowrank || !info->off_v_lowrank)) || (info->n_ott && !info->off_ott))
         return 1;
     /* Indices the lookups compare against: in range, so a match means the element; and in

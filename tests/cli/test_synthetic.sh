@@ -156,7 +156,13 @@ expect 2 "must be 16 to 256 bytes .* it has 257" "$worker" --coordinator 127.0.0
 for sig in TERM HUP; do
   "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" --connect-timeout-ms 60000 2>"$tmp/wait.err" &
   waiting=$!
-  sleep 0.5
+  # Signalled once its handlers are in (SIGHUP's, the last installed, shows in SigCgt's bit 0):
+  # before that the signal's default action would end it without a word.
+  for _ in $(seq 100); do
+    caught=$(awk '/^SigCgt/ {print $2}' "/proc/$waiting/status" 2>/dev/null || true)
+    [[ -n $caught ]] && (( 0x$caught & 1 )) && break
+    sleep 0.1
+  done
   kill -"$sig" "$waiting"
   stopped_at=$SECONDS
   wait "$waiting" && fail "a worker stopped by SIG$sig while connecting exited 0"

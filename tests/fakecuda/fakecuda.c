@@ -147,10 +147,12 @@ void fakecuda_limit_memory(size_t bytes, size_t pinned_bytes)
     pthread_mutex_unlock(&lock);
 }
 
-/* Whether bytes more fit under a limit (0: none) with live bytes allocated. */
-static bool under_limit(size_t live, size_t limit, size_t bytes)
+/* Whether bytes more fit under the device's (pinned: the pinned) limit, 0 meaning none; read
+ * with the lock held, as keep() adds to the count. */
+static bool under_limit(bool pinned_memory, size_t bytes)
 {
     pthread_mutex_lock(&lock);
+    const size_t live = pinned_memory ? live_pinned : live_device, limit = pinned_memory ? limit_pinned : limit_device;
     const bool ok = !limit || (live <= limit && bytes <= limit - live);
     pthread_mutex_unlock(&lock);
     return ok;
@@ -177,7 +179,7 @@ cudaError_t cudaMalloc(void **ptr, size_t bytes)
     if (!ptr)
         return fail(cudaErrorInvalidValue, "cudaMalloc: NULL");
     *ptr = NULL;
-    if (!under_limit(live_device, limit_device, bytes))
+    if (!under_limit(false, bytes))
         return fail(cudaErrorMemoryAllocation, "cudaMalloc: out of memory (the test's limit)");
     void *p = malloc(bytes ? bytes : 1);
     if (!p)
@@ -214,7 +216,7 @@ cudaError_t cudaHostAlloc(void **ptr, size_t bytes, unsigned flags)
         return fail(cudaErrorInvalidValue, "cudaHostAlloc: NULL");
     /* pinned memory comes in whole pages, as the real allocator's does */
     const size_t rounded = (bytes + 4095) / 4096 * 4096 + (bytes ? 0 : 4096);
-    if (!under_limit(live_pinned, limit_pinned, rounded))
+    if (!under_limit(true, rounded))
         return fail(cudaErrorMemoryAllocation, "cudaHostAlloc: out of memory (the test's limit)");
     void *p = aligned_alloc(4096, rounded);
     if (!p)

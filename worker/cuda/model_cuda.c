@@ -1406,7 +1406,9 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
     if (rc != STRATA_OK)
         return rc;
     /* The kernels only ever set the status: a block rejected in an earlier step (or a status a
-     * failed step left) must not fail this one. */
+     * failed step left) must not fail this one. Likewise an error a failed call recorded and no
+     * one took (cuda_fail takes those it reports; a sticky one comes back at once). */
+    (void)cudaGetLastError();
     cudaError_t zeroed = cudaMemsetAsync(cm->d_status, 0, sizeof(int), 0);
     if (zeroed != cudaSuccess)
         return cuda_fail(err, zeroed, "clearing the step's status");

@@ -14,7 +14,7 @@ int cuda_uploads_begin(cuda_uploads *u, strata_error *err)
     /* A step that failed midway may have left copies from the buffer enqueued. */
     if (u->used && (e = cudaStreamSynchronize(0)) != cudaSuccess)
         return cuda_fail(err, e, "waiting for the last step's uploads");
-    if (u->wanted > u->cap) {
+    if (u->wanted > u->cap && u->wanted > u->refused) {   /* a size refused is not asked for every step */
         const size_t cap = u->wanted + u->wanted / 2;   /* room for the tables to grow a while */
         void *p = NULL;
         if ((e = cudaHostAlloc(&p, cap, cudaHostAllocDefault)) == cudaSuccess) {
@@ -26,6 +26,7 @@ int cuda_uploads_begin(cuda_uploads *u, strata_error *err)
              * memlock limit): what does not fit the buffer kept is copied synchronously. */
             (void)cudaGetLastError();
             u->failed_grows++;
+            u->refused = cap;
         }
     }
     u->used = 0;

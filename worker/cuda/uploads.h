@@ -22,6 +22,7 @@ typedef struct cuda_uploads {
     size_t wanted;       /* bytes asked for since the step began, fitting or not */
     size_t sync_copies;  /* uploads that did not fit, since creation */
     size_t failed_grows; /* steps whose larger buffer could not be allocated (the old one kept) */
+    size_t refused;      /* the last size refused: asked again only for a step wanting more */
 } cuda_uploads;
 
 /* A new step: waits for the device if the last step's uploads may still be in flight, grows the
