@@ -265,3 +265,111 @@ int kv_image_read(const kv_geometry *g, const uint8_t *img, size_t len, const kv
         return strata_fail(err, STRATA_EFORMAT, "kv import: %zu bytes after the last layer", body - at);
     return STRATA_OK;
 }
+
+/* ---- prefixes (prefix caching) ---- */
+
+/* What kv_image_prefix keeps of an image while reading it: pointers into the image, no copies. */
+typedef struct prefix_cut {
+    const kv_geometry *g;
+    size_t keep;                  /* blocks per layer */
+    kv_codec_params *codecs;      /* the image's plan */
+    size_t *prompt_end;           /* per layer, cut to the prefix */
+    const uint8_t **block;        /* [l * keep + b] */
+    uint32_t *block_len;
+} prefix_cut;
+
+static int cut_plan(void *ctx, const kv_codec_params *codecs, strata_error *err)
+{
+    prefix_cut *c = ctx;
+    for (int l = 0; l < c->g->n_layers; l++)
+        if (codecs[l].codec == KV_CODEC_OTT)
+            /* OTT's pool state at the cut is not in the image (only the whole sequence's is). */
+            return strata_fail(err, STRATA_EUNSUPPORTED, "kv prefix: layer %d uses OTT, whose pool state cannot be "
+                               "cut to a prefix", l);
+    memcpy(c->codecs, codecs, (size_t)c->g->n_layers * sizeof *codecs);
+    return STRATA_OK;
+}
+
+static int cut_layer(void *ctx, int l, const kv_image_layer *info, const uint8_t *ott_state, strata_error *err)
+{
+    prefix_cut *c = ctx;
+    (void)ott_state;
+    if (info->n_blocks < c->keep)
+        return strata_fail(err, STRATA_EINVAL, "kv prefix: layer %d holds %zu blocks, fewer than the %zu asked for", l,
+                           info->n_blocks, c->keep);
+    const size_t end = c->keep * (size_t)c->g->block_tokens;
+    c->prompt_end[l] = info->prompt_end < end ? info->prompt_end : end;
+    return STRATA_OK;
+}
+
+static int cut_block(void *ctx, int l, size_t b, const kv_block *parsed, strata_error *err)
+{
+    prefix_cut *c = ctx;
+    (void)err;
+    if (b < c->keep) {
+        c->block[(size_t)l * c->keep + b] = parsed->bytes;
+        c->block_len[(size_t)l * c->keep + b] = parsed->block_bytes;
+    }
+    return STRATA_OK;
+}
+
+static int cut_tail(void *ctx, int l, const uint8_t *k, const uint8_t *v, size_t tail_len, strata_error *err)
+{
+    (void)ctx, (void)l, (void)k, (void)v, (void)tail_len, (void)err;
+    return STRATA_OK;
+}
+
+static int cut_src_layer(void *ctx, int l, kv_image_layer *out, strata_error *err)
+{
+    const prefix_cut *c = ctx;
+    (void)err;
+    *out = (kv_image_layer){.n_blocks = c->keep, .tail_len = 0, .prompt_end = c->prompt_end[l], .ott_bytes = 0};
+    return STRATA_OK;
+}
+
+static int cut_src_bytes(void *ctx, int l, size_t b, uint32_t *bytes, strata_error *err)
+{
+    const prefix_cut *c = ctx;
+    (void)err;
+    *bytes = c->block_len[(size_t)l * c->keep + b];
+    return STRATA_OK;
+}
+
+static int cut_src_block(void *ctx, int l, size_t b, uint8_t *dst, strata_error *err)
+{
+    const prefix_cut *c = ctx;
+    (void)err;
+    memcpy(dst, c->block[(size_t)l * c->keep + b], c->block_len[(size_t)l * c->keep + b]);
+    return STRATA_OK;
+}
+
+int kv_image_prefix(const kv_geometry *g, const uint8_t *img, size_t len, size_t n_tokens, uint8_t **out,
+                    size_t *out_len, strata_error *err)
+{
+    *out = NULL;
+    *out_len = 0;
+    if (!g || !img || g->n_layers < 1 || g->block_tokens < 1)
+        return strata_fail(err, STRATA_EINVAL, "kv prefix: NULL argument");
+    if (n_tokens == 0 || n_tokens % (size_t)g->block_tokens)
+        return strata_fail(err, STRATA_EINVAL, "kv prefix: %zu tokens is not a positive multiple of the %d-token block",
+                           n_tokens, g->block_tokens);
+    const size_t L = (size_t)g->n_layers, keep = n_tokens / (size_t)g->block_tokens;
+    prefix_cut c = {.g = g, .keep = keep, .codecs = calloc(L, sizeof *c.codecs),
+                    .prompt_end = calloc(L, sizeof *c.prompt_end),
+                    .block = keep <= SIZE_MAX / L / sizeof *c.block ? calloc(L * keep, sizeof *c.block) : NULL,
+                    .block_len = keep <= SIZE_MAX / L / sizeof *c.block_len ? calloc(L * keep, sizeof *c.block_len) : NULL};
+    int rc = !c.codecs || !c.prompt_end || !c.block || !c.block_len ? strata_fail(err, STRATA_ENOMEM, "kv prefix: out of memory")
+                                                                     : STRATA_OK;
+    const kv_image_sink sink = {.ctx = &c, .plan = cut_plan, .layer = cut_layer, .block = cut_block, .tail = cut_tail};
+    if (rc == STRATA_OK)
+        rc = kv_image_read(g, img, len, &sink, err);
+    const kv_image_source src = {.ctx = &c, .layer = cut_src_layer, .block_bytes = cut_src_bytes, .block = cut_src_block,
+                                 .codecs = c.codecs};
+    if (rc == STRATA_OK)
+        rc = kv_image_write(g, &src, out, out_len, err);
+    free(c.codecs);
+    free(c.prompt_end);
+    free(c.block);
+    free(c.block_len);
+    return rc;
+}

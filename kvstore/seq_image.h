@@ -59,4 +59,14 @@ typedef struct kv_image_sink {
 int kv_image_read(const kv_geometry *g, const uint8_t *img, size_t len, const kv_image_sink *sink,
                   strata_error *err);
 
+/* The image of the first n_tokens tokens of the sequence in img (prefix caching): the first
+ * n_tokens / block_tokens blocks of every layer exactly as stored, no fp16 tail, GEAR's prompt
+ * mark cut to n_tokens. The sequence it makes continues from n_tokens as any other (its next
+ * tokens enter an empty tail). n_tokens must be a positive multiple of block_tokens that every
+ * layer holds in blocks (STRATA_EINVAL otherwise); STRATA_EUNSUPPORTED for a plan with an OTT
+ * layer (the image carries the tracker's state at its end only, not at the cut); what
+ * kv_image_read returns for a bad image. *out is malloc'd. */
+int kv_image_prefix(const kv_geometry *g, const uint8_t *img, size_t len, size_t n_tokens, uint8_t **out,
+                    size_t *out_len, strata_error *err);
+
 #endif

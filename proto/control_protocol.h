@@ -6,7 +6,7 @@
 #ifndef STRATA_PROTO_CONTROL_PROTOCOL_H
 #define STRATA_PROTO_CONTROL_PROTOCOL_H
 
-#define PROTO_CONTROL_PROTOCOL_VERSION 1u
+#define PROTO_CONTROL_PROTOCOL_VERSION 2u   /* 2: prefix caching (PrefixPark, prefix_entry) */
 
 /* The cluster secret's length in bytes (Join.secret; a file's trailing newline is not part of
  * it): the coordinator refuses a Join outside this range, and both programs refuse such a file. */

@@ -534,28 +534,28 @@ static void test_join_refusals(void **state)
     ctl_server *s = start_server(&h, NULL);
     int port = ctl_server_port(s);
 
-    expect_refused(port, "w", "not-the-cluster-secret-at-all-00000", 1, GRPC_STATUS_PERMISSION_DENIED,
+    expect_refused(port, "w", "not-the-cluster-secret-at-all-00000", CTL_PROTOCOL_VERSION, GRPC_STATUS_PERMISSION_DENIED,
                    "wrong cluster secret");
-    expect_refused(port, "w", "short", 1, GRPC_STATUS_PERMISSION_DENIED, "wrong cluster secret");
+    expect_refused(port, "w", "short", CTL_PROTOCOL_VERSION, GRPC_STATUS_PERMISSION_DENIED, "wrong cluster secret");
     /* A prefix of the secret is not the secret. */
     char prefix[SECRET_LEN];
     memcpy(prefix, SECRET, SECRET_LEN - 1);
     prefix[SECRET_LEN - 1] = 0;
-    expect_refused(port, "w", prefix, 1, GRPC_STATUS_PERMISSION_DENIED, "wrong cluster secret");
+    expect_refused(port, "w", prefix, CTL_PROTOCOL_VERSION, GRPC_STATUS_PERMISSION_DENIED, "wrong cluster secret");
     /* The secret is checked before the version: a stranger learns nothing about the build. */
     expect_refused(port, "w", "wrong-secret-and-wrong-version-0000", 7, GRPC_STATUS_PERMISSION_DENIED,
                    "wrong cluster secret");
-    expect_refused(port, "w", SECRET, 2, GRPC_STATUS_FAILED_PRECONDITION,
-                   "control protocol version mismatch: worker speaks 2, coordinator speaks 1");
-    expect_refused(port, "", SECRET, 1, GRPC_STATUS_INVALID_ARGUMENT, "Join.worker_name must be");
-    expect_refused(port, "bad\nname", SECRET, 1, GRPC_STATUS_INVALID_ARGUMENT, "Join.worker_name must be");
+    expect_refused(port, "w", SECRET, CTL_PROTOCOL_VERSION + 1, GRPC_STATUS_FAILED_PRECONDITION,
+                   "control protocol version mismatch: worker speaks 3, coordinator speaks 2");
+    expect_refused(port, "", SECRET, CTL_PROTOCOL_VERSION, GRPC_STATUS_INVALID_ARGUMENT, "Join.worker_name must be");
+    expect_refused(port, "bad\nname", SECRET, CTL_PROTOCOL_VERSION, GRPC_STATUS_INVALID_ARGUMENT, "Join.worker_name must be");
     /* A first message above CTL_MAX_JOIN_BYTES is not decoded: a stranger's 64 MiB costs nothing
      * beyond gRPC's own buffer. */
     char *huge = malloc(CTL_MAX_JOIN_BYTES + 1);
     assert_non_null(huge);
     memset(huge, 'n', CTL_MAX_JOIN_BYTES);
     huge[CTL_MAX_JOIN_BYTES] = 0;
-    expect_refused(port, huge, "not-the-cluster-secret-at-all-00000", 1, GRPC_STATUS_RESOURCE_EXHAUSTED,
+    expect_refused(port, huge, "not-the-cluster-secret-at-all-00000", CTL_PROTOCOL_VERSION, GRPC_STATUS_RESOURCE_EXHAUSTED,
                    "undecodable WorkerMessage: strata.internal.v1.WorkerMessage: message of 65613 bytes is above "
                    "the limit of 65536");
     free(huge);
@@ -577,7 +577,7 @@ static void test_join_refusals(void **state)
     pthread_mutex_lock(&h.mu);
     h.join_rc = STRATA_EFULL;
     pthread_mutex_unlock(&h.mu);
-    expect_refused(port, "late", SECRET, 1, GRPC_STATUS_RESOURCE_EXHAUSTED, "no free worker slot for late");
+    expect_refused(port, "late", SECRET, CTL_PROTOCOL_VERSION, GRPC_STATUS_RESOURCE_EXHAUSTED, "no free worker slot for late");
     pthread_mutex_lock(&h.mu);
     assert_int_equal(h.joins, 1);
     assert_int_equal(h.refused, 8);   /* on_join's own refusal is not reported back to it */
@@ -613,10 +613,10 @@ static void test_join_refusals(void **state)
     /* A protocol error after the Join (a second Join) ends a joined stream: on_gone once. */
     ctl_client *c;
     strata_error err = {0};
-    assert_int_equal(connect_worker(port, "twice", SECRET, 1, &c, &err), STRATA_OK);
+    assert_int_equal(connect_worker(port, "twice", SECRET, CTL_PROTOCOL_VERSION, &c, &err), STRATA_OK);
     Strata__Internal__V1__CoordinatorMessage *m = recv_one(c);
     protobuf_c_message_free_unpacked(&m->base, NULL);
-    Strata__Internal__V1__Join j = make_join("twice", SECRET, 1);
+    Strata__Internal__V1__Join j = make_join("twice", SECRET, CTL_PROTOCOL_VERSION);
     Strata__Internal__V1__WorkerMessage jm = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
     jm.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_JOIN;
     jm.join = &j;
@@ -715,7 +715,7 @@ static void test_order_two_peers(void **state)
     cctx cc[2];
     memset(cc, 0, sizeof cc);
     for (int i = 0; i < 2; i++) {
-        assert_int_equal(connect_worker(ctl_server_port(s), names[i], SECRET, 1, &c[i], &err), STRATA_OK);
+        assert_int_equal(connect_worker(ctl_server_port(s), names[i], SECRET, CTL_PROTOCOL_VERSION, &c[i], &err), STRATA_OK);
         Strata__Internal__V1__CoordinatorMessage *m = recv_one(c[i]);
         assert_int_equal(m->kind_case, STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ASSIGNMENT);
         protobuf_c_message_free_unpacked(&m->base, NULL);
@@ -770,7 +770,7 @@ static void test_big_messages(void **state)
     ctl_server *s = start_server(&h, &cfg);
     ctl_client *c;
     strata_error err = {0};
-    assert_int_equal(connect_worker(ctl_server_port(s), "big", SECRET, 1, &c, &err), STRATA_OK);
+    assert_int_equal(connect_worker(ctl_server_port(s), "big", SECRET, CTL_PROTOCOL_VERSION, &c, &err), STRATA_OK);
     Strata__Internal__V1__CoordinatorMessage *m = recv_one(c);
     protobuf_c_message_free_unpacked(&m->base, NULL);
     pthread_mutex_lock(&h.mu);
@@ -903,7 +903,7 @@ static void test_big_messages(void **state)
 
 static int child_main(const char *addr, const char *mode)
 {
-    Strata__Internal__V1__Join j = make_join(mode, SECRET, 1);
+    Strata__Internal__V1__Join j = make_join(mode, SECRET, CTL_PROTOCOL_VERSION);
     ctl_client *c;
     strata_error err = {0};
     if (ctl_client_connect(addr, &j, 5000, &c, &err)) {
@@ -1043,7 +1043,7 @@ static void check_coordinator_lost(bool hang)
     pid_t pid = spawn_coordinator(&port);
     char addr[64];
     snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
-    Strata__Internal__V1__Join j = make_join("orphan", SECRET, 1);
+    Strata__Internal__V1__Join j = make_join("orphan", SECRET, CTL_PROTOCOL_VERSION);
     ctl_client_options co = {.keepalive_time_ms = 500, .keepalive_timeout_ms = 1000};
     ctl_client *c;
     strata_error err = {0};
@@ -1095,7 +1095,7 @@ static void test_server_shutdown(void **state)
     strata_error err = {0};
     const char *names[3] = {"s0", "s1", "s2"};
     for (int i = 0; i < 3; i++) {
-        assert_int_equal(connect_worker(ctl_server_port(s), names[i], SECRET, 1, &c[i], &err), STRATA_OK);
+        assert_int_equal(connect_worker(ctl_server_port(s), names[i], SECRET, CTL_PROTOCOL_VERSION, &c[i], &err), STRATA_OK);
         Strata__Internal__V1__CoordinatorMessage *m = recv_one(c[i]);
         protobuf_c_message_free_unpacked(&m->base, NULL);
     }
@@ -1153,7 +1153,7 @@ static void test_peer_close_and_send_after_gone(void **state)
     strata_error err = {0};
 
     /* ctl_peer_close from a coordinator thread: the worker sees the status and message. */
-    assert_int_equal(connect_worker(port, "closed", SECRET, 1, &c, &err), STRATA_OK);
+    assert_int_equal(connect_worker(port, "closed", SECRET, CTL_PROTOCOL_VERSION, &c, &err), STRATA_OK);
     Strata__Internal__V1__CoordinatorMessage *m = recv_one(c);
     protobuf_c_message_free_unpacked(&m->base, NULL);
     pthread_mutex_lock(&h.mu);
@@ -1177,7 +1177,7 @@ static void test_peer_close_and_send_after_gone(void **state)
     ctl_client_close(c);
 
     /* ctl_peer_close from inside on_message. */
-    assert_int_equal(connect_worker(port, "self", SECRET, 1, &c, &err), STRATA_OK);
+    assert_int_equal(connect_worker(port, "self", SECRET, CTL_PROTOCOL_VERSION, &c, &err), STRATA_OK);
     m = recv_one(c);
     protobuf_c_message_free_unpacked(&m->base, NULL);
     assert_int_equal(send_kv_report(c, 999), STRATA_OK);
@@ -1193,7 +1193,7 @@ static void test_peer_close_and_send_after_gone(void **state)
     ctl_client_close(c);
 
     /* A worker that closes while the coordinator is sending: sends end with EIO, on_gone once. */
-    assert_int_equal(connect_worker(port, "quits", SECRET, 1, &c, &err), STRATA_OK);
+    assert_int_equal(connect_worker(port, "quits", SECRET, CTL_PROTOCOL_VERSION, &c, &err), STRATA_OK);
     pthread_mutex_lock(&h.mu);
     assert_true(WAIT_UNTIL(&h, rec_by_name(&h, "quits") != NULL, 5000));
     r = rec_by_name(&h, "quits");
@@ -1221,7 +1221,7 @@ static void test_queue_full(void **state)
     ctl_server *s = start_server(&h, &cfg);
     ctl_client *c;
     strata_error err = {0};
-    assert_int_equal(connect_worker(ctl_server_port(s), "slow", SECRET, 1, &c, &err), STRATA_OK);
+    assert_int_equal(connect_worker(ctl_server_port(s), "slow", SECRET, CTL_PROTOCOL_VERSION, &c, &err), STRATA_OK);
     pthread_mutex_lock(&h.mu);
     assert_true(WAIT_UNTIL(&h, rec_by_name(&h, "slow") != NULL, 5000));
     peer_rec *r = rec_by_name(&h, "slow");
@@ -1293,7 +1293,7 @@ static void test_client_close_while_blocked(void **state)
     ctl_server *s = start_server(&h, NULL);
     ctl_client *c;
     strata_error err = {0};
-    assert_int_equal(connect_worker(ctl_server_port(s), "blocked", SECRET, 1, &c, &err), STRATA_OK);
+    assert_int_equal(connect_worker(ctl_server_port(s), "blocked", SECRET, CTL_PROTOCOL_VERSION, &c, &err), STRATA_OK);
     blocked b = {.c = c};
     pthread_t t;
     assert_int_equal(pthread_create(&t, NULL, blocked_recv, &b), 0);
@@ -1364,7 +1364,7 @@ static void test_start_errors(void **state)
 
     /* The client: nobody listening (the port of the server just stopped), NULL arguments. */
     ctl_client *c = (ctl_client *)1;
-    Strata__Internal__V1__Join j = make_join("x", SECRET, 1);
+    Strata__Internal__V1__Join j = make_join("x", SECRET, CTL_PROTOCOL_VERSION);
     int64_t t0 = now_ms();
     assert_int_equal(ctl_client_connect(addr, &j, 300, &c, &err), STRATA_EIO);
     assert_null(c);

@@ -1,6 +1,8 @@
 /* Migration images (kv_seq_export / kv_seq_import): for every codec, a sequence rebuilt in
  * another pool holds the same block bytes and the same fp16 tail, and stays equal when both are continued with the same rows (OTT's pool state travels
- * too); damaged, truncated or mismatched images are refused. */
+ * too); damaged, truncated or mismatched images are refused. Prefix images (kv_image_prefix,
+ * prefix caching): a sequence started from a prefix and fed the rest of the same rows ends up
+ * block for block and tail for tail the sequence that was fed all of them. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -15,6 +17,7 @@
 #include "kvstore/crc32c.h"
 #include "kvstore/kv_cache.h"
 #include "kvstore/plan.h"
+#include "kvstore/seq_image.h"
 #include "kv_seq_same.h"
 #include "test_rng.h"
 
@@ -214,12 +217,129 @@ static void test_full_pool(void **state)
     kv_pool_destroy(small);
 }
 
+/* Appends rows [from, from + n) of k and v (rows of all heads) to every layer, as one call or
+ * token by token. */
+static void feed_rows(kv_seq *s, const float *k, const float *v, size_t from, size_t n, bool prompt)
+{
+    const size_t row = (size_t)HEADS * DIM;
+    strata_error err = {0};
+    for (int l = 0; l < LAYERS; l++)
+        for (size_t t = 0; t < n; t += prompt ? n : 1)
+            if (kv_seq_append(s, l, k + (from + t) * row, v + (from + t) * row, prompt ? n : 1, &err) != STRATA_OK)
+                fail_msg("append at %zu: %s", from + t, err.msg);
+}
+
+/* A sequence cut to a prefix and continued with the rest of the same rows holds exactly what the
+ * whole sequence holds: the prefix's blocks are the stored bytes, and the blocks made after the
+ * cut are the ones the uncut sequence made from the same rows. */
+static void prefix_continues(const char *spec)
+{
+    kv_codec_params plan[LAYERS];
+    strata_error err = {0};
+    assert_int_equal(kv_plan_parse(spec, LAYERS, plan, &err), STRATA_OK);
+    kv_pool *pa = kv_pool_create_plan(&geom, plan, 16, &err), *pb = kv_pool_create_plan(&geom, plan, 16, &err);
+    assert_non_null(pa);
+    assert_non_null(pb);
+    enum { PROMPT = 400, DECODE = 60, CUT = 3 * BT };
+    float *k = rows(PROMPT + DECODE, 21), *v = rows(PROMPT + DECODE, 22);
+    kv_seq *a = kv_seq_create(pa, 1024, &err);
+    assert_non_null(a);
+    feed_rows(a, k, v, 0, PROMPT, true);
+    feed_rows(a, k, v, PROMPT, DECODE, false);
+    uint8_t *img = NULL, *cut = NULL;
+    size_t len = 0, cut_len = 0;
+    assert_int_equal(kv_seq_export(a, &img, &len, &err), STRATA_OK);
+    if (kv_image_prefix(&geom, img, len, CUT, &cut, &cut_len, &err) != STRATA_OK)
+        fail_msg("%s: %s", spec, err.msg);
+    assert_true(cut_len < len);
+    kv_seq *b = kv_seq_import(pb, 1024, cut, cut_len, &err);
+    if (!b)
+        fail_msg("%s: %s", spec, err.msg);
+    assert_int_equal(kv_seq_length(b, 0), CUT);
+    for (int l = 0; l < LAYERS; l++) {
+        kv_layer_view va, vb;
+        kv_seq_layer_view(a, l, &va);
+        kv_seq_layer_view(b, l, &vb);
+        assert_int_equal(vb.n_blocks, CUT / BT);
+        assert_int_equal(vb.tail_tokens, 0);
+        for (size_t i = 0; i < vb.n_blocks; i++) {
+            kv_block blk;
+            assert_int_equal(kv_block_parse(va.blocks[i], va.block_bytes, &blk, &err), STRATA_OK);
+            assert_memory_equal(va.blocks[i], vb.blocks[i], blk.block_bytes);
+        }
+    }
+    /* The rest of the prompt as one chunk, then the same decode tokens. */
+    feed_rows(b, k, v, CUT, PROMPT - CUT, true);
+    feed_rows(b, k, v, PROMPT, DECODE, false);
+    assert_seqs_same(a, b);
+    kv_seq_destroy(a);
+    kv_seq_destroy(b);
+    free(img);
+    free(cut);
+    free(k);
+    free(v);
+    kv_pool_destroy(pa);
+    kv_pool_destroy(pb);
+}
+
+static void test_prefix_images(void **state)
+{
+    (void)state;
+    const char *specs[] = {"fp16", "kivi2", "kivi4", "gear2", "gearl2", "tada2", "0:tada4,1-2:kivi2"};
+    for (size_t i = 0; i < sizeof specs / sizeof specs[0]; i++)
+        prefix_continues(specs[i]);
+}
+
+/* What a prefix cannot be: not whole blocks, more blocks than a layer holds, an OTT layer's (its
+ * pool state at the cut is unknown), from a damaged image. */
+static void test_prefix_refusals(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    kv_codec_params plan[LAYERS];
+    assert_int_equal(kv_plan_parse("kivi2", LAYERS, plan, &err), STRATA_OK);
+    kv_pool *pool = kv_pool_create_plan(&geom, plan, 16, &err);
+    kv_seq *s = kv_seq_create(pool, 1024, &err);
+    feed(s, 400, true, 31);   /* 4 blocks per layer and a 144-token tail */
+    uint8_t *img = NULL, *cut = NULL;
+    size_t len = 0, cut_len = 0;
+    assert_int_equal(kv_seq_export(s, &img, &len, &err), STRATA_OK);
+    assert_int_equal(kv_image_prefix(&geom, img, len, 0, &cut, &cut_len, &err), STRATA_EINVAL);
+    assert_int_equal(kv_image_prefix(&geom, img, len, BT + 1, &cut, &cut_len, &err), STRATA_EINVAL);
+    assert_int_equal(kv_image_prefix(&geom, img, len, 5 * BT, &cut, &cut_len, &err), STRATA_EINVAL);
+    assert_non_null(strstr(err.msg, "holds 4 blocks"));
+    assert_null(cut);
+    assert_int_equal(kv_image_prefix(&geom, img, len, 4 * BT, &cut, &cut_len, &err), STRATA_OK);
+    free(cut);
+    cut = NULL;
+    img[len / 2] ^= 0x04;
+    assert_int_equal(kv_image_prefix(&geom, img, len, BT, &cut, &cut_len, &err), STRATA_ECRC);
+    assert_null(cut);
+    free(img);
+    kv_seq_destroy(s);
+    kv_pool_destroy(pool);
+
+    assert_int_equal(kv_plan_parse("ott2", LAYERS, plan, &err), STRATA_OK);
+    pool = kv_pool_create_plan(&geom, plan, 16, &err);
+    s = kv_seq_create(pool, 1024, &err);
+    feed(s, 400, true, 32);
+    assert_int_equal(kv_seq_export(s, &img, &len, &err), STRATA_OK);
+    assert_int_equal(kv_image_prefix(&geom, img, len, BT, &cut, &cut_len, &err), STRATA_EUNSUPPORTED);
+    assert_non_null(strstr(err.msg, "OTT"));
+    assert_null(cut);
+    free(img);
+    kv_seq_destroy(s);
+    kv_pool_destroy(pool);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_codecs),
         cmocka_unit_test(test_ott_pool_travels),
         cmocka_unit_test(test_full_pool),
+        cmocka_unit_test(test_prefix_images),
+        cmocka_unit_test(test_prefix_refusals),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -372,6 +372,10 @@ static void test_roundtrip_public(void **state)
     st.tokens_generated = UINT64_MAX - 1;
     st.spill_failures = 3;
     st.restore_failures = 2;
+    st.prefix_cache_entries = 4;
+    st.prefix_cache_bytes = (uint64_t)3 << 30;
+    st.prefix_cache_hits = 9;
+    st.prefix_cache_hit_tokens = 1u << 21;
     check_roundtrip(&st.base);
 }
 
@@ -392,7 +396,10 @@ static void fill_join(Strata__Internal__V1__Join *j)
 }
 
 static uint32_t plan_tokens0[] = {1, 2, 3}, plan_tokens1[] = {5};
-static uint64_t plan_free[] = {3}, plan_preempt[] = {4, 5}, plan_resume[] = {6};
+static uint64_t plan_free[] = {3}, plan_preempt[] = {4, 5}, plan_resume[] = {6}, plan_drop[] = {2, 1};
+static Strata__Internal__V1__PrefixPark plan_park = {PROTOBUF_C_MESSAGE_INIT(&strata__internal__v1__prefix_park__descriptor),
+                                                     .seq_id = 3, .n_tokens = 128};
+static Strata__Internal__V1__PrefixPark *plan_parks[] = {&plan_park};
 
 /* The interop step plan (tests/proto/interop.py builds the same one). */
 static void fill_step_plan(Strata__Internal__V1__StepPlan *p, Strata__Internal__V1__SeqWork *w0,
@@ -412,6 +419,7 @@ static void fill_step_plan(Strata__Internal__V1__StepPlan *p, Strata__Internal__
     w0->seed = 99;
     w0->sample = 1;
     w0->kv_plan = "kivi2";
+    w0->prefix_entry = 3;
     w1->seq_id = 8;
     w1->n_tokens = 1;
     w1->tokens = plan_tokens1;
@@ -427,6 +435,10 @@ static void fill_step_plan(Strata__Internal__V1__StepPlan *p, Strata__Internal__
     p->preempt_seqs = plan_preempt;
     p->n_resume_seqs = 1;
     p->resume_seqs = plan_resume;
+    p->n_park_prefixes = 1;
+    p->park_prefixes = plan_parks;
+    p->n_drop_prefixes = 2;
+    p->drop_prefixes = plan_drop;
 }
 
 static void test_roundtrip_internal(void **state)
@@ -571,6 +583,7 @@ static void test_roundtrip_covered_every_message(void **state)
         &strata__internal__v1__assignment__descriptor,
         &strata__internal__v1__step_plan__descriptor,
         &strata__internal__v1__seq_work__descriptor,
+        &strata__internal__v1__prefix_park__descriptor,
         &strata__internal__v1__migrate__descriptor,
         &strata__internal__v1__shutdown__descriptor,
     };

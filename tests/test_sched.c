@@ -641,6 +641,81 @@ static void test_chunked_prefill(void **state)
     sched_destroy(s);
 }
 
+/* A prompt with a cached prefix (sched_submit_prefix) goes to the replica holding it even when
+ * another has more room, and its first work starts after the prefix; where that replica has no
+ * room, or the prefix is dropped or left behind by a move, it starts at 0 like any prompt. */
+static void test_cached_prefix(void **state)
+{
+    (void)state;
+    scheduler *s = make(16, 256, 4, 2, 20, 20);
+    strata_error err = {0};
+    int r;
+    assert_int_equal(sched_submit(s, 1, 100, 100, &r, &err), STRATA_OK);   /* 13 blocks on replica 0 */
+    assert_int_equal(r, 0);
+    assert_int_equal(sched_submit_prefix(s, 2, 50, 10, 0, 32, &r, &err), STRATA_OK);   /* 4 blocks: 0 has 7 */
+    assert_int_equal(r, 0);
+    sched_plan p;
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_work, 2);
+    assert_int_equal(p.work[1].id, 2);
+    assert_int_equal(p.work[1].pos0, 32);
+    assert_int_equal(p.work[1].n_tokens, 18);
+    assert_true(p.work[1].sample);
+    sched_outcome o[2] = {{1, false}, {2, false}};
+    assert_int_equal(sched_step_done(s, 0, p.step, o, 2, &err), STRATA_OK);
+    run_step(s, 0, &p);
+    assert_int_equal(p.work[0].pos0, 100);   /* request 1 decodes */
+    assert_int_equal(p.work[1].pos0, 50);    /* request 2 too, past its whole prompt */
+    assert_int_equal(p.work[1].n_tokens, 1);
+    /* Replica 0 has 3 blocks left: a request needing 4 goes to replica 1, from position 0. */
+    assert_int_equal(sched_submit_prefix(s, 3, 40, 20, 0, 16, &r, &err), STRATA_OK);
+    assert_int_equal(r, 1);
+    assert_int_equal(sched_next_step(s, 1, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_work, 1);
+    assert_int_equal(p.work[0].pos0, 0);
+    assert_int_equal(p.work[0].n_tokens, 40);
+    /* A dropped prefix: from 0. */
+    assert_int_equal(sched_submit_prefix(s, 4, 40, 8, 0, 32, &r, &err), STRATA_OK);
+    assert_int_equal(r, 0);
+    assert_true(sched_drop_prefix(s, 4));
+    assert_false(sched_drop_prefix(s, 4));
+    assert_false(sched_drop_prefix(s, 1));   /* running: nothing to drop */
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_work, 3);
+    assert_int_equal(p.work[2].id, 4);
+    assert_int_equal(p.work[2].pos0, 0);
+    sched_destroy(s);
+
+    /* A waiting request moved to the other replica leaves its prefix behind. */
+    s = make(16, 64, 4, 2, 20, 20);
+    assert_int_equal(sched_submit_prefix(s, 5, 40, 8, 1, 32, &r, &err), STRATA_OK);
+    assert_int_equal(r, 1);
+    assert_int_equal(sched_move(s, 5, 0, &err), STRATA_OK);
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    assert_int_equal(p.work[0].pos0, 0);
+    /* A request waiting for room goes to its prefix's replica once that one has room. */
+    assert_int_equal(sched_submit(s, 6, 300, 10, &r, &err), STRATA_OK);   /* 20 blocks: all of replica 1 */
+    assert_int_equal(r, 1);
+    assert_int_equal(sched_submit_prefix(s, 7, 40, 8, 1, 32, &r, &err), STRATA_OK);
+    assert_int_equal(r, 0);   /* replica 1 is full now: replica 0, without the prefix */
+    assert_int_equal(sched_submit(s, 8, 200, 10, &r, &err), STRATA_OK);   /* 14 blocks: fills replica 0 */
+    assert_int_equal(sched_submit_prefix(s, 9, 40, 8, 1, 32, &r, &err), STRATA_OK);
+    assert_int_equal(r, -1);   /* neither has room: it waits */
+    assert_true(sched_finish(s, 6));
+    assert_int_equal(sched_get_replica(s, 9), 1);
+    assert_int_equal(sched_next_step(s, 1, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_work, 1);
+    assert_int_equal(p.work[0].id, 9);
+    assert_int_equal(p.work[0].pos0, 32);
+    assert_int_equal(p.work[0].n_tokens, 8);
+    /* Bad prefixes. */
+    assert_int_equal(sched_submit_prefix(s, 10, 40, 8, 1, 40, &r, &err), STRATA_EINVAL);   /* the whole prompt */
+    assert_int_equal(sched_submit_prefix(s, 10, 40, 8, 1, 20, &r, &err), STRATA_EINVAL);   /* not whole blocks */
+    assert_int_equal(sched_submit_prefix(s, 10, 40, 8, 2, 16, &r, &err), STRATA_EINVAL);   /* no replica 2 */
+    assert_int_equal(sched_submit_prefix(s, 10, 40, 8, -1, 16, &r, &err), STRATA_EINVAL);
+    sched_destroy(s);
+}
+
 /* A replica whose workers are gone takes no requests; its outstanding step and frees are dropped
  * and it can come back. */
 /* Two prompts prefilled in chunks side by side, two steps out at a time, on a device that holds
@@ -748,6 +823,7 @@ int main(void)
         cmocka_unit_test(test_prefills_never_wedge),
         cmocka_unit_test(test_availability),
         cmocka_unit_test(test_chunked_prefill),
+        cmocka_unit_test(test_cached_prefix),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -671,6 +671,131 @@ static void test_migrate(void **state)
     nftw(base, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
 }
 
+/* Prefix caching on a stage: a finished sequence's first 128 tokens are parked; a new sequence
+ * whose prompt shares them starts as a copy (SeqWork.prefix_entry, pos0 128) and prefills only
+ * the rest. With the fp16 codec (no tail: every full block is stored as computed) its greedy
+ * tokens equal the whole prompt run alone through model_forward. A copy of an entry that was
+ * dropped, never parked, or whose park failed (an OTT plan; a sequence not there) fails that
+ * sequence alone, with the reason, while the others run. */
+static void test_prefix_entries(void **state)
+{
+    (void)state;
+    const char *kv = "fp16";
+    enum { SHARED = 128 };
+    seq_spec donor = {.id = 1, .n_prompt = 150, .join_step = 1}, user = {.id = 2, .n_prompt = 140, .join_step = 1};
+    for (size_t k = 0; k < 150; k++)
+        donor.prompt[k] = (int32_t)(3 + (k * 7919) % 40000);
+    memcpy(user.prompt, donor.prompt, SHARED * sizeof *user.prompt);
+    for (size_t k = SHARED; k < user.n_prompt; k++)
+        user.prompt[k] = (int32_t)(11 + (k * 104729) % 40000);
+    reference(&user, STEPS, kv);
+    Strata__Internal__V1__Assignment a = assignment(full, kv), ott = assignment(full, "ott2");
+    strata_error err = {0};
+    stage *st = stage_create(&a, full, NULL, NULL, NULL, &err), *st_ott = stage_create(&ott, full, NULL, NULL, NULL, &err);
+    assert_true(st && st_ott);
+    plan_buf b;
+    stage_result r;
+    for (int step = 1; step <= 3; step++) {   /* the donor: its prompt and two tokens */
+        build_plan(&b, (uint64_t)step, &donor, 1, step, 3);
+        assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
+        apply(&r, &donor, 1, &b);
+        assert_int_equal(stage_step(st_ott, &b.plan, &r, &err), STRATA_OK);
+    }
+    /* It finishes: parked (entry 1) and freed in one plan; also a park of a sequence not there. */
+    Strata__Internal__V1__PrefixPark park[2], *parkp[2] = {&park[0], &park[1]};
+    for (int i = 0; i < 2; i++)
+        strata__internal__v1__prefix_park__init(&park[i]);
+    park[0].seq_id = 1;
+    park[0].n_tokens = SHARED;
+    park[1].seq_id = 77;
+    park[1].n_tokens = SHARED;
+    build_plan(&b, 4, &donor, 1, 4, 0);
+    b.plan.park_prefixes = parkp;
+    b.plan.n_park_prefixes = 2;
+    b.freed[b.plan.n_free_seqs++] = 1;
+    assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
+    assert_int_equal(stage_step(st_ott, &b.plan, &r, &err), STRATA_OK);
+    stage_kv_usage u;
+    stage_get_kv_usage(st, &u);
+    assert_int_equal(u.sequences, 0);
+    assert_int_equal(u.prefix_entries, 2);   /* entry 77 only says why it failed */
+    assert_true(u.prefix_bytes > 0);
+    /* The user's prompt from the entry: its first chunk is the 12 tokens after the prefix. */
+    for (int step = 5; step < 5 + STEPS; step++) {
+        build_plan(&b, (uint64_t)step, &user, 1, step, STEPS);   /* step 5: the whole prompt, cut below */
+        if (step == 5) {
+            b.work[0].pos0 = SHARED;
+            b.work[0].n_tokens = user.n_prompt - SHARED;
+            for (size_t k = 0; k < b.work[0].n_tokens; k++)
+                b.tokens[0][k] = (uint32_t)user.prompt[SHARED + k];
+            b.work[0].prefix_entry = 1;
+        }
+        assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
+        apply(&r, &user, 1, &b);
+        if (step == 5)
+            user.len = user.n_prompt;
+    }
+    for (int k = 0; k < STEPS; k++)
+        if (user.got[k] != user.want[k])
+            fail_msg("token %d: %d from the prefix entry, %d from the whole prompt", k, user.got[k], user.want[k]);
+
+    /* Copies that cannot be made fail alone: entry 77 (its park failed), an entry never parked,
+     * and entry 1 on the OTT stage (its park was refused); sequence 30 starts normally beside. */
+    static const struct { uint64_t seq, entry; const char *why; } bad[] = {
+        {20, 77, "not on this stage"}, {21, 5, "prefix entry 5 is not on this stage"}};
+    for (size_t i = 0; i < 2; i++) {
+        seq_spec q = {.id = bad[i].seq, .n_prompt = 140, .join_step = 1};
+        seq_spec fresh = {.id = 30 + i, .n_prompt = 20, .join_step = 1};
+        memcpy(q.prompt, user.prompt, sizeof q.prompt);
+        memcpy(fresh.prompt, user.prompt, 20 * sizeof *fresh.prompt);
+        seq_spec both[2] = {q, fresh};
+        build_plan(&b, 100 + i, both, 2, 1, 1);
+        b.work[0].pos0 = SHARED;
+        b.work[0].n_tokens = 12;
+        b.work[0].prefix_entry = bad[i].entry;
+        assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
+        assert_int_equal(r.n_seqs, 2);
+        for (size_t k = 0; k < 2; k++)
+            if (r.seqs[k].seq_id == bad[i].seq) {
+                assert_int_not_equal(r.seqs[k].status, STRATA_OK);
+                if (!strstr(r.seqs[k].message, bad[i].why))
+                    fail_msg("%s", r.seqs[k].message);
+            } else {
+                assert_int_equal(r.seqs[k].status, STRATA_OK);
+                assert_true(r.seqs[k].sampled);
+            }
+    }
+    seq_spec late = {.id = 40, .n_prompt = 140, .join_step = 1};
+    memcpy(late.prompt, user.prompt, sizeof late.prompt);
+    build_plan(&b, 200, &late, 1, 1, 1);
+    b.work[0].pos0 = SHARED;
+    b.work[0].n_tokens = 12;
+    b.work[0].prefix_entry = 1;
+    assert_int_equal(stage_step(st_ott, &b.plan, &r, &err), STRATA_OK);
+    assert_int_equal(r.n_seqs, 1);
+    if (!strstr(r.seqs[0].message, "OTT"))
+        fail_msg("%s", r.seqs[0].message);
+    /* Dropped: gone, its bytes returned; a copy of it now fails. */
+    uint64_t drop[2] = {1, 77};
+    build_plan(&b, 201, &user, 1, 1, 0);
+    b.plan.drop_prefixes = drop;
+    b.plan.n_drop_prefixes = 2;
+    assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
+    stage_get_kv_usage(st, &u);
+    assert_int_equal(u.prefix_entries, 0);
+    assert_int_equal(u.prefix_bytes, 0);
+    late.id = 41;
+    build_plan(&b, 202, &late, 1, 1, 1);
+    b.work[0].pos0 = SHARED;
+    b.work[0].n_tokens = 12;
+    b.work[0].prefix_entry = 1;
+    assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
+    assert_int_equal(r.n_seqs, 1);
+    assert_int_not_equal(r.seqs[0].status, STRATA_OK);
+    stage_destroy(st);
+    stage_destroy(st_ott);
+}
+
 static int setup(void **state)
 {
     (void)state;
@@ -714,6 +839,7 @@ int main(void)
         cmocka_unit_test(test_gpu_stage),
         cmocka_unit_test(test_one_stage_tiers_preempt),
         cmocka_unit_test(test_migrate),
+        cmocka_unit_test(test_prefix_entries),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }

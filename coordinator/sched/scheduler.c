@@ -18,6 +18,8 @@ typedef struct request {
     uint64_t in_step;      /* the outstanding step of its replica it is part of; 0: none */
     size_t step_tokens;
     bool step_sample;      /* that step samples a token for it (decode, or the last prompt chunk) */
+    int prefer;            /* the replica holding its cached prefix (-1: none) */
+    size_t cached;         /* prompt tokens that prefix covers: its prefill starts there on `prefer` */
 } request;
 
 typedef struct replica {
@@ -169,8 +171,17 @@ static int best_replica(const scheduler *s, size_t need)
     return best;
 }
 
+/* Whether replica r can take a request of `need` block rows now. */
+static bool replica_takes(const scheduler *s, int r, size_t need)
+{
+    const replica *p = r >= 0 && r < s->cfg.n_replicas ? &s->reps[r] : NULL;
+    return p && !p->unavailable && !p->not_accepting && need <= p->cfg.total_blocks - p->reserved;
+}
+
 /* Routes unrouted requests, oldest first, while some replica has room (FIFO: a request that
- * does not fit anywhere yet holds back the ones behind it). */
+ * does not fit anywhere yet holds back the ones behind it). A request with a cached prefix goes
+ * to the replica holding it when that one has room, else where the others would go, without
+ * its prefix. */
 static void route_pending(scheduler *s)
 {
     for (;;) {
@@ -181,9 +192,11 @@ static void route_pending(scheduler *s)
         if (!oldest)
             return;
         size_t need = blocks_for(s, oldest->prompt + oldest->max_tokens);
-        int r = best_replica(s, need);
+        int r = replica_takes(s, oldest->prefer, need) ? oldest->prefer : best_replica(s, need);
         if (r < 0)
             return;
+        if (r != oldest->prefer)
+            oldest->cached = 0;
         oldest->replica = r;
         oldest->reserved = need;
         s->reps[r].reserved += need;
@@ -193,8 +206,18 @@ static void route_pending(scheduler *s)
 int sched_submit(scheduler *s, uint64_t id, size_t prompt_tokens, size_t max_tokens, int *replica_out,
                  strata_error *err)
 {
+    return sched_submit_prefix(s, id, prompt_tokens, max_tokens, -1, 0, replica_out, err);
+}
+
+int sched_submit_prefix(scheduler *s, uint64_t id, size_t prompt_tokens, size_t max_tokens, int prefer, size_t cached,
+                        int *replica_out, strata_error *err)
+{
     if (!s || prompt_tokens == 0 || max_tokens == 0)
         return strata_fail(err, STRATA_EINVAL, "scheduler: a request needs at least one prompt token and max_tokens >= 1");
+    if (cached && (prefer < 0 || prefer >= s->cfg.n_replicas || cached >= prompt_tokens ||
+                   cached % s->cfg.block_tokens))
+        return strata_fail(err, STRATA_EINVAL, "scheduler: a cached prefix of %zu tokens on replica %d does not fit a "
+                           "%zu-token prompt in %zu-token blocks", cached, prefer, prompt_tokens, s->cfg.block_tokens);
     if (find(s, id))
         return strata_fail(err, STRATA_EINVAL, "scheduler: request %" PRIu64 " already exists", id);
     size_t need = blocks_for(s, prompt_tokens + max_tokens);
@@ -222,7 +245,8 @@ int sched_submit(scheduler *s, uint64_t id, size_t prompt_tokens, size_t max_tok
         s->cap_reqs = cap;
     }
     s->reqs[s->n_reqs++] = (request){.id = id, .order = s->next_order++, .prompt = prompt_tokens,
-                                     .max_tokens = max_tokens, .state = SCHED_WAITING, .replica = -1};
+                                     .max_tokens = max_tokens, .state = SCHED_WAITING, .replica = -1,
+                                     .prefer = cached ? prefer : -1, .cached = cached};
     s->admitted++;
     route_pending(s);
     if (replica_out)
@@ -415,19 +439,23 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
     }
     /* New prompts, FIFO. A prompt starts when the step can give it a first chunk of at least
      * min(prompt, max_batch_tokens / 2) tokens (the first chunk is the exact prefill; later ones
-     * continue it); the rest follows in later steps. */
+     * continue it); the rest follows in later steps. A prompt with a cached prefix starts after
+     * it (its first chunk copies the prefix, then runs as a later chunk would). */
     size_t n_wait = blocked ? 0 : collect(s, r, SCHED_WAITING, idx);
     for (size_t i = 0; i < n_wait; i++) {
         request *q = &s->reqs[idx[i]];
+        const size_t start = q->replica == q->prefer ? q->cached : 0, rest = q->prompt - start;
         size_t left = s->cfg.max_batch_tokens > tokens ? s->cfg.max_batch_tokens - tokens : 0;
-        size_t chunk = q->prompt < left ? q->prompt : left;
+        size_t chunk = rest < left ? rest : left;
         size_t least = s->cfg.max_batch_tokens / 2 ? s->cfg.max_batch_tokens / 2 : 1;
-        least = q->prompt < least ? q->prompt : least;
+        least = rest < least ? rest : least;
         size_t need = blocks_for(s, q->prompt + 1);   /* the whole prompt (held_blocks) */
         if (chunk < least || live + 1 > s->cfg.max_seqs || working + need > device_room(p, working == 0))
             break;
         q->state = SCHED_RUNNING;
-        p->work[n_work++] = (sched_work){.id = q->id, .pos0 = 0, .n_tokens = chunk, .sample = chunk == q->prompt};
+        q->len = start;
+        p->work[n_work++] = (sched_work){.id = q->id, .pos0 = start, .n_tokens = chunk,
+                                         .sample = start + chunk == q->prompt};
         working += need;
         tokens += chunk;
         live++;
@@ -599,6 +627,8 @@ int sched_move(scheduler *s, uint64_t id, int to, strata_error *err)
                            : q->state == SCHED_RUNNING ? "its prompt is still being prefilled" : "preempted or finished");
     if (q->replica == to)
         return STRATA_OK;
+    if (q->prefer != to)
+        q->cached = 0;   /* its prefix stays behind */
     replica *dst = &s->reps[to];
     if (dst->cfg.total_blocks - dst->reserved < q->reserved)
         return strata_fail(err, STRATA_EFULL, "scheduler: replica %d has %zu free blocks; request %" PRIu64 " needs %zu",
@@ -608,6 +638,16 @@ int sched_move(scheduler *s, uint64_t id, int to, strata_error *err)
     q->replica = to;
     route_pending(s);
     return STRATA_OK;
+}
+
+bool sched_drop_prefix(scheduler *s, uint64_t id)
+{
+    request *q = s ? find(s, id) : NULL;
+    if (!q || q->state != SCHED_WAITING || !q->cached)
+        return false;
+    q->cached = 0;
+    q->prefer = -1;
+    return true;
 }
 
 int sched_free_on(scheduler *s, int r, uint64_t id)

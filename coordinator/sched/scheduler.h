@@ -32,7 +32,8 @@
  *   allow), then preempted sequences that resume, then new prompts (FIFO) while the step's tokens
  *   stay within max_batch_tokens and the running count within max_seqs. A new prompt starts when
  *   it can get a first chunk of at least min(prompt, max_batch_tokens / 2) tokens; only the step
- *   with its last chunk samples a token. A prefilling sequence is never preempted.
+ *   with its last chunk samples a token. A prefilling sequence is never preempted. A prompt
+ *   with a cached prefix on its replica (sched_submit_prefix) starts after the prefix.
  * - Device working set: a decode step brings every running sequence's blocks of a layer onto
  *   the device at once, so the blocks of the step's sequences must fit device_blocks. When they
  *   do not, the most recently admitted running sequence is preempted (spilled: its blocks and
@@ -88,6 +89,19 @@ void sched_destroy(scheduler *s);
  * duplicate id; *replica gets where it was routed. */
 int sched_submit(scheduler *s, uint64_t id, size_t prompt_tokens, size_t max_tokens, int *replica,
                  strata_error *err);
+
+/* sched_submit for a request whose first `cached` prompt tokens are in a prefix entry on replica
+ * `prefer` (prefix caching; 0 < cached < prompt_tokens, a multiple of block_tokens; cached 0:
+ * sched_submit). It is routed to `prefer` when that replica can take it, and its first work
+ * then starts at pos0 = cached; routed elsewhere (prefer has no room when a replica does, or a
+ * migration moves it) it starts at 0. Admission and reservations are those of sched_submit: the
+ * prefix is copied, not shared. */
+int sched_submit_prefix(scheduler *s, uint64_t id, size_t prompt_tokens, size_t max_tokens, int prefer, size_t cached,
+                        int *replica, strata_error *err);
+
+/* Forgets a WAITING request's cached prefix (the entry is gone): it will start at 0. Returns
+ * whether it had one. */
+bool sched_drop_prefix(scheduler *s, uint64_t id);
 
 /* Ends a request now (abort, client gone, failure): its reservation is released; if it was
  * running or preempted, the next plan of its replica lists it in free_ids so that its workers

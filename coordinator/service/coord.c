@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "coordinator/sched/prefix_index.h"
 #include "coordinator/sched/scheduler.h"
 #include "kvstore/kv_cache.h"
 #include "kvstore/plan.h"
@@ -39,6 +40,13 @@ typedef struct creq {
     double t_accept, t_last;
     int plan;                    /* index in coord.plans: 0 the server's, else the request's kv_codec */
     bool stay;                   /* a migration of it failed without moving it: the drain waits for it */
+    /* Prefix caching: the entry its prompt may start from (pinned until its first step goes out
+     * or it ends), and the prompt tokens that step took from it (0: prefilled whole). */
+    uint64_t prefix_entry;
+    bool pinned, started;
+    size_t cached;
+    int32_t *generated;          /* the sampled ids, for the entry it may leave when it finishes */
+    size_t cap_generated;
 } creq;
 
 /* A (replica, stage) place for a worker. */
@@ -80,6 +88,12 @@ typedef struct creplica {
      * stage runs its steps in order, the rows of one step following another's on the links). */
     flight *flights;             /* steps_in_flight entries, the first n_flights out */
     uint32_t n_flights;
+    /* Prefix caching: parks for the replica's next step plan (finished sequences whose first
+     * tokens its workers keep), and room for the plan's drops. */
+    Strata__Internal__V1__PrefixPark *parks, **park_ptrs;
+    size_t n_parks, cap_parks;
+    uint64_t *drops;
+    size_t cap_drops;
 } creplica;
 
 /* The one migration in progress: a request's sequence moving from replica `from` to `to`, every
@@ -108,6 +122,8 @@ typedef struct drain_state {
 typedef struct coord_metrics {
     metrics_counter *requests, *tokens, *spills, *restores, *crc, *spill_failures, *restore_failures;
     metrics_counter *finished[5];   /* stop, length, abort, error, cancelled */
+    metrics_counter *prefix_hits, *prefix_hit_tokens;
+    metrics_gauge *prefix_entries, *prefix_bytes;
     metrics_histogram *ttft, *itl;
     metrics_gauge *queue, *running, *workers_ready;
     metrics_gauge *tier_blocks[N_TIERS], *tier_bytes[N_TIERS], *tier_capacity[N_TIERS];
@@ -151,6 +167,12 @@ struct coord {
     migration mig;
     drain_state drain;
     sched_replica_config cap;    /* every replica's capacity */
+    /* Prefix caching (NULL: off): the index, and per plan what one cached block row costs (0:
+     * the plan cannot be cached: an OTT layer). */
+    prefix_index *prefixes;
+    uint64_t *prefix_row_bytes;
+    bool *prefix_usable;         /* lookup scratch, one per replica */
+    uint64_t prefix_hits, prefix_hit_tokens;
 };
 
 static double now_s(void)
@@ -207,10 +229,105 @@ static void drop_req(coord *c, creq *q)
             c->reqs[i] = c->reqs[--c->n_reqs];
             break;
         }
+    if (q->pinned)
+        prefix_index_unpin(c->prefixes, q->prefix_entry);
     text_stream_free(&q->ts);
     free(q->prompt);
+    free(q->generated);
     free(q);
     pthread_cond_broadcast(&c->changed);
+}
+
+/* ---- prefix caching ---- */
+
+/* Tokens of a finished request whose KV sits in blocks on its workers: its prompt and sampled
+ * tokens but the last (never fed back), less each layer's fp16 tail. A request started from an
+ * entry of `cached` tokens had an empty tail there: its tail follows from what came after. */
+static size_t blocked_tokens(const coord *c, const creq *q)
+{
+    const size_t bt = c->cfg.block_tokens, fed = q->n_prompt + q->n_generated - 1;
+    size_t blocks = SIZE_MAX;
+    for (int l = 0; l < c->mc.n_layers; l++) {
+        const size_t stream = fed - q->cached;
+        const size_t in_blocks = q->cached + stream - kv_tail_tokens(&c->plans[q->plan][l], (int)bt, stream);
+        blocks = in_blocks / bt < blocks ? in_blocks / bt : blocks;
+    }
+    return blocks * bt;
+}
+
+/* q finished on replica r (stop or length): offers its blocked prefix to the index, and when the
+ * index keeps it, has the replica's workers park it with the plan that frees the sequence. */
+static void offer_prefix(coord *c, creq *q, int r)
+{
+    if (!c->prefixes || r < 0 || !c->prefix_row_bytes[q->plan] || q->n_generated == 0)
+        return;
+    const size_t n = blocked_tokens(c, q);
+    creplica *rp = &c->reps[r];
+    int32_t *ids = n ? malloc(n * sizeof *ids) : NULL;
+    if (!ids)
+        return;
+    const size_t from_prompt = n < q->n_prompt ? n : q->n_prompt;
+    memcpy(ids, q->prompt, from_prompt * sizeof *ids);
+    memcpy(ids + from_prompt, q->generated, (n - from_prompt) * sizeof *ids);
+    if (rp->n_parks == rp->cap_parks) {   /* room first: a kept entry must reach the workers */
+        size_t cap = rp->cap_parks ? rp->cap_parks * 2 : 8;
+        Strata__Internal__V1__PrefixPark *grown = realloc(rp->parks, cap * sizeof *grown);
+        if (grown)
+            rp->parks = grown;
+        Strata__Internal__V1__PrefixPark **ptrs = realloc(rp->park_ptrs, cap * sizeof *ptrs);
+        if (ptrs)
+            rp->park_ptrs = ptrs;
+        if (!grown || !ptrs) {
+            free(ids);
+            return;
+        }
+        rp->cap_parks = cap;
+    }
+    bool keep = false;
+    strata_error err = {0};
+    const uint64_t bytes = (uint64_t)(n / c->cfg.block_tokens) * c->prefix_row_bytes[q->plan];
+    if (prefix_index_insert(c->prefixes, q->id, r, q->plan, ids, n, bytes, &keep, &err) != STRATA_OK)
+        logf_(c, "prefix cache: %s", err.msg);
+    free(ids);
+    if (!keep)
+        return;
+    Strata__Internal__V1__PrefixPark *pk = &rp->parks[rp->n_parks++];
+    strata__internal__v1__prefix_park__init(pk);
+    pk->seq_id = q->id;
+    pk->n_tokens = (uint32_t)n;
+}
+
+/* A copy of entry failed on a worker (its park failed there): out of the index, and the requests
+ * that waited to start from it start from position 0 instead. */
+static void lose_prefix(coord *c, uint64_t entry)
+{
+    for (size_t i = 0; i < c->n_reqs; i++) {
+        creq *q = c->reqs[i];
+        if (q->pinned && q->prefix_entry == entry) {
+            (void)sched_drop_prefix(c->sched, q->id);
+            prefix_index_unpin(c->prefixes, entry);
+            q->pinned = false;
+        }
+    }
+    prefix_index_remove(c->prefixes, entry);
+}
+
+/* The replica's workers hold no entry (lost, or assigned afresh): forget them, and start the
+ * requests that waited for one from position 0. */
+static void forget_prefixes(coord *c, uint32_t r)
+{
+    if (!c->prefixes)
+        return;
+    for (size_t i = 0; i < c->n_reqs; i++) {
+        creq *q = c->reqs[i];
+        if (q->pinned && prefix_index_replica(c->prefixes, q->prefix_entry) == (int)r) {
+            (void)sched_drop_prefix(c->sched, q->id);
+            prefix_index_unpin(c->prefixes, q->prefix_entry);
+            q->pinned = false;
+        }
+    }
+    prefix_index_forget_replica(c->prefixes, (int)r);
+    c->reps[r].n_parks = 0;
 }
 
 static void count_finish(coord *c, int kind)
@@ -334,6 +451,7 @@ static void send_assignments(coord *c, uint32_t r)
         send_or_end(c, rp->stages[s].peer, rp->stages[s].name, &m, "assignment");
     }
     rp->assigned = true;
+    forget_prefixes(c, r);   /* fresh workers hold no entry */
     logf_(c, "replica %u: %u workers joined; assigned layers", r, c->cfg.stages);
 }
 
@@ -573,6 +691,7 @@ static void lose_replica(coord *c, uint32_t r, const char *why)
         (void)sched_set_steps_in_flight(c->sched, (int)r, 0);
         snprintf(c->drain.message, sizeof c->drain.message, "replica %u was lost during the drain", r);
     }
+    forget_prefixes(c, r);
     sched_set_accepting(c->sched, (int)r, true);   /* whatever a drain or migration had set */
     sched_set_available(c->sched, (int)r, false);
     rp->serving = false;
@@ -641,6 +760,17 @@ static bool deliver(coord *c, creq *q, uint32_t tok)
         metrics_histogram_observe(q->n_generated == 0 ? c->m.ttft : c->m.itl,
                                   q->n_generated == 0 ? t - q->t_accept : t - q->t_last);
     q->t_last = t;
+    /* The sampled ids, for a prefix entry; out of memory, the request just leaves none. */
+    if (c->prefixes && (q->generated || q->n_generated == 0) && q->n_generated == q->cap_generated) {
+        size_t cap = q->cap_generated ? q->cap_generated * 2 : 64;
+        int32_t *grown = realloc(q->generated, cap * sizeof *grown);
+        if (!grown)
+            free(q->generated);
+        q->generated = grown;
+        q->cap_generated = grown ? cap : 0;
+    }
+    if (q->generated)
+        q->generated[q->n_generated] = (int32_t)tok;
     q->n_generated++;
     q->last_token = tok;
     c->tokens_total++;
@@ -680,8 +810,10 @@ static bool deliver(coord *c, creq *q, uint32_t tok)
         if (len)
             (void)api_stream_send_chunk(q->stream, NULL, 0, text, len);
     }
-    api_stream_complete(q->stream, why, (uint32_t)q->n_prompt, (uint32_t)q->n_generated, 0);
+    api_stream_complete(q->stream, why, (uint32_t)q->n_prompt, (uint32_t)q->n_generated, (uint32_t)q->cached);
     count_finish(c, why == STRATA__V1__FINISH_REASON__FINISH_REASON_STOP ? FIN_STOP : FIN_LENGTH);
+    if (q->generated)
+        offer_prefix(c, q, sched_get_replica(c->sched, q->id));
     drop_req(c, q);
     return true;
 }
@@ -696,6 +828,8 @@ static void finish_step(coord *c, uint32_t r, uint32_t k)
     for (size_t w = 0; w < f->n_work; w++) {
         creq *q = find_by_id(c, f->works[w].seq_id);
         bool ended = true;
+        if (f->status[w] != 0 && f->works[w].prefix_entry)
+            lose_prefix(c, f->works[w].prefix_entry);   /* a worker lacks it: never again */
         if (q && f->status[w] != 0) {
             logf_(c, "request %s failed: %s", api_stream_request_id(q->stream), f->message[w]);
             api_stream_fail(q->stream, f->status[w], f->message[w]);
@@ -755,6 +889,19 @@ static bool start_step(coord *c, uint32_t r)
         w->pos0 = (uint32_t)sw->pos0;
         w->tokens = toks + at;
         w->n_tokens = sw->n_tokens;
+        if (!q->started) {   /* its first step: from its prefix entry when the scheduler kept it */
+            q->started = true;
+            q->cached = sw->pos0;
+            if (sw->pos0 > 0) {
+                w->prefix_entry = q->prefix_entry;
+                c->prefix_hits++;
+                c->prefix_hit_tokens += sw->pos0;
+                if (c->have_metrics) {
+                    metrics_counter_inc(c->m.prefix_hits);
+                    metrics_counter_add(c->m.prefix_hit_tokens, sw->pos0);
+                }
+            }
+        }
         if (sw->pos0 < q->n_prompt) {   /* a prompt chunk (the whole prompt when it fits a step) */
             for (size_t k = 0; k < sw->n_tokens; k++)
                 toks[at + k] = (uint32_t)q->prompt[sw->pos0 + k];
@@ -786,6 +933,23 @@ static bool start_step(coord *c, uint32_t r)
     sp.preempt_seqs = (uint64_t *)plan.preempt_ids;
     sp.n_resume_seqs = plan.n_resume;
     sp.resume_seqs = (uint64_t *)plan.resume_ids;
+    for (size_t i = 0; i < rp->n_parks; i++)
+        rp->park_ptrs[i] = &rp->parks[i];
+    sp.n_park_prefixes = rp->n_parks;
+    sp.park_prefixes = rp->park_ptrs;
+    rp->n_parks = 0;
+    if (c->prefixes) {
+        size_t want = prefix_index_pending_drops(c->prefixes, (int)r);
+        if (want > rp->cap_drops) {
+            uint64_t *grown = realloc(rp->drops, want * sizeof *grown);
+            if (grown) {
+                rp->drops = grown;
+                rp->cap_drops = want;
+            }
+        }
+        sp.n_drop_prefixes = prefix_index_take_drops(c->prefixes, (int)r, rp->drops, rp->cap_drops);   /* the rest later */
+        sp.drop_prefixes = rp->drops;
+    }
     Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
     m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_STEP_PLAN;
     m.step_plan = &sp;
@@ -798,6 +962,14 @@ static bool start_step(coord *c, uint32_t r)
     /* After a failed send on_gone tears the replica down, and its requests end with the reason. */
     for (uint32_t s = 0; s < c->cfg.stages; s++)
         send_or_end(c, rp->stages[s].peer, rp->stages[s].name, &m, what);
+    /* The entries its new sequences copy went out with the plan (before any later drop). */
+    for (size_t i = 0; i < plan.n_work; i++) {
+        creq *q = find_by_id(c, plan.work[i].id);
+        if (q && q->pinned) {
+            prefix_index_unpin(c->prefixes, q->prefix_entry);
+            q->pinned = false;
+        }
+    }
     return true;
 }
 
@@ -1186,9 +1358,22 @@ static int api_generate(void *ctx, const Strata__V1__GenerateRequest *req, api_s
             c->cap_reqs = cap;
         }
     }
+    prefix_hit hit = {0};
+    if (rc == STRATA_OK && c->prefixes && c->prefix_row_bytes[plan]) {
+        for (uint32_t r = 0; r < c->cfg.replicas; r++)   /* replicas serving now */
+            c->prefix_usable[r] = c->reps[r].serving;
+        if (prefix_index_lookup(c->prefixes, plan, q->prompt, q->n_prompt, c->prefix_usable, &hit))
+            q->pinned = prefix_index_pin(c->prefixes, hit.entry, hit.n_tokens);
+        q->prefix_entry = q->pinned ? hit.entry : 0;
+    }
     if (rc == STRATA_OK) {
         q->id = ++c->next_seq_id;
-        rc = sched_submit(c->sched, q->id, q->n_prompt, max_tokens, NULL, err);
+        rc = q->pinned ? sched_submit_prefix(c->sched, q->id, q->n_prompt, max_tokens, hit.replica, hit.n_tokens, NULL, err)
+                       : sched_submit(c->sched, q->id, q->n_prompt, max_tokens, NULL, err);
+    }
+    if (rc != STRATA_OK && q->pinned) {
+        prefix_index_unpin(c->prefixes, q->prefix_entry);
+        q->pinned = false;
     }
     if (rc == STRATA_OK) {
         c->reqs[c->n_reqs++] = q;
@@ -1325,6 +1510,12 @@ static int api_stats(void *ctx, Strata__V1__Stats *out, strata_error *err)
     out->restore_failures = c->restore_failures_total;
     out->requests_total = c->requests_total;
     out->tokens_generated = c->tokens_total;
+    prefix_index_stats ps;
+    prefix_index_get_stats(c->prefixes, -1, &ps);
+    out->prefix_cache_entries = ps.entries;
+    out->prefix_cache_bytes = ps.bytes;
+    out->prefix_cache_hits = c->prefix_hits;
+    out->prefix_cache_hit_tokens = c->prefix_hit_tokens;
     pthread_mutex_unlock(&c->mu);
     return STRATA_OK;
 }
@@ -1442,6 +1633,10 @@ static void collect(metrics_registry *r, void *user)
     sched_get_stats(c->sched, -1, &st);
     metrics_gauge_set(c->m.queue, (double)st.waiting);
     metrics_gauge_set(c->m.running, (double)(st.running + st.preempted));
+    prefix_index_stats ps;
+    prefix_index_get_stats(c->prefixes, -1, &ps);
+    metrics_gauge_set(c->m.prefix_entries, (double)ps.entries);
+    metrics_gauge_set(c->m.prefix_bytes, (double)ps.bytes);
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -1484,7 +1679,17 @@ static int register_metrics(coord *c, metrics_registry *reg, strata_error *err)
                                   err)) ||
         (rc = metrics_counter_new(reg, "strata_kv_restore_failures_total",
                                   "KV blocks that could not be read back from the NVMe tier", NULL, 0,
-                                  &m->restore_failures, err)))
+                                  &m->restore_failures, err)) ||
+        (rc = metrics_counter_new(reg, "strata_prefix_cache_hits_total",
+                                  "Requests whose prompt started from a cached prefix", NULL, 0, &m->prefix_hits, err)) ||
+        (rc = metrics_counter_new(reg, "strata_prefix_cache_hit_tokens_total",
+                                  "Prompt tokens taken from cached prefixes instead of prefilled", NULL, 0,
+                                  &m->prefix_hit_tokens, err)) ||
+        (rc = metrics_gauge_new(reg, "strata_prefix_cache_entries", "Cached prefixes held by the workers", NULL, 0,
+                                &m->prefix_entries, err)) ||
+        (rc = metrics_gauge_new(reg, "strata_prefix_cache_bytes",
+                                "Bytes of cached prefixes (host memory of the workers, all stages)", NULL, 0,
+                                &m->prefix_bytes, err)))
         return rc;
     metrics_set_collect(reg, collect, c);
     c->have_metrics = true;
@@ -1492,6 +1697,29 @@ static int register_metrics(coord *c, metrics_registry *reg, strata_error *err)
 }
 
 /* ---- life ---- */
+
+/* The prefix index and what a cached block row of each plan costs the workers (their slot sizes
+ * summed over every layer). A plan with an OTT layer is not cached (its pool state cannot be cut
+ * to a prefix: kv_image_prefix). */
+static int prefix_cache_setup(coord *c, strata_error *err)
+{
+    const kv_geometry g = {.n_layers = c->mc.n_layers, .n_kv_heads = c->mc.n_kv_heads, .head_dim = c->mc.head_dim,
+                           .block_tokens = (int)c->cfg.block_tokens};
+    prefix_index_config pc = {.n_replicas = (int)c->cfg.replicas, .block_tokens = c->cfg.block_tokens,
+                              .budget_bytes = c->cfg.prefix_cache_bytes};
+    if (!(c->prefix_row_bytes = calloc((size_t)c->n_plans, sizeof *c->prefix_row_bytes)) ||
+        !(c->prefix_usable = calloc(c->cfg.replicas, sizeof *c->prefix_usable)))
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    for (int p = 0; p < c->n_plans; p++) {
+        bool ott = false;
+        for (int l = 0; l < c->mc.n_layers; l++)
+            ott |= c->plans[p][l].codec == KV_CODEC_OTT;
+        c->prefix_row_bytes[p] = ott ? 0 : kv_plan_row_bytes(&g, c->plans[p]);
+    }
+    if (!(c->prefixes = prefix_index_create(&pc, err)))
+        return err ? err->code : STRATA_ENOMEM;
+    return STRATA_OK;
+}
 
 coord *coord_create(const coord_config *cfg, strata_error *err)
 {
@@ -1593,6 +1821,8 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
             sched_set_available(c->sched, (int)r, false);   /* until its workers are ready */
     }
     free(caps);
+    if (rc == STRATA_OK && cfg->prefix_cache_bytes)
+        rc = prefix_cache_setup(c, err);
     for (uint32_t r = 0; rc == STRATA_OK && r < cfg->replicas; r++) {
         creplica *rp = &c->reps[r];
         size_t n = cfg->max_seqs;
@@ -1727,6 +1957,7 @@ void coord_destroy(coord *c)
     for (size_t i = 0; i < c->n_reqs; i++) {   /* none after api_server_shutdown; be safe */
         text_stream_free(&c->reqs[i]->ts);
         free(c->reqs[i]->prompt);
+        free(c->reqs[i]->generated);
         free(c->reqs[i]);
     }
     free(c->reqs);
@@ -1748,7 +1979,15 @@ void coord_destroy(coord *c)
         }
         free(rp->flights);
     }
+    for (uint32_t r = 0; c->reps && r < c->cfg.replicas; r++) {
+        free(c->reps[r].parks);
+        free(c->reps[r].park_ptrs);
+        free(c->reps[r].drops);
+    }
     free(c->reps);
+    prefix_index_destroy(c->prefixes);
+    free(c->prefix_row_bytes);
+    free(c->prefix_usable);
     free(c->mig.send_ok);
     free(c->mig.recv_ok);
     sched_destroy(c->sched);

@@ -37,6 +37,7 @@ typedef struct coord_config {
     uint64_t device_kv_bytes;    /* granted to each worker; a worker must offer at least this */
     uint64_t host_kv_bytes;      /* 0: no host tier */
     uint64_t nvme_kv_bytes;      /* 0: no NVMe tier (needs a host tier) */
+    uint64_t prefix_cache_bytes; /* per replica, over its workers' host memory; 0: no prefix caching */
     metrics_registry *metrics;   /* optional: the coordinator registers its series here */
     bool quiet;                  /* only errors on stderr */
 } coord_config;

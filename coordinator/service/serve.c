@@ -36,6 +36,7 @@ typedef struct serve_opts {
     const char *nvme_dir, *worker_bin;
     long replicas, stages, block_tokens, ctx, max_seqs, max_batch_tokens, steps_in_flight;
     double device_mib, host_mib, nvme_mib;   /* fractions allowed, as for strata generate */
+    double prefix_mib;                       /* per replica; 0: no prefix caching */
     long drain_s, ready_timeout_s, threads;
     bool quiet;
 } serve_opts;
@@ -44,7 +45,7 @@ typedef struct serve_opts {
 enum {
     O_CONFIG = 256, O_MODEL, O_LISTEN, O_CONTROL, O_METRICS, O_SECRET, O_REPLICAS, O_STAGES, O_KV, O_KV_CODECS, O_BLOCK, O_CTX,
     O_MAX_SEQS, O_MAX_BATCH, O_DEVICE, O_HOST, O_NVME, O_NVME_DIR, O_TLS_CERT, O_TLS_KEY, O_TOKEN, O_DRAIN,
-    O_READY, O_WORKER_BIN, O_THREADS, O_IN_FLIGHT,
+    O_READY, O_WORKER_BIN, O_THREADS, O_IN_FLIGHT, O_PREFIX,
 };
 
 static void usage(FILE *out, const char *prog, bool local)
@@ -88,7 +89,13 @@ static void usage(FILE *out, const char *prog, bool local)
             "  --host-kv-mib N         host KV tier per worker (default 0: none); with it, a request alone\n"
             "                          on its replica may outgrow the device: its layers stream through\n"
             "                          it, as in strata generate\n"
-            "  --nvme-kv-mib N         NVMe KV tier per worker (default 0: none; needs a host tier%s)\n",
+            "  --nvme-kv-mib N         NVMe KV tier per worker (default 0: none; needs a host tier%s)\n"
+            "  --prefix-cache-mib N    prefix caching: host memory per replica (its workers together) for\n"
+            "                          the compressed KV of finished requests' first tokens; a request\n"
+            "                          whose prompt starts with the same tokens (same KV plan, not OTT)\n"
+            "                          copies them and prefills only the rest (default 0: off; with a\n"
+            "                          lossy codec its output may then differ slightly from an uncached\n"
+            "                          run's, as with a prompt prefilled in chunks)\n",
             STRATA_DEFAULT_MODEL, API_SERVER_DEFAULT_ADDR, local ? "127.0.0.1:0" : CTL_SERVER_DEFAULT_ADDR,
             local ? "default: a fresh random one" : "required", local ? "2" : "1",
             local ? " and --nvme-dir" : "");
@@ -125,6 +132,7 @@ static const struct option long_opts[] = {
     {"token-file", required_argument, NULL, O_TOKEN},    {"drain-seconds", required_argument, NULL, O_DRAIN},
     {"ready-timeout", required_argument, NULL, O_READY}, {"worker-bin", required_argument, NULL, O_WORKER_BIN},
     {"threads", required_argument, NULL, O_THREADS},     {"quiet", no_argument, NULL, 'q'},
+    {"prefix-cache-mib", required_argument, NULL, O_PREFIX},
     {"help", no_argument, NULL, 'h'},                    {NULL, 0, NULL, 0},
 };
 
@@ -152,6 +160,7 @@ static bool apply(const char *prog, serve_opts *o, int id, const char *flag, con
     case O_DEVICE: return strata_parse_double(prog, flag, v, STRATA_KV_MIB_MIN, STRATA_KV_MIB_MAX, &o->device_mib);
     case O_HOST: return strata_parse_double(prog, flag, v, 0, STRATA_KV_MIB_MAX, &o->host_mib);
     case O_NVME: return strata_parse_double(prog, flag, v, 0, STRATA_KV_MIB_MAX, &o->nvme_mib);
+    case O_PREFIX: return strata_parse_double(prog, flag, v, 0, STRATA_KV_MIB_MAX, &o->prefix_mib);
     case O_DRAIN: return strata_parse_long(prog, flag, v, 0, 3600, &o->drain_s);
     case O_READY: return strata_parse_long(prog, flag, v, 1, 86400, &o->ready_timeout_s);
     default: break;
@@ -327,11 +336,15 @@ static int parse(int argc, char **argv, const char *prog, bool local, serve_opts
     }
     if (local) {   /* CPU workers on this machine: their KV pools and host tiers share its memory */
         const long n = o->replicas * o->stages;
-        char what[160];
-        snprintf(what, sizeof what, "the KV of %ld local workers (%ld x (%.10g + %.10g MiB of --device-kv-mib and "
-                 "--host-kv-mib))", n, n, o->device_mib, o->host_mib);
+        char what[256];
+        int at = snprintf(what, sizeof what, "the KV of %ld local workers (%ld x (%.10g + %.10g MiB of --device-kv-mib "
+                          "and --host-kv-mib))", n, n, o->device_mib, o->host_mib);
+        if (o->prefix_mib > 0 && at > 0 && (size_t)at < sizeof what)
+            snprintf(what + at, sizeof what - (size_t)at, " and their prefix caches (%ld x %.10g MiB of "
+                     "--prefix-cache-mib)", o->replicas, o->prefix_mib);
         strata_error merr = {0};
-        if (strata_check_memory(what, strata_mib_bytes((o->device_mib + o->host_mib) * (double)n), &merr) != STRATA_OK) {
+        if (strata_check_memory(what, strata_mib_bytes((o->device_mib + o->host_mib) * (double)n +
+                                                       o->prefix_mib * (double)o->replicas), &merr) != STRATA_OK) {
             fprintf(stderr, "%s: %s\n", prog, merr.msg);
             return EXIT_USAGE;
         }
@@ -691,7 +704,8 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
                        .kv = o.kv, .kv_codecs = o.kv_codecs, .block_tokens = (uint32_t)o.block_tokens, .ctx = (uint32_t)o.ctx,
                        .max_seqs = (uint32_t)o.max_seqs, .max_batch_tokens = (uint32_t)o.max_batch_tokens,
                        .steps_in_flight = (uint32_t)o.steps_in_flight, .device_kv_bytes = strata_mib_bytes(o.device_mib), .host_kv_bytes = strata_mib_bytes(o.host_mib),
-                       .nvme_kv_bytes = strata_mib_bytes(o.nvme_mib), .metrics = reg, .quiet = o.quiet};
+                       .nvme_kv_bytes = strata_mib_bytes(o.nvme_mib), .prefix_cache_bytes = strata_mib_bytes(o.prefix_mib),
+                       .metrics = reg, .quiet = o.quiet};
     if (!(co = coord_create(&cc, &err))) {
         fprintf(stderr, "%s: %s\n", prog, err.msg);
         exit_code = err.code == STRATA_EINVAL ? EXIT_USAGE : EXIT_RUNTIME;

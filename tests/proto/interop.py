@@ -32,9 +32,11 @@ def messages(pb, ipb):
         complete=pb.Complete(finish_reason=pb.FINISH_REASON_LENGTH, prompt_tokens=5,
                              completion_tokens=7))
 
-    plan = ipb.StepPlan(step=2**40 + 1, free_seqs=[3], preempt_seqs=[4, 5], resume_seqs=[6])
+    plan = ipb.StepPlan(step=2**40 + 1, free_seqs=[3], preempt_seqs=[4, 5], resume_seqs=[6], drop_prefixes=[2, 1])
+    plan.park_prefixes.add(seq_id=3, n_tokens=128)
     plan.seqs.add(seq_id=7, tokens=[1, 2, 3], pos0=4096, last_chunk_of_prompt=True,
-                  temperature=0.5, top_p=0.95, top_k=20, seed=99, sample=True, kv_plan="kivi2")
+                  temperature=0.5, top_p=0.95, top_k=20, seed=99, sample=True, kv_plan="kivi2",
+                  prefix_entry=3)
     plan.seqs.add(seq_id=8, tokens=[5], pos0=100)
     out["coordinator_step_plan.bin"] = ipb.CoordinatorMessage(step_plan=plan)
 

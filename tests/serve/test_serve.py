@@ -9,7 +9,7 @@ Checks: greedy output equals single-process `strata generate` token for token (t
 and the ids of a concurrent run compared with the ids of the same prompt alone); 32 concurrent
 streams; Abort; every bad input; a client that disconnects; a killed worker (UNAVAILABLE, then
 the worker is restarted and rejoins); GetModelInfo / GetStats / Prometheus metrics; TLS with a
-bearer token; SIGTERM drains a running stream. Every wait is bounded: a hang is a failure.
+bearer token; SIGTERM drains a running stream; prefix caching. Every wait is bounded: a hang is a failure.
 """
 import os
 import re
@@ -452,6 +452,95 @@ def test_two_replicas_migration():
         assert s.stop() == 0
 
 
+def test_prefix_cache():
+    """Prefix caching (--prefix-cache-mib): a finished request's first tokens stay on the workers
+    as compressed blocks; a request whose prompt starts with them copies them and prefills only
+    the rest. On fp16 (the cache holds what a whole prefill attends) the outputs equal those of a
+    server without the cache, token for token; a follow-up turn reuses the first turn's generated
+    tokens too; OTT plans are never cached; a restarted worker's entries are forgotten (the next
+    request prefills whole and succeeds); GetStats and the metrics count it all, within the
+    budget."""
+    args = ["--ctx", "1024", "--kv-codecs", "fp16,ott2", "--metrics", "127.0.0.1:0"]
+    plain = Serve("prefix-off", *args)
+    turn1 = list(range(1000, 1300))                     # 300 prompt ids (ids: no tokenizer merges)
+    try:
+        c0 = Client(plain.addr())
+        r = req(ids=turn1, max_tokens=24, ignore_eos=True)
+        r.kv_codec = "fp16"
+        gen1, _, last = c0.generate(r)
+        assert last.complete.cached_tokens == 0, last
+        turn2 = turn1 + gen1 + list(range(2000, 2010))  # the first turn, its answer, a new question
+        r = req(ids=turn2, max_tokens=16, ignore_eos=True)
+        r.kv_codec = "fp16"
+        want2 = c0.generate(r)[0]
+        r = req(LONG, max_tokens=16, ignore_eos=True)
+        r.kv_codec = "fp16"
+        want_long = c0.generate(r)[0]
+        assert c0.stats(pb.StatsRequest(), timeout=T).prefix_cache_entries == 0
+    finally:
+        assert plain.stop() == 0
+    s = Serve("prefix", "--prefix-cache-mib", "32", *args)
+    try:
+        c = Client(s.addr())
+        pm = re.search(rb"metrics port (\d+)", s.text())
+        seen = 0
+
+        def run(prompt_ids=None, text=None, kv="fp16", n=16):
+            nonlocal seen
+            r = req(text, ids=prompt_ids, max_tokens=n, ignore_eos=True)
+            r.kv_codec = kv
+            ids, _, last = c.generate(r)
+            assert last.HasField("complete") and len(ids) == n, last
+            seen += last.complete.cached_tokens
+            return ids, last.complete.cached_tokens
+
+        ids, cached = run(turn1, n=24)
+        assert (ids, cached) == (gen1, 0), (cached, ids, gen1)
+        # 300 + 24 - 1 tokens entered the KV: 5 whole blocks of 64 (fp16 keeps no tail)
+        ids, cached = run(turn2)
+        assert cached == 320, cached             # past the 300 prompt ids: into the first answer
+        assert ids == want2, f"from the cache {ids} != without {want2}"
+        ids, cached = run(text=LONG)
+        assert cached == 0 and ids == want_long
+        ids, cached = run(text=LONG)
+        assert cached > 0 and cached % 64 == 0 and ids == want_long, (cached, ids, want_long)
+        # the server's own plan (kivi4, lossy): cached, completes
+        _, cached = run(text=LONG, kv="")
+        assert cached == 0
+        _, cached = run(text=LONG, kv="")
+        assert cached > 0
+        # OTT's pool state cannot be cut to a prefix: never cached
+        for _ in range(2):
+            assert run(text=LONG, kv="ott2")[1] == 0
+        st = c.stats(pb.StatsRequest(), timeout=T)
+        assert st.prefix_cache_hits == 3 and st.prefix_cache_hit_tokens == seen, st
+        assert st.prefix_cache_entries >= 1 and 0 < st.prefix_cache_bytes <= 32 << 20, st
+        body = urllib.request.urlopen(f"http://127.0.0.1:{int(pm.group(1))}/metrics", timeout=10).read().decode()
+        assert "strata_prefix_cache_hits_total 3" in body and f"strata_prefix_cache_hit_tokens_total {seen}" in body, \
+            [ln for ln in body.splitlines() if "prefix" in ln]
+        # a restarted worker holds nothing: the next request prefills whole, and is right
+        pids = s.workers()
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.time() + 10
+        while not gone(pids[1]) and time.time() < deadline:
+            time.sleep(0.1)
+        serving = lambda: c.health(pb.HealthRequest(), timeout=T).status == pb.SERVING_STATUS_SERVING
+        deadline = time.time() + 30   # the coordinator notices the lost worker
+        while time.time() < deadline and serving():
+            time.sleep(0.1)
+        deadline = time.time() + 120  # and the restarted one rebuilds the replica
+        while time.time() < deadline and not serving():
+            time.sleep(0.5)
+        assert serving(), "never served again"
+        assert c.stats(pb.StatsRequest(), timeout=T).prefix_cache_entries == 0
+        ids, cached = run(text=LONG)
+        assert cached == 0 and ids == want_long
+        ids, cached = run(text=LONG)
+        assert cached > 0 and ids == want_long
+    finally:
+        assert s.stop() == 0
+
+
 def main():
     failures = []
 
@@ -488,6 +577,7 @@ def main():
     run("SIGTERM drains", test_sigterm_drains)
     run("SIGTERM with a short drain cuts a long stream", test_sigterm_drain_cut)
     run("two replicas: routing and migration by strata drain", test_two_replicas_migration)
+    run("prefix caching", test_prefix_cache)
     failures += [f"sanitizer report in {name}'s log" for name in SANITIZER_REPORTS]
     if failures:
         print("server log:\n" + s.text().decode(errors="replace")[-6000:])

@@ -9,6 +9,7 @@
 #include "kvstore/bytes.h"
 #include "kvstore/kv_cache.h"
 #include "kvstore/plan.h"
+#include "kvstore/seq_image.h"
 #include "offload/kv_tiers.h"
 #include "worker/sampler.h"
 #include "worker/stage/stage_gpu.h"
@@ -20,6 +21,15 @@ typedef struct seq_entry {
     bool waiting;          /* GPU stage: preempted */
     sampler *smp;
 } seq_entry;
+
+/* A prefix entry (prefix caching, StepPlan.park_prefixes): the KV image of a sequence's first
+ * n_tokens (kv_image_prefix), or, when the park failed, why (a copy of it then fails with that). */
+typedef struct prefix_entry {
+    uint64_t id;
+    uint8_t *img;
+    size_t len, n_tokens;
+    char why[sizeof(((strata_error *)0)->msg)];
+} prefix_entry;
 
 /* The table that precedes the rows of a HIDDEN frame: which sequences the sender ran. */
 #define TABLE_HEAD_BYTES 8u    /* u32 n_items, u32 zero */
@@ -47,6 +57,8 @@ struct stage {
     size_t cap_gpu_sample, cap_gpu_next;
     seq_entry *seqs;
     size_t n_seqs, cap_seqs;
+    prefix_entry *prefixes;
+    size_t n_prefixes, cap_prefixes, prefix_bytes;
     dp_link *prev, *next;
     dp_link *rows_prev, *rows_next;   /* GPU stages: NCCL links for the rows (device memory), or NULL */
     int link_timeout_ms;
@@ -296,6 +308,9 @@ void stage_destroy(stage *s)
     for (size_t i = 0; i < s->n_seqs; i++)
         entry_free(&s->seqs[i]);
     free(s->seqs);
+    for (size_t i = 0; i < s->n_prefixes; i++)
+        free(s->prefixes[i].img);
+    free(s->prefixes);
     kv_pool_destroy(s->pool);
     kv_tiers_destroy(s->tiers);
     for (int i = 0; i < s->n_plans; i++) {
@@ -479,6 +494,90 @@ static int plan_position(const Strata__Internal__V1__StepPlan *plan, uint64_t id
     return 0;
 }
 
+/* ---- prefix entries ---- */
+
+static prefix_entry *find_prefix(stage *s, uint64_t id)
+{
+    for (size_t i = 0; i < s->n_prefixes; i++)
+        if (s->prefixes[i].id == id)
+            return &s->prefixes[i];
+    return NULL;
+}
+
+static void drop_prefix(stage *s, uint64_t id)
+{
+    prefix_entry *p = find_prefix(s, id);
+    if (!p)
+        return;
+    s->prefix_bytes -= p->len;
+    free(p->img);
+    *p = s->prefixes[--s->n_prefixes];
+}
+
+/* Keeps the first n_tokens of a sequence as a prefix entry. A park that cannot be made (the
+ * sequence is not here, is preempted, holds fewer blocks, its export fails) leaves an entry
+ * that says why, so that a request started from it fails with the reason; STRATA_ENOMEM only
+ * when not even that can be recorded. */
+static int park_prefix(stage *s, const Strata__Internal__V1__PrefixPark *pk)
+{
+    drop_prefix(s, pk->seq_id);   /* the coordinator never reuses an id; a repeat replaces */
+    if (grow((void **)&s->prefixes, &s->cap_prefixes, s->n_prefixes + 1, sizeof *s->prefixes) != STRATA_OK)
+        return STRATA_ENOMEM;
+    prefix_entry *p = &s->prefixes[s->n_prefixes++];
+    *p = (prefix_entry){.id = pk->seq_id, .n_tokens = pk->n_tokens};
+    strata_error e1 = {0};
+    seq_entry *e = find(s, pk->seq_id);
+    uint8_t *whole = NULL;
+    size_t whole_len = 0;
+    int rc = !e                  ? strata_fail(&e1, STRATA_EINVAL, "the sequence is not on this stage")
+             : entry_preempted(e) ? strata_fail(&e1, STRATA_EINVAL, "the sequence was preempted")
+             : e->gpu            ? stage_gpu_seq_export(s->gpu, e->gpu, &whole, &whole_len, &e1)
+                                 : kv_seq_export(e->kv, &whole, &whole_len, &e1);
+    if (rc == STRATA_OK)
+        rc = kv_image_prefix(&s->geo, whole, whole_len, pk->n_tokens, &p->img, &p->len, &e1);
+    free(whole);
+    if (rc != STRATA_OK) {
+        snprintf(p->why, sizeof p->why, "%s", e1.msg);
+        p->img = NULL;
+        p->len = 0;
+    }
+    s->prefix_bytes += p->len;
+    return STRATA_OK;
+}
+
+/* A new sequence as a copy of prefix entry `entry` (SeqWork.prefix_entry); NULL with e1 set. */
+static seq_entry *start_from_prefix(stage *s, uint64_t id, uint64_t entry, strata_error *e1)
+{
+    const prefix_entry *p = find_prefix(s, entry);
+    if (!p || !p->img) {
+        strata_fail(e1, STRATA_EINVAL, "prefix entry %" PRIu64 " is not on this stage%s%s", entry, p ? ": " : "",
+                    p ? p->why : "");
+        return NULL;
+    }
+    if (grow((void **)&s->seqs, &s->cap_seqs, s->n_seqs + 1, sizeof *s->seqs) != STRATA_OK) {
+        strata_fail(e1, STRATA_ENOMEM, "out of memory");
+        return NULL;
+    }
+    kv_seq *kv = NULL;
+    stage_gpu_seq *gq = NULL;
+    if (s->gpu)
+        gq = stage_gpu_seq_import(s->gpu, p->img, p->len, e1);
+    else if ((kv = kv_seq_import(s->pool, s->max_seq_tokens, p->img, p->len, e1)) && !stage_plan_known(s, kv)) {
+        kv_seq_destroy(kv);
+        kv = NULL;
+        strata_fail(e1, STRATA_EUNSUPPORTED, "prefix entry %" PRIu64 "'s KV plan is not one this worker was assigned",
+                    entry);
+    }
+    if (!kv && !gq) {
+        strata_error_prefix(e1, "starting from prefix entry %" PRIu64, entry);
+        return NULL;
+    }
+    if (kv)
+        kv_seq_set_id(kv, id);
+    s->seqs[s->n_seqs++] = (seq_entry){.id = id, .kv = kv, .gpu = gq};
+    return &s->seqs[s->n_seqs - 1];
+}
+
 int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_result *out, strata_error *err)
 {
     memset(out, 0, sizeof *out);
@@ -487,6 +586,11 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
     s->n_res = 0;
     out->step = plan->step;
     strata_error e1 = {0};
+    for (size_t i = 0; i < plan->n_park_prefixes; i++)
+        if (park_prefix(s, plan->park_prefixes[i]) != STRATA_OK)
+            return strata_fail(err, STRATA_ENOMEM, "stage: out of memory");
+    for (size_t i = 0; i < plan->n_drop_prefixes; i++)
+        drop_prefix(s, plan->drop_prefixes[i]);
     for (size_t i = 0; i < plan->n_free_seqs; i++)
         drop(s, plan->free_seqs[i]);
     for (size_t i = 0; i < plan->n_preempt_seqs; i++) {
@@ -546,6 +650,10 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
                 kv_seq_set_id(kv, w->seq_id);
             s->seqs[s->n_seqs++] = (seq_entry){.id = w->seq_id, .kv = kv, .gpu = gq};
             e = &s->seqs[s->n_seqs - 1];
+        }
+        if (!e && w->pos0 > 0 && w->prefix_entry && !(e = start_from_prefix(s, w->seq_id, w->prefix_entry, &e1))) {
+            fail_seq(s, w->seq_id, e1.code, e1.msg);
+            continue;
         }
         if (!e) {
             snprintf(msg, sizeof msg, "sequence %" PRIu64 " is unknown to this stage (pos0 %u)", w->seq_id, w->pos0);
@@ -692,6 +800,8 @@ void stage_get_kv_usage(const stage *s, stage_kv_usage *out)
     if (s->gpu) {
         stage_gpu_usage(s->gpu, out);
         out->sequences = s->n_seqs;
+        out->prefix_entries = s->n_prefixes;
+        out->prefix_bytes = s->prefix_bytes;
         return;
     }
     kv_pool_stats ps;
@@ -701,6 +811,8 @@ void stage_get_kv_usage(const stage *s, stage_kv_usage *out)
     out->device_capacity_bytes = kv_pool_bytes(s->pool);
     out->device_bytes = ps.slots ? out->device_capacity_bytes / ps.slots * out->device_blocks : 0;
     out->sequences = s->n_seqs;
+    out->prefix_entries = s->n_prefixes;
+    out->prefix_bytes = s->prefix_bytes;
     if (s->tiers) {
         stage_usage_add_tiers(s->tiers, out);
         out->spills += ps.evictions;

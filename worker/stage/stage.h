@@ -3,8 +3,10 @@
  * KV sequence and one sampler per live sequence, and the data-plane links to the neighbouring
  * stages.
  *
- * A step: free, preempt (spill) and resume the listed sequences; then run the plan's sequences
- * through model_forward_batch. Stage 0 embeds the tokens; each later stage receives, from the
+ * A step: park the listed prefixes (prefix caching: the first tokens of a finished sequence
+ * kept as an image in host memory, from which later sequences start as copies) and drop the
+ * listed ones; free, preempt (spill) and resume the listed sequences; then run the plan's
+ * sequences through model_forward_batch. Stage 0 embeds the tokens; each later stage receives, from the
  * stage before it, one HIDDEN frame per step that has work: a table of the sequences that stage
  * ran (id, token count) followed by their activation rows. A stage runs exactly the sequences of
  * that table that are also fine locally, and forwards its own table, so a sequence that failed on
@@ -88,6 +90,7 @@ typedef struct stage_kv_usage {
     uint64_t spill_failures, restore_failures;   /* moves to/from NVMe that failed (blocks stay above) */
     strata_error spill_error;                    /* why the last spill failed; code 0 when it succeeded */
     size_t sequences;
+    size_t prefix_entries, prefix_bytes;         /* prefix entries kept (host memory, outside the tiers) */
 } stage_kv_usage;
 
 void stage_get_kv_usage(const stage *s, stage_kv_usage *out);
