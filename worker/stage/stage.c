@@ -545,6 +545,33 @@ static int park_prefix(stage *s, const Strata__Internal__V1__PrefixPark *pk)
     return STRATA_OK;
 }
 
+/* Adds sequence id from a KV sequence image (a migration's or a prefix entry's), with its
+ * sampler (owned from here on; NULL: made at its first sampling work). */
+static int add_imported(stage *s, uint64_t id, const uint8_t *img, size_t len, sampler *smp, strata_error *err)
+{
+    if (grow((void **)&s->seqs, &s->cap_seqs, s->n_seqs + 1, sizeof *s->seqs) != STRATA_OK) {
+        sampler_free(smp);
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    }
+    kv_seq *kv = NULL;
+    stage_gpu_seq *gq = NULL;
+    if (s->gpu)
+        gq = stage_gpu_seq_import(s->gpu, img, len, err);
+    else if ((kv = kv_seq_import(s->pool, s->max_seq_tokens, img, len, err)) && !stage_plan_known(s, kv)) {
+        kv_seq_destroy(kv);
+        kv = NULL;
+        strata_fail(err, STRATA_EUNSUPPORTED, "the sequence's KV plan is not one this worker was assigned");
+    }
+    if (!kv && !gq) {
+        sampler_free(smp);
+        return err && err->code ? err->code : STRATA_EFORMAT;
+    }
+    if (kv)
+        kv_seq_set_id(kv, id);
+    s->seqs[s->n_seqs++] = (seq_entry){.id = id, .kv = kv, .gpu = gq, .smp = smp};
+    return STRATA_OK;
+}
+
 /* A new sequence as a copy of prefix entry `entry` (SeqWork.prefix_entry); NULL with e1 set. */
 static seq_entry *start_from_prefix(stage *s, uint64_t id, uint64_t entry, strata_error *e1)
 {
@@ -554,27 +581,10 @@ static seq_entry *start_from_prefix(stage *s, uint64_t id, uint64_t entry, strat
                     p ? p->why : "");
         return NULL;
     }
-    if (grow((void **)&s->seqs, &s->cap_seqs, s->n_seqs + 1, sizeof *s->seqs) != STRATA_OK) {
-        strata_fail(e1, STRATA_ENOMEM, "out of memory");
-        return NULL;
-    }
-    kv_seq *kv = NULL;
-    stage_gpu_seq *gq = NULL;
-    if (s->gpu)
-        gq = stage_gpu_seq_import(s->gpu, p->img, p->len, e1);
-    else if ((kv = kv_seq_import(s->pool, s->max_seq_tokens, p->img, p->len, e1)) && !stage_plan_known(s, kv)) {
-        kv_seq_destroy(kv);
-        kv = NULL;
-        strata_fail(e1, STRATA_EUNSUPPORTED, "prefix entry %" PRIu64 "'s KV plan is not one this worker was assigned",
-                    entry);
-    }
-    if (!kv && !gq) {
+    if (add_imported(s, id, p->img, p->len, NULL, e1) != STRATA_OK) {
         strata_error_prefix(e1, "starting from prefix entry %" PRIu64, entry);
         return NULL;
     }
-    if (kv)
-        kv_seq_set_id(kv, id);
-    s->seqs[s->n_seqs++] = (seq_entry){.id = id, .kv = kv, .gpu = gq};
     return &s->seqs[s->n_seqs - 1];
 }
 
@@ -860,30 +870,10 @@ int stage_import_seq(stage *s, uint64_t id, const uint8_t *img, size_t len, stra
         return strata_fail(err, STRATA_EINVAL, "sequence %" PRIu64 " is already on this stage", id);
     if (len < MIGRATION_HEAD || kv_ld32(img) != MIGRATION_MAGIC || (kv_ld32(img + 4) & ~1u))
         return strata_fail(err, STRATA_EFORMAT, "not a migration image (%zu bytes)", len);
-    if (grow((void **)&s->seqs, &s->cap_seqs, s->n_seqs + 1, sizeof *s->seqs) != STRATA_OK)
-        return strata_fail(err, STRATA_ENOMEM, "out of memory");
     sampler *smp = NULL;
     if ((kv_ld32(img + 4) & 1u) && !(smp = sampler_restore(img + 8, s->cfg->n_vocab, err)))
         return err ? err->code : STRATA_EINVAL;
-    kv_seq *kv = NULL;
-    stage_gpu_seq *gq = NULL;
-    if (s->gpu)
-        gq = stage_gpu_seq_import(s->gpu, img + MIGRATION_HEAD, len - MIGRATION_HEAD, err);
-    else
-        kv = kv_seq_import(s->pool, s->max_seq_tokens, img + MIGRATION_HEAD, len - MIGRATION_HEAD, err);
-    if (kv && !stage_plan_known(s, kv)) {
-        kv_seq_destroy(kv);
-        kv = NULL;
-        strata_fail(err, STRATA_EUNSUPPORTED, "the sequence's KV plan is not one this worker was assigned");
-    }
-    if (!kv && !gq) {
-        sampler_free(smp);
-        return err ? err->code : STRATA_EFORMAT;
-    }
-    if (kv)
-        kv_seq_set_id(kv, id);
-    s->seqs[s->n_seqs++] = (seq_entry){.id = id, .kv = kv, .gpu = gq, .smp = smp};
-    return STRATA_OK;
+    return add_imported(s, id, img + MIGRATION_HEAD, len - MIGRATION_HEAD, smp, err);
 }
 
 void stage_drop_seq(stage *s, uint64_t id) { drop(s, id); }
