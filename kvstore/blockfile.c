@@ -14,6 +14,7 @@
 #include "kvstore/bytes.h"
 #include "kvstore/crc32c.h"
 #include "kvstore/half.h"
+#include "kvstore/replace_file.h"
 
 enum {
     KV_FILE_MAGIC = 0,         /* u32 */
@@ -130,91 +131,17 @@ static int save_to(kv_seq *seq, FILE *f, const char *path, strata_error *err)
     return rc;
 }
 
-/* fsync of the folder holding path, so a rename into it is on disk. */
-static int sync_folder_of(const char *path, strata_error *err)
+static int save_seq(FILE *f, const char *path, void *seq, strata_error *err)
 {
-    const char *slash = strrchr(path, '/');
-    char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
-    if (!dir)
-        return strata_fail(err, STRATA_ENOMEM, "saving %s: out of memory", path);
-    int rc = STRATA_OK;
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    /* Some file systems cannot sync a folder (EINVAL): the rename is then as durable as they make it. */
-    if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL))
-        rc = strata_fail(err, STRATA_EIO, "%s was written but its folder %s could not be synced: %s", path, dir,
-                         strerror(errno));
-    if (fd >= 0)
-        close(fd);
-    free(dir);
-    return rc;
+    return save_to(seq, f, path, err);
 }
 
 int kv_blockfile_save(kv_seq *seq, const char *path, strata_error *err)
 {
     if (!seq || !path || !*path)
         return strata_fail(err, STRATA_EINVAL, "saving a block file: no sequence or path");
-    /* Only a regular file is ever replaced: a device node or a FIFO in its place is the user's.
-     * A link to a regular file is kept, and its target replaced. */
-    struct stat st;
-    char *target = NULL;
-    const bool exists = lstat(path, &st) == 0;
-    if (exists && S_ISLNK(st.st_mode)) {
-        if (!(target = realpath(path, NULL)))
-            return strata_fail(err, STRATA_EIO, "%s is a symbolic link to nothing (%s)", path, strerror(errno));
-        if (stat(target, &st) != 0 || !S_ISREG(st.st_mode)) {
-            free(target);
-            return strata_fail(err, STRATA_EIO, "%s links to something that is not a regular file: not replacing it",
-                               path);
-        }
-    } else if (exists && !S_ISREG(st.st_mode)) {
-        return strata_fail(err, STRATA_EIO, "%s exists and is not a regular file: not replacing it", path);
-    }
-    const char *dest = target ? target : path;
-    /* Written beside its final name and renamed there once complete and on disk, so a failure
-     * (a full disk, an I/O error) leaves a file that was there as it was, never half written. */
-    size_t n = strlen(dest);
-    char *tmp = malloc(n + sizeof ".tmp-XXXXXX");
-    if (!tmp) {
-        free(target);
-        return strata_fail(err, STRATA_ENOMEM, "saving %s: out of memory", path);
-    }
-    memcpy(tmp, dest, n);
-    memcpy(tmp + n, ".tmp-XXXXXX", sizeof ".tmp-XXXXXX");
-    int fd = mkostemp(tmp, O_CLOEXEC);   /* mode 0600 */
-    if (fd < 0) {
-        int e = errno;
-        free(tmp);
-        free(target);
-        return strata_fail(err, STRATA_EIO, "cannot create a file beside %s: %s", dest, strerror(e));
-    }
-    FILE *f = fdopen(fd, "wb");
-    int rc = STRATA_OK;
-    if (!f) {
-        rc = strata_fail(err, STRATA_EIO, "cannot open %s: %s", tmp, strerror(errno));
-        close(fd);
-    } else {
-        /* A replaced file keeps its permissions; a new one stays 0600 (it holds the prompt's
-         * keys and values). */
-        if (exists && fchmod(fd, st.st_mode & 0777) != 0)   /* not set-id bits onto a dump */
-            rc = strata_fail(err, STRATA_EIO, "setting the mode of %s: %s", tmp, strerror(errno));
-        if (rc == STRATA_OK)
-            rc = save_to(seq, f, path, err);
-        if (rc == STRATA_OK && fflush(f) != 0)
-            rc = strata_fail(err, STRATA_EIO, "writing %s: %s", path, strerror(errno));
-        if (rc == STRATA_OK && fsync(fd) != 0)
-            rc = strata_fail(err, STRATA_EIO, "writing %s: %s", path, strerror(errno));
-        if (fclose(f) != 0 && rc == STRATA_OK)
-            rc = strata_fail(err, STRATA_EIO, "writing %s: %s", path, strerror(errno));
-    }
-    if (rc == STRATA_OK && rename(tmp, dest) != 0)
-        rc = strata_fail(err, STRATA_EIO, "renaming %s to %s: %s", tmp, dest, strerror(errno));
-    if (rc != STRATA_OK)
-        unlink(tmp);
-    else
-        rc = sync_folder_of(dest, err);   /* the rename itself survives a crash only then */
-    free(tmp);
-    free(target);
-    return rc;
+    /* A new file stays 0600: it holds the prompt's keys and values. */
+    return strata_replace_file(path, 0600, save_seq, seq, err);
 }
 
 /* Maps the file read-only: inspection touches only what it parses, so a huge file that is not

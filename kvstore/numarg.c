@@ -13,7 +13,8 @@ bool strata_parse_long(const char *prog, const char *flag, const char *s, long m
     char *end;
     errno = 0;
     const long v = strtol(s, &end, 10);
-    if (errno || end == s || *end != '\0' || v < min || v > max) {
+    /* strtol skips leading blanks: " 4" would pass for a number a script quoted by mistake */
+    if (errno || end == s || *end != '\0' || isspace((unsigned char)s[0]) || v < min || v > max) {
         fprintf(stderr, "%s: %s: '%s' is not an integer in [%ld, %ld]\n", prog, flag, s, min, max);
         return false;
     }
@@ -49,7 +50,7 @@ bool strata_parse_double(const char *prog, const char *flag, const char *s, doub
     char *end;
     errno = 0;
     const double v = strtod(s, &end);
-    if (errno || end == s || *end != '\0' || !isfinite(v) || v < min || v > max) {
+    if (errno || end == s || *end != '\0' || isspace((unsigned char)s[0]) || !isfinite(v) || v < min || v > max) {
         fprintf(stderr, "%s: %s: '%s' is not a number in [%.10g, %.10g]\n", prog, flag, s, min, max);
         return false;
     }

@@ -1,5 +1,6 @@
 /* Bit plans (plan.h). */
 #include "kvstore/plan.h"
+#include "kvstore/replace_file.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -261,14 +262,17 @@ char *kv_plan_name(const kv_codec_params *layers, int n_layers)
     return buf;
 }
 
-int kv_plan_save(const char *path, const kv_codec_params *layers, int n_layers, const char *comment,
-                 strata_error *err)
+typedef struct plan_text {
+    const kv_codec_params *layers;
+    int n_layers;
+    const char *comment;
+} plan_text;
+
+static int write_plan(FILE *f, const char *path, void *ctx, strata_error *err)
 {
-    FILE *f = fopen(path, "w");
-    if (!f)
-        return strata_fail(err, STRATA_EIO, "writing kv plan %s: %s", path, strerror(errno));
-    if (comment) {
-        const char *c = comment;
+    const plan_text *p = ctx;
+    if (p->comment) {
+        const char *c = p->comment;
         while (*c) {   /* control characters become '?': kv_plan_load reads only text */
             size_t n = strcspn(c, "\n");
             fputs("# ", f);
@@ -280,11 +284,11 @@ int kv_plan_save(const char *path, const kv_codec_params *layers, int n_layers, 
     }
     char name[64], next[64];
     int start = 0;
-    for (int l = 0; l < n_layers; l++) {
-        kv_codec_name(&layers[l], name, sizeof name);
-        if (l + 1 < n_layers)
-            kv_codec_name(&layers[l + 1], next, sizeof next);
-        if (l + 1 < n_layers && strcmp(name, next) == 0)
+    for (int l = 0; l < p->n_layers; l++) {
+        kv_codec_name(&p->layers[l], name, sizeof name);
+        if (l + 1 < p->n_layers)
+            kv_codec_name(&p->layers[l + 1], next, sizeof next);
+        if (l + 1 < p->n_layers && strcmp(name, next) == 0)
             continue;
         if (start == l)
             fprintf(f, "%d:%s\n", l, name);
@@ -292,9 +296,28 @@ int kv_plan_save(const char *path, const kv_codec_params *layers, int n_layers, 
             fprintf(f, "%d-%d:%s\n", start, l, name);
         start = l + 1;
     }
-    if (ferror(f) | (fclose(f) != 0))
+    if (ferror(f))
         return strata_fail(err, STRATA_EIO, "writing kv plan %s: %s", path, strerror(errno));
     return STRATA_OK;
+}
+
+int kv_plan_save(const char *path, const kv_codec_params *layers, int n_layers, const char *comment,
+                 strata_error *err)
+{
+    plan_text p = {layers, n_layers, comment};
+    /* A device or a pipe (--out /dev/stdout) is written to as it is; a file is replaced. */
+    struct stat st;
+    if (path && stat(path, &st) == 0 && !S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode)) {
+        FILE *f = fopen(path, "w");
+        if (!f)
+            return strata_fail(err, STRATA_EIO, "writing kv plan %s: %s", path, strerror(errno));
+        int rc = write_plan(f, path, &p, err);
+        if (fclose(f) != 0 && rc == STRATA_OK)
+            rc = strata_fail(err, STRATA_EIO, "writing kv plan %s: %s", path, strerror(errno));
+        return rc;
+    }
+    int rc = strata_replace_file(path, 0644, write_plan, &p, err);
+    return rc == STRATA_OK ? rc : strata_error_prefix(err, "writing kv plan");
 }
 
 int kv_plan_check_one_window(const kv_codec_params *layers, int n_layers, strata_error *err)

@@ -37,7 +37,9 @@ void kv_plan_format(const kv_codec_params *layers, int n_layers, char *buf, size
 char *kv_plan_name(const kv_codec_params *layers, int n_layers);
 
 /* Writes a plan file: comment lines (each prefixed with "# "; may be NULL; control characters
- * written as '?') then one range per line. */
+ * written as '?') then one range per line. A file is replaced whole or not at all
+ * (replace_file.h): a failure leaves a plan that was there as it was. A device or a pipe
+ * (/dev/stdout) is written to directly. */
 int kv_plan_save(const char *path, const kv_codec_params *layers, int n_layers, const char *comment,
                  strata_error *err);
 

@@ -24,6 +24,7 @@
 #include <unistd.h>
 
 #include "kvstore/block.h"
+#include "kvstore/bytes.h"
 #include "offload/extent.h"
 
 #define NONE UINT32_MAX
@@ -1038,6 +1039,27 @@ static int open_dir(nvme_store *s, strata_error *err)
     return STRATA_OK;
 }
 
+/* Whether an existing file may be a slab a crashed store left: empty, or its first page all zeros
+ * (preallocated, never written) or starting with a block. A user's file that happens to carry a
+ * slab's name is anything else, and is refused rather than truncated. -1 with errno on a read
+ * error. */
+static int looks_like_slab(int fd)
+{
+    uint8_t *page;
+    if (posix_memalign((void **)&page, NVME_PAGE, NVME_PAGE) != 0) {
+        errno = ENOMEM;
+        return -1;
+    }
+    const ssize_t n = pread(fd, page, NVME_PAGE, 0);
+    int ours = n < 0 ? -1 : 1;
+    if (n > 0 && !(n >= 4 && kv_ld32(page) == KV_BLOCK_MAGIC)) {
+        for (ssize_t i = 0; i < n && ours == 1; i++)
+            ours = page[i] == 0;
+    }
+    free(page);
+    return ours;
+}
+
 static int open_slabs(nvme_store *s, char *why_buffered, size_t why_cap, bool *prealloc_all, strata_error *err)
 {
     uint64_t left = s->page_total * NVME_PAGE;
@@ -1071,6 +1093,18 @@ static int open_slabs(nvme_store *s, char *why_buffered, size_t why_cap, bool *p
                                !S_ISREG(st.st_mode) ? "not a regular file"
                                : st.st_nlink != 1   ? "it has other hard links"
                                                     : "another user's file");
+        }
+        const int ours = st.st_size == 0 ? 1 : looks_like_slab(sl->fd);
+        if (ours != 1) {
+            const int e = errno;
+            close(sl->fd);
+            sl->fd = -1;
+            if (ours < 0)
+                return strata_fail(err, STRATA_EIO, "nvme tier: reading '%s/%s': %s", s->dir, sl->name, strerror(e));
+            return strata_fail(err, STRATA_EIO,
+                               "nvme tier: '%s/%s' exists and does not look like a slab file (%lld bytes, neither "
+                               "zeros nor a KV block at its start): not overwriting it; remove it or give "
+                               "another spill directory", s->dir, sl->name, (long long)st.st_size);
         }
         if (ftruncate(sl->fd, 0) != 0)
             return strata_fail(err, STRATA_EIO, "nvme tier: truncating '%s/%s': %s", s->dir, sl->name,

@@ -23,6 +23,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -1383,12 +1384,29 @@ static void test_start_errors(void **state)
     h_finish(&h);
 }
 
+/* A child dies with the test: a failed assertion jumps past the kill that ends it, and a child
+ * left alive (paused or stopped) keeps the test's stderr open, so ctest would wait on it for
+ * ever. */
+static void die_with_parent(pid_t parent)
+{
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0 || getppid() != parent)
+        _exit(9);
+}
+
 int main(int argc, char **argv)
 {
+    if (argc >= 2 && (!strcmp(argv[1], "--control-child") || !strcmp(argv[1], "--control-coordinator"))) {
+        const char *parent = getenv("STRATA_TEST_PARENT");
+        die_with_parent(parent ? (pid_t)atol(parent) : getppid());
+    }
     if (argc >= 4 && strcmp(argv[1], "--control-child") == 0)
         return child_main(argv[2], argv[3]);
     if (argc >= 2 && strcmp(argv[1], "--control-coordinator") == 0)
         return coord_child_main();
+    char self[32];
+    snprintf(self, sizeof self, "%ld", (long)getpid());
+    if (setenv("STRATA_TEST_PARENT", self, 1) != 0)
+        return 1;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_join_accepted),
         cmocka_unit_test(test_join_refusals),

@@ -6,6 +6,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -175,6 +178,61 @@ static void test_files(void **state)
     rmdir(dir);
 }
 
+/* Saving replaces a plan whole or not at all: calibrate's --out names a file the user may have
+ * kept, and a disk filling half way must not leave half a plan (which would load as a plan of
+ * fewer ranges, or fail to load) in its place. */
+static void test_save_failure_keeps_old(void **state)
+{
+    (void)state;
+    char dir[] = "/tmp/strata-plan-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char path[128];
+    snprintf(path, sizeof path, "%s/plan.txt", dir);
+    kv_codec_params a[L], b[L];
+    assert_int_equal(kv_plan_parse("0-9:kivi4,10-29:kivi2", L, a, NULL), STRATA_OK);
+    strata_error err = {0};
+    const mode_t was_mask = umask(022);
+    assert_int_equal(kv_plan_save(path, a, L, "the old plan", &err), STRATA_OK);
+    struct stat st;
+    assert_int_equal(stat(path, &st), 0);
+    assert_int_equal(st.st_mode & 07777, 0644);   /* a plan is not secret */
+    assert_int_equal(chmod(path, 0600), 0);
+    char comment[8192];
+    memset(comment, 'c', sizeof comment - 1);
+    comment[sizeof comment - 1] = 0;
+    kv_codec_params other[L];
+    assert_int_equal(kv_plan_parse("fp16", L, other, NULL), STRATA_OK);
+    struct rlimit lim;
+    assert_int_equal(getrlimit(RLIMIT_FSIZE, &lim), 0);
+    struct rlimit small = {1024, lim.rlim_max};
+    void (*prev)(int) = signal(SIGXFSZ, SIG_IGN);   /* a write past the limit fails with EFBIG */
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &small), 0);
+    const int rc = kv_plan_save(path, other, L, comment, &err);
+    assert_int_equal(setrlimit(RLIMIT_FSIZE, &lim), 0);
+    signal(SIGXFSZ, prev);
+    assert_int_equal(rc, STRATA_EIO);
+    assert_non_null(strstr(err.msg, "writing kv plan"));
+    assert_non_null(strstr(err.msg, "File too large"));
+    assert_int_equal(kv_plan_load(path, L, b, &err), STRATA_OK);   /* the old plan, whole */
+    expect_layer(b, 9, "kivi4");
+    expect_layer(b, 29, "kivi2");
+    /* A replaced plan keeps its mode (the rmdir below checks no temporary file is left). */
+    assert_int_equal(kv_plan_save(path, other, L, NULL, &err), STRATA_OK);
+    assert_int_equal(stat(path, &st), 0);
+    assert_int_equal(st.st_mode & 07777, 0600);
+    assert_int_equal(kv_plan_load(path, L, b, &err), STRATA_OK);
+    expect_layer(b, 0, "fp16");
+    /* A device is written to, never replaced (calibrate --out /dev/stdout); a folder is refused. */
+    assert_int_equal(kv_plan_save("/dev/null", a, L, NULL, &err), STRATA_OK);
+    assert_int_equal(stat("/dev/null", &st), 0);
+    assert_true(S_ISCHR(st.st_mode));
+    assert_int_equal(kv_plan_save(dir, a, L, NULL, &err), STRATA_EIO);
+    assert_non_null(strstr(err.msg, "not a regular file"));
+    umask(was_mask);
+    unlink(path);
+    assert_int_equal(rmdir(dir), 0);   /* empty: nothing was left beside the plan */
+}
+
 /* A pool for a mixed plan: each layer's blocks are its codec's, sized by it. */
 static void test_mixed_pool(void **state)
 {
@@ -261,6 +319,7 @@ int main(void)
         cmocka_unit_test(test_parse),
         cmocka_unit_test(test_format_round_trip),
         cmocka_unit_test(test_files),
+        cmocka_unit_test(test_save_failure_keeps_old),
         cmocka_unit_test(test_mixed_pool),
         cmocka_unit_test(test_one_window),
     };

@@ -18,7 +18,7 @@ static void test_integers(void **state)
     assert_true(strata_parse_long("prog", "--n", "-3", -5, 5, &v));
     assert_int_equal(v, -3);
     assert_true(strata_parse_long("prog", "--n", "100", 1, 100, &v));   /* bounds included */
-    const char *bad[] = {"", "x", "12x", "1.5", " ", "101", "0", "99999999999999999999999"};
+    const char *bad[] = {"", "x", "12x", "1.5", " ", " 4", "\t4", "\n4", "101", "0", "99999999999999999999999"};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         v = -7;
         if (strata_parse_long("prog", "--n", bad[i], 1, 100, &v))
@@ -69,7 +69,7 @@ static void test_doubles(void **state)
     assert_true(strata_parse_double("prog", "--f", "0.5", 0.01, 0.95, &v));
     assert_true(v == 0.5);
     assert_true(strata_parse_double("prog", "--f", "1e-2", 0.01, 0.95, &v));
-    const char *bad[] = {"0", "0.96", "nan", "inf", "", "0.5x", "1e999"};
+    const char *bad[] = {"0", "0.96", "nan", "inf", "", "0.5x", "1e999", " 0.5", "\t0.5"};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         v = -1.0;
         if (strata_parse_double("prog", "--f", bad[i], 0.01, 0.95, &v))

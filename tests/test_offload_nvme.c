@@ -790,13 +790,48 @@ static void test_bad_directories(void **state)
     assert_int_equal(vs.st_size, 8);
     assert_int_equal(vs.st_nlink, 2);   /* the planted link is still there: not ours to delete */
     assert_int_equal(unlink(slab), 0);
-    /* A slab file a crashed store left behind is reused. */
+    /* A file with a slab's name that is not one (a user's) is never truncated or deleted. */
     f = fopen(slab, "w");
     assert_non_null(f);
-    fputs("stale", f);
+    fputs("precious", f);
     fclose(f);
-    nvme_store *reused = open_store(path, 1u << 20, false, NULL);
-    nvme_store_destroy(reused);
+    expect_create_fails(path, STRATA_EIO, "does not look like a slab file (8 bytes");
+    assert_int_equal(stat(slab, &vs), 0);
+    assert_int_equal(vs.st_size, 8);
+    /* A slab file a crashed store left behind is reused: empty, zeros (preallocated, never
+     * written), or a block at its start. */
+    static const size_t zero_len[] = {0, 3, 8192};
+    for (size_t i = 0; i < sizeof zero_len / sizeof *zero_len; i++) {
+        f = fopen(slab, "w");
+        assert_non_null(f);
+        for (size_t b = 0; b < zero_len[i]; b++)
+            fputc(0, f);
+        fclose(f);
+        nvme_store *reused = open_store(path, 1u << 20, false, NULL);
+        nvme_store_destroy(reused);
+    }
+    {
+        nvme_store *crashed = open_store(path, 1u << 20, false, NULL);
+        size_t blk_len;
+        uint8_t *blk = ob_varied_block(0, 0, &blk_len);
+        assert_non_null(blk);
+        nvme_loc loc;
+        assert_int_equal(nvme_store_write(crashed, blk, blk_len, 1, &loc, NULL), STRATA_OK);
+        assert_int_equal(loc.offset, 0);
+        int keep = open(slab, O_RDONLY);   /* destroy deletes the file: keep its bytes */
+        assert_true(keep >= 0);
+        uint8_t head[4096];
+        assert_int_equal(pread(keep, head, sizeof head, 0), (ssize_t)sizeof head);
+        close(keep);
+        nvme_store_destroy(crashed);
+        f = fopen(slab, "w");
+        assert_non_null(f);
+        assert_int_equal(fwrite(head, 1, sizeof head, f), sizeof head);
+        fclose(f);
+        nvme_store *reused = open_store(path, 1u << 20, false, NULL);
+        nvme_store_destroy(reused);
+        free(blk);
+    }
     /* Two stores cannot share a directory. */
     nvme_store *a = open_store(t.dir, 1u << 20, false, NULL);
     expect_create_fails(t.dir, STRATA_EIO, "in use by another store");
