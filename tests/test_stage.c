@@ -738,6 +738,45 @@ static void test_prefix_entries(void **state)
     for (int k = 0; k < STEPS; k++)
         if (user.got[k] != user.want[k])
             fail_msg("token %d: %d from the prefix entry, %d from the whole prompt", k, user.got[k], user.want[k]);
+    /* A prompt sharing only the entry's first block takes that block alone (pos0 64 of the
+     * entry's 128): the copy is cut, and its tokens are the whole prompt's. */
+    seq_spec part = {.id = 3, .n_prompt = 100, .join_step = 1};
+    memcpy(part.prompt, donor.prompt, 64 * sizeof *part.prompt);
+    for (size_t k = 64; k < part.n_prompt; k++)
+        part.prompt[k] = (int32_t)(5 + (k * 6007) % 40000);
+    reference(&part, STEPS, kv);
+    for (int step = 5; step < 5 + STEPS; step++) {
+        build_plan(&b, (uint64_t)(100 + step), &part, 1, step, STEPS);
+        if (step == 5) {
+            b.work[0].pos0 = 64;
+            b.work[0].n_tokens = part.n_prompt - 64;
+            for (size_t k = 0; k < b.work[0].n_tokens; k++)
+                b.tokens[0][k] = (uint32_t)part.prompt[64 + k];
+            b.work[0].prefix_entry = 1;
+        }
+        assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
+        assert_int_equal(r.n_seqs, 1);
+        if (r.seqs[0].status != STRATA_OK)
+            fail_msg("from the entry's first block: %s", r.seqs[0].message);
+        apply(&r, &part, 1, &b);
+        if (step == 5)
+            part.len = part.n_prompt;
+    }
+    for (int k = 0; k < STEPS; k++)
+        if (part.got[k] != part.want[k])
+            fail_msg("token %d: %d from the entry's first block, %d from the whole prompt", k, part.got[k],
+                     part.want[k]);
+    /* More tokens than the entry holds: that sequence fails, saying so. */
+    seq_spec over = {.id = 4, .n_prompt = 150, .join_step = 1};
+    memcpy(over.prompt, donor.prompt, sizeof over.prompt);
+    build_plan(&b, 150, &over, 1, 1, 1);
+    b.work[0].pos0 = 192;
+    b.work[0].n_tokens = 1;
+    b.work[0].prefix_entry = 1;
+    assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
+    assert_int_equal(r.n_seqs, 1);
+    if (r.seqs[0].status == STRATA_OK || !strstr(r.seqs[0].message, "holds 128 tokens; the plan takes 192"))
+        fail_msg("%s", r.seqs[0].message);
 
     /* Copies that cannot be made fail alone: entry 77 (its park failed), an entry never parked,
      * and entry 1 on the OTT stage (its park was refused); sequence 30 starts normally beside. */

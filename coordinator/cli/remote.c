@@ -249,8 +249,9 @@ int cli_remote_generate(const remote_request *r)
             exit_code = 0;
             if (r->stats) {
                 double t = now_seconds();
-                fprintf(stderr, "\nrequest %s: %u prompt tokens, %u generated, finish: %s\n", resp->request_id,
-                        c->prompt_tokens, c->completion_tokens, finish_name(c->finish_reason));
+                fprintf(stderr, "\nrequest %s: %u prompt tokens (%u from the prefix cache), %u generated, finish: %s\n",
+                        resp->request_id, c->prompt_tokens, c->cached_tokens, c->completion_tokens,
+                        finish_name(c->finish_reason));
                 fprintf(stderr, "time to first token: %.3f s; %.2f tokens/s after it (%.3f s in all)\n",
                         t_first ? t_first - t0 : 0.0,
                         n_tokens > 1 && t_first ? (double)(n_tokens - 1) / (t - t_first) : 0.0, t - t0);

@@ -17,20 +17,24 @@ cleanup() {
 trap cleanup EXIT
 fail() { echo "FAIL: $*" >&2; [ -f "$tmp/serve.log" ] && tail -30 "$tmp/serve.log" >&2; exit 1; }
 
+wait_ready() {
+  port=
+  for _ in $(seq 1200); do
+    port=$(sed -n 's/.*ready: serving .* on port \([0-9]*\).*/\1/p' "$tmp/serve.log" | head -1)
+    [ -n "$port" ] && break
+    kill -0 "$pid" 2>/dev/null || fail "strata serve exited before it was ready"
+    sleep 0.2
+  done
+  [ -n "$port" ] || fail "strata serve was not ready within 240 s"
+  addr=127.0.0.1:$port
+}
+
 printf '#!/bin/sh\nexec "%s" --device cuda:0 "$@"\n' "$fakeworker" >"$tmp/worker"
 chmod +x "$tmp/worker"
 "$strata" serve --listen 127.0.0.1:0 --replicas 2 --stages 2 --ctx 512 --kv-codecs fp16 --worker-bin "$tmp/worker" \
   >"$tmp/serve.log" 2>&1 &
 pid=$!
-port=
-for _ in $(seq 1200); do
-  port=$(sed -n 's/.*ready: serving .* on port \([0-9]*\).*/\1/p' "$tmp/serve.log" | head -1)
-  [ -n "$port" ] && break
-  kill -0 "$pid" 2>/dev/null || fail "strata serve exited before it was ready"
-  sleep 0.2
-done
-[ -n "$port" ] || fail "strata serve was not ready within 240 s"
-addr=127.0.0.1:$port
+wait_ready
 [ "$(grep -c "of .* on cuda:0" "$tmp/serve.log")" = 4 ] || fail "the four workers did not say they compute on cuda:0"
 
 # Greedy: served by the GPU stages = generated alone on the CPU.
@@ -75,7 +79,33 @@ grep -q "1 moved, 0 failed" "$tmp/drain" || fail "drain said: $(cat "$tmp/drain"
 grep -q "moved from replica" "$tmp/serve.log" || fail "the coordinator logged no migration"
 [ "$(cat "$tmp/a")" = "$ref1" ] || fail "request a after the drain: '$(cat "$tmp/a")' != '$ref1'"
 [ "$(cat "$tmp/b")" = "$ref2" ] || fail "request b after the drain: '$(cat "$tmp/b")' != '$ref2'"
-echo "serve_fakecuda: ok ($(tail -1 "$tmp/drain"))"
+kill -TERM "$pid"
+wait "$pid" || fail "strata serve did not stop cleanly"
+pid=
+
+# Prefix caching on GPU stages: a finished request's first blocks are parked as a tail-less
+# sequence image (exported from the device pool), and a request starting with the same tokens
+# imports it into the device pool and prefills only the rest. fp16, so the output must equal the
+# CPU's token for token; a second turn (the first answer and a question appended) reuses the
+# first turn's parked prompt and answer.
+"$strata" serve --listen 127.0.0.1:0 --stages 2 --ctx 512 --kv fp16 --prefix-cache-mib 8 --worker-bin "$tmp/worker" \
+  >"$tmp/serve.log" 2>&1 &
+pid=$!
+wait_ready
+"$strata" generate --server "$addr" -p - -n 24 --ignore-eos --no-echo -q <"$tmp/long.txt" >/dev/null || fail "first turn"
+for turn in 1 2; do
+  got=$("$strata" generate --server "$addr" -p - -n 24 --ignore-eos --no-echo -q --stats <"$tmp/long.txt" \
+    2>"$tmp/p.err") || fail "prefix turn $turn: $(cat "$tmp/p.err")"
+  [ "$got" = "$want16" ] || fail "from the prefix cache (turn $turn) '$got', CPU '$want16'"
+  grep -q "(192 from the prefix cache)" "$tmp/p.err" || fail "turn $turn did not copy 192 tokens: $(cat "$tmp/p.err")"
+done
+{ cat "$tmp/long.txt"; printf '%s\nQ: what is this about? A:' "$want16"; } >"$tmp/turn2.txt"
+want2=$("$strata" generate -p - -n 16 --ignore-eos --no-echo -q --kv fp16 <"$tmp/turn2.txt")
+got2=$("$strata" generate --server "$addr" -p - -n 16 --ignore-eos --no-echo -q --stats <"$tmp/turn2.txt" \
+  2>"$tmp/p.err") || fail "second turn: $(cat "$tmp/p.err")"
+[ "$got2" = "$want2" ] || fail "second turn from the prefix cache '$got2', CPU '$want2'"
+grep -q "(256 from the prefix cache)" "$tmp/p.err" || fail "the second turn did not reuse the first answer: $(cat "$tmp/p.err")"
+echo "serve_fakecuda: ok ($(tail -1 "$tmp/drain"); prefix cache on GPU stages)"
 kill -TERM "$pid"
 wait "$pid" || fail "strata serve did not stop cleanly"
 pid=

@@ -457,7 +457,7 @@ def test_prefix_cache():
     as compressed blocks; a request whose prompt starts with them copies them and prefills only
     the rest. On fp16 (the cache holds what a whole prefill attends) the outputs equal those of a
     server without the cache, token for token; a follow-up turn reuses the first turn's generated
-    tokens too; OTT plans are never cached; a restarted worker's entries are forgotten (the next
+    tokens too; a prompt sharing only an entry's first blocks takes those; OTT plans are never cached; a restarted worker's entries are forgotten (the next
     request prefills whole and succeeds); GetStats and the metrics count it all, within the
     budget."""
     args = ["--ctx", "1024", "--kv-codecs", "fp16,ott2", "--metrics", "127.0.0.1:0"]
@@ -476,6 +476,10 @@ def test_prefix_cache():
         r = req(LONG, max_tokens=16, ignore_eos=True)
         r.kv_codec = "fp16"
         want_long = c0.generate(r)[0]
+        part = turn1[:130] + list(range(3000, 3020))    # shares only the first 2 blocks of an entry
+        r = req(ids=part, max_tokens=16, ignore_eos=True)
+        r.kv_codec = "fp16"
+        want_part = c0.generate(r)[0]
         assert c0.stats(pb.StatsRequest(), timeout=T).prefix_cache_entries == 0
     finally:
         assert plain.stop() == 0
@@ -500,6 +504,9 @@ def test_prefix_cache():
         ids, cached = run(turn2)
         assert cached == 320, cached             # past the 300 prompt ids: into the first answer
         assert ids == want2, f"from the cache {ids} != without {want2}"
+        ids, cached = run(part)                  # the first 2 of the 5 blocks of the entry
+        assert cached == 128, cached
+        assert ids == want_part, f"from part of an entry {ids} != without {want_part}"
         ids, cached = run(text=LONG)
         assert cached == 0 and ids == want_long
         ids, cached = run(text=LONG)
@@ -513,10 +520,10 @@ def test_prefix_cache():
         for _ in range(2):
             assert run(text=LONG, kv="ott2")[1] == 0
         st = c.stats(pb.StatsRequest(), timeout=T)
-        assert st.prefix_cache_hits == 3 and st.prefix_cache_hit_tokens == seen, st
+        assert st.prefix_cache_hits == 4 and st.prefix_cache_hit_tokens == seen, st
         assert st.prefix_cache_entries >= 1 and 0 < st.prefix_cache_bytes <= 32 << 20, st
         body = urllib.request.urlopen(f"http://127.0.0.1:{int(pm.group(1))}/metrics", timeout=10).read().decode()
-        assert "strata_prefix_cache_hits_total 3" in body and f"strata_prefix_cache_hit_tokens_total {seen}" in body, \
+        assert "strata_prefix_cache_hits_total 4" in body and f"strata_prefix_cache_hit_tokens_total {seen}" in body, \
             [ln for ln in body.splitlines() if "prefix" in ln]
         # a restarted worker holds nothing: the next request prefills whole, and is right
         pids = s.workers()

@@ -572,8 +572,10 @@ static int add_imported(stage *s, uint64_t id, const uint8_t *img, size_t len, s
     return STRATA_OK;
 }
 
-/* A new sequence as a copy of prefix entry `entry` (SeqWork.prefix_entry); NULL with e1 set. */
-static seq_entry *start_from_prefix(stage *s, uint64_t id, uint64_t entry, strata_error *e1)
+/* A new sequence as a copy of the first n_tokens tokens of prefix entry `entry`
+ * (SeqWork.prefix_entry and pos0: a request may share only the entry's first blocks with it);
+ * NULL with e1 set. */
+static seq_entry *start_from_prefix(stage *s, uint64_t id, uint64_t entry, size_t n_tokens, strata_error *e1)
 {
     const prefix_entry *p = find_prefix(s, entry);
     if (!p || !p->img) {
@@ -581,7 +583,20 @@ static seq_entry *start_from_prefix(stage *s, uint64_t id, uint64_t entry, strat
                     p ? p->why : "");
         return NULL;
     }
-    if (add_imported(s, id, p->img, p->len, NULL, e1) != STRATA_OK) {
+    if (n_tokens > p->n_tokens) {
+        strata_fail(e1, STRATA_EINVAL, "prefix entry %" PRIu64 " holds %zu tokens; the plan takes %zu", entry,
+                    (size_t)p->n_tokens, n_tokens);
+        return NULL;
+    }
+    uint8_t *cut = NULL;
+    size_t cut_len = 0;
+    if (n_tokens < p->n_tokens && kv_image_prefix(&s->geo, p->img, p->len, n_tokens, &cut, &cut_len, e1) != STRATA_OK) {
+        strata_error_prefix(e1, "starting from the first %zu tokens of prefix entry %" PRIu64, n_tokens, entry);
+        return NULL;
+    }
+    const int rc = cut ? add_imported(s, id, cut, cut_len, NULL, e1) : add_imported(s, id, p->img, p->len, NULL, e1);
+    free(cut);
+    if (rc != STRATA_OK) {
         strata_error_prefix(e1, "starting from prefix entry %" PRIu64, entry);
         return NULL;
     }
@@ -661,7 +676,7 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
             s->seqs[s->n_seqs++] = (seq_entry){.id = w->seq_id, .kv = kv, .gpu = gq};
             e = &s->seqs[s->n_seqs - 1];
         }
-        if (!e && w->pos0 > 0 && w->prefix_entry && !(e = start_from_prefix(s, w->seq_id, w->prefix_entry, &e1))) {
+        if (!e && w->pos0 > 0 && w->prefix_entry && !(e = start_from_prefix(s, w->seq_id, w->prefix_entry, w->pos0, &e1))) {
             fail_seq(s, w->seq_id, e1.code, e1.msg);
             continue;
         }
