@@ -1166,6 +1166,11 @@ nvme_store *nvme_store_create(const nvme_store_options *o, strata_error *err)
         op->sync_batch = op->staging_bufs;
     s->page_total = op->budget_bytes / NVME_PAGE;
     uint64_t slab_bytes = op->slab_bytes ? op->slab_bytes : (1ull << 30);
+    /* The default grows with the budget past 256 GiB, so that a budget of many TiB is still 256
+     * files: each holds an open descriptor (the usual limit is 1024) and a registered slot of the
+     * ring. */
+    if (!op->slab_bytes && s->page_total > NVME_DEFAULT_SLABS * (slab_bytes / NVME_PAGE))
+        slab_bytes = (s->page_total + NVME_DEFAULT_SLABS - 1) / NVME_DEFAULT_SLABS * NVME_PAGE;
     slab_bytes = slab_bytes / NVME_PAGE * NVME_PAGE;
     if (slab_bytes > s->page_total * NVME_PAGE)
         slab_bytes = s->page_total * NVME_PAGE;
@@ -1181,8 +1186,9 @@ nvme_store *nvme_store_create(const nvme_store_options *o, strata_error *err)
         return NULL;
     }
     uint64_t n_slabs = (s->page_total * NVME_PAGE + slab_bytes - 1) / slab_bytes;
-    if (n_slabs > 4096) {
-        strata_fail(err, STRATA_EINVAL, "nvme tier: %" PRIu64 " slab files; use larger slab_bytes", n_slabs);
+    if (n_slabs > NVME_MAX_SLABS) {
+        strata_fail(err, STRATA_EINVAL, "nvme tier: %" PRIu64 " slab files of %" PRIu64 " bytes; at most %d: use larger "
+                    "slab_bytes", n_slabs, slab_bytes, NVME_MAX_SLABS);
         free(s->dir);
         free(s);
         return NULL;

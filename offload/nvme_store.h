@@ -66,6 +66,8 @@
 
 #define NVME_PAGE 4096u
 #define NVME_MAX_RETRIES 8  /* resubmissions of one chunk (short counts, EINTR/EAGAIN) or fdatasync */
+#define NVME_MAX_SLABS 4096  /* slab files of one store (each a registered file of its ring) */
+#define NVME_DEFAULT_SLABS 256 /* the default slab size keeps a budget to this many files */
 
 typedef struct nvme_store nvme_store;
 
@@ -113,7 +115,8 @@ typedef int (*nvme_fault_fn)(void *ctx, const nvme_fault_op *op, int res);
 typedef struct nvme_store_options {
     const char *dir;            /* spill directory (required) */
     uint64_t budget_bytes;      /* total slab bytes; rounded down to pages (required, >= 1 page) */
-    uint64_t slab_bytes;        /* per slab file; 0: min(budget, 1 GiB). Rounded down to pages */
+    uint64_t slab_bytes;        /* per slab file; 0: min(budget, 1 GiB), or budget / 256 when that
+                                 * is more (at most 256 files). Rounded down to pages */
     unsigned staging_bufs;      /* staging buffers = max chunk operations in flight; 0: 64 */
     size_t staging_buf_bytes;   /* per buffer, a multiple of 4096; 0: 256 KiB */
     unsigned sync_batch;        /* fdatasync when this many writes wait even if more are in

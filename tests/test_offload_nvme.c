@@ -692,6 +692,55 @@ static void test_refuses_bad_block(void **state)
     tmp_clean(&t);
 }
 
+/* A budget of many TiB (a big disk given whole) is a few hundred larger slab files, not
+ * thousands of 1 GiB ones: each file is an open descriptor and a registered slot of the ring. */
+static void test_large_budget(void **state)
+{
+    (void)state;
+    tmp t;
+    tmp_make(&t);
+    nvme_store_options o;
+    nvme_store_options_init(&o, t.dir, 5ull << 40);   /* 5 TiB, sparse */
+    o.no_prealloc = true;
+    strata_error err = {0};
+    nvme_store *st = nvme_store_create(&o, &err);
+    if (!st && (strstr(err.msg, "File too large") || strstr(err.msg, "Invalid argument"))) {
+        fprintf(stderr, "skipping: this file system cannot size a 20 GiB sparse file: %s\n", err.msg);
+        tmp_clean(&t);
+        skip();
+    }
+    if (!st)
+        fail_msg("%s", err.msg);
+    nvme_store_stats ss;
+    nvme_store_get_stats(st, &ss);
+    assert_true(ss.capacity_bytes == 5ull << 40);
+    char path[300];
+    snprintf(path, sizeof path, "%s/slab-0255.kv", t.dir);
+    struct stat sb;
+    assert_int_equal(stat(path, &sb), 0);
+    assert_true(sb.st_size == 20ll << 30);   /* 5 TiB / 256 */
+    snprintf(path, sizeof path, "%s/slab-0256.kv", t.dir);
+    assert_int_equal(stat(path, &sb), -1);
+    size_t size;
+    uint8_t *b = ob_varied_block(0, 0, &size), *back = malloc(size);
+    assert_true(b && back);
+    nvme_loc l;
+    assert_int_equal(nvme_store_write(st, b, size, 1, &l, &err), STRATA_OK);
+    assert_int_equal(nvme_store_read(st, &l, back, size, 1, &err), STRATA_OK);
+    assert_memory_equal(back, b, size);
+    free(b);
+    free(back);
+    nvme_store_destroy(st);
+    /* An explicit slab size that needs more files than a store may have: refused, saying so. */
+    nvme_store_options_init(&o, t.dir, 5ull << 40);
+    o.no_prealloc = true;
+    o.slab_bytes = 1ull << 30;
+    assert_null(nvme_store_create(&o, &err));
+    assert_int_equal(err.code, STRATA_EINVAL);
+    assert_non_null(strstr(err.msg, "5120 slab files"));
+    tmp_clean(&t);
+}
+
 static void test_budget_full(void **state)
 {
     (void)state;
@@ -971,6 +1020,7 @@ int main(void)
         cmocka_unit_test(test_corrupted_on_disk),
         cmocka_unit_test(test_refuses_bad_block),
         cmocka_unit_test(test_budget_full),
+        cmocka_unit_test(test_large_budget),
         cmocka_unit_test(test_bad_directories),
         cmocka_unit_test(test_enospc_tmpfs),
         cmocka_unit_test(test_buffered),

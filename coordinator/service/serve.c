@@ -113,7 +113,7 @@ static void usage(FILE *out, const char *prog, bool local)
             "  --ready-timeout N       %s (default %s)\n"
             "  -q, --quiet             only errors on stderr\n"
             "  -h, --help              this help\n",
-            local ? "give up when the workers are not ready after N s" : "report progress while waiting for workers every N s",
+            local ? "give up when the workers are not ready after N s (or a worker exited twice before)" : "report progress while waiting for workers every N s",
             local ? "300" : "30");
 }
 
@@ -383,7 +383,14 @@ typedef struct local_worker {
     double started;
     double restart_at;   /* 0: running */
     double backoff;
+    int early_exits;     /* exits before the server was first ready */
+    int last_status;     /* waitpid's status of the last exit */
 } local_worker;
+
+/* A worker that exits this often before the server is first ready fails the start: the cause
+ * (a spill folder on a full disk, a model file the worker cannot read) is one a restart does not
+ * mend, and waiting out the ready timeout only hides the worker's message under the restarts. */
+#define EARLY_EXITS_LIMIT 2
 
 typedef struct supervisor {
     const char *prog;
@@ -395,6 +402,7 @@ typedef struct supervisor {
     int n;
     pthread_mutex_t mu;
     bool stopping;
+    bool served;         /* the server has been ready once */
     pthread_t thread;
 } supervisor;
 
@@ -516,6 +524,8 @@ static void *supervise(void *arg)
                 w->pid = -1;
                 w->restart_at = t + w->backoff;
                 w->backoff = w->backoff * 2 > 30 ? 30 : w->backoff * 2;
+                w->early_exits += !sv->served;
+                w->last_status = status;
             }
             if (w->restart_at != 0 && t >= w->restart_at)
                 spawn(sv, w);
@@ -526,6 +536,25 @@ static void *supervise(void *arg)
         struct timespec nap = {0, 200 * 1000000L};
         nanosleep(&nap, NULL);
     }
+}
+
+/* Whether a local worker exited EARLY_EXITS_LIMIT times before the server was first ready; says
+ * which and how. */
+static bool failed_to_start(supervisor *sv)
+{
+    pthread_mutex_lock(&sv->mu);
+    const local_worker *bad = NULL;
+    for (int i = 0; i < sv->n && !bad; i++)
+        if (sv->w[i].early_exits >= EARLY_EXITS_LIMIT)
+            bad = &sv->w[i];
+    if (bad) {
+        const int st = bad->last_status;
+        fprintf(stderr, "%s: worker %s exited %d times before the server was ready (last: %s %d); giving up (see "
+                "its messages above)\n", sv->prog, bad->name, bad->early_exits, WIFEXITED(st) ? "status" : "signal",
+                WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st));
+    }
+    pthread_mutex_unlock(&sv->mu);
+    return bad != NULL;
 }
 
 static bool find_worker_bin(const char *prog, const serve_opts *o, char *out, size_t cap)
@@ -780,6 +809,11 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
     while (!sig) {
         if (!is_ready && coord_wait_ready(co, 0)) {
             is_ready = true;
+            if (sv) {
+                pthread_mutex_lock(&sv->mu);
+                sv->served = true;
+                pthread_mutex_unlock(&sv->mu);
+            }
             if (mhttp)
                 fprintf(stderr, "%s: ready: serving %s on port %d, metrics port %u\n", prog, o.model,
                         api_server_port(api), (unsigned)metrics_http_port(mhttp));
@@ -791,6 +825,8 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
         if (s > 0)
             sig = s;
         waited += 1;
+        if (!is_ready && !sig && sv && failed_to_start(sv))
+            break;
         if (!is_ready && !sig && waited >= (double)o.ready_timeout_s) {
             coord_worker_counts(co, &ready, &total);
             if (local) {

@@ -45,6 +45,17 @@ serve_bad "exceeds max batch tokens 50" --max-seqs 100 --max-batch-tokens 50
 serve_bad "steps-in-flight: '0' is not an integer in \[1, 64\]" --steps-in-flight 0
 serve_bad "device-kv-mib: '0' is not a number in \[0.00390625, 16777216\]" --device-kv-mib 0
 serve_bad "port in 0..65535" --listen 127.0.0.1:99999
+# A worker that cannot start (here its spill file's name is taken by a user's file) fails the
+# start after its second exit, with its own message, instead of restarting until the timeout.
+mkdir -p "$tmp/spill/local-0" && chmod 700 "$tmp/spill" "$tmp/spill/local-0"
+echo "a user's notes" >"$tmp/spill/local-0/slab-0000.kv"
+SECONDS=0
+expect 1 "worker local-0 exited 2 times before the server was ready (last: status 1); giving up" \
+  timeout 120 "$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 --host-kv-mib 1 --nvme-kv-mib 4 \
+  --nvme-dir "$tmp/spill" --ready-timeout 100
+[ "$SECONDS" -lt 60 ] || fail "serve took $SECONDS s to give up on a worker that cannot start"
+grep -q "does not look like a slab file" "$tmp/err" || fail "the worker's reason is not in serve's output"
+grep -q "a user's notes" "$tmp/spill/local-0/slab-0000.kv" || fail "the user's file was overwritten"
 expect 2 "port in 1..65535" "$strata" generate --server 127.0.0.1 --prompt hi
 # Prompts and flags refused before any work: the bytes the server would refuse, two settings of
 # the same thing, output paths that could not be written after a long run.
