@@ -52,12 +52,14 @@ typedef struct fake {
     bool release; /* a held MigrateDone may go */
     bool kill;    /* end the stream now, as a worker that dies */
     bool fail_preempt; /* answer every preemption with a failed spill */
+    bool fail_prefix_copies; /* answer every work that starts from a prefix entry with a failure */
     /* what it saw */
     bool assigned;
     uint32_t replica;
     int plans;
     int preempts;
     int migrates_send, migrates_recv;
+    int parks, prefix_copies;   /* PrefixPark entries and SeqWork.prefix_entry copies seen */
     bool shutdown, shutdown_drain;
     uint64_t seqs[64];
     int n_seqs;
@@ -91,9 +93,12 @@ static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__Step
 {
     pthread_mutex_lock(&f->mu);
     int delay = f->step_ms;
-    bool fail_preempt = f->fail_preempt;
+    bool fail_preempt = f->fail_preempt, fail_copies = f->fail_prefix_copies;
     f->plans++;
     f->preempts += (int)p->n_preempt_seqs;
+    f->parks += (int)p->n_park_prefixes;
+    for (size_t i = 0; i < p->n_seqs; i++)
+        f->prefix_copies += p->seqs[i]->prefix_entry != 0;
     for (size_t i = 0; i < p->n_seqs; i++) {
         bool seen = false;
         for (int k = 0; k < f->n_seqs; k++)
@@ -117,7 +122,11 @@ static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__Step
     for (size_t i = 0; i < n; i++) {
         strata__internal__v1__seq_result__init(&rs[i]);
         rp[i] = &rs[i];
-        if (i < p->n_seqs) {
+        if (i < p->n_seqs && fail_copies && p->seqs[i]->prefix_entry) {   /* as a stage whose park failed */
+            rs[i].seq_id = p->seqs[i]->seq_id;
+            rs[i].status = STRATA_EINVAL;
+            rs[i].message = (char *)"prefix entry is not on this stage: scripted";
+        } else if (i < p->n_seqs) {
             rs[i].seq_id = p->seqs[i]->seq_id;
             rs[i].token = p->seqs[i]->sample ? FAKE_TOKEN : 0;
         } else {   /* as a stage whose kv_seq_spill failed */
@@ -242,6 +251,7 @@ typedef struct gen_job {
     pthread_mutex_t mu;
     int tokens;
     int finish;      /* Complete's reason, 0 until then */
+    uint32_t cached; /* Complete's cached_tokens */
     uint32_t error;  /* an Error message's code (after output), 0 if none */
     char error_message[256];
     grpc_status_code status;
@@ -257,7 +267,10 @@ static void on_generate_response(void *user, ProtobufCMessage *msg)
     if (r->kind_case == STRATA__V1__GENERATE_RESPONSE__KIND_CHUNK)
         g->tokens += (int)r->chunk->n_token_ids;
     else if (r->kind_case == STRATA__V1__GENERATE_RESPONSE__KIND_COMPLETE)
+    {
         g->finish = r->complete->finish_reason;
+        g->cached = r->complete->cached_tokens;
+    }
     else if (r->kind_case == STRATA__V1__GENERATE_RESPONSE__KIND_ERROR) {
         g->error = r->error->code;
         snprintf(g->error_message, sizeof g->error_message, "%s", r->error->message);
@@ -391,6 +404,7 @@ static fake *fake_start(fixture *fx, const char *name, mig_mode mig)
 typedef struct fixture_limits {
     uint32_t max_batch_tokens;   /* default 64 */
     size_t max_message_bytes;    /* of the control stream; default the server's */
+    uint64_t prefix_cache_bytes; /* default 0: no prefix caching */
 } fixture_limits;
 
 /* host_blocks: block rows of a host tier (0: none). */
@@ -403,7 +417,8 @@ static void fixture_start_limits(fixture *fx, uint32_t replicas, size_t blocks_p
     coord_config cc = {.model_path = model_path(), .replicas = replicas, .stages = 1, .kv = "fp16",
                        .block_tokens = BLOCK_TOKENS, .ctx = 512, .max_seqs = 4,
                        .max_batch_tokens = lim.max_batch_tokens ? lim.max_batch_tokens : 64,
-                       .device_kv_bytes = fx->device_kv_bytes, .host_kv_bytes = fx->host_kv_bytes, .quiet = true};
+                       .device_kv_bytes = fx->device_kv_bytes, .host_kv_bytes = fx->host_kv_bytes, .quiet = true,
+                       .prefix_cache_bytes = lim.prefix_cache_bytes};
     strata_error err = {0};
     if (!(fx->co = coord_create(&cc, &err)))
         fail_msg("coord_create: %s", err.msg);
@@ -782,6 +797,59 @@ static void test_unsendable_step_ends_request(void **state)
     fixture_stop(&fx);
 }
 
+static void keep_stats(void *user, ProtobufCMessage *m)
+{
+    *(Strata__V1__Stats **)user = (Strata__V1__Stats *)m;
+}
+
+/* A copy of a prefix entry that fails on a worker (the entry's park failed there, e.g. out of
+ * host memory) is invisible to the client: the request starts over, prefilled whole, and
+ * completes with every token and cached_tokens 0; the entry is gone, so the next request with
+ * that prompt prefills whole without trying; only copies that succeeded count as hits. */
+static void test_failed_prefix_copy_starts_over(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start_limits(&fx, 1, 64, 0, (fixture_limits){.prefix_cache_bytes = 64u << 20});
+    fake *w = fake_start(&fx, "w0", MIG_OK);
+    wait_ready(&fx);
+    gen_job a;
+    gen_start_prompt(&a, fx.ch, 40, 8);   /* 47 tokens fed: 2 blocks of 16 parked */
+    WAIT_FOR(gen_done(&a), 10000);
+    gen_join(&a);
+    assert_complete(&a);
+    assert_int_equal(a.cached, 0);
+    WAIT_FOR(fake_int(w, &w->parks) == 1, 5000);
+    /* The same prompt copies the entry; a working copy is a hit of 32 tokens. */
+    gen_start_prompt(&a, fx.ch, 40, 8);
+    WAIT_FOR(gen_done(&a), 10000);
+    gen_join(&a);
+    assert_complete(&a);
+    assert_int_equal(a.cached, 32);
+    assert_int_equal(fake_int(w, &w->prefix_copies), 1);
+    /* Now the worker fails copies: the request still completes, from 0. */
+    fake_set(w, &w->fail_prefix_copies);
+    gen_start_prompt(&a, fx.ch, 40, 8);
+    WAIT_FOR(gen_done(&a), 10000);
+    gen_join(&a);
+    assert_complete(&a);
+    assert_int_equal(a.cached, 0);
+    assert_int_equal(fake_int(w, &w->prefix_copies), 2);
+    Strata__V1__StatsRequest sr = STRATA__V1__STATS_REQUEST__INIT;
+    Strata__V1__Stats *st = NULL;
+    grpc_status_code status;
+    char details[256];
+    api_client_call(fx.ch, "/strata.v1.Strata/GetStats", &sr.base, 10000, &strata__v1__stats__descriptor, keep_stats,
+                    &st, &status, details, sizeof details);
+    assert_int_equal(status, GRPC_STATUS_OK);
+    assert_non_null(st);
+    assert_int_equal(st->prefix_cache_hits, 1);
+    assert_int_equal(st->prefix_cache_hit_tokens, 32);
+    assert_int_equal(st->prefix_cache_entries, 1);   /* the next turn's park; the failed one is gone */
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    fixture_stop(&fx);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -793,6 +861,7 @@ int main(void)
         cmocka_unit_test(test_destination_lost_source_goes_on),
         cmocka_unit_test(test_failed_spill_ends_request),
         cmocka_unit_test(test_unsendable_step_ends_request),
+        cmocka_unit_test(test_failed_prefix_copy_starts_over),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -818,6 +818,28 @@ static bool deliver(coord *c, creq *q, uint32_t tok)
     return true;
 }
 
+/* A request whose first step, a copy of its prefix entry, failed on a worker (the entry's park
+ * failed there: out of host memory) goes back to the scheduler under a new sequence id, to be
+ * prefilled whole; its old id is finished by the caller, so the workers free what they made of
+ * it. False (the caller fails the request) when the scheduler refuses it. */
+static bool restart_whole(coord *c, creq *q, const char *why)
+{
+    const uint64_t old = q->id;
+    q->id = ++c->next_seq_id;
+    q->started = false;
+    q->cached = 0;
+    q->prefix_entry = 0;
+    strata_error err = {0};
+    if (sched_submit(c->sched, q->id, q->n_prompt, q->req->sampling->max_tokens, NULL, &err) != STRATA_OK) {
+        q->id = old;
+        logf_(c, "request %s: its prefix copy failed (%s) and it cannot start over: %s",
+              api_stream_request_id(q->stream), why, err.msg);
+        return false;
+    }
+    logf_(c, "request %s: its prefix copy failed (%s); prefilling it whole", api_stream_request_id(q->stream), why);
+    return true;
+}
+
 /* Every stage answered replica r's step flights[k]: stream the tokens, fail the failed, tell the
  * scheduler, and take the step off the flights. */
 static void finish_step(coord *c, uint32_t r, uint32_t k)
@@ -830,7 +852,18 @@ static void finish_step(coord *c, uint32_t r, uint32_t k)
         bool ended = true;
         if (f->status[w] != 0 && f->works[w].prefix_entry)
             lose_prefix(c, f->works[w].prefix_entry);   /* a worker lacks it: never again */
-        if (q && f->status[w] != 0) {
+        if (f->status[w] == 0 && f->works[w].prefix_entry) {
+            c->prefix_hits++;
+            c->prefix_hit_tokens += f->works[w].pos0;
+            if (c->have_metrics) {
+                metrics_counter_inc(c->m.prefix_hits);
+                metrics_counter_add(c->m.prefix_hit_tokens, f->works[w].pos0);
+            }
+        }
+        if (q && f->status[w] != 0 && f->works[w].prefix_entry && restart_whole(c, q, f->message[w])) {
+            /* The copy was an optimization: the request starts over as a new sequence, prefilled
+             * whole, and the client never sees the failure. Its old sequence ends below. */
+        } else if (q && f->status[w] != 0) {
             logf_(c, "request %s failed: %s", api_stream_request_id(q->stream), f->message[w]);
             api_stream_fail(q->stream, f->status[w], f->message[w]);
             count_finish(c, FIN_ERROR);
@@ -892,15 +925,8 @@ static bool start_step(coord *c, uint32_t r)
         if (!q->started) {   /* its first step: from its prefix entry when the scheduler kept it */
             q->started = true;
             q->cached = sw->pos0;
-            if (sw->pos0 > 0) {
+            if (sw->pos0 > 0)   /* counted as a hit once the copy succeeded (finish_step) */
                 w->prefix_entry = q->prefix_entry;
-                c->prefix_hits++;
-                c->prefix_hit_tokens += sw->pos0;
-                if (c->have_metrics) {
-                    metrics_counter_inc(c->m.prefix_hits);
-                    metrics_counter_add(c->m.prefix_hit_tokens, sw->pos0);
-                }
-            }
         }
         if (sw->pos0 < q->n_prompt) {   /* a prompt chunk (the whole prompt when it fits a step) */
             for (size_t k = 0; k < sw->n_tokens; k++)
