@@ -8,13 +8,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <dirent.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cmocka.h>
+
+#include "tests/test_dir.h"
 
 #include "kvstore/blockfile.h"
 #include "kvstore/kv_cache.h"
@@ -260,17 +261,6 @@ static void test_save_errors(void **state)
     assert_int_equal(kv_blockfile_save(NULL, f->path, &err), STRATA_EINVAL);
 }
 
-static int entries_in(const char *dir)
-{
-    DIR *d = opendir(dir);
-    assert_non_null(d);
-    int n = 0;
-    for (struct dirent *e; (e = readdir(d));)
-        n += strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0;
-    closedir(d);
-    return n;
-}
-
 /* A save that fails leaves what was at the path as it was (a file written before, a FIFO) and
  * nothing beside it: the disk filling half way (here a file size limit) must not cost the
  * user an older dump, and a path that is not a regular file is never replaced. */
@@ -300,7 +290,7 @@ static void test_save_failure_keeps_old(void **state)
     assert_int_equal(n, sizeof before);
     assert_memory_equal(after, before, n);
     free(after);
-    assert_int_equal(entries_in(dir), 1);   /* no temporary file left */
+    assert_int_equal(test_dir_entries(dir), 1);   /* no temporary file left */
     /* Not a regular file: refused before anything is written, and kept. */
     assert_int_equal(mkfifo(fifo, 0600), 0);
     assert_int_equal(kv_blockfile_save(f->seq, fifo, &err), STRATA_EIO);
@@ -315,7 +305,7 @@ static void test_save_failure_keeps_old(void **state)
     assert_int_equal(stat(old, &st), 0);
     assert_true(st.st_size > 4096);
     assert_int_equal(st.st_mode & 07777, 0640);
-    assert_int_equal(entries_in(dir), 2);
+    assert_int_equal(test_dir_entries(dir), 2);
     char fresh[64];
     snprintf(fresh, sizeof fresh, "%s/fresh.skv", dir);
     assert_int_equal(kv_blockfile_save(f->seq, fresh, &err), STRATA_OK);
@@ -337,7 +327,7 @@ static void test_save_failure_keeps_old(void **state)
     assert_int_equal(symlink("none.skv", dangling), 0);
     assert_int_equal(kv_blockfile_save(f->seq, dangling, &err), STRATA_EIO);
     assert_non_null(strstr(err.msg, "symbolic link to nothing"));
-    assert_int_equal(entries_in(dir), 4);
+    assert_int_equal(test_dir_entries(dir), 4);
     unlink(link);
     unlink(dangling);
     unlink(old);

@@ -13,7 +13,8 @@
 
 #include <cmocka.h>
 
-#include <dirent.h>
+#include "tests/test_dir.h"
+
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -39,17 +40,6 @@ static int write_contents(FILE *f, const char *path, void *ctx, strata_error *er
             return strata_fail(err, STRATA_EIO, "writing %s: short write", path);
     }
     return STRATA_OK;
-}
-
-static int entries_in(const char *dir)
-{
-    DIR *d = opendir(dir);
-    assert_non_null(d);
-    int n = 0;
-    for (struct dirent *e; (e = readdir(d));)
-        n += strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0;
-    closedir(d);
-    return n;
 }
 
 static void expect_old(const char *path)
@@ -93,7 +83,7 @@ static void test_whole_or_nothing(void **state)
     assert_int_equal(waitpid(pid, &st, 0), pid);
     assert_true(WIFSIGNALED(st) && WTERMSIG(st) == SIGXFSZ);
     expect_old(path);
-    assert_int_equal(entries_in(dir), 1);
+    assert_int_equal(test_dir_entries(dir), 1);
 
     /* A failing writer: the same. */
     strata_error err = {0};
@@ -101,7 +91,7 @@ static void test_whole_or_nothing(void **state)
     assert_int_equal(strata_replace_file(path, 0644, write_contents, &half, &err), STRATA_EFORMAT);
     assert_non_null(strstr(err.msg, "scripted failure"));
     expect_old(path);
-    assert_int_equal(entries_in(dir), 1);
+    assert_int_equal(test_dir_entries(dir), 1);
 
     /* Success: the new contents, the old mode, one file. */
     contents whole = {.bytes = 1 << 20};
@@ -110,7 +100,7 @@ static void test_whole_or_nothing(void **state)
     assert_int_equal(stat(path, &sb), 0);
     assert_int_equal(sb.st_size, 1 << 20);
     assert_int_equal(sb.st_mode & 07777, 0640);
-    assert_int_equal(entries_in(dir), 1);
+    assert_int_equal(test_dir_entries(dir), 1);
 
     /* A new file in a folder that does not exist: a clear error. */
     char missing[160];
