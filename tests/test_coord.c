@@ -53,6 +53,7 @@ typedef struct fake {
     bool kill;    /* end the stream now, as a worker that dies */
     bool fail_preempt; /* answer every preemption with a failed spill */
     bool fail_prefix_copies; /* answer every work that starts from a prefix entry with a failure */
+    uint32_t fail_steps;     /* nonzero: answer every work with this status, as a stage refusing it */
     /* what it saw */
     bool assigned;
     uint32_t replica;
@@ -94,6 +95,7 @@ static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__Step
     pthread_mutex_lock(&f->mu);
     int delay = f->step_ms;
     bool fail_preempt = f->fail_preempt, fail_copies = f->fail_prefix_copies;
+    uint32_t fail_status = f->fail_steps;
     f->plans++;
     f->preempts += (int)p->n_preempt_seqs;
     f->parks += (int)p->n_park_prefixes;
@@ -126,6 +128,10 @@ static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__Step
             rs[i].seq_id = p->seqs[i]->seq_id;
             rs[i].status = STRATA_EINVAL;
             rs[i].message = (char *)"prefix entry is not on this stage: scripted";
+        } else if (i < p->n_seqs && fail_status) {
+            rs[i].seq_id = p->seqs[i]->seq_id;
+            rs[i].status = fail_status;
+            rs[i].message = (char *)"step refused: scripted";
         } else if (i < p->n_seqs) {
             rs[i].seq_id = p->seqs[i]->seq_id;
             rs[i].token = p->seqs[i]->sample ? FAKE_TOKEN : 0;
@@ -797,6 +803,54 @@ static void test_unsendable_step_ends_request(void **state)
     fixture_stop(&fx);
 }
 
+/* A worker failing a sequence's step ends that request with a status that tells the client what
+ * to do: a step the worker refused as invalid is the server's inconsistency (INTERNAL; the
+ * coordinator checked the request), not the client's (INVALID_ARGUMENT would say "change your
+ * request"); out of memory stays RESOURCE_EXHAUSTED and an I/O failure UNAVAILABLE. The worker's
+ * message reaches the client. */
+static void test_worker_failure_status(void **state)
+{
+    (void)state;
+    static const struct {
+        uint32_t worker;
+        grpc_status_code client;
+    } cases[] = {
+        {STRATA_EINVAL, GRPC_STATUS_INTERNAL},
+        {STRATA_ENOMEM, GRPC_STATUS_RESOURCE_EXHAUSTED},
+        {STRATA_EIO, GRPC_STATUS_UNAVAILABLE},
+        {STRATA_EUNSUPPORTED, GRPC_STATUS_UNIMPLEMENTED},
+    };
+    fixture fx;
+    fixture_start(&fx, 1, 64, 0);
+    fake *w = fake_start(&fx, "w0", MIG_OK);
+    wait_ready(&fx);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        pthread_mutex_lock(&w->mu);
+        w->fail_steps = cases[i].worker;
+        pthread_mutex_unlock(&w->mu);
+        gen_job a;
+        gen_start(&a, fx.ch, 8);
+        WAIT_FOR(gen_done(&a), 10000);
+        gen_join(&a);
+        if (a.status != cases[i].client || a.tokens != 0)
+            fail_msg("worker status %s: client status %d (%s), error %u (%s), %d tokens; expected status %d",
+                     strata_status_name((int)cases[i].worker), a.status, a.details, a.error, a.error_message,
+                     a.tokens, cases[i].client);
+        if (!strstr(a.details, "step refused: scripted"))
+            fail_msg("the worker's reason is missing: '%s'", a.details);
+    }
+    /* The coordinator keeps serving once the worker does. */
+    pthread_mutex_lock(&w->mu);
+    w->fail_steps = 0;
+    pthread_mutex_unlock(&w->mu);
+    gen_job ok;
+    gen_start(&ok, fx.ch, 8);
+    WAIT_FOR(gen_done(&ok), 10000);
+    gen_join(&ok);
+    assert_complete(&ok);
+    fixture_stop(&fx);
+}
+
 static void keep_stats(void *user, ProtobufCMessage *m)
 {
     *(Strata__V1__Stats **)user = (Strata__V1__Stats *)m;
@@ -862,6 +916,7 @@ int main(void)
         cmocka_unit_test(test_failed_spill_ends_request),
         cmocka_unit_test(test_unsendable_step_ends_request),
         cmocka_unit_test(test_failed_prefix_copy_starts_over),
+        cmocka_unit_test(test_worker_failure_status),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -607,6 +607,16 @@ static void worker_message(const coord *c, uint32_t r, uint32_t s, const Strata_
              sr->message && *sr->message ? sr->message : fallback);
 }
 
+/* The status a client sees for a worker's failure of its sequence. The coordinator checked the
+ * request before admitting it, so a worker refusing the step as invalid (a plan or position it
+ * disagrees with, a prefix entry it lacks) is our inconsistency, not the client's: EFORMAT,
+ * whose gRPC status is INTERNAL, never INVALID_ARGUMENT telling the client to change its
+ * request. Every other code keeps its meaning (ENOMEM/EFULL: out of room, EIO/ECRC: retry). */
+static int worker_failure_status(uint32_t worker_status)
+{
+    return worker_status == STRATA_EINVAL ? STRATA_EFORMAT : (int)worker_status;
+}
+
 static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal__V1__StepResult *res)
 {
     creplica *rp = &c->reps[r];
@@ -624,7 +634,7 @@ static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal
                 continue;
             in_work = true;
             if (sr->status != 0 && f->status[w] == 0) {
-                f->status[w] = (int)sr->status;
+                f->status[w] = worker_failure_status(sr->status);
                 worker_message(c, r, s, sr, "failed", f->message[w], sizeof f->message[w]);
             } else if (sr->status == 0 && s == c->cfg.stages - 1) {
                 f->sampled[w] = true;
@@ -639,7 +649,7 @@ static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal
             char msg[640];
             worker_message(c, r, s, sr, "moving its KV blocks between tiers failed", msg, sizeof msg);
             logf_(c, "request %s failed: %s", api_stream_request_id(q->stream), msg);
-            fail_req(c, q, (int)sr->status, msg);
+            fail_req(c, q, worker_failure_status(sr->status), msg);
         }
     }
     if (++f->answers == c->cfg.stages)
