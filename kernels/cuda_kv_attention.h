@@ -75,6 +75,9 @@ typedef struct cuda_kv_plan {
     int blocks_per_split;
     int n_splits;
     int kernel;            /* which kernel runs (cuda_kv_kernel); cuda_kv_attention_plan sets AUTO */
+    int smem_limit;        /* 0 (cuda_kv_attention_plan's): a thread block may have the shared memory
+                            * the device allows (cudaDevAttrMaxSharedMemoryPerBlockOptin); else at
+                            * most this many bytes, as on a smaller GPU (tests and benchmarks) */
 } cuda_kv_plan;
 
 /* AUTO: KIVI, TaDA, GEAR and OTT (2- or 4-bit codes, head_dim 64 or 128, 64-token blocks, at most
@@ -82,7 +85,10 @@ typedef struct cuda_kv_plan {
  * layouts the tensor-core kernel does not take on the staged kernel (fp32 arithmetic); the rest
  * (8-bit TaDA, other shapes) on the generic one. STAGED: KIVI and fp16 on the staged kernel, the
  * others on the generic one. GENERIC: always the generic kernel. Benchmarks and tests compare
- * them. */
+ * them. A kernel whose shared memory the device (or plan->smem_limit) does not allow passes the
+ * launch to the next: tensor cores, staged, generic (an H100's 227 KiB take every layout; a GPU
+ * with 99 KiB, sm_86/89/120, not the 4-bit tensor-core versions with small groups); the generic
+ * kernel needing more than allowed fails the launch with STRATA_EUNSUPPORTED naming both sizes. */
 typedef enum cuda_kv_kernel { CUDA_KV_KERNEL_AUTO = 0, CUDA_KV_KERNEL_GENERIC = 1, CUDA_KV_KERNEL_STAGED = 2 } cuda_kv_kernel;
 
 /* sm_count: the device's multiprocessor count (cudaDevAttrMultiProcessorCount). */

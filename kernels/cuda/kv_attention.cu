@@ -137,6 +137,23 @@ int allow_smem(Kernel kernel, size_t smem, strata_error *err)
     return STRATA_OK;
 }
 
+// The shared memory a thread block may have: what the current device allows a block that opts in
+// (an H100 227 KiB, an A100 163 KiB, sm_86/89/120 99 KiB), capped by plan->smem_limit when set.
+int smem_allowed(const cuda_kv_plan *plan, size_t *out, strata_error *err)
+{
+    int dev = 0, optin = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+    if (e != cudaSuccess)
+        return strata_fail(err, STRATA_EIO, "CUDA attention: the device's shared memory per block: %s",
+                           cudaGetErrorString(e));
+    *out = (size_t)optin;
+    if (plan->smem_limit > 0 && (size_t)plan->smem_limit < *out)
+        *out = (size_t)plan->smem_limit;
+    return STRATA_OK;
+}
+
 // The codecs and quantized shapes the decode kernels handle.
 int check_codec(const cuda_kv_layout *layout, const char *fn, strata_error *err)
 {
@@ -175,9 +192,15 @@ extern "C" int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_pla
     float *ws_acc = static_cast<float *>(d_workspace);
     float *ws_ml = ws_acc + (size_t)plan->n_seqs * plan->n_q_heads * plan->n_splits * D;
     const cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-    int rc;
-    const bool mma = plan->kernel == CUDA_KV_KERNEL_AUTO && kv_mma_eligible(layout, qpk);
-    if (mma || (plan->kernel != CUDA_KV_KERNEL_GENERIC && kv_att_fast_eligible(layout, qpk))) {
+    size_t allowed = 0;
+    int rc = smem_allowed(plan, &allowed, err);
+    if (rc != STRATA_OK)
+        return rc;
+    // Each kernel only where its shared memory fits (kernels/cuda_kv_attention.h), else the next.
+    const bool mma = plan->kernel == CUDA_KV_KERNEL_AUTO && kv_mma_runs(layout, qpk, allowed);
+    const bool staged = !mma && plan->kernel != CUDA_KV_KERNEL_GENERIC && kv_att_fast_eligible(layout, qpk) &&
+                        kv_att_fast_smem(layout, qpk) <= allowed;
+    if (mma || staged) {
         rc = mma ? kv_mma_launch(layout, plan, d_seqs, d_q, ws_acc, ws_ml, d_status, stream, err)
                  : kv_att_fast_launch(layout, plan, d_seqs, d_q, ws_acc, ws_ml, d_status, stream, err);
         if (rc != STRATA_OK)
@@ -186,6 +209,11 @@ extern "C" int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_pla
                                                                                                   ws_ml, d_out);
         return launch_failed(err, "merge_splits");
     }
+    if (smem > allowed)
+        return strata_fail(err, STRATA_EUNSUPPORTED,
+                           "cuda_kv_attention: %d query heads per KV head at head_dim %d with %d-token blocks need "
+                           "%zu bytes of shared memory a thread block; this GPU allows %zu",
+                           qpk, D, layout->block_tokens, smem, allowed);
     if ((rc = allow_smem(attend_split, smem, err)) != STRATA_OK)
         return rc;
     const dim3 grid((unsigned)H, (unsigned)plan->n_splits, (unsigned)plan->n_seqs);

@@ -512,6 +512,11 @@ bool kv_att_fast_eligible(const cuda_kv_layout *L, int qpk)
            D % L->v_group == 0 && BT * L->k_bits % 32 == 0 && D * L->v_bits % 32 == 0;
 }
 
+size_t kv_att_fast_smem(const cuda_kv_layout *L, int qpk)
+{
+    return smem_bytes(*L, qpk <= 4 ? qpk : 8);   // the query-head tile launch_g picks
+}
+
 int kv_att_fast_launch(const cuda_kv_layout *L, const cuda_kv_plan *P, const cuda_kv_seq *seqs,
                        const float *q, float *ws_acc, float *ws_ml, int *status, void *stream,
                        strata_error *err)

@@ -13,6 +13,9 @@
 /* Whether the staged kernel handles this layout with qpk query heads per KV head. */
 bool kv_att_fast_eligible(const cuda_kv_layout *layout, int qpk);
 
+/* Bytes of shared memory a thread block of it asks for (the caller checked eligibility). */
+size_t kv_att_fast_smem(const cuda_kv_layout *layout, int qpk);
+
 /* Launches the split kernel (grid n_kv_heads x n_splits x n_seqs), writing the partials the
  * generic merge reads: ws_acc [row][split][D], ws_ml [row][split][2]. STRATA_OK or STRATA_EIO. */
 int kv_att_fast_launch(const cuda_kv_layout *layout, const cuda_kv_plan *plan, const cuda_kv_seq *d_seqs,

@@ -127,6 +127,15 @@ STRATA_HD static inline size_t kv_mma_smem_bytes(const cuda_kv_layout *L)
     return kv_mma_smem_for(L->head_dim, L->k_bits, L->k_group, L->codec);
 }
 
+/* Whether the tensor-core kernel runs the layout on a device that allows a thread block
+ * smem_limit bytes of shared memory (cudaDevAttrMaxSharedMemoryPerBlockOptin, or a plan's cap):
+ * kv_mma_eligible, and its shared memory fits. cuda_kv_attention and the fake device's emulation
+ * choose with it. */
+STRATA_HD static inline bool kv_mma_runs(const cuda_kv_layout *L, int qpk, size_t smem_limit)
+{
+    return kv_mma_eligible(L, qpk) && kv_mma_smem_bytes(L) <= smem_limit;
+}
+
 /* Thread blocks of the kernel that fit a multiprocessor of an H100 (its launch bounds use the
  * same number, and the split plan counts waves with it): as many as its shared memory allows
  * (228 KiB a multiprocessor, 1 KiB of it kept per thread block), and at most as many as the

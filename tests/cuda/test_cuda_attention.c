@@ -62,6 +62,10 @@ typedef struct test_case {
 
 static uint64_t seed = 0x5eed;
 
+/* The shared memory an H100 allows a thread block (cudaDevAttrMaxSharedMemoryPerBlockOptin): what
+ * the emulation assumes. */
+#define H100_SMEM 232448
+
 /* Keys get a per-channel offset and scale (the outlier channels KIVI quantizes per channel for). */
 static void random_rows(float *k, float *v, size_t tokens, int nkv, int D)
 {
@@ -272,7 +276,7 @@ static int emu_attention(const cuda_kv_layout *L, const cuda_kv_plan *P, const c
     float *ws = malloc(cuda_kv_attention_workspace(L, P));
     assert_non_null(ws);
     const int qpk = P->n_q_heads / L->n_kv_heads;
-    const int status = P->kernel == CUDA_KV_KERNEL_AUTO && kv_mma_eligible(L, qpk)
+    const int status = P->kernel == CUDA_KV_KERNEL_AUTO && kv_mma_runs(L, qpk, P->smem_limit ? P->smem_limit : H100_SMEM)
                            ? kv_mma_emu_attention(L, P, seqs, q, out, ws)
                            : kv_att_emu_attention(L, P, seqs, q, out, ws);
     free(ws);
@@ -305,7 +309,8 @@ static void free_host_views(cuda_kv_seq *seqs, int n_seqs)
 
 static bool emulated;   /* run_case: the kernels emulated on the CPU instead of the GPU */
 
-static void run_case(const test_case *tc)
+/* One case; smem_limit: the plan's cap on a thread block's shared memory (0: the device's). */
+static void run_case_limited(const test_case *tc, int smem_limit)
 {
     kv_codec_params p;
     strata_error err;
@@ -335,7 +340,13 @@ static void run_case(const test_case *tc)
         CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     assert_int_equal(cuda_kv_attention_plan(&r.layout, tc->n_seqs, tc->nq, max_blocks, sms, &r.plan, &err), STRATA_OK);
     r.plan.kernel = tc->kernel;
-    const bool mma = tc->kernel == CUDA_KV_KERNEL_AUTO && kv_mma_eligible(&r.layout, tc->nq / tc->nkv);
+    r.plan.smem_limit = smem_limit;
+    int allowed = H100_SMEM;
+    if (!emulated)
+        CUDA_CHECK(cudaDeviceGetAttribute(&allowed, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+    if (smem_limit > 0 && smem_limit < allowed)
+        allowed = smem_limit;
+    const bool mma = tc->kernel == CUDA_KV_KERNEL_AUTO && kv_mma_runs(&r.layout, tc->nq / tc->nkv, (size_t)allowed);
     const size_t per_seq = (size_t)tc->nq * tc->D, n = per_seq * tc->n_seqs;
     float *q = malloc(n * sizeof *q), *out = malloc(n * sizeof *out), *cpu = malloc(per_seq * sizeof *cpu);
     double *ref = malloc(per_seq * sizeof *ref);
@@ -383,6 +394,11 @@ static void run_case(const test_case *tc)
     free(out);
     free(cpu);
     free(ref);
+}
+
+static void run_case(const test_case *tc)
+{
+    run_case_limited(tc, 0);
 }
 
 static void test_single_sequences(void **state)
@@ -433,6 +449,66 @@ static void test_group_shapes(void **state)
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
         run_case(&cases[i]);
+}
+
+/* On a GPU that allows a thread block 99 KiB of shared memory (sm_86/89/120), the tensor-core
+ * layouts that need more run on the staged or generic kernel, right (fp32 bound), instead of
+ * failing the launch; a cap below what even the generic kernel needs fails with
+ * STRATA_EUNSUPPORTED naming both sizes. Here the cap comes from the plan, on the lent GPU. */
+static void test_small_shared_memory(void **state)
+{
+    (void)state;
+    static const int blocks[] = {6, 1}, tails[] = {33, 64};
+    const int ada = 101376;
+    const test_case cases[] = {
+        {"kivi4-g8", 32, 8, 128, 2, blocks, tails, 0, 0},
+        {"tada4-g8", 32, 8, 128, 2, blocks, tails, 0, 0},
+        {"gear4-g32", 32, 8, 128, 2, blocks, tails, 0, 0},
+        {"ott4-g16", 32, 8, 128, 2, blocks, tails, 0, 0},
+        {"kivi2", 32, 8, 128, 2, blocks, tails, 0, 0},   /* fits: still the tensor cores */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        kv_codec_params p;
+        strata_error err;
+        assert_int_equal(kv_codec_parse(cases[i].codec, &p, &err), STRATA_OK);
+        const cuda_kv_layout l = {.codec = (int)p.codec, .k_bits = p.bits, .v_bits = p.bits, .k_group = p.group,
+                                  .v_group = p.group, .n_kv_heads = 8, .head_dim = 128, .block_tokens = 64};
+        /* Not vacuous: each of the first four needs more than 99 KiB on the tensor cores. */
+        assert_true(kv_mma_eligible(&l, 4));
+        assert_true(kv_mma_runs(&l, 4, (size_t)ada) == (i == 4));
+        run_case_limited(&cases[i], ada);
+    }
+
+    static const int one[] = {2}, tail1[] = {5};
+    const test_case fp16 = {"fp16", 32, 8, 128, 1, one, tail1, 0, 0};
+    gpu_run r = {0};
+    kv_codec_params p;
+    strata_error err = {0};
+    assert_int_equal(kv_codec_parse("fp16", &p, &err), STRATA_OK);
+    const kv_geometry g = {.n_layers = 1, .n_kv_heads = 8, .head_dim = 128, .block_tokens = 64};
+    const size_t slot = kv_block_size(&p, &g);
+    host_seq hs;
+    make_seq(&p, &g, one[0], tail1[0], slot, &hs);
+    kv_block b;
+    assert_int_equal(kv_block_parse(hs.blocks, slot, &b, &err), STRATA_OK);
+    assert_int_equal(cuda_kv_layout_from_block(&b, &r.layout, &err), STRATA_OK);
+    assert_int_equal(cuda_kv_attention_plan(&r.layout, 1, fp16.nq, one[0], 132, &r.plan, &err), STRATA_OK);
+    r.plan.smem_limit = 4096;   /* the generic kernel needs about 14 KiB here */
+    const size_t n = (size_t)fp16.nq * 128;
+    gpu_run_alloc(&r, n);
+    void *allocs[8];
+    int n_allocs = 0;
+    const cuda_kv_seq *d_seqs = upload(&hs, 1, slot, &g, allocs, &n_allocs);
+    float *q = calloc(n, sizeof *q);
+    assert_non_null(q);
+    CUDA_CHECK(cudaMemcpy(r.d_q, q, n * sizeof *q, cudaMemcpyHostToDevice));
+    const int rc = cuda_kv_attention(&r.layout, &r.plan, d_seqs, r.d_q, r.d_out, r.d_ws, r.d_status, NULL, &err);
+    if (rc != STRATA_EUNSUPPORTED || !strstr(err.msg, "this GPU allows 4096"))
+        fail_msg("a 4 KiB cap: %d (%s)", rc, err.msg);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    gpu_run_free(&r, allocs, n_allocs);
+    free_seq(&hs);
+    free(q);
 }
 
 /* A table entry pointing at the wrong block (swapped positions) or at nothing must be reported. */
@@ -1046,6 +1122,7 @@ int main(void)
         cmocka_unit_test(test_single_sequences),
         cmocka_unit_test(test_batches_of_unequal_lengths),
         cmocka_unit_test(test_group_shapes),
+        cmocka_unit_test(test_small_shared_memory),
         cmocka_unit_test(test_bad_tables_raise_status),
         cmocka_unit_test(test_damaged_gear_blocks),
         cmocka_unit_test(test_prefill),

@@ -200,6 +200,50 @@ static void test_plan_tensor_cores_counts_waves(void **state)
     assert_false(kv_mma_eligible(&t8, 4));
 }
 
+/* Which layouts the tensor-core kernel runs by the shared memory a GPU allows a thread block:
+ * all of them on an H100 or B200 (227 KiB) and on an A100 (163 KiB); on a GPU with 99 KiB
+ * (sm_86/89/120) every 2-bit one, and of the 4-bit ones at head_dim 128 only those whose groups
+ * keep the stage buffers small (the others pass to the staged or generic kernel). A cap of 0
+ * runs none. The plan leaves the device's limit in force (smem_limit 0). */
+static void test_tensor_cores_by_shared_memory(void **state)
+{
+    (void)state;
+    const size_t h100 = 232448, a100 = 166912, ada = 101376;
+    const int codecs[] = {KV_CODEC_KIVI, KV_CODEC_TADA, KV_CODEC_GEAR, KV_CODEC_OTT};
+    int eligible = 0, on_ada = 0;
+    for (size_t c = 0; c < 4; c++)
+        for (int D = 64; D <= 128; D *= 2)
+            for (int bits = 2; bits <= 4; bits += 2)
+                for (int G = 8; G <= 64; G *= 2) {
+                    const cuda_kv_layout l = {.codec = codecs[c], .k_bits = bits, .v_bits = bits, .k_group = G,
+                                              .v_group = G, .n_kv_heads = 8, .head_dim = D, .block_tokens = 64};
+                    if (!kv_mma_eligible(&l, 4)) {
+                        assert_false(kv_mma_runs(&l, 4, h100));
+                        continue;
+                    }
+                    eligible++;
+                    assert_true(kv_mma_runs(&l, 4, h100));
+                    assert_true(kv_mma_runs(&l, 4, a100));
+                    assert_false(kv_mma_runs(&l, 4, 0));
+                    const bool fits = kv_mma_runs(&l, 4, ada);
+                    on_ada += fits;
+                    assert_true(fits == (kv_mma_smem_bytes(&l) <= ada));
+                    if (bits == 2 || D == 64)
+                        assert_true(fits);
+                }
+    /* 4 codecs x 2 head sizes x (3 groups at 2 bits + 4 at 4 bits); 8 of them too big for 99 KiB:
+     * KIVI and TaDA 4-bit group 8, GEAR and OTT 4-bit groups 8, 16 and 32, all at head_dim 128. */
+    assert_int_equal(eligible, 56);
+    assert_int_equal(on_ada, 48);
+    const cuda_kv_layout kivi4g8 = {.codec = KV_CODEC_KIVI, .k_bits = 4, .v_bits = 4, .k_group = 8, .v_group = 8,
+                                    .n_kv_heads = 8, .head_dim = 128, .block_tokens = 64};
+    assert_false(kv_mma_runs(&kivi4g8, 4, ada));
+    cuda_kv_plan p;
+    strata_error err;
+    assert_int_equal(cuda_kv_attention_plan(&kivi4g8, 1, 32, 4, 132, &p, &err), STRATA_OK);
+    assert_int_equal(p.smem_limit, 0);
+}
+
 static void test_plan_refuses_bad_shapes(void **state)
 {
     (void)state;
@@ -269,6 +313,7 @@ int main(void)
         cmocka_unit_test(test_layout_gear_ott),
         cmocka_unit_test(test_plan_covers_every_block_once),
         cmocka_unit_test(test_plan_tensor_cores_counts_waves),
+        cmocka_unit_test(test_tensor_cores_by_shared_memory),
         cmocka_unit_test(test_plan_refuses_bad_shapes),
         cmocka_unit_test(test_tail_kernels_emulated),
     };

@@ -391,9 +391,10 @@ cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes)
 }
 cudaError_t cudaDeviceGetAttribute(int *value, enum cudaDeviceAttr attr, int device)
 {
-    if (device != 0 || attr != cudaDevAttrMultiProcessorCount)
-        return fail(cudaErrorInvalidValue, "cudaDeviceGetAttribute: only the multiprocessor count of device 0");
-    *value = 4;
+    if (device != 0 || (attr != cudaDevAttrMultiProcessorCount && attr != cudaDevAttrMaxSharedMemoryPerBlockOptin))
+        return fail(cudaErrorInvalidValue,
+                    "cudaDeviceGetAttribute: only the multiprocessor count and shared memory of device 0");
+    *value = attr == cudaDevAttrMultiProcessorCount ? 4 : 232448;   /* an H100's 227 KiB a block */
     return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize(void)

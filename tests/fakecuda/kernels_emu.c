@@ -470,9 +470,22 @@ int cuda_kv_attention(const cuda_kv_layout *layout, const cuda_kv_plan *plan, co
     for (int si = 0; si < plan->n_seqs; si++)
         if (d_seqs[si].n_blocks > plan->max_blocks || !view_on_device(layout, &d_seqs[si], "attention"))
             return strata_fail(err, STRATA_EIO, "fake CUDA attention: view %d is off the device or over the plan", si);
-    /* The same choice of kernel as kernels/cuda/kv_attention.cu; the staged kernel computes what the
-     * generic one does (fp32), so the generic emulation stands for both. */
-    const int status = plan->kernel == CUDA_KV_KERNEL_AUTO && kv_mma_eligible(layout, plan->n_q_heads / H)
+    /* The same choice of kernel as kernels/cuda/kv_attention.cu, with the shared memory the device
+     * allows a block; the staged kernel computes what the generic one does (fp32), so the generic
+     * emulation stands for both. */
+    int optin = 0;
+    if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0) != cudaSuccess)
+        return strata_fail(err, STRATA_EIO, "fake CUDA attention: the device's shared memory per block");
+    const size_t allowed = plan->smem_limit > 0 && plan->smem_limit < optin ? (size_t)plan->smem_limit : (size_t)optin;
+    const int qpk = plan->n_q_heads / H;
+    const bool mma = plan->kernel == CUDA_KV_KERNEL_AUTO && kv_mma_runs(layout, qpk, allowed);
+    const size_t generic_smem = kv_att_shared_floats(qpk, D, BT, 128) * sizeof(float);
+    if (!mma && generic_smem > allowed)   /* the staged kernel falls back to the generic one, which must fit */
+        return strata_fail(err, STRATA_EUNSUPPORTED,
+                           "cuda_kv_attention: %d query heads per KV head at head_dim %d with %d-token blocks need "
+                           "%zu bytes of shared memory a thread block; this GPU allows %zu",
+                           qpk, D, BT, generic_smem, allowed);
+    const int status = mma
                            ? kv_mma_emu_attention(layout, plan, d_seqs, d_q, d_out, d_workspace)
                            : kv_att_emu_attention(layout, plan, d_seqs, d_q, d_out, d_workspace);
     if (status < 0)
