@@ -9,7 +9,8 @@ Checks: greedy output equals single-process `strata generate` token for token (t
 and the ids of a concurrent run compared with the ids of the same prompt alone); 32 concurrent
 streams; Abort; every bad input; a client that disconnects; a killed worker (UNAVAILABLE, then
 the worker is restarted and rejoins); GetModelInfo / GetStats / Prometheus metrics; TLS with a
-bearer token; SIGTERM drains a running stream; prefix caching. Every wait is bounded: a hang is a failure.
+bearer token; SIGTERM drains a running stream; KV tiers under concurrent load with aborts, cancels
+and a drain; prefix caching. Every wait is bounded: a hang is a failure.
 """
 import os
 import re
@@ -452,6 +453,95 @@ def test_two_replicas_migration():
         assert s.stop() == 0
 
 
+def test_tiers_under_load():
+    """Two replicas whose workers hold 1 MiB of KV on the device over 2 MiB of host memory and
+    32 MiB on NVMe, 12 concurrent requests of random token ids (up to 300 prompt and 80 output
+    tokens, 16-token fp16 blocks): every sequence spills and comes back each step, a few
+    requests are aborted or cancelled part way, and a drain moves the running requests of one
+    replica (their blocks read back from the tiers) mid-run. Every request gives exactly the
+    tokens of a server without tiers (an aborted or cancelled one, the first of them), nothing
+    fails, and at the end no block is left in any tier."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+    rng = random.Random(9)
+    jobs = []
+    for i in range(12):
+        prompt = [rng.randrange(1000, 40000) for _ in range(rng.randrange(1, 300))]
+        n = rng.randrange(8, 80)
+        jobs.append((prompt, n, "abort" if i % 5 == 3 else "cancel" if i % 5 == 4 else "full", rng.randrange(1, 8)))
+    base = ["--ctx", "1024", "--kv", "fp16", "--block-tokens", "16"]
+    started = threading.Event()
+
+    def run_all(server, faults):
+        c = Client(server.addr())
+
+        def one(i):
+            prompt, n, mode, k = jobs[i]
+            rid = f"load-{i}"
+            ids = []
+            it = c.stream(req(ids=prompt, max_tokens=n, ignore_eos=True, rid=rid))
+            try:
+                for m in it:
+                    if m.HasField("chunk"):
+                        ids += list(m.chunk.token_ids)
+                        started.set()
+                        if faults and mode == "abort" and len(ids) == k:   # found, or just finished
+                            c.abort(pb.AbortRequest(request_id=rid), timeout=T)
+                        if faults and mode == "cancel" and len(ids) >= k:
+                            it.cancel()
+                            return ids, "cancelled"
+                    else:
+                        assert m.complete.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_ABORT), m
+                        return ids, pb.FinishReason.Name(m.complete.finish_reason)
+            except grpc.RpcError as e:
+                if faults and mode == "cancel" and e.code() == grpc.StatusCode.CANCELLED:
+                    return ids, "cancelled"
+                raise AssertionError(f"request {i} ({mode}, {len(prompt)} prompt tokens): {e.code()}: {e.details()}")
+            raise AssertionError(f"request {i}: the stream ended without Complete")
+
+        with ThreadPoolExecutor(6) as ex:
+            return list(ex.map(one, range(len(jobs))))
+
+    plain = Serve("untiered", *base)
+    try:
+        want = run_all(plain, False)
+    finally:
+        assert plain.stop() == 0
+    spill = os.path.join(WORK, "load-spill")
+    s = Serve("tiered", *base, "--replicas", "2", "--device-kv-mib", "1", "--host-kv-mib", "2", "--nvme-kv-mib", "32",
+              "--nvme-dir", spill, "--max-seqs", "4", "--max-batch-tokens", "100", "--threads", "1")
+    drained = []
+    try:
+        def drain():
+            started.wait(60)
+            drained.append(subprocess.run([STRATA, "drain", "--server", s.addr(), "local-1", "--timeout", "120"],
+                                          capture_output=True, timeout=180))
+        started.clear()
+        th = threading.Thread(target=drain)
+        th.start()
+        got = run_all(s, True)
+        th.join(200)
+        assert drained and drained[0].returncode == 0 and b"drained:" in drained[0].stdout, drained
+        print("      " + drained[0].stdout.decode(errors="replace").strip().splitlines()[-1], flush=True)
+        c = Client(s.addr())
+        deadline = time.time() + 60
+        st = c.stats(pb.StatsRequest(), timeout=T)
+        while time.time() < deadline and (st.running or any(t.blocks for t in st.tiers)):
+            time.sleep(0.5)
+            st = c.stats(pb.StatsRequest(), timeout=T)
+    finally:
+        assert s.stop() == 0
+    for i, ((w, _), (g, how)) in enumerate(zip(want, got)):
+        mode = jobs[i][2]
+        if mode == "full":
+            assert g == w and how == "FINISH_REASON_LENGTH", f"request {i}: {len(g)} tokens ({how}) vs {len(w)}"
+        else:
+            assert g == w[:len(g)], f"request {i} ({mode}): its {len(g)} tokens are not the untiered run's first"
+    assert st.running == 0 and st.queue_depth == 0, st
+    assert [t.name for t in st.tiers] == ["device", "host", "nvme"] and not any(t.blocks for t in st.tiers), st
+    assert st.spills > 0 and st.restores > 0 and not st.spill_failures and not st.restore_failures, st
+
+
 def test_prefix_cache():
     """Prefix caching (--prefix-cache-mib): a finished request's first tokens stay on the workers
     as compressed blocks; a request whose prompt starts with them copies them and prefills only
@@ -584,6 +674,7 @@ def main():
     run("SIGTERM drains", test_sigterm_drains)
     run("SIGTERM with a short drain cuts a long stream", test_sigterm_drain_cut)
     run("two replicas: routing and migration by strata drain", test_two_replicas_migration)
+    run("tiers under load: spills, aborts, cancels and a drain", test_tiers_under_load)
     run("prefix caching", test_prefix_cache)
     failures += [f"sanitizer report in {name}'s log" for name in SANITIZER_REPORTS]
     if failures:
