@@ -11,6 +11,8 @@
 // chunks do not come here: they go through cuBLAS (cuda_attention_prefill_gemm,
 // kernels/cuda_prefill.h), a chunk over its cache written out as fp32 rows first
 // (cuda_kv_dequantize_view, kernels/cuda/kv_dequant.cu).
+#include <atomic>
+
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math_constants.h>
@@ -139,12 +141,21 @@ int allow_smem(Kernel kernel, size_t smem, strata_error *err)
 
 // The shared memory a thread block may have: what the current device allows a block that opts in
 // (an H100 227 KiB, an A100 163 KiB, sm_86/89/120 99 KiB), capped by plan->smem_limit when set.
+// Asked once per device (0: not yet); every launch of every layer needs it.
+constexpr int kCachedDevices = 64;
+std::atomic<int> optin_of_device[kCachedDevices];
+
 int smem_allowed(const cuda_kv_plan *plan, size_t *out, strata_error *err)
 {
     int dev = 0, optin = 0;
     cudaError_t e = cudaGetDevice(&dev);
-    if (e == cudaSuccess)
+    if (e == cudaSuccess && dev >= 0 && dev < kCachedDevices)
+        optin = optin_of_device[dev].load(std::memory_order_relaxed);
+    if (e == cudaSuccess && optin == 0) {
         e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+        if (e == cudaSuccess && dev >= 0 && dev < kCachedDevices)
+            optin_of_device[dev].store(optin, std::memory_order_relaxed);
+    }
     if (e != cudaSuccess)
         return strata_fail(err, STRATA_EIO, "CUDA attention: the device's shared memory per block: %s",
                            cudaGetErrorString(e));
