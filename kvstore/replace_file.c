@@ -78,7 +78,9 @@ static mode_t current_umask(void)
     return mask;
 }
 
-int strata_replace_file(const char *path, mode_t new_mode, strata_write_fn write, void *ctx, strata_error *err)
+/* unnamed: first try an unnamed file (O_TMPFILE) named once complete. */
+static int replace_file(const char *path, mode_t new_mode, strata_write_fn write, void *ctx, bool unnamed,
+                        strata_error *err)
 {
     if (!path || !*path || !write)
         return strata_fail(err, STRATA_EINVAL, "saving a file: no path or contents");
@@ -101,8 +103,8 @@ int strata_replace_file(const char *path, mode_t new_mode, strata_write_fn write
     const char *dest = target ? target : path;
     /* The contents go first into an unnamed file in the destination's folder (O_TMPFILE), named
      * only once complete and synced: a process killed while writing (Ctrl-C during a long save)
-     * leaves nothing behind. File systems without O_TMPFILE get a named temporary file instead,
-     * which such a kill leaves. */
+     * leaves nothing behind. File systems without O_TMPFILE (and processes without /proc, which
+     * the naming goes through) get a named temporary file instead, which such a kill leaves. */
     char *dir = folder_of(dest);
     if (!dir) {
         free(target);
@@ -117,9 +119,9 @@ int strata_replace_file(const char *path, mode_t new_mode, strata_write_fn write
     }
     memcpy(tmp, dest, n);
     memcpy(tmp + n, ".tmp-XXXXXX", sizeof ".tmp-XXXXXX");
-    bool unnamed = true, tmp_exists = false;
-    int fd = open(dir, O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
-    if (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL)) {
+    bool tmp_exists = false;
+    int fd = unnamed ? open(dir, O_TMPFILE | O_RDWR | O_CLOEXEC, 0600) : -1;
+    if (!unnamed || (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL))) {
         unnamed = false;
         fd = mkostemp(tmp, O_CLOEXEC);   /* mode 0600 until the fchmod below */
         tmp_exists = fd >= 0;
@@ -162,4 +164,15 @@ int strata_replace_file(const char *path, mode_t new_mode, strata_write_fn write
     free(tmp);
     free(target);
     return rc;
+}
+
+int strata_replace_file(const char *path, mode_t new_mode, strata_write_fn write, void *ctx, strata_error *err)
+{
+    /* The unnamed file is named through /proc/self/fd, which a container may lack. */
+    return replace_file(path, new_mode, write, ctx, access("/proc/self/fd", X_OK) == 0, err);
+}
+
+int strata_replace_file_named(const char *path, mode_t new_mode, strata_write_fn write, void *ctx, strata_error *err)
+{
+    return replace_file(path, new_mode, write, ctx, false, err);
 }

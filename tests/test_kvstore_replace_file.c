@@ -1,5 +1,5 @@
 /* kvstore/replace_file.c: a file is replaced whole or not at all, and a process killed while
- * writing leaves neither a half-written file nor a temporary one. (The refusals of paths that are
+ * writing leaves neither a half-written file nor (where O_TMPFILE works) a temporary one. (The refusals of paths that are
  * not regular files, links and modes are in test_kvstore_blockfile and test_kvstore_plan, through
  * the two savers built on it.) */
 #include <setjmp.h>
@@ -15,6 +15,7 @@
 
 #include "tests/test_dir.h"
 
+#include <dirent.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -53,9 +54,25 @@ static void expect_old(const char *path)
     assert_string_equal(buf, "old file\n");
 }
 
-static void test_whole_or_nothing(void **state)
+typedef int (*replace_fn)(const char *, mode_t, strata_write_fn, void *, strata_error *);
+
+/* Files in dir whose name starts with prefix. */
+static int entries_starting(const char *dir, const char *prefix)
 {
-    (void)state;
+    DIR *d = opendir(dir);
+    assert_non_null(d);
+    int n = 0;
+    for (struct dirent *e; (e = readdir(d));)
+        n += strncmp(e->d_name, prefix, strlen(prefix)) == 0;
+    closedir(d);
+    return n;
+}
+
+/* replace() on a file of "old file\n" (mode 0640): killed half way, a failing writer, success, a
+ * missing folder. unnamed: the O_TMPFILE path, whose kill leaves nothing; else the named
+ * temporary file's, whose kill leaves PATH.tmp-XXXXXX beside the intact old file. */
+static void whole_or_nothing(replace_fn replace, bool unnamed)
+{
     char dir[] = "/tmp/strata-replace-XXXXXX";
     assert_non_null(mkdtemp(dir));
     char path[128];
@@ -67,7 +84,7 @@ static void test_whole_or_nothing(void **state)
     assert_int_equal(chmod(path, 0640), 0);
 
     /* Killed half way through (SIGXFSZ at a 64 KiB file size limit, as a Ctrl-C would): the old
-     * file is intact and nothing else is in the folder. */
+     * file is intact. */
     pid_t pid = fork();
     assert_true(pid >= 0);
     if (pid == 0) {
@@ -76,45 +93,81 @@ static void test_whole_or_nothing(void **state)
         signal(SIGXFSZ, SIG_DFL);
         setrlimit(RLIMIT_FSIZE, &small);
         contents c = {.bytes = 1 << 20};
-        strata_replace_file(path, 0644, write_contents, &c, NULL);
+        replace(path, 0644, write_contents, &c, NULL);
         _exit(0);   /* not reached: the write past the limit kills the process */
     }
     int st;
     assert_int_equal(waitpid(pid, &st, 0), pid);
     assert_true(WIFSIGNALED(st) && WTERMSIG(st) == SIGXFSZ);
     expect_old(path);
-    assert_int_equal(test_dir_entries(dir), 1);
+    assert_int_equal(test_dir_entries(dir), unnamed ? 1 : 2);
+    assert_int_equal(entries_starting(dir, "kept.txt.tmp-"), unnamed ? 0 : 1);
+    if (!unnamed) {   /* what the user removes by hand */
+        DIR *d = opendir(dir);
+        assert_non_null(d);
+        for (struct dirent *e; (e = readdir(d));)
+            if (strncmp(e->d_name, "kept.txt.tmp-", 13) == 0) {
+                char left[300];
+                snprintf(left, sizeof left, "%s/%s", dir, e->d_name);
+                assert_int_equal(unlink(left), 0);
+            }
+        closedir(d);
+    }
 
-    /* A failing writer: the same. */
+    /* A failing writer: the old file, and nothing else. */
     strata_error err = {0};
     contents half = {.bytes = 1 << 20, .fail_half = true};
-    assert_int_equal(strata_replace_file(path, 0644, write_contents, &half, &err), STRATA_EFORMAT);
+    assert_int_equal(replace(path, 0644, write_contents, &half, &err), STRATA_EFORMAT);
     assert_non_null(strstr(err.msg, "scripted failure"));
     expect_old(path);
     assert_int_equal(test_dir_entries(dir), 1);
 
     /* Success: the new contents, the old mode, one file. */
     contents whole = {.bytes = 1 << 20};
-    assert_int_equal(strata_replace_file(path, 0644, write_contents, &whole, &err), STRATA_OK);
+    assert_int_equal(replace(path, 0644, write_contents, &whole, &err), STRATA_OK);
     struct stat sb;
     assert_int_equal(stat(path, &sb), 0);
     assert_int_equal(sb.st_size, 1 << 20);
     assert_int_equal(sb.st_mode & 07777, 0640);
     assert_int_equal(test_dir_entries(dir), 1);
 
+    /* A new file gets the mode asked for (umask 022 here). */
+    char fresh[160];
+    snprintf(fresh, sizeof fresh, "%s/new.txt", dir);
+    const mode_t old_mask = umask(022);
+    assert_int_equal(replace(fresh, 0600, write_contents, &whole, &err), STRATA_OK);
+    umask(old_mask);
+    assert_int_equal(stat(fresh, &sb), 0);
+    assert_int_equal(sb.st_mode & 07777, 0600);
+    assert_int_equal(unlink(fresh), 0);
+
     /* A new file in a folder that does not exist: a clear error. */
     char missing[160];
     snprintf(missing, sizeof missing, "%s/no/such/file", dir);
-    assert_int_equal(strata_replace_file(missing, 0644, write_contents, &whole, &err), STRATA_EIO);
+    assert_int_equal(replace(missing, 0644, write_contents, &whole, &err), STRATA_EIO);
     assert_non_null(strstr(err.msg, "cannot create a file beside"));
     assert_int_equal(unlink(path), 0);
     assert_int_equal(rmdir(dir), 0);
+}
+
+static void test_whole_or_nothing(void **state)
+{
+    (void)state;
+    whole_or_nothing(strata_replace_file, true);
+}
+
+/* The path of file systems without O_TMPFILE and of processes without /proc. */
+static void test_named_temporary_file(void **state)
+{
+    (void)state;
+    whole_or_nothing(strata_replace_file_named, false);
 }
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_whole_or_nothing),
+        cmocka_unit_test(test_named_temporary_file),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
