@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -110,15 +111,20 @@ static int replace_file(const char *path, mode_t new_mode, strata_write_fn write
         free(target);
         return strata_fail(err, STRATA_ENOMEM, "saving %s: out of memory", path);
     }
-    size_t n = strlen(dest);
-    char *tmp = malloc(n + sizeof ".tmp-XXXXXX");
+    /* The temporary name is PATH.tmp-XXXXXX, so a user can tell what a left one was; a name too
+     * long for that (NAME_MAX) gets .strata-tmp-XXXXXX in the same folder. */
+    const char *base = strrchr(dest, '/') ? strrchr(dest, '/') + 1 : dest;
+    const bool short_name = strlen(base) + sizeof ".tmp-XXXXXX" - 1 > NAME_MAX;
+    size_t n = short_name ? (size_t)(base - dest) : strlen(dest);
+    const char *suffix = short_name ? ".strata-tmp-XXXXXX" : ".tmp-XXXXXX";
+    char *tmp = malloc(n + strlen(suffix) + 1);
     if (!tmp) {
         free(dir);
         free(target);
         return strata_fail(err, STRATA_ENOMEM, "saving %s: out of memory", path);
     }
     memcpy(tmp, dest, n);
-    memcpy(tmp + n, ".tmp-XXXXXX", sizeof ".tmp-XXXXXX");
+    memcpy(tmp + n, suffix, strlen(suffix) + 1);
     bool tmp_exists = false;
     int fd = unnamed ? open(dir, O_TMPFILE | O_RDWR | O_CLOEXEC, 0600) : -1;
     if (!unnamed || (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL))) {

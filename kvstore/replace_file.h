@@ -21,7 +21,8 @@ typedef int (*strata_write_fn)(FILE *f, const char *path, void *ctx, strata_erro
  * umask applies). The folder is synced after the rename. */
 int strata_replace_file(const char *path, mode_t new_mode, strata_write_fn write, void *ctx, strata_error *err);
 
-/* The same through a named temporary file PATH.tmp-XXXXXX beside path (removed on failure; a
+/* The same through a named temporary file PATH.tmp-XXXXXX beside path (.strata-tmp-XXXXXX when
+ * the name is too long for that suffix; removed on failure; a
  * process killed while writing leaves it): what strata_replace_file does on a file system
  * without O_TMPFILE or in a process without /proc. Exposed so that this path is tested. */
 int strata_replace_file_named(const char *path, mode_t new_mode, strata_write_fn write, void *ctx, strata_error *err);

@@ -156,6 +156,31 @@ static void test_whole_or_nothing(void **state)
     whole_or_nothing(strata_replace_file, true);
 }
 
+/* A name of 255 bytes (NAME_MAX), too long for NAME.tmp-XXXXXX: saved all the same, both ways. */
+static void test_longest_name(void **state)
+{
+    (void)state;
+    char dir[] = "/tmp/strata-replace-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char path[400];
+    int at = snprintf(path, sizeof path, "%s/", dir);
+    memset(path + at, 'k', 255);
+    path[at + 255] = '\0';
+    contents whole = {.bytes = 8192};
+    strata_error err = {0};
+    const replace_fn ways[] = {strata_replace_file, strata_replace_file_named};
+    for (int w = 0; w < 2; w++) {
+        if (ways[w](path, 0644, write_contents, &whole, &err) != STRATA_OK)
+            fail_msg("way %d: %s", w, err.msg);
+        struct stat sb;
+        assert_int_equal(stat(path, &sb), 0);
+        assert_int_equal(sb.st_size, 8192);
+        assert_int_equal(test_dir_entries(dir), 1);
+    }
+    assert_int_equal(unlink(path), 0);
+    assert_int_equal(rmdir(dir), 0);
+}
+
 /* The path of file systems without O_TMPFILE and of processes without /proc. */
 static void test_named_temporary_file(void **state)
 {
@@ -168,6 +193,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_whole_or_nothing),
         cmocka_unit_test(test_named_temporary_file),
+        cmocka_unit_test(test_longest_name),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
