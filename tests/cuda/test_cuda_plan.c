@@ -141,6 +141,21 @@ static void test_plan_covers_every_block_once(void **state)
     }
 }
 
+/* The shapes around the tensor-core kernel's (it takes some): each backbone codec, head_dim 64
+ * and 128, 2 and 4 bits, groups 8 to 64, one group for keys and values, 64-token blocks. */
+#define MMA_SHAPES 64
+static void mma_shapes(cuda_kv_layout out[MMA_SHAPES])
+{
+    const int codecs[] = {KV_CODEC_KIVI, KV_CODEC_TADA, KV_CODEC_GEAR, KV_CODEC_OTT};
+    size_t n = 0;
+    for (size_t c = 0; c < 4; c++)
+        for (int D = 64; D <= 128; D *= 2)
+            for (int bits = 2; bits <= 4; bits += 2)
+                for (int G = 8; G <= 64; G *= 2)
+                    out[n++] = (cuda_kv_layout){.codec = codecs[c], .k_bits = bits, .v_bits = bits, .k_group = G,
+                                                .v_group = G, .n_kv_heads = 8, .head_dim = D, .block_tokens = 64};
+}
+
 /* The tensor-core kernel's plan (a layout of each codec it takes; GEAR and OTT fit fewer thread
  * blocks a multiprocessor): every block covered once, at least one block a warp, and no worse in
  * waves x blocks a split than the plain "fill the device once" plan it replaced. */
@@ -179,21 +194,20 @@ static void test_plan_tensor_cores_counts_waves(void **state)
     /* Every layout the kernel takes fits as many thread blocks a multiprocessor as the plan and the
      * launch bounds count on: an H100 has 228 KiB of shared memory a multiprocessor, at most 227
      * a thread block, and keeps 1 KiB a thread block for itself. */
-    for (size_t c = 0; c < 4; c++)
-        for (int D = 64; D <= 128; D *= 2)
-            for (int bits = 2; bits <= 4; bits += 2)
-                for (int G = 8; G <= 64; G *= 2) {
-                    const cuda_kv_layout l = {.codec = codecs[c], .k_bits = bits, .v_bits = bits, .k_group = G,
-                                              .v_group = G, .n_kv_heads = 8, .head_dim = D, .block_tokens = 64};
-                    if (!kv_mma_eligible(&l, 8))
-                        continue;
-                    assert_int_equal(kv_mma_stage_of(&l).bytes, kv_mma_stage_bytes(D, bits, G));
-                    const size_t smem = kv_mma_smem_bytes(&l), ctas = (size_t)kv_mma_ctas_per_sm(D, bits, G, codecs[c]);
-                    assert_true(ctas >= 1);
-                    if (smem > 227 * 1024 || ctas * (smem + 1024) > 228 * 1024)
-                        fail_msg("codec %d, head_dim %d, %d bits, group %d: %zu thread blocks of %zu bytes", codecs[c],
-                                 D, bits, G, ctas, smem);
-                }
+    cuda_kv_layout shapes[MMA_SHAPES];
+    mma_shapes(shapes);
+    for (size_t i = 0; i < MMA_SHAPES; i++) {
+        const cuda_kv_layout *l = &shapes[i];
+        const int D = l->head_dim, bits = l->k_bits, G = l->k_group;
+        if (!kv_mma_eligible(l, 8))
+            continue;
+        assert_int_equal(kv_mma_stage_of(l).bytes, kv_mma_stage_bytes(D, bits, G));
+        const size_t smem = kv_mma_smem_bytes(l), ctas = (size_t)kv_mma_ctas_per_sm(D, bits, G, l->codec);
+        assert_true(ctas >= 1);
+        if (smem > 227 * 1024 || ctas * (smem + 1024) > 228 * 1024)
+            fail_msg("codec %d, head_dim %d, %d bits, group %d: %zu thread blocks of %zu bytes", l->codec, D, bits, G,
+                     ctas, smem);
+    }
     /* TaDA's 8-bit codes stay on the generic kernel. */
     const cuda_kv_layout t8 = {.codec = KV_CODEC_TADA, .k_bits = 8, .v_bits = 8, .k_group = 32, .v_group = 32,
                                .n_kv_heads = 8, .head_dim = 128, .block_tokens = 64};
@@ -209,28 +223,25 @@ static void test_tensor_cores_by_shared_memory(void **state)
 {
     (void)state;
     const size_t h100 = 232448, a100 = 166912, ada = 101376;
-    const int codecs[] = {KV_CODEC_KIVI, KV_CODEC_TADA, KV_CODEC_GEAR, KV_CODEC_OTT};
     int eligible = 0, on_ada = 0;
-    for (size_t c = 0; c < 4; c++)
-        for (int D = 64; D <= 128; D *= 2)
-            for (int bits = 2; bits <= 4; bits += 2)
-                for (int G = 8; G <= 64; G *= 2) {
-                    const cuda_kv_layout l = {.codec = codecs[c], .k_bits = bits, .v_bits = bits, .k_group = G,
-                                              .v_group = G, .n_kv_heads = 8, .head_dim = D, .block_tokens = 64};
-                    if (!kv_mma_eligible(&l, 4)) {
-                        assert_false(kv_mma_runs(&l, 4, h100));
-                        continue;
-                    }
-                    eligible++;
-                    assert_true(kv_mma_runs(&l, 4, h100));
-                    assert_true(kv_mma_runs(&l, 4, a100));
-                    assert_false(kv_mma_runs(&l, 4, 0));
-                    const bool fits = kv_mma_runs(&l, 4, ada);
-                    on_ada += fits;
-                    assert_true(fits == (kv_mma_smem_bytes(&l) <= ada));
-                    if (bits == 2 || D == 64)
-                        assert_true(fits);
-                }
+    cuda_kv_layout shapes[MMA_SHAPES];
+    mma_shapes(shapes);
+    for (size_t i = 0; i < MMA_SHAPES; i++) {
+        const cuda_kv_layout *l = &shapes[i];
+        if (!kv_mma_eligible(l, 4)) {
+            assert_false(kv_mma_runs(l, 4, h100));
+            continue;
+        }
+        eligible++;
+        assert_true(kv_mma_runs(l, 4, h100));
+        assert_true(kv_mma_runs(l, 4, a100));
+        assert_false(kv_mma_runs(l, 4, 0));
+        const bool fits = kv_mma_runs(l, 4, ada);
+        on_ada += fits;
+        assert_true(fits == (kv_mma_smem_bytes(l) <= ada));
+        if (l->k_bits == 2 || l->head_dim == 64)
+            assert_true(fits);
+    }
     /* 4 codecs x 2 head sizes x (3 groups at 2 bits + 4 at 4 bits); 8 of them too big for 99 KiB:
      * KIVI and TaDA 4-bit group 8, GEAR and OTT 4-bit groups 8, 16 and 32, all at head_dim 128. */
     assert_int_equal(eligible, 56);
