@@ -333,6 +333,9 @@ static void test_roundtrip_public(void **state)
     mi.kv_codecs = offered;
     mi.replicas = 2;
     mi.stages_per_replica = 4;
+    uint32_t stage_layers[] = {9, 9, 8, 4};
+    mi.n_stage_layers = 4;
+    mi.stage_layers = stage_layers;
     mi.block_tokens = 64;
     check_roundtrip(&mi.base);
 

@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "coordinator/sched/layer_split.h"
 #include "coordinator/sched/prefix_index.h"
 #include "coordinator/sched/scheduler.h"
 #include "kvstore/kv_cache.h"
@@ -144,6 +145,7 @@ struct coord {
     char **plan_names;
     int n_plans;
     uint32_t *layer_begin;       /* stages + 1 entries */
+    uint32_t *stage_layers;      /* stages entries: layer_begin's differences (ModelInfo) */
     proto_generate_limits limits;
     char model_name[128], arch[32];
 
@@ -345,6 +347,32 @@ static void fail_req(coord *c, creq *q, int code, const char *msg)
 }
 
 /* ---- capacity ---- */
+
+/* Divides the layers among a replica's stages as cfg.stage_layers says (layer_split.h). The
+ * balanced split counts the matrices each decoded token multiplies: a layer's attention and FFN
+ * projections, and the output head on the last stage. */
+static int split_layers(coord *c, strata_error *err)
+{
+    const model_config *m = &c->mc;
+    const double e = m->n_embd, q = (double)m->n_heads * m->head_dim, kv = (double)m->n_kv_heads * m->head_dim;
+    const layer_split_costs costs = {.layer_cost = 2 * e * q + 2 * e * kv + 3 * e * m->n_ff,
+                                     .head_cost = (double)m->n_vocab * e};
+    layer_split_spec spec;
+    int rc = layer_split_parse(c->cfg.stage_layers, &spec, err);
+    if (rc == STRATA_OK)
+        rc = layer_split_plan(&spec, (uint32_t)m->n_layers, c->cfg.stages, &costs, c->layer_begin, err);
+    if (rc != STRATA_OK)
+        return strata_error_prefix(err, "coordinator: --stage-layers");
+    for (uint32_t s = 0; s < c->cfg.stages; s++)
+        c->stage_layers[s] = c->layer_begin[s + 1] - c->layer_begin[s];
+    if (c->cfg.stages > 1) {
+        char counts[LAYER_SPLIT_MAX_STAGES * 11];
+        layer_split_format(c->layer_begin, c->cfg.stages, counts, sizeof counts);
+        logf_(c, "layers per stage: %s (%s)", counts,
+              spec.mode == LAYER_SPLIT_EVEN ? "even" : spec.mode == LAYER_SPLIT_BALANCED ? "balanced" : "as listed");
+    }
+    return STRATA_OK;
+}
 
 /* Block rows (one block of each of a stage's layers) replica stages hold on the device and in
  * all tiers: the smallest over the stages. The rules mirror worker/stage/stage.c: a layer's slot
@@ -1494,6 +1522,8 @@ static int api_model_info(void *ctx, Strata__V1__ModelInfo *out, strata_error *e
     out->kv_codecs = c->plan_names + 1;
     out->replicas = c->cfg.replicas;
     out->stages_per_replica = c->cfg.stages;
+    out->n_stage_layers = c->cfg.stages;
+    out->stage_layers = c->stage_layers;
     out->block_tokens = c->cfg.block_tokens;
     return STRATA_OK;
 }
@@ -1810,8 +1840,9 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
     if (rc == STRATA_OK) {
         c->codecs = calloc((size_t)c->mc.n_layers, sizeof *c->codecs);
         c->layer_begin = calloc(cfg->stages + 1, sizeof *c->layer_begin);
+        c->stage_layers = calloc(cfg->stages, sizeof *c->stage_layers);
         c->reps = calloc(cfg->replicas, sizeof *c->reps);
-        if (!c->codecs || !c->layer_begin || !c->reps)
+        if (!c->codecs || !c->layer_begin || !c->stage_layers || !c->reps)
             rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
     }
     if (rc == STRATA_OK) {   /* a codec, a range list, or a plan file from `strata calibrate` */
@@ -1833,12 +1864,8 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
         if (rc == STRATA_OK)
             rc = load_plans(c, cfg->kv_codecs, &g, err);
     }
-    if (rc == STRATA_OK) {
-        /* Layers split as evenly as possible; the first stages take one more when uneven. */
-        uint32_t n = (uint32_t)c->mc.n_layers, k = cfg->stages;
-        for (uint32_t s = 0; s < k; s++)
-            c->layer_begin[s + 1] = c->layer_begin[s] + n / k + (s < n % k ? 1 : 0);
-    }
+    if (rc == STRATA_OK)
+        rc = split_layers(c, err);
     sched_replica_config cap = {0};
     if (rc == STRATA_OK)
         rc = replica_capacity(c, &cap, err);
@@ -2037,6 +2064,7 @@ void coord_destroy(coord *c)
     free(c->kv_canonical);
     free(c->codecs);
     free(c->layer_begin);
+    free(c->stage_layers);
     tokenizer_free(c->tok);
     pthread_cond_destroy(&c->wake);
     pthread_cond_destroy(&c->changed);

@@ -25,7 +25,9 @@
 typedef struct coord_config {
     const char *model_path;      /* GGUF; workers load the same path */
     uint32_t replicas;           /* data-parallel replicas, >= 1 */
-    uint32_t stages;             /* workers per replica, 1..n_layers; layers split evenly */
+    uint32_t stages;             /* workers per replica, 1..n_layers */
+    const char *stage_layers;    /* how the layers split among the stages (layer_split.h): "even"
+                                  * (NULL or ""), "balanced", or counts such as "19,11" */
     const char *kv;              /* default KV plan: codec name, "tada", range list, or a plan file */
     const char *kv_codecs;       /* other plans a request may name (kv_codec), ';'-separated (an entry
                                   * without ':' may list codec names with ','); NULL or "": none */

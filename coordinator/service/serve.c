@@ -20,6 +20,7 @@
 #include "coordinator/control/control_server.h"
 #include "coordinator/metrics/http.h"
 #include "coordinator/metrics/metrics.h"
+#include "coordinator/sched/layer_split.h"
 #include "coordinator/server/api_server.h"
 #include "coordinator/service/coord.h"
 #include "kvstore/numarg.h"
@@ -32,20 +33,21 @@ enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
 
 typedef struct serve_opts {
     const char *config, *model, *listen, *control, *metrics, *secret_file, *kv, *kv_codecs, *tls_cert, *tls_key;
-    const char *token_file;
+    const char *token_file, *stage_layers;
     const char *nvme_dir, *worker_bin;
     long replicas, stages, block_tokens, ctx, max_seqs, max_batch_tokens, steps_in_flight;
     double device_mib, host_mib, nvme_mib;   /* fractions allowed, as for strata generate */
     double prefix_mib;                       /* per replica; 0: no prefix caching */
     long drain_s, ready_timeout_s, threads;
     bool quiet;
+    bool stages_set;   /* --stages given (a flag or the config) */
 } serve_opts;
 
 /* Every option: flag name = config key with '-' for '_'. */
 enum {
     O_CONFIG = 256, O_MODEL, O_LISTEN, O_CONTROL, O_METRICS, O_SECRET, O_REPLICAS, O_STAGES, O_KV, O_KV_CODECS, O_BLOCK, O_CTX,
     O_MAX_SEQS, O_MAX_BATCH, O_DEVICE, O_HOST, O_NVME, O_NVME_DIR, O_TLS_CERT, O_TLS_KEY, O_TOKEN, O_DRAIN,
-    O_READY, O_WORKER_BIN, O_THREADS, O_IN_FLIGHT, O_PREFIX,
+    O_READY, O_WORKER_BIN, O_THREADS, O_IN_FLIGHT, O_PREFIX, O_STAGE_LAYERS,
 };
 
 static void usage(FILE *out, const char *prog, bool local)
@@ -67,8 +69,13 @@ static void usage(FILE *out, const char *prog, bool local)
             "  --metrics HOST:PORT     Prometheus text metrics at http://HOST:PORT/metrics (default: off)\n"
             "  --secret-file FILE      cluster secret (16-256 bytes) workers must present (%s)\n"
             "  --replicas N            data-parallel replicas (default 1)\n"
-            "  --stages N              pipeline stages (workers) per replica; layers split evenly\n"
-            "                          (default %s)\n"
+            "  --stages N              pipeline stages (workers) per replica (default %s)\n"
+            "  --stage-layers SPLIT    how the layers split among the stages: even (the default: the\n"
+            "                          same KV per token on every stage), balanced (the same weights\n"
+            "                          per decoded token, the last stage's output head counted: a\n"
+            "                          faster pipeline, but its widest stage holds fewer tokens in\n"
+            "                          --device-kv-mib), or layer counts first to last, e.g. 19,11\n"
+            "                          (sets --stages when that is not given)\n"
             "  --kv SPEC               KV codec or plan of a request that names none (default kivi4):\n"
             "                          a codec name, tada, a range list such as 0-14:tada4,15-29:tada2,\n"
             "                          or a plan file (strata calibrate --out)\n"
@@ -132,7 +139,7 @@ static const struct option long_opts[] = {
     {"token-file", required_argument, NULL, O_TOKEN},    {"drain-seconds", required_argument, NULL, O_DRAIN},
     {"ready-timeout", required_argument, NULL, O_READY}, {"worker-bin", required_argument, NULL, O_WORKER_BIN},
     {"threads", required_argument, NULL, O_THREADS},     {"quiet", no_argument, NULL, 'q'},
-    {"prefix-cache-mib", required_argument, NULL, O_PREFIX},
+    {"prefix-cache-mib", required_argument, NULL, O_PREFIX}, {"stage-layers", required_argument, NULL, O_STAGE_LAYERS},
     {"help", no_argument, NULL, 'h'},                    {NULL, 0, NULL, 0},
 };
 
@@ -151,7 +158,19 @@ static bool apply(const char *prog, serve_opts *o, int id, const char *flag, con
     case O_TLS_KEY: o->tls_key = v; return true;
     case O_TOKEN: o->token_file = v; return true;
     case O_REPLICAS: return strata_parse_long(prog, flag, v, 1, 1024, &o->replicas);
-    case O_STAGES: return strata_parse_long(prog, flag, v, 1, 64, &o->stages);
+    case O_STAGES:
+        o->stages_set = true;
+        return strata_parse_long(prog, flag, v, 1, LAYER_SPLIT_MAX_STAGES, &o->stages);
+    case O_STAGE_LAYERS: {
+        layer_split_spec spec;
+        strata_error err = {0};
+        if (layer_split_parse(v, &spec, &err) != STRATA_OK) {
+            fprintf(stderr, "%s: %s: %s\n", prog, flag, err.msg);
+            return false;
+        }
+        o->stage_layers = v;
+        return true;
+    }
     case O_BLOCK: return strata_parse_long(prog, flag, v, 1, 4096, &o->block_tokens);
     case O_CTX: return strata_parse_long(prog, flag, v, 2, 1 << 22, &o->ctx);
     case O_MAX_SEQS: return strata_parse_long(prog, flag, v, 1, 4096, &o->max_seqs);
@@ -313,6 +332,17 @@ static int parse(int argc, char **argv, const char *prog, bool local, serve_opts
     if (optind != argc) {
         fprintf(stderr, "%s: unexpected argument '%s' (try --help)\n", prog, argv[optind]);
         return EXIT_USAGE;
+    }
+    if (o->stage_layers) {   /* a list of counts names the stages */
+        layer_split_spec spec;
+        (void)layer_split_parse(o->stage_layers, &spec, NULL);   /* checked when applied */
+        if (spec.mode == LAYER_SPLIT_LIST && !o->stages_set) {
+            o->stages = spec.n_counts;
+        } else if (spec.mode == LAYER_SPLIT_LIST && (long)spec.n_counts != o->stages) {
+            fprintf(stderr, "%s: --stage-layers %s names %u stages, but --stages is %ld\n", prog, o->stage_layers,
+                    spec.n_counts, o->stages);
+            return EXIT_USAGE;
+        }
     }
     if (!local && !o->secret_file) {
         fprintf(stderr, "%s: --secret-file is required (workers present the same secret)\n", prog);
@@ -730,6 +760,7 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
         goto out;
     }
     coord_config cc = {.model_path = o.model, .replicas = (uint32_t)o.replicas, .stages = (uint32_t)o.stages,
+                       .stage_layers = o.stage_layers,
                        .kv = o.kv, .kv_codecs = o.kv_codecs, .block_tokens = (uint32_t)o.block_tokens, .ctx = (uint32_t)o.ctx,
                        .max_seqs = (uint32_t)o.max_seqs, .max_batch_tokens = (uint32_t)o.max_batch_tokens,
                        .steps_in_flight = (uint32_t)o.steps_in_flight, .device_kv_bytes = strata_mib_bytes(o.device_mib), .host_kv_bytes = strata_mib_bytes(o.host_mib),

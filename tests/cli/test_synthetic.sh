@@ -38,6 +38,13 @@ serve_bad "KV plan: $tmp/bad.plan: kv plan line 3: unknown kv codec \"nosuch\"" 
 serve_bad "--kv-codecs 'nosuch': unknown kv codec" --kv-codecs "fp16, nosuch"
 serve_bad "--kv-codecs '0-1:kivi2': kv plan: layer 2 has no codec" --kv-codecs "fp16;0-1:kivi2"
 serve_bad "5 stages for a model of 4 layers" --stages 5
+serve_bad "coordinator: --stage-layers: the layer counts add up to 6, but the model has 4 layers" --stage-layers 3,3
+serve_bad "--stage-layers 3,1 names 2 stages, but --stages is 3" --stage-layers 3,1 --stages 3
+echo '{"stages": 1}' >"$tmp/one-stage.json"
+serve_bad "--stage-layers 3,1 names 2 stages, but --stages is 1" --stage-layers 3,1 --config "$tmp/one-stage.json"
+serve_bad "--stage-layers: '4,0': every stage needs at least 1 layer" --stage-layers 4,0
+serve_bad "--stage-layers: 'uneven': expected even, balanced or layer counts" --stage-layers uneven
+serve_bad "5 stages for a model of 4 layers" --stage-layers 1,1,1,1,1
 serve_bad "worker binary $tmp is not a file" --worker-bin "$tmp"
 serve_bad "the KV of 2 local workers (2 x (256 + 16000000 MiB of --device-kv-mib and --host-kv-mib)): 32000512.0 MiB is more than" --host-kv-mib 16000000
 serve_bad "does not divide block_tokens 7" --block-tokens 7

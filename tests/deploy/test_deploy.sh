@@ -224,8 +224,11 @@ grep -q -- '--replicas 2 --stages 1' "$out" || fail "node dry run --gpus 0,1: co
 grep -q 'would write' "$out" && fail "node dry run: a secret would be generated although --secret-file was given"
 
 "$node" --dry-run --gpus 0,GPU-1234-ab --stages 2 --nvme-dir /nvme/strata --worker-arg --host-kv-mib=64 \
-  -- --model /m/x.gguf --listen 0.0.0.0:50051 >"$out" 2>&1 || fail "node dry run with stages: $(tail -n 2 "$out")"
-grep -q -- '--replicas 1 --stages 2 --model /m/x.gguf --listen 0.0.0.0:50051$' "$out" || fail "node dry run: coordinator args after --: $(cat "$out")"
+  -- --model /m/x.gguf --listen 0.0.0.0:50051 --stage-layers 19,11 >"$out" 2>&1 ||
+  fail "node dry run with stages: $(tail -n 2 "$out")"
+# --stage-layers is the coordinator's own (not an abbreviation of --stages): it goes through
+grep -q -- '--replicas 1 --stages 2 --model /m/x.gguf --listen 0.0.0.0:50051 --stage-layers 19,11$' "$out" ||
+  fail "node dry run: coordinator args after --: $(cat "$out")"
 grep -q -- 'CUDA_VISIBLE_DEVICES=GPU-1234-ab .* --nvme-dir /nvme/strata/worker-1 --host-kv-mib=64$' "$out" ||
   fail "node dry run: GPU UUID, spill dir or worker args: $(cat "$out")"
 

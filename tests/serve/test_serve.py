@@ -9,8 +9,8 @@ Checks: greedy output equals single-process `strata generate` token for token (t
 and the ids of a concurrent run compared with the ids of the same prompt alone); 32 concurrent
 streams; Abort; every bad input; a client that disconnects; a killed worker (UNAVAILABLE, then
 the worker is restarted and rejoins); GetModelInfo / GetStats / Prometheus metrics; TLS with a
-bearer token; SIGTERM drains a running stream; KV tiers under concurrent load with aborts, cancels
-and a drain; prefix caching. Every wait is bounded: a hang is a failure.
+bearer token; SIGTERM drains a running stream; uneven pipeline splits (--stage-layers); KV tiers
+under concurrent load with aborts, cancels and a drain; prefix caching. Every wait is bounded: a hang is a failure.
 """
 import os
 import re
@@ -271,6 +271,7 @@ def test_info_stats_metrics(c, metrics_port):
         (30, 1, 2, 512, "kivi4"), info
     assert info.n_vocab == 49152 and info.block_tokens == 64 and info.arch == "llama"
     assert list(info.kv_codecs) == ["kivi2"], info   # kivi4 listed again is the default
+    assert list(info.stage_layers) == [15, 15], info
     h = c.health(pb.HealthRequest(), timeout=T)
     assert h.status == pb.SERVING_STATUS_SERVING and h.workers_ready == 2 == h.workers_total, h
     # KV blocks exist while a request runs
@@ -392,6 +393,35 @@ def test_sigterm_drain_cut():
     assert msgs[-1].error.code == grpc.StatusCode.UNAVAILABLE.value[0], msgs[-1]
     assert all(m.WhichOneof("kind") == "chunk" for m in msgs[:-1])
     assert s.stop() == 0
+
+
+def test_stage_layers():
+    """Uneven pipeline splits (--stage-layers): balanced gives SmolLM2's 30 layers as 19 + 11 (the
+    last stage also multiplies the 49152 x 576 output head, as much as 8 layers), and a list from
+    the config file makes 3 stages of 1, 28 and 1 layers without --stages; each worker gets its
+    range and greedy output stays that of single-process `strata generate`, past the fp16 window."""
+    want = {p: reference(p, 24) for p in (PROMPTS[0], LONG)}
+    cfg = os.path.join(WORK, "stage_layers.json")
+    with open(cfg, "w") as f:
+        f.write('{"stage_layers": "1,28,1", "ctx": 512}')
+    for name, args, counts, ranges in (
+            ("balanced", ("--ctx", "512", "--stage-layers", "balanced"), [19, 11], ("0-18", "19-29")),
+            ("listed", ("--config", cfg), [1, 28, 1], ("0-0", "1-28", "29-29"))):
+        s = Serve("layers_" + name, *args)
+        try:
+            log = s.text().decode(errors="replace")
+            split = ",".join(map(str, counts)) + (" (balanced)" if name == "balanced" else " (as listed)")
+            assert f"layers per stage: {split}" in log, log
+            for st, r in enumerate(ranges):
+                assert re.search(rf"stage {st} \(layers {r}\)", log), f"{name}: stage {st} not on layers {r}:\n{log}"
+            c = Client(s.addr())
+            info = c.info(pb.ModelInfoRequest(), timeout=T)
+            assert (info.stages_per_replica, list(info.stage_layers)) == (len(counts), counts), info
+            for p, text in want.items():
+                got = c.generate(req(p, max_tokens=24, ignore_eos=True))[1]
+                assert got == text, f"{name}: served {got!r} != generate {text!r}"
+        finally:
+            assert s.stop() == 0
 
 
 def test_two_replicas_migration():
@@ -673,6 +703,7 @@ def main():
     run("TLS and bearer token", test_tls_token)
     run("SIGTERM drains", test_sigterm_drains)
     run("SIGTERM with a short drain cuts a long stream", test_sigterm_drain_cut)
+    run("uneven pipeline splits (--stage-layers)", test_stage_layers)
     run("two replicas: routing and migration by strata drain", test_two_replicas_migration)
     run("tiers under load: spills, aborts, cancels and a drain", test_tiers_under_load)
     run("prefix caching", test_prefix_cache)
