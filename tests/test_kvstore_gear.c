@@ -536,12 +536,10 @@ static void lowrank_case(const geo *g, int bits, int group, int rank, int ks, in
              * R is the residual the codec factorizes (0 at the outliers) */
             const double *DS = kv ? p.Vds : p.Kds;
             const uint8_t *mask = kv ? p.vmask : p.kmask;
-            double rr = 0;
             for (size_t t = 0; t < g->T; t++)
                 for (size_t c = 0; c < g->D; c++) {
                     size_t o = (t * g->H + h) * g->D + c;
                     R[t * g->D + c] = mask[o] ? 0.0 : (double)X[o] - DS[o];
-                    rr += R[t * g->D + c] * R[t * g->D + c];
                 }
             if (!full) {
                 double best_gain = ref_top_energy(R, g->T, g->D, (size_t)rank);

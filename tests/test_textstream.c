@@ -107,7 +107,7 @@ static void test_utf8_split_and_invalid(void **state)
     assert_string_equal(out, "caf\xC3\xA9 \xE2\x82\xAC!");
     text_stream_free(&ts);
     /* a stray continuation byte, an overlong lead, a surrogate, a broken character, a lead at the end */
-    const char *bad[] = {"a\x80", "b\xC0\xAF", "\xED\xA0\x80", "\xE2\x82" "c", "\xF0"};
+    const char *bad[] = {"a\x80", "b\xC0\xAF", "\xED\xA0\x80", "\xE2\x82\x63" /* then c */, "\xF0"};
     text_stream_init(&ts, NULL, 0, true);
     assert_false(run(&ts, bad, 5, out, sizeof out));
     assert_string_equal(out, "a\xEF\xBF\xBD" "b\xEF\xBF\xBD\xEF\xBF\xBD" "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD"

@@ -12,6 +12,7 @@
 #include "kernels/weight_values.h"
 
 #if defined(__GNUC__) && defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define KERN_X86_AVX2 1
 #endif
@@ -175,8 +176,11 @@ int kern_cpu_has_avx2(void)
     if (v < 0) {
         __builtin_cpu_init();
         const char *portable = getenv("STRATA_KERNELS_PORTABLE");   /* tests run both paths */
+        /* F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c" */
+        unsigned eax, ebx, ecx, edx;
+        const int f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
         v = !(portable && *portable && strcmp(portable, "0") != 0) && __builtin_cpu_supports("avx2") &&
-            __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+            __builtin_cpu_supports("fma") && f16c;
         atomic_store_explicit(&cached, v, memory_order_relaxed);
     }
     return v;
