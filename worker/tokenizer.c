@@ -1106,7 +1106,7 @@ int tokenizer_encode(const tokenizer *t, const char *text, size_t len, bool pars
         if (fr->id >= 0) {
             rc = ids_push(&s.out, fr->id);
         } else {
-            s.text = text + fr->off;
+            s.text = text ? text + fr->off : text;   /* empty input may come as NULL; NULL + 0 is UB */
             rc = pretokenize(s.text, fr->len, t->digit_split, &s.pre, bpe_piece, &s);
         }
     }

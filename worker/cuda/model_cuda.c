@@ -1109,7 +1109,8 @@ static int append_prompts_layer(cuda_model *cm, const cuda_batch_item *items, co
                            "before the step", il, widest * work);
     /* Streams and tails: items whose tail is empty first (their rows are in cm->k16/v16), then
      * the chunks (their streams in cm->d_stream, keys then values). */
-    uint16_t *stream_k = cm->d_stream, *stream_v = cm->d_stream + stream_rows * row;
+    uint16_t *stream_k = cm->d_stream;   /* NULL with no chunk: then no offset (NULL + 0 is UB) */
+    uint16_t *stream_v = stream_k ? stream_k + stream_rows * row : NULL;
     size_t fresh_at = 0, chunk_at = n_fresh, at_row = 0;
     for (size_t p = sp->n_dec; p < sp->n_items; p++) {
         const cuda_batch_item *it = &items[sp->order[p]];
