@@ -86,6 +86,17 @@ static void plan_ok(const layer_split_spec *s, uint32_t n, uint32_t k, const lay
         assert_true(begin[i + 1] > begin[i]);
 }
 
+/* Plans a split and compares its layer counts with want ("19,11"). */
+static void expect_split(const layer_split_spec *s, uint32_t n, uint32_t k, const layer_split_costs *c,
+                         const char *want)
+{
+    uint32_t b[LAYER_SPLIT_MAX_STAGES + 1];
+    char text[LAYER_SPLIT_MAX_STAGES * 11];
+    plan_ok(s, n, k, c, b);
+    layer_split_format(b, k, text, sizeof text);
+    assert_string_equal(text, want);
+}
+
 static void plan_bad(const layer_split_spec *s, uint32_t n, uint32_t k, const layer_split_costs *c, const char *why)
 {
     uint32_t begin[LAYER_SPLIT_MAX_STAGES + 1];
@@ -100,19 +111,15 @@ static void test_even(void **state)
     (void)state;
     layer_split_spec s;
     parse_ok("even", &s);
+    expect_split(&s, 30, 2, NULL, "15,15");
+    expect_split(&s, 30, 4, NULL, "8,8,7,7");   /* the first stages take the extra layers */
+    expect_split(&s, 1, 1, NULL, "1");
     uint32_t b[LAYER_SPLIT_MAX_STAGES + 1];
-    char text[64];
-    plan_ok(&s, 30, 2, NULL, b);
-    layer_split_format(b, 2, text, sizeof text);
-    assert_string_equal(text, "15,15");
-    plan_ok(&s, 30, 4, NULL, b);
-    layer_split_format(b, 4, text, sizeof text);
-    assert_string_equal(text, "8,8,7,7");   /* the first stages take the extra layers */
-    plan_ok(&s, 30, 30, NULL, b);
-    plan_ok(&s, 1, 1, NULL, b);
-    layer_split_format(b, 1, text, sizeof text);
-    assert_string_equal(text, "1");
-    layer_split_format(b, 1, text, 1);   /* too short: cut, still a string */
+    plan_ok(&s, 30, 30, NULL, b);   /* a layer each */
+    char text[8];   /* too short for 30 stages: cut, still a string */
+    layer_split_format(b, 30, text, sizeof text);
+    assert_string_equal(text, "1,1,1,1");
+    layer_split_format(b, 30, text, 1);
     assert_string_equal(text, "");
 
     plan_bad(&s, 30, 31, NULL, "31 stages for a model of 30 layers");
@@ -219,40 +226,26 @@ static void test_balanced_real_shapes(void **state)
     (void)state;
     layer_split_spec s;
     parse_ok("balanced", &s);
-    uint32_t b[LAYER_SPLIT_MAX_STAGES + 1];
-    char text[64];
     /* SmolLM2-135M: 30 layers, 576 wide, 9 x 64 query and 3 x 64 KV, FFN 1536, 49152 tokens.
      * A layer is 3538944 weights and the head 28311552, exactly 8 layers: with two stages,
      * 19 layers against 11 + 8. */
     layer_split_costs smol = shape_costs(576, 576, 192, 1536, 49152);
-    plan_ok(&s, 30, 2, &smol, b);
-    layer_split_format(b, 2, text, sizeof text);
-    assert_string_equal(text, "19,11");
+    expect_split(&s, 30, 2, &smol, "19,11");
     /* three stages: 38 layer-equivalents over 3 is 12.67; 13,13 and 4 + 8 = 12 */
-    plan_ok(&s, 30, 3, &smol, b);
-    layer_split_format(b, 3, text, sizeof text);
-    assert_string_equal(text, "13,13,4");
-    plan_ok(&s, 30, 1, &smol, b);
-    layer_split_format(b, 1, text, sizeof text);
-    assert_string_equal(text, "30");
+    expect_split(&s, 30, 3, &smol, "13,13,4");
+    expect_split(&s, 30, 1, &smol, "30");
     /* A head of more than 29 layers leaves the last stage one layer. */
     layer_split_costs big_head = {.layer_cost = 1, .head_cost = 40};
-    plan_ok(&s, 30, 2, &big_head, b);
-    layer_split_format(b, 2, text, sizeof text);
-    assert_string_equal(text, "29,1");
+    expect_split(&s, 30, 2, &big_head, "29,1");
 
     /* Llama-3-8B: 32 layers, 4096 wide, 32 x 128 query and 8 x 128 KV, FFN 14336, 128256
      * tokens: a layer is 218103808 weights, the head 525336576 (2.41 layers). Two stages:
      * 17 layers (3.71e9) against 15 + head (3.80e9); 18 against 14 + head would be 3.93e9. */
     layer_split_costs llama = shape_costs(4096, 4096, 1024, 14336, 128256);
-    plan_ok(&s, 32, 2, &llama, b);
-    layer_split_format(b, 2, text, sizeof text);
-    assert_string_equal(text, "17,15");
+    expect_split(&s, 32, 2, &llama, "17,15");
     /* four: 35.4 layer-equivalents; 9,9,9,5 and 9,9,8,6 tie (slowest 9 layers, widest 9):
      * the first found, the smallest last stage, is kept */
-    plan_ok(&s, 32, 4, &llama, b);
-    layer_split_format(b, 4, text, sizeof text);
-    assert_string_equal(text, "9,9,9,5");
+    expect_split(&s, 32, 4, &llama, "9,9,9,5");
 
     plan_bad(&s, 30, 2, NULL, "positive cost");
     layer_split_costs zero = {0};
