@@ -2,15 +2,18 @@
 #include "coordinator/service/serve.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <jansson.h>
 #include <limits.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <spawn.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -473,8 +476,35 @@ static void arm_teardown_limit(const char *prog, const char *secret_path, const 
         alarm(TEARDOWN_LIMIT_S);
 }
 
-/* Starts worker w; when fork fails, says so and schedules a retry after the backoff (as for a
- * worker that exited). */
+/* The workers' environment: this process's, with OPENBLAS_NUM_THREADS set to threads (each
+ * worker computes on its share of the cores). NULL when out of memory. Free with free(). */
+static char **worker_environment(const char *threads)
+{
+    static const char key[] = "OPENBLAS_NUM_THREADS=";
+    size_t n = 0;
+    while (environ[n])
+        n++;
+    char **env = malloc((n + 2) * sizeof *env + sizeof key + strlen(threads));
+    if (!env)
+        return NULL;
+    char *own = (char *)(env + n + 2);   /* the one string this array adds, stored after it */
+    snprintf(own, sizeof key + strlen(threads), "%s%s", key, threads);
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (strncmp(environ[i], key, sizeof key - 1) != 0)
+            env[k++] = environ[i];
+    env[k++] = own;
+    env[k] = NULL;
+    return env;
+}
+
+/* Starts worker w. posix_spawn, not fork + exec: between fork and exec a child of this
+ * multithreaded process may only make async-signal-safe calls, and a setenv there (a malloc)
+ * deadlocked the child for good when another thread held the allocator's lock at the fork (seen
+ * under AddressSanitizer, whose allocator has no fork handlers): the worker never started and
+ * never exited, so neither the restart nor the early-exit rule could act. When the start
+ * fails, says so and counts it as an exit (status 127, the shell's "cannot run"), retried after
+ * the backoff. */
 static void spawn(supervisor *sv, local_worker *w)
 {
     char dev[32], host[32], nvme[32], nvme_dir[PATH_MAX], threads[32];
@@ -488,49 +518,57 @@ static void spawn(supervisor *sv, local_worker *w)
      * while serving (a cleanup of /tmp, an operator): a restarted worker would fail for ever. */
     if (sv->o->nvme_dir && mkdir(sv->o->nvme_dir, 0700) != 0 && errno != EEXIST)
         fprintf(stderr, "%s: --nvme-dir %s: cannot create it again: %s\n", sv->prog, sv->o->nvme_dir, strerror(errno));
+    const char *argv[24];
+    int a = 0;
+    argv[a++] = sv->bin;
+    argv[a++] = "--coordinator";
+    argv[a++] = sv->control;
+    argv[a++] = "--secret-file";
+    argv[a++] = sv->secret_path;
+    argv[a++] = "--name";
+    argv[a++] = w->name;
+    argv[a++] = "--device-kv-mib";
+    argv[a++] = dev;
+    argv[a++] = "--host-kv-mib";
+    argv[a++] = host;
+    if (sv->o->nvme_dir) {
+        argv[a++] = "--nvme-dir";
+        argv[a++] = nvme_dir;
+        argv[a++] = "--nvme-kv-mib";
+        argv[a++] = nvme;
+    }
+    argv[a++] = "--threads";
+    argv[a++] = threads;
+    if (sv->o->quiet)
+        argv[a++] = "--quiet";
+    argv[a] = NULL;
+
     w->started = mono();
     w->restart_at = 0;
-    pid_t pid = fork();
-    if (pid < 0) {
-        fprintf(stderr, "%s: cannot start worker %s: fork: %s; retrying in %.0f s\n", sv->prog, w->name,
-                strerror(errno), w->backoff);
+    /* This process blocks SIGTERM and SIGINT in its threads; the worker must not inherit that. */
+    sigset_t none;
+    sigemptyset(&none);
+    posix_spawnattr_t attr;
+    char **env = NULL;
+    pid_t pid = -1;
+    int rc = posix_spawnattr_init(&attr);
+    if (rc == 0) {
+        if ((rc = posix_spawnattr_setsigmask(&attr, &none)) == 0 &&
+            (rc = posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK)) == 0)
+            rc = (env = worker_environment(threads)) ? posix_spawn(&pid, sv->bin, NULL, &attr, (char *const *)argv, env)
+                                                     : ENOMEM;
+        posix_spawnattr_destroy(&attr);
+    }
+    free(env);
+    if (rc != 0) {
+        fprintf(stderr, "%s: cannot start worker %s (%s): %s; retrying in %.0f s\n", sv->prog, w->name, sv->bin,
+                strerror(rc), w->backoff);
         w->pid = -1;
         w->restart_at = w->started + w->backoff;
         w->backoff = w->backoff * 2 > 30 ? 30 : w->backoff * 2;
+        w->early_exits += !sv->served;
+        w->last_status = 127 << 8;   /* as waitpid reports exit status 127 */
         return;
-    }
-    if (pid == 0) {
-        sigset_t none;
-        sigemptyset(&none);
-        pthread_sigmask(SIG_SETMASK, &none, NULL);
-        setenv("OPENBLAS_NUM_THREADS", threads, 1);
-        const char *argv[24];
-        int a = 0;
-        argv[a++] = sv->bin;
-        argv[a++] = "--coordinator";
-        argv[a++] = sv->control;
-        argv[a++] = "--secret-file";
-        argv[a++] = sv->secret_path;
-        argv[a++] = "--name";
-        argv[a++] = w->name;
-        argv[a++] = "--device-kv-mib";
-        argv[a++] = dev;
-        argv[a++] = "--host-kv-mib";
-        argv[a++] = host;
-        if (sv->o->nvme_dir) {
-            argv[a++] = "--nvme-dir";
-            argv[a++] = nvme_dir;
-            argv[a++] = "--nvme-kv-mib";
-            argv[a++] = nvme;
-        }
-        argv[a++] = "--threads";
-        argv[a++] = threads;
-        if (sv->o->quiet)
-            argv[a++] = "--quiet";
-        argv[a] = NULL;
-        execv(sv->bin, (char *const *)argv);
-        fprintf(stderr, "%s: cannot run %s: %s\n", sv->prog, sv->bin, strerror(errno));
-        _exit(127);
     }
     w->pid = pid;
 }
@@ -685,6 +723,65 @@ static void stop_workers(supervisor *sv)
     }
 }
 
+/* ---- stop signals ---- */
+
+/* SIGTERM and SIGINT start the drain. They cannot be left blocked for sigwait alone: a library
+ * may start threads before main (OpenBLAS's pool does, with nothing blocked), and a signal the
+ * kernel hands to such a thread would kill the process, a second SIGTERM during the drain
+ * included. So a handler takes them wherever they land: it records the first and wakes the main
+ * thread through a pipe. Our own threads keep them blocked (the main thread opens them only
+ * while it waits), so no gRPC or worker thread is interrupted by one. */
+static volatile sig_atomic_t stop_signal;
+static int stop_pipe[2] = {-1, -1};
+
+static void on_stop_signal(int sig)
+{
+    const int saved = errno;   /* async-signal-safe calls only */
+    if (!stop_signal)
+        stop_signal = sig;
+    ssize_t w = write(stop_pipe[1], "", 1);   /* non-blocking: a full pipe already wakes the reader */
+    (void)w;
+    errno = saved;
+}
+
+static int watch_stop_signals(const char *prog)
+{
+    if (pipe2(stop_pipe, O_CLOEXEC | O_NONBLOCK) != 0) {
+        fprintf(stderr, "%s: cannot create a pipe for signals: %s\n", prog, strerror(errno));
+        return -1;
+    }
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);   /* before any thread of ours starts: they inherit it */
+    struct sigaction sa = {.sa_handler = on_stop_signal, .sa_flags = SA_RESTART};
+    sigfillset(&sa.sa_mask);
+    if (sigaction(SIGTERM, &sa, NULL) != 0 || sigaction(SIGINT, &sa, NULL) != 0) {
+        fprintf(stderr, "%s: cannot handle SIGTERM and SIGINT: %s\n", prog, strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
+/* Waits up to seconds for SIGTERM or SIGINT; returns the signal, or 0. */
+static int wait_stop_signal(double seconds)
+{
+    if (!stop_signal) {
+        sigset_t open;
+        pthread_sigmask(SIG_BLOCK, NULL, &open);
+        sigdelset(&open, SIGTERM);
+        sigdelset(&open, SIGINT);
+        struct pollfd pfd = {.fd = stop_pipe[0], .events = POLLIN};
+        struct timespec t = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+        (void)ppoll(&pfd, 1, &t, &open);   /* EINTR: the handler ran here */
+    }
+    char drain[16];
+    while (read(stop_pipe[0], drain, sizeof drain) > 0) {
+    }
+    return stop_signal;
+}
+
 /* ---- main ---- */
 
 int serve_main(int argc, char **argv, const char *prog, bool local)
@@ -696,13 +793,11 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
         json_decref(config);
         return rc < 0 ? 0 : rc;
     }
-    /* Signals are taken by sigwait on this thread: block them before any thread starts. */
-    sigset_t sigs;
-    sigemptyset(&sigs);
-    sigaddset(&sigs, SIGTERM);
-    sigaddset(&sigs, SIGINT);
-    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
+    if (watch_stop_signals(prog) != 0) {
+        json_decref(config);
+        return EXIT_RUNTIME;
+    }
 
     int exit_code = EXIT_RUNTIME;
     char secret[4096], token[4096], secret_dir[PATH_MAX] = "", secret_path[PATH_MAX] = "";
@@ -835,7 +930,6 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
     /* Wait for the workers, a signal, or (strata serve) the ready timeout. */
     double waited = 0;
     int sig = 0;
-    struct timespec tick = {1, 0};
     bool is_ready = false;
     while (!sig) {
         if (!is_ready && coord_wait_ready(co, 0)) {
@@ -851,11 +945,9 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
             else
                 fprintf(stderr, "%s: ready: serving %s on port %d\n", prog, o.model, api_server_port(api));
         }
-        siginfo_t si;
-        int s = sigtimedwait(&sigs, &si, &tick);
-        if (s > 0)
-            sig = s;
-        waited += 1;
+        const double before = mono();
+        sig = wait_stop_signal(1.0);
+        waited += mono() - before;
         if (!is_ready && !sig && sv && failed_to_start(sv))
             break;
         if (!is_ready && !sig && waited >= (double)o.ready_timeout_s) {
