@@ -387,6 +387,69 @@ static void test_rows_listed_twice(void **state)
     dp_listener_close(aj.l);
 }
 
+/* A plan that lists a sequence twice (a coordinator fault) fails that sequence alone, with a
+ * message, and runs neither entry: its KV stays as it was, so it goes on with the next plan and
+ * its tokens still equal the whole model's; the other sequence of the batch runs. */
+static void test_plan_lists_sequence_twice(void **state)
+{
+    (void)state;
+    seq_spec seqs[2] = {{.id = 1, .n_prompt = 12, .join_step = 1}, {.id = 2, .n_prompt = 9, .join_step = 1}};
+    for (size_t i = 0; i < 2; i++) {
+        for (size_t k = 0; k < seqs[i].n_prompt; k++)
+            seqs[i].prompt[k] = (int32_t)(17 + 101 * k + 7 * i);
+        reference(&seqs[i], 4, "kivi4");
+    }
+    Strata__Internal__V1__Assignment a = assignment(full, "kivi4");
+    strata_error err = {0};
+    stage *st = stage_create(&a, full, NULL, NULL, NULL, &err);
+    if (!st)
+        fail_msg("%s", err.msg);
+    plan_buf b;
+    stage_result r;
+    build_plan(&b, 1, seqs, 2, 1, STEPS);
+    assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
+    apply(&r, seqs, 2, &b);
+    for (int twice_first = 0; twice_first < 2; twice_first++) {   /* the valid entry first, then second */
+        build_plan(&b, 2, seqs, 2, 2, STEPS);
+        b.work[2] = b.work[0];
+        b.work[2].pos0 += 5;
+        b.workp[2] = &b.work[2];
+        b.plan.n_seqs = 3;
+        if (twice_first) {   /* the wrong entry before the right one */
+            b.workp[2] = b.workp[0];
+            b.workp[0] = &b.work[2];
+        }
+        assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
+        bool one_failed = false, two_sampled = false;
+        for (size_t k = 0; k < r.n_seqs; k++) {
+            const stage_seq_result *sr = &r.seqs[k];
+            if (sr->seq_id == 1) {
+                assert_false(sr->sampled);
+                assert_int_equal(sr->status, STRATA_EINVAL);
+                one_failed = true;
+                if (!strstr(sr->message, "listed twice") && !strstr(sr->message, "holds"))
+                    fail_msg("%s", sr->message);
+            } else if (sr->seq_id == 2 && sr->sampled) {
+                assert_int_equal(sr->status, STRATA_OK);
+                assert_int_equal((int32_t)sr->token, seqs[1].want[seqs[1].n_got]);
+                seqs[1].got[seqs[1].n_got++] = (int32_t)sr->token;
+                seqs[1].len += 1;
+                two_sampled = true;
+            }
+        }
+        assert_true(one_failed);
+        assert_true(two_sampled);
+    }
+    /* Sequence 1 ran neither time: with the right plan it goes on where it was. */
+    seqs[1].join_step = STEPS + 1;   /* left out of this plan */
+    build_plan(&b, 3, seqs, 2, 3, STEPS);
+    assert_int_equal(b.plan.n_seqs, 1);
+    assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
+    apply(&r, seqs, 2, &b);
+    assert_int_equal(seqs[0].got[1], seqs[0].want[1]);
+    stage_destroy(st);
+}
+
 static void test_two_stages_equal_whole_model(void **state)
 {
     (void)state;
@@ -875,6 +938,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_two_stages_equal_whole_model),
         cmocka_unit_test(test_rows_listed_twice),
+        cmocka_unit_test(test_plan_lists_sequence_twice),
         cmocka_unit_test(test_gpu_stage),
         cmocka_unit_test(test_one_stage_tiers_preempt),
         cmocka_unit_test(test_migrate),

@@ -1,12 +1,17 @@
 /* Runs a fuzz target without libFuzzer: every file of a seed corpus as is, then a fixed
  * number of deterministic mutations of those seeds (byte flips, truncations, insertions,
- * interesting integers). Under ASan/UBSan any memory error aborts the test.
+ * interesting integers). Under ASan/UBSan any memory error aborts the test. The input that
+ * aborted is written to fuzz-failure.bin in the working folder (replay it with a corpus folder
+ * holding only that file, and MUTATIONS 0).
  * usage: fuzz_X_replay CORPUS_DIR [MUTATIONS] */
 #include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -67,8 +72,34 @@ static void mutate(uint8_t *buf, size_t *size, size_t cap)
     }
 }
 
+static const uint8_t *running;
+static size_t running_size;
+
+static void save_failure(int sig)
+{
+    static const char msg[] = "replay: the failing input is in fuzz-failure.bin\n";
+    int fd = open("fuzz-failure.bin", O_WRONLY | O_CREAT | O_TRUNC, 0644);   /* async-signal-safe calls */
+    if (fd >= 0) {
+        ssize_t w = write(fd, running, running_size);
+        w = write(STDERR_FILENO, msg, sizeof msg - 1);
+        (void)w;
+        close(fd);
+    }
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+static void run_one(const uint8_t *data, size_t size)
+{
+    running = data;
+    running_size = size;
+    LLVMFuzzerTestOneInput(data, size);
+}
+
 int main(int argc, char **argv)
 {
+    signal(SIGABRT, save_failure);
+    signal(SIGSEGV, save_failure);
     if (argc < 2) {
         fprintf(stderr, "usage: %s CORPUS_DIR [MUTATIONS]\n", argv[0]);
         return 2;
@@ -105,7 +136,7 @@ int main(int argc, char **argv)
     }
     size_t max = 0;
     for (size_t i = 0; i < n_seeds; i++) {
-        LLVMFuzzerTestOneInput(seeds[i].data, seeds[i].size);
+        run_one(seeds[i].data, seeds[i].size);
         if (seeds[i].size > max)
             max = seeds[i].size;
     }
@@ -123,7 +154,7 @@ int main(int argc, char **argv)
         if (!exact)
             return 2;
         memcpy(exact, buf, size);
-        LLVMFuzzerTestOneInput(exact, size);
+        run_one(exact, size);
         free(exact);
     }
     printf("%zu seeds and %ld mutations ran without a fault\n", n_seeds, mutations);

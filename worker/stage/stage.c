@@ -653,8 +653,14 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
     for (size_t i = 0; i < n_plan; i++) {
         const Strata__Internal__V1__SeqWork *w = plan->seqs[i];
         char msg[200];
+        size_t first;
         if (failed(s, w->seq_id))
             continue;
+        if (plan_position(plan, w->seq_id, &first) && first != i) {   /* one batch item per sequence */
+            snprintf(msg, sizeof msg, "sequence %" PRIu64 " is listed twice in step %" PRIu64, w->seq_id, plan->step);
+            fail_seq(s, w->seq_id, STRATA_EINVAL, msg);
+            continue;
+        }
         seq_entry *e = find(s, w->seq_id);
         if (!e && w->pos0 == 0 && w->n_tokens > 0) {
             const int kv_plan = w->kv_plan && *w->kv_plan ? stage_plan_index(s, w->kv_plan, &e1) : 0;
@@ -694,6 +700,10 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
             s->ok[i] = true;
         }
     }
+
+    /* A sequence that failed on a later entry of the plan does not run on an earlier one. */
+    for (size_t i = 0; i < n_plan; i++)
+        s->ok[i] = s->ok[i] && !failed(s, plan->seqs[i]->seq_id);
 
     /* The sequences to run, in the order the rows arrive (stage 0: the plan's order). */
     size_t n_run = 0, rows = 0, in_rows = 0, n_table = 0;
