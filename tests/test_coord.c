@@ -54,6 +54,8 @@ typedef struct fake {
     bool fail_preempt; /* answer every preemption with a failed spill */
     bool fail_prefix_copies; /* answer every work that starts from a prefix entry with a failure */
     uint32_t fail_steps;     /* nonzero: answer every work with this status, as a stage refusing it */
+    uint32_t bad_token;      /* nonzero: sample this token (outside the vocabulary) instead */
+    bool answer_twice;       /* send every StepResult twice, as a faulty worker */
     /* what it saw */
     bool assigned;
     uint32_t replica;
@@ -65,6 +67,7 @@ typedef struct fake {
     uint64_t seqs[64];
     int n_seqs;
     bool ended;
+    bool connected;
     char error[600];
 } fake;
 
@@ -95,7 +98,8 @@ static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__Step
     pthread_mutex_lock(&f->mu);
     int delay = f->step_ms;
     bool fail_preempt = f->fail_preempt, fail_copies = f->fail_prefix_copies;
-    uint32_t fail_status = f->fail_steps;
+    uint32_t fail_status = f->fail_steps, token = f->bad_token ? f->bad_token : FAKE_TOKEN;
+    bool twice = f->answer_twice;
     f->plans++;
     f->preempts += (int)p->n_preempt_seqs;
     f->parks += (int)p->n_park_prefixes;
@@ -134,7 +138,7 @@ static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__Step
             rs[i].message = (char *)"step refused: scripted";
         } else if (i < p->n_seqs) {
             rs[i].seq_id = p->seqs[i]->seq_id;
-            rs[i].token = p->seqs[i]->sample ? FAKE_TOKEN : 0;
+            rs[i].token = p->seqs[i]->sample ? token : 0;
         } else {   /* as a stage whose kv_seq_spill failed */
             rs[i].seq_id = p->preempt_seqs[i - p->n_seqs];
             rs[i].status = STRATA_EIO;
@@ -149,6 +153,8 @@ static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__Step
     m.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_STEP_RESULT;
     m.step_result = &r;
     fake_send(f, cli, &m);
+    if (twice)
+        fake_send(f, cli, &m);
     free(rs);
     free(rp);
 }
@@ -175,6 +181,9 @@ static void *fake_main(void *arg)
         pthread_mutex_unlock(&f->mu);
         return NULL;
     }
+    pthread_mutex_lock(&f->mu);
+    f->connected = true;
+    pthread_mutex_unlock(&f->mu);
     bool held = false;
     uint64_t held_seq = 0;
     for (;;) {
@@ -411,6 +420,7 @@ typedef struct fixture_limits {
     uint32_t max_batch_tokens;   /* default 64 */
     size_t max_message_bytes;    /* of the control stream; default the server's */
     uint64_t prefix_cache_bytes; /* default 0: no prefix caching */
+    uint32_t stages;             /* default 1 */
 } fixture_limits;
 
 /* host_blocks: block rows of a host tier (0: none). */
@@ -420,7 +430,8 @@ static void fixture_start_limits(fixture *fx, uint32_t replicas, size_t blocks_p
     memset(fx, 0, sizeof *fx);
     fx->device_kv_bytes = fp16_rows_bytes(blocks_per_replica);
     fx->host_kv_bytes = host_blocks ? fp16_rows_bytes(host_blocks) : 0;
-    coord_config cc = {.model_path = model_path(), .replicas = replicas, .stages = 1, .kv = "fp16",
+    coord_config cc = {.model_path = model_path(), .replicas = replicas, .stages = lim.stages ? lim.stages : 1,
+                       .kv = "fp16",
                        .block_tokens = BLOCK_TOKENS, .ctx = 512, .max_seqs = 4,
                        .max_batch_tokens = lim.max_batch_tokens ? lim.max_batch_tokens : 64,
                        .device_kv_bytes = fx->device_kv_bytes, .host_kv_bytes = fx->host_kv_bytes, .quiet = true,
@@ -851,6 +862,66 @@ static void test_worker_failure_status(void **state)
     fixture_stop(&fx);
 }
 
+static bool fake_connected(fake *f)
+{
+    pthread_mutex_lock(&f->mu);
+    bool c = f->connected;
+    pthread_mutex_unlock(&f->mu);
+    return c;
+}
+
+/* A worker that misbehaves does not make the coordinator misbehave: a sampled token outside the
+ * vocabulary fails that request (INTERNAL, naming the worker and the token), never reaches the
+ * client as text; a stage that answers a step twice does not end the step before the other
+ * stage answered (the request completes with every token). */
+static void test_worker_bad_answers(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start(&fx, 1, 64, 0);
+    fake *w = fake_start(&fx, "w0", MIG_OK);
+    wait_ready(&fx);
+    pthread_mutex_lock(&w->mu);
+    w->bad_token = 1u << 30;
+    pthread_mutex_unlock(&w->mu);
+    gen_job a;
+    gen_start(&a, fx.ch, 8);
+    WAIT_FOR(gen_done(&a), 10000);
+    gen_join(&a);
+    if (a.status != GRPC_STATUS_INTERNAL || a.tokens != 0 || !strstr(a.details, "token 1073741824, outside the model's "
+                                                                                "vocabulary of 49152"))
+        fail_msg("a token outside the vocabulary: status %d (%s), %d tokens", a.status, a.details, a.tokens);
+    if (!strstr(a.details, "worker w0"))
+        fail_msg("the worker is not named: '%s'", a.details);
+    pthread_mutex_lock(&w->mu);
+    w->bad_token = 0;
+    pthread_mutex_unlock(&w->mu);
+    gen_start(&a, fx.ch, 8);
+    WAIT_FOR(gen_done(&a), 10000);
+    gen_join(&a);
+    assert_complete(&a);
+    fixture_stop(&fx);
+
+    /* Two stages; the first to join (stage 0) answers fast and twice, the last stage slowly. */
+    fixture_start_limits(&fx, 1, 64, 0, (fixture_limits){.stages = 2});
+    fake *front = fake_start(&fx, "front", MIG_OK);
+    WAIT_FOR(fake_connected(front), 5000);
+    sleep_ms(200);   /* its Join is handled before the second worker's */
+    fake *back = fake_start(&fx, "back", MIG_OK);
+    pthread_mutex_lock(&front->mu);
+    front->answer_twice = true;
+    pthread_mutex_unlock(&front->mu);
+    pthread_mutex_lock(&back->mu);
+    back->step_ms = 100;
+    pthread_mutex_unlock(&back->mu);
+    wait_ready(&fx);
+    gen_start(&a, fx.ch, 6);
+    WAIT_FOR(gen_done(&a), 20000);
+    gen_join(&a);
+    assert_complete(&a);
+    fixture_stop(&fx);
+}
+
 static void keep_stats(void *user, ProtobufCMessage *m)
 {
     *(Strata__V1__Stats **)user = (Strata__V1__Stats *)m;
@@ -917,6 +988,7 @@ int main(void)
         cmocka_unit_test(test_unsendable_step_ends_request),
         cmocka_unit_test(test_failed_prefix_copy_starts_over),
         cmocka_unit_test(test_worker_failure_status),
+        cmocka_unit_test(test_worker_bad_answers),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

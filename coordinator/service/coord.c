@@ -65,6 +65,7 @@ typedef struct slot {
 typedef struct flight {
     uint64_t step;
     uint32_t answers;
+    uint64_t answered;           /* bit s: stage s answered (at most 64 stages) */
     size_t n_work;
     /* Every array is allocated once (max_seqs entries, max_batch_tokens tokens: the scheduler's
      * limits, test_sched): a step once planned is out, and running out of memory while sending
@@ -654,6 +655,13 @@ static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal
     if (k == rp->n_flights)
         return;   /* a result of a step abandoned when the replica was torn down */
     flight *f = &rp->flights[k];
+    /* A stage's second answer to one step would end the step before the others answered. */
+    if (f->answered >> s & 1) {
+        logf_(c, "replica %u stage %u (worker %s) answered step %" PRIu64 " twice: the second answer is ignored", r,
+              s, rp->stages[s].name, res->step);
+        return;
+    }
+    f->answered |= (uint64_t)1 << s;
     for (size_t i = 0; i < res->n_results; i++) {
         const Strata__Internal__V1__SeqResult *sr = res->results[i];
         bool in_work = false;
@@ -664,6 +672,14 @@ static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal
             if (sr->status != 0 && f->status[w] == 0) {
                 f->status[w] = worker_failure_status(sr->status);
                 worker_message(c, r, s, sr, "failed", f->message[w], sizeof f->message[w]);
+            } else if (sr->status == 0 && s == c->cfg.stages - 1 && sr->token >= (uint32_t)c->mc.n_vocab) {
+                /* never handed to the client as if the model had said it */
+                char why[128];
+                snprintf(why, sizeof why, "returned token %u, outside the model's vocabulary of %d", sr->token,
+                         c->mc.n_vocab);
+                f->status[w] = STRATA_EFORMAT;
+                snprintf(f->message[w], sizeof f->message[w], "replica %u stage %u (worker %s) %s", r, s,
+                         rp->stages[s].name, why);
             } else if (sr->status == 0 && s == c->cfg.stages - 1) {
                 f->sampled[w] = true;
                 f->tokens[w] = sr->token;
@@ -1020,6 +1036,7 @@ static bool start_step(coord *c, uint32_t r)
     f->step = plan.step;
     f->n_work = plan.n_work;
     f->answers = 0;
+    f->answered = 0;
     rp->n_flights++;
     char what[64];
     snprintf(what, sizeof what, "replica %u step %" PRIu64, r, plan.step);
