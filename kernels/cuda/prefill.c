@@ -129,7 +129,9 @@ static chunk_layout chunk_layout_of(int n_past, int n, int n_q_heads, int n_kv_h
 {
     const int tile = tile_keys < n_past ? tile_keys : n_past;
     return (chunk_layout){.tile_elems = (size_t)tile * (size_t)n_kv_heads * (size_t)head_dim,
-                          .state_elems = (size_t)n * (size_t)n_q_heads,
+                          /* rounded to 16 bytes so that the score tiles after m and l start aligned
+                           * for cuBLAS's vectorized kernels whatever n * n_q_heads is */
+                          .state_elems = ((size_t)n * (size_t)n_q_heads + 3) / 4 * 4,
                           .widest = (size_t)(tile > n ? tile : n)};
 }
 
