@@ -263,12 +263,16 @@ static void print_phases(const char *codec_name, const result *r)
         if (pf->marks[p] || dc->marks[p])
             printf("  %-14s %12.2f %12.2f | %10.3f %10.3f\n", cuda_phase_name((cuda_phase)p), pf->device_ms[p],
                    pf->host_ms[p], dc->device_ms[p] / steps, dc->host_ms[p] / steps);
+    if (pf->dropped_steps || dc->dropped_steps)
+        printf("  (times of %llu prefill and %llu decode steps were lost to a failed CUDA event: not counted)\n",
+               (unsigned long long)pf->dropped_steps, (unsigned long long)dc->dropped_steps);
 }
 
 /* ,"NAME":{"phase":[device_ms,host_ms,marks],...} */
 static void json_phases(FILE *f, const char *name, const cuda_phase_times *t)
 {
-    fprintf(f, ",\"%s\":{\"steps\":%llu", name, (unsigned long long)t->steps);
+    fprintf(f, ",\"%s\":{\"steps\":%llu,\"dropped_steps\":%llu", name, (unsigned long long)t->steps,
+            (unsigned long long)t->dropped_steps);
     for (int p = 0; p < CUDA_PHASE_COUNT; p++)
         fprintf(f, ",\"%s\":[%.4f,%.4f,%llu]", cuda_phase_name((cuda_phase)p), t->device_ms[p], t->host_ms[p],
                 (unsigned long long)t->marks[p]);

@@ -866,6 +866,24 @@ static void test_phase_times(void **state)
     printf("  phases over %d steps: device %.1f ms, host %.1f ms (decode attention %.1f ms device)\n", STEPS + 1, device,
            host, t.device_ms[CUDA_PHASE_DECODE_ATTN]);
 
+#ifdef STRATA_FAKE_CUDA
+    /* An event that fails at the step's end loses that step's times, not the step: it returns
+     * its logits (as the untimed twin's for the same step) and the sequence goes on. */
+    const cuda_batch_item next_t = {seqs[0][1], tok, 1}, next_p = {seqs[1][1], tok, 1};
+    assert_int_equal(cuda_model_forward_batch(plain, &next_p, 1, lp, &err), STRATA_OK);   /* catch up */
+    fakecuda_fail_next_event_sync(cudaErrorInvalidResourceHandle);
+    assert_int_equal(cuda_model_forward_batch(timed, &next_t, 1, lt, &err), STRATA_OK);
+    assert_int_equal(cuda_model_forward_batch(plain, &next_p, 1, lp, &err), STRATA_OK);
+    assert_memory_equal(lt, lp, nv * sizeof *lt);
+    cuda_model_phase_times(timed, &t);
+    assert_int_equal(t.steps, STEPS + 1);
+    assert_int_equal(t.dropped_steps, 1);
+    assert_int_equal(cuda_model_forward_batch(timed, &next_t, 1, lt, &err), STRATA_OK);
+    assert_int_equal(cuda_model_forward_batch(plain, &next_p, 1, lp, &err), STRATA_OK);
+    assert_memory_equal(lt, lp, nv * sizeof *lt);
+    cuda_model_phase_times(timed, &t);
+    assert_int_equal(t.steps, STEPS + 2);
+#endif
     assert_int_equal(cuda_model_time_phases(timed, false, &err), STRATA_OK);
     cuda_model_phase_times(timed, &t);
     assert_true(t.steps == 0 && t.marks[CUDA_PHASE_QKV] == 0);

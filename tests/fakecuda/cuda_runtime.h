@@ -93,6 +93,9 @@ void fakecuda_limit_memory(size_t bytes, size_t pinned_bytes);
  * cudaDeviceSynchronize and every launch then report without clearing, as a lost context does;
  * cudaSuccess restores the device. */
 void fakecuda_set_sticky_error(cudaError_t e);
+/* Test control, fake device only: the next cudaEventSynchronize fails with e (once), as an event
+ * the driver lost would; the device goes on. */
+void fakecuda_fail_next_event_sync(cudaError_t e);
 
 #ifdef __cplusplus
 }

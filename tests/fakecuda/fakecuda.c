@@ -457,12 +457,25 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream)
     event->recorded = 1;
     return cudaSuccess;
 }
+static cudaError_t next_event_sync_error;
+
+void fakecuda_fail_next_event_sync(cudaError_t e)
+{
+    pthread_mutex_lock(&lock);
+    next_event_sync_error = e;
+    pthread_mutex_unlock(&lock);
+}
+
 cudaError_t cudaEventSynchronize(cudaEvent_t event)
 {
     if (!event)
         return fail(cudaErrorInvalidValue, "cudaEventSynchronize: NULL event");
     run_pending();
-    return cudaSuccess;
+    pthread_mutex_lock(&lock);
+    const cudaError_t e = next_event_sync_error;
+    next_event_sync_error = cudaSuccess;
+    pthread_mutex_unlock(&lock);
+    return e == cudaSuccess ? cudaSuccess : fail(e, "cudaEventSynchronize: the failure the test asked for");
 }
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end)
 {

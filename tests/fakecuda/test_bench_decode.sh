@@ -34,11 +34,12 @@ for r in rows:
     assert pf["decode_attn"][2] == 0 and dc["prefill_attn"][2] == 0
     assert dc["decode_attn"][2] == 4 * layers, dc
     assert dc["head"][2] == 4 and dc["input"][2] == 4, dc
+    assert pf["dropped_steps"] == 0 and dc["dropped_steps"] == 0, (pf, dc)
     for name, value in list(pf.items()) + list(dc.items()):
-        if name != "steps":
+        if name not in ("steps", "dropped_steps"):
             device, host, _ = value
             assert device >= 0 and host >= 0, (name, device, host)
-    assert sum(v[0] for k, v in dc.items() if k != "steps") > 0
+    assert sum(v[0] for k, v in dc.items() if k not in ("steps", "dropped_steps")) > 0
     assert r["decode_tok_s"] > 0 and r["batch"] == 3
 PY
 

@@ -1529,8 +1529,13 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
     }
     if (rc == STRATA_OK && (logits || next))
         rc = run_head(cm, items, &sp, logits, sample, next, err);
-    if (rc == STRATA_OK)
-        rc = cuda_phase_timer_end_step(cm->phases, err);
+    if (rc == STRATA_OK) {
+        /* The step ran and its sequences advanced: a failed timing loses only its times (counted
+         * in dropped_steps); failing the step would leave the caller behind its sequences. A
+         * device that really failed fails the next step's own work. */
+        strata_error timer_err = {0};
+        (void)cuda_phase_timer_end_step(cm->phases, &timer_err);
+    }
     device_pool_unpin_all(cm->pool);   /* also after a failure mid-layer */
     free(sp.full_seq);
     free(sp.groups);

@@ -135,8 +135,11 @@ int cuda_phase_timer_end_step(cuda_phase_timer *t, strata_error *err)
         host[t->phase[i]] += (t->host_s[i + 1] - t->host_s[i]) * 1e3;
     }
     cuda_phase_timer_discard(t);
-    if (e != cudaSuccess)
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();   /* not to be read as the next launch's failure */
+        t->totals.dropped_steps++;
         return cuda_fail(err, e, "phase timer");
+    }
     for (size_t i = 0; i < marks; i++)
         t->totals.marks[t->phase[i]]++;
     for (int p = 0; p < CUDA_PHASE_COUNT; p++) {

@@ -37,6 +37,7 @@ typedef struct cuda_phase_times {
     double host_ms[CUDA_PHASE_COUNT];
     uint64_t marks[CUDA_PHASE_COUNT];   /* how many times each phase began */
     uint64_t steps;                     /* steps timed to the end */
+    uint64_t dropped_steps;             /* steps that ran but whose times were lost (an event failed) */
 } cuda_phase_times;
 
 /* "input", "qkv", "kv_fetch", ...: short names for tables and JSON keys; "?" out of range. */
@@ -52,7 +53,8 @@ void cuda_phase_mark(cuda_phase_timer *t, cuda_phase p);
 /* Forgets the marks of a step that did not finish (no totals added). */
 void cuda_phase_timer_discard(cuda_phase_timer *t);
 /* Ends the step: waits for the device to reach this point and adds the step's phases to the
- * totals. STRATA_EIO with the CUDA error if an event failed (the step's times are dropped).
+ * totals. STRATA_EIO with the CUDA error if an event failed (the step's times are dropped and
+ * counted in dropped_steps).
  * Nothing to do (STRATA_OK) for a NULL timer or a step without marks. */
 int cuda_phase_timer_end_step(cuda_phase_timer *t, strata_error *err);
 void cuda_phase_timer_totals(const cuda_phase_timer *t, cuda_phase_times *out);
