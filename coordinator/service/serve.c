@@ -545,7 +545,7 @@ static void spawn(supervisor *sv, local_worker *w)
 
     w->started = mono();
     w->restart_at = 0;
-    /* This process blocks SIGTERM and SIGINT in its threads; the worker must not inherit that. */
+    /* This process blocks SIGTERM, SIGINT and SIGHUP in its threads; the worker must not inherit that. */
     sigset_t none;
     sigemptyset(&none);
     posix_spawnattr_t attr;
@@ -725,7 +725,7 @@ static void stop_workers(supervisor *sv)
 
 /* ---- stop signals ---- */
 
-/* SIGTERM and SIGINT start the drain. They cannot be left blocked for sigwait alone: a library
+/* SIGTERM, SIGINT and SIGHUP (a terminal that goes away, as for strata-worker) start the drain. They cannot be left blocked for sigwait alone: a library
  * may start threads before main (OpenBLAS's pool does, with nothing blocked), and a signal the
  * kernel hands to such a thread would kill the process, a second SIGTERM during the drain
  * included. So a handler takes them wherever they land: it records the first and wakes the main
@@ -754,17 +754,18 @@ static int watch_stop_signals(const char *prog)
     sigemptyset(&sigs);
     sigaddset(&sigs, SIGTERM);
     sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGHUP);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);   /* before any thread of ours starts: they inherit it */
     struct sigaction sa = {.sa_handler = on_stop_signal, .sa_flags = SA_RESTART};
     sigfillset(&sa.sa_mask);
-    if (sigaction(SIGTERM, &sa, NULL) != 0 || sigaction(SIGINT, &sa, NULL) != 0) {
-        fprintf(stderr, "%s: cannot handle SIGTERM and SIGINT: %s\n", prog, strerror(errno));
+    if (sigaction(SIGTERM, &sa, NULL) != 0 || sigaction(SIGINT, &sa, NULL) != 0 || sigaction(SIGHUP, &sa, NULL) != 0) {
+        fprintf(stderr, "%s: cannot handle SIGTERM, SIGINT and SIGHUP: %s\n", prog, strerror(errno));
         return -1;
     }
     return 0;
 }
 
-/* Waits up to seconds for SIGTERM or SIGINT; returns the signal, or 0. */
+/* Waits up to seconds for SIGTERM, SIGINT or SIGHUP; returns the signal, or 0. */
 static int wait_stop_signal(double seconds)
 {
     if (!stop_signal) {
@@ -772,6 +773,7 @@ static int wait_stop_signal(double seconds)
         pthread_sigmask(SIG_BLOCK, NULL, &open);
         sigdelset(&open, SIGTERM);
         sigdelset(&open, SIGINT);
+        sigdelset(&open, SIGHUP);
         struct pollfd pfd = {.fd = stop_pipe[0], .events = POLLIN};
         struct timespec t = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
         (void)ppoll(&pfd, 1, &t, &open);   /* EINTR: the handler ran here */
@@ -964,8 +966,8 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
     }
     if (sig) {
         if (!o.quiet)
-            fprintf(stderr, "%s: %s: draining (up to %ld s)\n", prog, sig == SIGINT ? "interrupted" : "terminated",
-                    o.drain_s);
+            fprintf(stderr, "%s: %s: draining (up to %ld s)\n", prog,
+                    sig == SIGINT ? "interrupted" : sig == SIGHUP ? "hangup" : "terminated", o.drain_s);
         int left = coord_drain(co, (int)o.drain_s * 1000);
         if (left && !o.quiet)
             fprintf(stderr, "%s: %d requests still running after the drain: they end with UNAVAILABLE\n", prog, left);

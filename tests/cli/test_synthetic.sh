@@ -227,8 +227,9 @@ cmp -s "$tmp/long4-local.txt" "$tmp/long-local.txt" && fail "kivi4-r0 and the pl
 # The device budget (0.05 MiB: 2 blocks of every layer, 4 of one) is below the long prompt's KV,
 # which then streams its layers through the device alone, as `strata generate` would. A request may
 # name kivi4-r0 instead (its blocks are the size of the plan's largest: the capacity stays).
-"$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 --device-kv-mib 0.05 --host-kv-mib 1 \
-  --nvme-kv-mib 8 --nvme-dir "$tmp/serve-spill" --kv "$tmp/serve.plan" --kv-codecs kivi4-r0 \
+mkdir "$tmp/serve-tmp"   # its TMPDIR: where it keeps the cluster secret while it runs
+TMPDIR="$tmp/serve-tmp" "$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 --device-kv-mib 0.05 \
+  --host-kv-mib 1 --nvme-kv-mib 8 --nvme-dir "$tmp/serve-spill" --kv "$tmp/serve.plan" --kv-codecs kivi4-r0 \
   --metrics 127.0.0.1:0 2>"$tmp/serve.log" &
 server=$!
 port=$(serve_port "$tmp/serve.log" "$server")
@@ -296,8 +297,12 @@ PY
   served_again || fail "serve did not serve again after its spill folder was removed: $(tail -n 5 "$tmp/serve.log")"
   [ -d "$tmp/serve-spill/local-0" ] || fail "the restarted worker has no spill folder: $(tail -n 5 "$tmp/serve.log")"
 fi
-kill -TERM "$server" 2>/dev/null
-wait "$server" || fail "strata serve exited $? after SIGTERM: $(tail -3 "$tmp/serve.log")"
+# A hangup (the terminal it ran in closed) drains and cleans up as SIGTERM does (serve_e2e
+# checks SIGTERM and SIGINT): no cluster secret left behind.
+kill -HUP "$server" 2>/dev/null
+wait "$server" || fail "strata serve exited $? after SIGHUP: $(tail -3 "$tmp/serve.log")"
+grep -q "hangup: draining" "$tmp/serve.log" || fail "no drain on SIGHUP: $(tail -3 "$tmp/serve.log")"
+[ -z "$(ls -A "$tmp/serve-tmp")" ] || fail "serve left files in its TMPDIR: $(ls -laR "$tmp/serve-tmp")"
 # (under the sanitizers a worker's report would only be in the log: its restart hides it otherwise)
 grep -q "Sanitizer\|runtime error" "$tmp/serve.log" && fail "sanitizer report in the serve log: $(grep -m3 "Sanitizer\|runtime error" "$tmp/serve.log")"
 [ ! -e "$tmp/serve-spill" ] || fail "serve left its spill folder: $(ls -laR "$tmp/serve-spill" 2>&1 | head)"
