@@ -728,10 +728,10 @@ static void stop_workers(supervisor *sv)
 /* SIGTERM, SIGINT and SIGHUP (a terminal that goes away, as for strata-worker) start the drain. They cannot be left blocked for sigwait alone: a library
  * may start threads before main (OpenBLAS's pool does, with nothing blocked), and a signal the
  * kernel hands to such a thread would kill the process, a second SIGTERM during the drain
- * included. So a handler takes them wherever they land: it records the first and wakes the main
- * thread through a pipe. Our own threads keep them blocked (the main thread opens them only
+ * included. So a handler takes them wherever they land: it records the first, counts them (a
+ * second one cuts the drain short) and wakes the main thread through a pipe. Our own threads keep them blocked (the main thread opens them only
  * while it waits), so no gRPC or worker thread is interrupted by one. */
-static volatile sig_atomic_t stop_signal;
+static volatile sig_atomic_t stop_signal, stop_signals;
 static int stop_pipe[2] = {-1, -1};
 
 static void on_stop_signal(int sig)
@@ -739,6 +739,8 @@ static void on_stop_signal(int sig)
     const int saved = errno;   /* async-signal-safe calls only */
     if (!stop_signal)
         stop_signal = sig;
+    if (stop_signals < 1000)
+        stop_signals++;
     ssize_t w = write(stop_pipe[1], "", 1);   /* non-blocking: a full pipe already wakes the reader */
     (void)w;
     errno = saved;
@@ -968,9 +970,19 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
         if (!o.quiet)
             fprintf(stderr, "%s: %s: draining (up to %ld s)\n", prog,
                     sig == SIGINT ? "interrupted" : sig == SIGHUP ? "hangup" : "terminated", o.drain_s);
-        int left = coord_drain(co, (int)o.drain_s * 1000);
+        /* In slices, so that a second signal (Ctrl-C again) ends the drain at once; the
+         * zero-length wait lets a signal pending on this thread arrive. */
+        const double until = mono() + (double)o.drain_s;
+        int left;
+        bool cut = false;
+        while ((left = coord_drain(co, 100)) > 0 && mono() < until) {
+            (void)wait_stop_signal(0.0);
+            if ((cut = stop_signals > 1))
+                break;
+        }
         if (left && !o.quiet)
-            fprintf(stderr, "%s: %d requests still running after the drain: they end with UNAVAILABLE\n", prog, left);
+            fprintf(stderr, "%s: %d requests still running %s: they end with UNAVAILABLE\n", prog, left,
+                    cut ? "at a second signal" : "after the drain");
         exit_code = 0;
     }
 out:
