@@ -725,12 +725,13 @@ static void stop_workers(supervisor *sv)
 
 /* ---- stop signals ---- */
 
-/* SIGTERM, SIGINT and SIGHUP (a terminal that goes away, as for strata-worker) start the drain. They cannot be left blocked for sigwait alone: a library
- * may start threads before main (OpenBLAS's pool does, with nothing blocked), and a signal the
- * kernel hands to such a thread would kill the process, a second SIGTERM during the drain
- * included. So a handler takes them wherever they land: it records the first, counts them (a
- * second one cuts the drain short) and wakes the main thread through a pipe. Our own threads keep them blocked (the main thread opens them only
- * while it waits), so no gRPC or worker thread is interrupted by one. */
+/* SIGTERM, SIGINT and SIGHUP (a terminal that goes away, as for strata-worker) start the drain.
+ * They cannot be left blocked for sigwait alone: a library may start threads before main
+ * (OpenBLAS's pool does, with nothing blocked), and a signal the kernel hands to such a thread
+ * would kill the process, a second SIGTERM during the drain included. So a handler takes them
+ * wherever they land: it records the first, counts them (a second one cuts the drain short) and
+ * wakes the main thread through a pipe. Our own threads keep them blocked (the main thread opens
+ * them only while it waits in wait_stop_signal), so no gRPC or worker thread is interrupted. */
 static volatile sig_atomic_t stop_signal, stop_signals;
 static int stop_pipe[2] = {-1, -1};
 
@@ -767,19 +768,19 @@ static int watch_stop_signals(const char *prog)
     return 0;
 }
 
-/* Waits up to seconds for SIGTERM, SIGINT or SIGHUP; returns the signal, or 0. */
+/* Waits up to seconds (0: none) for SIGTERM, SIGINT or SIGHUP, the signals open on this thread
+ * meanwhile, so that one pending here arrives even when no other thread could take it; returns
+ * the first signal so far, or 0. */
 static int wait_stop_signal(double seconds)
 {
-    if (!stop_signal) {
-        sigset_t open;
-        pthread_sigmask(SIG_BLOCK, NULL, &open);
-        sigdelset(&open, SIGTERM);
-        sigdelset(&open, SIGINT);
-        sigdelset(&open, SIGHUP);
-        struct pollfd pfd = {.fd = stop_pipe[0], .events = POLLIN};
-        struct timespec t = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
-        (void)ppoll(&pfd, 1, &t, &open);   /* EINTR: the handler ran here */
-    }
+    sigset_t open;
+    pthread_sigmask(SIG_BLOCK, NULL, &open);
+    sigdelset(&open, SIGTERM);
+    sigdelset(&open, SIGINT);
+    sigdelset(&open, SIGHUP);
+    struct pollfd pfd = {.fd = stop_pipe[0], .events = POLLIN};
+    struct timespec t = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    (void)ppoll(&pfd, 1, &t, &open);   /* EINTR: the handler ran here */
     char drain[16];
     while (read(stop_pipe[0], drain, sizeof drain) > 0) {
     }

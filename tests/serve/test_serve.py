@@ -39,12 +39,13 @@ SANITIZER_REPORTS = []
 class Serve:
     """One `strata serve` process; ready when it prints 'ready: serving ... on port N'."""
 
-    def __init__(self, name, *args):
+    def __init__(self, name, *args, env=None):
         self.name = name
         self.log_path = os.path.join(WORK, name + ".log")
         self.log = open(self.log_path, "w+b")
         self.proc = subprocess.Popen([STRATA, "serve", "--listen", "127.0.0.1:0", *args],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **env} if env else None)
         self.port = None
         deadline = time.time() + 240
         while time.time() < deadline:
@@ -404,12 +405,14 @@ def test_sigterm_drain_cut():
     assert s.stop() == 0
 
 
-def test_second_signal_cuts_drain():
+def test_second_signal_cuts_drain(one_blas_thread):
     """A second signal during the drain (Ctrl-C again) ends it at once: the long stream ends with
-    UNAVAILABLE long before --drain-seconds, and serve still shuts down cleanly (exit 0). The
-    signal is taken even when the kernel hands it to a thread a library started before main
-    (OpenBLAS's pool blocks nothing): it must not kill the process."""
-    s = Serve("drain_twice", "--ctx", "2048", "--drain-seconds", "60")
+    UNAVAILABLE long before --drain-seconds, and serve still shuts down cleanly (exit 0). By
+    default OpenBLAS starts a thread pool before main that blocks no signal: the kernel may hand
+    the signal to it, which must not kill the process. With OPENBLAS_NUM_THREADS=1 there is no
+    such thread: every thread blocks the signal and the main thread must take it."""
+    s = Serve("drain_twice", "--ctx", "2048", "--drain-seconds", "60",
+              env={"OPENBLAS_NUM_THREADS": "1"} if one_blas_thread else None)
     c = Client(s.addr())
     it = c.stream(req(PROMPTS[1], max_tokens=1800, ignore_eos=True))
     next(it)
@@ -733,7 +736,8 @@ def main():
     run("TLS and bearer token", test_tls_token)
     run("SIGTERM drains", test_sigterm_drains)
     run("SIGTERM with a short drain cuts a long stream", test_sigterm_drain_cut)
-    run("a second signal ends the drain", test_second_signal_cuts_drain)
+    run("a second signal ends the drain", test_second_signal_cuts_drain, False)
+    run("a second signal ends the drain, no OpenBLAS pool", test_second_signal_cuts_drain, True)
     run("uneven pipeline splits (--stage-layers)", test_stage_layers)
     run("two replicas: routing and migration by strata drain", test_two_replicas_migration)
     run("tiers under load: spills, aborts, cancels and a drain", test_tiers_under_load)
