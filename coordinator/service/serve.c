@@ -761,9 +761,14 @@ static int watch_stop_signals(const char *prog)
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);   /* before any thread of ours starts: they inherit it */
     struct sigaction sa = {.sa_handler = on_stop_signal, .sa_flags = SA_RESTART};
     sigfillset(&sa.sa_mask);
-    if (sigaction(SIGTERM, &sa, NULL) != 0 || sigaction(SIGINT, &sa, NULL) != 0 || sigaction(SIGHUP, &sa, NULL) != 0) {
-        fprintf(stderr, "%s: cannot handle SIGTERM, SIGINT and SIGHUP: %s\n", prog, strerror(errno));
-        return -1;
+    static const int stop_sigs[] = {SIGTERM, SIGINT, SIGHUP};
+    for (size_t i = 0; i < sizeof stop_sigs / sizeof stop_sigs[0]; i++) {
+        struct sigaction old;
+        if (sigaction(stop_sigs[i], NULL, &old) != 0 ||
+            (old.sa_handler != SIG_IGN && sigaction(stop_sigs[i], &sa, NULL) != 0)) {
+            fprintf(stderr, "%s: cannot handle %s: %s\n", prog, strsignal(stop_sigs[i]), strerror(errno));
+            return -1;
+        }   /* one it was started ignoring (nohup; SIGINT in a script's background job) stays ignored */
     }
     return 0;
 }

@@ -303,6 +303,19 @@ kill -HUP "$server" 2>/dev/null
 wait "$server" || fail "strata serve exited $? after SIGHUP: $(tail -3 "$tmp/serve.log")"
 grep -q "hangup: draining" "$tmp/serve.log" || fail "no drain on SIGHUP: $(tail -3 "$tmp/serve.log")"
 [ -z "$(ls -A "$tmp/serve-tmp")" ] || fail "serve left files in its TMPDIR: $(ls -laR "$tmp/serve-tmp")"
+# Started ignoring SIGHUP (nohup), serve keeps ignoring it, as do its workers; SIGTERM drains.
+(trap '' HUP; exec "$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 2>"$tmp/nohup.log") &
+server=$!
+port=$(serve_port "$tmp/nohup.log" "$server")
+[ -n "$port" ] || fail "strata serve under nohup did not become ready: $(tail -n 5 "$tmp/nohup.log")"
+kill -HUP "$server"
+pkill -HUP -P "$server" -f -- "--name local-0" || fail "no worker local-0 under the nohup serve"
+sleep 1
+"$strata" generate --server "127.0.0.1:$port" --prompt "still there?" --max-tokens 2 >/dev/null 2>"$tmp/err" ||
+  fail "serve started ignoring SIGHUP stopped serving after one: $(tail -n 3 "$tmp/nohup.log")"
+kill -TERM "$server"
+wait "$server" || fail "strata serve exited $? after SIGTERM: $(tail -3 "$tmp/nohup.log")"
+grep -q "hangup\|exited (" "$tmp/nohup.log" && fail "a hangup reached serve or its worker: $(tail -n 5 "$tmp/nohup.log")"
 # (under the sanitizers a worker's report would only be in the log: its restart hides it otherwise)
 grep -q "Sanitizer\|runtime error" "$tmp/serve.log" && fail "sanitizer report in the serve log: $(grep -m3 "Sanitizer\|runtime error" "$tmp/serve.log")"
 [ ! -e "$tmp/serve-spill" ] || fail "serve left its spill folder: $(ls -laR "$tmp/serve-spill" 2>&1 | head)"

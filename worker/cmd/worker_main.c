@@ -468,10 +468,14 @@ int main(int argc, char **argv)
     if (!o.name)
         o.name = name;
     signal(SIGPIPE, SIG_IGN);
-    struct sigaction sa = {.sa_handler = on_signal};
-    sigaction(SIGTERM, &sa, NULL);
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGHUP, &sa, NULL);   /* a terminal that goes away stops it as SIGTERM does */
+    /* A terminal that goes away (SIGHUP) stops it as SIGTERM does; a signal it was started
+     * ignoring (nohup; SIGINT in a script's background job) stays ignored. */
+    static const int stop_sigs[] = {SIGTERM, SIGINT, SIGHUP};
+    for (size_t i = 0; i < sizeof stop_sigs / sizeof stop_sigs[0]; i++) {
+        struct sigaction sa = {.sa_handler = on_signal}, old;
+        if (sigaction(stop_sigs[i], NULL, &old) == 0 && old.sa_handler != SIG_IGN)
+            sigaction(stop_sigs[i], &sa, NULL);
+    }
 
     strata_error err = {0};
     char device[32] = "cpu";
