@@ -732,6 +732,8 @@ static void stop_workers(supervisor *sv)
  * wherever they land: it records the first, counts them (a second one cuts the drain short) and
  * wakes the main thread through a pipe. Our own threads keep them blocked (the main thread opens
  * them only while it waits in wait_stop_signal), so no gRPC or worker thread is interrupted. */
+static const int stop_sigs[] = {SIGTERM, SIGINT, SIGHUP};
+#define N_STOP_SIGS (sizeof stop_sigs / sizeof stop_sigs[0])
 static volatile sig_atomic_t stop_signal, stop_signals;
 static int stop_pipe[2] = {-1, -1};
 
@@ -755,14 +757,12 @@ static int watch_stop_signals(const char *prog)
     }
     sigset_t sigs;
     sigemptyset(&sigs);
-    sigaddset(&sigs, SIGTERM);
-    sigaddset(&sigs, SIGINT);
-    sigaddset(&sigs, SIGHUP);
+    for (size_t i = 0; i < N_STOP_SIGS; i++)
+        sigaddset(&sigs, stop_sigs[i]);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);   /* before any thread of ours starts: they inherit it */
     struct sigaction sa = {.sa_handler = on_stop_signal, .sa_flags = SA_RESTART};
     sigfillset(&sa.sa_mask);
-    static const int stop_sigs[] = {SIGTERM, SIGINT, SIGHUP};
-    for (size_t i = 0; i < sizeof stop_sigs / sizeof stop_sigs[0]; i++) {
+    for (size_t i = 0; i < N_STOP_SIGS; i++) {
         struct sigaction old;
         if (sigaction(stop_sigs[i], NULL, &old) != 0 ||
             (old.sa_handler != SIG_IGN && sigaction(stop_sigs[i], &sa, NULL) != 0)) {
@@ -780,9 +780,8 @@ static int wait_stop_signal(double seconds)
 {
     sigset_t open;
     pthread_sigmask(SIG_BLOCK, NULL, &open);
-    sigdelset(&open, SIGTERM);
-    sigdelset(&open, SIGINT);
-    sigdelset(&open, SIGHUP);
+    for (size_t i = 0; i < N_STOP_SIGS; i++)
+        sigdelset(&open, stop_sigs[i]);
     struct pollfd pfd = {.fd = stop_pipe[0], .events = POLLIN};
     struct timespec t = {(time_t)seconds, (long)((seconds - (double)(time_t)seconds) * 1e9)};
     (void)ppoll(&pfd, 1, &t, &open);   /* EINTR: the handler ran here */
