@@ -986,8 +986,9 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
                 break;
         }
         if (left && !o.quiet)
-            fprintf(stderr, "%s: %d requests still running %s: they end with UNAVAILABLE\n", prog, left,
-                    cut ? "at a second signal" : "after the drain");
+            fprintf(stderr, "%s: %d %s still running %s: %s with UNAVAILABLE\n", prog, left,
+                    left == 1 ? "request" : "requests", cut ? "at a second signal" : "after the drain",
+                    left == 1 ? "it ends" : "they end");
         exit_code = 0;
     }
 out:
