@@ -18,7 +18,8 @@ Starts strata-coordinator on this host and strata-worker processes on other host
 one per GPU, each pinned with CUDA_VISIBLE_DEVICES. A worker that exits (its ssh session ends)
 is started again with backoff. SIGTERM, SIGHUP or Ctrl-C drains the coordinator, then stops the
 local ssh sessions; remote workers exit by themselves when the coordinator ends their link. A
-second signal kills the coordinator. Exits with the coordinator's status.
+second signal ends the coordinator's drain at once, a third kills it. Exits with the
+coordinator's status.
 
 Hosts (ssh destinations [user@]host; the host part is also each worker's data-plane address, so
 use names or addresses that the other hosts reach on the private network; no IPv6 literals;

@@ -14,8 +14,8 @@ usage: launch-node.sh [options] [-- COORDINATOR-ARGS...]
 
 Starts strata-coordinator and one strata-worker per GPU on this machine, supervises the workers
 (restarted with backoff whenever they exit) and, on SIGTERM, SIGHUP or Ctrl-C, drains the
-coordinator first and stops the workers after it (a second signal kills the coordinator). Exits
-with the coordinator's status.
+coordinator first and stops the workers after it (a second signal ends the drain at once, a
+third kills the coordinator). Exits with the coordinator's status.
 
 Workers:
   --gpus LIST            comma-separated GPU indexes or UUIDs, one worker each, pinned with

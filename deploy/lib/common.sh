@@ -240,23 +240,29 @@ supervise() {
 }
 
 # on_stop: the first SIGTERM/SIGINT/SIGHUP drains (the coordinator finishes or ends its requests,
-# then exits; workers are not restarted meanwhile); a second one kills the coordinator. Once the
+# then exits; workers are not restarted meanwhile). A second one is passed on: the coordinator
+# ends its drain at once (what still runs ends with UNAVAILABLE) and still shuts down its workers
+# and removes its secret. A third kills it, for a coordinator that no longer answers. Once the
 # coordinator has exited, signals change nothing: the workers are being stopped already.
 on_stop() {
   if ((coord_done)); then
     log "signal: the coordinator has exited; still stopping the workers"
     return 0
   fi
-  if ((stopping)); then
-    log "second signal: killing the coordinator"
+  stopping=$((stopping + 1))
+  if ((stopping == 1)); then
+    log "stopping: draining the coordinator, then stopping the workers"
+    local p
+    for p in "${sup_pids[@]}"; do kill -USR1 "$p" 2>/dev/null || true; done
+    kill -TERM "$coord_pid" 2>/dev/null || true
+  elif ((stopping == 2)); then
+    log "second signal: the coordinator ends its drain now (a third kills it)"
+    kill -TERM "$coord_pid" 2>/dev/null || true
+  else
+    log "third signal: killing the coordinator"
     kill -KILL "$coord_pid" 2>/dev/null || true
-    return 0 # a bare return would give the interrupted wait's status, and set -e would exit
   fi
-  stopping=1
-  log "stopping: draining the coordinator, then stopping the workers"
-  local p
-  for p in "${sup_pids[@]}"; do kill -USR1 "$p" 2>/dev/null || true; done
-  kill -TERM "$coord_pid" 2>/dev/null || true
+  return 0 # a bare return would give the interrupted wait's status, and set -e would exit
 }
 
 # run_cluster: starts the coordinator and one supervised worker per index, waits until the

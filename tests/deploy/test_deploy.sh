@@ -5,8 +5,9 @@
 #  - --dry-run prints the right commands (one worker per device, CUDA_VISIBLE_DEVICES per worker,
 #    secret file flags, ssh copies of the secret), and bad usage exits 2 with a message;
 #  - launch-node.sh really runs stub binaries: a worker that exits is restarted, SIGTERM and
-#    SIGHUP drain the coordinator before the workers stop, a second signal while the workers stop
-#    does not cut that short, the generated secret is 0600 and removed at exit, a worker refused
+#    SIGHUP drain the coordinator before the workers stop, a second signal during the drain is passed
+#    on (the coordinator ends its drain) and a third kills a stuck one, a second signal while
+#    the workers stop does not cut that short, the generated secret is 0600 and removed at exit, a worker refused
 #    for bad usage stops everything with status 2, a SIGKILLed launcher's workers are not
 #    restarted, and no process is left behind;
 #  - launch-multinode.sh really runs through a stand-in ssh (the secret lands 0600 on each
@@ -108,18 +109,34 @@ stubs=$tmp/bin
 mkdir -p "$stubs"
 cat >"$stubs/strata-coordinator" <<'EOF'
 #!/usr/bin/env bash
-# Stub coordinator: logs its arguments; SIGTERM "drains" for 0.3 s and exits 0.
+# Stub coordinator: logs its arguments; SIGTERM "drains" for STUB_COORD_DRAIN_TICKS x 0.05 s
+# (default 6: 0.3 s) and exits 0; a second SIGTERM during the drain ends it at once (logged
+# "TERM again"), as strata-coordinator does.
 echo "$$ $PPID coordinator" >>"$STUB_PIDS"
 echo "coordinator start $*" >>"$STUB_LOG"
+left=-1
+on_term() {
+  if ((left >= 0)); then
+    echo "coordinator TERM again" >>"$STUB_LOG"
+    left=0
+  else
+    echo "coordinator TERM" >>"$STUB_LOG"
+    left=${STUB_COORD_DRAIN_TICKS:-6}
+  fi
+}
 # STUB_COORD_STUCK=1: it ignores SIGTERM (a drain that hangs). (Setting the draining trap after
 # the ignoring one replaced it: the "stuck" stub drained in 0.3 s, and the test raced the second
 # signal against that exit.)
 if [[ -n ${STUB_COORD_STUCK:-} ]]; then
   trap '' TERM
 else
-  trap 'echo "coordinator TERM" >>"$STUB_LOG"; sleep 0.3; echo "coordinator drained" >>"$STUB_LOG"; exit 0' TERM
+  trap on_term TERM
 fi
-while :; do sleep 0.05; done
+while :; do
+  sleep 0.05
+  if ((left == 0)); then echo "coordinator drained" >>"$STUB_LOG"; exit 0; fi
+  ((left < 0)) || left=$((left - 1))
+done
 EOF
 cat >"$stubs/strata-worker" <<'EOF'
 #!/usr/bin/env bash
@@ -454,8 +471,27 @@ wait "$pid" || rc=$?
 grep -q 'bad usage (exit 2): not restarting' "$tmp/run.err" || fail "node run: no message for a worker's bad usage"
 no_leftovers "node run (exit 2)"
 
-# A coordinator whose drain hangs: the second SIGTERM kills it, the launcher still stops the
-# workers and exits with the coordinator's status (137).
+# A second signal during a long drain is passed on: the coordinator ends its drain at once and
+# exits 0; the workers are stopped after it.
+rm -f "$STUB_LOG"*
+STUB_WORKER_STAY=1 STUB_COORD_DRAIN_TICKS=1200 "$node" --cpu-workers 1 --bin-dir "$stubs" --secret-file "$secret" >"$tmp/run.err" 2>&1 &
+pid=$!
+wait_for 'worker .* start' "$STUB_LOG" 1 || fail "node run (long drain): the worker did not start"
+kill -TERM "$pid"
+wait_for 'coordinator TERM' "$STUB_LOG" 1 || fail "node run (long drain): the coordinator got no SIGTERM: $(cat "$tmp/run.err")"
+t0=$SECONDS
+kill -HUP "$pid" # (not SIGINT: a background job of this script starts with it ignored, for good)
+finish "$pid"
+[[ $rc == 0 ]] || fail "node run (long drain): exit $rc after two signals, expected 0: $(cat "$tmp/run.err")"
+((SECONDS - t0 < 20)) || fail "node run (long drain): the second signal did not end the 60 s drain"
+order=$(grep -E 'TERM|drained' "$STUB_LOG" | awk '{print $1, $NF}' | tr '\n' ' ')
+[[ $order == 'coordinator TERM coordinator again coordinator drained worker TERM ' ]] ||
+  fail "node run (long drain): expected the second signal passed on before the workers stop, got: $order"
+grep -q 'second signal: the coordinator ends its drain now' "$tmp/run.err" || fail "node run (long drain): no message for the second signal"
+no_leftovers "node run (long drain)"
+
+# A coordinator whose drain hangs: the second SIGTERM is passed on to no effect, the third kills
+# it; the launcher still stops the workers and exits with the coordinator's status (137).
 rm -f "$STUB_LOG"*
 STUB_COORD_STUCK=1 "$node" --cpu-workers 1 --bin-dir "$stubs" --secret-file "$secret" >"$tmp/run.err" 2>&1 &
 pid=$!
@@ -463,10 +499,13 @@ wait_for 'worker .* start' "$STUB_LOG" 1 || fail "node run (stuck drain): the wo
 kill -TERM "$pid"
 sleep 0.3
 kill -TERM "$pid"
+sleep 0.3
+kill -0 "$pid" 2>/dev/null || fail "node run (stuck drain): the launcher ended at the second signal: $(cat "$tmp/run.err")"
+kill -TERM "$pid"
 rc=0
 wait "$pid" || rc=$?
-[[ $rc == 137 ]] || fail "node run (stuck drain): exit $rc after two SIGTERMs, expected 137: $(cat "$tmp/run.err")"
-grep -q 'second signal: killing the coordinator' "$tmp/run.err" || fail "node run (stuck drain): no message for the second signal"
+[[ $rc == 137 ]] || fail "node run (stuck drain): exit $rc after three SIGTERMs, expected 137: $(cat "$tmp/run.err")"
+grep -q 'third signal: killing the coordinator' "$tmp/run.err" || fail "node run (stuck drain): no message for the third signal"
 no_leftovers "node run (stuck drain)"
 
 # ---- launch-multinode.sh for real, through the stand-in ssh (generated secret)
