@@ -38,7 +38,7 @@ static const char SECRET[] = "strata-test-cluster-secret-0123456789";
 
 /* ---- scripted workers ---- */
 
-typedef enum { MIG_OK, MIG_FAIL, MIG_HOLD } mig_mode;
+typedef enum { MIG_OK, MIG_FAIL, MIG_HOLD, MIG_WRONG_SEQ } mig_mode;
 
 typedef struct fake {
     char name[32];
@@ -56,6 +56,7 @@ typedef struct fake {
     uint32_t fail_steps;     /* nonzero: answer every work with this status, as a stage refusing it */
     uint32_t bad_token;      /* nonzero: sample this token (outside the vocabulary) instead */
     bool answer_twice;       /* send every StepResult twice, as a faulty worker */
+    uint32_t step_offset;    /* answer step N as step N + step_offset, as a worker out of step */
     /* what it saw */
     bool assigned;
     uint32_t replica;
@@ -100,6 +101,7 @@ static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__Step
     bool fail_preempt = f->fail_preempt, fail_copies = f->fail_prefix_copies;
     uint32_t fail_status = f->fail_steps, token = f->bad_token ? f->bad_token : FAKE_TOKEN;
     bool twice = f->answer_twice;
+    const uint64_t step_offset = f->step_offset;
     f->plans++;
     f->preempts += (int)p->n_preempt_seqs;
     f->parks += (int)p->n_park_prefixes;
@@ -146,7 +148,7 @@ static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__Step
         }
     }
     Strata__Internal__V1__StepResult r = STRATA__INTERNAL__V1__STEP_RESULT__INIT;
-    r.step = p->step;
+    r.step = p->step + step_offset;
     r.n_results = n;
     r.results = rp;
     Strata__Internal__V1__WorkerMessage m = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
@@ -231,7 +233,8 @@ static void *fake_main(void *arg)
                 held = true;
                 held_seq = m->migrate->seq_id;
             } else {
-                fake_migrate_done(f, cli, m->migrate->seq_id, mode == MIG_FAIL ? STRATA_EIO : 0);
+                fake_migrate_done(f, cli, m->migrate->seq_id + (mode == MIG_WRONG_SEQ),
+                                  mode == MIG_FAIL ? STRATA_EIO : 0);
             }
             break;
         }
@@ -666,6 +669,39 @@ static void test_half_moved_fails(void **state)
     fixture_stop(&fx);
 }
 
+static bool fake_ended(fake *f)
+{
+    pthread_mutex_lock(&f->mu);
+    bool e = f->ended;
+    pthread_mutex_unlock(&f->mu);
+    return e;
+}
+
+/* The receiver answers the move under another sequence id: it is out of step (the answer it owes
+ * would never come, and both replicas plan no step during a move), so its stream is ended; the
+ * request, whose blocks are on both replicas now, ends with UNAVAILABLE saying why, and the
+ * drain ends with its replica lost. */
+static void test_migration_out_of_step(void **state)
+{
+    (void)state;
+    fixture fx;
+    gen_job a;
+    fake *x, *y;
+    two_replicas_running(&fx, 64, MIG_OK, &a, 60, &x, &y);
+    pthread_mutex_lock(&y->mu);
+    y->mig = MIG_WRONG_SEQ;
+    pthread_mutex_unlock(&y->mu);
+    drain(&fx, x->name);
+    WAIT_FOR(gen_done(&a), 20000);
+    gen_join(&a);
+    assert_int_equal(a.status, GRPC_STATUS_OK);   /* output had started: the failure is a message */
+    assert_int_equal(a.error, GRPC_STATUS_UNAVAILABLE);
+    if (!strstr(a.error_message, "out of step") || !strstr(a.error_message, "as sequence"))
+        fail_msg("the request's error does not say the worker was out of step: '%s'", a.error_message);
+    WAIT_FOR(fake_ended(y), 5000);
+    fixture_stop(&fx);
+}
+
 /* Each replica has room for one request. While a request's blocks travel to the other replica,
  * a new request must not be routed there (the room the move counted on would be gone at the
  * commit); it waits, and both finish. */
@@ -873,7 +909,10 @@ static bool fake_connected(fake *f)
 /* A worker that misbehaves does not make the coordinator misbehave: a sampled token outside the
  * vocabulary fails that request (INTERNAL, naming the worker and the token), never reaches the
  * client as text; a stage that answers a step twice does not end the step before the other
- * stage answered (the request completes with every token). */
+ * stage answered (the request completes with every token); a worker that answers a step it was
+ * never sent is out of step: its stream is ended (the step it owes would never come and its
+ * replica would stall), the request ends with UNAVAILABLE saying so, and a worker that joins
+ * next serves again. */
 static void test_worker_bad_answers(void **state)
 {
     (void)state;
@@ -896,6 +935,23 @@ static void test_worker_bad_answers(void **state)
     pthread_mutex_lock(&w->mu);
     w->bad_token = 0;
     pthread_mutex_unlock(&w->mu);
+    gen_start(&a, fx.ch, 8);
+    WAIT_FOR(gen_done(&a), 10000);
+    gen_join(&a);
+    assert_complete(&a);
+
+    pthread_mutex_lock(&w->mu);
+    w->step_offset = 1;
+    pthread_mutex_unlock(&w->mu);
+    gen_start(&a, fx.ch, 8);
+    WAIT_FOR(gen_done(&a), 10000);
+    gen_join(&a);
+    if (a.status != GRPC_STATUS_UNAVAILABLE || !strstr(a.details, "out of step") || !strstr(a.details, "which was never "
+                                                                                                       "sent"))
+        fail_msg("a worker answering a step never sent: status %d (%s), %d tokens", a.status, a.details, a.tokens);
+    WAIT_FOR(fake_ended(w), 5000);
+    fake_start(&fx, "w1", MIG_OK);
+    wait_ready(&fx);
     gen_start(&a, fx.ch, 8);
     WAIT_FOR(gen_done(&a), 10000);
     gen_join(&a);
@@ -981,6 +1037,7 @@ int main(void)
         cmocka_unit_test(test_drain_moves_then_drains_again),
         cmocka_unit_test(test_failed_migration_stays),
         cmocka_unit_test(test_half_moved_fails),
+        cmocka_unit_test(test_migration_out_of_step),
         cmocka_unit_test(test_destination_kept_free_during_move),
         cmocka_unit_test(test_replica_lost_during_drain),
         cmocka_unit_test(test_destination_lost_source_goes_on),

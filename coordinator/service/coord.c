@@ -59,6 +59,7 @@ typedef struct slot {
     bool ready;                  /* sent its first KvReport after the assignment */
     uint64_t tier_blocks[N_TIERS], tier_bytes[N_TIERS], tier_capacity[N_TIERS];
     uint64_t spills, restores, crc_failures, spill_failures, restore_failures;
+    uint32_t migrates_pending;   /* Migrate messages sent to it and not answered yet */
 } slot;
 
 /* A step out: sent to every stage of its replica, waiting for their answers. */
@@ -90,6 +91,7 @@ typedef struct creplica {
      * stage runs its steps in order, the rows of one step following another's on the links). */
     flight *flights;             /* steps_in_flight entries, the first n_flights out */
     uint32_t n_flights;
+    uint64_t last_step;          /* the newest step sent (a worker cannot answer a later one) */
     /* Prefix caching: parks for the replica's next step plan (finished sequences whose first
      * tokens its workers keep), and room for the plan's drops. */
     Strata__Internal__V1__PrefixPark *parks, **park_ptrs;
@@ -646,14 +648,42 @@ static int worker_failure_status(uint32_t worker_status)
     return worker_status == STRATA_EINVAL ? STRATA_EFORMAT : (int)worker_status;
 }
 
+/* A worker whose answers no longer match what was asked of it (a step never sent, steps out of
+ * order, a migration it was not asked for): whatever it sends next cannot be trusted, and the
+ * step or migration it owes may never come, which would stall its replica for good. Its stream
+ * is ended; on_gone then tears the replica down as for a lost worker (its requests end with
+ * UNAVAILABLE and this reason) and the workers that join next rebuild it. */
+static void out_of_step(coord *c, uint32_t r, uint32_t s, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static void out_of_step(coord *c, uint32_t r, uint32_t s, const char *fmt, ...)
+{
+    char why[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    char msg[512];
+    snprintf(msg, sizeof msg, "worker out of step with the coordinator: %s", why);
+    logf_(c, "replica %u stage %u (worker %s): %s: ending its stream", r, s, c->reps[r].stages[s].name, msg);
+    ctl_peer_close(c->reps[r].stages[s].peer, 13 /* GRPC_STATUS_INTERNAL */, msg);
+}
+
 static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal__V1__StepResult *res)
 {
     creplica *rp = &c->reps[r];
     uint32_t k = 0;
     while (k < rp->n_flights && rp->flights[k].step != res->step)
         k++;
-    if (k == rp->n_flights)
-        return;   /* a result of a step abandoned when the replica was torn down */
+    if (k == rp->n_flights) {
+        if (rp->tearing_down)
+            return;   /* a result of a step abandoned when the replica was torn down */
+        if (res->step > rp->last_step)
+            out_of_step(c, r, s, "it answered step %" PRIu64 ", which was never sent (the last was %" PRIu64 ")",
+                        res->step, rp->last_step);
+        else   /* a step that every stage had answered: a repeat */
+            logf_(c, "replica %u stage %u (worker %s) answered step %" PRIu64 " again after it ended: ignored", r, s,
+                  rp->stages[s].name, res->step);
+        return;
+    }
     flight *f = &rp->flights[k];
     /* A stage's second answer to one step would end the step before the others answered. */
     if (f->answered >> s & 1) {
@@ -661,6 +691,13 @@ static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal
               s, rp->stages[s].name, res->step);
         return;
     }
+    /* A stage runs its steps in the order they were sent: an answer that skips one means the
+     * skipped step's answer is lost or was sent under another number. */
+    for (uint32_t j = 0; j < rp->n_flights; j++)
+        if (rp->flights[j].step < res->step && !(rp->flights[j].answered >> s & 1)) {
+            out_of_step(c, r, s, "it answered step %" PRIu64 " before step %" PRIu64, res->step, rp->flights[j].step);
+            return;
+        }
     f->answered |= (uint64_t)1 << s;
     for (size_t i = 0; i < res->n_results; i++) {
         const Strata__Internal__V1__SeqResult *sr = res->results[i];
@@ -1034,6 +1071,7 @@ static bool start_step(coord *c, uint32_t r)
     m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_STEP_PLAN;
     m.step_plan = &sp;
     f->step = plan.step;
+    rp->last_step = plan.step;
     f->n_work = plan.n_work;
     f->answers = 0;
     f->answered = 0;
@@ -1066,6 +1104,7 @@ static void send_migrate(coord *c, uint32_t r, uint32_t s, uint32_t peer_r, bool
     Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
     m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_MIGRATE;
     m.migrate = &mg;
+    c->reps[r].stages[s].migrates_pending++;
     send_or_end(c, c->reps[r].stages[s].peer, c->reps[r].stages[s].name, &m, "migrate");
 }
 
@@ -1144,8 +1183,20 @@ static void migration_finish(coord *c)
 static void take_migrate_done(coord *c, uint32_t r, uint32_t s, const Strata__Internal__V1__MigrateDone *d)
 {
     migration *mg = &c->mig;
-    if (!mg->active || !mg->sent || d->seq_id != mg->seq || (r != mg->from && r != mg->to))
+    slot *sl = &c->reps[r].stages[s];
+    if (sl->migrates_pending == 0) {
+        out_of_step(c, r, s, "it finished a migration of sequence %" PRIu64 " that was not asked of it", d->seq_id);
         return;
+    }
+    /* A worker answers its Migrates in order: while older ones are pending (of migrations that
+     * ended when the other replica was lost), this answer is to one of those. */
+    if (--sl->migrates_pending > 0 || !mg->active || !mg->sent || (r != mg->from && r != mg->to))
+        return;
+    if (d->seq_id != mg->seq) {
+        out_of_step(c, r, s, "it answered the migration of sequence %" PRIu64 " as sequence %" PRIu64, mg->seq,
+                    d->seq_id);
+        return;
+    }
     bool ok = d->status == 0;
     if (r == mg->from)
         mg->send_ok[s] = ok;
