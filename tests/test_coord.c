@@ -57,6 +57,7 @@ typedef struct fake {
     uint32_t bad_token;      /* nonzero: sample this token (outside the vocabulary) instead */
     bool answer_twice;       /* send every StepResult twice, as a faulty worker */
     uint32_t step_offset;    /* answer step N as step N + step_offset, as a worker out of step */
+    bool silent;             /* answer no step (its stream alive), as a worker on a hung device */
     /* what it saw */
     bool assigned;
     uint32_t replica;
@@ -102,6 +103,7 @@ static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__Step
     uint32_t fail_status = f->fail_steps, token = f->bad_token ? f->bad_token : FAKE_TOKEN;
     bool twice = f->answer_twice;
     const uint64_t step_offset = f->step_offset;
+    const bool silent = f->silent;
     f->plans++;
     f->preempts += (int)p->n_preempt_seqs;
     f->parks += (int)p->n_park_prefixes;
@@ -115,6 +117,8 @@ static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__Step
             f->seqs[f->n_seqs++] = p->seqs[i]->seq_id;
     }
     pthread_mutex_unlock(&f->mu);
+    if (silent)
+        return;
     sleep_ms(delay);
     const size_t n = p->n_seqs + (fail_preempt ? p->n_preempt_seqs : 0);
     Strata__Internal__V1__SeqResult *rs = calloc(n ? n : 1, sizeof *rs);
@@ -424,6 +428,7 @@ typedef struct fixture_limits {
     size_t max_message_bytes;    /* of the control stream; default the server's */
     uint64_t prefix_cache_bytes; /* default 0: no prefix caching */
     uint32_t stages;             /* default 1 */
+    uint32_t step_timeout_ms;    /* default 0: none */
 } fixture_limits;
 
 /* host_blocks: block rows of a host tier (0: none). */
@@ -438,7 +443,7 @@ static void fixture_start_limits(fixture *fx, uint32_t replicas, size_t blocks_p
                        .block_tokens = BLOCK_TOKENS, .ctx = 512, .max_seqs = 4,
                        .max_batch_tokens = lim.max_batch_tokens ? lim.max_batch_tokens : 64,
                        .device_kv_bytes = fx->device_kv_bytes, .host_kv_bytes = fx->host_kv_bytes, .quiet = true,
-                       .prefix_cache_bytes = lim.prefix_cache_bytes};
+                       .prefix_cache_bytes = lim.prefix_cache_bytes, .step_timeout_ms = lim.step_timeout_ms};
     strata_error err = {0};
     if (!(fx->co = coord_create(&cc, &err)))
         fail_msg("coord_create: %s", err.msg);
@@ -978,6 +983,35 @@ static void test_worker_bad_answers(void **state)
     fixture_stop(&fx);
 }
 
+/* A worker that stops answering while its process, and so its keepalive, lives on (a hung
+ * device): after the step timeout its stream is ended, the request ends with UNAVAILABLE naming
+ * the step, and a worker that joins next serves again. */
+static void test_silent_worker_times_out(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start_limits(&fx, 1, 64, 0, (fixture_limits){.step_timeout_ms = 500});
+    fake *w = fake_start(&fx, "w0", MIG_OK);
+    wait_ready(&fx);
+    pthread_mutex_lock(&w->mu);
+    w->silent = true;
+    pthread_mutex_unlock(&w->mu);
+    gen_job a;
+    gen_start(&a, fx.ch, 8);
+    WAIT_FOR(gen_done(&a), 10000);
+    gen_join(&a);
+    if (a.status != GRPC_STATUS_UNAVAILABLE || !strstr(a.details, "no answer to step"))
+        fail_msg("a silent worker: status %d (%s), %d tokens", a.status, a.details, a.tokens);
+    WAIT_FOR(fake_ended(w), 5000);
+    fake_start(&fx, "w1", MIG_OK);
+    wait_ready(&fx);
+    gen_start(&a, fx.ch, 8);
+    WAIT_FOR(gen_done(&a), 10000);
+    gen_join(&a);
+    assert_complete(&a);
+    fixture_stop(&fx);
+}
+
 static void keep_stats(void *user, ProtobufCMessage *m)
 {
     *(Strata__V1__Stats **)user = (Strata__V1__Stats *)m;
@@ -1046,6 +1080,7 @@ int main(void)
         cmocka_unit_test(test_failed_prefix_copy_starts_over),
         cmocka_unit_test(test_worker_failure_status),
         cmocka_unit_test(test_worker_bad_answers),
+        cmocka_unit_test(test_silent_worker_times_out),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

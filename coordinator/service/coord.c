@@ -65,6 +65,8 @@ typedef struct slot {
 /* A step out: sent to every stage of its replica, waiting for their answers. */
 typedef struct flight {
     uint64_t step;
+    double t_sent;
+    bool overdue;                /* its silent stages were ended (step_timeout_ms) */
     uint32_t answers;
     uint64_t answered;           /* bit s: stage s answered (at most 64 stages) */
     size_t n_work;
@@ -103,7 +105,8 @@ typedef struct creplica {
 /* The one migration in progress: a request's sequence moving from replica `from` to `to`, every
  * stage i of `from` sending its blocks to stage i of `to`. Both replicas plan no step meanwhile. */
 typedef struct migration {
-    bool active, sent;
+    bool active, sent, overdue;
+    double t_sent;
     uint64_t seq;
     uint32_t from, to;
     uint32_t answers;            /* MigrateDone received, of 2 * stages */
@@ -653,6 +656,12 @@ static int worker_failure_status(uint32_t worker_status)
  * step or migration it owes may never come, which would stall its replica for good. Its stream
  * is ended; on_gone then tears the replica down as for a lost worker (its requests end with
  * UNAVAILABLE and this reason) and the workers that join next rebuild it. */
+static void end_worker(coord *c, uint32_t r, uint32_t s, const char *msg)
+{
+    logf_(c, "replica %u stage %u (worker %s): %s: ending its stream", r, s, c->reps[r].stages[s].name, msg);
+    ctl_peer_close(c->reps[r].stages[s].peer, 13 /* GRPC_STATUS_INTERNAL */, msg);
+}
+
 static void out_of_step(coord *c, uint32_t r, uint32_t s, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
 static void out_of_step(coord *c, uint32_t r, uint32_t s, const char *fmt, ...)
 {
@@ -663,8 +672,7 @@ static void out_of_step(coord *c, uint32_t r, uint32_t s, const char *fmt, ...)
     va_end(ap);
     char msg[512];
     snprintf(msg, sizeof msg, "worker out of step with the coordinator: %s", why);
-    logf_(c, "replica %u stage %u (worker %s): %s: ending its stream", r, s, c->reps[r].stages[s].name, msg);
-    ctl_peer_close(c->reps[r].stages[s].peer, 13 /* GRPC_STATUS_INTERNAL */, msg);
+    end_worker(c, r, s, msg);
 }
 
 static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal__V1__StepResult *res)
@@ -833,6 +841,8 @@ static void on_gone(void *ctx, ctl_peer *peer, int grpc_status, const char *why)
 }
 
 /* ---- steps ---- */
+
+static struct timespec realtime_after_ms(int ms);
 
 static bool is_stop_id(const Strata__V1__SamplingParams *sp, uint32_t tok)
 {
@@ -1071,6 +1081,8 @@ static bool start_step(coord *c, uint32_t r)
     m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_STEP_PLAN;
     m.step_plan = &sp;
     f->step = plan.step;
+    f->t_sent = now_s();
+    f->overdue = false;
     rp->last_step = plan.step;
     f->n_work = plan.n_work;
     f->answers = 0;
@@ -1119,6 +1131,8 @@ static void migration_kick(coord *c)
     for (uint32_t s = 0; s < c->cfg.stages; s++)
         send_migrate(c, mg->from, s, mg->to, true);
     mg->sent = true;
+    mg->t_sent = now_s();
+    mg->overdue = false;
 }
 
 static void migration_start(coord *c, uint64_t seq, uint32_t from, uint32_t to)
@@ -1294,6 +1308,42 @@ static void drain_progress(coord *c)
     }
 }
 
+/* step_timeout_ms: the workers that owe an answer to a step or a migration sent longer ago are
+ * ended (each once); on_gone then tears their replicas down as for lost workers. Keepalive does
+ * not notice a worker whose process is alive but stuck (a hung device, a deadlock). */
+static void end_overdue(coord *c)
+{
+    const double limit = c->cfg.step_timeout_ms / 1e3, now = now_s();
+    char msg[512];
+    for (uint32_t r = 0; r < c->cfg.replicas; r++) {
+        creplica *rp = &c->reps[r];
+        for (uint32_t k = 0; !rp->tearing_down && k < rp->n_flights; k++) {
+            flight *f = &rp->flights[k];
+            if (f->overdue || now - f->t_sent < limit)
+                continue;
+            f->overdue = true;
+            for (uint32_t s = 0; s < c->cfg.stages; s++)
+                if (!(f->answered >> s & 1) && rp->stages[s].peer) {
+                    snprintf(msg, sizeof msg, "no answer to step %" PRIu64 " in %.3g s (a hung worker, or a step "
+                             "longer than the step timeout)", f->step, limit);
+                    end_worker(c, r, s, msg);
+                }
+        }
+    }
+    migration *mg = &c->mig;
+    if (mg->active && mg->sent && !mg->overdue && now - mg->t_sent >= limit) {
+        mg->overdue = true;
+        const uint32_t both[2] = {mg->from, mg->to};
+        for (int i = 0; i < 2; i++)
+            for (uint32_t s = 0; s < c->cfg.stages; s++)
+                if (c->reps[both[i]].stages[s].migrates_pending && c->reps[both[i]].stages[s].peer) {
+                    snprintf(msg, sizeof msg, "no answer to the migration of sequence %" PRIu64 " in %.3g s", mg->seq,
+                             limit);
+                    end_worker(c, both[i], s, msg);
+                }
+    }
+}
+
 static void *step_thread(void *arg)
 {
     coord *c = arg;
@@ -1306,8 +1356,17 @@ static void *step_thread(void *arg)
             if (c->reps[r].serving && c->reps[r].n_flights < max_flights(c, r) &&
                 !(c->mig.active && (r == c->mig.from || r == c->mig.to)))
                 started |= start_step(c, r);
-        if (!started)
+        if (c->cfg.step_timeout_ms)
+            end_overdue(c);
+        if (started)
+            continue;
+        if (!c->cfg.step_timeout_ms) {
             pthread_cond_wait(&c->wake, &c->mu);
+        } else {   /* looks again at least 4 times per timeout, at most once per 10 ms */
+            uint32_t tick = c->cfg.step_timeout_ms / 4;
+            const struct timespec until = realtime_after_ms(tick < 10 ? 10 : tick > 1000 ? 1000 : (int)tick);
+            (void)pthread_cond_timedwait(&c->wake, &c->mu, &until);
+        }
     }
     pthread_mutex_unlock(&c->mu);
     return NULL;

@@ -40,6 +40,8 @@ typedef struct coord_config {
     uint64_t host_kv_bytes;      /* 0: no host tier */
     uint64_t nvme_kv_bytes;      /* 0: no NVMe tier (needs a host tier) */
     uint64_t prefix_cache_bytes; /* per replica, over its workers' host memory; 0: no prefix caching */
+    uint32_t step_timeout_ms;    /* a worker that has not answered a step or a migration this long is
+                                  * ended as lost (a hung device); 0: wait for ever */
     metrics_registry *metrics;   /* optional: the coordinator registers its series here */
     bool quiet;                  /* only errors on stderr */
 } coord_config;

@@ -41,7 +41,7 @@ typedef struct serve_opts {
     long replicas, stages, block_tokens, ctx, max_seqs, max_batch_tokens, steps_in_flight;
     double device_mib, host_mib, nvme_mib;   /* fractions allowed, as for strata generate */
     double prefix_mib;                       /* per replica; 0: no prefix caching */
-    long drain_s, ready_timeout_s, threads;
+    long drain_s, ready_timeout_s, step_timeout_s, threads;
     bool quiet;
     bool stages_set;   /* --stages given (a flag or the config) */
 } serve_opts;
@@ -50,7 +50,7 @@ typedef struct serve_opts {
 enum {
     O_CONFIG = 256, O_MODEL, O_LISTEN, O_CONTROL, O_METRICS, O_SECRET, O_REPLICAS, O_STAGES, O_KV, O_KV_CODECS, O_BLOCK, O_CTX,
     O_MAX_SEQS, O_MAX_BATCH, O_DEVICE, O_HOST, O_NVME, O_NVME_DIR, O_TLS_CERT, O_TLS_KEY, O_TOKEN, O_DRAIN,
-    O_READY, O_WORKER_BIN, O_THREADS, O_IN_FLIGHT, O_PREFIX, O_STAGE_LAYERS,
+    O_READY, O_WORKER_BIN, O_THREADS, O_IN_FLIGHT, O_PREFIX, O_STAGE_LAYERS, O_STEP_TIMEOUT,
 };
 
 static void usage(FILE *out, const char *prog, bool local)
@@ -121,6 +121,11 @@ static void usage(FILE *out, const char *prog, bool local)
             "  --token-file FILE       bearer token every API call must carry (authorization: Bearer ...)\n"
             "  --drain-seconds N       on SIGTERM, let running requests finish for up to N s (default 30)\n"
             "  --ready-timeout N       %s (default %s)\n"
+            "  --step-timeout N        a worker that has not answered a step or a migration in N s is\n"
+            "                          ended as lost (a hung device: its process alive, so keepalive\n"
+            "                          cannot tell); its replica's requests end with UNAVAILABLE and the\n"
+            "                          replica is rebuilt (default 600; 0: wait for ever; raise it for\n"
+            "                          big models on CPU workers, whose prompt steps take minutes)\n"
             "  -q, --quiet             only errors on stderr\n"
             "  -h, --help              this help\n",
             local ? "give up when the workers are not ready after N s (or a worker exited twice before)" : "report progress while waiting for workers every N s",
@@ -143,6 +148,7 @@ static const struct option long_opts[] = {
     {"ready-timeout", required_argument, NULL, O_READY}, {"worker-bin", required_argument, NULL, O_WORKER_BIN},
     {"threads", required_argument, NULL, O_THREADS},     {"quiet", no_argument, NULL, 'q'},
     {"prefix-cache-mib", required_argument, NULL, O_PREFIX}, {"stage-layers", required_argument, NULL, O_STAGE_LAYERS},
+    {"step-timeout", required_argument, NULL, O_STEP_TIMEOUT},
     {"help", no_argument, NULL, 'h'},                    {NULL, 0, NULL, 0},
 };
 
@@ -185,6 +191,7 @@ static bool apply(const char *prog, serve_opts *o, int id, const char *flag, con
     case O_PREFIX: return strata_parse_double(prog, flag, v, 0, STRATA_KV_MIB_MAX, &o->prefix_mib);
     case O_DRAIN: return strata_parse_long(prog, flag, v, 0, 3600, &o->drain_s);
     case O_READY: return strata_parse_long(prog, flag, v, 1, 86400, &o->ready_timeout_s);
+    case O_STEP_TIMEOUT: return strata_parse_long(prog, flag, v, 0, 86400, &o->step_timeout_s);
     default: break;
     }
     if (local) {
@@ -291,7 +298,7 @@ static bool load_config(const char *prog, const char *path, serve_opts *o, bool 
 static int parse(int argc, char **argv, const char *prog, bool local, serve_opts *o, json_t **config)
 {
     *o = (serve_opts){.replicas = 1, .stages = local ? 2 : 1, .block_tokens = 64, .max_seqs = 32,
-                      .max_batch_tokens = 2048, .device_mib = 256, .drain_s = 30,
+                      .max_batch_tokens = 2048, .device_mib = 256, .drain_s = 30, .step_timeout_s = 600,
                       .ready_timeout_s = local ? 300 : 30, .kv = "kivi4"};
     o->model = getenv("STRATA_MODEL") && *getenv("STRATA_MODEL") ? getenv("STRATA_MODEL") : STRATA_DEFAULT_MODEL;
     *config = NULL;
@@ -869,7 +876,7 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
                        .max_seqs = (uint32_t)o.max_seqs, .max_batch_tokens = (uint32_t)o.max_batch_tokens,
                        .steps_in_flight = (uint32_t)o.steps_in_flight, .device_kv_bytes = strata_mib_bytes(o.device_mib), .host_kv_bytes = strata_mib_bytes(o.host_mib),
                        .nvme_kv_bytes = strata_mib_bytes(o.nvme_mib), .prefix_cache_bytes = strata_mib_bytes(o.prefix_mib),
-                       .metrics = reg, .quiet = o.quiet};
+                       .step_timeout_ms = (uint32_t)(o.step_timeout_s * 1000), .metrics = reg, .quiet = o.quiet};
     if (!(co = coord_create(&cc, &err))) {
         fprintf(stderr, "%s: %s\n", prog, err.msg);
         exit_code = err.code == STRATA_EINVAL ? EXIT_USAGE : EXIT_RUNTIME;

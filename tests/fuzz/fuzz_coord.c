@@ -13,11 +13,12 @@
  * after it, api_stream_finish only after a cancel); the input then calls the handler and
  * backend callbacks as the two servers would.
  *
- * Input: the first byte picks the configuration (host tier, prefix cache, steps in flight);
+ * Input: the first byte picks the configuration (host tier, prefix cache, steps in flight, a
+ * step timeout of 300 ms, with which a worker may also never answer a step or a migration);
  * then operations, one byte each and their arguments (see the OP_ names): a worker joins, one
  * handles its oldest message correctly or wrongly (a step answered with a failure, a token
- * outside the vocabulary, a sequence left out or unknown, the wrong step, twice; a migration
- * answered wrongly or twice), sends a KvReport of any numbers or a raw WorkerMessage decoded
+ * outside the vocabulary, a sequence left out or unknown, the wrong step, twice, never; a
+ * migration answered wrongly, twice or never), sends a KvReport of any numbers or a raw WorkerMessage decoded
  * from the input, or is lost; a client submits a request (valid or not), cancels, aborts; an
  * operator drains a worker or asks for stats; the step thread gets a moment to run. The step
  * thread makes runs slightly timing dependent; every check holds for any timing.
@@ -422,10 +423,12 @@ static void send_report(run *R, ctl_peer *p, const uint8_t v[6])
 }
 
 /* Faults of a step answer (OP_MISHANDLE's fault byte). */
-enum { F_FAIL_ONE, F_BAD_TOKEN, F_LEAVE_OUT, F_UNKNOWN_SEQ, F_WRONG_STEP, F_TWICE, F_FAIL_ALL, F_EMPTY, N_FAULTS };
+enum { F_FAIL_ONE, F_BAD_TOKEN, F_LEAVE_OUT, F_UNKNOWN_SEQ, F_WRONG_STEP, F_TWICE, F_FAIL_ALL, F_EMPTY, F_SILENT, N_FAULTS };
 
 static void answer_step(run *R, ctl_peer *p, const Strata__Internal__V1__StepPlan *plan, int fault, uint8_t arg)
 {
+    if (fault == F_SILENT && R->cfg.step_timeout_ms)
+        return;   /* never answered, as a hung worker: the step timeout must end it */
     const size_t n = plan->n_seqs;
     Strata__Internal__V1__SeqResult *rs = calloc(n + 1, sizeof *rs);
     Strata__Internal__V1__SeqResult **rp = calloc(n + 1, sizeof *rp);
@@ -474,6 +477,8 @@ static void answer_step(run *R, ctl_peer *p, const Strata__Internal__V1__StepPla
 
 static void answer_migrate(run *R, ctl_peer *p, const Strata__Internal__V1__Migrate *mg, int fault, uint8_t arg)
 {
+    if (fault == 4 && R->cfg.step_timeout_ms)
+        return;
     Strata__Internal__V1__MigrateDone d = STRATA__INTERNAL__V1__MIGRATE_DONE__INIT;
     d.seq_id = fault == 2 ? mg->seq_id + 1 : mg->seq_id;
     d.status = fault == 1 ? STRATA_EIO : 0;
@@ -512,7 +517,7 @@ static bool handle(run *R, ctl_peer *p, int fault, uint8_t arg)
         break;
     case STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_MIGRATE:
         say("  %s: migrate %" PRIu64 "%s", p->name, m->migrate->seq_id, fault >= 0 ? " answered wrongly" : "");
-        answer_migrate(R, p, m->migrate, fault < 0 ? 0 : fault % 4, arg);
+        answer_migrate(R, p, m->migrate, fault < 0 ? 0 : fault % 5, arg);
         break;
     case STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_SHUTDOWN:
         say("  %s: shutdown", p->name);
@@ -803,6 +808,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     R.cfg.device_kv_bytes = (conf & 2 ? 48u : 160u) << 10;   /* a few blocks, or room for all */
     R.cfg.host_kv_bytes = conf & 4 ? 1u << 20 : 0;
     R.cfg.prefix_cache_bytes = conf & 8 && R.cfg.host_kv_bytes ? 256u << 10 : 0;
+    R.cfg.step_timeout_ms = conf & 16 ? 300 : 0;   /* with it, workers may also never answer */
     R.cfg.quiet = !H.verbose;
     strata_error err = {0};
     if (!(R.c = coord_create(&R.cfg, &err))) {

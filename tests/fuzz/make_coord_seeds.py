@@ -3,7 +3,7 @@
 operations in the target's byte format (the OP_ names there) for a coordinator's life: workers
 join and become ready, requests run to the end, with and without a host tier and prefix caching;
 then the same with workers that answer wrongly (failed sequences, tokens outside the vocabulary,
-sequences left out, unknown ids, the wrong step, twice), workers lost mid-step, drains with
+sequences left out, unknown ids, the wrong step, twice, never), workers lost mid-step, drains with
 migrations answered wrongly, cancels and aborts, and raw WorkerMessages (protobuf encoded here
 by hand, independent of protobuf-c).
 usage: make_coord_seeds.py"""
@@ -12,11 +12,11 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parent / "corpus" / "fuzz_coord"
 
 (JOIN, HANDLE, MISHANDLE, REPORT, GENERATE, CANCEL, ABORT, GONE, DRAIN, STATS, RAW, WAIT) = range(12)
-(F_FAIL_ONE, F_BAD_TOKEN, F_LEAVE_OUT, F_UNKNOWN_SEQ, F_WRONG_STEP, F_TWICE, F_FAIL_ALL, F_EMPTY) = range(8)
+(F_FAIL_ONE, F_BAD_TOKEN, F_LEAVE_OUT, F_UNKNOWN_SEQ, F_WRONG_STEP, F_TWICE, F_FAIL_ALL, F_EMPTY, F_SILENT) = range(9)
 
 # The first byte: bit 0 one step in flight, bit 1 a small device budget, bit 2 a host tier, bit 3
-# prefix caching (with a host tier).
-ONE_FLIGHT, SMALL, HOST, PREFIX = 1, 2, 4, 8
+# prefix caching (with a host tier), bit 4 a step timeout of 300 ms (workers may then go silent).
+ONE_FLIGHT, SMALL, HOST, PREFIX, TIMEOUT = 1, 2, 4, 8, 16
 
 
 def varint(v):
@@ -109,6 +109,12 @@ def seeds():
         for stage in (1, 3, 0):   # the last stage of each replica, then a first stage
             p.op(MISHANDLE, stage, fault, 1).op(HANDLE, stage ^ 1).op(WAIT, 3)
         yield "fault_" + name, p.serve(8)
+    p = Program(TIMEOUT).cluster().generate(6, 5).generate(9, 5).op(WAIT, 3).op(MISHANDLE, 1, F_SILENT, 0)
+    yield "fault_silent", p.op(HANDLE, 0).op(HANDLE, 2).op(HANDLE, 3).serve(8)
+    p = Program(TIMEOUT).cluster().generate(6, 12).generate(6, 12).serve(3).op(DRAIN, 0).op(WAIT, 3)
+    for peer in range(4):
+        p.op(MISHANDLE, peer, 4, 0)   # no MigrateDone at all
+    yield "drain_migration_silent", p.serve(10)
     yield "lost_mid_step", Program(0).cluster().generate(6, 8).generate(7, 8).serve(2).op(GONE, 1).serve(10)
     yield "lost_twice", (Program(SMALL | HOST).cluster().generate(20, 8).serve(1).op(GONE, 0).op(GONE, 2)
                          .op(JOIN, 0).op(JOIN, 0).serve(6))
