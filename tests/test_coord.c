@@ -506,6 +506,14 @@ static int fake_int(fake *f, const int *field)
     return v;
 }
 
+static bool fake_bool(fake *f, const bool *field)
+{
+    pthread_mutex_lock(&f->mu);
+    bool v = *field;
+    pthread_mutex_unlock(&f->mu);
+    return v;
+}
+
 static bool fake_flag(fake *f, const bool *field)
 {
     pthread_mutex_lock(&f->mu);
@@ -674,14 +682,6 @@ static void test_half_moved_fails(void **state)
     fixture_stop(&fx);
 }
 
-static bool fake_ended(fake *f)
-{
-    pthread_mutex_lock(&f->mu);
-    bool e = f->ended;
-    pthread_mutex_unlock(&f->mu);
-    return e;
-}
-
 /* The receiver answers the move under another sequence id: it is out of step (the answer it owes
  * would never come, and both replicas plan no step during a move), so its stream is ended; the
  * request, whose blocks are on both replicas now, ends with UNAVAILABLE saying why, and the
@@ -703,7 +703,7 @@ static void test_migration_out_of_step(void **state)
     assert_int_equal(a.error, GRPC_STATUS_UNAVAILABLE);
     if (!strstr(a.error_message, "out of step") || !strstr(a.error_message, "as sequence"))
         fail_msg("the request's error does not say the worker was out of step: '%s'", a.error_message);
-    WAIT_FOR(fake_ended(y), 5000);
+    WAIT_FOR(fake_bool(y, &y->ended), 5000);
     fixture_stop(&fx);
 }
 
@@ -903,12 +903,18 @@ static void test_worker_failure_status(void **state)
     fixture_stop(&fx);
 }
 
-static bool fake_connected(fake *f)
+/* Worker w was ended by the coordinator: a new worker `name` joins, the replica serves again and
+ * a request completes there. */
+static void replacement_serves(fixture *fx, fake *w, const char *name)
 {
-    pthread_mutex_lock(&f->mu);
-    bool c = f->connected;
-    pthread_mutex_unlock(&f->mu);
-    return c;
+    WAIT_FOR(fake_bool(w, &w->ended), 5000);
+    fake_start(fx, name, MIG_OK);
+    wait_ready(fx);
+    gen_job a;
+    gen_start(&a, fx->ch, 8);
+    WAIT_FOR(gen_done(&a), 10000);
+    gen_join(&a);
+    assert_complete(&a);
 }
 
 /* A worker that misbehaves does not make the coordinator misbehave: a sampled token outside the
@@ -954,19 +960,13 @@ static void test_worker_bad_answers(void **state)
     if (a.status != GRPC_STATUS_UNAVAILABLE || !strstr(a.details, "out of step") || !strstr(a.details, "which was never "
                                                                                                        "sent"))
         fail_msg("a worker answering a step never sent: status %d (%s), %d tokens", a.status, a.details, a.tokens);
-    WAIT_FOR(fake_ended(w), 5000);
-    fake_start(&fx, "w1", MIG_OK);
-    wait_ready(&fx);
-    gen_start(&a, fx.ch, 8);
-    WAIT_FOR(gen_done(&a), 10000);
-    gen_join(&a);
-    assert_complete(&a);
+    replacement_serves(&fx, w, "w1");
     fixture_stop(&fx);
 
     /* Two stages; the first to join (stage 0) answers fast and twice, the last stage slowly. */
     fixture_start_limits(&fx, 1, 64, 0, (fixture_limits){.stages = 2});
     fake *front = fake_start(&fx, "front", MIG_OK);
-    WAIT_FOR(fake_connected(front), 5000);
+    WAIT_FOR(fake_bool(front, &front->connected), 5000);
     sleep_ms(200);   /* its Join is handled before the second worker's */
     fake *back = fake_start(&fx, "back", MIG_OK);
     pthread_mutex_lock(&front->mu);
@@ -1002,13 +1002,7 @@ static void test_silent_worker_times_out(void **state)
     gen_join(&a);
     if (a.status != GRPC_STATUS_UNAVAILABLE || !strstr(a.details, "no answer to step"))
         fail_msg("a silent worker: status %d (%s), %d tokens", a.status, a.details, a.tokens);
-    WAIT_FOR(fake_ended(w), 5000);
-    fake_start(&fx, "w1", MIG_OK);
-    wait_ready(&fx);
-    gen_start(&a, fx.ch, 8);
-    WAIT_FOR(gen_done(&a), 10000);
-    gen_join(&a);
-    assert_complete(&a);
+    replacement_serves(&fx, w, "w1");
     fixture_stop(&fx);
 }
 

@@ -24,7 +24,6 @@
  * thread makes runs slightly timing dependent; every check holds for any timing.
  * FUZZ_COORD_VERBOSE=1 prints the operations and the coordinator's log.
  * Seeds: tests/fuzz/corpus/fuzz_coord (made by tests/fuzz/make_coord_seeds.py). */
-#include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -39,6 +38,7 @@
 #include "proto/strata.pb-c.h"
 #include "proto/strata_internal.pb-c.h"
 #include "proto/validate.h"
+#include "tests/fuzz/byte_reader.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -274,19 +274,6 @@ void api_stream_finish(api_stream *st)
 }
 
 /* ---- the run ---- */
-
-typedef struct reader {
-    const uint8_t *p;
-    size_t left;
-} reader;
-
-static uint8_t next_byte(reader *r)
-{
-    if (!r->left)
-        return 0;
-    r->left--;
-    return *r->p++;
-}
 
 typedef struct run {
     coord *c;

@@ -22,6 +22,7 @@
 #include "proto/strata_internal.pb-c.h"
 #include "worker/model.h"
 #include "worker/stage/stage.h"
+#include "tests/fuzz/byte_reader.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -30,19 +31,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 #define MAX_TOKENS 48
 #define MAX_IDS 64
 #define BLOCK_TOKENS 32
-
-typedef struct reader {
-    const uint8_t *p;
-    size_t left;
-} reader;
-
-static uint8_t next_byte(reader *r)
-{
-    if (!r->left)
-        return 0;
-    r->left--;
-    return *r->p++;
-}
 
 /* The ids a run touched and what the target believes each holds (tokens), so that the final
  * cleanup can free all of them. */
