@@ -537,6 +537,19 @@ static bool gen_done(gen_job *g)
     return d;
 }
 
+/* A request run to its end (at most 10 s). */
+static void gen_run_prompt(gen_job *g, grpc_channel *ch, uint32_t prompt_tokens, uint32_t max_tokens)
+{
+    gen_start_prompt(g, ch, prompt_tokens, max_tokens);
+    WAIT_FOR(gen_done(g), 10000);
+    gen_join(g);
+}
+
+static void gen_run(gen_job *g, grpc_channel *ch, uint32_t max_tokens)
+{
+    gen_run_prompt(g, ch, 0, max_tokens);
+}
+
 static uint32_t workers_ready(fixture *fx)
 {
     uint32_t ready, total;
@@ -841,9 +854,7 @@ static void test_unsendable_step_ends_request(void **state)
     fake *w = fake_start(&fx, "w0", MIG_OK);
     wait_ready(&fx);
     gen_job a;
-    gen_start_prompt(&a, fx.ch, 300, 8);   /* about 900 bytes of token ids in one step */
-    WAIT_FOR(gen_done(&a), 10000);
-    gen_join(&a);
+    gen_run_prompt(&a, fx.ch, 300, 8);   /* about 900 bytes of token ids in one step */
     if (a.status != GRPC_STATUS_UNAVAILABLE && a.error != GRPC_STATUS_UNAVAILABLE)
         fail_msg("request: status %d (%s), error %u (%s), %d tokens", a.status, a.details, a.error, a.error_message,
                  a.tokens);
@@ -881,9 +892,7 @@ static void test_worker_failure_status(void **state)
         w->fail_steps = cases[i].worker;
         pthread_mutex_unlock(&w->mu);
         gen_job a;
-        gen_start(&a, fx.ch, 8);
-        WAIT_FOR(gen_done(&a), 10000);
-        gen_join(&a);
+        gen_run(&a, fx.ch, 8);
         if (a.status != cases[i].client || a.tokens != 0)
             fail_msg("worker status %s: client status %d (%s), error %u (%s), %d tokens; expected status %d",
                      strata_status_name((int)cases[i].worker), a.status, a.details, a.error, a.error_message,
@@ -896,9 +905,7 @@ static void test_worker_failure_status(void **state)
     w->fail_steps = 0;
     pthread_mutex_unlock(&w->mu);
     gen_job ok;
-    gen_start(&ok, fx.ch, 8);
-    WAIT_FOR(gen_done(&ok), 10000);
-    gen_join(&ok);
+    gen_run(&ok, fx.ch, 8);
     assert_complete(&ok);
     fixture_stop(&fx);
 }
@@ -911,9 +918,7 @@ static void replacement_serves(fixture *fx, fake *w, const char *name)
     fake_start(fx, name, MIG_OK);
     wait_ready(fx);
     gen_job a;
-    gen_start(&a, fx->ch, 8);
-    WAIT_FOR(gen_done(&a), 10000);
-    gen_join(&a);
+    gen_run(&a, fx->ch, 8);
     assert_complete(&a);
 }
 
@@ -935,9 +940,7 @@ static void test_worker_bad_answers(void **state)
     w->bad_token = 1u << 30;
     pthread_mutex_unlock(&w->mu);
     gen_job a;
-    gen_start(&a, fx.ch, 8);
-    WAIT_FOR(gen_done(&a), 10000);
-    gen_join(&a);
+    gen_run(&a, fx.ch, 8);
     if (a.status != GRPC_STATUS_INTERNAL || a.tokens != 0 || !strstr(a.details, "token 1073741824, outside the model's "
                                                                                 "vocabulary of 49152"))
         fail_msg("a token outside the vocabulary: status %d (%s), %d tokens", a.status, a.details, a.tokens);
@@ -946,17 +949,13 @@ static void test_worker_bad_answers(void **state)
     pthread_mutex_lock(&w->mu);
     w->bad_token = 0;
     pthread_mutex_unlock(&w->mu);
-    gen_start(&a, fx.ch, 8);
-    WAIT_FOR(gen_done(&a), 10000);
-    gen_join(&a);
+    gen_run(&a, fx.ch, 8);
     assert_complete(&a);
 
     pthread_mutex_lock(&w->mu);
     w->step_offset = 1;
     pthread_mutex_unlock(&w->mu);
-    gen_start(&a, fx.ch, 8);
-    WAIT_FOR(gen_done(&a), 10000);
-    gen_join(&a);
+    gen_run(&a, fx.ch, 8);
     if (a.status != GRPC_STATUS_UNAVAILABLE || !strstr(a.details, "out of step") || !strstr(a.details, "which was never "
                                                                                                        "sent"))
         fail_msg("a worker answering a step never sent: status %d (%s), %d tokens", a.status, a.details, a.tokens);
@@ -997,9 +996,7 @@ static void test_silent_worker_times_out(void **state)
     w->silent = true;
     pthread_mutex_unlock(&w->mu);
     gen_job a;
-    gen_start(&a, fx.ch, 8);
-    WAIT_FOR(gen_done(&a), 10000);
-    gen_join(&a);
+    gen_run(&a, fx.ch, 8);
     if (a.status != GRPC_STATUS_UNAVAILABLE || !strstr(a.details, "no answer to step"))
         fail_msg("a silent worker: status %d (%s), %d tokens", a.status, a.details, a.tokens);
     replacement_serves(&fx, w, "w1");
@@ -1023,24 +1020,18 @@ static void test_failed_prefix_copy_starts_over(void **state)
     fake *w = fake_start(&fx, "w0", MIG_OK);
     wait_ready(&fx);
     gen_job a;
-    gen_start_prompt(&a, fx.ch, 40, 8);   /* 47 tokens fed: 2 blocks of 16 parked */
-    WAIT_FOR(gen_done(&a), 10000);
-    gen_join(&a);
+    gen_run_prompt(&a, fx.ch, 40, 8);   /* 47 tokens fed: 2 blocks of 16 parked */
     assert_complete(&a);
     assert_int_equal(a.cached, 0);
     WAIT_FOR(fake_int(w, &w->parks) == 1, 5000);
     /* The same prompt copies the entry; a working copy is a hit of 32 tokens. */
-    gen_start_prompt(&a, fx.ch, 40, 8);
-    WAIT_FOR(gen_done(&a), 10000);
-    gen_join(&a);
+    gen_run_prompt(&a, fx.ch, 40, 8);
     assert_complete(&a);
     assert_int_equal(a.cached, 32);
     assert_int_equal(fake_int(w, &w->prefix_copies), 1);
     /* Now the worker fails copies: the request still completes, from 0. */
     fake_set(w, &w->fail_prefix_copies);
-    gen_start_prompt(&a, fx.ch, 40, 8);
-    WAIT_FOR(gen_done(&a), 10000);
-    gen_join(&a);
+    gen_run_prompt(&a, fx.ch, 40, 8);
     assert_complete(&a);
     assert_int_equal(a.cached, 0);
     assert_int_equal(fake_int(w, &w->prefix_copies), 2);
