@@ -65,6 +65,11 @@ typedef struct fake {
     int preempts;
     int migrates_send, migrates_recv;
     int parks, prefix_copies;   /* PrefixPark entries and SeqWork.prefix_entry copies seen */
+    /* the last chunk of a recovered sequence's prompt (SeqWork.sampled_before > 0 on its first
+     * sampling work): where it ends, its sampled_before, and whether it holds the request's
+     * prompt and then the tokens sampled, each at its position */
+    int replay_tokens, replay_sampled_before;
+    bool replay_ok;
     bool shutdown, shutdown_drain;
     uint64_t seqs[64];
     int n_seqs;
@@ -107,8 +112,18 @@ static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__Step
     f->plans++;
     f->preempts += (int)p->n_preempt_seqs;
     f->parks += (int)p->n_park_prefixes;
-    for (size_t i = 0; i < p->n_seqs; i++)
-        f->prefix_copies += p->seqs[i]->prefix_entry != 0;
+    for (size_t i = 0; i < p->n_seqs; i++) {
+        const Strata__Internal__V1__SeqWork *w = p->seqs[i];
+        f->prefix_copies += w->prefix_entry != 0;
+        if (w->sampled_before > 0 && w->pos0 + w->n_tokens <= PROMPT_TOKENS + w->sampled_before) {   /* not a decode */
+            static const uint32_t prompt[PROMPT_TOKENS] = {504, 1115, 314, 253};   /* gen_main's */
+            f->replay_tokens = (int)(w->pos0 + w->n_tokens);
+            f->replay_sampled_before = (int)w->sampled_before;
+            f->replay_ok = w->pos0 + w->n_tokens == PROMPT_TOKENS + w->sampled_before;
+            for (size_t k = 0, pos = w->pos0; k < w->n_tokens; k++, pos++)
+                f->replay_ok &= w->tokens[k] == (pos < PROMPT_TOKENS ? prompt[pos] : FAKE_TOKEN);
+        }
+    }
     for (size_t i = 0; i < p->n_seqs; i++) {
         bool seen = false;
         for (int k = 0; k < f->n_seqs; k++)
@@ -429,6 +444,7 @@ typedef struct fixture_limits {
     uint64_t prefix_cache_bytes; /* default 0: no prefix caching */
     uint32_t stages;             /* default 1 */
     uint32_t step_timeout_ms;    /* default 0: none */
+    uint32_t max_recoveries;     /* default 0: a request whose KV is lost ends */
 } fixture_limits;
 
 /* host_blocks: block rows of a host tier (0: none). */
@@ -443,7 +459,8 @@ static void fixture_start_limits(fixture *fx, uint32_t replicas, size_t blocks_p
                        .block_tokens = BLOCK_TOKENS, .ctx = 512, .max_seqs = 4,
                        .max_batch_tokens = lim.max_batch_tokens ? lim.max_batch_tokens : 64,
                        .device_kv_bytes = fx->device_kv_bytes, .host_kv_bytes = fx->host_kv_bytes, .quiet = true,
-                       .prefix_cache_bytes = lim.prefix_cache_bytes, .step_timeout_ms = lim.step_timeout_ms};
+                       .prefix_cache_bytes = lim.prefix_cache_bytes, .step_timeout_ms = lim.step_timeout_ms,
+                       .max_recoveries = lim.max_recoveries};
     strata_error err = {0};
     if (!(fx->co = coord_create(&cc, &err)))
         fail_msg("coord_create: %s", err.msg);
@@ -1008,6 +1025,20 @@ static void keep_stats(void *user, ProtobufCMessage *m)
     *(Strata__V1__Stats **)user = (Strata__V1__Stats *)m;
 }
 
+/* GetStats through the public API (free with protobuf_c_message_free_unpacked). */
+static Strata__V1__Stats *get_stats(fixture *fx)
+{
+    Strata__V1__StatsRequest sr = STRATA__V1__STATS_REQUEST__INIT;
+    Strata__V1__Stats *st = NULL;
+    grpc_status_code status;
+    char details[256];
+    api_client_call(fx->ch, "/strata.v1.Strata/GetStats", &sr.base, 10000, &strata__v1__stats__descriptor, keep_stats,
+                    &st, &status, details, sizeof details);
+    assert_int_equal(status, GRPC_STATUS_OK);
+    assert_non_null(st);
+    return st;
+}
+
 /* A copy of a prefix entry that fails on a worker (the entry's park failed there, e.g. out of
  * host memory) is invisible to the client: the request starts over, prefilled whole, and
  * completes with every token and cached_tokens 0; the entry is gone, so the next request with
@@ -1035,17 +1066,109 @@ static void test_failed_prefix_copy_starts_over(void **state)
     assert_complete(&a);
     assert_int_equal(a.cached, 0);
     assert_int_equal(fake_int(w, &w->prefix_copies), 2);
-    Strata__V1__StatsRequest sr = STRATA__V1__STATS_REQUEST__INIT;
-    Strata__V1__Stats *st = NULL;
-    grpc_status_code status;
-    char details[256];
-    api_client_call(fx.ch, "/strata.v1.Strata/GetStats", &sr.base, 10000, &strata__v1__stats__descriptor, keep_stats,
-                    &st, &status, details, sizeof details);
-    assert_int_equal(status, GRPC_STATUS_OK);
-    assert_non_null(st);
+    Strata__V1__Stats *st = get_stats(&fx);
     assert_int_equal(st->prefix_cache_hits, 1);
     assert_int_equal(st->prefix_cache_hit_tokens, 32);
     assert_int_equal(st->prefix_cache_entries, 1);   /* the next turn's park; the failed one is gone */
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    fixture_stop(&fx);
+}
+
+static bool gen_unavailable(gen_job *g)
+{
+    return g->status == GRPC_STATUS_UNAVAILABLE || g->error == GRPC_STATUS_UNAVAILABLE;
+}
+
+/* A worker lost while its replica runs a request: the request goes on on the other replica from
+ * its tokens (one prompt chunk of its prompt and the tokens it streamed, the sampler told how
+ * many were sampled) and completes with every token, its client seeing no error; GetStats counts
+ * the recovery. With max_recoveries 1 it goes on once: lost again, on a replica that serves
+ * beside a rebuilt one, it ends with UNAVAILABLE. */
+static void test_lost_replica_recovers(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start_limits(&fx, 2, 64, 0, (fixture_limits){.max_recoveries = 1});
+    fake_start(&fx, "w0", MIG_OK);
+    fake_start(&fx, "w1", MIG_OK);
+    wait_ready(&fx);
+    gen_job a;
+    gen_start(&a, fx.ch, 60);
+    WAIT_FOR(gen_tokens(&a) >= 5, 10000);
+    fake *x = runner(&fx, 2), *y = x == &fx.fakes[0] ? &fx.fakes[1] : &fx.fakes[0];
+    assert_non_null(x);
+    fake_set(x, &x->kill);
+    WAIT_FOR(gen_done(&a), 20000);
+    gen_join(&a);
+    assert_complete(&a);
+    if (!fake_bool(y, &y->replay_ok))
+        fail_msg("the other replica's first chunk: %d tokens, sampled_before %d", fake_int(y, &y->replay_tokens),
+                 fake_int(y, &y->replay_sampled_before));
+    const int sampled = fake_int(y, &y->replay_sampled_before);
+    assert_true(sampled >= 5 && sampled < 60);
+    Strata__V1__Stats *st = get_stats(&fx);
+    assert_int_equal(st->requests_recovered, 1);
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+
+    /* A second request runs on y (the only replica serving) while x's replacement joins; then y
+     * is lost: the request goes on on the replacement. */
+    pthread_mutex_lock(&y->mu);
+    y->step_ms = 40;
+    pthread_mutex_unlock(&y->mu);
+    gen_job b;
+    gen_start(&b, fx.ch, 100);
+    WAIT_FOR(gen_tokens(&b) >= 3, 10000);
+    WAIT_FOR(fake_bool(x, &x->ended), 5000);
+    fake *x2 = fake_start(&fx, "w0-again", MIG_OK);
+    wait_ready(&fx);
+    assert_false(gen_done(&b));
+    fake_set(y, &y->kill);
+    WAIT_FOR(fake_int(x2, &x2->replay_sampled_before) >= 3, 10000);
+    /* b now runs on x2 after its one recovery; x2 is lost too, with y's replacement serving */
+    pthread_mutex_lock(&x2->mu);
+    x2->step_ms = 40;
+    pthread_mutex_unlock(&x2->mu);
+    WAIT_FOR(fake_bool(y, &y->ended), 5000);
+    fake_start(&fx, "w1-again", MIG_OK);
+    wait_ready(&fx);
+    assert_false(gen_done(&b));
+    fake_set(x2, &x2->kill);
+    WAIT_FOR(gen_done(&b), 10000);
+    gen_join(&b);
+    if (!gen_unavailable(&b) || b.tokens >= 100)
+        fail_msg("lost twice: status %d (%s), error %u (%s), %d tokens", b.status, b.details, b.error, b.error_message,
+                 b.tokens);
+    st = get_stats(&fx);
+    assert_int_equal(st->requests_recovered, 2);
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    fixture_stop(&fx);
+}
+
+/* test_failed_spill_ends_request with one recovery allowed: the request whose spill failed goes
+ * on from its tokens (its KV recomputed on the same replica) and both complete. */
+static void test_failed_spill_recovers(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start_limits(&fx, 1, 8, 256, (fixture_limits){.max_recoveries = 1});
+    fake *w = fake_start(&fx, "w0", MIG_OK);
+    wait_ready(&fx);
+    fake_set(w, &w->fail_preempt);
+    gen_job a, b;
+    gen_start(&a, fx.ch, 100);
+    gen_start(&b, fx.ch, 100);
+    WAIT_FOR(fake_int(w, &w->preempts) >= 1, 30000);
+    pthread_mutex_lock(&w->mu);
+    w->fail_preempt = false;   /* the recovered one may be preempted again: that spill works */
+    pthread_mutex_unlock(&w->mu);
+    WAIT_FOR(gen_done(&a) && gen_done(&b), 30000);
+    gen_join(&a);
+    gen_join(&b);
+    assert_complete(&a);
+    assert_complete(&b);
+    assert_true(fake_bool(w, &w->replay_ok) && fake_int(w, &w->replay_sampled_before) > 0);
+    Strata__V1__Stats *st = get_stats(&fx);
+    assert_int_equal(st->requests_recovered, 1);
     protobuf_c_message_free_unpacked(&st->base, NULL);
     fixture_stop(&fx);
 }
@@ -1066,6 +1189,8 @@ int main(void)
         cmocka_unit_test(test_worker_failure_status),
         cmocka_unit_test(test_worker_bad_answers),
         cmocka_unit_test(test_silent_worker_times_out),
+        cmocka_unit_test(test_lost_replica_recovers),
+        cmocka_unit_test(test_failed_spill_recovers),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

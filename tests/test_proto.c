@@ -379,6 +379,7 @@ static void test_roundtrip_public(void **state)
     st.prefix_cache_bytes = (uint64_t)3 << 30;
     st.prefix_cache_hits = 9;
     st.prefix_cache_hit_tokens = 1u << 21;
+    st.requests_recovered = 3;
     check_roundtrip(&st.base);
 }
 
@@ -423,6 +424,7 @@ static void fill_step_plan(Strata__Internal__V1__StepPlan *p, Strata__Internal__
     w0->sample = 1;
     w0->kv_plan = "kivi2";
     w0->prefix_entry = 3;
+    w0->sampled_before = 17;
     w1->seq_id = 8;
     w1->n_tokens = 1;
     w1->tokens = plan_tokens1;

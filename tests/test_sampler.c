@@ -163,6 +163,33 @@ static void test_pick_is_sample_with_draw(void **state)
     free(scratch);
 }
 
+/* A sampler skipped past n sampled tokens picks what one that sampled them picks next; greedy
+ * parameters take no draw, so skipping changes nothing for them. */
+static void test_skip_sampled(void **state)
+{
+    (void)state;
+    sampler_params ps[] = {{0.9f, 0, 1.0f, 11}, {0.6f, 8, 0.95f, 12}, {0.0f, 0, 1.0f, 13}};
+    for (size_t k = 0; k < sizeof ps / sizeof ps[0]; k++) {
+        for (uint64_t n = 0; n < 40; n += 13) {
+            strata_error err = {0};
+            sampler *ran = sampler_create(&ps[k], V, &err), *skipped = sampler_create(&ps[k], V, &err);
+            assert_non_null(ran);
+            assert_non_null(skipped);
+            for (uint64_t i = 0; i < n; i++)
+                (void)sampler_sample(ran, logits);
+            sampler_skip_sampled(skipped, n);
+            for (int i = 0; i < 20; i++)
+                assert_int_equal(sampler_sample(skipped, logits), sampler_sample(ran, logits));
+            uint8_t a[SAMPLER_STATE_BYTES], b[SAMPLER_STATE_BYTES];
+            sampler_save(ran, a);
+            sampler_save(skipped, b);
+            assert_memory_equal(a, b, sizeof a);
+            sampler_free(ran);
+            sampler_free(skipped);
+        }
+    }
+}
+
 static void test_rejects_bad_params(void **state)
 {
     (void)state;
@@ -187,6 +214,7 @@ int main(void)
         cmocka_unit_test(test_same_seed_same_tokens),
         cmocka_unit_test(test_distributions),
         cmocka_unit_test(test_pick_is_sample_with_draw),
+        cmocka_unit_test(test_skip_sampled),
         cmocka_unit_test(test_rejects_bad_params),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

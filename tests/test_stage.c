@@ -447,6 +447,16 @@ static void test_plan_lists_sequence_twice(void **state)
     assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
     apply(&r, seqs, 2, &b);
     assert_int_equal(seqs[0].got[1], seqs[0].want[1]);
+    /* A work item claiming more sampled tokens than the sequence has fed is refused (the
+     * sampler would skip that many draws: a bound on the work a plan can ask for). */
+    build_plan(&b, 4, seqs, 2, 4, STEPS);
+    assert_int_equal(b.plan.n_seqs, 1);
+    b.work[0].sampled_before = (uint64_t)1 << 60;
+    assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
+    assert_int_equal(r.n_seqs, 1);
+    assert_int_equal(r.seqs[0].status, STRATA_EINVAL);
+    if (!strstr(r.seqs[0].message, "sampled before"))
+        fail_msg("%s", r.seqs[0].message);
     stage_destroy(st);
 }
 

@@ -113,6 +113,14 @@ int sampler_params_greedy(const sampler_params *p) { return p->temperature == 0.
 
 double sampler_next_draw(sampler *s) { return next_unit(s->rng); }
 
+void sampler_skip_sampled(sampler *s, uint64_t n)
+{
+    if (sampler_params_greedy(&s->params))
+        return;
+    for (uint64_t i = 0; i < n; i++)
+        (void)next_u64(s->rng);
+}
+
 int32_t sampler_sample(sampler *s, const float *logits)
 {
     if (sampler_params_greedy(&s->params))

@@ -37,6 +37,12 @@ int sampler_params_greedy(const sampler_params *p);
  * sampler_save/restore cover it. */
 double sampler_next_draw(sampler *s);
 
+/* Takes n draws and drops them, as n tokens sampled with non-greedy parameters would have
+ * (greedy parameters take none: nothing is skipped). A sequence whose KV was rebuilt from its
+ * tokens (the coordinator's recovery) gets a fresh sampler skipped past the tokens it already
+ * sampled, so that it samples the tokens it would have. */
+void sampler_skip_sampled(sampler *s, uint64_t n);
+
 /* The pick itself, a pure function: the n logits sorted by value (descending; ties: lower id
  * first), the first top_k kept (0: all), weights expf((logit - max) / temperature), the smallest
  * prefix whose normalised cumulative weight reaches top_p kept, then the first token whose

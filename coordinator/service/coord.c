@@ -36,6 +36,13 @@ typedef struct creq {
     int32_t *prompt;
     size_t n_prompt;
     size_t n_generated;
+    /* Recovery: the tokens its sequence prefills (the prompt; after its KV was lost, the prompt
+     * and the tokens sampled before, which the sequence then recomputes), how many of those were
+     * sampled (the worker's sampler skips them), and how often it was recovered. */
+    size_t n_input;
+    size_t sampled_before;
+    uint32_t recoveries;
+    bool recovering;             /* lose_replica: its old sequence is finished, a new one follows */
     uint32_t last_token;
     text_stream ts;
     double t_accept, t_last;
@@ -46,7 +53,7 @@ typedef struct creq {
     uint64_t prefix_entry;
     bool pinned, started;
     size_t cached;
-    int32_t *generated;          /* the sampled ids, for the entry it may leave when it finishes */
+    int32_t *generated;          /* the sampled ids: a recovery's input, the entry it may leave */
     size_t cap_generated;
 } creq;
 
@@ -129,7 +136,7 @@ typedef struct drain_state {
 typedef struct coord_metrics {
     metrics_counter *requests, *tokens, *spills, *restores, *crc, *spill_failures, *restore_failures;
     metrics_counter *finished[5];   /* stop, length, abort, error, cancelled */
-    metrics_counter *prefix_hits, *prefix_hit_tokens;
+    metrics_counter *prefix_hits, *prefix_hit_tokens, *recovered;
     metrics_gauge *prefix_entries, *prefix_bytes;
     metrics_histogram *ttft, *itl;
     metrics_gauge *queue, *running, *workers_ready;
@@ -181,6 +188,7 @@ struct coord {
     uint64_t *prefix_row_bytes;
     bool *prefix_usable;         /* lookup scratch, one per replica */
     uint64_t prefix_hits, prefix_hit_tokens;
+    uint64_t recovered_total;    /* recoveries of requests whose KV was lost */
 };
 
 static double now_s(void)
@@ -641,6 +649,89 @@ static void worker_message(const coord *c, uint32_t r, uint32_t s, const Strata_
              sr->message && *sr->message ? sr->message : fallback);
 }
 
+/* ---- recovery ---- */
+
+/* q goes back to the scheduler under a new sequence id, its prompt and every token it sampled
+ * so far to be prefilled (no prefix entry), to sample the rest of its tokens; the caller has
+ * finished (or finishes) its old id, so that the workers free what they made of it. The stream
+ * and what it sent stay. False, with the reason in err, when the scheduler refuses it. */
+static bool resubmit(coord *c, creq *q, strata_error *err)
+{
+    if (q->n_generated && !q->generated)
+        return strata_fail(err, STRATA_ENOMEM, "out of memory for its sampled tokens"), false;
+    const uint64_t old = q->id;
+    if (q->pinned) {
+        prefix_index_unpin(c->prefixes, q->prefix_entry);
+        q->pinned = false;
+    }
+    q->id = ++c->next_seq_id;
+    q->started = false;
+    q->cached = 0;
+    q->prefix_entry = 0;
+    q->n_input = q->n_prompt + q->n_generated;
+    q->sampled_before = q->n_generated;
+    if (sched_submit(c->sched, q->id, q->n_input, q->req->sampling->max_tokens - q->n_generated, NULL, err) !=
+        STRATA_OK) {
+        q->id = old;
+        return false;
+    }
+    return true;
+}
+
+/* A request whose first step, a copy of its prefix entry, failed on a worker (the entry's park
+ * failed there: out of host memory) starts over, prefilled whole. False (the caller fails the
+ * request) when the scheduler refuses it. */
+static bool restart_whole(coord *c, creq *q, const char *why)
+{
+    strata_error err = {0};
+    if (!resubmit(c, q, &err)) {
+        logf_(c, "request %s: its prefix copy failed (%s) and it cannot start over: %s",
+              api_stream_request_id(q->stream), why, err.msg);
+        return false;
+    }
+    logf_(c, "request %s: its prefix copy failed (%s); prefilling it whole", api_stream_request_id(q->stream), why);
+    return true;
+}
+
+/* A worker's status for a sequence whose KV blocks could not be moved between tiers, read back
+ * or verified (worker_failure_status's codes): its KV is damaged, its tokens are not. */
+static bool kv_fault(int status)
+{
+    return status == STRATA_EIO || status == STRATA_ECRC;
+}
+
+/* Whether q, whose KV is lost (its replica, or a block a worker could not move or read back),
+ * may go on from its tokens: it had none to lose yet, or it has recoveries left. */
+static bool may_recover(const coord *c, const creq *q)
+{
+    return !q->started || q->recoveries < c->cfg.max_recoveries;
+}
+
+/* q's KV is lost (why): it goes on from its tokens (resubmit), its client seeing only a pause;
+ * false (the caller fails it) when it cannot. Its old id must be finished (sched_finish, or the
+ * step outcome that ends it). */
+static bool recover(coord *c, creq *q, const char *why)
+{
+    const bool had_kv = q->started;
+    const size_t tokens = q->n_prompt + q->n_generated;
+    strata_error err = {0};
+    if (!resubmit(c, q, &err)) {
+        logf_(c, "request %s: %s; it cannot go on: %s", api_stream_request_id(q->stream), why, err.msg);
+        return false;
+    }
+    if (!had_kv)
+        return true;   /* only re-routed: nothing was computed, nothing is recomputed */
+    q->recoveries++;
+    c->recovered_total++;
+    if (c->have_metrics)
+        metrics_counter_inc(c->m.recovered);
+    logf_(c, "request %s: %s; it goes on from its %zu tokens (%zu sampled), recomputing their KV (recovery %u of %u)",
+          api_stream_request_id(q->stream), why, tokens, q->n_generated, q->recoveries, c->cfg.max_recoveries);
+    return true;
+}
+
+/* ---- workers' answers, and their losses ---- */
+
 /* The status a client sees for a worker's failure of its sequence. The coordinator checked the
  * request before admitting it, so a worker refusing the step as invalid (a plan or position it
  * disagrees with, a prefix entry it lacks) is our inconsistency, not the client's: EFORMAT,
@@ -736,9 +827,19 @@ static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal
         creq *q = !in_work && sr->status != 0 ? find_by_id(c, sr->seq_id) : NULL;
         if (q) {
             char msg[640];
+            const int status = worker_failure_status(sr->status);
             worker_message(c, r, s, sr, "moving its KV blocks between tiers failed", msg, sizeof msg);
+            if (kv_fault(status) && may_recover(c, q)) {
+                sched_finish(c->sched, q->id);
+                if (recover(c, q, msg))
+                    continue;
+                api_stream_fail(q->stream, status, msg);   /* its sequence is finished */
+                count_finish(c, FIN_ERROR);
+                drop_req(c, q);
+                continue;
+            }
             logf_(c, "request %s failed: %s", api_stream_request_id(q->stream), msg);
-            fail_req(c, q, worker_failure_status(sr->status), msg);
+            fail_req(c, q, status, msg);
         }
     }
     if (++f->answers == c->cfg.stages)
@@ -761,23 +862,39 @@ static void on_message(void *ctx, ctl_peer *peer, const Strata__Internal__V1__Wo
     pthread_mutex_unlock(&c->mu);
 }
 
-/* Ends every request routed to replica r with UNAVAILABLE and takes it out of routing. */
+/* lose_replica's choice for a request whose KV went with the replica: finish its sequence and
+ * mark it to go on elsewhere (recover; true), or end it with UNAVAILABLE (false: q is gone). */
+static bool recover_or_fail(coord *c, creq *q, bool elsewhere, const char *why)
+{
+    if (elsewhere && may_recover(c, q)) {
+        sched_finish(c->sched, q->id);
+        q->recovering = true;
+        return true;
+    }
+    fail_req(c, q, STRATA_EIO, why);
+    return false;
+}
+
+/* Takes replica r out of routing. Its requests go on on the other serving replicas from their
+ * tokens (recover) while they have recoveries left; the others end with UNAVAILABLE. */
 static void lose_replica(coord *c, uint32_t r, const char *why)
 {
     creplica *rp = &c->reps[r];
+    bool elsewhere = false;
+    for (uint32_t k = 0; k < c->cfg.replicas; k++)
+        elsewhere |= k != r && c->reps[k].serving && !c->reps[k].tearing_down;
     for (size_t i = 0; i < c->n_reqs;) {
         creq *q = c->reqs[i];
-        if (sched_get_replica(c->sched, q->id) == (int)r) {
-            fail_req(c, q, STRATA_EIO, why);   /* drops q: index i now holds another request */
-            continue;
-        }
+        if (!q->recovering && sched_get_replica(c->sched, q->id) == (int)r &&
+            !recover_or_fail(c, q, elsewhere, why))
+            continue;   /* q was dropped: index i now holds another request */
         i++;
     }
     /* A migration touching r: the sequence may be split between the replicas now. */
     if (c->mig.active && (r == c->mig.from || r == c->mig.to)) {
         creq *q = find_by_id(c, c->mig.seq);
-        if (q)
-            fail_req(c, q, STRATA_EIO, why);
+        if (q && !q->recovering)
+            (void)recover_or_fail(c, q, elsewhere, why);
         if (r == c->mig.from)
             (void)sched_free_on(c->sched, (int)c->mig.to, c->mig.seq);
         sched_set_accepting(c->sched, (int)c->mig.to, true);
@@ -795,6 +912,20 @@ static void lose_replica(coord *c, uint32_t r, const char *why)
     sched_set_available(c->sched, (int)r, false);
     rp->serving = false;
     rp->n_flights = 0;
+    /* Now that r takes no request, the recovering ones go where the scheduler routes them. */
+    for (size_t i = 0; i < c->n_reqs;) {
+        creq *q = c->reqs[i];
+        if (q->recovering) {
+            q->recovering = false;
+            if (!recover(c, q, why)) {
+                api_stream_fail(q->stream, STRATA_EIO, why);   /* its old sequence is finished */
+                count_finish(c, FIN_ERROR);
+                drop_req(c, q);
+                continue;
+            }
+        }
+        i++;
+    }
     pthread_cond_broadcast(&c->wake);   /* the other replica of a migration may run again */
     /* With no replica left, queued requests would wait for workers that may never come. */
     bool any = false;
@@ -861,8 +992,9 @@ static bool deliver(coord *c, creq *q, uint32_t tok)
         metrics_histogram_observe(q->n_generated == 0 ? c->m.ttft : c->m.itl,
                                   q->n_generated == 0 ? t - q->t_accept : t - q->t_last);
     q->t_last = t;
-    /* The sampled ids, for a prefix entry; out of memory, the request just leaves none. */
-    if (c->prefixes && (q->generated || q->n_generated == 0) && q->n_generated == q->cap_generated) {
+    /* The sampled ids, for a recovery and a prefix entry; out of memory, the request just cannot
+     * be recovered and leaves no entry. */
+    if ((q->generated || q->n_generated == 0) && q->n_generated == q->cap_generated) {
         size_t cap = q->cap_generated ? q->cap_generated * 2 : 64;
         int32_t *grown = realloc(q->generated, cap * sizeof *grown);
         if (!grown)
@@ -919,28 +1051,6 @@ static bool deliver(coord *c, creq *q, uint32_t tok)
     return true;
 }
 
-/* A request whose first step, a copy of its prefix entry, failed on a worker (the entry's park
- * failed there: out of host memory) goes back to the scheduler under a new sequence id, to be
- * prefilled whole; its old id is finished by the caller, so the workers free what they made of
- * it. False (the caller fails the request) when the scheduler refuses it. */
-static bool restart_whole(coord *c, creq *q, const char *why)
-{
-    const uint64_t old = q->id;
-    q->id = ++c->next_seq_id;
-    q->started = false;
-    q->cached = 0;
-    q->prefix_entry = 0;
-    strata_error err = {0};
-    if (sched_submit(c->sched, q->id, q->n_prompt, q->req->sampling->max_tokens, NULL, &err) != STRATA_OK) {
-        q->id = old;
-        logf_(c, "request %s: its prefix copy failed (%s) and it cannot start over: %s",
-              api_stream_request_id(q->stream), why, err.msg);
-        return false;
-    }
-    logf_(c, "request %s: its prefix copy failed (%s); prefilling it whole", api_stream_request_id(q->stream), why);
-    return true;
-}
-
 /* Every stage answered replica r's step flights[k]: stream the tokens, fail the failed, tell the
  * scheduler, and take the step off the flights. */
 static void finish_step(coord *c, uint32_t r, uint32_t k)
@@ -964,6 +1074,9 @@ static void finish_step(coord *c, uint32_t r, uint32_t k)
         if (q && f->status[w] != 0 && f->works[w].prefix_entry && restart_whole(c, q, f->message[w])) {
             /* The copy was an optimization: the request starts over as a new sequence, prefilled
              * whole, and the client never sees the failure. Its old sequence ends below. */
+        } else if (q && f->status[w] != 0 && kv_fault(f->status[w]) && may_recover(c, q) &&
+                   recover(c, q, f->message[w])) {
+            /* Its KV is damaged: it goes on as a new sequence; the old one ends below. */
         } else if (q && f->status[w] != 0) {
             logf_(c, "request %s failed: %s", api_stream_request_id(q->stream), f->message[w]);
             api_stream_fail(q->stream, f->status[w], f->message[w]);
@@ -1029,10 +1142,10 @@ static bool start_step(coord *c, uint32_t r)
             if (sw->pos0 > 0)   /* counted as a hit once the copy succeeded (finish_step) */
                 w->prefix_entry = q->prefix_entry;
         }
-        if (sw->pos0 < q->n_prompt) {   /* a prompt chunk (the whole prompt when it fits a step) */
-            for (size_t k = 0; k < sw->n_tokens; k++)
-                toks[at + k] = (uint32_t)q->prompt[sw->pos0 + k];
-            w->last_chunk_of_prompt = sw->pos0 + sw->n_tokens == q->n_prompt;
+        if (sw->pos0 < q->n_input) {   /* a prompt chunk (the whole prompt when it fits a step) */
+            for (size_t k = 0, pos = sw->pos0; k < sw->n_tokens; k++, pos++)
+                toks[at + k] = (uint32_t)(pos < q->n_prompt ? q->prompt[pos] : q->generated[pos - q->n_prompt]);
+            w->last_chunk_of_prompt = sw->pos0 + sw->n_tokens == q->n_input;
             if (sw->pos0 == 0 && q->plan > 0)
                 w->kv_plan = c->plan_names[q->plan];
         } else {
@@ -1044,6 +1157,7 @@ static bool start_step(coord *c, uint32_t r)
         w->top_p = sp->top_p;
         w->top_k = sp->top_k;
         w->seed = sp->seed;
+        w->sampled_before = sw->sample ? q->sampled_before : 0;
         at += sw->n_tokens;
         wp[i] = w;
         f->status[i] = 0;
@@ -1522,6 +1636,7 @@ static int api_generate(void *ctx, const Strata__V1__GenerateRequest *req, api_s
             q->prompt[q->n_prompt++] = (int32_t)t->ids[i];
     }
     const uint32_t max_tokens = req->sampling->max_tokens;
+    q->n_input = q->n_prompt;
     if (rc == STRATA_OK && q->n_prompt == 0)
         rc = strata_fail(err, STRATA_EINVAL, "the prompt is empty after tokenization");
     if (rc == STRATA_OK && q->n_prompt + max_tokens > c->cfg.ctx)
@@ -1709,6 +1824,7 @@ static int api_stats(void *ctx, Strata__V1__Stats *out, strata_error *err)
     out->prefix_cache_bytes = ps.bytes;
     out->prefix_cache_hits = c->prefix_hits;
     out->prefix_cache_hit_tokens = c->prefix_hit_tokens;
+    out->requests_recovered = c->recovered_total;
     pthread_mutex_unlock(&c->mu);
     return STRATA_OK;
 }
@@ -1882,7 +1998,10 @@ static int register_metrics(coord *c, metrics_registry *reg, strata_error *err)
                                 &m->prefix_entries, err)) ||
         (rc = metrics_gauge_new(reg, "strata_prefix_cache_bytes",
                                 "Bytes of cached prefixes (host memory of the workers, all stages)", NULL, 0,
-                                &m->prefix_bytes, err)))
+                                &m->prefix_bytes, err)) ||
+        (rc = metrics_counter_new(reg, "strata_requests_recovered_total",
+                                  "Requests that lost their KV (a lost worker, a damaged block) and went on from their "
+                                  "tokens", NULL, 0, &m->recovered, err)))
         return rc;
     metrics_set_collect(reg, collect, c);
     c->have_metrics = true;

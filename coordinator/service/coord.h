@@ -42,6 +42,9 @@ typedef struct coord_config {
     uint64_t prefix_cache_bytes; /* per replica, over its workers' host memory; 0: no prefix caching */
     uint32_t step_timeout_ms;    /* a worker that has not answered a step or a migration this long is
                                   * ended as lost (a hung device); 0: wait for ever */
+    uint32_t max_recoveries;     /* times a request whose KV was lost (its replica lost, a block that
+                                  * could not be moved or read back) goes on from its tokens, its
+                                  * KV recomputed, before it ends with the failure; 0: never */
     metrics_registry *metrics;   /* optional: the coordinator registers its series here */
     bool quiet;                  /* only errors on stderr */
 } coord_config;

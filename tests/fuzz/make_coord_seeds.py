@@ -15,8 +15,9 @@ OUT = Path(__file__).resolve().parent / "corpus" / "fuzz_coord"
 (F_FAIL_ONE, F_BAD_TOKEN, F_LEAVE_OUT, F_UNKNOWN_SEQ, F_WRONG_STEP, F_TWICE, F_FAIL_ALL, F_EMPTY, F_SILENT) = range(9)
 
 # The first byte: bit 0 one step in flight, bit 1 a small device budget, bit 2 a host tier, bit 3
-# prefix caching (with a host tier), bit 4 a step timeout of 300 ms (workers may then go silent).
-ONE_FLIGHT, SMALL, HOST, PREFIX, TIMEOUT = 1, 2, 4, 8, 16
+# prefix caching (with a host tier), bit 4 a step timeout of 300 ms (workers may then go silent),
+# bit 5 two recoveries per request (a request whose KV is lost goes on from its tokens).
+ONE_FLIGHT, SMALL, HOST, PREFIX, TIMEOUT, RECOVER = 1, 2, 4, 8, 16, 32
 
 
 def varint(v):
@@ -118,6 +119,13 @@ def seeds():
     yield "lost_mid_step", Program(0).cluster().generate(6, 8).generate(7, 8).serve(2).op(GONE, 1).serve(10)
     yield "lost_twice", (Program(SMALL | HOST).cluster().generate(20, 8).serve(1).op(GONE, 0).op(GONE, 2)
                          .op(JOIN, 0).op(JOIN, 0).serve(6))
+    # recoveries: a lost stage's requests go on on the other replica, lost again there (and the
+    # replacement that joined meanwhile); KV faults (EIO: arg 2, ECRC: arg 4) on every sequence
+    yield "recover_lost", (Program(RECOVER).cluster().generate(6, 12).generate(7, 12).serve(2).op(GONE, 1).serve(3)
+                           .op(JOIN, 0).op(GONE, 2).serve(10))
+    yield "recover_faults", (Program(RECOVER | SMALL | HOST).cluster().generate(20, 10).generate(9, 10).serve(2)
+                             .op(MISHANDLE, 0, F_FAIL_ALL, 2).op(MISHANDLE, 1, F_FAIL_ALL, 4).serve(3)
+                             .op(MISHANDLE, 2, F_UNKNOWN_SEQ, 3).serve(10))
     yield "cancel_abort", (Program(0).cluster().generate(6, 12).generate(8, 12).generate(9, 12).serve(2)
                            .op(CANCEL, 0).op(ABORT, 1).op(ABORT, 0).serve(6).op(CANCEL, 2))
     yield "drain", Program(0).cluster().generate(6, 12).generate(6, 12).serve(3).op(DRAIN, 0).serve(12).op(DRAIN, 0)

@@ -36,7 +36,7 @@ def messages(pb, ipb):
     plan.park_prefixes.add(seq_id=3, n_tokens=128)
     plan.seqs.add(seq_id=7, tokens=[1, 2, 3], pos0=4096, last_chunk_of_prompt=True,
                   temperature=0.5, top_p=0.95, top_k=20, seed=99, sample=True, kv_plan="kivi2",
-                  prefix_entry=3)
+                  prefix_entry=3, sampled_before=17)
     plan.seqs.add(seq_id=8, tokens=[5], pos0=100)
     out["coordinator_step_plan.bin"] = ipb.CoordinatorMessage(step_plan=plan)
 

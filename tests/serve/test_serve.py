@@ -8,7 +8,8 @@ WORK_DIR is a scratch folder (TLS files, logs).
 Checks: greedy output equals single-process `strata generate` token for token (text compared,
 and the ids of a concurrent run compared with the ids of the same prompt alone); 32 concurrent
 streams; Abort; every bad input; a client that disconnects; a killed worker (UNAVAILABLE, then
-the worker is restarted and rejoins); GetModelInfo / GetStats / Prometheus metrics; TLS with a
+the worker is restarted and rejoins; with two replicas the request goes on on the other one);
+GetModelInfo / GetStats / Prometheus metrics; TLS with a
 bearer token; SIGTERM drains a running stream, a second signal ends the drain; uneven pipeline splits (--stage-layers); KV tiers
 under concurrent load with aborts, cancels and a drain; prefix caching. Every wait is bounded: a hang is a failure.
 """
@@ -71,6 +72,16 @@ class Serve:
         """PIDs of the worker processes this server started (its children)."""
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
+
+    def worker_at(self, replica, stage):
+        """PID of the worker that joined last as (replica, stage), from the coordinator's log."""
+        joins = re.findall(rb"worker (\S+) joined as replica (\d+) stage (\d+)", self.text())
+        name = [n for n, r, st in joins if (int(r), int(st)) == (replica, stage)][-1]
+        for pid in self.workers():
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"\0--name\0" + name + b"\0" in f.read():
+                    return pid
+        raise AssertionError(f"no worker process named {name}")
 
     def stop(self, sig=signal.SIGTERM, timeout=60):
         if self.proc.poll() is None:
@@ -461,8 +472,9 @@ def test_two_replicas_migration():
     """Two replicas of two stages: two requests are routed one per replica; draining a worker moves
     the request of its replica to the other one mid-generation (its KV blocks travel worker to
     worker) and both still give exactly the single-process tokens. Each request names its own KV
-    codec, which travels with the moved one. A step budget of 64 tokens makes a long prompt run as
-    chunks."""
+    codec, which travels with the moved one. A worker killed mid-stream: its request goes on on
+    the other replica (recovery) with the same sampled tokens. A step budget of 64 tokens makes a
+    long prompt run as chunks."""
     s = Serve("two", "--replicas", "2", "--stages", "2", "--ctx", "512", "--max-batch-tokens", "64",
               "--kv-codecs", "fp16,kivi2")
     try:
@@ -498,6 +510,30 @@ def test_two_replicas_migration():
         assert b"moved from replica" in s.text()
         # the drained replica's workers were stopped, restarted and joined again
         deadline = time.time() + 120
+        while time.time() < deadline and c.health(pb.HealthRequest(), timeout=T).status != pb.SERVING_STATUS_SERVING:
+            time.sleep(0.5)
+        assert c.health(pb.HealthRequest(), timeout=T).status == pb.SERVING_STATUS_SERVING
+        # A worker lost mid-stream: the request goes on on the other replica from its prompt and
+        # the tokens it streamed (their KV recomputed), and its seeded sampling gives the tokens
+        # an uninterrupted run gives (fp16: the recomputed KV is the same up to rounding).
+        r = req(PROMPTS[1], max_tokens=120, ignore_eos=True, temperature=0.8, seed=11)
+        r.kv_codec = "fp16"
+        whole = c.generate(r)[0]
+        it = c.stream(r)
+        ids = []
+        while len(ids) < 4:
+            ids += list(next(it).chunk.token_ids)
+        victim = s.worker_at(0, 1)   # an idle server routes to replica 0 (ties: the lowest index)
+        os.kill(victim, signal.SIGKILL)
+        for m in it:
+            if m.HasField("chunk"):
+                ids += list(m.chunk.token_ids)
+            else:
+                assert m.complete.completion_tokens == 120, m
+        assert ids == whole, f"after the recovery: {ids} != uninterrupted {whole}"
+        assert re.search(rb"lost: .*; it goes on from its \d+ tokens", s.text()), s.text()[-2000:]
+        assert c.stats(pb.StatsRequest(), timeout=T).requests_recovered == 1
+        deadline = time.time() + 120   # the killed worker is restarted and its replica rebuilt
         while time.time() < deadline and c.health(pb.HealthRequest(), timeout=T).status != pb.SERVING_STATUS_SERVING:
             time.sleep(0.5)
         assert c.health(pb.HealthRequest(), timeout=T).status == pb.SERVING_STATUS_SERVING

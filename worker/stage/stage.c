@@ -378,6 +378,8 @@ static sampler *entry_sampler(stage *s, seq_entry *e, const Strata__Internal__V1
                              .top_p = w->top_p > 0.0f ? w->top_p : 1.0f, .seed = w->seed};
         if (sampler_params_validate(&sp, &e1) != STRATA_OK || !(e->smp = sampler_create(&sp, s->cfg->n_vocab, &e1)))
             fail_seq(s, w->seq_id, e1.code, e1.msg);
+        else
+            sampler_skip_sampled(e->smp, w->sampled_before);
     }
     return e->smp;
 }
@@ -691,6 +693,10 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
             fail_seq(s, w->seq_id, STRATA_EINVAL, msg);
         } else if (entry_preempted(e)) {
             snprintf(msg, sizeof msg, "sequence %" PRIu64 " is preempted; resume it first", w->seq_id);
+            fail_seq(s, w->seq_id, STRATA_EINVAL, msg);
+        } else if (w->sampled_before >= (uint64_t)w->pos0 + w->n_tokens) {   /* a bound on the sampler's skip too */
+            snprintf(msg, sizeof msg, "sequence %" PRIu64 ": %" PRIu64 " tokens sampled before, not fewer than the %" PRIu64
+                     " it has fed", w->seq_id, w->sampled_before, (uint64_t)w->pos0 + w->n_tokens);
             fail_seq(s, w->seq_id, STRATA_EINVAL, msg);
         } else if (w->n_tokens == 0 || entry_length(e) != w->pos0) {
             snprintf(msg, sizeof msg, "sequence %" PRIu64 " holds %zu tokens here; the plan says %u (+%zu)", w->seq_id,
