@@ -531,18 +531,24 @@ static bool fake_bool(fake *f, const bool *field)
     return v;
 }
 
-static bool fake_flag(fake *f, const bool *field)
-{
-    pthread_mutex_lock(&f->mu);
-    bool v = *field;
-    pthread_mutex_unlock(&f->mu);
-    return v;
-}
 
 static void fake_set(fake *f, bool *field)
 {
     pthread_mutex_lock(&f->mu);
     *field = true;
+    pthread_mutex_unlock(&f->mu);
+}
+
+/* The request ended with UNAVAILABLE, as its status or as an Error message after output. */
+static bool gen_unavailable(gen_job *g)
+{
+    return g->status == GRPC_STATUS_UNAVAILABLE || g->error == GRPC_STATUS_UNAVAILABLE;
+}
+
+static void fake_set_step_ms(fake *f, int ms)
+{
+    pthread_mutex_lock(&f->mu);
+    f->step_ms = ms;
     pthread_mutex_unlock(&f->mu);
 }
 
@@ -651,17 +657,17 @@ static void test_drain_moves_then_drains_again(void **state)
     assert_int_equal(fake_int(x, &x->migrates_send), 1);
     assert_int_equal(fake_int(y, &y->migrates_recv), 1);
     assert_true(fake_int(y, &y->n_seqs) >= 1);   /* it went on there */
-    WAIT_FOR(fake_flag(x, &x->ended), 5000);
+    WAIT_FOR(fake_bool(x, &x->ended), 5000);
     assert_true(x->shutdown && x->shutdown_drain);
     WAIT_FOR(workers_ready(&fx) == 1, 5000);   /* the coordinator saw it leave (its name is free) */
 
     /* The worker comes back under its name (a supervisor restarted it) and rebuilds its replica. */
     fake *x2 = fake_start(&fx, x->name, MIG_OK);
-    WAIT_FOR(fake_flag(x2, &x2->assigned), 10000);
+    WAIT_FOR(fake_bool(x2, &x2->assigned), 10000);
     wait_ready(&fx);
     rep = drain_until_done(&fx, x->name);
     assert_int_equal(rep.moved, 0);   /* not the old drain's report */
-    WAIT_FOR(fake_flag(x2, &x2->ended), 5000);
+    WAIT_FOR(fake_bool(x2, &x2->ended), 5000);
     assert_true(x2->shutdown && x2->shutdown_drain);
     fixture_stop(&fx);
 }
@@ -781,14 +787,14 @@ static void test_replica_lost_during_drain(void **state)
     fake_set(x, &x->kill);
     WAIT_FOR(gen_done(&a), 10000);
     gen_join(&a);
-    assert_true(a.error == GRPC_STATUS_UNAVAILABLE || a.status == GRPC_STATUS_UNAVAILABLE);
+    assert_true(gen_unavailable(&a));
     coord_drain_report rep = drain(&fx, x->name);
     assert_true(rep.done);
     assert_non_null(strstr(rep.message, "lost"));
     fake_set(y, &y->release);   /* its late answer belongs to no migration any more */
 
     fake *x2 = fake_start(&fx, "w2", MIG_OK);
-    WAIT_FOR(fake_flag(x2, &x2->assigned), 10000);
+    WAIT_FOR(fake_bool(x2, &x2->assigned), 10000);
     wait_ready(&fx);
     /* Two requests at once: least-loaded routing puts one on each replica. */
     gen_job b, c;
@@ -827,7 +833,7 @@ static void test_destination_lost_source_goes_on(void **state)
     gen_join(&a);
     gen_join(&b);
     gen_job *moved = a.error || a.status ? &a : &b, *stayed = moved == &a ? &b : &a;
-    assert_true(moved->error == GRPC_STATUS_UNAVAILABLE || moved->status == GRPC_STATUS_UNAVAILABLE);
+    assert_true(gen_unavailable(moved));
     assert_complete(stayed);
     coord_drain_report rep = drain_until_done(&fx, x->name);
     assert_true(rep.done);
@@ -872,14 +878,14 @@ static void test_unsendable_step_ends_request(void **state)
     wait_ready(&fx);
     gen_job a;
     gen_run_prompt(&a, fx.ch, 300, 8);   /* about 900 bytes of token ids in one step */
-    if (a.status != GRPC_STATUS_UNAVAILABLE && a.error != GRPC_STATUS_UNAVAILABLE)
+    if (!gen_unavailable(&a))
         fail_msg("request: status %d (%s), error %u (%s), %d tokens", a.status, a.details, a.error, a.error_message,
                  a.tokens);
     if (!strstr(a.details, "above the limit") && !strstr(a.error_message, "above the limit"))
         fail_msg("the reason is missing: '%s' '%s'", a.details, a.error_message);
     assert_int_equal(a.tokens, 0);
     assert_int_equal(fake_int(w, &w->plans), 0);   /* the worker never saw the step */
-    WAIT_FOR(fake_flag(w, &w->ended), 10000);
+    WAIT_FOR(fake_bool(w, &w->ended), 10000);
     fixture_stop(&fx);
 }
 
@@ -985,12 +991,8 @@ static void test_worker_bad_answers(void **state)
     WAIT_FOR(fake_bool(front, &front->connected), 5000);
     sleep_ms(200);   /* its Join is handled before the second worker's */
     fake *back = fake_start(&fx, "back", MIG_OK);
-    pthread_mutex_lock(&front->mu);
-    front->answer_twice = true;
-    pthread_mutex_unlock(&front->mu);
-    pthread_mutex_lock(&back->mu);
-    back->step_ms = 100;
-    pthread_mutex_unlock(&back->mu);
+    fake_set(front, &front->answer_twice);
+    fake_set_step_ms(back, 100);
     wait_ready(&fx);
     gen_start(&a, fx.ch, 6);
     WAIT_FOR(gen_done(&a), 20000);
@@ -1074,11 +1076,6 @@ static void test_failed_prefix_copy_starts_over(void **state)
     fixture_stop(&fx);
 }
 
-static bool gen_unavailable(gen_job *g)
-{
-    return g->status == GRPC_STATUS_UNAVAILABLE || g->error == GRPC_STATUS_UNAVAILABLE;
-}
-
 /* A worker lost while its replica runs a request: the request goes on on the other replica from
  * its tokens (one prompt chunk of its prompt and the tokens it streamed, the sampler told how
  * many were sampled) and completes with every token, its client seeing no error; GetStats counts
@@ -1112,9 +1109,7 @@ static void test_lost_replica_recovers(void **state)
 
     /* A second request runs on y (the only replica serving) while x's replacement joins; then y
      * is lost: the request goes on on the replacement. */
-    pthread_mutex_lock(&y->mu);
-    y->step_ms = 40;
-    pthread_mutex_unlock(&y->mu);
+    fake_set_step_ms(y, 40);
     gen_job b;
     gen_start(&b, fx.ch, 100);
     WAIT_FOR(gen_tokens(&b) >= 3, 10000);
@@ -1125,9 +1120,7 @@ static void test_lost_replica_recovers(void **state)
     fake_set(y, &y->kill);
     WAIT_FOR(fake_int(x2, &x2->replay_sampled_before) >= 3, 10000);
     /* b now runs on x2 after its one recovery; x2 is lost too, with y's replacement serving */
-    pthread_mutex_lock(&x2->mu);
-    x2->step_ms = 40;
-    pthread_mutex_unlock(&x2->mu);
+    fake_set_step_ms(x2, 40);
     WAIT_FOR(fake_bool(y, &y->ended), 5000);
     fake_start(&fx, "w1-again", MIG_OK);
     wait_ready(&fx);
