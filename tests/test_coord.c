@@ -445,6 +445,7 @@ typedef struct fixture_limits {
     uint32_t stages;             /* default 1 */
     uint32_t step_timeout_ms;    /* default 0: none */
     uint32_t max_recoveries;     /* default 0: a request whose KV is lost ends */
+    uint32_t recovery_wait_ms;   /* default 0: with no replica serving, requests end at once */
 } fixture_limits;
 
 /* host_blocks: block rows of a host tier (0: none). */
@@ -460,7 +461,7 @@ static void fixture_start_limits(fixture *fx, uint32_t replicas, size_t blocks_p
                        .max_batch_tokens = lim.max_batch_tokens ? lim.max_batch_tokens : 64,
                        .device_kv_bytes = fx->device_kv_bytes, .host_kv_bytes = fx->host_kv_bytes, .quiet = true,
                        .prefix_cache_bytes = lim.prefix_cache_bytes, .step_timeout_ms = lim.step_timeout_ms,
-                       .max_recoveries = lim.max_recoveries};
+                       .max_recoveries = lim.max_recoveries, .recovery_wait_ms = lim.recovery_wait_ms};
     strata_error err = {0};
     if (!(fx->co = coord_create(&cc, &err)))
         fail_msg("coord_create: %s", err.msg);
@@ -1166,6 +1167,42 @@ static void test_failed_spill_recovers(void **state)
     fixture_stop(&fx);
 }
 
+/* A lone replica loses its worker: its request waits (recovery_wait_ms) and goes on on the
+ * rebuilt replica when a new worker joins. Lost again with its recovery used up, or with none
+ * joining in time, a request ends with UNAVAILABLE saying why. */
+static void test_lone_replica_waits_for_rebuild(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start_limits(&fx, 1, 64, 0, (fixture_limits){.max_recoveries = 1, .recovery_wait_ms = 1500});
+    fake *w = fake_start(&fx, "w0", MIG_OK);
+    wait_ready(&fx);
+    gen_job a;
+    gen_start(&a, fx.ch, 60);
+    WAIT_FOR(gen_tokens(&a) >= 5, 10000);
+    fake_set(w, &w->kill);
+    WAIT_FOR(fake_bool(w, &w->ended), 5000);
+    sleep_ms(300);   /* no replica serves for a while */
+    assert_false(gen_done(&a));
+    fake *w2 = fake_start(&fx, "w0-again", MIG_OK);
+    WAIT_FOR(gen_done(&a), 10000);
+    gen_join(&a);
+    assert_complete(&a);
+    assert_true(fake_bool(w2, &w2->replay_ok));
+    /* No worker comes back: the request ends when the wait runs out. */
+    gen_job b;
+    gen_start(&b, fx.ch, 200);
+    WAIT_FOR(gen_tokens(&b) >= 3, 10000);
+    fake_set(w2, &w2->kill);
+    const int64_t lost_at = now_ms();
+    WAIT_FOR(gen_done(&b), 10000);
+    gen_join(&b);
+    if (!gen_unavailable(&b) || !strstr(b.error_message, "none served again within 1.5 s"))
+        fail_msg("no worker back: status %d (%s), error %u (%s)", b.status, b.details, b.error, b.error_message);
+    assert_true(now_ms() - lost_at >= 1200);
+    fixture_stop(&fx);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1184,6 +1221,7 @@ int main(void)
         cmocka_unit_test(test_silent_worker_times_out),
         cmocka_unit_test(test_lost_replica_recovers),
         cmocka_unit_test(test_failed_spill_recovers),
+        cmocka_unit_test(test_lone_replica_waits_for_rebuild),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -189,6 +189,8 @@ struct coord {
     bool *prefix_usable;         /* lookup scratch, one per replica */
     uint64_t prefix_hits, prefix_hit_tokens;
     uint64_t recovered_total;    /* recoveries of requests whose KV was lost */
+    double orphaned_since;       /* every replica lost with requests left (0: not now): they wait
+                                  * recovery_wait_ms for one to serve again */
 };
 
 static double now_s(void)
@@ -631,6 +633,7 @@ static void take_report(coord *c, uint32_t r, uint32_t s, const Strata__Internal
         if (all) {
             c->reps[r].serving = true;
             sched_set_available(c->sched, (int)r, true);
+            c->orphaned_since = 0;   /* requests that waited for a replica go on here */
             logf_(c, "replica %u is serving", r);
             pthread_cond_broadcast(&c->changed);
             pthread_cond_signal(&c->wake);
@@ -880,7 +883,9 @@ static bool recover_or_fail(coord *c, creq *q, bool elsewhere, const char *why)
 static void lose_replica(coord *c, uint32_t r, const char *why)
 {
     creplica *rp = &c->reps[r];
-    bool elsewhere = false;
+    /* Where its requests may go on: another serving replica, or this one or another once rebuilt
+     * (recovery_wait_ms: a lone replica's workers restarted by their supervisor). */
+    bool elsewhere = c->cfg.recovery_wait_ms && !c->stopping;
     for (uint32_t k = 0; k < c->cfg.replicas; k++)
         elsewhere |= k != r && c->reps[k].serving && !c->reps[k].tearing_down;
     for (size_t i = 0; i < c->n_reqs;) {
@@ -927,12 +932,35 @@ static void lose_replica(coord *c, uint32_t r, const char *why)
         i++;
     }
     pthread_cond_broadcast(&c->wake);   /* the other replica of a migration may run again */
-    /* With no replica left, queued requests would wait for workers that may never come. */
+    /* With no replica left, queued requests would wait for workers that may never come: they
+     * wait recovery_wait_ms at most (expire_orphans), or end now. */
     bool any = false;
     for (uint32_t k = 0; k < c->cfg.replicas; k++)
         any |= c->reps[k].serving;
-    while (!any && c->n_reqs)
+    if (!any && c->n_reqs && c->cfg.recovery_wait_ms && !c->stopping) {
+        if (!c->orphaned_since) {
+            c->orphaned_since = now_s();
+            logf_(c, "no replica is serving: %zu request(s) wait up to %.3g s for one to be rebuilt", c->n_reqs,
+                  c->cfg.recovery_wait_ms / 1e3);
+        }
+        pthread_cond_signal(&c->wake);   /* the step thread times the wait */
+    }
+    while (!any && c->n_reqs && !c->orphaned_since)
         fail_req(c, c->reqs[0], STRATA_EIO, "no replica is serving: every replica lost a worker");
+}
+
+/* recovery_wait_ms: requests left with no replica serving end once no replica is back in time. */
+static void expire_orphans(coord *c)
+{
+    if (!c->orphaned_since || now_s() - c->orphaned_since < c->cfg.recovery_wait_ms / 1e3)
+        return;
+    char msg[200];
+    snprintf(msg, sizeof msg, "no replica is serving: every replica lost a worker, and none served again within %.3g s",
+             c->cfg.recovery_wait_ms / 1e3);
+    logf_(c, "%s: %zu request(s) end", msg, c->n_reqs);
+    while (c->n_reqs)
+        fail_req(c, c->reqs[0], STRATA_EIO, msg);
+    c->orphaned_since = 0;
 }
 
 static void on_gone(void *ctx, ctl_peer *peer, int grpc_status, const char *why)
@@ -1472,12 +1500,15 @@ static void *step_thread(void *arg)
                 started |= start_step(c, r);
         if (c->cfg.step_timeout_ms)
             end_overdue(c);
+        expire_orphans(c);
         if (started)
             continue;
-        if (!c->cfg.step_timeout_ms) {
+        if (!c->cfg.step_timeout_ms && !c->orphaned_since) {
             pthread_cond_wait(&c->wake, &c->mu);
-        } else {   /* looks again at least 4 times per timeout, at most once per 10 ms */
-            uint32_t tick = c->cfg.step_timeout_ms / 4;
+        } else {   /* looks again at least 4 times per timeout or wait, at most once per 10 ms */
+            uint32_t tick = c->cfg.step_timeout_ms ? c->cfg.step_timeout_ms / 4 : 1000;
+            if (c->orphaned_since && c->cfg.recovery_wait_ms / 4 < tick)
+                tick = c->cfg.recovery_wait_ms / 4;
             const struct timespec until = realtime_after_ms(tick < 10 ? 10 : tick > 1000 ? 1000 : (int)tick);
             (void)pthread_cond_timedwait(&c->wake, &c->mu, &until);
         }

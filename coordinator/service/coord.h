@@ -45,6 +45,9 @@ typedef struct coord_config {
     uint32_t max_recoveries;     /* times a request whose KV was lost (its replica lost, a block that
                                   * could not be moved or read back) goes on from its tokens, its
                                   * KV recomputed, before it ends with the failure; 0: never */
+    uint32_t recovery_wait_ms;   /* with no replica serving (a lone replica lost a worker), how long
+                                  * its requests wait for one to be rebuilt before they end with
+                                  * UNAVAILABLE; 0: they end at once */
     metrics_registry *metrics;   /* optional: the coordinator registers its series here */
     bool quiet;                  /* only errors on stderr */
 } coord_config;

@@ -41,7 +41,7 @@ typedef struct serve_opts {
     long replicas, stages, block_tokens, ctx, max_seqs, max_batch_tokens, steps_in_flight;
     double device_mib, host_mib, nvme_mib;   /* fractions allowed, as for strata generate */
     double prefix_mib;                       /* per replica; 0: no prefix caching */
-    long drain_s, ready_timeout_s, step_timeout_s, max_recoveries, threads;
+    long drain_s, ready_timeout_s, step_timeout_s, max_recoveries, recovery_wait_s, threads;
     bool quiet;
     bool stages_set;   /* --stages given (a flag or the config) */
 } serve_opts;
@@ -51,7 +51,7 @@ enum {
     O_CONFIG = 256, O_MODEL, O_LISTEN, O_CONTROL, O_METRICS, O_SECRET, O_REPLICAS, O_STAGES, O_KV, O_KV_CODECS, O_BLOCK, O_CTX,
     O_MAX_SEQS, O_MAX_BATCH, O_DEVICE, O_HOST, O_NVME, O_NVME_DIR, O_TLS_CERT, O_TLS_KEY, O_TOKEN, O_DRAIN,
     O_READY, O_WORKER_BIN, O_THREADS, O_IN_FLIGHT, O_PREFIX, O_STAGE_LAYERS, O_STEP_TIMEOUT,
-    O_MAX_RECOVERIES,
+    O_MAX_RECOVERIES, O_RECOVERY_WAIT,
 };
 
 static void usage(FILE *out, const char *prog, bool local)
@@ -131,7 +131,12 @@ static void usage(FILE *out, const char *prog, bool local)
             "                          a KV block that could not be moved or read back) goes on from its\n"
             "                          prompt and the tokens streamed so far on a serving replica, its\n"
             "                          KV recomputed, before it ends with UNAVAILABLE (default 1; 0:\n"
-            "                          never; with no other replica serving it ends at once)\n"
+            "                          never)\n"
+            "  --recovery-wait N       with no replica serving (a lone replica lost a worker), its\n"
+            "                          requests wait up to N s for one to be rebuilt (its workers\n"
+            "                          restarted) and go on there; then they end with UNAVAILABLE\n"
+            "                          (default 60; 0: at once; new requests meanwhile get\n"
+            "                          UNAVAILABLE)\n"
             "  -q, --quiet             only errors on stderr\n"
             "  -h, --help              this help\n",
             local ? "give up when the workers are not ready after N s (or a worker exited twice before)" : "report progress while waiting for workers every N s",
@@ -156,6 +161,7 @@ static const struct option long_opts[] = {
     {"prefix-cache-mib", required_argument, NULL, O_PREFIX}, {"stage-layers", required_argument, NULL, O_STAGE_LAYERS},
     {"step-timeout", required_argument, NULL, O_STEP_TIMEOUT},
     {"max-recoveries", required_argument, NULL, O_MAX_RECOVERIES},
+    {"recovery-wait", required_argument, NULL, O_RECOVERY_WAIT},
     {"help", no_argument, NULL, 'h'},                    {NULL, 0, NULL, 0},
 };
 
@@ -200,6 +206,7 @@ static bool apply(const char *prog, serve_opts *o, int id, const char *flag, con
     case O_READY: return strata_parse_long(prog, flag, v, 1, 86400, &o->ready_timeout_s);
     case O_STEP_TIMEOUT: return strata_parse_long(prog, flag, v, 0, 86400, &o->step_timeout_s);
     case O_MAX_RECOVERIES: return strata_parse_long(prog, flag, v, 0, 100, &o->max_recoveries);
+    case O_RECOVERY_WAIT: return strata_parse_long(prog, flag, v, 0, 3600, &o->recovery_wait_s);
     default: break;
     }
     if (local) {
@@ -307,7 +314,7 @@ static int parse(int argc, char **argv, const char *prog, bool local, serve_opts
 {
     *o = (serve_opts){.replicas = 1, .stages = local ? 2 : 1, .block_tokens = 64, .max_seqs = 32,
                       .max_batch_tokens = 2048, .device_mib = 256, .drain_s = 30, .step_timeout_s = 600,
-                      .max_recoveries = 1,
+                      .max_recoveries = 1, .recovery_wait_s = 60,
                       .ready_timeout_s = local ? 300 : 30, .kv = "kivi4"};
     o->model = getenv("STRATA_MODEL") && *getenv("STRATA_MODEL") ? getenv("STRATA_MODEL") : STRATA_DEFAULT_MODEL;
     *config = NULL;
@@ -886,7 +893,8 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
                        .steps_in_flight = (uint32_t)o.steps_in_flight, .device_kv_bytes = strata_mib_bytes(o.device_mib), .host_kv_bytes = strata_mib_bytes(o.host_mib),
                        .nvme_kv_bytes = strata_mib_bytes(o.nvme_mib), .prefix_cache_bytes = strata_mib_bytes(o.prefix_mib),
                        .step_timeout_ms = (uint32_t)(o.step_timeout_s * 1000),
-                       .max_recoveries = (uint32_t)o.max_recoveries, .metrics = reg, .quiet = o.quiet};
+                       .max_recoveries = (uint32_t)o.max_recoveries,
+                       .recovery_wait_ms = (uint32_t)(o.recovery_wait_s * 1000), .metrics = reg, .quiet = o.quiet};
     if (!(co = coord_create(&cc, &err))) {
         fprintf(stderr, "%s: %s\n", prog, err.msg);
         exit_code = err.code == STRATA_EINVAL ? EXIT_USAGE : EXIT_RUNTIME;

@@ -796,7 +796,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     R.cfg.host_kv_bytes = conf & 4 ? 1u << 20 : 0;
     R.cfg.prefix_cache_bytes = conf & 8 && R.cfg.host_kv_bytes ? 256u << 10 : 0;
     R.cfg.step_timeout_ms = conf & 16 ? 300 : 0;   /* with it, workers may also never answer */
-    R.cfg.max_recoveries = conf & 32 ? 2 : 0;      /* requests that lose their KV go on from their tokens */
+    R.cfg.max_recoveries = conf & 32 ? 2 : 0;      /* requests that lose their KV go on from their tokens, */
+    R.cfg.recovery_wait_ms = conf & 32 ? 300 : 0;  /* waiting for a replica when none serves */
     R.cfg.quiet = !H.verbose;
     strata_error err = {0};
     if (!(R.c = coord_create(&R.cfg, &err))) {

@@ -16,7 +16,8 @@ OUT = Path(__file__).resolve().parent / "corpus" / "fuzz_coord"
 
 # The first byte: bit 0 one step in flight, bit 1 a small device budget, bit 2 a host tier, bit 3
 # prefix caching (with a host tier), bit 4 a step timeout of 300 ms (workers may then go silent),
-# bit 5 two recoveries per request (a request whose KV is lost goes on from its tokens).
+# bit 5 two recoveries per request (a request whose KV is lost goes on from its tokens) and a
+# 300 ms wait for a replica when none serves.
 ONE_FLIGHT, SMALL, HOST, PREFIX, TIMEOUT, RECOVER = 1, 2, 4, 8, 16, 32
 
 
@@ -123,6 +124,8 @@ def seeds():
     # replacement that joined meanwhile); KV faults (EIO: arg 2, ECRC: arg 4) on every sequence
     yield "recover_lost", (Program(RECOVER).cluster().generate(6, 12).generate(7, 12).serve(2).op(GONE, 1).serve(3)
                            .op(JOIN, 0).op(GONE, 2).serve(10))
+    yield "recover_all_lost", (Program(RECOVER).cluster().generate(6, 12).generate(7, 12).serve(2).op(GONE, 0)
+                               .op(GONE, 3).op(JOIN, 0).op(JOIN, 0).op(HANDLE, 4).op(HANDLE, 5).serve(8))
     yield "recover_faults", (Program(RECOVER | SMALL | HOST).cluster().generate(20, 10).generate(9, 10).serve(2)
                              .op(MISHANDLE, 0, F_FAIL_ALL, 2).op(MISHANDLE, 1, F_FAIL_ALL, 4).serve(3)
                              .op(MISHANDLE, 2, F_UNKNOWN_SEQ, 3).serve(10))
