@@ -884,8 +884,10 @@ static void lose_replica(coord *c, uint32_t r, const char *why)
 {
     creplica *rp = &c->reps[r];
     /* Where its requests may go on: another serving replica, or this one or another once rebuilt
-     * (recovery_wait_ms: a lone replica's workers restarted by their supervisor). */
-    bool elsewhere = c->cfg.recovery_wait_ms && !c->stopping;
+     * (recovery_wait_ms: a lone replica's workers restarted by their supervisor; not while the
+     * server drains or stops, which ends what still runs anyway). */
+    const bool may_wait = c->cfg.recovery_wait_ms && !c->stopping && !c->draining;
+    bool elsewhere = may_wait;
     for (uint32_t k = 0; k < c->cfg.replicas; k++)
         elsewhere |= k != r && c->reps[k].serving && !c->reps[k].tearing_down;
     for (size_t i = 0; i < c->n_reqs;) {
@@ -937,7 +939,7 @@ static void lose_replica(coord *c, uint32_t r, const char *why)
     bool any = false;
     for (uint32_t k = 0; k < c->cfg.replicas; k++)
         any |= c->reps[k].serving;
-    if (!any && c->n_reqs && c->cfg.recovery_wait_ms && !c->stopping) {
+    if (!any && c->n_reqs && may_wait) {
         if (!c->orphaned_since) {
             c->orphaned_since = now_s();
             logf_(c, "no replica is serving: %zu request(s) wait up to %.3g s for one to be rebuilt", c->n_reqs,
