@@ -146,7 +146,7 @@ port=$(serve_port "$tmp/serve.log" "$server")
 if [ -z "$port" ]; then
   fail "strata serve with tight tiers did not become ready: $(tail -n 20 "$tmp/serve.log")"
 else
-  "$strata" generate --server "127.0.0.1:$port" -p - -n 1000 --ignore-eos --no-echo \
+  "$strata" generate --server "127.0.0.1:$port" -p - -n 200 --ignore-eos --no-echo \
     < "$tmp/prompt.txt" > "$tmp/served.txt" 2> "$tmp/served.err" &
   client=$!
   if wait_bytes "$tmp/served.txt" 40 "$client"; then
