@@ -695,6 +695,21 @@ static void test_failed_migration_stays(void **state)
     fixture_stop(&fx);
 }
 
+/* Two replicas, request a running on *x; the drain of x moves it to *y, which answers the move
+ * as `receiver` says; a ends with UNAVAILABLE after its output (an Error message, status OK). */
+static void move_fails_after_output(fixture *fx, gen_job *a, fake **x, fake **y, mig_mode receiver)
+{
+    two_replicas_running(fx, 64, MIG_OK, a, 60, x, y);
+    pthread_mutex_lock(&(*y)->mu);
+    (*y)->mig = receiver;
+    pthread_mutex_unlock(&(*y)->mu);
+    drain(fx, (*x)->name);
+    WAIT_FOR(gen_done(a), 20000);
+    gen_join(a);
+    assert_int_equal(a->status, GRPC_STATUS_OK);   /* output had started: the failure is a message */
+    assert_int_equal(a->error, GRPC_STATUS_UNAVAILABLE);
+}
+
 /* The sender moved its blocks but the receiver failed: the request cannot go on anywhere and
  * ends with UNAVAILABLE after its output so far. */
 static void test_half_moved_fails(void **state)
@@ -703,15 +718,7 @@ static void test_half_moved_fails(void **state)
     fixture fx;
     gen_job a;
     fake *x, *y;
-    two_replicas_running(&fx, 64, MIG_OK, &a, 60, &x, &y);
-    pthread_mutex_lock(&y->mu);
-    y->mig = MIG_FAIL;
-    pthread_mutex_unlock(&y->mu);
-    drain(&fx, x->name);
-    WAIT_FOR(gen_done(&a), 20000);
-    gen_join(&a);
-    assert_int_equal(a.status, GRPC_STATUS_OK);   /* output had started: the failure is a message */
-    assert_int_equal(a.error, GRPC_STATUS_UNAVAILABLE);
+    move_fails_after_output(&fx, &a, &x, &y, MIG_FAIL);
     assert_non_null(strstr(a.error_message, "migration failed half way"));
     assert_true(a.tokens < 60);
     coord_drain_report rep = drain_until_done(&fx, x->name);
@@ -729,15 +736,7 @@ static void test_migration_out_of_step(void **state)
     fixture fx;
     gen_job a;
     fake *x, *y;
-    two_replicas_running(&fx, 64, MIG_OK, &a, 60, &x, &y);
-    pthread_mutex_lock(&y->mu);
-    y->mig = MIG_WRONG_SEQ;
-    pthread_mutex_unlock(&y->mu);
-    drain(&fx, x->name);
-    WAIT_FOR(gen_done(&a), 20000);
-    gen_join(&a);
-    assert_int_equal(a.status, GRPC_STATUS_OK);   /* output had started: the failure is a message */
-    assert_int_equal(a.error, GRPC_STATUS_UNAVAILABLE);
+    move_fails_after_output(&fx, &a, &x, &y, MIG_WRONG_SEQ);
     if (!strstr(a.error_message, "out of step") || !strstr(a.error_message, "as sequence"))
         fail_msg("the request's error does not say the worker was out of step: '%s'", a.error_message);
     WAIT_FOR(fake_bool(y, &y->ended), 5000);

@@ -354,12 +354,19 @@ static void count_finish(coord *c, int kind)
         metrics_counter_inc(c->m.finished[kind]);
 }
 
-static void fail_req(coord *c, creq *q, int code, const char *msg)
+/* Ends q with a failure whose sequence the scheduler has finished (or a step outcome finishes). */
+static void end_failed(coord *c, creq *q, int code, const char *msg)
 {
-    sched_finish(c->sched, q->id);
     api_stream_fail(q->stream, code, msg);
     count_finish(c, FIN_ERROR);
     drop_req(c, q);
+}
+
+/* Ends q with a failure, its sequence finished. */
+static void fail_req(coord *c, creq *q, int code, const char *msg)
+{
+    sched_finish(c->sched, q->id);
+    end_failed(c, q, code, msg);
 }
 
 /* ---- capacity ---- */
@@ -836,9 +843,7 @@ static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal
                 sched_finish(c->sched, q->id);
                 if (recover(c, q, msg))
                     continue;
-                api_stream_fail(q->stream, status, msg);   /* its sequence is finished */
-                count_finish(c, FIN_ERROR);
-                drop_req(c, q);
+                end_failed(c, q, status, msg);   /* its sequence is finished */
                 continue;
             }
             logf_(c, "request %s failed: %s", api_stream_request_id(q->stream), msg);
@@ -925,9 +930,7 @@ static void lose_replica(coord *c, uint32_t r, const char *why)
         if (q->recovering) {
             q->recovering = false;
             if (!recover(c, q, why)) {
-                api_stream_fail(q->stream, STRATA_EIO, why);   /* its old sequence is finished */
-                count_finish(c, FIN_ERROR);
-                drop_req(c, q);
+                end_failed(c, q, STRATA_EIO, why);   /* its old sequence is finished */
                 continue;
             }
         }
@@ -1109,15 +1112,11 @@ static void finish_step(coord *c, uint32_t r, uint32_t k)
             /* Its KV is damaged: it goes on as a new sequence; the old one ends below. */
         } else if (q && f->status[w] != 0) {
             logf_(c, "request %s failed: %s", api_stream_request_id(q->stream), f->message[w]);
-            api_stream_fail(q->stream, f->status[w], f->message[w]);
-            count_finish(c, FIN_ERROR);
-            drop_req(c, q);
+            end_failed(c, q, f->status[w], f->message[w]);   /* the step's outcome ends its sequence */
         } else if (q && !f->works[w].sample) {
             ended = false;   /* a prompt chunk ran; the next one (or the token) comes later */
         } else if (q && !f->sampled[w]) {
-            api_stream_fail(q->stream, STRATA_EIO, "the last stage returned no token for this request");
-            count_finish(c, FIN_ERROR);
-            drop_req(c, q);
+            end_failed(c, q, STRATA_EIO, "the last stage returned no token for this request");
         } else if (q) {
             ended = deliver(c, q, f->tokens[w]);
         }
