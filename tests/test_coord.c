@@ -56,7 +56,7 @@ typedef struct fake {
     uint32_t fail_steps;     /* nonzero: answer every work with this status, as a stage refusing it */
     uint32_t bad_token;      /* nonzero: sample this token (outside the vocabulary) instead */
     bool answer_twice;       /* send every StepResult twice, as a faulty worker */
-    uint32_t step_offset;    /* answer step N as step N + step_offset, as a worker out of step */
+    int32_t step_offset;     /* answer step N as step N + step_offset, as a worker out of step */
     bool silent;             /* answer no step (its stream alive), as a worker on a hung device */
     /* what it saw */
     bool assigned;
@@ -66,9 +66,10 @@ typedef struct fake {
     int migrates_send, migrates_recv;
     int parks, prefix_copies;   /* PrefixPark entries and SeqWork.prefix_entry copies seen */
     /* the last chunk of a recovered sequence's prompt (SeqWork.sampled_before > 0 on its first
-     * sampling work): where it ends, its sampled_before, and whether it holds the request's
-     * prompt and then the tokens sampled, each at its position */
-    int replay_tokens, replay_sampled_before;
+     * sampling work): where it starts and ends, its sampled_before, and whether it holds the
+     * request's prompt (gen_main's ids) and then the tokens sampled, each at its position */
+    int replay_prompt;   /* set by the test: the prompt's length (0: PROMPT_TOKENS) */
+    int replay_pos0, replay_tokens, replay_sampled_before;
     bool replay_ok;
     bool shutdown, shutdown_drain;
     uint64_t seqs[64];
@@ -100,6 +101,14 @@ static void fake_migrate_done(fake *f, ctl_client *cli, uint64_t seq, uint32_t s
     fake_send(f, cli, &m);
 }
 
+/* Token `pos` of gen_main's prompts: four words, then ids 30000 + pos (a 3-byte varint each on
+ * the wire). */
+static uint32_t gen_prompt_id(uint32_t pos)
+{
+    static const uint32_t words[PROMPT_TOKENS] = {504, 1115, 314, 253};
+    return pos < PROMPT_TOKENS ? words[pos] : 30000 + pos;
+}
+
 static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__StepPlan *p)
 {
     pthread_mutex_lock(&f->mu);
@@ -107,21 +116,22 @@ static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__Step
     bool fail_preempt = f->fail_preempt, fail_copies = f->fail_prefix_copies;
     uint32_t fail_status = f->fail_steps, token = f->bad_token ? f->bad_token : FAKE_TOKEN;
     bool twice = f->answer_twice;
-    const uint64_t step_offset = f->step_offset;
+    const uint64_t step_offset = (uint64_t)(int64_t)f->step_offset;   /* modulo 2^64: N - k for k < 0 */
     const bool silent = f->silent;
     f->plans++;
     f->preempts += (int)p->n_preempt_seqs;
     f->parks += (int)p->n_park_prefixes;
+    const uint32_t n_prompt = f->replay_prompt ? (uint32_t)f->replay_prompt : PROMPT_TOKENS;
     for (size_t i = 0; i < p->n_seqs; i++) {
         const Strata__Internal__V1__SeqWork *w = p->seqs[i];
         f->prefix_copies += w->prefix_entry != 0;
-        if (w->sampled_before > 0 && w->pos0 + w->n_tokens <= PROMPT_TOKENS + w->sampled_before) {   /* not a decode */
-            static const uint32_t prompt[PROMPT_TOKENS] = {504, 1115, 314, 253};   /* gen_main's */
+        if (w->sampled_before > 0 && w->pos0 + w->n_tokens <= n_prompt + w->sampled_before) {   /* not a decode */
+            f->replay_pos0 = (int)w->pos0;
             f->replay_tokens = (int)(w->pos0 + w->n_tokens);
             f->replay_sampled_before = (int)w->sampled_before;
-            f->replay_ok = w->pos0 + w->n_tokens == PROMPT_TOKENS + w->sampled_before;
+            f->replay_ok = w->pos0 + w->n_tokens == n_prompt + w->sampled_before;
             for (size_t k = 0, pos = w->pos0; k < w->n_tokens; k++, pos++)
-                f->replay_ok &= w->tokens[k] == (pos < PROMPT_TOKENS ? prompt[pos] : FAKE_TOKEN);
+                f->replay_ok &= w->tokens[k] == (pos < n_prompt ? gen_prompt_id((uint32_t)pos) : FAKE_TOKEN);
         }
     }
     for (size_t i = 0; i < p->n_seqs; i++) {
@@ -319,10 +329,10 @@ static void on_generate_response(void *user, ProtobufCMessage *msg)
 static void *gen_main(void *arg)
 {
     gen_job *g = arg;
-    uint32_t ids[400] = {504, 1115, 314, 253};
+    uint32_t ids[400];
     uint32_t n = g->prompt_tokens ? g->prompt_tokens : PROMPT_TOKENS;   /* checked by gen_start_prompt */
-    for (uint32_t i = PROMPT_TOKENS; i < n; i++)
-        ids[i] = 30000 + i;   /* a 3-byte varint each on the wire */
+    for (uint32_t i = 0; i < n; i++)
+        ids[i] = gen_prompt_id(i);
     Strata__V1__TokenIds t = STRATA__V1__TOKEN_IDS__INIT;
     t.n_ids = n;
     t.ids = ids;
@@ -949,9 +959,9 @@ static void replacement_serves(fixture *fx, fake *w, const char *name)
  * vocabulary fails that request (INTERNAL, naming the worker and the token), never reaches the
  * client as text; a stage that answers a step twice does not end the step before the other
  * stage answered (the request completes with every token); a worker that answers a step it was
- * never sent is out of step: its stream is ended (the step it owes would never come and its
- * replica would stall), the request ends with UNAVAILABLE saying so, and a worker that joins
- * next serves again. */
+ * never sent, or a step older than the one it owes, is out of step: its stream is ended (the
+ * step it owes would never come and its replica would stall), the request ends with UNAVAILABLE
+ * saying so, and a worker that joins next serves again. */
 static void test_worker_bad_answers(void **state)
 {
     (void)state;
@@ -983,6 +993,16 @@ static void test_worker_bad_answers(void **state)
                                                                                                        "sent"))
         fail_msg("a worker answering a step never sent: status %d (%s), %d tokens", a.status, a.details, a.tokens);
     replacement_serves(&fx, w, "w1");
+    /* The replacement answers each step under the number of the step before its last answer. */
+    fake *w1 = &fx.fakes[1];
+    pthread_mutex_lock(&w1->mu);
+    w1->step_offset = -2;
+    pthread_mutex_unlock(&w1->mu);
+    gen_run(&a, fx.ch, 8);
+    if (a.status != GRPC_STATUS_UNAVAILABLE || !strstr(a.details, "out of step") ||
+        !strstr(a.details, "older than the step it owes"))
+        fail_msg("a worker answering an older step: status %d (%s), %d tokens", a.status, a.details, a.tokens);
+    replacement_serves(&fx, w1, "w2");
     fixture_stop(&fx);
 
     /* Two stages; the first to join (stage 0) answers fast and twice, the last stage slowly. */
@@ -1166,6 +1186,59 @@ static void test_failed_spill_recovers(void **state)
     fixture_stop(&fx);
 }
 
+/* A recovered request starts from a cached prefix of its input on the replica it goes on on, as
+ * a new request would: two requests at once leave an entry of the same 40-token prompt on each
+ * replica; a third with that prompt starts from one replica's entry (cached 32), loses that
+ * replica mid-stream, and goes on on the other from that one's entry: its first chunk there
+ * starts at token 32 after a copy, holds the rest of the prompt and the streamed tokens, and it
+ * completes with cached_tokens 32. */
+static void test_recovery_starts_from_prefix(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start_limits(&fx, 2, 64, 0, (fixture_limits){.max_recoveries = 1, .prefix_cache_bytes = 64u << 20});
+    fake *w[2] = {fake_start(&fx, "w0", MIG_OK), fake_start(&fx, "w1", MIG_OK)};
+    for (int i = 0; i < 2; i++) {
+        pthread_mutex_lock(&w[i]->mu);
+        w[i]->replay_prompt = 40;
+        w[i]->step_ms = 100;   /* the first request still runs when the second is routed */
+        pthread_mutex_unlock(&w[i]->mu);
+    }
+    wait_ready(&fx);
+    gen_job p1, p2;
+    gen_start_prompt(&p1, fx.ch, 40, 4);
+    gen_start_prompt(&p2, fx.ch, 40, 4);
+    WAIT_FOR(gen_done(&p1) && gen_done(&p2), 10000);
+    gen_join(&p1);
+    gen_join(&p2);
+    assert_complete(&p1);
+    assert_complete(&p2);
+    WAIT_FOR(fake_int(w[0], &w[0]->parks) == 1 && fake_int(w[1], &w[1]->parks) == 1, 5000);   /* 43 fed: 32 kept */
+    for (int i = 0; i < 2; i++)
+        fake_set_step_ms(w[i], 20);
+    gen_job b;
+    gen_start_prompt(&b, fx.ch, 40, 60);
+    WAIT_FOR(gen_tokens(&b) >= 5, 10000);
+    const int x = fake_int(w[0], &w[0]->prefix_copies) == 1 ? 0 : 1, y = 1 - x;
+    assert_int_equal(fake_int(w[x], &w[x]->prefix_copies), 1);
+    assert_int_equal(fake_int(w[y], &w[y]->prefix_copies), 0);
+    fake_set(w[x], &w[x]->kill);
+    WAIT_FOR(gen_done(&b), 20000);
+    gen_join(&b);
+    assert_complete(&b);
+    assert_int_equal(b.cached, 32);
+    assert_int_equal(fake_int(w[y], &w[y]->prefix_copies), 1);
+    if (!fake_bool(w[y], &w[y]->replay_ok) || fake_int(w[y], &w[y]->replay_pos0) != 32)
+        fail_msg("the other replica's first chunk: tokens %d-%d, sampled_before %d", fake_int(w[y], &w[y]->replay_pos0),
+                 fake_int(w[y], &w[y]->replay_tokens), fake_int(w[y], &w[y]->replay_sampled_before));
+    Strata__V1__Stats *st = get_stats(&fx);
+    assert_int_equal(st->requests_recovered, 1);
+    assert_int_equal(st->prefix_cache_hits, 2);
+    assert_int_equal(st->prefix_cache_hit_tokens, 64);
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    fixture_stop(&fx);
+}
+
 /* A lone replica loses its worker: its request waits (recovery_wait_ms) and goes on on the
  * rebuilt replica when a new worker joins. Lost again with its recovery used up, or with none
  * joining in time, a request ends with UNAVAILABLE saying why. */
@@ -1220,6 +1293,7 @@ int main(void)
         cmocka_unit_test(test_silent_worker_times_out),
         cmocka_unit_test(test_lost_replica_recovers),
         cmocka_unit_test(test_failed_spill_recovers),
+        cmocka_unit_test(test_recovery_starts_from_prefix),
         cmocka_unit_test(test_lone_replica_waits_for_rebuild),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -48,8 +48,8 @@ typedef struct creq {
     double t_accept, t_last;
     int plan;                    /* index in coord.plans: 0 the server's, else the request's kv_codec */
     bool stay;                   /* a migration of it failed without moving it: the drain waits for it */
-    /* Prefix caching: the entry its prompt may start from (pinned until its first step goes out
-     * or it ends), and the prompt tokens that step took from it (0: prefilled whole). */
+    /* Prefix caching: the entry its input may start from (pinned until its first step goes out
+     * or it ends), and the input tokens that step took from it (0: prefilled whole). */
     uint64_t prefix_entry;
     bool pinned, started;
     size_t cached;
@@ -67,6 +67,7 @@ typedef struct slot {
     uint64_t tier_blocks[N_TIERS], tier_bytes[N_TIERS], tier_capacity[N_TIERS];
     uint64_t spills, restores, crc_failures, spill_failures, restore_failures;
     uint32_t migrates_pending;   /* Migrate messages sent to it and not answered yet */
+    uint64_t last_answered;      /* the step it answered last (0: none yet) */
 } slot;
 
 /* A step out: sent to every stage of its replica, waiting for their answers. */
@@ -659,10 +660,54 @@ static void worker_message(const coord *c, uint32_t r, uint32_t s, const Strata_
              sr->message && *sr->message ? sr->message : fallback);
 }
 
+/* ---- admission ---- */
+
+/* Of the first `cached` input tokens q's sequence took from a prefix entry, those of its prompt
+ * (a recovered request's input goes on with its sampled tokens, which an entry may hold too). */
+static size_t prompt_cached(const creq *q, size_t cached)
+{
+    return cached < q->n_prompt ? cached : q->n_prompt;
+}
+
+/* Hands q's sequence (q->id, its q->n_input tokens: the prompt, then after a recovery the tokens
+ * sampled before) to the scheduler, to sample the tokens it may still sample. With prefix caching
+ * it starts after the longest cached prefix of that input on a serving replica, the entry pinned
+ * until its first step goes out (start_step) or it ends. */
+static int submit_seq(coord *c, creq *q, strata_error *err)
+{
+    const size_t max_tokens = q->req->sampling->max_tokens - q->n_generated;
+    prefix_hit hit = {0};
+    q->pinned = false;
+    q->prefix_entry = 0;
+    if (c->prefixes && c->prefix_row_bytes[q->plan]) {
+        /* Out of memory for the joined ids, only the prompt is looked up: a shorter hit, if any. */
+        int32_t *joined = q->n_input > q->n_prompt ? malloc(q->n_input * sizeof *joined) : NULL;
+        if (joined) {
+            memcpy(joined, q->prompt, q->n_prompt * sizeof *joined);
+            memcpy(joined + q->n_prompt, q->generated, (q->n_input - q->n_prompt) * sizeof *joined);
+        }
+        for (uint32_t r = 0; r < c->cfg.replicas; r++)
+            c->prefix_usable[r] = c->reps[r].serving && !c->reps[r].tearing_down;
+        if (prefix_index_lookup(c->prefixes, q->plan, joined ? joined : q->prompt, joined ? q->n_input : q->n_prompt,
+                                c->prefix_usable, &hit))
+            q->pinned = prefix_index_pin(c->prefixes, hit.entry, hit.n_tokens);
+        free(joined);
+        q->prefix_entry = q->pinned ? hit.entry : 0;
+    }
+    int rc = q->pinned ? sched_submit_prefix(c->sched, q->id, q->n_input, max_tokens, hit.replica, hit.n_tokens, NULL, err)
+                       : sched_submit(c->sched, q->id, q->n_input, max_tokens, NULL, err);
+    if (rc != STRATA_OK && q->pinned) {
+        prefix_index_unpin(c->prefixes, q->prefix_entry);
+        q->pinned = false;
+        q->prefix_entry = 0;
+    }
+    return rc;
+}
+
 /* ---- recovery ---- */
 
 /* q goes back to the scheduler under a new sequence id, its prompt and every token it sampled
- * so far to be prefilled (no prefix entry), to sample the rest of its tokens; the caller has
+ * so far to be prefilled (after a cached prefix of them, when one is on a serving replica), to sample the rest of its tokens; the caller has
  * finished (or finishes) its old id, so that the workers free what they made of it. The stream
  * and what it sent stay. False, with the reason in err, when the scheduler refuses it. */
 static bool resubmit(coord *c, creq *q, strata_error *err)
@@ -677,11 +722,9 @@ static bool resubmit(coord *c, creq *q, strata_error *err)
     q->id = ++c->next_seq_id;
     q->started = false;
     q->cached = 0;
-    q->prefix_entry = 0;
     q->n_input = q->n_prompt + q->n_generated;
     q->sampled_before = q->n_generated;
-    if (sched_submit(c->sched, q->id, q->n_input, q->req->sampling->max_tokens - q->n_generated, NULL, err) !=
-        STRATA_OK) {
+    if (submit_seq(c, q, err) != STRATA_OK) {
         q->id = old;
         return false;
     }
@@ -785,12 +828,16 @@ static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal
     if (k == rp->n_flights) {
         if (rp->tearing_down)
             return;   /* a result of a step abandoned when the replica was torn down */
+        const uint64_t last = rp->stages[s].last_answered;
         if (res->step > rp->last_step)
             out_of_step(c, r, s, "it answered step %" PRIu64 ", which was never sent (the last was %" PRIu64 ")",
                         res->step, rp->last_step);
-        else   /* a step that every stage had answered: a repeat */
+        else if (res->step == last && last != 0)   /* its last answer again, that step over: a repeat */
             logf_(c, "replica %u stage %u (worker %s) answered step %" PRIu64 " again after it ended: ignored", r, s,
                   rp->stages[s].name, res->step);
+        else   /* the step it owes is not this one, and may never come */
+            out_of_step(c, r, s, "it answered step %" PRIu64 ", older than the step it owes (its last answer was to step "
+                        "%" PRIu64 ")", res->step, last);
         return;
     }
     flight *f = &rp->flights[k];
@@ -808,6 +855,7 @@ static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal
             return;
         }
     f->answered |= (uint64_t)1 << s;
+    rp->stages[s].last_answered = res->step;
     for (size_t i = 0; i < res->n_results; i++) {
         const Strata__Internal__V1__SeqResult *sr = res->results[i];
         bool in_work = false;
@@ -1076,7 +1124,8 @@ static bool deliver(coord *c, creq *q, uint32_t tok)
         if (len)
             (void)api_stream_send_chunk(q->stream, NULL, 0, text, len);
     }
-    api_stream_complete(q->stream, why, (uint32_t)q->n_prompt, (uint32_t)q->n_generated, (uint32_t)q->cached);
+    api_stream_complete(q->stream, why, (uint32_t)q->n_prompt, (uint32_t)q->n_generated,
+                        (uint32_t)prompt_cached(q, q->cached));
     count_finish(c, why == STRATA__V1__FINISH_REASON__FINISH_REASON_STOP ? FIN_STOP : FIN_LENGTH);
     if (q->generated)
         offer_prefix(c, q, sched_get_replica(c->sched, q->id));
@@ -1097,11 +1146,12 @@ static void finish_step(coord *c, uint32_t r, uint32_t k)
         if (f->status[w] != 0 && f->works[w].prefix_entry)
             lose_prefix(c, f->works[w].prefix_entry);   /* a worker lacks it: never again */
         if (f->status[w] == 0 && f->works[w].prefix_entry) {
+            const size_t hit = q ? prompt_cached(q, f->works[w].pos0) : 0;
             c->prefix_hits++;
-            c->prefix_hit_tokens += f->works[w].pos0;
+            c->prefix_hit_tokens += hit;
             if (c->have_metrics) {
                 metrics_counter_inc(c->m.prefix_hits);
-                metrics_counter_add(c->m.prefix_hit_tokens, f->works[w].pos0);
+                metrics_counter_add(c->m.prefix_hit_tokens, hit);
             }
         }
         if (q && f->status[w] != 0 && f->works[w].prefix_entry && restart_whole(c, q, f->message[w])) {
@@ -1696,22 +1746,9 @@ static int api_generate(void *ctx, const Strata__V1__GenerateRequest *req, api_s
             c->cap_reqs = cap;
         }
     }
-    prefix_hit hit = {0};
-    if (rc == STRATA_OK && c->prefixes && c->prefix_row_bytes[plan]) {
-        for (uint32_t r = 0; r < c->cfg.replicas; r++)   /* replicas serving now */
-            c->prefix_usable[r] = c->reps[r].serving;
-        if (prefix_index_lookup(c->prefixes, plan, q->prompt, q->n_prompt, c->prefix_usable, &hit))
-            q->pinned = prefix_index_pin(c->prefixes, hit.entry, hit.n_tokens);
-        q->prefix_entry = q->pinned ? hit.entry : 0;
-    }
     if (rc == STRATA_OK) {
         q->id = ++c->next_seq_id;
-        rc = q->pinned ? sched_submit_prefix(c->sched, q->id, q->n_prompt, max_tokens, hit.replica, hit.n_tokens, NULL, err)
-                       : sched_submit(c->sched, q->id, q->n_prompt, max_tokens, NULL, err);
-    }
-    if (rc != STRATA_OK && q->pinned) {
-        prefix_index_unpin(c->prefixes, q->prefix_entry);
-        q->pinned = false;
+        rc = submit_seq(c, q, err);
     }
     if (rc == STRATA_OK) {
         c->reqs[c->n_reqs++] = q;
