@@ -470,10 +470,10 @@ def test_two_replicas_migration():
     the request of its replica to the other one mid-generation (its KV blocks travel worker to
     worker) and both still give exactly the single-process tokens. Each request names its own KV
     codec, which travels with the moved one. A worker killed mid-stream: its request goes on on
-    the other replica (recovery) with the same sampled tokens. A step budget of 64 tokens makes a
-    long prompt run as chunks."""
+    the other replica (recovery) from that replica's cached prefix of its tokens, with the same
+    sampled tokens. A step budget of 64 tokens makes a long prompt run as chunks."""
     s = Serve("two", "--replicas", "2", "--stages", "2", "--ctx", "512", "--max-batch-tokens", "64",
-              "--kv-codecs", "fp16,kivi2")
+              "--kv-codecs", "fp16,kivi2", "--prefix-cache-mib", "16")
     try:
         c = Client(s.addr())
         h = c.health(pb.HealthRequest(), timeout=T)
@@ -511,14 +511,20 @@ def test_two_replicas_migration():
             time.sleep(0.5)
         assert c.health(pb.HealthRequest(), timeout=T).status == pb.SERVING_STATUS_SERVING
         # A worker lost mid-stream: the request goes on on the other replica from its prompt and
-        # the tokens it streamed (their KV recomputed), and its seeded sampling gives the tokens
-        # an uninterrupted run gives (fp16: the recomputed KV is the same up to rounding).
+        # the tokens it streamed, and its seeded sampling gives the tokens an uninterrupted run
+        # gives (fp16: recomputed KV is the same up to rounding). Two uninterrupted runs at once
+        # (one per replica) leave a cached prefix of their first 64 tokens on each; the request
+        # streams past 64 tokens on replica 0, which is then lost, and on replica 1 it starts
+        # from that replica's entry (prompt and sampled tokens) and recomputes only the rest.
         r = req(PROMPTS[1], max_tokens=120, ignore_eos=True, temperature=0.8, seed=11)
         r.kv_codec = "fp16"
-        whole = c.generate(r)[0]
+        hits = c.stats(pb.StatsRequest(), timeout=T).prefix_cache_hits
+        pair = [c.stream(r), c.stream(r)]
+        whole, again = ([t for m in p if m.HasField("chunk") for t in m.chunk.token_ids] for p in pair)
+        assert whole == again, f"the same seed on the two replicas: {whole} != {again}"
         it = c.stream(r)
         ids = []
-        while len(ids) < 4:
+        while len(ids) < 70:
             ids += list(next(it).chunk.token_ids)
         victim = s.worker_at(0, 1)   # an idle server routes to replica 0 (ties: the lowest index)
         os.kill(victim, signal.SIGKILL)
@@ -529,7 +535,9 @@ def test_two_replicas_migration():
                 assert m.complete.completion_tokens == 120, m
         assert ids == whole, f"after the recovery: {ids} != uninterrupted {whole}"
         assert re.search(rb"lost: .*; it goes on from its \d+ tokens", s.text()), s.text()[-2000:]
-        assert c.stats(pb.StatsRequest(), timeout=T).requests_recovered == 1
+        st = c.stats(pb.StatsRequest(), timeout=T)
+        assert st.requests_recovered == 1, st
+        assert st.prefix_cache_hits == hits + 1, st   # the recovered sequence's copy of the entry
         deadline = time.time() + 120   # the killed worker is restarted and its replica rebuilt
         while time.time() < deadline and c.health(pb.HealthRequest(), timeout=T).status != pb.SERVING_STATUS_SERVING:
             time.sleep(0.5)
