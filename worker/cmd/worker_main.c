@@ -245,6 +245,24 @@ static int send_kv_report(ctl_client *cc, const stage *st, strata_error *err)
     return ctl_client_send(cc, &m, err);
 }
 
+/* Accepts `who` (the peer expected) on l within timeout_ms. A connection that fails the
+ * handshake (a port scanner, a probe, a stale peer) is logged and dropped, and the wait goes on:
+ * a stranger must not cost an assignment or a migration. */
+static int accept_peer(dp_listener *l, const dp_auth *auth, int timeout_ms, const char *who, dp_link **out,
+                       strata_error *err)
+{
+    const double deadline = mono_seconds() + timeout_ms / 1000.0;
+    for (;;) {
+        const int left_ms = (int)((deadline - mono_seconds()) * 1000.0);
+        if (left_ms <= 0)
+            return strata_fail(err, STRATA_EIO, "data plane: %s did not connect within %d s", who, timeout_ms / 1000);
+        const int rc = dp_tcp_accept(l, auth, NULL, left_ms, out, err);
+        if (rc == STRATA_OK || mono_seconds() >= deadline)
+            return rc;
+        fprintf(stderr, "strata-worker: data plane: ignored a connection while waiting for %s: %s\n", who, err->msg);
+    }
+}
+
 /* Data-plane links of this stage: to the next stage (connect) and from the previous (accept).
  * Connecting first, from the last stage backwards, cannot deadlock: the last stage only accepts. */
 static int connect_links(const Strata__Internal__V1__Assignment *a, dp_listener *l, const dp_auth *auth, dp_link **prev,
@@ -257,19 +275,10 @@ static int connect_links(const Strata__Internal__V1__Assignment *a, dp_listener 
     int rc = STRATA_OK;
     if (a->stage + 1 < a->n_stages)
         rc = dp_tcp_connect(a->stage_data_addrs[a->stage + 1], auth, NULL, 60000, next, err);
-    /* A connection that fails the handshake (a port scanner, a probe, a stale peer) must not
-     * cost the assignment: keep listening for the real neighbour until the deadline. */
-    const double deadline = mono_seconds() + 60.0;
-    while (rc == STRATA_OK && a->stage > 0) {
-        int left_ms = (int)((deadline - mono_seconds()) * 1000.0);
-        if (left_ms <= 0)
-            return strata_fail(err, STRATA_EIO, "data plane: stage %u did not connect within 60 s", a->stage - 1);
-        if ((rc = dp_tcp_accept(l, auth, NULL, left_ms, prev, err)) == STRATA_OK)
-            break;
-        if (mono_seconds() >= deadline)
-            return rc;
-        fprintf(stderr, "strata-worker: data plane: ignored a connection: %s\n", err->msg);
-        rc = STRATA_OK;
+    if (rc == STRATA_OK && a->stage > 0) {
+        char who[64];
+        snprintf(who, sizeof who, "stage %u", a->stage - 1);
+        rc = accept_peer(l, auth, 60000, who, prev, err);
     }
     return rc;
 }
@@ -323,18 +332,9 @@ static int migrate_send(stage *st, const dp_auth *auth, const char *peer, uint64
 static int migrate_receive(stage *st, dp_listener *l, const dp_auth *auth, uint64_t id, strata_error *err)
 {
     dp_link *link = NULL;
-    const double deadline = mono_seconds() + MIGRATE_TIMEOUT_MS / 1000.0;
-    int rc;
-    for (;;) {   /* as in connect_links: a stranger's failed handshake does not end the wait */
-        int left_ms = (int)((deadline - mono_seconds()) * 1000.0);
-        if (left_ms <= 0)
-            return strata_fail(err, STRATA_EIO, "migration: the sender did not connect within %d s",
-                               MIGRATE_TIMEOUT_MS / 1000);
-        if ((rc = dp_tcp_accept(l, auth, NULL, left_ms, &link, err)) == STRATA_OK)
-            break;
-        if (mono_seconds() >= deadline)
-            return rc;
-    }
+    int rc = accept_peer(l, auth, MIGRATE_TIMEOUT_MS, "the migration's sender", &link, err);
+    if (rc != STRATA_OK)
+        return rc;
     dp_msg_header h;
     uint8_t *img = NULL;
     rc = dp_recv_header(link, &h, MIGRATE_TIMEOUT_MS, err);
