@@ -3,7 +3,8 @@
  * the real TCP data plane: the greedy tokens of three sequences batched together equal each one
  * run alone through model_forward in this process. Then a worker is killed mid-generation: the
  * coordinator side sees it gone (UNAVAILABLE) within seconds and the other worker's next step
- * fails cleanly instead of hanging. Also: a worker with the wrong cluster secret is refused. */
+ * fails cleanly instead of hanging. Also: a worker with the wrong cluster secret is refused, and
+ * a worker let go in the middle of a long step exits within --exit-timeout. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -136,15 +137,22 @@ static void knock(const char *host_port)
     close(fd);
 }
 
-static pid_t spawn_worker(const char *addr, const char *secret_file, const char *name)
+/* A strata-worker process; extra, extra2: more arguments (NULL: none, then extra2 NULL too). */
+static pid_t spawn_worker_with(const char *addr, const char *secret_file, const char *name, const char *extra,
+                               const char *extra2)
 {
     pid_t pid = fork();
     if (pid == 0) {
         execl(STRATA_WORKER_BIN, STRATA_WORKER_BIN, "--coordinator", addr, "--secret-file", secret_file, "--name", name,
-              "--quiet", (char *)NULL);
+              "--quiet", extra, extra2, (char *)NULL);
         _exit(127);
     }
     return pid;
+}
+
+static pid_t spawn_worker(const char *addr, const char *secret_file, const char *name)
+{
+    return spawn_worker_with(addr, secret_file, name, NULL, NULL);
 }
 
 static int32_t argmax(const float *x, int n)
@@ -156,7 +164,10 @@ static int32_t argmax(const float *x, int n)
     return best;
 }
 
-static void send_assignment(ctl_peer *p, uint32_t stage, uint32_t layer_begin, uint32_t layer_end, char **addrs)
+/* Stage `stage` of n_stages (addrs: their data addresses) over layers [layer_begin, layer_end),
+ * for sequences of up to max_tokens tokens, a step of up to that many. */
+static void send_assignment_of(ctl_peer *p, uint32_t stage, uint32_t n_stages, uint32_t layer_begin,
+                               uint32_t layer_end, char **addrs, uint32_t max_tokens)
 {
     Strata__Internal__V1__Assignment a = STRATA__INTERNAL__V1__ASSIGNMENT__INIT;
     a.model_path = (char *)model_path();
@@ -164,21 +175,26 @@ static void send_assignment(ctl_peer *p, uint32_t stage, uint32_t layer_begin, u
     a.layer_end = layer_end;
     a.n_layers_total = 30;
     a.stage = stage;
-    a.n_stages = 2;
-    a.n_stage_data_addrs = 2;
+    a.n_stages = n_stages;
+    a.n_stage_data_addrs = n_stages;
     a.stage_data_addrs = addrs;
     a.kv_plan = (char *)"kivi4";
     a.block_tokens = 64;
-    a.max_seq_tokens = 1024;
-    a.device_kv_bytes = 64u << 20;
+    a.max_seq_tokens = max_tokens;
+    a.device_kv_bytes = 128u << 20;
     a.max_batch_seqs = 8;
-    a.max_batch_tokens = 2048;
+    a.max_batch_tokens = max_tokens;
     Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
     m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ASSIGNMENT;
     m.assignment = &a;
     strata_error err = {0};
     if (ctl_peer_send(p, &m, &err) != STRATA_OK)
         fail_msg("assignment: %s", err.msg);
+}
+
+static void send_assignment(ctl_peer *p, uint32_t stage, uint32_t layer_begin, uint32_t layer_end, char **addrs)
+{
+    send_assignment_of(p, stage, 2, layer_begin, layer_end, addrs, 2048);
 }
 
 typedef struct seq_state {
@@ -223,10 +239,11 @@ static int send_plan(ctl_peer *const *peers, uint64_t step, seq_state *seqs, siz
     return rc;
 }
 
-static void test_two_worker_processes(void **state)
+/* The coordinator's side of this test: a control server on an ephemeral port (its address in
+ * addr) whose events go to h, and the cluster secret in a new file (its path in secret_file, a
+ * mkstemp template). */
+static ctl_server *start_control(hub *h, char addr[64], char *secret_file)
 {
-    (void)state;
-    hub h = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
     ctl_server_options o = ctl_server_options_default();
     o.listen_addr = "127.0.0.1:0";
     o.cluster_secret = SECRET;
@@ -234,17 +251,26 @@ static void test_two_worker_processes(void **state)
     o.keepalive_time_ms = 1000;
     o.keepalive_timeout_ms = 1000;
     o.min_recv_ping_interval_ms = 500;
-    ctl_handler handler = {.ctx = &h, .on_join = on_join, .on_message = on_message, .on_gone = on_gone};
+    ctl_handler handler = {.ctx = h, .on_join = on_join, .on_message = on_message, .on_gone = on_gone};
     ctl_server *srv = NULL;
     strata_error err = {0};
     if (ctl_server_start(&o, &handler, &srv, &err) != STRATA_OK)
         fail_msg("%s", err.msg);
-    char addr[64], secret_file[] = "/tmp/strata-secret-XXXXXX", bad_file[] = "/tmp/strata-badsecret-XXXXXX";
-    snprintf(addr, sizeof addr, "127.0.0.1:%d", ctl_server_port(srv));
+    snprintf(addr, 64, "127.0.0.1:%d", ctl_server_port(srv));
     int fd = mkstemp(secret_file);
     assert_true(fd >= 0 && write(fd, SECRET "\n", strlen(SECRET) + 1) == (ssize_t)strlen(SECRET) + 1);
     close(fd);
-    fd = mkstemp(bad_file);
+    return srv;
+}
+
+static void test_two_worker_processes(void **state)
+{
+    (void)state;
+    hub h = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    char addr[64], secret_file[] = "/tmp/strata-secret-XXXXXX", bad_file[] = "/tmp/strata-badsecret-XXXXXX";
+    ctl_server *srv = start_control(&h, addr, secret_file);
+    strata_error err = {0};
+    int fd = mkstemp(bad_file);
     assert_true(fd >= 0 && write(fd, "not the cluster secret!!", 24) == 24);
     close(fd);
 
@@ -352,10 +378,79 @@ static void test_two_worker_processes(void **state)
     unlink(bad_file);
 }
 
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+/* A worker whose coordinator lets it go while it is deep in a step (as when --step-timeout ends a
+ * worker on a hung GPU) exits within --exit-timeout instead of when the step returns, so that
+ * its supervisor can start a replacement: one stage of the whole model on one thread is sent a
+ * prompt of 8,000 tokens (about a minute on this CPU), and its link is closed a second later. */
+static void test_let_go_mid_step_exits(void **state)
+{
+    (void)state;
+    hub h = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    char addr[64], secret_file[] = "/tmp/strata-secret-XXXXXX";
+    ctl_server *srv = start_control(&h, addr, secret_file);
+    /* one compute thread: the step must outlast the check on a machine of many cores too */
+    pid_t pid = spawn_worker_with(addr, secret_file, "busy", "--exit-timeout=1", "--threads=1");
+    event ev;
+    assert_true(wait_event(&h, 1, 30, &ev));
+    ctl_peer *peer = ev.peer;
+    char data_addr[128];
+    snprintf(data_addr, sizeof data_addr, "%s", ev.data_addr);
+    char *addrs[1] = {data_addr};
+    enum { LONG_PROMPT = 8000 };
+    send_assignment_of(peer, 0, 1, 0, 30, addrs, LONG_PROMPT + 64);
+    assert_true(wait_event(&h, 3, 60, &ev));   /* ready */
+    uint32_t *toks = malloc(LONG_PROMPT * sizeof *toks);
+    assert_non_null(toks);
+    for (uint32_t k = 0; k < LONG_PROMPT; k++)
+        toks[k] = 1 + (k * 2654435761u) % 40000;
+    Strata__Internal__V1__SeqWork w = STRATA__INTERNAL__V1__SEQ_WORK__INIT, *wp = &w;
+    w.seq_id = 1;
+    w.tokens = toks;
+    w.n_tokens = LONG_PROMPT;
+    w.last_chunk_of_prompt = true;
+    w.sample = true;
+    Strata__Internal__V1__StepPlan plan = STRATA__INTERNAL__V1__STEP_PLAN__INIT;
+    plan.step = 1;
+    plan.n_seqs = 1;
+    plan.seqs = &wp;
+    Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+    m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_STEP_PLAN;
+    m.step_plan = &plan;
+    strata_error err = {0};
+    assert_int_equal(ctl_peer_send(peer, &m, &err), STRATA_OK);
+    free(toks);
+    sleep(1);   /* the step is under way */
+    ctl_peer_close(peer, 14, "step timeout of this test");
+    const double closed = now_s();
+    int status = 0;
+    pid_t got = 0;
+    while ((got = waitpid(pid, &status, WNOHANG)) == 0 && now_s() - closed < 15)
+        usleep(50 * 1000);
+    const double took = now_s() - closed;
+    if (got == 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        fail_msg("the worker was still running %.1f s after its link was closed", took);
+    }
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 1);
+    assert_true(took < 10);
+    ctl_peer_unref(peer);
+    ctl_server_shutdown(srv);
+    unlink(secret_file);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_two_worker_processes),
+        cmocka_unit_test(test_let_go_mid_step_exits),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -53,6 +53,10 @@ static void usage(FILE *out)
             "  --nvme-dir DIR           spill directory of the NVMe tier (default: none)\n"
             "  --nvme-kv-mib N          NVMe tier offered (default 1024 with --nvme-dir)\n"
             "  --connect-timeout-ms N   give up reaching the coordinator after N ms (default 30000)\n"
+            "  --exit-timeout N         once the coordinator ended the link or told this worker to\n"
+            "                           stop, or a stop signal came, exit within N s even when a\n"
+            "                           step is still running (a hung device), so that a supervisor\n"
+            "                           can start a replacement; 0: wait for the step (default 60)\n"
             "  --threads N              compute threads (default: the number OpenBLAS picks; results\n"
             "                           of long prompts depend on it, so keep it equal across runs\n"
             "                           you compare)\n"
@@ -63,7 +67,7 @@ static void usage(FILE *out)
 typedef struct worker_opts {
     const char *coordinator, *secret_file, *name, *data, *nvme_dir;
     double device_mib, host_mib, nvme_mib;   /* MiB, fractions allowed; nvme_mib < 0: unset */
-    long connect_timeout_ms, threads;
+    long connect_timeout_ms, exit_timeout_s, threads;
     long cuda_device;   /* -1: the CPU */
     bool quiet;
 } worker_opts;
@@ -76,11 +80,12 @@ static int parse(int argc, char **argv, worker_opts *o)
         {"device-kv-mib", required_argument, NULL, 'D'}, {"host-kv-mib", required_argument, NULL, 'H'},
         {"nvme-dir", required_argument, NULL, 'N'},    {"nvme-kv-mib", required_argument, NULL, 'M'},
         {"connect-timeout-ms", required_argument, NULL, 'T'}, {"quiet", no_argument, NULL, 'q'},
+        {"exit-timeout", required_argument, NULL, 'X'},
         {"threads", required_argument, NULL, 'P'},     {"device", required_argument, NULL, 'G'},
         {"help", no_argument, NULL, 'h'},              {NULL, 0, NULL, 0},
     };
     *o = (worker_opts){.data = "127.0.0.1:0", .device_mib = 256, .nvme_mib = -1, .connect_timeout_ms = 30000,
-                       .cuda_device = -1};
+                       .exit_timeout_s = 60, .cuda_device = -1};
     int c;
     while ((c = getopt_long(argc, argv, "qh", opts, NULL)) != -1) {
         switch (c) {
@@ -97,6 +102,7 @@ static int parse(int argc, char **argv, worker_opts *o)
         case 'H': if (!strata_parse_double("strata-worker", "--host-kv-mib", optarg, 0, STRATA_KV_MIB_MAX, &o->host_mib)) return EXIT_USAGE; break;
         case 'M': if (!strata_parse_double("strata-worker", "--nvme-kv-mib", optarg, STRATA_KV_MIB_MIN, STRATA_KV_MIB_MAX, &o->nvme_mib)) return EXIT_USAGE; break;
         case 'T': if (!strata_parse_long("strata-worker", "--connect-timeout-ms", optarg, 1, 3600000, &o->connect_timeout_ms)) return EXIT_USAGE; break;
+        case 'X': if (!strata_parse_long("strata-worker", "--exit-timeout", optarg, 0, 86400, &o->exit_timeout_s)) return EXIT_USAGE; break;
         case 'P': if (!strata_parse_long("strata-worker", "--threads", optarg, 1, 1024, &o->threads)) return EXIT_USAGE; break;
         case 'G':
             if (!strcmp(optarg, "cpu")) {
@@ -377,6 +383,32 @@ typedef struct inbox {
     ctl_client *cc;
 } inbox;
 
+/* --exit-timeout: once nobody waits for this worker's answers (the coordinator ended its link or
+ * told it to stop, or a stop signal came), the process ends within that time even when the main
+ * thread is still in a step (a hung GPU kernel, a CPU prompt step of minutes): its supervisor
+ * can start a replacement only once it exited. */
+static unsigned exit_timeout_s;
+static volatile sig_atomic_t exit_armed;
+static char overdue_msg[256];
+static size_t overdue_len;
+
+static void exit_overdue(int sig)
+{
+    (void)sig;
+    ssize_t written = write(STDERR_FILENO, overdue_msg, overdue_len);
+    (void)written;
+    _exit(EXIT_RUNTIME);
+}
+
+/* Async-signal-safe (the stop signals' handler calls it); the first call starts the clock. */
+static void arm_exit_timeout(void)
+{
+    if (exit_timeout_s && !exit_armed) {
+        exit_armed = 1;
+        alarm(exit_timeout_s);
+    }
+}
+
 static void *receive_loop(void *arg)
 {
     inbox *in = arg;
@@ -401,6 +433,9 @@ static void *receive_loop(void *arg)
             fprintf(stderr, "strata-worker: skipped a bad control message: %s\n", e.msg);
             continue;
         }
+        if (rc != STRATA_OK ||
+            (msg && msg->kind_case == STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_SHUTDOWN))
+            arm_exit_timeout();   /* the main thread may be stuck in a step: it must not stay for ever */
         pthread_mutex_lock(&in->mu);
         if (rc != STRATA_OK) {
             in->ended = true;
@@ -449,6 +484,7 @@ static void on_signal(int sig)
 {
     (void)sig;
     stop_requested = 1;
+    arm_exit_timeout();
 }
 
 int main(int argc, char **argv)
@@ -468,6 +504,14 @@ int main(int argc, char **argv)
     if (!o.name)
         o.name = name;
     signal(SIGPIPE, SIG_IGN);
+    exit_timeout_s = (unsigned)o.exit_timeout_s;
+    int n = snprintf(overdue_msg, sizeof overdue_msg, "strata-worker %s: still busy %u s after it was let go (a step "
+                     "stuck on its device?): exiting now\n", o.name, exit_timeout_s);
+    overdue_len = n > 0 && (size_t)n < sizeof overdue_msg ? (size_t)n : 0;
+    struct sigaction alarm_sa = {.sa_handler = exit_overdue};
+    sigemptyset(&alarm_sa.sa_mask);
+    if (exit_timeout_s && sigaction(SIGALRM, &alarm_sa, NULL) != 0)
+        exit_timeout_s = 0;   /* without the handler the alarm would kill it silently */
     /* A terminal that goes away (SIGHUP) stops it as SIGTERM does; a signal it was started
      * ignoring (nohup; SIGINT in a script's background job) stays ignored. */
     static const int stop_sigs[] = {SIGTERM, SIGINT, SIGHUP};
@@ -634,6 +678,7 @@ int main(int argc, char **argv)
         if (done)
             break;
     }
+    arm_exit_timeout();   /* the teardown below is bounded too (a device that hangs in a free) */
     pthread_mutex_lock(&in.mu);
     in.closing = true;
     pthread_cond_broadcast(&in.cv);
