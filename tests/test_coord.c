@@ -1239,6 +1239,91 @@ static void test_recovery_starts_from_prefix(void **state)
     fixture_stop(&fx);
 }
 
+/* A drain whose destination is lost before the move went out (its step never answered): the
+ * moving request stays whole on the drained replica, no recovery spent on it; the drain ends,
+ * since no replica is left to move to, and the drained replica serves again, taking the lost
+ * replica's request, which recovers there. Both complete. */
+static void test_drain_target_lost_before_move(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start_limits(&fx, 2, 64, 0, (fixture_limits){.max_recoveries = 1});
+    fake *x = fake_start(&fx, "w0", MIG_OK);
+    WAIT_FOR(workers_ready(&fx) == 1, 10000);   /* only x serves: a runs there */
+    gen_job a, b;
+    gen_start(&a, fx.ch, 80);
+    WAIT_FOR(gen_tokens(&a) >= 3, 10000);
+    fake_set_step_ms(x, 30);
+    fake *y = fake_start(&fx, "w1", MIG_OK);
+    wait_ready(&fx);
+    fake_set(y, &y->silent);
+    gen_start(&b, fx.ch, 60);   /* to y, the replica with more room: its first step is never answered */
+    WAIT_FOR(fake_int(y, &y->plans) >= 1, 10000);
+    coord_drain_report rep = drain(&fx, x->name);   /* a's move waits for y's step */
+    assert_false(rep.done);
+    sleep_ms(200);
+    assert_int_equal(fake_int(y, &y->migrates_recv), 0);
+    fake_set(y, &y->kill);
+    WAIT_FOR(gen_done(&a) && gen_done(&b), 20000);
+    gen_join(&a);
+    gen_join(&b);
+    assert_complete(&a);
+    assert_complete(&b);
+    rep = drain(&fx, x->name);
+    if (!rep.done || !strstr(rep.message, "was lost and no other replica serves"))
+        fail_msg("drain: done %d, '%s'", rep.done, rep.message);
+    assert_false(fake_bool(x, &x->shutdown));   /* the drained replica was not stopped */
+    Strata__V1__Stats *st = get_stats(&fx);
+    assert_int_equal(st->requests_recovered, 1);   /* b; a never lost its KV */
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    fixture_stop(&fx);
+}
+
+/* A replica lost while a request waits in the queue for room, and sits in the request table
+ * before the lost replica's requests (a finished request's slot went to it): finishing those
+ * frees the lost replica's room, which must not take the waiting request (it would wait there
+ * for a rebuild that never comes); it runs on the other replica once that has room. Each replica
+ * holds 8 block rows of 16 tokens; c (4 + 120 tokens) needs all 8 of one. */
+static void test_lost_replica_takes_no_queued_request(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start_limits(&fx, 2, 8, 0, (fixture_limits){.max_recoveries = 1});
+    fake_start(&fx, "w0", MIG_OK);
+    fake_start(&fx, "w1", MIG_OK);
+    wait_ready(&fx);
+    pthread_mutex_lock(&fx.fakes[0].mu);
+    fake *r0 = fx.fakes[0].replica == 0 ? &fx.fakes[0] : &fx.fakes[1];   /* the worker of replica 0 */
+    pthread_mutex_unlock(&fx.fakes[0].mu);
+    for (int i = 0; i < 2; i++)
+        fake_set_step_ms(&fx.fakes[i], 40);
+    gen_job x, b, a, c;
+    gen_start(&x, fx.ch, 16);   /* replica 0 (a tie: the lowest index); runs ~700 ms */
+    WAIT_FOR(fake_int(r0, &r0->n_seqs) >= 1, 5000);
+    gen_start(&b, fx.ch, 60);   /* replica 1, which has more room */
+    sleep_ms(100);
+    gen_start(&a, fx.ch, 40);   /* replica 0 (a tie again) */
+    sleep_ms(100);
+    gen_start_prompt(&c, fx.ch, PROMPT_TOKENS, 120);   /* fits neither now: waits, last in the table */
+    sleep_ms(100);
+    assert_false(gen_done(&x));   /* c reached the table while x still held its slot */
+    WAIT_FOR(gen_done(&x), 10000);   /* x's slot goes to c: c now sits before b and a */
+    gen_join(&x);
+    assert_complete(&x);
+    WAIT_FOR(fake_int(r0, &r0->n_seqs) >= 2, 5000);
+    assert_false(gen_done(&a));
+    assert_int_equal(gen_tokens(&c), 0);
+    fake_set(r0, &r0->kill);   /* a goes on on replica 1; c must follow it there, not stay on 0 */
+    WAIT_FOR(gen_done(&a) && gen_done(&b) && gen_done(&c), 20000);
+    gen_join(&b);
+    gen_join(&a);
+    gen_join(&c);
+    assert_complete(&b);
+    assert_complete(&a);
+    assert_complete(&c);
+    fixture_stop(&fx);
+}
+
 /* A lone replica loses its worker: its request waits (recovery_wait_ms) and goes on on the
  * rebuilt replica when a new worker joins. Lost again with its recovery used up, or with none
  * joining in time, a request ends with UNAVAILABLE saying why. */
@@ -1294,6 +1379,8 @@ int main(void)
         cmocka_unit_test(test_lost_replica_recovers),
         cmocka_unit_test(test_failed_spill_recovers),
         cmocka_unit_test(test_recovery_starts_from_prefix),
+        cmocka_unit_test(test_lost_replica_takes_no_queued_request),
+        cmocka_unit_test(test_drain_target_lost_before_move),
         cmocka_unit_test(test_lone_replica_waits_for_rebuild),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -940,6 +940,9 @@ static void lose_replica(coord *c, uint32_t r, const char *why)
      * (recovery_wait_ms: a lone replica's workers restarted by their supervisor; not while the
      * server drains or stops, which ends what still runs anyway). */
     const bool may_wait = c->cfg.recovery_wait_ms && !c->stopping && !c->draining;
+    /* Nothing may be routed to r from here on: each sched_finish below frees room there and
+     * routes the queue, and a queued request routed to r now would wait for its rebuild. */
+    sched_set_accepting(c->sched, (int)r, false);
     bool elsewhere = may_wait;
     for (uint32_t k = 0; k < c->cfg.replicas; k++)
         elsewhere |= k != r && c->reps[k].serving && !c->reps[k].tearing_down;
@@ -950,14 +953,17 @@ static void lose_replica(coord *c, uint32_t r, const char *why)
             continue;   /* q was dropped: index i now holds another request */
         i++;
     }
-    /* A migration touching r: the sequence may be split between the replicas now. */
+    /* A migration touching r: the sequence may be split between the replicas now, unless r was
+     * its destination and no Migrate went out yet (it is whole where it was, and stays). */
     if (c->mig.active && (r == c->mig.from || r == c->mig.to)) {
         creq *q = find_by_id(c, c->mig.seq);
-        if (q && !q->recovering)
+        const bool untouched = r == c->mig.to && !c->mig.sent;
+        if (q && !q->recovering && !untouched)
             (void)recover_or_fail(c, q, elsewhere, why);
         if (r == c->mig.from)
             (void)sched_free_on(c->sched, (int)c->mig.to, c->mig.seq);
-        sched_set_accepting(c->sched, (int)c->mig.to, true);
+        if (c->mig.to != r)   /* r itself accepts again only once it is unavailable, below */
+            sched_set_accepting(c->sched, (int)c->mig.to, true);
         c->mig.active = false;
     }
     /* A replica lost while being drained: the drain ends here, before workers that join next
@@ -967,9 +973,26 @@ static void lose_replica(coord *c, uint32_t r, const char *why)
         (void)sched_set_steps_in_flight(c->sched, (int)r, 0);
         snprintf(c->drain.message, sizeof c->drain.message, "replica %u was lost during the drain", r);
     }
+    /* A drain of another replica with no replica left to move to: it ends, and the drained
+     * replica, the only one serving, takes requests again (those of r among them); else they
+     * would wait for the drain's end and then for a rebuild. */
+    if (c->drain.active && !c->drain.done && c->drain.replica != r) {
+        const uint32_t d = c->drain.replica;
+        bool other = false;
+        for (uint32_t k = 0; k < c->cfg.replicas; k++)
+            other |= k != r && k != d && c->reps[k].serving && !c->reps[k].tearing_down;
+        if (!other) {
+            c->drain.done = true;
+            (void)sched_set_steps_in_flight(c->sched, (int)d, 0);
+            sched_set_accepting(c->sched, (int)d, true);
+            snprintf(c->drain.message, sizeof c->drain.message, "the drain of replica %u ended: replica %u was lost and "
+                     "no other replica serves beside it (%u moved, %u failed)", d, r, c->drain.moved, c->drain.failed);
+            logf_(c, "%s", c->drain.message);
+        }
+    }
     forget_prefixes(c, r);
-    sched_set_accepting(c->sched, (int)r, true);   /* whatever a drain or migration had set */
     sched_set_available(c->sched, (int)r, false);
+    sched_set_accepting(c->sched, (int)r, true);   /* for its rebuild: whatever a drain or migration had set */
     rp->serving = false;
     rp->n_flights = 0;
     /* Now that r takes no request, the recovering ones go where the scheduler routes them. */

@@ -302,11 +302,23 @@ def test_info_stats_metrics(c, metrics_port):
     list(it)
     # A short sequence has formed no block yet: its tokens are all in the fp16 window (kivi4's
     # 128 tokens), 30 layers x K and V x 3 heads x 64 dims x 2 bytes each
-    it = c.stream(req("Hello", max_tokens=150, ignore_eos=True, rid="short-stats"))
+    it = c.stream(req("Hello", max_tokens=400, ignore_eos=True, rid="short-stats"))
     for _ in range(5):
         next(it)
     st = c.stats(pb.StatsRequest(), timeout=T)
     assert st.running == 1 and st.kv_bytes_per_token == 30 * 2 * 3 * 64 * 2, st
+    # Past the window plus a block, the sequence holds a compressed block; a worker stepping
+    # without pause still reports it (twice a second), though no sequence left or moved
+    got = 5
+    while got < 128 + 64 + 16:
+        got += len(next(it).chunk.token_ids)
+    deadline = time.time() + 3
+    while time.time() < deadline:
+        st = c.stats(pb.StatsRequest(), timeout=T)
+        if st.tiers[0].blocks:
+            break
+        time.sleep(0.1)
+    assert st.running == 1 and st.tiers[0].blocks > 0, f"no block reported after {got} tokens: {st}"
     c.abort(pb.AbortRequest(request_id="short-stats"), timeout=T)
     list(it)
     body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
