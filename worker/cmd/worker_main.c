@@ -636,12 +636,13 @@ int main(int argc, char **argv)
                  * twice a second. */
                 const Strata__Internal__V1__StepPlan *p = msg->step_plan;
                 double t = mono_seconds();
-                if ((p->n_free_seqs || p->n_preempt_seqs || p->n_resume_seqs || t - last_report >= 0.5) &&
-                    send_kv_report(cc, st, &err) != STRATA_OK) {
-                    fprintf(stderr, "strata-worker %s: %s\n", o.name, err.msg);
-                    done = true;
+                if (p->n_free_seqs || p->n_preempt_seqs || p->n_resume_seqs || t - last_report >= 0.5) {
+                    if (send_kv_report(cc, st, &err) != STRATA_OK) {
+                        fprintf(stderr, "strata-worker %s: %s\n", o.name, err.msg);
+                        done = true;
+                    }
+                    last_report = t;
                 }
-                last_report = t;
             }
             break;
         }
