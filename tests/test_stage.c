@@ -561,6 +561,33 @@ static void test_gpu_stage(void **state)
         stage *ok = stage_create(&het, full_dev, &o, NULL, NULL, &err);
         if (!ok)
             fail_msg("with a host tier: %s", err.msg);
+        {   /* a preempted sequence is not exported; resumed, it is */
+            seq_spec q = {.id = 7, .n_prompt = 20, .join_step = 1};
+            for (size_t k = 0; k < q.n_prompt; k++)
+                q.prompt[k] = (int32_t)(9 + k);
+            plan_buf pb;
+            stage_result r;
+            build_plan(&pb, 1, &q, 1, 1, STEPS);
+            assert_int_equal(stage_step(ok, &pb.plan, &r, &err), STRATA_OK);
+            apply(&r, &q, 1, &pb);
+            build_plan(&pb, 2, &q, 1, 2, STEPS);
+            pb.plan.n_seqs = 0;
+            pb.preempt[pb.plan.n_preempt_seqs++] = 7;
+            assert_int_equal(stage_step(ok, &pb.plan, &r, &err), STRATA_OK);
+            uint8_t *img = NULL;
+            size_t len = 0;
+            assert_int_equal(stage_export_seq(ok, 7, &img, &len, &err), STRATA_EINVAL);
+            assert_non_null(strstr(err.msg, "preempted"));
+            build_plan(&pb, 3, &q, 1, 3, STEPS);
+            pb.resume[pb.plan.n_resume_seqs++] = 7;
+            assert_int_equal(stage_step(ok, &pb.plan, &r, &err), STRATA_OK);
+            apply(&r, &q, 1, &pb);
+            assert_int_equal(stage_export_seq(ok, 7, &img, &len, &err), STRATA_OK);
+            free(img);
+            build_plan(&pb, 4, &q, 1, 4, 0);
+            pb.freed[pb.plan.n_free_seqs++] = 7;
+            assert_int_equal(stage_step(ok, &pb.plan, &r, &err), STRATA_OK);
+        }
 #ifdef STRATA_FAKE_CUDA
         /* A device that lost its context fails the stage, not only the step's sequences: every
          * later step would fail, so the worker must leave and be restarted. */
@@ -631,6 +658,12 @@ static void test_one_stage_tiers_preempt(void **state)
             b.plan.n_seqs = 1;
         } else if (step > 4 && step < 7) {
             b.plan.n_seqs = 1;
+            if (step == 5) {   /* a preempted sequence is not exported (on a GPU stage too) */
+                uint8_t *img = NULL;
+                size_t len = 0;
+                assert_int_equal(stage_export_seq(st, 2, &img, &len, &err), STRATA_EINVAL);
+                assert_null(img);
+            }
         } else if (step == 7) {
             b.resume[b.plan.n_resume_seqs++] = 2;
         }

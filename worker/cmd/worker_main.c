@@ -372,11 +372,14 @@ static int migrate_receive(stage *st, dp_listener *l, const dp_auth *auth, uint6
 /* The control stream is received on its own thread: gRPC's C core makes progress on a
  * connection (keepalive acks included) only while some thread polls it, and a step can take far
  * longer than the keepalive timeout (a long prefill on a CPU). The main thread executes what
- * this thread queues. */
+ * this thread queues. The queue holds more than the coordinator ever has outstanding on one worker
+ * (at most 64 steps in flight, a Migrate and a Shutdown), so the receiver does not stop polling:
+ * it waits for room only if a coordinator broke that bound. A power of two: the counters wrap. */
+#define INBOX_SLOTS 128
 typedef struct inbox {
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    Strata__Internal__V1__CoordinatorMessage *q[64];
+    Strata__Internal__V1__CoordinatorMessage *q[INBOX_SLOTS];
     size_t head, tail;
     bool ended, closing;
     strata_error why;
@@ -415,13 +418,13 @@ static void *receive_loop(void *arg)
     for (;;) {
         pthread_mutex_lock(&in->mu);
         bool closing = in->closing;
-        bool full = in->tail - in->head == 64;
+        bool full = in->tail - in->head == INBOX_SLOTS;
         pthread_mutex_unlock(&in->mu);
         if (closing)
             return NULL;
         if (full) {   /* the main thread is behind: it frees a slot before we take more */
             pthread_mutex_lock(&in->mu);
-            while (in->tail - in->head == 64 && !in->closing)
+            while (in->tail - in->head == INBOX_SLOTS && !in->closing)
                 pthread_cond_wait(&in->cv, &in->mu);
             pthread_mutex_unlock(&in->mu);
             continue;
@@ -441,7 +444,7 @@ static void *receive_loop(void *arg)
             in->ended = true;
             in->why = e;
         } else if (msg) {
-            in->q[in->tail++ % 64] = msg;
+            in->q[in->tail++ % INBOX_SLOTS] = msg;
         }
         pthread_cond_broadcast(&in->cv);
         pthread_mutex_unlock(&in->mu);
@@ -468,7 +471,7 @@ static int inbox_pop(inbox *in, int timeout_ms, Strata__Internal__V1__Coordinato
             break;
     int rc = STRATA_OK;
     if (in->head != in->tail) {
-        *msg = in->q[in->head++ % 64];
+        *msg = in->q[in->head++ % INBOX_SLOTS];
         pthread_cond_broadcast(&in->cv);
     } else if (in->ended) {
         if (err)
@@ -687,7 +690,7 @@ int main(int argc, char **argv)
     pthread_join(receiver, NULL);   /* its receive times out within 500 ms */
     ctl_client_close(cc);
     while (in.head != in.tail)
-        protobuf_c_message_free_unpacked(&in.q[in.head++ % 64]->base, NULL);
+        protobuf_c_message_free_unpacked(&in.q[in.head++ % INBOX_SLOTS]->base, NULL);
     stage_destroy(st);
     dp_link_close(rows_prev);
     dp_link_close(rows_next);

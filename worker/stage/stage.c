@@ -873,6 +873,8 @@ int stage_export_seq(stage *s, uint64_t id, uint8_t **img, size_t *len, strata_e
     seq_entry *e = find(s, id);
     if (!e)
         return strata_fail(err, STRATA_EINVAL, "sequence %" PRIu64 " is not on this stage", id);
+    if (entry_preempted(e))   /* its image would arrive as running while the coordinator holds it preempted */
+        return strata_fail(err, STRATA_EINVAL, "sequence %" PRIu64 " is preempted: resume it before moving it", id);
     uint8_t *kv = NULL;
     size_t kv_len = 0;
     int rc = e->gpu ? stage_gpu_seq_export(s->gpu, e->gpu, &kv, &kv_len, err) : kv_seq_export(e->kv, &kv, &kv_len, err);
