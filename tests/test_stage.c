@@ -347,6 +347,79 @@ static void two_stages(const stage_options *o)
 
 /* A previous stage (here a raw sender) whose row table lists a sequence of the plan twice: the
  * step is refused, never run with more items than the plan has. */
+/* One sequence that does not fit the back stage's KV pool (a 150-token prompt joining two short
+ * decoding sequences) fails alone there, named, and is not dropped (nothing of it changed); the
+ * others run on in the same step, their rows compacted past its rows, with the tokens they have
+ * alone. */
+static void test_unfit_sequence_fails_alone(void **state)
+{
+    (void)state;
+    const char *kv = "fp16";   /* no window: every 64 tokens make a block */
+    seq_spec seqs[3] = {{.id = 1, .n_prompt = 40, .join_step = 1},
+                        {.id = 2, .n_prompt = 150, .join_step = 3},
+                        {.id = 3, .n_prompt = 30, .join_step = 1}};
+    for (size_t i = 0; i < 3; i++)
+        for (size_t k = 0; k < seqs[i].n_prompt; k++)
+            seqs[i].prompt[k] = (int32_t)(2 + (k * 4211 + i * 977) % 40000);
+    reference(&seqs[0], STEPS, kv);
+    reference(&seqs[2], STEPS, kv);
+    strata_error err = {0};
+    accept_job aj;
+    dp_link *to_back;
+    link_pair(&aj, &to_back);
+    Strata__Internal__V1__Assignment a0 = assignment(front, kv), a1 = assignment(back, kv);
+    a1.device_kv_bytes = 20 * 49280;   /* 20 blocks of 64 fp16 tokens; the long prompt needs 2 x 15 */
+    stage *s0 = stage_create(&a0, front, NULL, NULL, to_back, &err);
+    if (!s0)
+        fail_msg("%s", err.msg);
+    stage *s1 = stage_create(&a1, back, NULL, aj.link, NULL, &err);
+    if (!s1)
+        fail_msg("%s", err.msg);
+    plan_buf b;
+    for (int step = 1; step <= STEPS + 2; step++) {
+        build_plan(&b, (uint64_t)step, seqs, 3, step, STEPS);
+        if (!b.plan.n_seqs)
+            break;
+        back_job bj = {.st = s1, .plan = &b.plan};
+        pthread_t th;
+        pthread_create(&th, NULL, run_back, &bj);
+        stage_result r0;
+        assert_int_equal(stage_step(s0, &b.plan, &r0, &err), STRATA_OK);
+        pthread_join(th, NULL);
+        if (bj.rc != STRATA_OK)
+            fail_msg("back stage, step %d: %s", step, bj.err.msg);
+        assert_int_equal(r0.n_seqs, 0);
+        if (step == 3) {
+            assert_int_equal(b.plan.n_seqs, 3);
+            assert_int_equal(b.plan.seqs[1]->seq_id, 2);   /* between the two: its rows sit in the middle */
+            const stage_seq_result *long_one = NULL;
+            for (size_t k = 0; k < bj.res.n_seqs; k++)
+                if (bj.res.seqs[k].seq_id == 2)
+                    long_one = &bj.res.seqs[k];
+            assert_non_null(long_one);
+            if (long_one->status != STRATA_EFULL || long_one->sampled || !strstr(long_one->message, "sequence 2"))
+                fail_msg("the long sequence: status %d, '%s'", long_one->status, long_one->message);
+            stage_kv_usage u;
+            stage_get_kv_usage(s1, &u);
+            assert_int_equal(u.sequences, 3);   /* kept for the coordinator to free */
+            b.work[1] = b.work[2];   /* the others' results as usual; the long one plans no more */
+            b.plan.n_seqs = 2;
+            seqs[1].join_step = STEPS + 100;
+        }
+        apply(&bj.res, seqs, 3, &b);
+    }
+    for (size_t i = 0; i < 3; i += 2)
+        for (int k = 0; k < STEPS; k++)
+            if (seqs[i].got[k] != seqs[i].want[k])
+                fail_msg("sequence %llu token %d: %d beside the unfit one, %d alone", (unsigned long long)seqs[i].id, k,
+                         seqs[i].got[k], seqs[i].want[k]);
+    stage_destroy(s0);
+    stage_destroy(s1);
+    dp_link_close(to_back);
+    dp_link_close(aj.link);
+    dp_listener_close(aj.l);
+}
+
 static void test_rows_listed_twice(void **state)
 {
     (void)state;
@@ -981,6 +1054,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_two_stages_equal_whole_model),
         cmocka_unit_test(test_rows_listed_twice),
+        cmocka_unit_test(test_unfit_sequence_fails_alone),
         cmocka_unit_test(test_plan_lists_sequence_twice),
         cmocka_unit_test(test_gpu_stage),
         cmocka_unit_test(test_one_stage_tiers_preempt),

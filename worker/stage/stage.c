@@ -605,6 +605,34 @@ static seq_entry *start_from_prefix(stage *s, uint64_t id, uint64_t entry, size_
     return &s->seqs[s->n_seqs - 1];
 }
 
+/* Items model_forward_batch would refuse before its first layer (one sequence's room check: the
+ * KV tiers too full for its chunk, a layer of it larger than the device budget) fail alone, with
+ * nothing of theirs changed, and the rest of the batch runs: else one long prompt chunk would fail
+ * every decoding sequence beside it. A fault that is no item's falls through to the forward
+ * pass, which fails the batch. Returns the items left; *rows and hidden_in follow. */
+static size_t drop_unfit_items(stage *s, const Strata__Internal__V1__StepPlan *plan, size_t n_run, size_t *rows)
+{
+    const size_t emb = (size_t)s->cfg->n_embd;
+    strata_error e = {0};
+    size_t bad;
+    while (n_run && model_batch_check(s->m, s->items, n_run, s->first ? NULL : s->hidden_in,
+                                      s->last ? NULL : s->hidden_out, &bad, &e) != STRATA_OK && bad < n_run) {
+        fail_seq(s, plan->seqs[s->plan_index[bad]]->seq_id, e.code, e.msg);
+        size_t row0 = 0;
+        for (size_t k = 0; k < bad; k++)
+            row0 += s->items[k].n_tokens;
+        const size_t n_tok = s->items[bad].n_tokens;
+        if (!s->first)   /* a CPU stage's rows are in host memory */
+            memmove(s->hidden_in + row0 * emb, s->hidden_in + (row0 + n_tok) * emb,
+                    (*rows - row0 - n_tok) * emb * sizeof(float));
+        memmove(&s->items[bad], &s->items[bad + 1], (n_run - bad - 1) * sizeof *s->items);
+        memmove(&s->plan_index[bad], &s->plan_index[bad + 1], (n_run - bad - 1) * sizeof *s->plan_index);
+        *rows -= n_tok;
+        n_run--;
+    }
+    return n_run;
+}
+
 int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_result *out, strata_error *err)
 {
     memset(out, 0, sizeof *out);
@@ -763,9 +791,12 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
             s->gpu_items[r] = (stage_gpu_item){.seq = e->gpu, .tokens = s->tokens + tok_at, .n_tokens = w->n_tokens};
         tok_at += w->n_tokens;
     }
+    if (n_run && grow((void **)&s->hidden_out, &s->cap_out, rows * emb, sizeof(float)) != STRATA_OK)
+        return strata_fail(err, STRATA_ENOMEM, "stage: out of memory for %zu rows", rows);
+    if (n_run && !s->gpu)
+        n_run = drop_unfit_items(s, plan, n_run, &rows);
     if (n_run) {
-        if (grow((void **)&s->hidden_out, &s->cap_out, rows * emb, sizeof(float)) != STRATA_OK ||
-            (s->last && grow((void **)&s->logits, &s->cap_logits, n_run * (size_t)s->cfg->n_vocab, sizeof(float)) != STRATA_OK))
+        if (s->last && grow((void **)&s->logits, &s->cap_logits, n_run * (size_t)s->cfg->n_vocab, sizeof(float)) != STRATA_OK)
             return strata_fail(err, STRATA_ENOMEM, "stage: out of memory for %zu rows", rows);
         if (s->gpu && s->last) {   /* the picks on the device: only the token ids come back */
             if (grow((void **)&s->gpu_sample, &s->cap_gpu_sample, n_run, sizeof *s->gpu_sample) != STRATA_OK ||
