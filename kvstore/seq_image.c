@@ -136,6 +136,18 @@ int kv_image_write(const kv_geometry *g, const kv_image_source *src, uint8_t **o
     return STRATA_OK;
 }
 
+uint64_t kv_image_max_bytes(const kv_geometry *g, uint64_t max_tokens, uint64_t block_bytes)
+{
+    if (!g || g->n_layers < 1 || g->block_tokens < 1)
+        return 0;
+    const uint64_t heads = (uint64_t)g->n_kv_heads, row = heads * (uint64_t)g->head_dim;
+    /* OTT: pool_tokens * n_kv_heads <= 65535 (kv_codec_validate), one entry per head at least */
+    const uint64_t ott = heads * 12 + 16 * (heads > 65535 ? heads : 65535);
+    const uint64_t blocks = (max_tokens + (uint64_t)g->block_tokens - 1) / (uint64_t)g->block_tokens;
+    const uint64_t layer = SEQ_IMAGE_LAYER_HEAD + 4 + ott + 4 * blocks + 2 * max_tokens * row * sizeof(uint16_t);
+    return SEQ_IMAGE_HEAD + 4 + SEQ_IMAGE_PLAN_MAX + (uint64_t)g->n_layers * layer + block_bytes + 4;
+}
+
 /* Reads n bytes at *at of an image body of len bytes; NULL when it runs past the end. */
 static const uint8_t *image_take(const uint8_t *img, size_t len, size_t *at, size_t n)
 {

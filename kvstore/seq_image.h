@@ -37,6 +37,13 @@ typedef struct kv_image_source {
 int kv_image_write(const kv_geometry *g, const kv_image_source *src, uint8_t **out, size_t *len,
                    strata_error *err);
 
+/* The most bytes an image of a sequence of geometry g can take when the sequence holds at most
+ * max_tokens tokens and its blocks' stored bytes total at most block_bytes (a holder's KV budgets:
+ * a block is never larger than the slot or extent that holds it). A cap for a receiver of images
+ * (a migration link's largest frame); it counts the largest plan name and OTT state any plan may
+ * have, so it is loose by up to about a MiB per layer. */
+uint64_t kv_image_max_bytes(const kv_geometry *g, uint64_t max_tokens, uint64_t block_bytes);
+
 /* What the reader hands the holder. Blocks come verified (both CRCs) and placed (their layer,
  * first position and token count are those of block b of layer l); the sink checks what only it
  * knows (codec, slot size, its room, whether its OTT state fits). */

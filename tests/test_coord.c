@@ -60,6 +60,7 @@ typedef struct fake {
     bool silent;             /* answer no step (its stream alive), as a worker on a hung device */
     /* what it saw */
     bool assigned;
+    uint32_t step_timeout_ms;   /* as its Assignment said */
     uint32_t replica;
     int plans;
     int preempts;
@@ -239,6 +240,7 @@ static void *fake_main(void *arg)
             pthread_mutex_lock(&f->mu);
             f->assigned = true;
             f->replica = m->assignment->replica;
+            f->step_timeout_ms = m->assignment->step_timeout_ms;
             pthread_mutex_unlock(&f->mu);
             Strata__Internal__V1__KvReport k = STRATA__INTERNAL__V1__KV_REPORT__INIT;
             Strata__Internal__V1__WorkerMessage w = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
@@ -1032,6 +1034,7 @@ static void test_silent_worker_times_out(void **state)
     fake *w = fake_start(&fx, "w0", MIG_OK);
     wait_ready(&fx);
     pthread_mutex_lock(&w->mu);
+    assert_int_equal(w->step_timeout_ms, 500);   /* its stages wait as long for each other's rows */
     w->silent = true;
     pthread_mutex_unlock(&w->mu);
     gen_job a;

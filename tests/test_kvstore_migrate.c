@@ -82,6 +82,10 @@ static void round_trip(const char *spec)
     uint8_t *img = NULL;
     size_t len = 0;
     assert_int_equal(kv_seq_export(a, &img, &len, &err), STRATA_OK);
+    /* within the cap a receiver sets from its budget (a migration link's largest frame) */
+    if (len > kv_image_max_bytes(&geom, 225, kv_pool_bytes(pa)))
+        fail_msg("%s: a %zu-byte image over its bound of %llu", spec, len,
+                 (unsigned long long)kv_image_max_bytes(&geom, 225, kv_pool_bytes(pa)));
     kv_seq *b = kv_seq_import(pb, 1024, img, len, &err);
     if (!b)
         fail_msg("%s: %s", spec, err.msg);

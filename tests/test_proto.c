@@ -526,6 +526,7 @@ static void test_roundtrip_internal(void **state)
     as.max_batch_seqs = 256;
     as.max_batch_tokens = 8192;
     as.worker_id = 3;
+    as.step_timeout_ms = 600000;
     cm.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ASSIGNMENT;
     cm.assignment = &as;
     check_roundtrip(&cm.base);

@@ -165,9 +165,10 @@ static int32_t argmax(const float *x, int n)
 }
 
 /* Stage `stage` of n_stages (addrs: their data addresses) over layers [layer_begin, layer_end),
- * for sequences of up to max_tokens tokens, a step of up to that many. */
-static void send_assignment_of(ctl_peer *p, uint32_t stage, uint32_t n_stages, uint32_t layer_begin,
-                               uint32_t layer_end, char **addrs, uint32_t max_tokens)
+ * for sequences of up to max_tokens tokens, a step of up to that many; the coordinator's step
+ * timeout step_timeout_ms (0: none). */
+static void send_assignment_timed(ctl_peer *p, uint32_t stage, uint32_t n_stages, uint32_t layer_begin,
+                                  uint32_t layer_end, char **addrs, uint32_t max_tokens, uint32_t step_timeout_ms)
 {
     Strata__Internal__V1__Assignment a = STRATA__INTERNAL__V1__ASSIGNMENT__INIT;
     a.model_path = (char *)model_path();
@@ -184,12 +185,19 @@ static void send_assignment_of(ctl_peer *p, uint32_t stage, uint32_t n_stages, u
     a.device_kv_bytes = 128u << 20;
     a.max_batch_seqs = 8;
     a.max_batch_tokens = max_tokens;
+    a.step_timeout_ms = step_timeout_ms;
     Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
     m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ASSIGNMENT;
     m.assignment = &a;
     strata_error err = {0};
     if (ctl_peer_send(p, &m, &err) != STRATA_OK)
         fail_msg("assignment: %s", err.msg);
+}
+
+static void send_assignment_of(ctl_peer *p, uint32_t stage, uint32_t n_stages, uint32_t layer_begin,
+                               uint32_t layer_end, char **addrs, uint32_t max_tokens)
+{
+    send_assignment_timed(p, stage, n_stages, layer_begin, layer_end, addrs, max_tokens, 600000);
 }
 
 static void send_assignment(ctl_peer *p, uint32_t stage, uint32_t layer_begin, uint32_t layer_end, char **addrs)
@@ -446,11 +454,57 @@ static void test_let_go_mid_step_exits(void **state)
     unlink(secret_file);
 }
 
+/* A stage waits for the previous stage's rows as long as the coordinator waits for a step
+ * (Assignment.step_timeout_ms), not a fixed time: with 2 s, a last stage whose first stage never
+ * got the plan gives up and leaves within seconds (it waited 120 s before whatever the step
+ * timeout). */
+static void test_rows_wait_follows_step_timeout(void **state)
+{
+    (void)state;
+    hub h = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    char addr[64], secret_file[] = "/tmp/strata-secret-XXXXXX";
+    ctl_server *srv = start_control(&h, addr, secret_file);
+    pid_t pids[2] = {spawn_worker(addr, secret_file, "w0"), spawn_worker(addr, secret_file, "w1")};
+    event j0, j1, ev;
+    assert_true(wait_event(&h, 1, 30, &j0));
+    assert_true(wait_event(&h, 1, 30, &j1));
+    if (!strcmp(ctl_peer_name(j0.peer), "w1")) {
+        event t = j0;
+        j0 = j1;
+        j1 = t;
+    }
+    ctl_peer *peers[2] = {j0.peer, j1.peer};
+    char *addrs[2] = {j0.data_addr, j1.data_addr};
+    send_assignment_timed(peers[0], 0, 2, 0, 15, addrs, 2048, 2000);
+    send_assignment_timed(peers[1], 1, 2, 15, 30, addrs, 2048, 2000);
+    assert_true(wait_event(&h, 3, 60, &ev));
+    assert_true(wait_event(&h, 3, 60, &ev));
+    seq_state one = {.id = 1, .n_prompt = 5, .prompt = {1, 2, 3, 4, 5}};
+    ctl_peer *last_only[2] = {NULL, peers[1]};
+    const double sent = now_s();
+    assert_int_equal(send_plan(last_only, 1, &one, 1), STRATA_OK);
+    assert_true(wait_event(&h, 4, 30, &ev));   /* the last stage leaves: no rows came */
+    const double took = now_s() - sent;
+    assert_ptr_equal(ev.peer, peers[1]);
+    if (took < 1.5 || took > 10)
+        fail_msg("the last stage left %.1f s after the step (its wait: 2 s)", took);
+    int status = 0;
+    assert_int_equal(waitpid(pids[1], &status, 0), pids[1]);
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 1);
+    kill(pids[0], SIGTERM);
+    waitpid(pids[0], &status, 0);
+    ctl_peer_unref(j0.peer);
+    ctl_peer_unref(j1.peer);
+    ctl_server_shutdown(srv);
+    unlink(secret_file);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_two_worker_processes),
         cmocka_unit_test(test_let_go_mid_step_exits),
+        cmocka_unit_test(test_rows_wait_follows_step_timeout),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -496,6 +496,7 @@ static void send_assignments(coord *c, uint32_t r)
         a.nvme_kv_bytes = c->cfg.nvme_kv_bytes;
         a.max_batch_seqs = c->cfg.max_seqs;
         a.max_batch_tokens = c->cfg.max_batch_tokens;
+        a.step_timeout_ms = c->cfg.step_timeout_ms;
         a.worker_id = rp->stages[s].worker_id;
         Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
         m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ASSIGNMENT;

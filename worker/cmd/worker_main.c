@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -18,6 +19,7 @@
 #include "kvstore/bytes.h"
 #include "kvstore/error.h"
 #include "kvstore/numarg.h"
+#include "kvstore/seq_image.h"
 #include "proto/credential_file.h"
 #include "proto/strata_internal.pb-c.h"
 #include "proto/validate.h"
@@ -254,25 +256,49 @@ static int send_kv_report(ctl_client *cc, const stage *st, strata_error *err)
 /* Accepts `who` (the peer expected) on l within timeout_ms. A connection that fails the
  * handshake (a port scanner, a probe, a stale peer) is logged and dropped, and the wait goes on:
  * a stranger must not cost an assignment or a migration. */
-static int accept_peer(dp_listener *l, const dp_auth *auth, int timeout_ms, const char *who, dp_link **out,
-                       strata_error *err)
+static int accept_peer(dp_listener *l, const dp_auth *auth, const dp_options *opts, int timeout_ms, const char *who,
+                       dp_link **out, strata_error *err)
 {
     const double deadline = mono_seconds() + timeout_ms / 1000.0;
     for (;;) {
         const int left_ms = (int)((deadline - mono_seconds()) * 1000.0);
         if (left_ms <= 0)
             return strata_fail(err, STRATA_EIO, "data plane: %s did not connect within %d s", who, timeout_ms / 1000);
-        const int rc = dp_tcp_accept(l, auth, NULL, left_ms, out, err);
+        const int rc = dp_tcp_accept(l, auth, opts, left_ms, out, err);
         if (rc == STRATA_OK || mono_seconds() >= deadline)
             return rc;
         fprintf(stderr, "strata-worker: data plane: ignored a connection while waiting for %s: %s\n", who, err->msg);
     }
 }
 
+/* The data plane's limits for this assignment (caps: a frame's memory is taken as it comes). A
+ * pipeline frame may be as large as a step's rows (f32, max_batch_tokens of them), a migration
+ * frame as a sequence's image within this stage's KV budgets (kv_image_max_bytes); neither less
+ * than the transport's default. A pipeline link waits as long as the coordinator waits for a
+ * step (Assignment.step_timeout_ms; none: no limit): a stage may be busy with an earlier step
+ * that long before it reads the next one's rows. */
+typedef struct data_limits {
+    dp_options pipeline, migration;
+    int rows_wait_ms;   /* stage_options.link_timeout_ms */
+} data_limits;
+
+static data_limits data_limits_for(const Strata__Internal__V1__Assignment *a, const model *m)
+{
+    const model_config *c = model_get_config(m);
+    const kv_geometry g = model_stage_kv_geometry(m, (int)a->block_tokens);
+    const uint64_t image = kv_image_max_bytes(&g, a->max_seq_tokens, a->device_kv_bytes + a->host_kv_bytes + a->nvme_kv_bytes);
+    const uint64_t rows = (uint64_t)a->max_batch_tokens * (uint64_t)c->n_embd * sizeof(float) + (1u << 20);
+    const int wait = !a->step_timeout_ms ? -1 : a->step_timeout_ms > INT_MAX ? INT_MAX : (int)a->step_timeout_ms;
+    return (data_limits){.pipeline = {.max_payload = rows > DP_DEFAULT_MAX_PAYLOAD ? rows : DP_DEFAULT_MAX_PAYLOAD,
+                                      .io_timeout_ms = wait},
+                         .migration = {.max_payload = image > DP_DEFAULT_MAX_PAYLOAD ? image : DP_DEFAULT_MAX_PAYLOAD},
+                         .rows_wait_ms = wait};
+}
+
 /* Data-plane links of this stage: to the next stage (connect) and from the previous (accept).
  * Connecting first, from the last stage backwards, cannot deadlock: the last stage only accepts. */
-static int connect_links(const Strata__Internal__V1__Assignment *a, dp_listener *l, const dp_auth *auth, dp_link **prev,
-                         dp_link **next, strata_error *err)
+static int connect_links(const Strata__Internal__V1__Assignment *a, dp_listener *l, const dp_auth *auth,
+                         const dp_options *opts, dp_link **prev, dp_link **next, strata_error *err)
 {
     *prev = *next = NULL;
     if (a->n_stages == 0 || a->stage >= a->n_stages || a->n_stage_data_addrs != a->n_stages)
@@ -280,11 +306,11 @@ static int connect_links(const Strata__Internal__V1__Assignment *a, dp_listener 
                            a->n_stages, a->n_stage_data_addrs);
     int rc = STRATA_OK;
     if (a->stage + 1 < a->n_stages)
-        rc = dp_tcp_connect(a->stage_data_addrs[a->stage + 1], auth, NULL, 60000, next, err);
+        rc = dp_tcp_connect(a->stage_data_addrs[a->stage + 1], auth, opts, 60000, next, err);
     if (rc == STRATA_OK && a->stage > 0) {
         char who[64];
         snprintf(who, sizeof who, "stage %u", a->stage - 1);
-        rc = accept_peer(l, auth, 60000, who, prev, err);
+        rc = accept_peer(l, auth, opts, 60000, who, prev, err);
     }
     return rc;
 }
@@ -292,12 +318,12 @@ static int connect_links(const Strata__Internal__V1__Assignment *a, dp_listener 
 /* NCCL links beside the TCP ones where both neighbours compute on a GPU (dp_nccl_upgrade): the
  * link from the previous stage first, then the one to the next, so a chain settles from stage 0
  * on. A CPU worker takes part too (it declines). */
-static int nccl_links(int cuda_device, dp_link *prev, dp_link *next, dp_link **rows_prev, dp_link **rows_next,
-                      strata_error *err)
+static int nccl_links(int cuda_device, const dp_options *opts, dp_link *prev, dp_link *next, dp_link **rows_prev,
+                      dp_link **rows_next, strata_error *err)
 {
-    int rc = prev ? dp_nccl_upgrade(prev, false, cuda_device, NULL, rows_prev, err) : STRATA_OK;
+    int rc = prev ? dp_nccl_upgrade(prev, false, cuda_device, opts, rows_prev, err) : STRATA_OK;
     if (rc == STRATA_OK && next)
-        rc = dp_nccl_upgrade(next, true, cuda_device, NULL, rows_next, err);
+        rc = dp_nccl_upgrade(next, true, cuda_device, opts, rows_next, err);
     return rc;
 }
 
@@ -307,14 +333,15 @@ static int nccl_links(int cuda_device, dp_link *prev, dp_link *next, dp_link **r
  * with a status and a message. So on any failure the sequence is still where it was. */
 #define MIGRATE_TIMEOUT_MS 60000
 
-static int migrate_send(stage *st, const dp_auth *auth, const char *peer, uint64_t id, strata_error *err)
+static int migrate_send(stage *st, const dp_auth *auth, const dp_options *opts, const char *peer, uint64_t id,
+                        strata_error *err)
 {
     uint8_t *img = NULL;
     size_t len = 0;
     int rc = stage_export_seq(st, id, &img, &len, err);
     dp_link *link = NULL;
     if (rc == STRATA_OK)
-        rc = dp_tcp_connect(peer, auth, NULL, MIGRATE_TIMEOUT_MS, &link, err);
+        rc = dp_tcp_connect(peer, auth, opts, MIGRATE_TIMEOUT_MS, &link, err);
     dp_msg_header h = {.kind = DP_MSG_CONTROL, .dtype = DP_DTYPE_BYTES, .seq = id};
     if (rc == STRATA_OK)
         rc = dp_send(link, &h, img, len, err);
@@ -335,10 +362,11 @@ static int migrate_send(stage *st, const dp_auth *auth, const char *peer, uint64
     return rc;
 }
 
-static int migrate_receive(stage *st, dp_listener *l, const dp_auth *auth, uint64_t id, strata_error *err)
+static int migrate_receive(stage *st, dp_listener *l, const dp_auth *auth, const dp_options *opts, uint64_t id,
+                           strata_error *err)
 {
     dp_link *link = NULL;
-    int rc = accept_peer(l, auth, MIGRATE_TIMEOUT_MS, "the migration's sender", &link, err);
+    int rc = accept_peer(l, auth, opts, MIGRATE_TIMEOUT_MS, "the migration's sender", &link, err);
     if (rc != STRATA_OK)
         return rc;
     dp_msg_header h;
@@ -578,6 +606,7 @@ int main(int argc, char **argv)
     model *m = NULL;
     stage *st = NULL;
     double last_report = 0;
+    data_limits limits = {{0}, {0}, 0};
     dp_link *prev = NULL, *next = NULL, *rows_prev = NULL, *rows_next = NULL;   /* rows_*: NCCL, GPU neighbours */
     dp_auth auth = {secret, secret_len};
     for (;;) {
@@ -611,14 +640,18 @@ int main(int argc, char **argv)
             }
             int le = (int)a->layer_end;
             /* A GPU stage builds its layers on the device from the file: the host reads the embedding only. */
-            if (!(m = o.cuda_device >= 0 ? model_load_for_device(a->model_path, (int)a->layer_begin, le, &err)
-                                         : model_load(a->model_path, (int)a->layer_begin, le, &err)) ||
-                connect_links(a, listener, &auth, &prev, &next, &err) != STRATA_OK ||
-                nccl_links((int)o.cuda_device, prev, next, &rows_prev, &rows_next, &err) != STRATA_OK ||
+            m = o.cuda_device >= 0 ? model_load_for_device(a->model_path, (int)a->layer_begin, le, &err)
+                                   : model_load(a->model_path, (int)a->layer_begin, le, &err);
+            if (m)
+                limits = data_limits_for(a, m);
+            if (!m ||
+                connect_links(a, listener, &auth, &limits.pipeline, &prev, &next, &err) != STRATA_OK ||
+                nccl_links((int)o.cuda_device, &limits.pipeline, prev, next, &rows_prev, &rows_next, &err) != STRATA_OK ||
                 !(st = stage_create(a, m,
                                     &(stage_options){.nvme_dir = o.nvme_dir, .cuda = o.cuda_device >= 0,
                                                      .cuda_device = (int)(o.cuda_device >= 0 ? o.cuda_device : 0),
-                                                     .rows_prev = rows_prev, .rows_next = rows_next},
+                                                     .rows_prev = rows_prev, .rows_next = rows_next,
+                                                     .link_timeout_ms = limits.rows_wait_ms},
                                     prev, next, &err)) ||
                 send_kv_report(cc, st, &err) != STRATA_OK) {
                 fprintf(stderr, "strata-worker %s: %s\n", o.name, err.msg);
@@ -653,8 +686,8 @@ int main(int argc, char **argv)
             const Strata__Internal__V1__Migrate *mg = msg->migrate;
             strata_error me = {0};
             int mrc = !st ? strata_fail(&me, STRATA_EINVAL, "a migration before the assignment")
-                      : mg->send ? migrate_send(st, &auth, mg->peer_data_addr, mg->seq_id, &me)
-                                 : migrate_receive(st, listener, &auth, mg->seq_id, &me);
+                      : mg->send ? migrate_send(st, &auth, &limits.migration, mg->peer_data_addr, mg->seq_id, &me)
+                                 : migrate_receive(st, listener, &auth, &limits.migration, mg->seq_id, &me);
             if (mrc != STRATA_OK)
                 fprintf(stderr, "strata-worker %s: migrating sequence %" PRIu64 " (%s): %s\n", o.name, mg->seq_id,
                         mg->send ? "send" : "receive", me.msg);

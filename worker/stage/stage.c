@@ -223,7 +223,7 @@ stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const s
     s->rows_prev = o ? o->rows_prev : NULL;
     s->rows_next = o ? o->rows_next : NULL;
     s->max_seq_tokens = a->max_seq_tokens;
-    s->link_timeout_ms = o && o->link_timeout_ms > 0 ? o->link_timeout_ms : 120000;
+    s->link_timeout_ms = o && o->link_timeout_ms ? o->link_timeout_ms : 120000;
 
     kv_geometry geo = model_stage_kv_geometry(m, (int)a->block_tokens);
     s->layer_begin = a->layer_begin;

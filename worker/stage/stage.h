@@ -32,7 +32,7 @@ typedef struct stage stage;
 
 typedef struct stage_options {
     const char *nvme_dir;   /* the worker's spill directory (local configuration); NULL: none */
-    int link_timeout_ms;    /* waiting for the previous stage's rows; 0: 120000 */
+    int link_timeout_ms;    /* waiting for the previous stage's rows; 0: 120000, < 0: no limit */
     bool cuda;              /* compute on CUDA device cuda_device (stage_gpu.h) instead of the CPU */
     int cuda_device;
     /* GPU stages: NCCL links beside prev / next (dp_nccl_upgrade) on which the activation rows
