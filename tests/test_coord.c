@@ -164,6 +164,7 @@ static void fake_step(fake *f, ctl_client *cli, const Strata__Internal__V1__Step
             rs[i].seq_id = p->seqs[i]->seq_id;
             rs[i].status = STRATA_EINVAL;
             rs[i].message = (char *)"prefix entry is not on this stage: scripted";
+            rs[i].prefix_failed = true;
         } else if (i < p->n_seqs && fail_status) {
             rs[i].seq_id = p->seqs[i]->seq_id;
             rs[i].status = fail_status;
@@ -1099,6 +1100,36 @@ static void test_failed_prefix_copy_starts_over(void **state)
     fixture_stop(&fx);
 }
 
+/* A step that starts from a prefix entry and fails for a reason of its own (no room for the
+ * copy: the worker does not set prefix_failed) ends that request with the worker's status, like
+ * any request's failed step; the entry is not at fault and stays: the next request with that
+ * prompt copies it. */
+static void test_failed_step_keeps_prefix(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start_limits(&fx, 1, 64, 0, (fixture_limits){.prefix_cache_bytes = 64u << 20});
+    fake *w = fake_start(&fx, "w0", MIG_OK);
+    wait_ready(&fx);
+    gen_job a;
+    gen_run_prompt(&a, fx.ch, 40, 8);
+    assert_complete(&a);
+    WAIT_FOR(fake_int(w, &w->parks) == 1, 5000);
+    pthread_mutex_lock(&w->mu);
+    w->fail_steps = STRATA_EFULL;
+    pthread_mutex_unlock(&w->mu);
+    gen_run_prompt(&a, fx.ch, 40, 8);
+    if (a.status != GRPC_STATUS_RESOURCE_EXHAUSTED || !strstr(a.details, "step refused: scripted"))
+        fail_msg("a failed step from a prefix: status %d (%s)", a.status, a.details);
+    pthread_mutex_lock(&w->mu);
+    w->fail_steps = 0;
+    pthread_mutex_unlock(&w->mu);
+    gen_run_prompt(&a, fx.ch, 40, 8);
+    assert_complete(&a);
+    assert_int_equal(a.cached, 32);
+    fixture_stop(&fx);
+}
+
 /* A worker lost while its replica runs a request: the request goes on on the other replica from
  * its tokens (one prompt chunk of its prompt and the tokens it streamed, the sampler told how
  * many were sampled) and completes with every token, its client seeing no error; GetStats counts
@@ -1376,6 +1407,7 @@ int main(void)
         cmocka_unit_test(test_failed_spill_ends_request),
         cmocka_unit_test(test_unsendable_step_ends_request),
         cmocka_unit_test(test_failed_prefix_copy_starts_over),
+        cmocka_unit_test(test_failed_step_keeps_prefix),
         cmocka_unit_test(test_worker_failure_status),
         cmocka_unit_test(test_worker_bad_answers),
         cmocka_unit_test(test_silent_worker_times_out),

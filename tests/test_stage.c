@@ -956,6 +956,22 @@ static void test_prefix_entries(void **state)
     assert_int_equal(r.n_seqs, 1);
     if (r.seqs[0].status == STRATA_OK || !strstr(r.seqs[0].message, "holds 128 tokens; the plan takes 192"))
         fail_msg("%s", r.seqs[0].message);
+    assert_true(r.seqs[0].prefix_failed);   /* the entry's fault: the coordinator forgets it */
+    /* Started from the entry, then refused for its own plan (a sampler skip past what it fed):
+     * the entry is not at fault. */
+    over.id = 5;
+    build_plan(&b, 151, &over, 1, 1, 1);
+    b.work[0].pos0 = SHARED;
+    b.work[0].n_tokens = 1;
+    b.work[0].prefix_entry = 1;
+    b.work[0].sampled_before = SHARED + 1;
+    assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
+    assert_int_equal(r.n_seqs, 1);
+    if (r.seqs[0].status == STRATA_OK || r.seqs[0].prefix_failed || !strstr(r.seqs[0].message, "sampled before"))
+        fail_msg("status %d, prefix_failed %d: %s", r.seqs[0].status, r.seqs[0].prefix_failed, r.seqs[0].message);
+    build_plan(&b, 152, &over, 1, 1, 0);
+    b.freed[b.plan.n_free_seqs++] = 5;
+    assert_int_equal(stage_step(st, &b.plan, &r, &err), STRATA_OK);
 
     /* Copies that cannot be made fail alone: entry 77 (its park failed), an entry never parked,
      * and entry 1 on the OTT stage (its park was refused); sequence 30 starts normally beside. */
@@ -976,10 +992,12 @@ static void test_prefix_entries(void **state)
         for (size_t k = 0; k < 2; k++)
             if (r.seqs[k].seq_id == bad[i].seq) {
                 assert_int_not_equal(r.seqs[k].status, STRATA_OK);
+                assert_true(r.seqs[k].prefix_failed);
                 if (!strstr(r.seqs[k].message, bad[i].why))
                     fail_msg("%s", r.seqs[k].message);
             } else {
                 assert_int_equal(r.seqs[k].status, STRATA_OK);
+                assert_false(r.seqs[k].prefix_failed);
                 assert_true(r.seqs[k].sampled);
             }
     }
@@ -991,8 +1009,8 @@ static void test_prefix_entries(void **state)
     b.work[0].prefix_entry = 1;
     assert_int_equal(stage_step(st_ott, &b.plan, &r, &err), STRATA_OK);
     assert_int_equal(r.n_seqs, 1);
-    if (!strstr(r.seqs[0].message, "OTT"))
-        fail_msg("%s", r.seqs[0].message);
+    if (!strstr(r.seqs[0].message, "OTT") || !r.seqs[0].prefix_failed)
+        fail_msg("prefix_failed %d: %s", r.seqs[0].prefix_failed, r.seqs[0].message);
     /* Dropped: gone, its bytes returned; a copy of it now fails. */
     uint64_t drop[2] = {1, 77};
     build_plan(&b, 201, &user, 1, 1, 0);

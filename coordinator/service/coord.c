@@ -87,6 +87,7 @@ typedef struct flight {
     uint32_t *tokens;
     bool *sampled;
     int *status;
+    bool *prefix_failed;         /* a stage could not start it from its prefix entry (SeqResult) */
     char (*message)[640];        /* a worker's message (up to 512 bytes) and where it came from */
     sched_outcome *outcomes;
 } flight;
@@ -864,6 +865,8 @@ static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal
             if (f->works[w].seq_id != sr->seq_id)
                 continue;
             in_work = true;
+            if (sr->status != 0 && sr->prefix_failed)
+                f->prefix_failed[w] = true;   /* from any stage: the entry is of no use on this replica */
             if (sr->status != 0 && f->status[w] == 0) {
                 f->status[w] = worker_failure_status(sr->status);
                 worker_message(c, r, s, sr, "failed", f->message[w], sizeof f->message[w]);
@@ -1167,7 +1170,7 @@ static void finish_step(coord *c, uint32_t r, uint32_t k)
     for (size_t w = 0; w < f->n_work; w++) {
         creq *q = find_by_id(c, f->works[w].seq_id);
         bool ended = true;
-        if (f->status[w] != 0 && f->works[w].prefix_entry)
+        if (f->status[w] != 0 && f->prefix_failed[w] && f->works[w].prefix_entry)
             lose_prefix(c, f->works[w].prefix_entry);   /* a worker lacks it: never again */
         if (f->status[w] == 0 && f->works[w].prefix_entry) {
             const size_t hit = q ? prompt_cached(q, f->works[w].pos0) : 0;
@@ -1178,7 +1181,8 @@ static void finish_step(coord *c, uint32_t r, uint32_t k)
                 metrics_counter_add(c->m.prefix_hit_tokens, hit);
             }
         }
-        if (q && f->status[w] != 0 && f->works[w].prefix_entry && restart_whole(c, q, f->message[w])) {
+        if (q && f->status[w] != 0 && f->prefix_failed[w] && f->works[w].prefix_entry &&
+            restart_whole(c, q, f->message[w])) {
             /* The copy was an optimization: the request starts over as a new sequence, prefilled
              * whole, and the client never sees the failure. Its old sequence ends below. */
         } else if (q && f->status[w] != 0 && kv_fault(f->status[w]) && may_recover(c, q) &&
@@ -1264,6 +1268,7 @@ static bool start_step(coord *c, uint32_t r)
         at += sw->n_tokens;
         wp[i] = w;
         f->status[i] = 0;
+        f->prefix_failed[i] = false;
         f->sampled[i] = false;
         f->message[i][0] = '\0';
     }
@@ -2239,12 +2244,13 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
             f->tokens = calloc(n, sizeof *f->tokens);
             f->sampled = calloc(n, sizeof *f->sampled);
             f->status = calloc(n, sizeof *f->status);
+            f->prefix_failed = calloc(n, sizeof *f->prefix_failed);
             f->message = calloc(n, sizeof *f->message);
             f->works = calloc(n, sizeof *f->works);
             f->work_ptrs = calloc(n, sizeof *f->work_ptrs);
             f->plan_tokens = calloc(cfg->max_batch_tokens, sizeof *f->plan_tokens);
             f->outcomes = calloc(n, sizeof *f->outcomes);
-            if (!f->tokens || !f->sampled || !f->status || !f->message || !f->works || !f->work_ptrs ||
+            if (!f->tokens || !f->sampled || !f->status || !f->prefix_failed || !f->message || !f->works || !f->work_ptrs ||
                 !f->plan_tokens || !f->outcomes)
                 rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
         }
@@ -2373,6 +2379,7 @@ void coord_destroy(coord *c)
             free(f->tokens);
             free(f->sampled);
             free(f->status);
+            free(f->prefix_failed);
             free(f->message);
             free(f->works);
             free(f->work_ptrs);

@@ -434,6 +434,7 @@ static void answer_step(run *R, ctl_peer *p, const Strata__Internal__V1__StepPla
             static const uint32_t codes[] = {STRATA_EINVAL, STRATA_ENOMEM, STRATA_EIO, STRATA_EFULL, STRATA_ECRC, 999};
             rs[k].status = codes[arg % (sizeof codes / sizeof codes[0])];
             rs[k].message = (char *)"scripted failure";
+            rs[k].prefix_failed = arg >> 6 & 1;   /* as a stage that could not copy the sequence's prefix entry */
         }
         if (fault == F_BAD_TOKEN && i == arg % n)
             rs[k].token = H.n_vocab + arg;

@@ -195,6 +195,7 @@ static int send_step_result(ctl_client *cc, const stage_result *r, strata_error 
         items[i].token = r->seqs[i].token;
         items[i].status = (uint32_t)r->seqs[i].status;
         items[i].message = (char *)r->seqs[i].message;
+        items[i].prefix_failed = r->seqs[i].prefix_failed;
         ptrs[i] = &items[i];
     }
     sr.step = r->step;

@@ -577,9 +577,13 @@ static int add_imported(stage *s, uint64_t id, const uint8_t *img, size_t len, s
 /* A new sequence as a copy of the first n_tokens tokens of prefix entry `entry`
  * (SeqWork.prefix_entry and pos0: a request may share only the entry's first blocks with it);
  * NULL with e1 set. */
-static seq_entry *start_from_prefix(stage *s, uint64_t id, uint64_t entry, size_t n_tokens, strata_error *e1)
+/* On failure *entry_fault tells whether the entry was at fault (absent, too short, damaged) or
+ * this stage (no room or memory for the copy): SeqResult.prefix_failed. */
+static seq_entry *start_from_prefix(stage *s, uint64_t id, uint64_t entry, size_t n_tokens, bool *entry_fault,
+                                    strata_error *e1)
 {
     const prefix_entry *p = find_prefix(s, entry);
+    *entry_fault = true;
     if (!p || !p->img) {
         strata_fail(e1, STRATA_EINVAL, "prefix entry %" PRIu64 " is not on this stage%s%s", entry, p ? ": " : "",
                     p ? p->why : "");
@@ -599,6 +603,7 @@ static seq_entry *start_from_prefix(stage *s, uint64_t id, uint64_t entry, size_
     const int rc = cut ? add_imported(s, id, cut, cut_len, NULL, e1) : add_imported(s, id, p->img, p->len, NULL, e1);
     free(cut);
     if (rc != STRATA_OK) {
+        *entry_fault = rc != STRATA_EFULL && rc != STRATA_ENOMEM;
         strata_error_prefix(e1, "starting from prefix entry %" PRIu64, entry);
         return NULL;
     }
@@ -712,8 +717,13 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
             s->seqs[s->n_seqs++] = (seq_entry){.id = w->seq_id, .kv = kv, .gpu = gq};
             e = &s->seqs[s->n_seqs - 1];
         }
-        if (!e && w->pos0 > 0 && w->prefix_entry && !(e = start_from_prefix(s, w->seq_id, w->prefix_entry, w->pos0, &e1))) {
-            fail_seq(s, w->seq_id, e1.code, e1.msg);
+        bool entry_fault = false;
+        if (!e && w->pos0 > 0 && w->prefix_entry &&
+            !(e = start_from_prefix(s, w->seq_id, w->prefix_entry, w->pos0, &entry_fault, &e1))) {
+            fail_seq(s, w->seq_id, e1.code, e1.msg);   /* its first failure: failed ones were skipped above */
+            stage_seq_result *r = entry_fault ? result(s, w->seq_id) : NULL;
+            if (r)
+                r->prefix_failed = true;
             continue;
         }
         if (!e) {

@@ -57,6 +57,7 @@ typedef struct stage_seq_result {
     uint32_t token;
     int status;          /* STRATA_OK, or why this sequence failed on this stage */
     char message[512];   /* a strata_error message */
+    bool prefix_failed;  /* it failed because its prefix entry could not be copied (SeqResult) */
 } stage_seq_result;
 
 typedef struct stage_result {
