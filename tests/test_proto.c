@@ -461,6 +461,7 @@ static void test_roundtrip_internal(void **state)
     r0.token = 49151;
     r0.status = STRATA_ECRC;
     r0.message = "block 3 of layer 12: crc mismatch";
+    r0.prefix_failed = true;
     Strata__Internal__V1__SeqResult *rs[] = {&r0};
     Strata__Internal__V1__StepResult sr = STRATA__INTERNAL__V1__STEP_RESULT__INIT;
     sr.step = 12345;
