@@ -316,6 +316,14 @@ static int make_room(tier *t, size_t len, host_handle *h, uint8_t **p, strata_er
             probed = true;
             continue;
         }
+        /* Both tiers' budgets full is a lack of room (EFULL: the request fails for capacity), not
+         * damage; a disk that fails its writes with budget left (ENOSPC of a full file system
+         * included) is EIO, naming the disk. */
+        size_t probe_len = 0;
+        (void)host_arena_get(t->host, probe->host, &probe_len);
+        if (nvme_store_fit_bytes(t->nvme, probe_len) == 0)
+            return strata_fail(err, STRATA_EFULL, "tier: the host and NVMe tiers are full (%zu block(s) could not be "
+                               "spilled): %s", blocked, t->spill_err.msg);
         return strata_fail(err, STRATA_EIO, "tier: the host tier is full and the NVMe tier refuses writes (%zu block(s) "
                            "could not be spilled): %s", blocked, t->spill_err.msg);
     }

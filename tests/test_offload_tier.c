@@ -50,8 +50,8 @@ static int inject(void *ctx, const nvme_fault_op *op, int res)
     return res;
 }
 
-/* Arena of 256 KiB (64 pages): high 192 KiB, low 128 KiB. */
-static void setup_fixture(fixture *f, bool sync_io)
+/* Arena of 256 KiB (64 pages): high 192 KiB, low 128 KiB; an NVMe budget of nvme_bytes. */
+static void setup_fixture_nvme(fixture *f, bool sync_io, uint64_t nvme_bytes)
 {
     memset(f, 0, sizeof *f);
     snprintf(f->base, sizeof f->base, "/tmp/strata-tier-XXXXXX");
@@ -61,7 +61,7 @@ static void setup_fixture(fixture *f, bool sync_io)
     f->host = host_arena_create(256 * 1024, NULL, &err);
     assert_non_null(f->host);
     nvme_store_options o;
-    nvme_store_options_init(&o, f->dir, 8u << 20);
+    nvme_store_options_init(&o, f->dir, nvme_bytes);
     o.force_sync_io = sync_io;
     o.fault = inject;
     o.fault_ctx = f;
@@ -73,6 +73,8 @@ static void setup_fixture(fixture *f, bool sync_io)
     f->t = tier_create(f->host, f->nvme, &to, &err);
     assert_non_null(f->t);
 }
+
+static void setup_fixture(fixture *f, bool sync_io) { setup_fixture_nvme(f, sync_io, 8u << 20); }
 
 static void teardown_fixture(fixture *f)
 {
@@ -374,6 +376,33 @@ static void test_full_host_names_the_disk(void **state)
 /* Spills that failed are tried again: after a disk fault clears, the put that finds the host tier
  * full spills the blocks that failed before and succeeds; after an NVMe tier that was full frees
  * copies, background eviction takes them again. Nothing is lost either way. */
+/* Both tiers full with a sound disk: a lack of room (EFULL, so the request fails or waits for
+ * capacity), not an I/O error (which would send its request down the damaged-KV path), and the
+ * message says both are full. */
+static void test_both_tiers_full(void **state)
+{
+    (void)state;
+    for (int sync_io = 0; sync_io < 2; sync_io++) {
+        fixture f;
+        setup_fixture_nvme(&f, sync_io, 256 * 1024);
+        strata_error err = {0};
+        enum { N = 64 };
+        tier_id id[N];
+        uint8_t *b[N];
+        size_t sz[N];
+        unsigned stored;
+        int rc = put_until_refused(&f, N, b, sz, id, &stored, &err);
+        assert_true(stored >= 16 && stored < N);   /* the 16 blocks the host tier holds, then NVMe's */
+        if (rc != STRATA_EFULL || !strstr(err.msg, "host and NVMe tiers are full"))
+            fail_msg("sync_io %d: rc %d after %u blocks, '%s'", sync_io, rc, stored, err.msg);
+        for (unsigned i = 0; i <= stored; i++)
+            free(b[i]);
+        for (unsigned i = 0; i < stored; i++)
+            assert_int_equal(tier_free(f.t, id[i], &err), STRATA_OK);
+        teardown_fixture(&f);
+    }
+}
+
 static void test_failed_spills_retried(void **state)
 {
     (void)state;
@@ -532,6 +561,7 @@ int main(void)
         cmocka_unit_test(test_lru_and_restore_sync),
         cmocka_unit_test(test_overflow_many),
         cmocka_unit_test(test_spill_failure_keeps_block),
+        cmocka_unit_test(test_both_tiers_full),
         cmocka_unit_test(test_failed_spills_retried),
         cmocka_unit_test(test_full_host_names_the_disk),
         cmocka_unit_test(test_restore_of_damaged_block),
