@@ -554,7 +554,7 @@ static bool backend_issue(nvme_store *s, uint64_t ud, nvme_op_kind kind, uint32_
         /* The ring has room for every possible operation, so this only means the prepared SQEs
          * were not submitted yet: submit them and try again. */
         io_uring_submit(&s->ring);
-        s->to_submit = 0;
+        s->to_submit = io_uring_sq_ready(&s->ring);
         sqe = io_uring_get_sqe(&s->ring);
     }
     if (!sqe) {   /* a synthetic completion: dispatch counts it out of k_inflight like any other */
@@ -586,9 +586,10 @@ static void flush_submit(nvme_store *s)
 {
     if (s->uring && s->to_submit > 0) {
         int rc = io_uring_submit(&s->ring);
-        /* On a transient failure the SQEs stay in the ring and go with the next submit. */
+        /* On a transient failure, or when the kernel took fewer than offered (short of memory),
+         * the rest stay in the ring and go with the next submit. */
         if (rc >= 0)
-            s->to_submit = 0;
+            s->to_submit = io_uring_sq_ready(&s->ring);
     }
 }
 
@@ -652,8 +653,12 @@ static void block_once(nvme_store *s)
         if (s->to_submit > 0) {
             rc = io_uring_submit_and_wait(&s->ring, 1);
             if (rc >= 0) {
-                s->to_submit = 0;
-                return;
+                /* The kernel may take fewer than offered, and then does not wait: what is left
+                 * goes with the next call; none taken counts as a refusal. */
+                s->to_submit = io_uring_sq_ready(&s->ring);
+                if (rc > 0 || s->to_submit == 0)
+                    return;
+                rc = -EAGAIN;
             }
         } else {
             rc = io_uring_wait_cqe(&s->ring, &cqe);
