@@ -158,6 +158,9 @@ typedef struct kv_lower_tier {
      * is fragmented; SIZE_MAX if unknown); optional. Used by kv_seq_check_room, which counts
      * each block it may have to move as its slot rounded up to whole 4 KiB pages (unit_bytes). */
     size_t (*room)(void *ctx, size_t unit_bytes);
+    /* A get may first bring the block into the tier's own memory (NVMe to host), taking room
+     * there as a put does: kv_seq_check_room counts fetches then. */
+    bool get_takes_room;
 } kv_lower_tier;
 
 /* Attaches a lower tier (copied; ctx must outlive the pool's sequences). Only while the pool has
@@ -202,6 +205,17 @@ void kv_seq_set_id(kv_seq *seq, uint64_t id);
  * the tier below has room for what must be evicted). STRATA_EFULL / STRATA_EINVAL with a message
  * naming the budget to raise; nothing changes. A step can still fail on an I/O error. */
 int kv_seq_check_room(const kv_seq *seq, size_t n_tokens, strata_error *err);
+
+/* The same check for a step of several sequences of one pool, which draw on the same slots and
+ * the same tier below: kv_room_begin, kv_room_add for each (STRATA_EFULL / STRATA_EINVAL for one
+ * that does not fit beside those added before it; it is then not counted, and the caller may
+ * leave it out of the step and go on adding), kv_room_end. The blocks a step may have to move
+ * down count the step's new blocks and the blocks it brings back for attention, and at most the
+ * blocks with no copy below (the others leave without a write). */
+typedef struct kv_room kv_room;
+kv_room *kv_room_begin(const kv_pool *pool, strata_error *err);
+int kv_room_add(kv_room *room, const kv_seq *seq, size_t n_tokens, strata_error *err);
+void kv_room_end(kv_room *room);
 
 /* Appends n_tokens tokens to one layer. k and v are fp32, [n_tokens][n_kv_heads][head_dim].
  * Compresses completed blocks. On STRATA_EFULL (pool exhausted) or STRATA_EINVAL (would exceed

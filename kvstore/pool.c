@@ -1011,68 +1011,202 @@ size_t kv_tail_tokens(const kv_codec_params *p, int block_tokens, size_t n_token
     return n_tokens - blocks_leaving(n_tokens, R, bt) * bt;
 }
 
-int kv_seq_check_room(const kv_seq *seq, size_t n_tokens, strata_error *err)
+/* A step's demand on one pool, summed over its sequences. Per region and class: the slots its
+ * blocks take (new blocks, and blocks fetched back from the lower tier for attention); per region:
+ * the new blocks (they have no copy below). */
+struct kv_room {
+    const kv_pool *pool;
+    size_t *takes, *trial;       /* [n_regions * max_classes] */
+    size_t *touch, *trial_touch; /* the same, counting every block the step uses as possibly fetched */
+    size_t *made, *trial_made;   /* [n_regions] */
+    size_t *dirty;               /* [n_regions]: resident blocks with no copy below; SIZE_MAX: not counted yet */
+    size_t n_seqs;               /* sequences added */
+};
+
+kv_room *kv_room_begin(const kv_pool *pool, strata_error *err)
 {
-    if (!seq)
-        return strata_fail(err, STRATA_EINVAL, "kv room: NULL sequence");
+    if (!pool) {
+        strata_fail(err, STRATA_EINVAL, "kv room: NULL pool");
+        return NULL;
+    }
+    const size_t n = (size_t)pool->n_regions * (size_t)pool->max_classes, R = (size_t)pool->n_regions;
+    kv_room *r = calloc(1, sizeof *r);
+    if (r) {
+        r->pool = pool;
+        r->takes = calloc(n, sizeof *r->takes);
+        r->trial = calloc(n, sizeof *r->trial);
+        r->touch = calloc(n, sizeof *r->touch);
+        r->trial_touch = calloc(n, sizeof *r->trial_touch);
+        r->made = calloc(R, sizeof *r->made);
+        r->trial_made = calloc(R, sizeof *r->trial_made);
+        r->dirty = malloc(R * sizeof *r->dirty);
+    }
+    if (!r || !r->takes || !r->trial || !r->touch || !r->trial_touch || !r->made || !r->trial_made || !r->dirty) {
+        kv_room_end(r);
+        strata_fail(err, STRATA_ENOMEM, "kv room: out of memory");
+        return NULL;
+    }
+    for (size_t i = 0; i < R; i++)
+        r->dirty[i] = SIZE_MAX;
+    return r;
+}
+
+void kv_room_end(kv_room *r)
+{
+    if (!r)
+        return;
+    free(r->takes);
+    free(r->trial);
+    free(r->touch);
+    free(r->trial_touch);
+    free(r->made);
+    free(r->trial_made);
+    free(r->dirty);
+    free(r);
+}
+
+static size_t region_dirty(kv_room *room, int r)
+{
+    if (room->dirty[r] == SIZE_MAX) {
+        size_t n = 0;
+        for (const kv_block_ref *v = room->pool->regions[r].oldest; v; v = v->newer)
+            n += v->lower == 0;
+        room->dirty[r] = n;
+    }
+    return room->dirty[r];
+}
+
+/* A region's largest slab in blocks (over its block sizes), and the largest block as the tiers
+ * below store it: whole 4 KiB pages (host arena extents, NVMe slabs). */
+static size_t region_unit(const kv_slabs *b, size_t *max_per)
+{
+    size_t unit = 0;
+    *max_per = 1;
+    for (int c = 0; c < kv_slabs_n_classes(b); c++) {
+        const size_t per = kv_slabs_per_slab(b, c), u = (kv_slabs_slot_bytes(b, c) + 4095) / 4096 * 4096;
+        *max_per = per > *max_per ? per : *max_per;
+        unit = u > unit ? u : unit;
+    }
+    return unit;
+}
+
+/* The most bytes region r's part of the step may need below. A block brought back from NVMe
+ * passes through host memory, which costs room there as a put does: with such a tier
+ * (get_takes_room) fetches are counted so, whether their copy is on NVMe or not. When the step's slots fit the region (`after` packed
+ * slabs, counting the blocks below it fetches), nothing is evicted. Else a block of the step not
+ * yet used may itself be evicted and fetched again later in the step (another layer's, another
+ * sequence's), so every block the step uses counts as possibly fetched (`touch`), and
+ * evictions happen only as slots run out: with one block size each frees one slot, (touch -
+ * n_slabs) slabs' worth of blocks at most; with several, one eviction may free a whole slab of
+ * another size (its blocks all go down), overshooting by up to a slab per size. Only blocks with
+ * no copy below are put (a fetched block keeps its copy): no more than those, counting the
+ * step's new blocks. */
+static size_t region_below_bytes(kv_room *room, int r, size_t *unit_out)
+{
+    const kv_pool *p = room->pool;
+    const size_t C = (size_t)p->max_classes;
+    const kv_slabs *b = p->regions[r].books;
+    size_t max_per;
+    const size_t unit = region_unit(b, &max_per), n_slabs = kv_slabs_count(b);
+    size_t takes = 0, touch = 0;
+    for (size_t c = 0; c < C; c++) {
+        takes += room->trial[(size_t)r * C + c];
+        touch += room->trial_touch[(size_t)r * C + c];
+    }
+    const size_t made = room->trial_made[r], fetch_cost = p->lower.get_takes_room ? 1 : 0;
+    *unit_out = unit;
+    if (packed_slabs(b, room->trial + (size_t)r * C) <= n_slabs)
+        return (takes - made) * fetch_cost * unit;
+    const size_t after = packed_slabs(b, room->trial_touch + (size_t)r * C);
+    const size_t evicted = after > n_slabs ? (after - n_slabs + (size_t)kv_slabs_n_classes(b) - 1) * max_per : 0;
+    const size_t dirty = region_dirty(room, r) + made;
+    return ((evicted < dirty ? evicted : dirty) + (touch - made) * fetch_cost) * unit;
+}
+
+int kv_room_add(kv_room *room, const kv_seq *seq, size_t n_tokens, strata_error *err)
+{
+    if (!room || !seq)
+        return strata_fail(err, STRATA_EINVAL, "kv room: NULL argument");
+    const kv_pool *p = room->pool;
+    if (seq->pool != p)
+        return strata_fail(err, STRATA_EINVAL, "kv room: sequence %" PRIu64 " is of another pool", seq->id);
     if (seq->spilled)
         return strata_fail(err, STRATA_EINVAL, "sequence %" PRIu64 " is spilled; resume it first", seq->id);
-    const kv_pool *p = seq->pool;
     const kv_geometry *g = &p->geom;
     size_t len = kv_seq_length(seq, 0);
     if (n_tokens > seq->max_tokens - len)
         return strata_fail(err, STRATA_EINVAL, "sequence %" PRIu64 " holds %zu tokens; %zu more exceed its limit of %zu",
                            seq->id, len, n_tokens, seq->max_tokens);
     const size_t C = (size_t)p->max_classes;
-    size_t *need = calloc((size_t)p->n_regions * C, sizeof *need);   /* new blocks per region and class */
-    if (!need)
-        return strata_fail(err, STRATA_ENOMEM, "kv room: out of memory");
-    size_t evict_bytes = 0, evict_unit = 0;
-    int rc = STRATA_OK;
+    memcpy(room->trial, room->takes, (size_t)p->n_regions * C * sizeof *room->trial);
+    memcpy(room->trial_touch, room->touch, (size_t)p->n_regions * C * sizeof *room->trial_touch);
+    memcpy(room->trial_made, room->made, (size_t)p->n_regions * sizeof *room->trial_made);
     for (int l = 0; l < g->n_layers; l++) {
         const int r = p->layer_region[l], c = seq->slot_class[l];
         const kv_slabs *b = p->regions[r].books;
-        size_t n_new = new_blocks(seq, l, n_tokens);
-        need[(size_t)r * C + (size_t)c] += n_new;
-        /* A decode step pins a layer's whole table for attention; a prefill its new blocks. */
-        size_t at_once = n_tokens > 1 && len == 0 ? n_new : seq->layers[l].n_blocks + n_new;
+        const kv_layer *L = &seq->layers[l];
+        size_t n_new = new_blocks(seq, l, n_tokens), fetched = 0;
+        /* A decode step or a later chunk pins the layer's whole table for attention, bringing
+         * back what is below; a first prefill pins its new blocks. */
+        const bool whole = !(n_tokens > 1 && len == 0);
+        for (size_t k = 0; whole && k < L->n_blocks; k++)
+            fetched += L->refs[k].slot == NULL;
+        room->trial[(size_t)r * C + (size_t)c] += n_new + fetched;
+        room->trial_touch[(size_t)r * C + (size_t)c] += n_new + (whole ? L->n_blocks : 0);
+        room->trial_made[r] += n_new;
+        const size_t at_once = whole ? L->n_blocks + n_new : n_new;
         const size_t most = kv_slabs_count(b) * kv_slabs_per_slab(b, c);
-        if (has_lower(p) && at_once > most) {
-            rc = strata_fail(err, STRATA_EFULL,
-                             "the device KV pool holds %zu blocks of %zu bytes, but layer %d of sequence %" PRIu64
-                             " needs %zu at once for this step (%zu tokens); raise the device KV budget",
-                             most, kv_slabs_slot_bytes(b, c), l, seq->id, at_once, len + n_tokens);
-            break;
-        }
+        if (has_lower(p) && at_once > most)
+            return strata_fail(err, STRATA_EFULL,
+                               "the device KV pool holds %zu blocks of %zu bytes, but layer %d of sequence %" PRIu64
+                               " needs %zu at once for this step (%zu tokens); raise the device KV budget",
+                               most, kv_slabs_slot_bytes(b, c), l, seq->id, at_once, len + n_tokens);
     }
     /* Per region: the slabs every block would need after the step, packed by compaction. */
-    for (int r = 0; r < p->n_regions && rc == STRATA_OK; r++) {
+    size_t evict_bytes = 0, evict_unit = 0;
+    for (int r = 0; r < p->n_regions; r++) {
         const kv_slabs *b = p->regions[r].books;
-        const size_t after = packed_slabs(b, need + (size_t)r * C), n_slabs = kv_slabs_count(b);
-        if (after <= n_slabs)
+        const size_t after = packed_slabs(b, room->trial + (size_t)r * C), n_slabs = kv_slabs_count(b);
+        if (has_lower(p)) {
+            size_t unit;
+            evict_bytes += region_below_bytes(room, r, &unit);
+            evict_unit = unit > evict_unit ? unit : evict_unit;
             continue;
-        if (!has_lower(p)) {
-            const size_t now = packed_slabs(b, NULL), free_slabs = n_slabs > now ? n_slabs - now : 0;
-            rc = strata_fail(err, STRATA_EFULL,
-                             "KV block pool exhausted: sequence %" PRIu64 " needs %zu more slot(s) of %zu bytes for "
-                             "%zu more tokens, %zu of the pool's %zu are free",
-                             seq->id, after - now, kv_slabs_slab_bytes(b), n_tokens, free_slabs, n_slabs);
-            break;
         }
-        /* the tiers below store a block in whole 4 KiB pages (host arena extents, NVMe slabs) */
-        const size_t unit = (kv_slabs_slab_bytes(b) + 4095) / 4096 * 4096;
-        evict_bytes += (after - n_slabs) * unit;
-        evict_unit = unit > evict_unit ? unit : evict_unit;
+        if (after > n_slabs) {
+            const size_t now = packed_slabs(b, room->takes + (size_t)r * C), free_slabs = n_slabs > now ? n_slabs - now : 0;
+            return strata_fail(err, STRATA_EFULL,
+                               "KV block pool exhausted: sequence %" PRIu64 " needs %zu more slot(s) of %zu bytes for "
+                               "%zu more tokens, %zu of the pool's %zu are free%s",
+                               seq->id, after - now, kv_slabs_slab_bytes(b), n_tokens, free_slabs, n_slabs,
+                               room->n_seqs ? " beside this step's other sequences" : "");
+        }
     }
-    free(need);
-    if (rc == STRATA_OK && has_lower(p) && p->lower.room) {
-        size_t room = evict_bytes ? p->lower.room(p->lower.ctx, evict_unit) : SIZE_MAX;
-        if (evict_bytes > room)
-            rc = strata_fail(err, STRATA_EFULL,
-                             "KV tiers full: this step must move %zu bytes of blocks out of the device pool but the "
-                             "host and NVMe tiers have room for %zu; raise --host-kv-mib or --nvme-kv-mib",
-                             evict_bytes, room);
+    if (has_lower(p) && p->lower.room && evict_bytes) {
+        const size_t free_below = p->lower.room(p->lower.ctx, evict_unit);
+        if (evict_bytes > free_below)
+            return strata_fail(err, STRATA_EFULL,
+                               "KV tiers full: this step may move %zu bytes of blocks between the device pool and the "
+                               "tiers below (sequence %" PRIu64 "%s) but the host and NVMe tiers have room for %zu; "
+                               "raise --host-kv-mib or --nvme-kv-mib",
+                               evict_bytes, seq->id, room->n_seqs ? " and those beside it" : "", free_below);
     }
+    memcpy(room->takes, room->trial, (size_t)p->n_regions * C * sizeof *room->takes);
+    memcpy(room->touch, room->trial_touch, (size_t)p->n_regions * C * sizeof *room->touch);
+    memcpy(room->made, room->trial_made, (size_t)p->n_regions * sizeof *room->made);
+    room->n_seqs++;
+    return STRATA_OK;
+}
+
+int kv_seq_check_room(const kv_seq *seq, size_t n_tokens, strata_error *err)
+{
+    if (!seq)
+        return strata_fail(err, STRATA_EINVAL, "kv room: NULL sequence");
+    kv_room *room = kv_room_begin(seq->pool, err);
+    if (!room)
+        return err ? err->code : STRATA_ENOMEM;
+    const int rc = kv_room_add(room, seq, n_tokens, err);
+    kv_room_end(room);
     return rc;
 }
 

@@ -202,6 +202,12 @@ int host_arena_free(host_arena *a, host_handle h, strata_error *err)
 
 size_t host_arena_capacity(const host_arena *a) { return a->capacity; }
 size_t host_arena_free_bytes(const host_arena *a) { return (size_t)a->pages.free_units * HOST_ARENA_PAGE; }
+
+size_t host_arena_fit_bytes(const host_arena *a, size_t block_bytes)
+{
+    const uint64_t pages = ((uint64_t)block_bytes + HOST_ARENA_PAGE - 1) / HOST_ARENA_PAGE;
+    return pages ? (size_t)(off_extents_fit(&a->pages, pages) * pages * HOST_ARENA_PAGE) : 0;
+}
 size_t host_arena_used_bytes(const host_arena *a) { return a->capacity - host_arena_free_bytes(a); }
 size_t host_arena_stored_bytes(const host_arena *a) { return a->stored; }
 size_t host_arena_largest_free(const host_arena *a) { return (size_t)off_extents_largest(&a->pages) * HOST_ARENA_PAGE; }

@@ -70,6 +70,9 @@ size_t host_arena_used_bytes(const host_arena *a);    /* bytes in allocated page
 size_t host_arena_free_bytes(const host_arena *a);
 size_t host_arena_stored_bytes(const host_arena *a);  /* sum of the live blocks' lengths */
 size_t host_arena_largest_free(const host_arena *a);  /* bytes in the largest free extent */
+/* Bytes of free space usable by blocks of block_bytes each: whole blocks per free extent
+ * (page-rounded), so fragmentation shows. */
+size_t host_arena_fit_bytes(const host_arena *a, size_t block_bytes);
 size_t host_arena_count(const host_arena *a);         /* live blocks */
 uint8_t *host_arena_base(const host_arena *a);
 const char *host_arena_describe(const host_arena *a); /* the allocator's name */

@@ -186,16 +186,21 @@ static void lower_set_waiting(void *ctx, uint64_t seq_id, int waiting)
         tier_set_waiting(t->tier, seq_id, waiting != 0);
 }
 
-/* Host memory counts whole: making room there spills blocks to NVMe, which also merges the
- * holes. NVMe counts what its holes hold as blocks of unit_bytes: nothing moves there once
- * written, so a fragmented slab keeps holes no block fits. */
+/* Whole blocks of unit_bytes that fit in each tier's free extents (a fragmented tier has holes no
+ * block fits), and the host copies of blocks also on NVMe, which making room drops without
+ * I/O. A block that must leave host memory for room goes to a free NVMe extent, so host and
+ * NVMe room add up; neither counts twice. */
 static size_t lower_room(void *ctx, size_t unit_bytes)
 {
     kv_tiers *t = ctx;
-    size_t room = host_arena_free_bytes(t->arena);
+    if (host_arena_capacity(t->arena) < unit_bytes)
+        return 0;   /* every block passes through host memory, NVMe-bound ones included */
+    size_t room = host_arena_fit_bytes(t->arena, unit_bytes);
     if (t->nvme) {
-        uint64_t fit = nvme_store_fit_bytes(t->nvme, unit_bytes);
+        const uint64_t fit = nvme_store_fit_bytes(t->nvme, unit_bytes);
         room += fit > SIZE_MAX - room ? SIZE_MAX - room : (size_t)fit;
+        const size_t clean = tier_clean_host_fit(t->tier, unit_bytes);
+        room += clean > SIZE_MAX - room ? SIZE_MAX - room : clean;
     }
     return room;
 }
@@ -203,7 +208,8 @@ static size_t lower_room(void *ctx, size_t unit_bytes)
 kv_lower_tier kv_tiers_lower(kv_tiers *t)
 {
     return (kv_lower_tier){.ctx = t, .put = lower_put, .get = lower_get, .prefetch = lower_prefetch,
-                           .release = lower_release, .set_waiting = lower_set_waiting, .room = lower_room};
+                           .release = lower_release, .set_waiting = lower_set_waiting, .room = lower_room,
+                           .get_takes_room = t->nvme != NULL};
 }
 
 void kv_tiers_get_stats(const kv_tiers *t, kv_tiers_stats *out)

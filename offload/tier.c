@@ -329,6 +329,18 @@ static int make_room(tier *t, size_t len, host_handle *h, uint8_t **p, strata_er
     }
 }
 
+size_t tier_clean_host_fit(const tier *t, size_t block_bytes)
+{
+    const size_t unit = host_bytes((uint32_t)block_bytes);
+    size_t n = 0;
+    for (uint32_t i = 0; t && unit && i < t->n; i++) {
+        const tier_block *b = &t->b[i];
+        if (b->live && !b->freed && b->where == TIER_BOTH)
+            n += host_bytes(b->len) / unit;
+    }
+    return n * unit;
+}
+
 tier *tier_create(host_arena *host, nvme_store *nvme, const tier_options *o, strata_error *err)
 {
     if (!host || !nvme) {

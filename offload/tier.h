@@ -101,6 +101,10 @@ int tier_prefetch(tier *t, tier_id id, strata_error *err);
  * (STRATA_ECRC for a damaged copy). */
 int tier_restore(tier *t, tier_id id, strata_error *err);
 
+/* Host bytes usable by blocks of block_bytes each that making room would free without any I/O:
+ * the host copies of blocks also on NVMe (dropped first when room is needed). */
+size_t tier_clean_host_fit(const tier *t, size_t block_bytes);
+
 /* Forgets a block, freeing its copies (at completion if I/O is in flight). */
 int tier_free(tier *t, tier_id id, strata_error *err);
 

@@ -922,20 +922,43 @@ static int run_layer_batch(model *m, const model_batch_item *items, size_t n_ite
     return STRATA_OK;
 }
 
-/* Validation, then every item's room: all before the first layer, so a refused step changes
- * nothing. */
+/* Validation, then the items' room, summed per pool (they draw on the same slots and tiers): all
+ * before the first layer, so a refused step changes nothing. */
 static int batch_check(const model *m, const model_batch_item *items, size_t n_items, const float *hidden_in,
                        const float *hidden_out, size_t *rows, size_t *bad, strata_error *err)
 {
     int rc = batch_validate(m, items, n_items, hidden_in, hidden_out, rows, bad, err);
+    if (rc != STRATA_OK)
+        return rc;
+    /* One kv_room per pool in the batch, in order of first appearance (one in a stage). */
+    kv_room **rooms = calloc(n_items, sizeof *rooms);
+    const kv_pool **pools = calloc(n_items, sizeof *pools);
+    size_t n_pools = 0;
+    if (!rooms || !pools)
+        rc = strata_fail(err, STRATA_ENOMEM, "model: out of memory");
     for (size_t j = 0; j < n_items && rc == STRATA_OK; j++) {
-        rc = kv_seq_check_room(items[j].seq, items[j].n_tokens, err);
+        const kv_pool *pool = kv_seq_pool(items[j].seq);
+        size_t k = 0;
+        while (k < n_pools && pools[k] != pool)
+            k++;
+        if (k == n_pools) {
+            if (!(rooms[k] = kv_room_begin(pool, err))) {
+                rc = err ? err->code : STRATA_ENOMEM;
+                break;
+            }
+            pools[n_pools++] = pool;
+        }
+        rc = kv_room_add(rooms[k], items[j].seq, items[j].n_tokens, err);
         if (rc != STRATA_OK) {
             *bad = j;
             if (err)
                 strata_error_prefix(err, "batch item %zu", j);
         }
     }
+    for (size_t k = 0; k < n_pools; k++)
+        kv_room_end(rooms[k]);
+    free(rooms);
+    free(pools);
     return rc;
 }
 
