@@ -804,6 +804,58 @@ static void test_availability(void **state)
     sched_destroy(s);
 }
 
+/* Replicas of different sizes (a review's cases): a request is routed only to a replica that can
+ * hold it alone (one that cannot would start nothing for ever, and hold back every request
+ * queued behind it there), and a move to such a replica is refused. */
+static void test_one_sequence_limit_routes(void **state)
+{
+    (void)state;
+    sched_replica_config rc[2] = {{.device_blocks = 4, .stream_blocks = 50, .total_blocks = 50},
+                                  {.device_blocks = 4, .stream_blocks = 0, .total_blocks = 100}};
+    sched_config c = {.block_tokens = 16, .max_batch_tokens = 256, .max_seqs = 4, .n_replicas = 2, .replicas = rc};
+    strata_error err = {0};
+    scheduler *s = sched_create(&c, &err);
+    assert_non_null(s);
+    int r = -1;
+    assert_int_equal(sched_submit(s, 1, 200, 100, &r, &err), STRATA_OK);   /* 19 blocks: replica 0 only */
+    assert_int_equal(r, 0);
+    assert_int_equal(sched_submit(s, 2, 10, 5, &r, &err), STRATA_OK);   /* 1 block: the roomier replica */
+    assert_int_equal(r, 1);
+    sched_plan p;
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);   /* the prompt, streamed alone */
+    assert_int_equal(p.n_work, 1);
+    sched_outcome o = {1, false};
+    assert_int_equal(sched_step_done(s, 0, p.step, &o, 1, &err), STRATA_OK);
+    assert_int_equal(sched_move(s, 1, 1, &err), STRATA_EFULL);
+    assert_non_null(strstr(err.msg, "at most 4 blocks for one sequence"));
+    assert_int_equal(sched_get_replica(s, 1), 0);
+    sched_destroy(s);
+}
+
+/* A move refused for room keeps the request's cached prefix (it stays where the prefix is). */
+static void test_refused_move_keeps_prefix(void **state)
+{
+    (void)state;
+    sched_replica_config rc[2] = {{.device_blocks = 20, .total_blocks = 20}, {.device_blocks = 20, .total_blocks = 20}};
+    sched_config c = {.block_tokens = 16, .max_batch_tokens = 256, .max_seqs = 4, .n_replicas = 2, .replicas = rc};
+    strata_error err = {0};
+    scheduler *s = sched_create(&c, &err);
+    assert_non_null(s);
+    int r;
+    assert_int_equal(sched_submit(s, 1, 300, 10, &r, &err), STRATA_OK);   /* fills replica 0 */
+    assert_int_equal(sched_submit_prefix(s, 2, 40, 8, 1, 32, &r, &err), STRATA_OK);
+    assert_int_equal(r, 1);
+    assert_int_equal(sched_move(s, 2, 0, &err), STRATA_EFULL);
+    sched_plan p;
+    assert_int_equal(sched_next_step(s, 1, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_work, 1);
+    assert_int_equal(p.work[0].id, 2);
+    assert_int_equal(p.work[0].pos0, 32);   /* from its prefix, not from 0 */
+    /* sizes that overflow are refused, not admitted as one block */
+    assert_int_equal(sched_submit(s, 3, SIZE_MAX - 5, 10, &r, &err), STRATA_EINVAL);
+    sched_destroy(s);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -824,6 +876,8 @@ int main(void)
         cmocka_unit_test(test_availability),
         cmocka_unit_test(test_chunked_prefill),
         cmocka_unit_test(test_cached_prefix),
+        cmocka_unit_test(test_one_sequence_limit_routes),
+        cmocka_unit_test(test_refused_move_keeps_prefix),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -183,19 +183,20 @@ typedef struct model_batch_item {
  * item) and to running the layers split over stages: every kernel works row by row or per item
  * (kern_matmul is batch-invariant).
  *
- * Every item is validated and kv_seq_check_room'd before any layer runs (model_batch_check):
- * a failed check changes no sequence. Sequences sharing a pool draw on the same free slots and
- * the checks are per sequence, so the caller admits a step only if the pool has room for all of
- * it; a failure inside the layers (pool exhausted that way, or a lower tier's I/O error) leaves
- * the sequences of the batch with uneven layers, and the caller discards them (as with
+ * Every item is validated, and the items' room checked together per pool (kv_room: they draw
+ * on the same slots and tiers), before any layer runs (model_batch_check): a failed check
+ * changes no sequence. A failure inside the layers (a lower tier's I/O error) leaves the
+ * sequences of the batch with uneven layers, and the caller discards them (as with
  * model_forward). */
 int model_forward_batch(model *m, const model_batch_item *items, size_t n_items, const float *hidden_in,
                         float *hidden_out, float *logits, strata_error *err);
 
 /* The checks model_forward_batch makes before its first layer, without running anything: the
- * buffers, every item (sequence, tokens, geometry, position, no sequence twice) and every item's room. On failure *bad_item (if non-NULL) is the index of the item at
- * fault, or n_items when the fault is not one item's (no items, a missing buffer); a scheduler
- * can drop or defer that item and run the rest. STRATA_OK leaves *bad_item = n_items. */
+ * buffers, every item (sequence, tokens, geometry, position, no sequence twice) and the items'
+ * room, each beside the items before it. On failure *bad_item (if non-NULL) is the index of the
+ * item at fault, or n_items when the fault is not one item's (no items, a missing buffer); a
+ * scheduler can drop or defer that item and check the rest again. STRATA_OK leaves
+ * *bad_item = n_items. */
 int model_batch_check(const model *m, const model_batch_item *items, size_t n_items, const float *hidden_in,
                       const float *hidden_out, size_t *bad_item, strata_error *err);
 

@@ -161,7 +161,7 @@ static int best_replica(const scheduler *s, size_t need)
     for (int r = 0; r < s->cfg.n_replicas; r++) {
         const replica *p = &s->reps[r];
         size_t free_blocks = p->cfg.total_blocks - p->reserved;
-        if (p->unavailable || p->not_accepting)
+        if (p->unavailable || p->not_accepting || need > one_sequence_blocks(&p->cfg))
             continue;
         if (need <= free_blocks && (best < 0 || free_blocks > best_free)) {
             best = r;
@@ -175,7 +175,8 @@ static int best_replica(const scheduler *s, size_t need)
 static bool replica_takes(const scheduler *s, int r, size_t need)
 {
     const replica *p = r >= 0 && r < s->cfg.n_replicas ? &s->reps[r] : NULL;
-    return p && !p->unavailable && !p->not_accepting && need <= p->cfg.total_blocks - p->reserved;
+    return p && !p->unavailable && !p->not_accepting && need <= one_sequence_blocks(&p->cfg) &&
+           need <= p->cfg.total_blocks - p->reserved;
 }
 
 /* Routes unrouted requests, oldest first, while some replica has room (FIFO: a request that
@@ -220,6 +221,9 @@ int sched_submit_prefix(scheduler *s, uint64_t id, size_t prompt_tokens, size_t 
                            "%zu-token prompt in %zu-token blocks", cached, prefer, prompt_tokens, s->cfg.block_tokens);
     if (find(s, id))
         return strata_fail(err, STRATA_EINVAL, "scheduler: request %" PRIu64 " already exists", id);
+    if (max_tokens > SIZE_MAX / 2 - prompt_tokens || prompt_tokens > SIZE_MAX / 2)
+        return strata_fail(err, STRATA_EINVAL, "scheduler: %zu prompt tokens + %zu max_tokens overflow", prompt_tokens,
+                           max_tokens);
     size_t need = blocks_for(s, prompt_tokens + max_tokens);
     bool fits = false;
     size_t largest = 0;
@@ -627,12 +631,15 @@ int sched_move(scheduler *s, uint64_t id, int to, strata_error *err)
                            : q->state == SCHED_RUNNING ? "its prompt is still being prefilled" : "preempted or finished");
     if (q->replica == to)
         return STRATA_OK;
-    if (q->prefer != to)
-        q->cached = 0;   /* its prefix stays behind */
     replica *dst = &s->reps[to];
+    if (q->reserved > one_sequence_blocks(&dst->cfg))
+        return strata_fail(err, STRATA_EFULL, "scheduler: replica %d holds at most %zu blocks for one sequence; request %" PRIu64
+                           " needs %zu", to, one_sequence_blocks(&dst->cfg), id, q->reserved);
     if (dst->cfg.total_blocks - dst->reserved < q->reserved)
         return strata_fail(err, STRATA_EFULL, "scheduler: replica %d has %zu free blocks; request %" PRIu64 " needs %zu",
                            to, dst->cfg.total_blocks - dst->reserved, id, q->reserved);
+    if (q->prefer != to)
+        q->cached = 0;   /* its prefix stays behind (a refused move keeps it) */
     s->reps[q->replica].reserved -= q->reserved;
     dst->reserved += q->reserved;
     q->replica = to;
