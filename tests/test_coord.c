@@ -1273,6 +1273,48 @@ static void test_recovery_starts_from_prefix(void **state)
     fixture_stop(&fx);
 }
 
+/* A replica being drained takes no new request, so its prefix entries are not offered: a request
+ * whose prompt both replicas hold copies the other one's entry (before, the lookup could pick the
+ * drained replica's, and the request then prefilled whole elsewhere). */
+static void test_drained_replica_prefix_not_offered(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start_limits(&fx, 2, 64, 0, (fixture_limits){.prefix_cache_bytes = 64u << 20});
+    fake *w[2] = {fake_start(&fx, "w0", MIG_FAIL), fake_start(&fx, "w1", MIG_FAIL)};
+    for (int i = 0; i < 2; i++)
+        fake_set_step_ms(w[i], 100);   /* the first request still runs when the second is routed */
+    wait_ready(&fx);
+    gen_job p1, p2;
+    gen_start_prompt(&p1, fx.ch, 40, 4);
+    gen_start_prompt(&p2, fx.ch, 40, 4);
+    WAIT_FOR(gen_done(&p1) && gen_done(&p2), 10000);
+    gen_join(&p1);
+    gen_join(&p2);
+    WAIT_FOR(fake_int(w[0], &w[0]->parks) == 1 && fake_int(w[1], &w[1]->parks) == 1, 5000);
+    for (int i = 0; i < 2; i++)
+        fake_set_step_ms(w[i], 20);
+    gen_job b, longer, c;
+    gen_run_prompt(&b, fx.ch, 40, 4);   /* the lookup's choice of the two entries */
+    assert_complete(&b);
+    assert_int_equal(b.cached, 32);
+    const int x = fake_int(w[0], &w[0]->prefix_copies) == 1 ? 0 : 1, y = 1 - x;
+    gen_start_prompt(&longer, fx.ch, 40, 200);   /* to x, which holds its prefix; its move will fail */
+    WAIT_FOR(gen_tokens(&longer) >= 3, 10000);
+    assert_int_equal(fake_int(w[x], &w[x]->prefix_copies), 2);
+    coord_drain_report rep = drain(&fx, w[x]->name);
+    assert_false(rep.done);
+    WAIT_FOR(fake_int(w[x], &w[x]->migrates_send) >= 1, 10000);   /* refused: it stays, the drain waits */
+    gen_run_prompt(&c, fx.ch, 40, 4);
+    assert_complete(&c);
+    assert_int_equal(c.cached, 32);
+    assert_int_equal(fake_int(w[y], &w[y]->prefix_copies), 1);
+    WAIT_FOR(gen_done(&longer), 20000);
+    gen_join(&longer);
+    assert_complete(&longer);
+    fixture_stop(&fx);
+}
+
 /* A drain whose destination is lost before the move went out (its step never answered): the
  * moving request stays whole on the drained replica, no recovery spent on it; the drain ends,
  * since no replica is left to move to, and the drained replica serves again, taking the lost
@@ -1414,6 +1456,7 @@ int main(void)
         cmocka_unit_test(test_lost_replica_recovers),
         cmocka_unit_test(test_failed_spill_recovers),
         cmocka_unit_test(test_recovery_starts_from_prefix),
+        cmocka_unit_test(test_drained_replica_prefix_not_offered),
         cmocka_unit_test(test_lost_replica_takes_no_queued_request),
         cmocka_unit_test(test_drain_target_lost_before_move),
         cmocka_unit_test(test_lone_replica_waits_for_rebuild),

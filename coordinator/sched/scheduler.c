@@ -592,6 +592,11 @@ bool sched_is_available(const scheduler *s, int r)
     return s && r >= 0 && r < s->cfg.n_replicas && !s->reps[r].unavailable;
 }
 
+bool sched_is_accepting(const scheduler *s, int r)
+{
+    return sched_is_available(s, r) && !s->reps[r].not_accepting;
+}
+
 int sched_get_replica(const scheduler *s, uint64_t id)
 {
     const request *q = s ? find(s, id) : NULL;

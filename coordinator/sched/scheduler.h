@@ -162,6 +162,8 @@ void sched_get_stats(const scheduler *s, int replica /* -1: all */, sched_stats 
  * its pending frees: finish its requests with sched_finish first. */
 void sched_set_available(scheduler *s, int r, bool available);
 bool sched_is_available(const scheduler *s, int r);
+/* Whether replica r takes new requests now: available and not held by a drain or migration. */
+bool sched_is_accepting(const scheduler *s, int r);
 
 /* Whether new requests may be routed to replica r (default true). A replica being drained keeps
  * running what it has but takes nothing new. */

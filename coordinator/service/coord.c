@@ -689,7 +689,8 @@ static int submit_seq(coord *c, creq *q, strata_error *err)
             memcpy(joined + q->n_prompt, q->generated, (q->n_input - q->n_prompt) * sizeof *joined);
         }
         for (uint32_t r = 0; r < c->cfg.replicas; r++)
-            c->prefix_usable[r] = c->reps[r].serving && !c->reps[r].tearing_down;
+            c->prefix_usable[r] = c->reps[r].serving && !c->reps[r].tearing_down &&
+                                  sched_is_accepting(c->sched, (int)r);   /* not one being drained */
         if (prefix_index_lookup(c->prefixes, q->plan, joined ? joined : q->prompt, joined ? q->n_input : q->n_prompt,
                                 c->prefix_usable, &hit))
             q->pinned = prefix_index_pin(c->prefixes, hit.entry, hit.n_tokens);
