@@ -1220,6 +1220,26 @@ static void test_failed_spill_recovers(void **state)
     fixture_stop(&fx);
 }
 
+/* Two requests with the same 40-token prompt at once, one per replica (w: their workers, one
+ * stage each): each replica then holds an entry of its first 32 tokens. Steps take 20 ms after. */
+static void entry_on_each_replica(fixture *fx, fake *w[2])
+{
+    for (int i = 0; i < 2; i++)
+        fake_set_step_ms(w[i], 100);   /* the first request still runs when the second is routed */
+    wait_ready(fx);
+    gen_job p1, p2;
+    gen_start_prompt(&p1, fx->ch, 40, 4);
+    gen_start_prompt(&p2, fx->ch, 40, 4);
+    WAIT_FOR(gen_done(&p1) && gen_done(&p2), 10000);
+    gen_join(&p1);
+    gen_join(&p2);
+    assert_complete(&p1);
+    assert_complete(&p2);
+    WAIT_FOR(fake_int(w[0], &w[0]->parks) == 1 && fake_int(w[1], &w[1]->parks) == 1, 5000);   /* 43 fed: 32 kept */
+    for (int i = 0; i < 2; i++)
+        fake_set_step_ms(w[i], 20);
+}
+
 /* A recovered request starts from a cached prefix of its input on the replica it goes on on, as
  * a new request would: two requests at once leave an entry of the same 40-token prompt on each
  * replica; a third with that prompt starts from one replica's entry (cached 32), loses that
@@ -1235,21 +1255,9 @@ static void test_recovery_starts_from_prefix(void **state)
     for (int i = 0; i < 2; i++) {
         pthread_mutex_lock(&w[i]->mu);
         w[i]->replay_prompt = 40;
-        w[i]->step_ms = 100;   /* the first request still runs when the second is routed */
         pthread_mutex_unlock(&w[i]->mu);
     }
-    wait_ready(&fx);
-    gen_job p1, p2;
-    gen_start_prompt(&p1, fx.ch, 40, 4);
-    gen_start_prompt(&p2, fx.ch, 40, 4);
-    WAIT_FOR(gen_done(&p1) && gen_done(&p2), 10000);
-    gen_join(&p1);
-    gen_join(&p2);
-    assert_complete(&p1);
-    assert_complete(&p2);
-    WAIT_FOR(fake_int(w[0], &w[0]->parks) == 1 && fake_int(w[1], &w[1]->parks) == 1, 5000);   /* 43 fed: 32 kept */
-    for (int i = 0; i < 2; i++)
-        fake_set_step_ms(w[i], 20);
+    entry_on_each_replica(&fx, w);
     gen_job b;
     gen_start_prompt(&b, fx.ch, 40, 60);
     WAIT_FOR(gen_tokens(&b) >= 5, 10000);
@@ -1282,18 +1290,7 @@ static void test_drained_replica_prefix_not_offered(void **state)
     fixture fx;
     fixture_start_limits(&fx, 2, 64, 0, (fixture_limits){.prefix_cache_bytes = 64u << 20});
     fake *w[2] = {fake_start(&fx, "w0", MIG_FAIL), fake_start(&fx, "w1", MIG_FAIL)};
-    for (int i = 0; i < 2; i++)
-        fake_set_step_ms(w[i], 100);   /* the first request still runs when the second is routed */
-    wait_ready(&fx);
-    gen_job p1, p2;
-    gen_start_prompt(&p1, fx.ch, 40, 4);
-    gen_start_prompt(&p2, fx.ch, 40, 4);
-    WAIT_FOR(gen_done(&p1) && gen_done(&p2), 10000);
-    gen_join(&p1);
-    gen_join(&p2);
-    WAIT_FOR(fake_int(w[0], &w[0]->parks) == 1 && fake_int(w[1], &w[1]->parks) == 1, 5000);
-    for (int i = 0; i < 2; i++)
-        fake_set_step_ms(w[i], 20);
+    entry_on_each_replica(&fx, w);
     gen_job b, longer, c;
     gen_run_prompt(&b, fx.ch, 40, 4);   /* the lookup's choice of the two entries */
     assert_complete(&b);
