@@ -856,6 +856,49 @@ static void test_refused_move_keeps_prefix(void **state)
     sched_destroy(s);
 }
 
+/* A short request routed to a replica busy with a long sequence streaming alone (routing goes by
+ * reserved blocks) is taken by the other replica once that one is idle, instead of waiting for
+ * the long sequence to end (a review's case: it waited 500 steps). A request its own replica can
+ * start stays there (routing stays least-loaded). */
+static void test_idle_replica_takes_waiting(void **state)
+{
+    (void)state;
+    sched_replica_config rc[2] = {{.device_blocks = 4, .stream_blocks = 40, .total_blocks = 100},
+                                  {.device_blocks = 4, .stream_blocks = 40, .total_blocks = 100}};
+    sched_config c = {.block_tokens = 16, .max_batch_tokens = 256, .max_seqs = 8, .n_replicas = 2, .replicas = rc};
+    strata_error err = {0};
+    scheduler *s = sched_create(&c, &err);
+    assert_non_null(s);
+    int r;
+    assert_int_equal(sched_submit(s, 1, 100, 500, &r, &err), STRATA_OK);   /* 38 blocks: streams alone */
+    assert_int_equal(r, 0);
+    assert_int_equal(sched_submit(s, 2, 30, 600, &r, &err), STRATA_OK);   /* 40 blocks: the other replica */
+    assert_int_equal(r, 1);
+    sched_plan p;
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);   /* replica 0 does not take request 2 */
+    assert_int_equal(p.n_work, 1);
+    assert_int_equal(p.work[0].id, 1);
+    assert_int_equal(sched_get_replica(s, 2), 1);
+    sched_outcome o[8];
+    o[0] = (sched_outcome){1, false};
+    assert_int_equal(sched_step_done(s, 0, p.step, o, 1, &err), STRATA_OK);
+    assert_int_equal(sched_submit(s, 3, 20, 5, &r, &err), STRATA_OK);   /* 2 blocks: replica 0 has more free */
+    assert_int_equal(r, 0);
+    assert_int_equal(sched_next_step(s, 1, &p, &err), STRATA_OK);   /* request 2's prompt... */
+    assert_int_equal(p.n_work, 1);
+    assert_int_equal(p.work[0].id, 2);
+    o[0] = (sched_outcome){2, true};   /* ...and it ends at once (EOS) */
+    assert_int_equal(sched_step_done(s, 1, p.step, o, 1, &err), STRATA_OK);
+    assert_int_equal(sched_next_step(s, 1, &p, &err), STRATA_OK);   /* idle: takes request 3 */
+    assert_int_equal(p.n_work, 1);
+    assert_int_equal(p.work[0].id, 3);
+    assert_int_equal(sched_get_replica(s, 3), 1);
+    sched_stats st;
+    sched_get_stats(s, 0, &st);
+    assert_int_equal(st.reserved_blocks, 38);   /* the reservation moved with it */
+    sched_destroy(s);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -878,6 +921,7 @@ int main(void)
         cmocka_unit_test(test_cached_prefix),
         cmocka_unit_test(test_one_sequence_limit_routes),
         cmocka_unit_test(test_refused_move_keeps_prefix),
+        cmocka_unit_test(test_idle_replica_takes_waiting),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

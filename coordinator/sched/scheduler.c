@@ -340,6 +340,27 @@ static size_t collect(const scheduler *s, int r, sched_state st, size_t *idx)
     return n;
 }
 
+/* Whether q's replica cannot start it now, as its new-prompt rule says: a sequence of its own
+ * preempted (they come back first), max_seqs running, or no device room beside its running
+ * sequences. */
+static bool blocked_there(const scheduler *s, const request *q)
+{
+    const replica *p = &s->reps[q->replica];
+    size_t working = 0, live = 0;
+    for (size_t i = 0; i < s->n_reqs; i++) {
+        const request *k = &s->reqs[i];
+        if (k->replica != q->replica)
+            continue;
+        if (k->state == SCHED_PREEMPTED)
+            return true;
+        if (k->state == SCHED_RUNNING) {
+            working += held_blocks(s, k);
+            live++;
+        }
+    }
+    return live + 1 > s->cfg.max_seqs || working + blocks_for(s, q->prompt + 1) > device_room(p, working == 0);
+}
+
 int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
 {
     if (!s || !plan || r < 0 || r >= s->cfg.n_replicas)
@@ -446,6 +467,38 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
      * continue it); the rest follows in later steps. A prompt with a cached prefix starts after
      * it (its first chunk copies the prefix, then runs as a later chunk would). */
     size_t n_wait = blocked ? 0 : collect(s, r, SCHED_WAITING, idx);
+    /* Routing is by reserved blocks, not by load: a replica with nothing of its own waiting takes
+     * the oldest request waiting on another (available) replica that cannot start it now and that
+     * it can start in this very step (a reservation move; one with a cached prefix there stays for
+     * it). Else that request would wait for the other replica's long sequences to end while this
+     * one idles. */
+    if (!blocked && n_wait == 0 && !p->not_accepting && !p->unavailable) {
+        request *oldest = NULL;
+        for (size_t i = 0; i < s->n_reqs; i++) {
+            request *q = &s->reqs[i];
+            if (q->state == SCHED_WAITING && q->replica >= 0 && q->replica != r && !q->in_step &&
+                !s->reps[q->replica].unavailable && !(q->cached && q->prefer == q->replica) &&
+                (!oldest || q->order < oldest->order))
+                oldest = q;
+        }
+        if (oldest && !blocked_there(s, oldest))
+            oldest = NULL;   /* its replica starts it itself: routing stays least-loaded */
+        if (oldest) {
+            const size_t rest = oldest->prompt, left = s->cfg.max_batch_tokens > tokens ? s->cfg.max_batch_tokens - tokens : 0;
+            size_t least = s->cfg.max_batch_tokens / 2 ? s->cfg.max_batch_tokens / 2 : 1;
+            least = rest < least ? rest : least;
+            const size_t need = blocks_for(s, oldest->prompt + 1);
+            if ((rest < left ? rest : left) >= least && live + 1 <= s->cfg.max_seqs &&
+                working + need <= device_room(p, working == 0) && oldest->reserved <= one_sequence_blocks(&p->cfg) &&
+                oldest->reserved <= p->cfg.total_blocks - p->reserved) {
+                s->reps[oldest->replica].reserved -= oldest->reserved;
+                p->reserved += oldest->reserved;
+                oldest->replica = r;
+                oldest->cached = 0;
+                n_wait = collect(s, r, SCHED_WAITING, idx);
+            }
+        }
+    }
     for (size_t i = 0; i < n_wait; i++) {
         request *q = &s->reqs[idx[i]];
         const size_t start = q->replica == q->prefer ? q->cached : 0, rest = q->prompt - start;
