@@ -18,12 +18,9 @@
 #include "coordinator/sched/scheduler.h"
 #include "test_rng.h"
 
-static scheduler *make_streaming(size_t bt, size_t batch, size_t seqs, int n, size_t device, size_t stream,
-                                 size_t total)
+/* n replicas of the capacities rc[0..n). */
+static scheduler *make_replicas(size_t bt, size_t batch, size_t seqs, int n, sched_replica_config *rc)
 {
-    sched_replica_config rc[4];
-    for (int i = 0; i < n; i++)
-        rc[i] = (sched_replica_config){.device_blocks = device, .stream_blocks = stream, .total_blocks = total};
     sched_config c = {.block_tokens = bt, .max_batch_tokens = batch, .max_seqs = seqs, .n_replicas = n,
                       .replicas = rc};
     strata_error err = {0};
@@ -31,6 +28,15 @@ static scheduler *make_streaming(size_t bt, size_t batch, size_t seqs, int n, si
     if (!s)
         fail_msg("%s", err.msg);
     return s;
+}
+
+static scheduler *make_streaming(size_t bt, size_t batch, size_t seqs, int n, size_t device, size_t stream,
+                                 size_t total)
+{
+    sched_replica_config rc[4];
+    for (int i = 0; i < n; i++)
+        rc[i] = (sched_replica_config){.device_blocks = device, .stream_blocks = stream, .total_blocks = total};
+    return make_replicas(bt, batch, seqs, n, rc);
 }
 
 /* Without a tier below the device: a sequence never holds more than device blocks. */
@@ -812,10 +818,8 @@ static void test_one_sequence_limit_routes(void **state)
     (void)state;
     sched_replica_config rc[2] = {{.device_blocks = 4, .stream_blocks = 50, .total_blocks = 50},
                                   {.device_blocks = 4, .stream_blocks = 0, .total_blocks = 100}};
-    sched_config c = {.block_tokens = 16, .max_batch_tokens = 256, .max_seqs = 4, .n_replicas = 2, .replicas = rc};
+    scheduler *s = make_replicas(16, 256, 4, 2, rc);
     strata_error err = {0};
-    scheduler *s = sched_create(&c, &err);
-    assert_non_null(s);
     int r = -1;
     assert_int_equal(sched_submit(s, 1, 200, 100, &r, &err), STRATA_OK);   /* 19 blocks: replica 0 only */
     assert_int_equal(r, 0);
@@ -836,11 +840,8 @@ static void test_one_sequence_limit_routes(void **state)
 static void test_refused_move_keeps_prefix(void **state)
 {
     (void)state;
-    sched_replica_config rc[2] = {{.device_blocks = 20, .total_blocks = 20}, {.device_blocks = 20, .total_blocks = 20}};
-    sched_config c = {.block_tokens = 16, .max_batch_tokens = 256, .max_seqs = 4, .n_replicas = 2, .replicas = rc};
+    scheduler *s = make(16, 256, 4, 2, 20, 20);
     strata_error err = {0};
-    scheduler *s = sched_create(&c, &err);
-    assert_non_null(s);
     int r;
     assert_int_equal(sched_submit(s, 1, 300, 10, &r, &err), STRATA_OK);   /* fills replica 0 */
     assert_int_equal(sched_submit_prefix(s, 2, 40, 8, 1, 32, &r, &err), STRATA_OK);
@@ -863,12 +864,8 @@ static void test_refused_move_keeps_prefix(void **state)
 static void test_idle_replica_takes_waiting(void **state)
 {
     (void)state;
-    sched_replica_config rc[2] = {{.device_blocks = 4, .stream_blocks = 40, .total_blocks = 100},
-                                  {.device_blocks = 4, .stream_blocks = 40, .total_blocks = 100}};
-    sched_config c = {.block_tokens = 16, .max_batch_tokens = 256, .max_seqs = 8, .n_replicas = 2, .replicas = rc};
+    scheduler *s = make_streaming(16, 256, 8, 2, 4, 40, 100);
     strata_error err = {0};
-    scheduler *s = sched_create(&c, &err);
-    assert_non_null(s);
     int r;
     assert_int_equal(sched_submit(s, 1, 100, 500, &r, &err), STRATA_OK);   /* 38 blocks: streams alone */
     assert_int_equal(r, 0);
