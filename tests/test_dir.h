@@ -1,11 +1,14 @@
-/* Test helper: counts a folder's entries (not . and ..), so that a test can check that a failed
- * or interrupted save left nothing beside the file it replaces (or removes what it left).
- * Include after cmocka.h. */
+/* Test helpers: counts a folder's entries (not . and ..), so that a test can check that a failed
+ * or interrupted save left nothing beside the file it replaces (or removes what it left); removes
+ * a test's temporary folder with everything in it. Include after cmocka.h. */
 #ifndef STRATA_TESTS_TEST_DIR_H
 #define STRATA_TESTS_TEST_DIR_H
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <ftw.h>
+#include <stdio.h>
+#include <sys/stat.h>
 #include <stdbool.h>
 #include <string.h>
 #include <unistd.h>
@@ -30,6 +33,20 @@ static inline int test_dir_entries_starting(const char *dir, const char *prefix,
 static inline int test_dir_entries(const char *dir)
 {
     return test_dir_entries_starting(dir, "", false);
+}
+
+static inline int test_dir_remove_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb;
+    (void)flag;
+    (void)ftw;
+    return remove(path);
+}
+
+/* Removes path and everything under it (best effort: a test's temporary folder). */
+static inline void test_dir_remove_tree(const char *path)
+{
+    nftw(path, test_dir_remove_entry, 16, FTW_DEPTH | FTW_PHYS);
 }
 
 #endif

@@ -7,7 +7,6 @@
  * stale handles all fail with a message and leave the pool usable; over thousands of random
  * operations the pool evicts exactly the blocks a plain scan by the rule would. */
 #include <errno.h>
-#include <ftw.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -23,6 +22,7 @@
 #include "offload/device_pool.h"
 #include "offload/kv_tiers.h"
 #include "tests/offload_blocks.h"
+#include "test_dir.h"
 
 /* The "device": its arena is written with a poison byte and reached only by copies, counted. */
 typedef struct fake_device {
@@ -77,12 +77,6 @@ static device_pool_mem fake_mem(fake_device *d)
                              .copy_in = dev_copy_in, .ctx = d};
 }
 
-static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
-{
-    (void)sb, (void)flag, (void)ftw;
-    return remove(path);
-}
-
 typedef struct fixture {
     char base[64], dir[128];
     kv_tiers *tiers;
@@ -115,7 +109,7 @@ static void down(fixture *f)
 {
     kv_tiers_destroy(f->tiers);
     if (f->base[0])
-        nftw(f->base, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+        test_dir_remove_tree(f->base);
 }
 
 /* A slot holds the largest block of offload_blocks.h's small mix (fp16 and KIVI, 2.3 KiB up). */

@@ -6,7 +6,6 @@
  * needs the block. */
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -24,6 +23,7 @@
 #include "kvstore/plan.h"
 #include "offload/kv_tiers.h"
 #include "tests/offload_blocks.h"
+#include "test_dir.h"
 
 #define LAYERS 4
 #define HEADS 2
@@ -45,14 +45,6 @@ static void rows(uint64_t *seed, float *k, float *v, size_t n)
         k[i] = (float)((int)(rng(seed) % 2001) - 1000) / 250.0f;
         v[i] = (float)((int)(rng(seed) % 2001) - 1000) / 500.0f;
     }
-}
-
-static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
-{
-    (void)sb;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
 }
 
 typedef struct fixture {
@@ -97,7 +89,7 @@ static void tiers_down(fixture *f)
 {
     kv_tiers_destroy(f->tiers);
     if (f->base[0])
-        nftw(f->base, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+        test_dir_remove_tree(f->base);
 }
 
 static kv_pool *make_pool(const char *codec, size_t blocks_per_layer, kv_tiers *tiers)

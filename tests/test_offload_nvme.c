@@ -6,7 +6,6 @@
  * each failure the store keeps serving other blocks. */
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -22,16 +21,9 @@
 
 #include "offload/nvme_store.h"
 #include "tests/offload_blocks.h"
+#include "test_dir.h"
 
 /* ---- helpers ---- */
-
-static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
-{
-    (void)sb;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
-}
 
 typedef struct tmp {
     char base[64];   /* from mkdtemp */
@@ -45,7 +37,7 @@ static void tmp_make(tmp *t)
     snprintf(t->dir, sizeof t->dir, "%s/spill", t->base);
 }
 
-static void tmp_clean(tmp *t) { nftw(t->base, rm_entry, 16, FTW_DEPTH | FTW_PHYS); }
+static void tmp_clean(tmp *t) { test_dir_remove_tree(t->base); }
 
 typedef struct blockset {
     unsigned n;

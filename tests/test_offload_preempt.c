@@ -2,7 +2,6 @@
  * KV, is spilled (blocks and fp16 tail to the host arena and NVMe) while sequence B runs in the
  * same pool, then resumes; its greedy tokens equal those of A run alone with an unconstrained
  * pool, token for token, for fp16, kivi2, gear2 and the tada plan. */
-#include <ftw.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -18,16 +17,9 @@
 #include "kvstore/plan.h"
 #include "offload/kv_tiers.h"
 #include "worker/model.h"
+#include "test_dir.h"
 
 static model *the_model;
-
-static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
-{
-    (void)sb;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
-}
 
 static int32_t argmax(const float *x, int n)
 {
@@ -137,7 +129,7 @@ static void run_codec(const char *spec)
     kv_seq_destroy(b);
     kv_pool_destroy(small);
     kv_tiers_destroy(tiers);
-    nftw(base, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+    test_dir_remove_tree(base);
 }
 
 static void test_preempt_each_codec(void **state)

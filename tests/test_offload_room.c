@@ -9,7 +9,6 @@
  * found, each admitted before and failing part way: a decode step's fetches evicting blocks with
  * no copy below; slabs of small blocks, each put in whole pages; two sequences each fitting alone
  * but not together; both tiers full reported as a lack of room. */
-#include <ftw.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -26,17 +25,10 @@
 #include "kvstore/plan.h"
 #include "offload/kv_tiers.h"
 #include "test_rng.h"
+#include "test_dir.h"
 
 enum { LAYERS = 3, HEADS = 2, DIM = 32, BT = 32, ROW = HEADS * DIM, MAX_TOKENS = 16 * BT };
 static const kv_geometry geom = {LAYERS, HEADS, DIM, BT};
-
-static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
-{
-    (void)sb;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
-}
 
 typedef struct setup {
     char base[64], dir[128];
@@ -78,7 +70,7 @@ static void setup_free(setup *s)
     kv_pool_destroy(s->pool);
     kv_tiers_destroy(s->tiers);
     if (s->base[0])
-        nftw(s->base, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+        test_dir_remove_tree(s->base);
 }
 
 typedef struct item {

@@ -5,7 +5,6 @@
  * events and statuses with nothing lost, and frees during I/O. */
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -20,14 +19,7 @@
 
 #include "offload/tier.h"
 #include "tests/offload_blocks.h"
-
-static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
-{
-    (void)sb;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
-}
+#include "test_dir.h"
 
 typedef struct fixture {
     char base[64], dir[128];
@@ -86,7 +78,7 @@ static void teardown_fixture(fixture *f)
     assert_int_equal(ss.blocks_stored, 0);
     nvme_store_destroy(f->nvme);
     host_arena_destroy(f->host);
-    nftw(f->base, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    test_dir_remove_tree(f->base);
 }
 
 /* kivi4 3x64x64: 15,488 bytes = 4 pages (16 KiB); each block differs (seed). */

@@ -4,7 +4,6 @@
  * model_forward on the whole model. Also: one stage with a device budget far below the KV and
  * host/NVMe tiers, a sequence preempted (spilled) and resumed by the plan, same tokens; a
  * sequence the plan gets wrong fails alone on every stage while the others go on. */
-#include <ftw.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -22,6 +21,7 @@
 #include "worker/model.h"
 #include "worker/stage/stage.h"
 #include "worker/stage/stage_gpu.h"
+#include "test_dir.h"
 #ifdef STRATA_FAKE_CUDA
 #include <cuda_runtime.h>   /* the fake device's test controls */
 #endif
@@ -692,14 +692,6 @@ static void test_gpu_stage(void **state)
     print_message("no CUDA device or no CUDA in this build: the GPU stage checked for its errors only\n");
 }
 
-static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
-{
-    (void)sb;
-    (void)flag;
-    (void)ftw;
-    return remove(path);
-}
-
 static void test_one_stage_tiers_preempt(void **state)
 {
     (void)state;
@@ -769,7 +761,7 @@ static void test_one_stage_tiers_preempt(void **state)
     stage_get_kv_usage(st, &u);
     assert_int_equal(u.sequences, 0);
     stage_destroy(st);
-    nftw(base, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+    test_dir_remove_tree(base);
 }
 
 
@@ -847,7 +839,7 @@ static void test_migrate(void **state)
     stage_destroy(st_a);
     stage_destroy(st_b);
     stage_destroy(st_c);
-    nftw(base, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+    test_dir_remove_tree(base);
 }
 
 /* Prefix caching on a stage: a finished sequence's first 128 tokens are parked; a new sequence
