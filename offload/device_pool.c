@@ -431,6 +431,104 @@ void device_pool_set_waiting(device_pool *p, uint64_t owner, int waiting)
         p->lower.set_waiting(p->lower.ctx, owner, waiting);
 }
 
+/* A step's demand, summed over the sequences added (device_pool.h). */
+struct device_room {
+    const device_pool *pool;
+    size_t at_once;   /* blocks one phase pins: every phase alike (sequences pin the same in each) */
+    size_t touch;     /* existing blocks the step pins */
+    size_t fetch;     /* of those, not resident now */
+    size_t made;      /* blocks the step forms */
+    size_t dirty;     /* resident blocks with no copy below; SIZE_MAX: not counted yet */
+    size_t n_seqs;
+};
+
+device_room *device_room_begin(const device_pool *p, strata_error *err)
+{
+    if (!p) {
+        strata_fail(err, STRATA_EINVAL, "device room: NULL pool");
+        return NULL;
+    }
+    device_room *r = calloc(1, sizeof *r);
+    if (!r) {
+        strata_fail(err, STRATA_ENOMEM, "device room: out of memory");
+        return NULL;
+    }
+    r->pool = p;
+    r->dirty = SIZE_MAX;
+    return r;
+}
+
+void device_room_end(device_room *r) { free(r); }
+
+static size_t dirty_blocks(device_room *r)
+{
+    if (r->dirty == SIZE_MAX) {
+        size_t n = 0;
+        for (size_t i = 0; i < r->pool->n_entries; i++) {
+            const entry *e = &r->pool->entries[i];
+            n += e->live && e->slot != NO_SLOT && e->lower == 0;
+        }
+        r->dirty = n;
+    }
+    return r->dirty;
+}
+
+/* The most bytes the step may move into the tier below (writes, and fetches through the tier's
+ * memory), in units of a slot rounded up to whole pages. */
+static size_t below_bytes(device_room *r, size_t touch, size_t fetch, size_t made, size_t *unit_out)
+{
+    const device_pool *p = r->pool;
+    const size_t unit = (p->slot_bytes + 4095) / 4096 * 4096, fetch_cost = p->lower.get_takes_room ? 1 : 0;
+    *unit_out = unit;
+    if (fetch + made <= p->n_free)
+        return fetch * fetch_cost * unit;
+    const size_t evicted = touch + made - p->n_free, dirty = dirty_blocks(r) + made;
+    return ((evicted < dirty ? evicted : dirty) + touch * fetch_cost) * unit;
+}
+
+int device_room_add(device_room *r, const device_block *blocks, size_t stride, size_t n_phases, size_t n_pinned,
+                    size_t n_new, strata_error *err)
+{
+    if (!r || (n_pinned && !blocks) || (n_phases > 1 && n_pinned > stride))
+        return strata_fail(err, STRATA_EINVAL, "device room: bad arguments");
+    const device_pool *p = r->pool;
+    size_t fetch = 0;
+    for (size_t ph = 0; ph < n_phases; ph++)
+        for (size_t b = 0; b < n_pinned; b++) {
+            const entry *e = lookup(p, blocks[ph * stride + b]);
+            if (!e)
+                return strata_fail(err, STRATA_EINVAL, "device room: unknown block %#" PRIx64, blocks[ph * stride + b]);
+            fetch += e->slot == NO_SLOT;
+        }
+    const size_t at_once = r->at_once + n_pinned + n_new, touch = r->touch + n_phases * n_pinned;
+    const size_t made = r->made + n_phases * n_new;
+    fetch += r->fetch;
+    const char *beside = r->n_seqs ? " beside this step's other sequences" : "";
+    if (at_once > p->n_slots)
+        return strata_fail(err, STRATA_EFULL, "the device KV pool holds %zu blocks of %zu bytes, but a layer of this "
+                           "step needs %zu at once%s; raise the device KV budget (--device-kv-mib)",
+                           p->n_slots, p->slot_bytes, at_once, beside);
+    if (!has_lower(p) && made > p->n_free)
+        return strata_fail(err, STRATA_EFULL, "device KV pool full: this step forms %zu blocks, %zu of the pool's %zu "
+                           "slots are free%s and no host/NVMe tier is below to evict to; raise the device KV budget "
+                           "(--device-kv-mib) or grant a host tier (--host-kv-mib)", made, p->n_free, p->n_slots, beside);
+    if (has_lower(p) && p->lower.room) {
+        size_t unit;
+        const size_t need = below_bytes(r, touch, fetch, made, &unit);
+        const size_t room = need ? p->lower.room(p->lower.ctx, unit) : 0;
+        if (need > room)
+            return strata_fail(err, STRATA_EFULL, "KV tiers full: this step may move %zu bytes of blocks between the "
+                               "device pool and the tiers below%s, but the host and NVMe tiers have room for %zu; "
+                               "raise --host-kv-mib or --nvme-kv-mib", need, beside, room);
+    }
+    r->at_once = at_once;
+    r->touch = touch;
+    r->fetch = fetch;
+    r->made = made;
+    r->n_seqs++;
+    return STRATA_OK;
+}
+
 void *device_pool_addr(const device_pool *p, device_block b)
 {
     const entry *e = p ? lookup(p, b) : NULL;

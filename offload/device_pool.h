@@ -82,6 +82,25 @@ void device_pool_free(device_pool *p, device_block b);
  * Passed on to the lower tier's set_waiting. */
 void device_pool_set_waiting(device_pool *p, uint64_t owner, int waiting);
 
+/* Room for a step, checked before it runs: a step that fails part way leaves its sequences'
+ * layers uneven, so its caller must drop them all, while a sequence refused here is only left out.
+ * A step is what worker/cuda runs: n_phases phases (layers), each pinning blocks of its sequences
+ * and forming new ones, everything unpinned when the phase ends. device_room_add adds one
+ * sequence's part: in each phase p it pins blocks[p * stride .. p * stride + n_pinned) and forms
+ * n_new blocks. It refuses with STRATA_EFULL, counting nothing, a sequence that does not fit beside
+ * those added before it: one phase pinning more than the pool's slots; without a lower tier, more
+ * new blocks than free slots; with one, more bytes that may move below than the tier's room (each
+ * block as its slot in whole 4 KiB pages; a tier whose fetches pass through its own memory,
+ * get_takes_room, counts the blocks brought back too). When the step's fetches and new blocks fit
+ * the free slots nothing is evicted; else any block the step uses may leave before its phase and
+ * come back, and only blocks with no copy below cost a write: a bound, not an exact count.
+ * STRATA_EINVAL for a handle the pool does not know. A step can still fail on an I/O error. */
+typedef struct device_room device_room;
+device_room *device_room_begin(const device_pool *p, strata_error *err);
+int device_room_add(device_room *r, const device_block *blocks, size_t stride, size_t n_phases, size_t n_pinned,
+                    size_t n_new, strata_error *err);
+void device_room_end(device_room *r);
+
 /* The block's address when resident, else NULL. */
 void *device_pool_addr(const device_pool *p, device_block b);
 

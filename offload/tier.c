@@ -329,14 +329,14 @@ static int make_room(tier *t, size_t len, host_handle *h, uint8_t **p, strata_er
     }
 }
 
-size_t tier_clean_host_fit(const tier *t, size_t block_bytes)
+size_t tier_host_only_bytes(const tier *t, size_t block_bytes)
 {
     const size_t unit = host_bytes((uint32_t)block_bytes);
     size_t n = 0;
     for (uint32_t i = 0; t && unit && i < t->n; i++) {
         const tier_block *b = &t->b[i];
-        if (b->live && !b->freed && b->where == TIER_BOTH)
-            n += host_bytes(b->len) / unit;
+        if (b->live && !b->freed && b->where == TIER_HOST)
+            n += (host_bytes(b->len) + unit - 1) / unit;
     }
     return n * unit;
 }

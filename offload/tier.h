@@ -101,9 +101,9 @@ int tier_prefetch(tier *t, tier_id id, strata_error *err);
  * (STRATA_ECRC for a damaged copy). */
 int tier_restore(tier *t, tier_id id, strata_error *err);
 
-/* Host bytes usable by blocks of block_bytes each that making room would free without any I/O:
- * the host copies of blocks also on NVMe (dropped first when room is needed). */
-size_t tier_clean_host_fit(const tier *t, size_t block_bytes);
+/* NVMe bytes, in whole blocks of block_bytes, that the blocks only in host memory would take if
+ * making room moved every one of them there (each at least one block's worth). */
+size_t tier_host_only_bytes(const tier *t, size_t block_bytes);
 
 /* Forgets a block, freeing its copies (at completion if I/O is in flight). */
 int tier_free(tier *t, tier_id id, strata_error *err);

@@ -345,15 +345,15 @@ static void two_stages(const stage_options *o)
     dp_listener_close(aj.l);
 }
 
-/* A previous stage (here a raw sender) whose row table lists a sequence of the plan twice: the
- * step is refused, never run with more items than the plan has. */
 /* One sequence that does not fit the back stage's KV pool (a 150-token prompt joining two short
  * decoding sequences) fails alone there, named, and is not dropped (nothing of it changed); the
  * others run on in the same step, their rows compacted past its rows, with the tokens they have
- * alone. */
-static void test_unfit_sequence_fails_alone(void **state)
+ * alone. o NULL: CPU stages, whose tokens equal the whole model's; with o->cuda GPU stages (their
+ * device pool's room check, cuda_model_batch_check), whose first tokens are compared (fp16
+ * weights may turn a later greedy choice) and every later step must run. */
+static void unfit_fails_alone(const stage_options *o)
 {
-    (void)state;
+    const bool gpu = o && o->cuda;
     const char *kv = "fp16";   /* no window: every 64 tokens make a block */
     seq_spec seqs[3] = {{.id = 1, .n_prompt = 40, .join_step = 1},
                         {.id = 2, .n_prompt = 150, .join_step = 3},
@@ -369,10 +369,12 @@ static void test_unfit_sequence_fails_alone(void **state)
     link_pair(&aj, &to_back);
     Strata__Internal__V1__Assignment a0 = assignment(front, kv), a1 = assignment(back, kv);
     a1.device_kv_bytes = 20 * 49280;   /* 20 blocks of 64 fp16 tokens; the long prompt needs 2 x 15 */
-    stage *s0 = stage_create(&a0, front, NULL, NULL, to_back, &err);
+    if (gpu)   /* a GPU pool takes a budget below max_seq_tokens only over a tier; this one holds 4 blocks */
+        a1.host_kv_bytes = 256 * 1024;
+    stage *s0 = stage_create(&a0, pick(front, o), o, NULL, to_back, &err);
     if (!s0)
         fail_msg("%s", err.msg);
-    stage *s1 = stage_create(&a1, back, NULL, aj.link, NULL, &err);
+    stage *s1 = stage_create(&a1, pick(back, o), o, aj.link, NULL, &err);
     if (!s1)
         fail_msg("%s", err.msg);
     plan_buf b;
@@ -408,11 +410,13 @@ static void test_unfit_sequence_fails_alone(void **state)
         }
         apply(&bj.res, seqs, 3, &b);
     }
-    for (size_t i = 0; i < 3; i += 2)
-        for (int k = 0; k < STEPS; k++)
+    for (size_t i = 0; i < 3; i += 2) {
+        assert_int_equal(seqs[i].n_got, STEPS);
+        for (int k = 0; k < (gpu ? 1 : STEPS); k++)
             if (seqs[i].got[k] != seqs[i].want[k])
                 fail_msg("sequence %llu token %d: %d beside the unfit one, %d alone", (unsigned long long)seqs[i].id, k,
                          seqs[i].got[k], seqs[i].want[k]);
+    }
     stage_destroy(s0);
     stage_destroy(s1);
     dp_link_close(to_back);
@@ -420,6 +424,14 @@ static void test_unfit_sequence_fails_alone(void **state)
     dp_listener_close(aj.l);
 }
 
+static void test_unfit_sequence_fails_alone(void **state)
+{
+    (void)state;
+    unfit_fails_alone(NULL);
+}
+
+/* A previous stage (here a raw sender) whose row table lists a sequence of the plan twice: the
+ * step is refused, never run with more items than the plan has. */
 static void test_rows_listed_twice(void **state)
 {
     (void)state;
@@ -617,6 +629,7 @@ static void test_gpu_stage(void **state)
     assert_non_null(strstr(err.msg, "model_load_for_device"));
     if (stage_gpu_probe(0, &err) == STRATA_OK) {
         two_stages(&o);
+        unfit_fails_alone(&o);
         gpu_migration(&o, "kivi2-r32", "fp16");
         if (!getenv("STRATA_SANITIZED"))   /* plans under the sanitizers: test_cuda_model_fake's test_kv_plan */
             gpu_migration(&o, "0-9:kivi2-r32,10-19:kivi4-r32,20-29:tada4-r32", NULL);   /* a codec per layer range */

@@ -680,11 +680,13 @@ static bool same_plan(const cuda_seq *a, const cuda_seq *b)
     return true;
 }
 
-static int check_items(cuda_model *cm, const cuda_batch_item *items, size_t n_items, strata_error *err)
+/* Every item on its own, and no sequence twice; *bad: the first item at fault. */
+static int check_items(cuda_model *cm, const cuda_batch_item *items, size_t n_items, size_t *bad, strata_error *err)
 {
     cm->step++;   /* a fresh mark for this step's sequences (never 0: new sequences start at 0) */
     for (size_t i = 0; i < n_items; i++) {
         const cuda_batch_item *it = &items[i];
+        *bad = i;
         if (!it->seq || it->seq->cm != cm || (!it->tokens && cm->first) || it->n_tokens == 0)
             return strata_fail(err, STRATA_EINVAL, "batch item %zu: no sequence of this model, or no tokens", i);
         const cuda_seq *s = it->seq;
@@ -702,6 +704,7 @@ static int check_items(cuda_model *cm, const cuda_batch_item *items, size_t n_it
             return strata_fail(err, STRATA_EINVAL, "batch item %zu: a sequence named twice in one step", i);
         it->seq->seen_in_step = cm->step;
     }
+    *bad = n_items;
     return STRATA_OK;
 }
 
@@ -1054,6 +1057,47 @@ static size_t blocks_forming(const cuda_seq *s, size_t t0, size_t n)
     return t0 + n >= r + bt ? (t0 + n - r) / bt : 0;
 }
 
+/* With the shared pool, the items' room together (device_room): in each layer a decode token or a
+ * later chunk pins the layer's blocks, and every item allocates the blocks it forms, all pinned
+ * until the layer ends (run_layer). *bad: the first item that does not fit beside those before. */
+static int check_room(const cuda_model *cm, const cuda_batch_item *items, size_t n_items, size_t *bad,
+                      strata_error *err)
+{
+    *bad = n_items;
+    if (!cm->pool)
+        return STRATA_OK;   /* a sequence's own arena holds its max_tokens: check_items */
+    device_room *room = device_room_begin(cm->pool, err);
+    if (!room)
+        return err ? err->code : STRATA_ENOMEM;
+    int rc = STRATA_OK;
+    for (size_t i = 0; i < n_items && rc == STRATA_OK; i++) {
+        const cuda_seq *s = items[i].seq;
+        const size_t pinned = s->len > 0 ? (size_t)s->n_blocks[0] : 0;
+        const size_t forming = blocks_forming(s, (size_t)s->tail_len[0], items[i].n_tokens);
+        rc = device_room_add(room, s->handles, s->max_blocks, (size_t)s->n_layers, pinned, forming, err);
+        if (rc != STRATA_OK) {
+            *bad = i;
+            strata_error_prefix(err, "batch item %zu (%zu tokens after %zu)", i, items[i].n_tokens, s->len);
+        }
+    }
+    device_room_end(room);
+    return rc;
+}
+
+int cuda_model_batch_check(cuda_model *cm, const cuda_batch_item *items, size_t n_items, size_t *bad_item,
+                           strata_error *err)
+{
+    size_t bad = n_items;
+    int rc = !cm || !items || n_items == 0 || n_items > 65535
+                 ? strata_fail(err, STRATA_EINVAL, "cuda_model_batch_check: 1..65535 items")
+                 : check_items(cm, items, n_items, &bad, err);
+    if (rc == STRATA_OK)
+        rc = check_room(cm, items, n_items, &bad, err);
+    if (bad_item)
+        *bad_item = bad;
+    return rc;
+}
+
 /* Encoder scratch the step's prompts and chunks need in each layer: a slot for every item that
  * forms a block (a round's launch holds at most one block of each), of the largest work size.
  * The same in every layer (their tails are equal between steps). */
@@ -1401,7 +1445,11 @@ static int forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_
                            "and has no head (no logits or tokens)");
     cuda_phase_timer_discard(cm->phases);   /* a failed step leaves its marks: forgotten here, once */
     cuda_phase_mark(cm->phases, CUDA_PHASE_INPUT);
-    int rc = check_items(cm, items, n_items, err);
+    size_t bad;
+    int rc = check_items(cm, items, n_items, &bad, err);
+    if (rc == STRATA_OK)   /* before anything changes: a step that ran out of room part way would leave
+                            * its sequences' layers uneven */
+        rc = check_room(cm, items, n_items, &bad, err);
     if (rc == STRATA_OK)
         rc = cuda_uploads_begin(&cm->uploads, err);
     if (rc != STRATA_OK)

@@ -163,9 +163,20 @@ typedef struct cuda_batch_item {
  * order, or NULL. A logit that is not finite (NaN, +inf or -inf: weights or metadata that overflow
  * fp32) fails the step with STRATA_EFORMAT naming it, as the CPU head does, whichever way the
  * tokens are picked. On failure after the checks the sequences of the step are left inconsistent:
- * the caller discards them (as with model_forward_batch). */
+ * the caller discards them (as with model_forward_batch); a step the pool has no room for fails
+ * before, with STRATA_EFULL, nothing changed (cuda_model_batch_check). */
 int cuda_model_forward_batch(cuda_model *cm, const cuda_batch_item *items, size_t n_items, float *logits,
                              strata_error *err);
+
+/* The checks cuda_model_forward_batch and cuda_model_stage_step make before anything runs,
+ * without running anything: every item (sequence, tokens, length, no sequence twice) and, with
+ * the shared pool, the items' room together (offload/device_pool.h's device_room: a layer's
+ * blocks of the step within the slots; what the step may move within the tiers below), each item
+ * beside those before it. On failure *bad_item (if non-NULL) is the index of the item at fault
+ * (n_items for a fault that is no item's): a caller can leave it out and check the rest again.
+ * STRATA_OK leaves *bad_item = n_items. Touches no device memory. */
+int cuda_model_batch_check(cuda_model *cm, const cuda_batch_item *items, size_t n_items, size_t *bad_item,
+                           strata_error *err);
 
 /* The same step with greedy sampling on the device: next[i] is the argmax of item i's logits
  * (only the ids cross to the host). */

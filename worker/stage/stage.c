@@ -610,32 +610,52 @@ static seq_entry *start_from_prefix(stage *s, uint64_t id, uint64_t entry, size_
     return &s->seqs[s->n_seqs - 1];
 }
 
-/* Items model_forward_batch would refuse before its first layer (one sequence's room check: the
- * KV tiers too full for its chunk, a layer of it larger than the device budget) fail alone, with
- * nothing of theirs changed, and the rest of the batch runs: else one long prompt chunk would fail
- * every decoding sequence beside it. A fault that is no item's falls through to the forward
- * pass, which fails the batch. Returns the items left; *rows and hidden_in follow. */
-static size_t drop_unfit_items(stage *s, const Strata__Internal__V1__StepPlan *plan, size_t n_run, size_t *rows)
+/* The checks a step makes before its first layer, on either kind of stage. */
+static int check_batch(stage *s, size_t n_run, size_t *bad, strata_error *e)
+{
+    if (s->gpu)
+        return stage_gpu_batch_check(s->gpu, s->gpu_items, n_run, bad, e);
+    return model_batch_check(s->m, s->items, n_run, s->first ? NULL : s->hidden_in, s->last ? NULL : s->hidden_out,
+                             bad, e);
+}
+
+/* Items the forward pass would refuse before its first layer (one sequence's room check: the KV
+ * tiers too full for its chunk, a layer of it larger than the device budget or pool) fail alone,
+ * with nothing of theirs changed, and the rest of the batch runs: else one long prompt chunk
+ * would fail every decoding sequence beside it. A fault that is no item's falls through to the
+ * forward pass, which fails the batch. Returns the items left; *rows and the entering rows (host
+ * memory, or the device's when they came by NCCL) follow. */
+static int drop_unfit_items(stage *s, const Strata__Internal__V1__StepPlan *plan, size_t *n_run, size_t *rows,
+                            strata_error *err)
 {
     const size_t emb = (size_t)s->cfg->n_embd;
     strata_error e = {0};
     size_t bad;
-    while (n_run && model_batch_check(s->m, s->items, n_run, s->first ? NULL : s->hidden_in,
-                                      s->last ? NULL : s->hidden_out, &bad, &e) != STRATA_OK && bad < n_run) {
-        fail_seq(s, plan->seqs[s->plan_index[bad]]->seq_id, e.code, e.msg);
+    while (*n_run && check_batch(s, *n_run, &bad, &e) != STRATA_OK && bad < *n_run) {
+        const uint64_t id = plan->seqs[s->plan_index[bad]]->seq_id;
+        if (s->gpu)   /* the device pool does not know the stage's names for its sequences */
+            strata_error_prefix(&e, "sequence %" PRIu64, id);
+        fail_seq(s, id, e.code, e.msg);
         size_t row0 = 0;
         for (size_t k = 0; k < bad; k++)
             row0 += s->items[k].n_tokens;
-        const size_t n_tok = s->items[bad].n_tokens;
-        if (!s->first)   /* a CPU stage's rows are in host memory */
-            memmove(s->hidden_in + row0 * emb, s->hidden_in + (row0 + n_tok) * emb,
-                    (*rows - row0 - n_tok) * emb * sizeof(float));
-        memmove(&s->items[bad], &s->items[bad + 1], (n_run - bad - 1) * sizeof *s->items);
-        memmove(&s->plan_index[bad], &s->plan_index[bad + 1], (n_run - bad - 1) * sizeof *s->plan_index);
+        const size_t n_tok = s->items[bad].n_tokens, after = *rows - row0 - n_tok;
+        if (!s->first && s->rows_prev) {
+            const int rc = after ? stage_gpu_compact_rows(s->gpu, row0, row0 + n_tok, after, err) : STRATA_OK;
+            if (rc != STRATA_OK)
+                return rc;
+        } else if (!s->first) {
+            memmove(s->hidden_in + row0 * emb, s->hidden_in + (row0 + n_tok) * emb, after * emb * sizeof(float));
+        }
+        const size_t tail = *n_run - bad - 1;
+        memmove(&s->items[bad], &s->items[bad + 1], tail * sizeof *s->items);
+        memmove(&s->plan_index[bad], &s->plan_index[bad + 1], tail * sizeof *s->plan_index);
+        if (s->gpu)
+            memmove(&s->gpu_items[bad], &s->gpu_items[bad + 1], tail * sizeof *s->gpu_items);
         *rows -= n_tok;
-        n_run--;
+        (*n_run)--;
     }
-    return n_run;
+    return STRATA_OK;
 }
 
 int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_result *out, strata_error *err)
@@ -803,8 +823,8 @@ int stage_step(stage *s, const Strata__Internal__V1__StepPlan *plan, stage_resul
     }
     if (n_run && grow((void **)&s->hidden_out, &s->cap_out, rows * emb, sizeof(float)) != STRATA_OK)
         return strata_fail(err, STRATA_ENOMEM, "stage: out of memory for %zu rows", rows);
-    if (n_run && !s->gpu)
-        n_run = drop_unfit_items(s, plan, n_run, &rows);
+    if (n_run && (rc = drop_unfit_items(s, plan, &n_run, &rows, err)) != STRATA_OK)
+        return rc;
     if (n_run) {
         if (s->last && grow((void **)&s->logits, &s->cap_logits, n_run * (size_t)s->cfg->n_vocab, sizeof(float)) != STRATA_OK)
             return strata_fail(err, STRATA_ENOMEM, "stage: out of memory for %zu rows", rows);

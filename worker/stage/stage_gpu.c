@@ -294,6 +294,21 @@ int stage_gpu_compact_rows(stage_gpu *g, size_t dst, size_t src, size_t n, strat
     return STRATA_OK;
 }
 
+int stage_gpu_batch_check(stage_gpu *g, const stage_gpu_item *items, size_t n_items, size_t *bad_item,
+                          strata_error *err)
+{
+    if (bad_item)
+        *bad_item = n_items;
+    if (!g || !items || n_items == 0)
+        return strata_fail(err, STRATA_EINVAL, "GPU stage: no items");
+    const int rc = ensure(g, n_items, 0, err);
+    if (rc != STRATA_OK)
+        return rc;
+    for (size_t i = 0; i < n_items; i++)
+        g->batch[i] = (cuda_batch_item){items[i].seq->s, items[i].tokens, items[i].n_tokens};
+    return cuda_model_batch_check(g->cm, g->batch, n_items, bad_item, err);
+}
+
 /* One step: every item whole (a prompt, a prompt chunk continuing its sequence, or one token),
  * the rows in the step's layout (items one after another), on the device or through it. */
 static int forward_step(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,
@@ -415,6 +430,15 @@ stage_gpu_seq *stage_gpu_seq_import(stage_gpu *g, const uint8_t *img, size_t len
     (void)g, (void)img, (void)len;
     no_cuda(err);
     return NULL;
+}
+
+int stage_gpu_batch_check(stage_gpu *g, const stage_gpu_item *items, size_t n_items, size_t *bad_item,
+                          strata_error *err)
+{
+    (void)g, (void)items;
+    if (bad_item)
+        *bad_item = n_items;
+    return no_cuda(err);
 }
 
 int stage_gpu_forward(stage_gpu *g, const stage_gpu_item *items, size_t n_items, const float *hidden_in,

@@ -68,6 +68,12 @@ typedef struct stage_gpu_item {
     size_t n_tokens;
 } stage_gpu_item;
 
+/* The checks a step makes before anything runs (cuda_model_batch_check: each item, and the
+ * items' room in the device pool together), as model_batch_check: on failure *bad_item is the
+ * item at fault (n_items: none), which the caller may leave out and check the rest again. */
+int stage_gpu_batch_check(stage_gpu *g, const stage_gpu_item *items, size_t n_items, size_t *bad_item,
+                          strata_error *err);
+
 /* One step of the items, as model_forward_batch: hidden_in / hidden_out are the rows in the
  * items' order (every stage but the first / the last), in host memory, or in device memory when
  * the matching *_on_device is set (rows that cross on NCCL: stage_gpu_device_rows); logits the
