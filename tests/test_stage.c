@@ -18,6 +18,7 @@
 #include <cmocka.h>
 
 #include "kvstore/plan.h"
+#include "kvstore/sysmem.h"
 #include "worker/model.h"
 #include "worker/stage/stage.h"
 #include "worker/stage/stage_gpu.h"
@@ -430,6 +431,31 @@ static void test_unfit_sequence_fails_alone(void **state)
     unfit_fails_alone(NULL);
 }
 
+/* A step larger than the machine's memory (--max-batch-tokens at its 4M-token maximum: about
+ * 40 KiB of activations per row of this model) is refused when the stage is made, naming the
+ * flag, instead of failing (or meeting the OOM killer) at the first step that large. */
+static void test_step_memory_checked(void **state)
+{
+    (void)state;
+    strata_error err = {0};
+    Strata__Internal__V1__Assignment a = assignment(full, "kivi2");
+    a.max_batch_tokens = 1u << 22;
+    if (model_step_bytes(full, a.max_batch_tokens) <= strata_memory_limit()) {
+        print_message("this machine has memory for a step of %u tokens: nothing to refuse\n", a.max_batch_tokens);
+        return;
+    }
+    assert_null(stage_create(&a, full, NULL, NULL, NULL, &err));
+    assert_int_equal(err.code, STRATA_EINVAL);
+    if (!strstr(err.msg, "--max-batch-tokens") || !strstr(err.msg, "more than this machine"))
+        fail_msg("%s", err.msg);
+    print_message("%s\n", err.msg);
+    a.max_batch_tokens = 1024;   /* the tests' size is taken */
+    stage *st = stage_create(&a, full, NULL, NULL, NULL, &err);
+    if (!st)
+        fail_msg("%s", err.msg);
+    stage_destroy(st);
+}
+
 /* A previous stage (here a raw sender) whose row table lists a sequence of the plan twice: the
  * step is refused, never run with more items than the plan has. */
 static void test_rows_listed_twice(void **state)
@@ -628,6 +654,13 @@ static void test_gpu_stage(void **state)
     assert_int_equal(err.code, STRATA_EINVAL);
     assert_non_null(strstr(err.msg, "model_load_for_device"));
     if (stage_gpu_probe(0, &err) == STRATA_OK) {
+        {   /* the largest step's device buffers are taken at the start: 4M tokens are ~120 GB here */
+            Strata__Internal__V1__Assignment huge = assignment(full, "kivi2");
+            huge.max_batch_tokens = 1u << 22;
+            assert_null(stage_create(&huge, full_dev, &o, NULL, NULL, &err));
+            if (!strstr(err.msg, "--max-batch-tokens"))
+                fail_msg("%s", err.msg);
+        }
         two_stages(&o);
         unfit_fails_alone(&o);
         gpu_migration(&o, "kivi2-r32", "fp16");
@@ -1078,6 +1111,7 @@ int main(void)
         cmocka_unit_test(test_two_stages_equal_whole_model),
         cmocka_unit_test(test_rows_listed_twice),
         cmocka_unit_test(test_unfit_sequence_fails_alone),
+        cmocka_unit_test(test_step_memory_checked),
         cmocka_unit_test(test_plan_lists_sequence_twice),
         cmocka_unit_test(test_gpu_stage),
         cmocka_unit_test(test_one_stage_tiers_preempt),

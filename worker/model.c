@@ -642,6 +642,17 @@ static void workspace_free(workspace *w)
     free(w->chunk_v);
 }
 
+size_t model_step_bytes(const model *m, size_t rows)
+{
+    const model_config *c = &m->cfg;
+    const size_t e = (size_t)c->n_embd, kvd = (size_t)c->n_kv_heads * (size_t)c->head_dim, ff = (size_t)c->n_ff;
+    const size_t per_row = (5 * e + 2 * kvd + 2 * ff) * sizeof(float);   /* workspace_alloc's buffers */
+    const size_t scratch = kern_attention_causal_scratch(rows);
+    if (rows > (SIZE_MAX - scratch * sizeof(float)) / per_row)
+        return SIZE_MAX;
+    return rows * per_row + scratch * sizeof(float);
+}
+
 static int workspace_alloc(workspace *w, const model_config *c, size_t n, strata_error *err)
 {
     memset(w, 0, sizeof *w);

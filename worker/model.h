@@ -110,6 +110,11 @@ size_t model_weight_bytes(const model *m);
  * model, SIZE_MAX when it does not fit a size_t. */
 size_t model_weight_bytes_for(const model_config *c, int layer_begin, int layer_end);
 
+/* Host bytes of the activations model_forward_batch allocates for a step of `rows` tokens
+ * (besides the weights, the KV cache and the attention scratch a long cached context takes);
+ * SIZE_MAX when that does not fit a size_t. */
+size_t model_step_bytes(const model *m, size_t rows);
+
 /* The weights of one held layer (layer_begin <= layer < layer_end), owned by m: the norms in
  * fp32, the matrices as stored (kernels/ops.h: kern_weights, GGUF layout [out][in] with the
  * input dimension contiguous; kern_weights_rows gives their fp32 values). STRATA_EINVAL for a

@@ -85,8 +85,8 @@ int fakecuda_is_device(const void *p, size_t bytes);
 cudaError_t fakecuda_launch(void);
 
 /* Test control, fake device only: cudaMalloc fails with cudaErrorMemoryAllocation (recording
- * it, as the runtime does) once the live device allocations would pass `bytes`; 0: no limit.
- * cudaHostAlloc likewise with pinned_bytes. */
+ * it, as the runtime does) once the live device allocations would pass `bytes`; 0: the 4 GiB
+ * the device reports (cudaMemGetInfo). cudaHostAlloc likewise with pinned_bytes (0: no limit). */
 void fakecuda_limit_memory(size_t bytes, size_t pinned_bytes);
 
 /* Test control, fake device only: an error the device met (cudaErrorIllegalAddress, say), which

@@ -34,7 +34,8 @@ static allocation *pinned;   /* cudaHostAlloc'd blocks */
 static size_t n_pinned, cap_pinned;
 static cudaError_t last_error;
 static size_t live_device, live_pinned;     /* bytes allocated now */
-static size_t limit_device, limit_pinned;   /* fakecuda_limit_memory; 0: none */
+static size_t limit_device, limit_pinned;   /* fakecuda_limit_memory; 0: the device's 4 GiB, pinned none */
+#define FAKE_DEVICE_BYTES ((size_t)4 << 30)     /* what cudaMemGetInfo and the properties report */
 static cudaError_t sticky_error;            /* fakecuda_set_sticky_error */
 
 typedef struct pending_copy {
@@ -147,12 +148,13 @@ void fakecuda_limit_memory(size_t bytes, size_t pinned_bytes)
     pthread_mutex_unlock(&lock);
 }
 
-/* Whether bytes more fit under the device's (pinned: the pinned) limit, 0 meaning none; read
+/* Whether bytes more fit under the device's limit (pinned: the pinned memory's, 0 meaning none); read
  * with the lock held, as keep() adds to the count. */
 static bool under_limit(bool pinned_memory, size_t bytes)
 {
     pthread_mutex_lock(&lock);
-    const size_t live = pinned_memory ? live_pinned : live_device, limit = pinned_memory ? limit_pinned : limit_device;
+    const size_t live = pinned_memory ? live_pinned : live_device;
+    const size_t limit = pinned_memory ? limit_pinned : limit_device ? limit_device : FAKE_DEVICE_BYTES;
     const bool ok = !limit || (live <= limit && bytes <= limit - live);
     pthread_mutex_unlock(&lock);
     return ok;
@@ -180,7 +182,7 @@ cudaError_t cudaMalloc(void **ptr, size_t bytes)
         return fail(cudaErrorInvalidValue, "cudaMalloc: NULL");
     *ptr = NULL;
     if (!under_limit(false, bytes))
-        return fail(cudaErrorMemoryAllocation, "cudaMalloc: out of memory (the test's limit)");
+        return fail(cudaErrorMemoryAllocation, "cudaMalloc: out of memory (the fake device's 4 GiB, or the test's limit)");
     void *p = malloc(bytes ? bytes : 1);
     if (!p)
         return fail(cudaErrorMemoryAllocation, "cudaMalloc: out of memory");
@@ -371,7 +373,7 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *prop, int device)
     snprintf(prop->name, sizeof prop->name, "fake device (tests/fakecuda: host memory, emulated kernels)");
     prop->major = 9;
     prop->multiProcessorCount = 4;
-    prop->totalGlobalMem = (size_t)4 << 30;
+    prop->totalGlobalMem = FAKE_DEVICE_BYTES;
     return cudaSuccess;
 }
 /* Free is the 4 GiB the properties report less what the registry holds. */
@@ -379,7 +381,7 @@ cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes)
 {
     if (!free_bytes || !total_bytes)
         return fail(cudaErrorInvalidValue, "cudaMemGetInfo: NULL argument");
-    const size_t total = (size_t)4 << 30;
+    const size_t total = FAKE_DEVICE_BYTES;
     size_t used = 0;
     pthread_mutex_lock(&lock);
     for (size_t i = 0; i < n_allocs; i++)

@@ -380,6 +380,15 @@ static int ensure_items(cuda_model *cm, size_t n, strata_error *err)
     return STRATA_OK;
 }
 
+int cuda_model_reserve_step(cuda_model *cm, size_t rows, size_t items, strata_error *err)
+{
+    if (!cm || rows == 0 || items == 0)
+        return strata_fail(err, STRATA_EINVAL, "cuda_model_reserve_step: a step of %zu tokens over %zu sequences",
+                           rows, items);
+    int rc = ensure_workspace(cm, rows, err);
+    return rc == STRATA_OK ? ensure_items(cm, items, err) : rc;
+}
+
 static int ensure_attention_workspace(cuda_model *cm, size_t bytes, strata_error *err)
 {
     if (bytes <= cm->ws_bytes)

@@ -76,6 +76,12 @@ int cuda_model_create_kv_pool_plan(cuda_model *cm, const kv_codec_params *codecs
                                    const kv_lower_tier *lower, strata_error *err);
 int cuda_model_create_kv_pool_plans(cuda_model *cm, const kv_codec_params *const *plans, int n_plans, int block_tokens,
                                     size_t n_blocks, const kv_lower_tier *lower, strata_error *err);
+/* Allocates now the device buffers of a step of up to `rows` tokens over `items` sequences (the
+ * activations, the items' logits and job tables), which steps otherwise grow on first need: a
+ * server settles its largest step's memory when it starts. STRATA_EIO naming the buffer when the
+ * device has no room. */
+int cuda_model_reserve_step(cuda_model *cm, size_t rows, size_t items, strata_error *err);
+
 /* Sizing a shared pool, on the host (no device needed): slots of slot_bytes (the largest block of
  * any of the n_plans plans, each g->n_layers codecs, for geometry g) that budget_bytes holds (0:
  * room for n_seqs sequences of max_tokens), and the fewest a step of one sequence of max_tokens

@@ -10,6 +10,7 @@
 #include "kvstore/kv_cache.h"
 #include "kvstore/plan.h"
 #include "kvstore/seq_image.h"
+#include "kvstore/sysmem.h"
 #include "offload/kv_tiers.h"
 #include "worker/sampler.h"
 #include "worker/stage/stage_gpu.h"
@@ -180,6 +181,33 @@ static bool stage_plan_known(const stage *s, const kv_seq *kv)
     return known;
 }
 
+static size_t add_sat(size_t a, size_t b) { return a > SIZE_MAX - b ? SIZE_MAX : a + b; }
+
+/* A CPU stage's memory at its largest step (the weights, the KV budgets, the activations of
+ * max_batch_tokens rows and the stage's own row buffers) within what the machine lets the
+ * process have: refused here, naming the flag, instead of an allocation failing (or the OOM
+ * killer) at the first step that large. */
+static int check_step_memory(const stage *s, const Strata__Internal__V1__Assignment *a, strata_error *err)
+{
+    const size_t rows = a->max_batch_tokens, e = (size_t)s->cfg->n_embd, vocab = (size_t)s->cfg->n_vocab;
+    const size_t act = model_step_bytes(s->m, rows);
+    size_t buffers = rows > SIZE_MAX / (sizeof(int32_t) + 2 * e * sizeof(float))
+                         ? SIZE_MAX
+                         : rows * (sizeof(int32_t) + 2 * e * sizeof(float));   /* tokens, rows in and out */
+    if (s->last)
+        buffers = add_sat(buffers, a->max_batch_seqs > SIZE_MAX / (vocab * sizeof(float))
+                                       ? SIZE_MAX
+                                       : (size_t)a->max_batch_seqs * vocab * sizeof(float));
+    const size_t weights = model_weight_bytes(s->m);
+    const size_t kv = add_sat(kv_pool_bytes(s->pool), a->host_kv_bytes > SIZE_MAX ? SIZE_MAX : (size_t)a->host_kv_bytes);
+    char what[320];
+    snprintf(what, sizeof what, "stage: a step of up to %u tokens (--max-batch-tokens) takes %.1f MiB of activations "
+             "and row buffers; with the weights (%.1f MiB) and the KV budgets (%.1f MiB) that",
+             a->max_batch_tokens, (double)add_sat(act, buffers) / 1048576.0, (double)weights / 1048576.0,
+             (double)kv / 1048576.0);
+    return strata_check_memory(what, add_sat(add_sat(act, buffers), add_sat(weights, kv)), err);
+}
+
 stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const stage_options *o, dp_link *prev,
                     dp_link *next, strata_error *err)
 {
@@ -244,6 +272,7 @@ stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const s
         const stage_gpu_config gc = {.device = o->cuda_device, .plans = (const kv_codec_params *const *)s->plans,
                                      .n_plans = s->n_plans, .block_tokens = (int)a->block_tokens,
                                      .max_seq_tokens = a->max_seq_tokens, .max_batch_seqs = a->max_batch_seqs,
+                                     .max_batch_tokens = a->max_batch_tokens,
                                      .device_kv_bytes = a->device_kv_bytes,
                                      .tiers = a->host_kv_bytes > 0 ? &to : NULL};
         if (rc == STRATA_OK)
@@ -277,6 +306,8 @@ stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const s
                                                    per_layer, false, err)))
             rc = err ? err->code : STRATA_ENOMEM;
     }
+    if (rc == STRATA_OK && !s->gpu && a->max_batch_tokens)
+        rc = check_step_memory(s, a, err);
     if (rc != STRATA_OK) {
         stage_destroy(s);
         return NULL;

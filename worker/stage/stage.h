@@ -41,11 +41,15 @@ typedef struct stage_options {
 } stage_options;
 
 /* m holds the assignment's layers [layer_begin, layer_end) (the stage keeps the pointer; the
- * caller frees m after stage_destroy). With o->cuda the layers and the KV run on that GPU (one KV
- * codec for the stage's layers; preemption marks a sequence's blocks to leave the device first;
- * migration images are the CPU stage's bytes, so sequences move between GPU and CPU stages; never
- * run on a GPU yet), else on the CPU. prev: the link from stage - 1 (NULL on stage 0); next: the
- * link to stage + 1 (NULL on the last stage); both stay the caller's. */
+ * caller frees m after stage_destroy). With o->cuda the layers and the KV run on that GPU
+ * (stage_gpu.h: each KV plan's layers share one fp16 window; preemption marks a sequence's blocks
+ * to leave the device first; migration images are the CPU stage's bytes, so sequences move
+ * between GPU and CPU stages), else on the CPU. prev: the link from stage - 1 (NULL on stage 0);
+ * next: the link to stage + 1 (NULL on the last stage); both stay the caller's.
+ * The largest step's memory is settled here, not at the first step that large: a CPU stage is
+ * refused (STRATA_EINVAL naming --max-batch-tokens) when its weights, KV budgets and the
+ * activations of max_batch_tokens rows exceed what the machine lets the process have; a GPU stage
+ * allocates that step's device buffers here (a device too small fails, naming the flag). */
 stage *stage_create(const Strata__Internal__V1__Assignment *a, model *m, const stage_options *o, dp_link *prev,
                     dp_link *next, strata_error *err);
 void stage_destroy(stage *s);

@@ -63,6 +63,9 @@ static int use_device(const stage_gpu *g, strata_error *err)
                             : cuda_failf(err, e, "selecting cuda:%d", g->c.device);
 }
 
+/* Room for a step's items and rows (host entering rows go up through d_in, leaving ones through d_out). */
+static int ensure(stage_gpu *g, size_t items, size_t rows, strata_error *err);
+
 int stage_gpu_create(model *m, const stage_gpu_config *c, stage_gpu **out, strata_error *err)
 {
     *out = NULL;
@@ -134,6 +137,14 @@ int stage_gpu_create(model *m, const stage_gpu_config *c, stage_gpu **out, strat
     if (rc == STRATA_OK)
         rc = cuda_model_create_kv_pool_plans(g->cm, g->c.plans, c->n_plans, c->block_tokens, slots,
                                              g->tiers ? &lower : NULL, err);
+    if (rc == STRATA_OK && c->max_batch_tokens) {   /* the largest step's buffers, beside the weights and pool */
+        rc = cuda_model_reserve_step(g->cm, c->max_batch_tokens, c->max_batch_seqs, err);
+        if (rc == STRATA_OK)
+            rc = ensure(g, c->max_batch_seqs, g->first && g->last ? 0 : c->max_batch_tokens, err);
+        if (rc != STRATA_OK)
+            strata_error_prefix(err, "GPU stage: a step of up to %zu tokens (--max-batch-tokens) for %zu sequences",
+                                c->max_batch_tokens, c->max_batch_seqs);
+    }
     if (rc != STRATA_OK) {
         stage_gpu_destroy(g);
         return rc;

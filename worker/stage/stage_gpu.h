@@ -37,6 +37,7 @@ typedef struct stage_gpu_config {
     int n_plans;
     int block_tokens;
     size_t max_seq_tokens, max_batch_seqs;
+    size_t max_batch_tokens;       /* a step's rows: their device buffers are allocated at creation; 0: on need */
     uint64_t device_kv_bytes;      /* 0: room for max_batch_seqs sequences of max_seq_tokens */
     const kv_tiers_options *tiers; /* host (pinned here) and NVMe tiers below the pool, or NULL */
 } stage_gpu_config;
