@@ -529,6 +529,18 @@ static void fixture_stop(fixture *fx)
             fail_msg("timed out after %d ms waiting for %s", (int)(ms), #cond);                    \
     } while (0)
 
+/* The request ends within ms and its thread is joined; _COMPLETE: with every token. */
+#define GEN_FINISH(g, ms)                                                                          \
+    do {                                                                                           \
+        WAIT_FOR(gen_done(g), ms);                                                                 \
+        gen_join(g);                                                                               \
+    } while (0)
+#define GEN_COMPLETE(g, ms)                                                                        \
+    do {                                                                                           \
+        GEN_FINISH(g, ms);                                                                         \
+        assert_complete(g);                                                                        \
+    } while (0)
+
 static int fake_int(fake *f, const int *field)
 {
     pthread_mutex_lock(&f->mu);
@@ -578,8 +590,7 @@ static bool gen_done(gen_job *g)
 static void gen_run_prompt(gen_job *g, grpc_channel *ch, uint32_t prompt_tokens, uint32_t max_tokens)
 {
     gen_start_prompt(g, ch, prompt_tokens, max_tokens);
-    WAIT_FOR(gen_done(g), 10000);
-    gen_join(g);
+    GEN_FINISH(g, 10000);
 }
 
 static void gen_run(gen_job *g, grpc_channel *ch, uint32_t max_tokens)
@@ -662,9 +673,7 @@ static void test_drain_moves_then_drains_again(void **state)
     two_replicas_running(&fx, 64, MIG_OK, &a, 80, &x, &y);
     coord_drain_report rep = drain(&fx, x->name);
     assert_false(rep.done);
-    WAIT_FOR(gen_done(&a), 20000);
-    gen_join(&a);
-    assert_complete(&a);
+    GEN_COMPLETE(&a, 20000);
     rep = drain_until_done(&fx, x->name);
     assert_int_equal(rep.moved, 1);
     assert_int_equal(rep.failed, 0);
@@ -696,9 +705,7 @@ static void test_failed_migration_stays(void **state)
     fake *x, *y;
     two_replicas_running(&fx, 64, MIG_FAIL, &a, 60, &x, &y);
     drain(&fx, x->name);
-    WAIT_FOR(gen_done(&a), 20000);
-    gen_join(&a);
-    assert_complete(&a);
+    GEN_COMPLETE(&a, 20000);
     coord_drain_report rep = drain_until_done(&fx, x->name);
     assert_int_equal(rep.moved, 0);
     assert_int_equal(rep.failed, 1);
@@ -717,8 +724,7 @@ static void move_fails_after_output(fixture *fx, gen_job *a, fake **x, fake **y,
     (*y)->mig = receiver;
     pthread_mutex_unlock(&(*y)->mu);
     drain(fx, (*x)->name);
-    WAIT_FOR(gen_done(a), 20000);
-    gen_join(a);
+    GEN_FINISH(a, 20000);
     assert_int_equal(a->status, GRPC_STATUS_OK);   /* output had started: the failure is a message */
     assert_int_equal(a->error, GRPC_STATUS_UNAVAILABLE);
 }
@@ -798,8 +804,7 @@ static void test_replica_lost_during_drain(void **state)
     drain(&fx, x->name);
     WAIT_FOR(fake_int(y, &y->migrates_recv) == 1, 10000);
     fake_set(x, &x->kill);
-    WAIT_FOR(gen_done(&a), 10000);
-    gen_join(&a);
+    GEN_FINISH(&a, 10000);
     assert_true(gen_unavailable(&a));
     coord_drain_report rep = drain(&fx, x->name);
     assert_true(rep.done);
@@ -1018,9 +1023,7 @@ static void test_worker_bad_answers(void **state)
     fake_set_step_ms(back, 100);
     wait_ready(&fx);
     gen_start(&a, fx.ch, 6);
-    WAIT_FOR(gen_done(&a), 20000);
-    gen_join(&a);
-    assert_complete(&a);
+    GEN_COMPLETE(&a, 20000);
     fixture_stop(&fx);
 }
 
@@ -1149,9 +1152,7 @@ static void test_lost_replica_recovers(void **state)
     fake *x = runner(&fx, 2), *y = x == &fx.fakes[0] ? &fx.fakes[1] : &fx.fakes[0];
     assert_non_null(x);
     fake_set(x, &x->kill);
-    WAIT_FOR(gen_done(&a), 20000);
-    gen_join(&a);
-    assert_complete(&a);
+    GEN_COMPLETE(&a, 20000);
     if (!fake_bool(y, &y->replay_ok))
         fail_msg("the other replica's first chunk: %d tokens, sampled_before %d", fake_int(y, &y->replay_tokens),
                  fake_int(y, &y->replay_sampled_before));
@@ -1180,8 +1181,7 @@ static void test_lost_replica_recovers(void **state)
     wait_ready(&fx);
     assert_false(gen_done(&b));
     fake_set(x2, &x2->kill);
-    WAIT_FOR(gen_done(&b), 10000);
-    gen_join(&b);
+    GEN_FINISH(&b, 10000);
     if (!gen_unavailable(&b) || b.tokens >= 100)
         fail_msg("lost twice: status %d (%s), error %u (%s), %d tokens", b.status, b.details, b.error, b.error_message,
                  b.tokens);
@@ -1265,9 +1265,7 @@ static void test_recovery_starts_from_prefix(void **state)
     assert_int_equal(fake_int(w[x], &w[x]->prefix_copies), 1);
     assert_int_equal(fake_int(w[y], &w[y]->prefix_copies), 0);
     fake_set(w[x], &w[x]->kill);
-    WAIT_FOR(gen_done(&b), 20000);
-    gen_join(&b);
-    assert_complete(&b);
+    GEN_COMPLETE(&b, 20000);
     assert_int_equal(b.cached, 32);
     assert_int_equal(fake_int(w[y], &w[y]->prefix_copies), 1);
     if (!fake_bool(w[y], &w[y]->replay_ok) || fake_int(w[y], &w[y]->replay_pos0) != 32)
@@ -1306,9 +1304,7 @@ static void test_drained_replica_prefix_not_offered(void **state)
     assert_complete(&c);
     assert_int_equal(c.cached, 32);
     assert_int_equal(fake_int(w[y], &w[y]->prefix_copies), 1);
-    WAIT_FOR(gen_done(&longer), 20000);
-    gen_join(&longer);
-    assert_complete(&longer);
+    GEN_COMPLETE(&longer, 20000);
     fixture_stop(&fx);
 }
 
@@ -1415,9 +1411,7 @@ static void test_lone_replica_waits_for_rebuild(void **state)
     sleep_ms(300);   /* no replica serves for a while */
     assert_false(gen_done(&a));
     fake *w2 = fake_start(&fx, "w0-again", MIG_OK);
-    WAIT_FOR(gen_done(&a), 10000);
-    gen_join(&a);
-    assert_complete(&a);
+    GEN_COMPLETE(&a, 10000);
     assert_true(fake_bool(w2, &w2->replay_ok));
     /* No worker comes back: the request ends when the wait runs out. */
     gen_job b;
@@ -1425,8 +1419,7 @@ static void test_lone_replica_waits_for_rebuild(void **state)
     WAIT_FOR(gen_tokens(&b) >= 3, 10000);
     fake_set(w2, &w2->kill);
     const int64_t lost_at = now_ms();
-    WAIT_FOR(gen_done(&b), 10000);
-    gen_join(&b);
+    GEN_FINISH(&b, 10000);
     if (!gen_unavailable(&b) || !strstr(b.error_message, "none served again within 1.5 s"))
         fail_msg("no worker back: status %d (%s), error %u (%s)", b.status, b.details, b.error, b.error_message);
     assert_true(now_ms() - lost_at >= 1200);
