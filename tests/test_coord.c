@@ -43,7 +43,7 @@ typedef enum { MIG_OK, MIG_FAIL, MIG_HOLD, MIG_WRONG_SEQ } mig_mode;
 typedef struct fake {
     char name[32];
     int port;
-    uint64_t device_kv_bytes, host_kv_bytes;
+    uint64_t device_kv_bytes, host_kv_bytes, nvme_kv_bytes;
     pthread_t thread;
     pthread_mutex_t mu;
     /* behaviour (set by the test) */
@@ -204,6 +204,7 @@ static void *fake_main(void *arg)
     j.device = (char *)"cpu";
     j.device_kv_bytes = f->device_kv_bytes;
     j.host_kv_bytes = f->host_kv_bytes;
+    j.nvme_kv_bytes = f->nvme_kv_bytes;
     j.data_addr = (char *)"127.0.0.1:9"; /* never dialled: no block moves between scripted workers */
     ctl_client *cli = NULL;
     strata_error err = {0};
@@ -403,7 +404,7 @@ typedef struct fixture {
     ctl_server *ctl;
     api_server *api;
     grpc_channel *ch;
-    uint64_t device_kv_bytes, host_kv_bytes;
+    uint64_t device_kv_bytes, host_kv_bytes, nvme_kv_bytes;
     fake fakes[MAX_FAKES];
     int n_fakes;
 } fixture;
@@ -443,6 +444,7 @@ static fake *fake_start(fixture *fx, const char *name, mig_mode mig)
     f->port = ctl_server_port(fx->ctl);
     f->device_kv_bytes = fx->device_kv_bytes;
     f->host_kv_bytes = fx->host_kv_bytes;
+    f->nvme_kv_bytes = fx->nvme_kv_bytes;
     f->step_ms = 10;
     f->mig = mig;
     pthread_mutex_init(&f->mu, NULL);
@@ -459,6 +461,7 @@ typedef struct fixture_limits {
     uint32_t step_timeout_ms;    /* default 0: none */
     uint32_t max_recoveries;     /* default 0: a request whose KV is lost ends */
     uint32_t recovery_wait_ms;   /* default 0: with no replica serving, requests end at once */
+    size_t nvme_blocks;          /* block rows of an NVMe tier below the host tier; default 0: none */
 } fixture_limits;
 
 /* host_blocks: block rows of a host tier (0: none). */
@@ -468,11 +471,13 @@ static void fixture_start_limits(fixture *fx, uint32_t replicas, size_t blocks_p
     memset(fx, 0, sizeof *fx);
     fx->device_kv_bytes = fp16_rows_bytes(blocks_per_replica);
     fx->host_kv_bytes = host_blocks ? fp16_rows_bytes(host_blocks) : 0;
+    fx->nvme_kv_bytes = lim.nvme_blocks ? fp16_rows_bytes(lim.nvme_blocks) : 0;
     coord_config cc = {.model_path = model_path(), .replicas = replicas, .stages = lim.stages ? lim.stages : 1,
                        .kv = "fp16",
                        .block_tokens = BLOCK_TOKENS, .ctx = 512, .max_seqs = 4,
                        .max_batch_tokens = lim.max_batch_tokens ? lim.max_batch_tokens : 64,
-                       .device_kv_bytes = fx->device_kv_bytes, .host_kv_bytes = fx->host_kv_bytes, .quiet = true,
+                       .device_kv_bytes = fx->device_kv_bytes, .host_kv_bytes = fx->host_kv_bytes,
+                       .nvme_kv_bytes = fx->nvme_kv_bytes, .quiet = true,
                        .prefix_cache_bytes = lim.prefix_cache_bytes, .step_timeout_ms = lim.step_timeout_ms,
                        .max_recoveries = lim.max_recoveries, .recovery_wait_ms = lim.recovery_wait_ms};
     strata_error err = {0};
@@ -881,6 +886,26 @@ static void test_failed_spill_ends_request(void **state)
         fail_msg("the preempted request: status %d (%s), error %u (%s), %d tokens", failed->status, failed->details,
                  failed->error, failed->error_message, failed->tokens);
     assert_complete(other);
+    fixture_stop(&fx);
+}
+
+/* Admission counts the larger of the host and NVMe tiers, not their sum (a worker's room check
+ * counts on no more: offload/kv_tiers.c): 8 block rows on the device, 4 in host memory and 16 on
+ * NVMe hold 8 + 90 % of 16 = 22 for one request; 24 are refused at once, where the sum (26)
+ * admitted them to fail mid-stream; 22 run to the end. */
+static void test_tiers_counted_by_the_larger(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start_limits(&fx, 1, 8, 4, (fixture_limits){.nvme_blocks = 16});
+    fake_start(&fx, "w0", MIG_OK);
+    wait_ready(&fx);
+    gen_job a;
+    gen_run_prompt(&a, fx.ch, 4, 24 * BLOCK_TOKENS - 4);
+    if (a.status != GRPC_STATUS_RESOURCE_EXHAUSTED || !strstr(a.details, "at most 22 blocks"))
+        fail_msg("24 blocks: status %d (%s), %d tokens", a.status, a.details, a.tokens);
+    gen_start_prompt(&a, fx.ch, 4, 22 * BLOCK_TOKENS - 4);
+    GEN_COMPLETE(&a, 30000);
     fixture_stop(&fx);
 }
 
@@ -1438,6 +1463,7 @@ int main(void)
         cmocka_unit_test(test_destination_lost_source_goes_on),
         cmocka_unit_test(test_failed_spill_ends_request),
         cmocka_unit_test(test_unsendable_step_ends_request),
+        cmocka_unit_test(test_tiers_counted_by_the_larger),
         cmocka_unit_test(test_failed_prefix_copy_starts_over),
         cmocka_unit_test(test_failed_step_keeps_prefix),
         cmocka_unit_test(test_worker_failure_status),

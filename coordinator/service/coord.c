@@ -424,8 +424,13 @@ static int replica_capacity(const coord *c, sched_replica_config *out, strata_er
             size_t slots = (size_t)(c->cfg.device_kv_bytes / kv_plans_largest_block(&g, stage_plans, c->n_plans));
             dev = slots / (size_t)g.n_layers;
             stream = slots > dev + 1 ? slots - 1 : dev;
-            /* the host arena and the slab files keep some bytes per block: count 90 % */
-            total = dev + (size_t)((double)(c->cfg.host_kv_bytes + c->cfg.nvme_kv_bytes) * 0.9 / (double)row);
+            /* The tiers below hold the larger of their budgets for sure, not the sum: making room
+             * in host memory moves blocks to NVMe, so a worker's room check counts the larger
+             * (offload/kv_tiers.c, lower_room), and admission reserves no more than it will take.
+             * The host arena and the slab files keep some bytes per block: count 90 %. */
+            const uint64_t below = c->cfg.host_kv_bytes > c->cfg.nvme_kv_bytes ? c->cfg.host_kv_bytes
+                                                                              : c->cfg.nvme_kv_bytes;
+            total = dev + (size_t)((double)below * 0.9 / (double)row);
         } else {
             dev = stream = total = (size_t)(c->cfg.device_kv_bytes / row);
         }

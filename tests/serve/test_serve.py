@@ -35,6 +35,8 @@ ADDR = [None]  # the main server's address, for tests that run the command-line 
 # Servers whose log holds a sanitizer report: a worker's report is only there (its restart, or
 # the request's own error status, would hide it from the test that caused it).
 SANITIZER_REPORTS = []
+# Every server started, so that a failing test shows the log of the servers it started.
+SERVERS = []
 
 
 class Serve:
@@ -48,6 +50,7 @@ class Serve:
                                      stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **env} if env else None)
         self.port = None
+        SERVERS.append(self)
         deadline = time.time() + 240
         while time.time() < deadline:
             m = re.search(rb"ready: serving .* on port (\d+)", self.text())
@@ -759,12 +762,15 @@ def main():
 
     def run(name, fn, *args):
         t = time.time()
+        started = len(SERVERS)
         try:
             fn(*args)
             print(f"ok   {name} ({time.time() - t:.1f} s)", flush=True)
         except Exception:  # noqa: BLE001
             failures.append(name)
             print(f"FAIL {name}\n{traceback.format_exc()}", flush=True)
+            for srv in SERVERS[started:]:   # its own servers' logs (the main server's comes at the end)
+                print(f"{srv.name} server log:\n" + srv.text().decode(errors="replace")[-6000:], flush=True)
 
     s = Serve("main", "--ctx", "512", "--metrics", "127.0.0.1:0", "--kv-codecs", "kivi2, kivi4;kivi4")
     pm = re.search(rb"metrics port (\d+)", s.text())
@@ -797,7 +803,7 @@ def main():
     run("prefix caching", test_prefix_cache)
     failures += [f"sanitizer report in {name}'s log" for name in SANITIZER_REPORTS]
     if failures:
-        print("server log:\n" + s.text().decode(errors="replace")[-6000:])
+        print("main server log:\n" + s.text().decode(errors="replace")[-6000:])
         print(f"{len(failures)} failed: {failures}")
         sys.exit(1)
     print("all passed")
