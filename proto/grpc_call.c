@@ -441,16 +441,40 @@ static void shutdown_done(proto_tag *t, bool success)
 
 /* Takes events until the queue is shut down and drained; failed: report every completion as
  * failed (the inline shutdown of a server that has no thread). */
+static int64_t monotonic_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* The owner's tick when it is due, on one thread at a time. */
+static void maybe_tick(proto_server *ps)
+{
+    const int64_t now = monotonic_ms();
+    if (now < atomic_load(&ps->next_tick_ms) || atomic_flag_test_and_set(&ps->ticking))
+        return;
+    atomic_store(&ps->next_tick_ms, now + ps->tick_ms);
+    ps->tick(ps->tick_ctx);
+    atomic_flag_clear(&ps->ticking);
+}
+
 static void cq_drive(proto_server *ps, bool failed)
 {
+    const bool ticks = ps->tick && ps->tick_ms > 0 && !failed;
     for (;;) {
-        grpc_event ev = grpc_completion_queue_next(ps->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        const gpr_timespec until = ticks ? gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                                        gpr_time_from_millis(ps->tick_ms, GPR_TIMESPAN))
+                                         : gpr_inf_future(GPR_CLOCK_REALTIME);
+        grpc_event ev = grpc_completion_queue_next(ps->cq, until, NULL);
         if (ev.type == GRPC_QUEUE_SHUTDOWN)
             break;
         if (ev.type == GRPC_OP_COMPLETE) {
             proto_tag *t = ev.tag;
             t->done(t, ev.success && !failed);
         }
+        if (ticks)
+            maybe_tick(ps);
     }
 }
 
@@ -463,6 +487,8 @@ static void *cq_thread(void *arg)
 int proto_server_init(proto_server *ps, const char *name, uint32_t threads)
 {
     memset(ps, 0, sizeof *ps);
+    atomic_init(&ps->next_tick_ms, 0);
+    atomic_flag_clear(&ps->ticking);
     ps->name = name;
     ps->max_threads = threads ? threads : 1;
     ps->threads = calloc(ps->max_threads, sizeof *ps->threads);

@@ -17,6 +17,7 @@
 #define STRATA_PROTO_GRPC_CALL_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -126,6 +127,14 @@ typedef struct proto_server {
     proto_tag *unknown;          /* the request for unknown methods (internal) */
     pthread_t *threads;
     uint32_t max_threads, n_threads;
+    /* Optional, set before proto_server_run: called on a server thread about every tick_ms
+     * (while the queue is busy and while it is idle), on one thread at a time, until the queue
+     * shuts down; for the owner's timeouts. */
+    void (*tick)(void *ctx);
+    void *tick_ctx;
+    int tick_ms;
+    _Atomic int64_t next_tick_ms;   /* internal */
+    atomic_flag ticking;            /* internal */
 } proto_server;
 
 /* A call requested for a registered method (proto_server_add_requests makes them). Its tag's

@@ -518,7 +518,7 @@ static void test_start_errors(void **state)
     api_server_options o = api_server_options_default();
     assert_string_equal(o.listen_addr, API_SERVER_DEFAULT_ADDR);
     assert_int_equal(o.max_streams, API_SERVER_DEFAULT_MAX_STREAMS);
-    assert_int_equal(o.max_recv_bytes, 4 << 20);
+    assert_int_equal(o.max_recv_bytes, 2 << 20);
 
     o.listen_addr = "127.0.0.1:0";
     o.tls_cert_file = "/nonexistent.pem";

@@ -687,8 +687,11 @@ int ctl_server_start(const ctl_server_options *o, const ctl_handler *h, ctl_serv
     memcpy(s->secret, opt.cluster_secret, opt.cluster_secret_len);
     s->secret_len = opt.cluster_secret_len;
 
-    grpc_arg args[9] = {
+    grpc_arg args[10] = {
         proto_int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, (int)opt.max_message_bytes),
+        /* Identity only: gRPC inflates a compressed message whole before its receive limit
+         * applies, and this port answers before the cluster secret is checked. */
+        proto_int_arg(GRPC_COMPRESSION_CHANNEL_ENABLED_ALGORITHMS_BITSET, 1),
         proto_int_arg(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, (int)opt.max_message_bytes),
         /* A bind conflict must be an error, not two servers sharing a port. */
         proto_int_arg(GRPC_ARG_ALLOW_REUSEPORT, 0),

@@ -81,6 +81,8 @@ struct api_stream {
     bool cancel_wanted;       /* the call died while generate was running */
     bool cancel_called;
     int cancelled;            /* RECV_CLOSE_ON_SERVER's output */
+    int64_t released_ms;      /* when the backend made its terminal call (monotonic) */
+    bool lingered;            /* cancelled for not taking its end within API_SERVER_LINGER_MS */
 
     /* Under srv->ps.mu. */
     api_stream *prev, *next; /* live list */
@@ -115,6 +117,13 @@ static void stream_unref(api_stream *st);
 /* Small helpers                                                                               */
 
 #define server_log(...) proto_log("api_server", __VA_ARGS__)
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
 
 /* A one-batch answer: initial metadata, optional message, status, and RECV_CLOSE_ON_SERVER.
  * Takes ownership of call and msg. */
@@ -356,6 +365,7 @@ static void stream_terminal(api_stream *st, proto_msg *m, grpc_status_code code,
         return;
     }
     st->backend = BK_RELEASED;
+    st->released_ms = now_ms();
     if (!st->q.dead && !st->q.status_pending) {
         if (m) {
             proto_sendq_push(&st->q, m);
@@ -825,6 +835,33 @@ api_server_options api_server_options_default(void)
     return o;
 }
 
+/* Server tick: a stream the backend ended whose end the client has not taken within
+ * API_SERVER_LINGER_MS (flow control holds it: the client stopped reading, or vanished) is
+ * cancelled, which frees its slot; else one client could hold every slot with streams that
+ * finished long ago. Streams in the list are valid under ps.mu (one is unlinked before it is
+ * freed); the server lock comes before a stream's. */
+static void sweep_lingering(void *ctx)
+{
+    api_server *s = ctx;
+    const int64_t now = now_ms();
+    unsigned n = 0;
+    pthread_mutex_lock(&s->ps.mu);
+    for (api_stream *st = s->streams; st; st = st->next) {
+        pthread_mutex_lock(&st->mu);
+        if (st->backend == BK_RELEASED && !st->q.dead && !st->lingered && now - st->released_ms > API_SERVER_LINGER_MS) {
+            st->lingered = true;
+            n++;
+            grpc_call_cancel_with_status(st->call, GRPC_STATUS_UNAVAILABLE, "client not reading the end of its stream",
+                                         NULL);
+        }
+        pthread_mutex_unlock(&st->mu);
+    }
+    pthread_mutex_unlock(&s->ps.mu);
+    if (n)   /* one line per sweep: a client doing this on purpose does not flood the log */
+        server_log("%u finished stream(s) cancelled: their clients did not take the end within %d s", n,
+                   API_SERVER_LINGER_MS / 1000);
+}
+
 static int read_pem(const char *path, const char *what, char **out, strata_error *err)
 {
     size_t n = 0;
@@ -933,13 +970,23 @@ int api_server_start(const api_server_options *o, const api_backend *b, api_serv
     clock_gettime(CLOCK_REALTIME, &now);
     s->id_nonce = ((uint64_t)now.tv_sec << 20) ^ (uint64_t)now.tv_nsec ^ ((uint64_t)(uintptr_t)s << 7);
 
-    grpc_arg args[2] = {
+    grpc_arg args[] = {
         proto_int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, (int)opt.max_recv_bytes),
         /* gRPC sets SO_REUSEPORT by default, which lets a second server bind a port that is
          * taken; a bind conflict must be an error. */
         proto_int_arg(GRPC_ARG_ALLOW_REUSEPORT, 0),
+        /* Identity only: gRPC inflates a compressed message whole before its receive limit
+         * applies (a 3.5 MB request took 3.8 GB, before any token check). */
+        proto_int_arg(GRPC_COMPRESSION_CHANNEL_ENABLED_ALGORITHMS_BITSET, 1),
+        /* One connection may not take every Generate slot nor unbounded memory in stalled calls. */
+        proto_int_arg(GRPC_ARG_MAX_CONCURRENT_STREAMS, API_SERVER_STREAMS_PER_CONNECTION),
+        /* A vanished client's connection (and its calls) ends after an unanswered ping instead
+         * of gRPC's two hours. */
+        proto_int_arg(GRPC_ARG_KEEPALIVE_TIME_MS, API_SERVER_KEEPALIVE_MS),
+        proto_int_arg(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000),
+        proto_int_arg(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0),
     };
-    proto_server_create(&s->ps, args, 2);
+    proto_server_create(&s->ps, args, sizeof args / sizeof *args);
     for (int m = 0; m < M_COUNT; m++) {
         s->methods[m] = grpc_server_register_method(s->ps.server, method_paths[m], NULL,
                                                     GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
@@ -964,6 +1011,9 @@ int api_server_start(const api_server_options *o, const api_backend *b, api_serv
         return rc;
     }
     proto_server_start(&s->ps);
+    s->ps.tick = sweep_lingering;
+    s->ps.tick_ctx = s;
+    s->ps.tick_ms = 1000;
     /* Outstanding requests: several per registered method (and one for unknown methods). */
     for (int m = 0; m < M_COUNT; m++)
         proto_server_add_requests(&s->ps, s->methods[m], true, m, API_REQUESTS_PER_METHOD, request_done);

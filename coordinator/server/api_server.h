@@ -54,7 +54,15 @@
  * HTTP/2 flow control holds it while the client does not read). When a send_chunk would exceed
  * the bound, the queue is dropped, the call ends with RESOURCE_EXHAUSTED "client not reading",
  * send_chunk returns STRATA_EFULL and the backend gets cancel. The Complete/Error message of a
- * terminal call is never refused.
+ * terminal call is never refused, but a stream the backend has ended whose last messages and
+ * status the client has not taken within API_SERVER_LINGER_MS is cancelled, so that its slot in
+ * max_streams frees (a client that stops reading, or vanished, would hold it for good).
+ *
+ * Connections (abuse by clients that can reach the port): compressed messages are refused
+ * (gRPC inflates one whole before its size limit applies); fields the schema does not know are
+ * dropped at decoding; a connection carries at most API_SERVER_STREAMS_PER_CONNECTION calls at
+ * once (a client opens more as earlier ones end); idle connections are pinged every
+ * API_SERVER_KEEPALIVE_MS and closed when a ping goes unanswered, ending their calls.
  */
 #ifndef STRATA_COORDINATOR_SERVER_API_SERVER_H
 #define STRATA_COORDINATOR_SERVER_API_SERVER_H
@@ -72,7 +80,11 @@
 /* Defaults of api_server_options (a zero field means the default). */
 #define API_SERVER_DEFAULT_ADDR "127.0.0.1:50051"
 #define API_SERVER_DEFAULT_MAX_STREAMS 1024
-#define API_SERVER_DEFAULT_MAX_RECV_BYTES ((size_t)4 << 20)
+/* A valid request needs at most ~1.3 MiB (1 MiB of text, or 262144 token ids of up to 5 bytes). */
+#define API_SERVER_DEFAULT_MAX_RECV_BYTES ((size_t)2 << 20)
+#define API_SERVER_LINGER_MS 10000
+#define API_SERVER_STREAMS_PER_CONNECTION 256
+#define API_SERVER_KEEPALIVE_MS 60000
 #define API_SERVER_DEFAULT_MAX_QUEUED 1024
 #define API_SERVER_DEFAULT_THREADS 2
 /* Most tiers a backend can report in GetStats (device, host, nvme; some room). */
@@ -91,7 +103,7 @@ typedef struct api_server_options {
      * with RESOURCE_EXHAUSTED. 0: API_SERVER_DEFAULT_MAX_STREAMS. */
     uint32_t max_streams;
     /* Largest request message gRPC accepts (GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH); larger ones
-     * are refused by gRPC with RESOURCE_EXHAUSTED before we see them. 0: 4 MiB. */
+     * are refused by gRPC with RESOURCE_EXHAUSTED before we see them. 0: 2 MiB. */
     size_t max_recv_bytes;
     /* Per-stream send queue bound (see Backpressure above). 0: API_SERVER_DEFAULT_MAX_QUEUED. */
     uint32_t max_queued_messages;

@@ -13,6 +13,7 @@ a stuck test.
 """
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -311,11 +312,98 @@ def test_duplicate_id(c):
 def test_oversized(c):
     big = req("a" * (5 << 20), max_tokens=1)
     expect_status(lambda: c.generate(big, timeout=T), grpc.StatusCode.RESOURCE_EXHAUSTED)
-    # Within gRPC's limit but above validation's 1 MiB text limit: INVALID_ARGUMENT.
-    expect_status(lambda: c.generate(req("a" * (2 << 20), max_tokens=1), timeout=T),
+    # Within gRPC's limit (2 MiB) but above validation's 1 MiB text limit: INVALID_ARGUMENT.
+    expect_status(lambda: c.generate(req("a" * (3 << 19), max_tokens=1), timeout=T),
                   grpc.StatusCode.INVALID_ARGUMENT, "text")
     ids, _, _, _ = collect(c.generate(req("after big", max_tokens=2), timeout=T))
     check(len(ids) == 2, "serving after an oversized message")
+
+
+def test_compressed_refused(c):
+    """gRPC inflates a compressed message whole before its size limit applies (a 3.5 MB request
+    took 3.8 GB of memory): the server takes identity encoding only, for every method."""
+    expect_status(lambda: c.generate(req("zipped", max_tokens=1), timeout=T, compression=grpc.Compression.Gzip),
+                  grpc.StatusCode.UNIMPLEMENTED, "gzip")
+    expect_status(lambda: c.health(pb.HealthRequest(), timeout=T, compression=grpc.Compression.Gzip),
+                  grpc.StatusCode.UNIMPLEMENTED, "gzip")
+    ids, _, _, _ = collect(c.generate(req("plain", max_tokens=2), timeout=T))
+    check(len(ids) == 2, "serving uncompressed requests")
+
+
+class RawH2:
+    """A bare HTTP/2 client whose receive window is 0: the server can never send it DATA, so a
+    stream's messages and status stay queued (a client that stopped reading, or vanished while
+    its TCP connection lives). It answers SETTINGS and PING so the connection stays healthy."""
+
+    def __init__(self, port):
+        import socket
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.lock = threading.Lock()
+        self.sid = 1
+        self.send(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + self.frame(4, 0, 0, struct.pack(">HI", 4, 0)))
+        threading.Thread(target=self.read, daemon=True).start()
+
+    @staticmethod
+    def frame(kind, flags, sid, payload=b""):
+        return struct.pack(">I", len(payload))[1:] + bytes([kind, flags]) + struct.pack(">I", sid) + payload
+
+    def send(self, data):
+        with self.lock:
+            self.sock.sendall(data)
+
+    def read(self):
+        buf = b""
+        while True:
+            try:
+                got = self.sock.recv(65536)
+            except OSError:
+                return
+            if not got:
+                return
+            buf += got
+            while len(buf) >= 9 and len(buf) >= 9 + int.from_bytes(buf[:3], "big"):
+                n, kind, flags = int.from_bytes(buf[:3], "big"), buf[3], buf[4]
+                payload, buf = buf[9:9 + n], buf[9 + n:]
+                if kind == 4 and not flags & 1:
+                    self.send(self.frame(4, 1, 0))
+                elif kind == 6 and not flags & 1:
+                    self.send(self.frame(6, 1, 0, payload))
+
+    def generate(self, message):
+        def literal(name, value):   # HPACK literal header field without indexing, new name
+            return b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value
+        head = b"".join(literal(k, v) for k, v in [
+            (b":method", b"POST"), (b":scheme", b"http"), (b":path", b"/strata.v1.Strata/Generate"),
+            (b":authority", b"x"), (b"content-type", b"application/grpc"), (b"te", b"trailers")])
+        body = message.SerializeToString()
+        sid, self.sid = self.sid, self.sid + 2
+        self.send(self.frame(1, 4, sid, head) + self.frame(0, 1, sid, b"\x00" + struct.pack(">I", len(body)) + body))
+
+    def close(self):
+        self.sock.close()
+
+
+def test_lingering_streams_freed():
+    """A client that opens streams and never reads them held their slots after they finished,
+    for as long as its connection lived: every other client got RESOURCE_EXHAUSTED. A finished
+    stream whose end is not taken within 10 s is now cancelled and its slot freed."""
+    s = Server("linger", "--max-streams", "4")
+    try:
+        c = Client("127.0.0.1:%d" % s.port)
+        raw = RawH2(s.port)
+        for i in range(4):
+            raw.generate(req("unread %d" % i, max_tokens=1))
+        wait_for(lambda: c.stats().requests_total == 4 and c.stats().running == 0, 10, "the 4 streams finished")
+        expect_status(lambda: c.generate(req("held", max_tokens=1), timeout=T),
+                      grpc.StatusCode.RESOURCE_EXHAUSTED, "concurrent")
+        t0 = time.monotonic()
+        ids = wait_for(lambda: _try_generate(c, "after the linger", 2), 20, "a slot freed from the unread streams")
+        check(len(ids) == 2 and time.monotonic() - t0 > 5, "served once the unread streams were cancelled")
+        raw.close()
+        c.close()
+    finally:
+        rc, _ = s.stop()
+        check(rc == 0, "linger server exit %s; log:\n%s" % (rc, s.log_text()))
 
 
 def test_cancel(c):
@@ -605,7 +693,8 @@ def main():
                          ("abort", test_abort), ("bad_inputs", test_bad_inputs), ("duplicate_id", test_duplicate_id),
                          ("oversized", test_oversized), ("cancel", test_cancel), ("deadline", test_deadline),
                          ("info", test_info), ("backend_errors", test_backend_errors),
-                         ("unknown_method", test_unknown_method), ("backpressure", test_backpressure)]:
+                         ("unknown_method", test_unknown_method), ("backpressure", test_backpressure),
+                         ("compressed_refused", test_compressed_refused)]:
             run(name, fn, c)
         run("still_serving", test_basic_stream, c)
     finally:
@@ -622,6 +711,7 @@ def main():
             failed.append("main_server_log")
             print("FAIL main server logged:\n" + "\n".join(bad))
     run("max_streams", test_max_streams)
+    run("lingering_streams_freed", test_lingering_streams_freed)
     run("tls_token", test_tls_token)
     run("start_errors", test_start_errors)
     run("shutdown_drain_completes", test_shutdown_drain_completes)
