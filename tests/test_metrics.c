@@ -850,9 +850,9 @@ static void test_http_slow_clients(void **state)
     metrics_destroy(r);
 }
 
-/* Prometheus scrapes every few seconds with a 10 s timeout: idle connections, clients
- * stalled mid-head and a client that does not read its (large) response must not delay a
- * scrape, and a full connection table only makes newcomers wait for a slot. */
+/* Prometheus scrapes every few seconds with a 10 s timeout: idle connections (any number of
+ * them), clients stalled mid-head and a client that does not read its (large) response must not
+ * delay a scrape; only a table full of connections mid-request makes newcomers wait for a slot. */
 static void test_http_concurrent_clients(void **state)
 {
     (void)state;
@@ -891,20 +891,37 @@ static void test_http_concurrent_clients(void **state)
         close(idle[i]);
     metrics_http_stop(srv);
 
-    /* A full table: the 65th client is answered once a silent one times out. The timeout is
-     * long enough that the fillers cannot expire while they are still being connected (a full
-     * listen queue makes the kernel drop a SYN and the client resend it a second later). */
+    /* A table full of silent connections, three times over (an attacker reopening them as they
+     * close): a scrape is answered at once, the oldest silent connection giving up its slot.
+     * A table full of connections mid-request makes a newcomer wait until one times out. */
     const metrics_http_options opts = {.timeout_ms = 2500};
     assert_int_equal(metrics_http_start_opts(r, "127.0.0.1:0", &opts, &srv, &err), STRATA_OK);
     port = metrics_http_port(srv);
-    int many[METRICS_HTTP_MAX_CONNS];
-    int64_t t0 = now_ms();
-    for (int i = 0; i < METRICS_HTTP_MAX_CONNS; i++)
+    enum { SILENT = 3 * METRICS_HTTP_MAX_CONNS };
+    int many[SILENT];
+    for (int i = 0; i < SILENT; i++)
         many[i] = connect_to(AF_INET, port);
     usleep(100 * 1000);
-    int64_t filled = now_ms() - t0;
-    t0 = now_ms();
+    int64_t t0 = now_ms();
     response resp = http_req(port, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert_int_equal(resp.status, 200);
+    free(resp.raw);
+    assert_true(now_ms() - t0 < 1000);
+    for (int i = 0; i < SILENT; i++)
+        close(many[i]);
+    metrics_http_stop(srv);
+
+    assert_int_equal(metrics_http_start_opts(r, "127.0.0.1:0", &opts, &srv, &err), STRATA_OK);
+    port = metrics_http_port(srv);
+    int64_t fill0 = now_ms();
+    for (int i = 0; i < METRICS_HTTP_MAX_CONNS; i++) {
+        many[i] = connect_to(AF_INET, port);
+        send_all(many[i], "GET /metrics HTTP/1.1\r\nHo", 25);   /* a request begun, never ended */
+    }
+    usleep(100 * 1000);
+    int64_t filled = now_ms() - fill0;
+    t0 = now_ms();
+    resp = http_req(port, "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
     int64_t waited = now_ms() - t0;
     assert_int_equal(resp.status, 200);
     free(resp.raw);

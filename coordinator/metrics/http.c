@@ -440,16 +440,38 @@ static void on_deadline(metrics_http *s, conn *c)
         conn_close(s, c);
 }
 
-/* Accepts what the table has room for; true when out of a resource (descriptors, memory),
- * which persists while the listening socket stays readable, so the caller backs off. */
+/* The connection that has sent nothing for longest (a port probe, an idle keep-open), or NULL
+ * when every connection has sent something. */
+static conn *oldest_silent(metrics_http *s)
+{
+    conn *best = NULL;
+    for (int i = 0; i < s->nconns; i++) {
+        conn *c = &s->conns[i];
+        if (c->phase == CONN_READ && c->n == 0 && (!best || c->deadline < best->deadline))
+            best = c;
+    }
+    return best;
+}
+
+/* Accepts what the table has room for, a full table making room by closing the connection
+ * that has been silent longest: otherwise ~200 connections that send nothing, reopened as
+ * they time out, kept every scrape waiting in the listen backlog (a review timed them out at
+ * 10 s). Connections mid-request keep their slots; with all of them so, newcomers wait.
+ * True when out of a resource (descriptors, memory), which persists while the listening
+ * socket stays readable, so the caller backs off. */
 static bool accept_new(metrics_http *s)
 {
-    while (s->nconns < METRICS_HTTP_MAX_CONNS) {
+    for (;;) {
+        conn *victim = NULL;
+        if (s->nconns == METRICS_HTTP_MAX_CONNS && !(victim = oldest_silent(s)))
+            return false;
         int fd = accept4(s->lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
             /* EAGAIN: none left; ECONNABORTED and the like: that client left. */
             return errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM;
         }
+        if (victim)
+            conn_close(s, victim);
         conn *c = &s->conns[s->nconns];
         *c = (conn){.fd = fd, .phase = CONN_READ, .deadline = now_ms() + s->timeout_ms};
         c->buf = malloc(s->max_head);
@@ -459,7 +481,6 @@ static bool accept_new(metrics_http *s)
         }
         s->nconns++;
     }
-    return false;
 }
 
 /* Waits up to ms for stop only: used to back off when accept keeps failing (out of file
@@ -477,8 +498,9 @@ static void *serve_thread(void *arg)
     for (;;) {
         int64_t now = now_ms(), next = now + 60000;
         p[0] = (struct pollfd){.fd = s->wake_r, .events = POLLIN};
-        /* A full table leaves new clients in the listen backlog until a slot frees. */
-        p[1] = (struct pollfd){.fd = s->nconns < METRICS_HTTP_MAX_CONNS ? s->lfd : -1,
+        /* A full table of connections mid-request leaves new clients in the listen backlog
+         * until a slot frees; a silent one gives its slot up (accept_new). */
+        p[1] = (struct pollfd){.fd = s->nconns < METRICS_HTTP_MAX_CONNS || oldest_silent(s) ? s->lfd : -1,
                                .events = POLLIN};
         for (int i = 0; i < s->nconns; i++) {
             conn *c = &s->conns[i];
