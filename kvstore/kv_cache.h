@@ -154,10 +154,17 @@ typedef struct kv_lower_tier {
     void (*release)(void *ctx, uint64_t handle);
     /* Marks a sequence's blocks as waiting/preempted (moved further down first); optional. */
     void (*set_waiting)(void *ctx, uint64_t seq_id, int waiting);
-    /* Bytes it can still take as blocks of unit_bytes each (whole units only, where free space
-     * is fragmented; SIZE_MAX if unknown); optional. Used by kv_seq_check_room, which counts
-     * each block it may have to move as its slot rounded up to whole 4 KiB pages (unit_bytes). */
-    size_t (*room)(void *ctx, size_t unit_bytes);
+    /* The room a step can count on, in bytes of whole blocks of unit_bytes per free extent
+     * (fragmented free space has holes no block fits); optional (NULL: not checked). Two
+     * figures: *through_host, what can land in the tier's first level (host memory) with
+     * nothing moving further down: puts and, with get_takes_room, fetches; *below, the puts it
+     * can take once it moves blocks further down to make room (NVMe less what the blocks only
+     * in host memory would take there; fetched blocks keep their copy below, so their host
+     * copies leave without I/O); 0 without a further level or when it cannot take even the
+     * host-only blocks. A step fits when puts + fetches <= *through_host, or 0 < puts <= *below
+     * (with puts 0: *below > 0). kv_seq_check_room and device_room count each block as its
+     * slot rounded up to whole 4 KiB pages (unit_bytes). */
+    void (*room)(void *ctx, size_t unit_bytes, size_t *through_host, size_t *below);
     /* A get may first bring the block into the tier's own memory (NVMe to host), taking room
      * there as a put does: kv_seq_check_room counts fetches then. */
     bool get_takes_room;

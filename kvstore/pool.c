@@ -1021,6 +1021,8 @@ struct kv_room {
     size_t *made, *trial_made;   /* [n_regions] */
     size_t *dirty;               /* [n_regions]: resident blocks with no copy below; SIZE_MAX: not counted yet */
     size_t n_seqs;               /* sequences added */
+    bool room_asked;             /* the tier's room, asked once (room_of_lower) */
+    size_t room_unit, room_host, room_below;
 };
 
 kv_room *kv_room_begin(const kv_pool *pool, strata_error *err)
@@ -1090,18 +1092,19 @@ static size_t region_unit(const kv_slabs *b, size_t *max_per)
     return unit;
 }
 
-/* The most bytes region r's part of the step may need below. A block brought back from NVMe
- * passes through host memory, which costs room there as a put does: with such a tier
- * (get_takes_room) fetches are counted so, whether their copy is on NVMe or not. When the step's slots fit the region (`after` packed
- * slabs, counting the blocks below it fetches), nothing is evicted. Else a block of the step not
- * yet used may itself be evicted and fetched again later in the step (another layer's, another
- * sequence's), so every block the step uses counts as possibly fetched (`touch`), and
- * evictions happen only as slots run out: with one block size each frees one slot, (touch -
- * n_slabs) slabs' worth of blocks at most; with several, one eviction may free a whole slab of
- * another size (its blocks all go down), overshooting by up to a slab per size. Only blocks with
- * no copy below are put (a fetched block keeps its copy): no more than those, counting the
- * step's new blocks. */
-static size_t region_below_bytes(kv_room *room, int r, size_t *unit_out)
+/* The most bytes region r's part of the step may move below: *puts, blocks written down, and
+ * *fetches, blocks brought back through the tier's memory (with NVMe a block comes back through
+ * host memory, which costs room there as a put does: with such a tier, get_takes_room, fetches
+ * are counted so, whether their copy is on NVMe or not). When the step's slots fit the region
+ * (`after` packed slabs, counting the blocks below it fetches), nothing is evicted. Else a block
+ * of the step not yet used may itself be evicted and fetched again later in the step (another
+ * layer's, another sequence's), so every block the step uses counts as possibly fetched
+ * (`touch`), and evictions happen only as slots run out: with one block size each frees one
+ * slot, (touch - n_slabs) slabs' worth of blocks at most; with several, one eviction may free a
+ * whole slab of another size (its blocks all go down), overshooting by up to a slab per size.
+ * Only blocks with no copy below are put (a fetched block keeps its copy): no more than those,
+ * counting the step's new blocks. */
+static void region_below(kv_room *room, int r, size_t *puts, size_t *fetches, size_t *unit_out)
 {
     const kv_pool *p = room->pool;
     const size_t C = (size_t)p->max_classes;
@@ -1115,12 +1118,29 @@ static size_t region_below_bytes(kv_room *room, int r, size_t *unit_out)
     }
     const size_t made = room->trial_made[r], fetch_cost = p->lower.get_takes_room ? 1 : 0;
     *unit_out = unit;
-    if (packed_slabs(b, room->trial + (size_t)r * C) <= n_slabs)
-        return (takes - made) * fetch_cost * unit;
+    if (packed_slabs(b, room->trial + (size_t)r * C) <= n_slabs) {
+        *puts = 0;
+        *fetches = (takes - made) * fetch_cost * unit;
+        return;
+    }
     const size_t after = packed_slabs(b, room->trial_touch + (size_t)r * C);
     const size_t evicted = after > n_slabs ? (after - n_slabs + (size_t)kv_slabs_n_classes(b) - 1) * max_per : 0;
     const size_t dirty = region_dirty(room, r) + made;
-    return ((evicted < dirty ? evicted : dirty) + (touch - made) * fetch_cost) * unit;
+    *puts = (evicted < dirty ? evicted : dirty) * unit;
+    *fetches = (touch - made) * fetch_cost * unit;
+}
+
+/* The tier's room for blocks of unit bytes, asked once per check (nothing changes during one,
+ * and the tier may walk its blocks to answer). */
+static void room_of_lower(kv_room *room, size_t unit, size_t *through_host, size_t *below)
+{
+    if (!room->room_asked || room->room_unit != unit) {
+        room->pool->lower.room(room->pool->lower.ctx, unit, &room->room_host, &room->room_below);
+        room->room_asked = true;
+        room->room_unit = unit;
+    }
+    *through_host = room->room_host;
+    *below = room->room_below;
 }
 
 int kv_room_add(kv_room *room, const kv_seq *seq, size_t n_tokens, strata_error *err)
@@ -1163,13 +1183,15 @@ int kv_room_add(kv_room *room, const kv_seq *seq, size_t n_tokens, strata_error 
                                most, kv_slabs_slot_bytes(b, c), l, seq->id, at_once, len + n_tokens);
     }
     /* Per region: the slabs every block would need after the step, packed by compaction. */
-    size_t evict_bytes = 0, evict_unit = 0;
+    size_t put_bytes = 0, fetch_bytes = 0, evict_unit = 0;
     for (int r = 0; r < p->n_regions; r++) {
         const kv_slabs *b = p->regions[r].books;
         const size_t after = packed_slabs(b, room->trial + (size_t)r * C), n_slabs = kv_slabs_count(b);
         if (has_lower(p)) {
-            size_t unit;
-            evict_bytes += region_below_bytes(room, r, &unit);
+            size_t unit, puts, fetches;
+            region_below(room, r, &puts, &fetches, &unit);
+            put_bytes += puts;
+            fetch_bytes += fetches;
             evict_unit = unit > evict_unit ? unit : evict_unit;
             continue;
         }
@@ -1182,14 +1204,16 @@ int kv_room_add(kv_room *room, const kv_seq *seq, size_t n_tokens, strata_error 
                                room->n_seqs ? " beside this step's other sequences" : "");
         }
     }
-    if (has_lower(p) && p->lower.room && evict_bytes) {
-        const size_t free_below = p->lower.room(p->lower.ctx, evict_unit);
-        if (evict_bytes > free_below)
+    if (has_lower(p) && p->lower.room && put_bytes + fetch_bytes) {
+        size_t through_host, below;
+        room_of_lower(room, evict_unit, &through_host, &below);
+        if (put_bytes + fetch_bytes > through_host && !(below > 0 && put_bytes <= below))
             return strata_fail(err, STRATA_EFULL,
-                               "KV tiers full: this step may move %zu bytes of blocks between the device pool and the "
-                               "tiers below (sequence %" PRIu64 "%s) but the host and NVMe tiers have room for %zu; "
-                               "raise --host-kv-mib or --nvme-kv-mib",
-                               evict_bytes, seq->id, room->n_seqs ? " and those beside it" : "", free_below);
+                               "KV tiers full: this step may move %zu bytes of blocks down from the device pool and "
+                               "bring %zu back (sequence %" PRIu64 "%s), but host memory has room for %zu and NVMe "
+                               "for %zu; raise --host-kv-mib or --nvme-kv-mib",
+                               put_bytes, fetch_bytes, seq->id, room->n_seqs ? " and those beside it" : "",
+                               through_host, below);
     }
     memcpy(room->takes, room->trial, (size_t)p->n_regions * C * sizeof *room->takes);
     memcpy(room->touch, room->trial_touch, (size_t)p->n_regions * C * sizeof *room->touch);

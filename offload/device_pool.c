@@ -440,6 +440,8 @@ struct device_room {
     size_t made;      /* blocks the step forms */
     size_t dirty;     /* resident blocks with no copy below; SIZE_MAX: not counted yet */
     size_t n_seqs;
+    bool room_asked;  /* the tier's room, asked once per check (it may walk its blocks) */
+    size_t room_unit, room_host, room_below;
 };
 
 device_room *device_room_begin(const device_pool *p, strata_error *err)
@@ -473,17 +475,22 @@ static size_t dirty_blocks(device_room *r)
     return r->dirty;
 }
 
-/* The most bytes the step may move into the tier below (writes, and fetches through the tier's
- * memory), in units of a slot rounded up to whole pages. */
-static size_t below_bytes(device_room *r, size_t touch, size_t fetch, size_t made, size_t *unit_out)
+/* The most bytes the step may move below: *puts, blocks written down, and *fetches, blocks
+ * brought back through the tier's memory; in units of a slot rounded up to whole pages. */
+static void below_bytes(device_room *r, size_t touch, size_t fetch, size_t made, size_t *puts, size_t *fetches,
+                        size_t *unit_out)
 {
     const device_pool *p = r->pool;
     const size_t unit = (p->slot_bytes + 4095) / 4096 * 4096, fetch_cost = p->lower.get_takes_room ? 1 : 0;
     *unit_out = unit;
-    if (fetch + made <= p->n_free)
-        return fetch * fetch_cost * unit;
+    if (fetch + made <= p->n_free) {
+        *puts = 0;
+        *fetches = fetch * fetch_cost * unit;
+        return;
+    }
     const size_t evicted = touch + made - p->n_free, dirty = dirty_blocks(r) + made;
-    return ((evicted < dirty ? evicted : dirty) + touch * fetch_cost) * unit;
+    *puts = (evicted < dirty ? evicted : dirty) * unit;
+    *fetches = touch * fetch_cost * unit;
 }
 
 int device_room_add(device_room *r, const device_block *blocks, size_t stride, size_t n_phases, size_t n_pinned,
@@ -513,13 +520,18 @@ int device_room_add(device_room *r, const device_block *blocks, size_t stride, s
                            "slots are free%s and no host/NVMe tier is below to evict to; raise the device KV budget "
                            "(--device-kv-mib) or grant a host tier (--host-kv-mib)", made, p->n_free, p->n_slots, beside);
     if (has_lower(p) && p->lower.room) {
-        size_t unit;
-        const size_t need = below_bytes(r, touch, fetch, made, &unit);
-        const size_t room = need ? p->lower.room(p->lower.ctx, unit) : 0;
-        if (need > room)
-            return strata_fail(err, STRATA_EFULL, "KV tiers full: this step may move %zu bytes of blocks between the "
-                               "device pool and the tiers below%s, but the host and NVMe tiers have room for %zu; "
-                               "raise --host-kv-mib or --nvme-kv-mib", need, beside, room);
+        size_t unit, puts, fetches;
+        below_bytes(r, touch, fetch, made, &puts, &fetches, &unit);
+        if (puts + fetches && (!r->room_asked || r->room_unit != unit)) {   /* once per check */
+            p->lower.room(p->lower.ctx, unit, &r->room_host, &r->room_below);
+            r->room_asked = true;
+            r->room_unit = unit;
+        }
+        if (puts + fetches && puts + fetches > r->room_host && !(r->room_below > 0 && puts <= r->room_below))
+            return strata_fail(err, STRATA_EFULL, "KV tiers full: this step may move %zu bytes of blocks down from the "
+                               "device pool and bring %zu back%s, but host memory has room for %zu and NVMe for %zu; "
+                               "raise --host-kv-mib or --nvme-kv-mib", puts, fetches, beside, r->room_host,
+                               r->room_below);
     }
     r->at_once = at_once;
     r->touch = touch;

@@ -186,24 +186,26 @@ static void lower_set_waiting(void *ctx, uint64_t seq_id, int waiting)
         tier_set_waiting(t->tier, seq_id, waiting != 0);
 }
 
-/* Whole blocks of unit_bytes a step can be sure to store (a fragmented tier has holes no block
- * fits). While the host's free extents take every block, nothing moves. Once one does not, the
- * tier makes room by moving host blocks to NVMe, least recently used first, and with blocks of
- * mixed sizes a move need not free an extent the next block fits in: in the worst case every
- * block only in host memory moves before one does. So the room is the larger of the host's free
- * extents and the NVMe tier's less what those blocks may take there, not their sum (which a
- * random test of mixed block sizes found a step passing and then failing part way). */
-static size_t lower_room(void *ctx, size_t unit_bytes)
+/* The two figures of kv_lower_tier.room. Host memory takes what fits its free extents with
+ * nothing moving. Once a block does not fit, the tier makes room by moving host blocks to NVMe,
+ * least recently used first, and with blocks of mixed sizes a move need not free an extent the
+ * next block fits in: in the worst case every block only in host memory moves before one does.
+ * So NVMe's figure is its free extents less what those blocks may take there; host and NVMe
+ * room do not add up (a random test of mixed block sizes found steps passing the sum and then
+ * failing part way). Blocks brought back pass through host memory but keep their NVMe copy:
+ * making room drops such host copies without I/O, so fetches cost NVMe nothing. */
+static void lower_room(void *ctx, size_t unit_bytes, size_t *through_host, size_t *below)
 {
     kv_tiers *t = ctx;
+    *through_host = *below = 0;
     if (host_arena_capacity(t->arena) < unit_bytes)
-        return 0;   /* every block passes through host memory, NVMe-bound ones included */
-    const size_t host = host_arena_fit_bytes(t->arena, unit_bytes);
+        return;   /* every block passes through host memory, NVMe-bound ones included */
+    *through_host = host_arena_fit_bytes(t->arena, unit_bytes);
     if (!t->nvme)
-        return host;
+        return;
     const uint64_t fit = nvme_store_fit_bytes(t->nvme, unit_bytes), moving = tier_host_only_bytes(t->tier, unit_bytes);
     const uint64_t nvme = fit > moving ? fit - moving : 0;
-    return nvme > host ? (nvme > SIZE_MAX ? SIZE_MAX : (size_t)nvme) : host;
+    *below = nvme > SIZE_MAX ? SIZE_MAX : (size_t)nvme;
 }
 
 kv_lower_tier kv_tiers_lower(kv_tiers *t)

@@ -708,6 +708,41 @@ static void test_gpu_stage(void **state)
             assert_int_equal(stage_step(ok, &pb.plan, &r, &err), STRATA_OK);
         }
 #ifdef STRATA_FAKE_CUDA
+        {   /* Rows that came by NCCL are compacted in device memory when sequences drop out:
+             * every gap (one row to more than the rest), the rows after it moved in order. */
+            stage_gpu *g = NULL;
+            const kv_codec_params *plans[1] = {NULL};
+            kv_codec_params plan[64];
+            assert_int_equal(kv_plan_parse("kivi2", model_get_config(full)->n_layers, plan, &err), STRATA_OK);
+            plans[0] = plan;
+            const stage_gpu_config gc = {.device = 0, .plans = plans, .n_plans = 1, .block_tokens = 64,
+                                         .max_seq_tokens = 128, .max_batch_seqs = 2};
+            assert_int_equal(stage_gpu_create(full_dev, &gc, &g, &err), STRATA_OK);
+            const size_t emb = (size_t)model_get_config(full)->n_embd, rows = 9;
+            float *host = malloc(rows * emb * sizeof *host), *out = malloc(rows * emb * sizeof *out);
+            assert_non_null(host);
+            assert_non_null(out);
+            for (size_t gap = 1; gap < rows; gap++)
+                for (size_t dst = 0; dst + gap < rows; dst++) {
+                    for (size_t i = 0; i < rows * emb; i++)
+                        host[i] = (float)i;
+                    float *d = stage_gpu_device_rows(g, 0, rows, &err);
+                    assert_non_null(d);
+                    assert_int_equal(cudaMemcpy(d, host, rows * emb * sizeof *host, cudaMemcpyHostToDevice), cudaSuccess);
+                    const size_t n = rows - dst - gap;
+                    assert_int_equal(stage_gpu_compact_rows(g, dst, dst + gap, n, &err), STRATA_OK);
+                    assert_int_equal(cudaMemcpy(out, d, rows * emb * sizeof *out, cudaMemcpyDeviceToHost), cudaSuccess);
+                    for (size_t r = 0; r < dst + n; r++) {
+                        const size_t from = r < dst ? r : r + gap;
+                        if (out[r * emb + 3] != host[from * emb + 3])
+                            fail_msg("rows %zu.. to %zu: row %zu holds %g, want row %zu's", dst + gap, dst, r,
+                                     (double)out[r * emb + 3], from);
+                    }
+                }
+            free(host);
+            free(out);
+            stage_gpu_destroy(g);
+        }
         /* A device that lost its context fails the stage, not only the step's sequences: every
          * later step would fail, so the worker must leave and be restarted. */
         seq_spec lost = {.id = 9, .n_prompt = 20, .join_step = 1};

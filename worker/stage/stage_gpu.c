@@ -296,8 +296,10 @@ int stage_gpu_compact_rows(stage_gpu *g, size_t dst, size_t src, size_t n, strat
     const size_t e = (size_t)g->cfg->n_embd;
     if (dst >= src || (src + n) * e > g->cap_step[0])
         return strata_fail(err, STRATA_EINVAL, "stage_gpu_compact_rows: rows %zu..%zu to %zu", src, src + n, dst);
-    for (size_t r = 0; r < n; r++) {   /* one row at a time: a source row and its destination never overlap */
-        cudaError_t ce = cudaMemcpy(g->d_step[0] + (dst + r) * e, g->d_step[0] + (src + r) * e, e * sizeof(float),
+    /* In pieces of at most src - dst rows: a piece's source and destination never overlap. */
+    for (size_t r = 0, piece = src - dst; r < n; r += piece) {
+        const size_t k = n - r < piece ? n - r : piece;
+        cudaError_t ce = cudaMemcpy(g->d_step[0] + (dst + r) * e, g->d_step[0] + (src + r) * e, k * e * sizeof(float),
                                     cudaMemcpyDeviceToDevice);
         if (ce != cudaSuccess)
             return cuda_fail(err, ce, "moving rows");

@@ -96,7 +96,7 @@ int stage_gpu_forward_sample(stage_gpu *g, const stage_gpu_item *items, size_t n
 float *stage_gpu_device_rows(stage_gpu *g, int which, size_t rows, strata_error *err);
 
 /* Moves n entering rows from row src to row dst < src (dropping the rows of sequences that
- * cannot run here), row by row in device memory. */
+ * cannot run here) in device memory, in pieces whose source and destination do not overlap. */
 int stage_gpu_compact_rows(stage_gpu *g, size_t dst, size_t src, size_t n, strata_error *err);
 
 /* After a failed step: whether the stage's device context is lost (cuda_model_context_lost), so
