@@ -170,6 +170,19 @@ typedef struct kv_lower_tier {
     bool get_takes_room;
 } kv_lower_tier;
 
+/* One room check's answer from a lower tier, asked at most once per check and block size (the
+ * tier may walk its blocks to answer; nothing changes during a check). Zero-initialize. */
+typedef struct kv_lower_room {
+    bool asked;
+    size_t unit, through_host, below;
+} kv_lower_room;
+
+/* Whether a step that may put `puts` bytes and fetch `fetches` bytes of blocks of unit bytes
+ * fits the tier's room (kv_lower_tier.room's rule); true when the tier reports no room. The two
+ * figures are left in *cache for the caller's message. Shared by the CPU pool's and the device
+ * pool's checks. */
+bool kv_lower_room_fits(const kv_lower_tier *lower, kv_lower_room *cache, size_t unit, size_t puts, size_t fetches);
+
 /* Attaches a lower tier (copied; ctx must outlive the pool's sequences). Only while the pool has
  * no sequence. NULL detaches. */
 int kv_pool_set_lower_tier(kv_pool *pool, const kv_lower_tier *lower, strata_error *err);

@@ -1021,8 +1021,7 @@ struct kv_room {
     size_t *made, *trial_made;   /* [n_regions] */
     size_t *dirty;               /* [n_regions]: resident blocks with no copy below; SIZE_MAX: not counted yet */
     size_t n_seqs;               /* sequences added */
-    bool room_asked;             /* the tier's room, asked once (room_of_lower) */
-    size_t room_unit, room_host, room_below;
+    kv_lower_room below;         /* the tier's room, asked once */
 };
 
 kv_room *kv_room_begin(const kv_pool *pool, strata_error *err)
@@ -1130,17 +1129,16 @@ static void region_below(kv_room *room, int r, size_t *puts, size_t *fetches, si
     *fetches = (touch - made) * fetch_cost * unit;
 }
 
-/* The tier's room for blocks of unit bytes, asked once per check (nothing changes during one,
- * and the tier may walk its blocks to answer). */
-static void room_of_lower(kv_room *room, size_t unit, size_t *through_host, size_t *below)
+bool kv_lower_room_fits(const kv_lower_tier *lower, kv_lower_room *cache, size_t unit, size_t puts, size_t fetches)
 {
-    if (!room->room_asked || room->room_unit != unit) {
-        room->pool->lower.room(room->pool->lower.ctx, unit, &room->room_host, &room->room_below);
-        room->room_asked = true;
-        room->room_unit = unit;
+    if (!lower->room || puts + fetches == 0)
+        return true;
+    if (!cache->asked || cache->unit != unit) {
+        lower->room(lower->ctx, unit, &cache->through_host, &cache->below);
+        cache->asked = true;
+        cache->unit = unit;
     }
-    *through_host = room->room_host;
-    *below = room->room_below;
+    return puts + fetches <= cache->through_host || (cache->below > 0 && puts <= cache->below);
 }
 
 int kv_room_add(kv_room *room, const kv_seq *seq, size_t n_tokens, strata_error *err)
@@ -1204,17 +1202,13 @@ int kv_room_add(kv_room *room, const kv_seq *seq, size_t n_tokens, strata_error 
                                room->n_seqs ? " beside this step's other sequences" : "");
         }
     }
-    if (has_lower(p) && p->lower.room && put_bytes + fetch_bytes) {
-        size_t through_host, below;
-        room_of_lower(room, evict_unit, &through_host, &below);
-        if (put_bytes + fetch_bytes > through_host && !(below > 0 && put_bytes <= below))
-            return strata_fail(err, STRATA_EFULL,
-                               "KV tiers full: this step may move %zu bytes of blocks down from the device pool and "
-                               "bring %zu back (sequence %" PRIu64 "%s), but host memory has room for %zu and NVMe "
-                               "for %zu; raise --host-kv-mib or --nvme-kv-mib",
-                               put_bytes, fetch_bytes, seq->id, room->n_seqs ? " and those beside it" : "",
-                               through_host, below);
-    }
+    if (has_lower(p) && !kv_lower_room_fits(&p->lower, &room->below, evict_unit, put_bytes, fetch_bytes))
+        return strata_fail(err, STRATA_EFULL,
+                           "KV tiers full: this step may move %zu bytes of blocks down from the device pool and bring "
+                           "%zu back (sequence %" PRIu64 "%s), but host memory has room for %zu and NVMe for %zu; "
+                           "raise --host-kv-mib or --nvme-kv-mib",
+                           put_bytes, fetch_bytes, seq->id, room->n_seqs ? " and those beside it" : "",
+                           room->below.through_host, room->below.below);
     memcpy(room->takes, room->trial, (size_t)p->n_regions * C * sizeof *room->takes);
     memcpy(room->touch, room->trial_touch, (size_t)p->n_regions * C * sizeof *room->touch);
     memcpy(room->made, room->trial_made, (size_t)p->n_regions * sizeof *room->made);

@@ -440,8 +440,7 @@ struct device_room {
     size_t made;      /* blocks the step forms */
     size_t dirty;     /* resident blocks with no copy below; SIZE_MAX: not counted yet */
     size_t n_seqs;
-    bool room_asked;  /* the tier's room, asked once per check (it may walk its blocks) */
-    size_t room_unit, room_host, room_below;
+    kv_lower_room below;   /* the tier's room, asked once per check */
 };
 
 device_room *device_room_begin(const device_pool *p, strata_error *err)
@@ -519,19 +518,14 @@ int device_room_add(device_room *r, const device_block *blocks, size_t stride, s
         return strata_fail(err, STRATA_EFULL, "device KV pool full: this step forms %zu blocks, %zu of the pool's %zu "
                            "slots are free%s and no host/NVMe tier is below to evict to; raise the device KV budget "
                            "(--device-kv-mib) or grant a host tier (--host-kv-mib)", made, p->n_free, p->n_slots, beside);
-    if (has_lower(p) && p->lower.room) {
+    if (has_lower(p)) {
         size_t unit, puts, fetches;
         below_bytes(r, touch, fetch, made, &puts, &fetches, &unit);
-        if (puts + fetches && (!r->room_asked || r->room_unit != unit)) {   /* once per check */
-            p->lower.room(p->lower.ctx, unit, &r->room_host, &r->room_below);
-            r->room_asked = true;
-            r->room_unit = unit;
-        }
-        if (puts + fetches && puts + fetches > r->room_host && !(r->room_below > 0 && puts <= r->room_below))
+        if (!kv_lower_room_fits(&p->lower, &r->below, unit, puts, fetches))
             return strata_fail(err, STRATA_EFULL, "KV tiers full: this step may move %zu bytes of blocks down from the "
                                "device pool and bring %zu back%s, but host memory has room for %zu and NVMe for %zu; "
-                               "raise --host-kv-mib or --nvme-kv-mib", puts, fetches, beside, r->room_host,
-                               r->room_below);
+                               "raise --host-kv-mib or --nvme-kv-mib", puts, fetches, beside, r->below.through_host,
+                               r->below.below);
     }
     r->at_once = at_once;
     r->touch = touch;
