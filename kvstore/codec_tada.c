@@ -33,6 +33,7 @@
 #include "kvstore/bytes.h"
 #include "kvstore/codec.h"
 #include "kvstore/half.h"
+#include "kvstore/quant_math.h"
 
 static int tada_check(const kv_block_desc *d, strata_error *err)
 {
@@ -53,15 +54,21 @@ static int tada_sections(const kv_block_desc *d, kv_section_spec *out)
     return n;
 }
 
-/* Splits rows x [T][H][D] into the fp16 per-token mean (stored at sec) and the deviations dev. */
+/* Splits rows x [T][H][D] into the fp16 per-token mean (stored at sec: kv_tada_mean_half) and the
+ * deviations dev. */
 static void center(const float *x, size_t T, size_t H, size_t D, uint8_t *sec, float *dev)
 {
     for (size_t t = 0; t < T; t++)
         for (size_t c = 0; c < D; c++) {
             double sum = 0.0;
-            for (size_t h = 0; h < H; h++)
-                sum += x[(t * H + h) * D + c];
-            const uint16_t mh = strata_double_to_half(sum / (double)H);
+            float lo = x[t * H * D + c], hi = lo;
+            for (size_t h = 0; h < H; h++) {
+                const float xh = x[(t * H + h) * D + c];
+                sum += xh;
+                lo = xh < lo ? xh : lo;
+                hi = xh > hi ? xh : hi;
+            }
+            const uint16_t mh = kv_tada_mean_half(sum, lo, hi, (int)H);
             const float m = strata_half_to_float(mh);
             kv_st16(sec + 2 * (t * D + c), mh);
             for (size_t h = 0; h < H; h++)

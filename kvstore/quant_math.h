@@ -34,6 +34,19 @@ STRATA_HD static inline uint16_t kv_half_step_down(uint16_t h)
 
 STRATA_HD static inline int kv_half_finite(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
 
+/* TaDA's stored mean of one channel of one token over its H heads (sum of their values, lo and
+ * hi the smallest and largest): the mean rounded once to fp16, or 0 when a head's deviation from
+ * it (x - m in float, as the encoders subtract it) would leave the fp16 range, which only heads
+ * of opposite signs near the range's ends reach: the quantizer's zero point would then be -inf
+ * and its whole group decode to NaN. With 0 every deviation is the value itself (finite); the
+ * reconstruction m + deviation holds for any stored m. */
+STRATA_HD static inline uint16_t kv_tada_mean_half(double sum, float lo, float hi, int n_heads)
+{
+    const uint16_t mh = strata_double_to_half(sum / (double)n_heads);
+    const float m = strata_half_to_float(mh);
+    return hi - m > 65504.0f || lo - m < -65504.0f ? (uint16_t)0 : mh;
+}
+
 /* The group's parameters from its minimum and maximum (finite: every element was finite). */
 STRATA_HD static inline void kv_qgroup_from_range(float mn, float mx, int finite, int bits, kv_qgroup *g)
 {

@@ -208,7 +208,8 @@ static void check_block_against_input(const uint8_t *blk, size_t bytes, const fl
     ref_parse(blk, &r);
     assert_int_equal(r.codec, 5);
     const size_t T = r.T, H = r.H;
-    /* the stored means are the fp16-rounded means across heads */
+    /* the stored means are the fp16-rounded means across heads, or 0 where a deviation from that
+     * mean (in float, as the writer subtracts it) would leave the fp16 range */
     for (size_t t = 0; t < T; t++)
         for (size_t c = 0; c < D; c++) {
             double sk = 0, sv = 0;
@@ -216,8 +217,15 @@ static void check_block_against_input(const uint8_t *blk, size_t bytes, const fl
                 sk += k[(t * H + h) * D + c];
                 sv += v[(t * H + h) * D + c];
             }
-            assert_true(ref_kmean(&r, t, c) == ref_round_half(sk / (double)H));
-            assert_true(ref_vmean(&r, t, c) == ref_round_half(sv / (double)H));
+            double mk = ref_round_half(sk / (double)H), mv = ref_round_half(sv / (double)H);
+            for (size_t h = 0; h < H; h++) {
+                if (fabsf(k[(t * H + h) * D + c] - (float)mk) > 65504.0f)
+                    mk = 0.0;
+                if (fabsf(v[(t * H + h) * D + c] - (float)mv) > 65504.0f)
+                    mv = 0.0;
+            }
+            assert_true(ref_kmean(&r, t, c) == mk);
+            assert_true(ref_vmean(&r, t, c) == mv);
         }
     /* decoded = mean + dequantized deviation; decoded - input = the deviation's error */
     float *kd = malloc(T * H * D * sizeof(float)), *vd = malloc(T * H * D * sizeof(float));
@@ -300,6 +308,33 @@ static void test_mean_restored(void **state)
             assert_int_equal(rd16(r.sec[22] + 2 * (t * D + 9)), want_bits[t]);
         }
         check_block_against_input(blk, bytes, k, v);
+        free(blk);
+    }
+
+    /* Heads of opposite signs near the fp16 range's ends, whose deviations from their mean leave
+     * it ((-65504, 32768, 32768): mean 10.67, deviation -65514.7; (-60000, 40000, 40000): -66667):
+     * the mean is stored as 0 and every value comes back within its bound, where the quantizer's
+     * zero point became -inf and the group decoded to NaN. */
+    make_rows(BT, H, 79, 20.0, 2.0, 1.0, k);
+    make_rows(BT, H, 80, 5.0, 1.0, 0.5, v);
+    const float edge[2][3] = {{-65504.0f, 32768.0f, 32768.0f}, {-60000.0f, 40000.0f, 40000.0f}};
+    for (size_t t = 0; t < 2; t++)
+        for (size_t h = 0; h < H; h++) {
+            k[(t * H + h) * D + 3] = edge[t][h % 3];
+            v[(t * H + h) * D + 5] = edge[t][h % 3];
+        }
+    for (int bi = 0; bi < 3; bi++) {
+        const char *names[] = {"tada2", "tada4", "tada8"};
+        kv_block_desc d = desc_for(names[bi], H, 0, 0);
+        size_t bytes = kv_block_bytes(&d);
+        uint8_t *blk = malloc(bytes);
+        assert_non_null(blk);
+        assert_int_equal(kv_block_encode(&d, k, v, blk, bytes, NULL, NULL), STRATA_OK);
+        check_block_against_input(blk, bytes, k, v);
+        lib_roundtrip(names[bi], H, BT, k, v, kd, vd);
+        for (size_t i = 0; i < n; i++)
+            if (!isfinite(kd[i]) || !isfinite(vd[i]))
+                fail_msg("%s: element %zu decodes to %g / %g", names[bi], i, (double)kd[i], (double)vd[i]);
         free(blk);
     }
 
