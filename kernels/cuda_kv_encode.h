@@ -32,7 +32,7 @@ typedef struct cuda_kv_encoder {
     uint8_t header[CUDA_KV_MAX_HEADER];
     /* GEAR with outliers or a low rank (gear = 1): this encoder's counts, where their sections sit,
      * and the scratch each job needs (cuda_kv_encode_job.work). */
-    int gear, rank, k_sparse, v_sparse;
+    int gear, rank, k_sparse, v_sparse, power_iters;
     uint32_t off_k_sparse, off_v_sparse, off_k_lowrank, off_v_lowrank;
     uint64_t work_bytes;
     /* OTT with a pool (ott = 1): pool tokens and auxiliary tokens per head, the OTT_TOKENS

@@ -33,6 +33,7 @@ void kv_block_desc_init(kv_block_desc *d, const kv_codec_params *p, const kv_geo
     }
     if (p->codec == KV_CODEC_GEAR) {
         d->rank = p->rank_decode;
+        d->power_iters = p->power_iters;
         d->k_sparse = kv_gear_outliers(p->sparse_pct, g->block_tokens);
         d->v_sparse = kv_gear_outliers(p->sparse_pct, g->head_dim);
     }

@@ -87,6 +87,8 @@ typedef struct kv_block_desc {
     int k_sparse;          /* gear: outliers per key vector (one channel of one head, n_tokens long) */
     int v_sparse;          /* gear: outliers per value vector (one token of one head, head_dim long) */
     int ott_tokens;        /* ott: pooled (head, token) entries held by this block */
+    int power_iters;       /* gear, writer only (not stored): power iterations of the low-rank fit;
+                            * 0: GEAR_POWER_ITERS */
     uint32_t layer;
     uint64_t first_pos;    /* position of the block's first token */
     uint32_t n_tokens;

@@ -46,7 +46,7 @@
  *     least-squares factor for the stored A^ (B = R_h^T A^ (A^^T A^)^-1 over A^'s non-zero
  *     columns, a Cholesky solve of the r x r Gram matrix), then rounded to f16. L is a writer
  *     choice and not needed by a reader, so the header does not carry it (the codec parameters'
- *     power_iters is ignored: the writer always uses 3). If any stored A or B value of a head
+ *     power_iters, `-i<L>`, default 3, reaches the writers through kv_block_desc). If any stored A or B value of a head
  *     would be non-finite (e.g. a residual beyond the f16 range), both factors of that head are
  *     stored as zeros: the head then decodes to backbone + outliers.
  *  6. The sparse entries hold the exact inputs, as f16 (inputs are fp16 numbers in the cache). */
@@ -168,7 +168,7 @@ static void lowrank_section(const kv_block_desc *d, const gear_dims *m, const fl
                 const size_t o = (t * m->H + h) * m->D + c;
                 w->R[t * m->D + c] = mask[o] ? 0.0 : (double)x[o] - (double)dq[o];
             }
-        gear_lowrank_fit(w, m->T, m->D, m->r, gear_fit_seed(d->layer, d->first_pos, h, kv),
+        gear_lowrank_fit(w, m->T, m->D, m->r, d->power_iters, gear_fit_seed(d->layer, d->first_pos, h, kv),
                          sec + h * (m->T + m->D) * m->r * 2);
     }
 }

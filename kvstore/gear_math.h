@@ -173,21 +173,23 @@ STRATA_HD static inline void gear_write_sparse(uint8_t *e, size_t k, const float
     }
 }
 
-/* Fits R (w->R, T x D) ~= A B^T at rank r and writes A_h then B_h as f16 at out. */
-STRATA_HD static inline void gear_lowrank_fit(const gear_lr_work *w, size_t T, size_t D, size_t r, uint64_t seed,
-                                              uint8_t *out)
+/* Fits R (w->R, T x D) ~= A B^T at rank r with `iters` power iterations (0: GEAR_POWER_ITERS)
+ * and writes A_h then B_h as f16 at out. */
+STRATA_HD static inline void gear_lowrank_fit(const gear_lr_work *w, size_t T, size_t D, size_t r, int iters,
+                                              uint64_t seed, uint8_t *out)
 {
+    const int n_iters = iters > 0 ? iters : GEAR_POWER_ITERS;
     const double *R = w->R;
     double *At = w->At, *Bt = w->Bt, *L = w->L, *y = w->y;
     for (size_t c = 0; c < D; c++)   /* B0 [D][r] row-major */
         for (size_t k = 0; k < r; k++)
             Bt[k * D + c] = (double)(gear_splitmix64(&seed) >> 11) * 0x1p-52 - 1.0;
-    for (int l = 0; l < GEAR_POWER_ITERS; l++) {
+    for (int l = 0; l < n_iters; l++) {
         for (size_t k = 0; k < r; k++)   /* A = R B */
             for (size_t t = 0; t < T; t++)
                 At[k * T + t] = gear_dot64(R + t * D, Bt + k * D, D);
         gear_orthonormalize(At, T, r, w->on);
-        if (l + 1 == GEAR_POWER_ITERS)
+        if (l + 1 == n_iters)
             break;   /* the last B is computed below from the rounded A */
         for (size_t i = 0; i < r * D; i++)   /* B = R^T A */
             Bt[i] = 0.0;

@@ -591,6 +591,53 @@ static void test_lowrank_reduces_residual(void **state)
     lowrank_case(&g3, 2, 32, 32, 4, 2, 28, true);
 }
 
+/* The codec name's -i<L> sets the power iterations of the low-rank fit (GEAR's SVDSolver loop
+ * count): it reached no writer once (gear2-i1, gear2 and gear2-i100 wrote the same bytes). One
+ * iteration leaves more residual than three, and eight no more than one, summed over blocks. */
+static void test_power_iterations_used(void **state)
+{
+    (void)state;
+    const geo g = {BT, NKV, HD};
+    const size_t n = g.T * g.H * g.D;
+    float *k = malloc(n * sizeof(float)), *v = malloc(n * sizeof(float));
+    float *dk = malloc(n * sizeof(float)), *dv = malloc(n * sizeof(float));
+    assert_true(k && v && dk && dv);
+    const char *names[3] = {"gear2-i1", "gear2", "gear2-i8"};
+    const kv_geometry kg = {.n_layers = 1, .n_kv_heads = (int)g.H, .head_dim = (int)g.D, .block_tokens = (int)g.T};
+    double err_sum[3] = {0, 0, 0};
+    for (uint64_t seed = 1; seed <= 6; seed++) {
+        make_structured(&g, 900 + seed, k, v);
+        uint8_t *bytes[3] = {NULL, NULL, NULL};
+        size_t len[3] = {0, 0, 0};
+        for (int i = 0; i < 3; i++) {
+            kv_codec_params p;
+            strata_error err = {0};
+            assert_int_equal(kv_codec_parse(names[i], &p, &err), STRATA_OK);
+            kv_block_desc d;
+            kv_block_desc_init(&d, &p, &kg, 0, 64 * seed);
+            len[i] = kv_block_bytes(&d);
+            assert_non_null(bytes[i] = malloc(len[i]));
+            assert_int_equal(kv_block_encode(&d, k, v, bytes[i], len[i], NULL, &err), STRATA_OK);
+            kv_block b;
+            assert_int_equal(kv_block_verify(bytes[i], len[i], &b, &err), STRATA_OK);
+            assert_int_equal(kv_block_decode(&b, dk, dv, &err), STRATA_OK);
+            for (size_t o = 0; o < n; o++)
+                err_sum[i] += ((double)k[o] - dk[o]) * ((double)k[o] - dk[o]) + ((double)v[o] - dv[o]) * ((double)v[o] - dv[o]);
+        }
+        assert_int_equal(len[0], len[1]);   /* the same layout: L is no reader's business */
+        assert_true(memcmp(bytes[0], bytes[1], len[0]) != 0);
+        for (int i = 0; i < 3; i++)
+            free(bytes[i]);
+    }
+    printf("  squared error over 6 blocks: L=1 %.4g, L=3 %.4g, L=8 %.4g\n", err_sum[0], err_sum[1], err_sum[2]);
+    assert_true(err_sum[0] > err_sum[1]);
+    assert_true(err_sum[2] <= err_sum[0]);
+    free(k);
+    free(v);
+    free(dk);
+    free(dv);
+}
+
 /* (c) */
 static void test_gear_beats_kivi(void **state)
 {
@@ -1284,6 +1331,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_outliers_exact),
         cmocka_unit_test(test_lowrank_reduces_residual),
+        cmocka_unit_test(test_power_iterations_used),
         cmocka_unit_test(test_gear_beats_kivi),
         cmocka_unit_test(test_attention),
         cmocka_unit_test(test_layout),

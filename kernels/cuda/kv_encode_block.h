@@ -302,7 +302,7 @@ STRATA_HD static inline void kv_enc_gear_fit(const cuda_kv_encoder *E, const cud
         const int kv = (int)(i / H);
         const size_t h = i % H;
         const gear_lr_work f = kv_enc_gear_fit_work(&w, T, D, r, i);
-        gear_lowrank_fit(&f, T, D, r, gear_fit_seed(job->layer, job->first_pos, h, kv),
+        gear_lowrank_fit(&f, T, D, r, E->power_iters, gear_fit_seed(job->layer, job->first_pos, h, kv),
                          dst + (kv ? E->off_v_lowrank : E->off_k_lowrank) + h * (T + D) * r * 2);
     }
 }
@@ -462,7 +462,7 @@ STRATA_HD static inline void kv_enc_ott_rows(const cuda_kv_encoder *E, const cud
 }
 
 /* TaDA: each token's mean over the heads, per channel, summed in double and rounded once to fp16
- * (the CPU writer's center()). No-op for other codecs. */
+ * (kv_tada_mean_half, as the CPU writer's center()). No-op for other codecs. */
 STRATA_HD static inline void kv_enc_means(const cuda_kv_encoder *E, const cuda_kv_encode_job *job, uint8_t *dst,
                                           unsigned tid, unsigned nthreads)
 {
@@ -473,12 +473,18 @@ STRATA_HD static inline void kv_enc_means(const cuda_kv_encoder *E, const cuda_k
     for (size_t i = tid; i < T * D; i += nthreads) {
         const size_t t = i / D, c = i % D;
         double sk = 0.0, sv = 0.0;
+        float klo = strata_half_to_float(job->k[t * H * D + c]), khi = klo;
+        float vlo = strata_half_to_float(job->v[t * H * D + c]), vhi = vlo;
         for (size_t h = 0; h < H; h++) {
-            sk += strata_half_to_float(job->k[(t * H + h) * D + c]);
-            sv += strata_half_to_float(job->v[(t * H + h) * D + c]);
+            const float kx = strata_half_to_float(job->k[(t * H + h) * D + c]);
+            const float vx = strata_half_to_float(job->v[(t * H + h) * D + c]);
+            sk += kx;
+            sv += vx;
+            klo = kx < klo ? kx : klo, khi = kx > khi ? kx : khi;
+            vlo = vx < vlo ? vx : vlo, vhi = vx > vhi ? vx : vhi;
         }
-        kv_enc_store16(dst + L->off_k_mean + 2 * i, strata_double_to_half(sk / (double)H));
-        kv_enc_store16(dst + L->off_v_mean + 2 * i, strata_double_to_half(sv / (double)H));
+        kv_enc_store16(dst + L->off_k_mean + 2 * i, kv_tada_mean_half(sk, klo, khi, (int)H));
+        kv_enc_store16(dst + L->off_v_mean + 2 * i, kv_tada_mean_half(sv, vlo, vhi, (int)H));
     }
 }
 

@@ -242,6 +242,7 @@ int cuda_kv_encoder_init_rank(const kv_codec_params *p, const kv_geometry *g, in
         if (d.codec == KV_CODEC_GEAR && (d.rank || d.k_sparse || d.v_sparse)) {
             out->gear = 1;
             out->rank = d.rank;
+            out->power_iters = d.power_iters;
             out->k_sparse = d.k_sparse;
             out->v_sparse = d.v_sparse;
             out->off_k_sparse = section_at(&b, KV_SEC_GEAR_K_SPARSE);
