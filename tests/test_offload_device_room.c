@@ -24,6 +24,7 @@
 #include "offload/kv_tiers.h"
 #include "tests/offload_blocks.h"
 #include "test_dir.h"
+#include "tests/fake_device_mem.h"
 #include "test_rng.h"
 
 enum { LAYERS = 3, MAX_BLOCKS = 24, N_SEQS = 4, PALETTE = 6 };
@@ -54,39 +55,10 @@ static void palette_free(palette *pl)
         free(pl->bytes[i]);
 }
 
-/* "Device" memory: host memory reached only through the pool's copies. */
-static void *mem_alloc(void *ctx, size_t bytes, strata_error *err)
-{
-    (void)ctx;
-    void *p = aligned_alloc(256, (bytes + 255) / 256 * 256);
-    if (!p)
-        strata_fail(err, STRATA_ENOMEM, "no memory");
-    else
-        memset(p, 0xA5, bytes);
-    return p;
-}
-
-static void mem_free(void *ctx, void *p)
-{
-    (void)ctx;
-    free(p);
-}
-
-static int mem_copy(void *ctx, void *dst, const void *src, size_t n, strata_error *err)
-{
-    (void)ctx;
-    (void)err;
-    memcpy(dst, src, n);
-    return STRATA_OK;
-}
-
-static const device_pool_mem host_mem = {.name = "test device", .alloc_arena = mem_alloc, .free_arena = mem_free,
-                                         .alloc_staging = mem_alloc, .free_staging = mem_free,
-                                         .copy_out = mem_copy, .copy_in = mem_copy};
-
 typedef struct setup {
     char base[64], dir[128];
     kv_tiers *tiers;
+    fake_device dev;
     device_pool *pool;
 } setup;
 
@@ -110,7 +82,8 @@ static void setup_make(setup *s, const palette *pl, size_t n_slots, size_t host_
             fail_msg("%s", err.msg);
         lower = kv_tiers_lower(s->tiers);
     }
-    s->pool = device_pool_create(pl->slot_bytes, n_slots, &host_mem, host_pages ? &lower : NULL, &err);
+    const device_pool_mem mem = fake_mem(&s->dev);
+    s->pool = device_pool_create(pl->slot_bytes, n_slots, &mem, host_pages ? &lower : NULL, &err);
     if (!s->pool)
         fail_msg("%s", err.msg);
 }

@@ -63,6 +63,15 @@ static int inject(void *ctx, const nvme_fault_op *op, int res)
     return res;
 }
 
+/* A clean fixture with a fresh temporary folder for the spill directory f->dir. */
+static void fixture_with_spill_dir(fixture *f)
+{
+    memset(f, 0, sizeof *f);
+    snprintf(f->base, sizeof f->base, "/tmp/strata-kvtier-XXXXXX");
+    assert_non_null(mkdtemp(f->base));
+    snprintf(f->dir, sizeof f->dir, "%s/spill", f->base);
+}
+
 /* Host arena of host_kib; with nvme, an NVMe store of 16 MiB below it. */
 static void tiers_up(fixture *f, size_t host_kib, bool nvme)
 {
@@ -71,9 +80,7 @@ static void tiers_up(fixture *f, size_t host_kib, bool nvme)
     nvme_store_options no;
     kv_tiers_options o = {.host_bytes = host_kib * 1024};
     if (nvme) {
-        snprintf(f->base, sizeof f->base, "/tmp/strata-kvtier-XXXXXX");
-        assert_non_null(mkdtemp(f->base));
-        snprintf(f->dir, sizeof f->dir, "%s/spill", f->base);
+        fixture_with_spill_dir(f);
         nvme_store_options_init(&no, f->dir, 16u << 20);
         no.fault = inject;
         no.fault_ctx = f;
@@ -464,10 +471,7 @@ static void test_room_fragmented(void **state)
 {
     (void)state;
     fixture f;
-    memset(&f, 0, sizeof f);
-    snprintf(f.base, sizeof f.base, "/tmp/strata-kvtier-XXXXXX");
-    assert_non_null(mkdtemp(f.base));
-    snprintf(f.dir, sizeof f.dir, "%s/spill", f.base);
+    fixture_with_spill_dir(&f);
     nvme_store_options no;
     nvme_store_options_init(&no, f.dir, 16 * 4096);
     no.staging_bufs = 4;
@@ -525,10 +529,7 @@ static void test_room_moves_on_the_way(void **state)
 {
     (void)state;
     fixture f;
-    memset(&f, 0, sizeof f);
-    snprintf(f.base, sizeof f.base, "/tmp/strata-kvtier-XXXXXX");
-    assert_non_null(mkdtemp(f.base));
-    snprintf(f.dir, sizeof f.dir, "%s/spill", f.base);
+    fixture_with_spill_dir(&f);
     nvme_store_options no;
     nvme_store_options_init(&no, f.dir, 4 * 4096);
     kv_tiers_options o = {.host_bytes = 5 * 4096, .nvme_options = &no,
