@@ -103,7 +103,9 @@ for _ in $(seq 600); do
 done
 for r in 0 1; do
   name=$(sed -n "s/.*worker \([^ ]*\) joined as replica $r stage 1 .*/\1/p" "$tmp/serve.log" | tail -1)
-  victim=$(pgrep -f -- "--name $name( |\$)") || fail "no worker process named '$name'"
+  # This server's worker only (-P): serve_e2e's workers, which ctest may run beside this test,
+  # carry the same names (a kill by name alone once took one of theirs down).
+  victim=$(pgrep -P "$pid" -f -- "--name $name( |\$)") || fail "no worker process named '$name'"
   kill -KILL $victim
 done
 wait "$gc" || fail "the request whose workers were killed: $(cat "$tmp/c.err")"
