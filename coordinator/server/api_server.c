@@ -719,15 +719,12 @@ static void handle_drain(api_server *s, grpc_call *call, grpc_metadata_array *md
         return;
     }
     const char *name = ((Strata__V1__DrainWorkerRequest *)msg)->worker_name;
-    size_t n = name ? strlen(name) : 0;
-    bool ok = n >= 1 && n <= 128;
-    for (size_t i = 0; ok && i < n; i++)
-        ok = (unsigned char)name[i] >= 0x20 && name[i] != 0x7f;
     Strata__V1__DrainWorkerResponse resp = STRATA__V1__DRAIN_WORKER_RESPONSE__INIT;
     char message[API_DRAIN_MESSAGE_BYTES] = "";
     resp.message = message;
-    if (!ok)
-        reply_error(s, call, GRPC_STATUS_INVALID_ARGUMENT, "worker_name must be 1 to 128 bytes without control characters");
+    if (!name || !proto_worker_name_valid(name))   /* the rule a worker's own name follows at Join */
+        reply_error(s, call, GRPC_STATUS_INVALID_ARGUMENT,
+                    "worker_name must be 1 to 128 bytes of UTF-8 without control characters");
     else if (!s->be.drain_worker)
         reply_error(s, call, GRPC_STATUS_UNIMPLEMENTED, "DrainWorker is not implemented by this server");
     else if ((rc = s->be.drain_worker(s->be.ctx, name, &resp, &err)))

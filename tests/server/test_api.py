@@ -442,6 +442,10 @@ def test_info(c):
     expect_status(lambda: c.drain(pb.DrainWorkerRequest(worker_name=""), timeout=T), grpc.StatusCode.INVALID_ARGUMENT)
     expect_status(lambda: c.drain(pb.DrainWorkerRequest(worker_name="a\nb"), timeout=T),
                   grpc.StatusCode.INVALID_ARGUMENT)
+    # Not UTF-8 (written by hand: protobuf refuses to encode it): refused as a worker's own name is.
+    drain_raw = c.ch.unary_unary("/strata.v1.Strata/DrainWorker", request_serializer=lambda b: b,
+                                 response_deserializer=pb.DrainWorkerResponse.FromString)
+    expect_status(lambda: drain_raw(b"\x0a\x02w\xff", timeout=T), grpc.StatusCode.INVALID_ARGUMENT, "UTF-8")
 
 
 def test_backend_errors(c):
