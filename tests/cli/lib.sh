@@ -21,7 +21,8 @@ expect() {
 serve_port() {
   local port=
   for _ in $(seq 1 1200); do
-    port=$(sed -n 's/.*ready: serving .* on port \([0-9]*\).*/\1/p' "$1")
+    # LOG may not exist yet: the server's shell opens it after the caller moves on.
+    port=$(sed -n 's/.*ready: serving .* on port \([0-9]*\).*/\1/p' "$1" 2>/dev/null || true)
     [ -n "$port" ] && break
     kill -0 "$2" 2>/dev/null || break
     sleep 0.2

@@ -21,7 +21,8 @@ fail() { echo "FAIL: $*" >&2; [ -f "$tmp/serve.log" ] && tail -30 "$tmp/serve.lo
 wait_ready() {
   port=
   for _ in $(seq 1200); do
-    port=$(sed -n 's/.*ready: serving .* on port \([0-9]*\).*/\1/p' "$tmp/serve.log" | head -1)
+    # The log may not exist yet: the server's shell opens it after this script moves on.
+    port=$(sed -n 's/.*ready: serving .* on port \([0-9]*\).*/\1/p' "$tmp/serve.log" 2>/dev/null | head -1 || true)
     [ -n "$port" ] && break
     kill -0 "$pid" 2>/dev/null || fail "strata serve exited before it was ready"
     sleep 0.2
