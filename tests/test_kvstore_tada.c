@@ -257,6 +257,18 @@ static void check_block_against_input(const uint8_t *blk, size_t bytes, const fl
     free(vd);
 }
 
+/* Rows k, v encoded as one block of codec for that layer and first position; the caller frees it. */
+static uint8_t *encode_rows(const char *codec, size_t H, uint32_t layer, uint64_t first_pos, const float *k,
+                            const float *v, size_t *bytes)
+{
+    kv_block_desc d = desc_for(codec, H, layer, first_pos);
+    *bytes = kv_block_bytes(&d);
+    uint8_t *blk = malloc(*bytes);
+    assert_non_null(blk);
+    assert_int_equal(kv_block_encode(&d, k, v, blk, *bytes, NULL, NULL), STRATA_OK);
+    return blk;
+}
+
 static void test_mean_restored(void **state)
 {
     (void)state;
@@ -272,11 +284,8 @@ static void test_mean_restored(void **state)
         for (uint64_t seed = 1; seed <= 3; seed++) {
             make_rows(BT, H, seed * 101 + (uint64_t)ci, 20.0, 2.0, 1.0, k);
             make_rows(BT, H, seed * 211 + (uint64_t)ci, 5.0, 1.0, 0.5, v);
-            kv_block_desc d = desc_for(codecs[ci], H, 2, 64);
-            size_t bytes = kv_block_bytes(&d);
-            uint8_t *blk = malloc(bytes);
-            assert_non_null(blk);
-            assert_int_equal(kv_block_encode(&d, k, v, blk, bytes, NULL, NULL), STRATA_OK);
+            size_t bytes;
+            uint8_t *blk = encode_rows(codecs[ci], H, 2, 64, k, v, &bytes);
             check_block_against_input(blk, bytes, k, v);
             free(blk);
         }
@@ -296,11 +305,8 @@ static void test_mean_restored(void **state)
             v[(t * H + h) * D + 9] = heads[t][h];
         }
     {
-        kv_block_desc d = desc_for("tada4", H, 0, 0);
-        size_t bytes = kv_block_bytes(&d);
-        uint8_t *blk = malloc(bytes);
-        assert_non_null(blk);
-        assert_int_equal(kv_block_encode(&d, k, v, blk, bytes, NULL, NULL), STRATA_OK);
+        size_t bytes;
+        uint8_t *blk = encode_rows("tada4", H, 0, 0, k, v, &bytes);
         ref_block r;
         ref_parse(blk, &r);
         for (size_t t = 0; t < 4; t++) {
@@ -325,11 +331,8 @@ static void test_mean_restored(void **state)
         }
     for (int bi = 0; bi < 3; bi++) {
         const char *names[] = {"tada2", "tada4", "tada8"};
-        kv_block_desc d = desc_for(names[bi], H, 0, 0);
-        size_t bytes = kv_block_bytes(&d);
-        uint8_t *blk = malloc(bytes);
-        assert_non_null(blk);
-        assert_int_equal(kv_block_encode(&d, k, v, blk, bytes, NULL, NULL), STRATA_OK);
+        size_t bytes;
+        uint8_t *blk = encode_rows(names[bi], H, 0, 0, k, v, &bytes);
         check_block_against_input(blk, bytes, k, v);
         lib_roundtrip(names[bi], H, BT, k, v, kd, vd);
         for (size_t i = 0; i < n; i++)
