@@ -15,6 +15,7 @@
 #include <inttypes.h>
 #include <stdarg.h>
 #include <liburing.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +29,15 @@
 #include "offload/extent.h"
 
 #define NONE UINT32_MAX
+/* The user data of an SQE taken back after the ring failed (rewritten as a no-op): ignored. */
+#define UD_DISCARD UINT64_MAX
+/* The result given to an operation that a failed ring will never run. */
+#define RING_FAILED_RES (-ECANCELED)
+
+/* Per-page marks of a slab, one bitmap each: the first page of every allocation, its last page,
+ * and (on the first page) whether its write completed OK. They make free and read exact: a
+ * location must be one whole allocation whose write succeeded. */
+enum { MARK_START, MARK_END, MARK_STORED, N_MARKS };
 
 enum req_state {
     RQ_FREE = 0,
@@ -78,6 +88,10 @@ typedef struct slab {
     req_list syncing;     /* RQ_SYNCING: covered by the fdatasync in flight */
     bool sync_inflight;
     uint8_t sync_retries; /* EINTR/EAGAIN answers to the fdatasync in flight */
+    uint64_t *marks;      /* N_MARKS bitmaps of mark_words words each */
+    size_t mark_words;
+    dev_t dev;            /* the file created, so that destroy deletes no other under its name */
+    ino_t ino;
     char name[32];
 } slab;
 
@@ -106,6 +120,10 @@ struct nvme_store {
     /* backend */
     bool uring, direct, reg_bufs, reg_files;
     struct io_uring ring;
+    pthread_t owner;        /* the creating thread: the only one whose submissions the ring takes */
+    int ring_errno;         /* io_uring_enter failed for good: nothing more is submitted */
+    bool ring_abandoned;    /* and completions cannot be waited for either (see ring_abandon) */
+    char ring_why[160];
     unsigned to_submit;     /* SQEs prepared, not yet submitted */
     unsigned k_inflight;    /* operations in the kernel (or queued synthetic completions) */
     sync_cqe *scq;          /* synthetic completion queue of the sync backend */
@@ -221,6 +239,77 @@ static int errno_status(nvme_store *s, int e)
     return STRATA_EIO;
 }
 
+/* ---- allocations ---- */
+
+static bool mark_get(const slab *sl, int which, uint64_t page)
+{
+    return (sl->marks[(size_t)which * sl->mark_words + page / 64] >> (page % 64)) & 1u;
+}
+
+static void mark_put(slab *sl, int which, uint64_t page, bool on)
+{
+    uint64_t *w = &sl->marks[(size_t)which * sl->mark_words + page / 64];
+    *w = on ? *w | (1ull << (page % 64)) : *w & ~(1ull << (page % 64));
+}
+
+/* Whether pages [start, start + pages) are exactly one allocation (written or being written):
+ * allocations never overlap, so a start mark at start, an end mark at its last page and no start
+ * mark in between can only be one allocation's. */
+static bool is_allocation(const slab *sl, uint64_t start, uint64_t pages)
+{
+    const uint64_t total = sl->bytes / NVME_PAGE;
+    if (pages == 0 || start >= total || pages > total - start)
+        return false;
+    if (!mark_get(sl, MARK_START, start) || !mark_get(sl, MARK_END, start + pages - 1))
+        return false;
+    for (uint64_t p = start + 1; p < start + pages; p++)
+        if (mark_get(sl, MARK_START, p))
+            return false;
+    return true;
+}
+
+/* Whether loc names a block whose write completed OK and that was not freed since. */
+static bool is_stored(const nvme_store *s, const nvme_loc *loc)
+{
+    if (loc->slab >= s->n_slabs || loc->len == 0 || loc->offset % NVME_PAGE != 0)
+        return false;
+    const slab *sl = &s->slabs[loc->slab];
+    const uint64_t start = loc->offset / NVME_PAGE;
+    return is_allocation(sl, start, ((uint64_t)loc->len + NVME_PAGE - 1) / NVME_PAGE) &&
+           mark_get(sl, MARK_STORED, start);
+}
+
+static void extent_taken(slab *sl, uint64_t start, uint64_t pages)
+{
+    mark_put(sl, MARK_START, start, true);
+    mark_put(sl, MARK_END, start + pages - 1, true);
+}
+
+static void extent_release(slab *sl, uint64_t start, uint64_t pages)
+{
+    mark_put(sl, MARK_START, start, false);
+    mark_put(sl, MARK_END, start + pages - 1, false);
+    mark_put(sl, MARK_STORED, start, false);
+    off_extents_free(&sl->ext, start, pages);
+}
+
+/* Whether the calling thread may use the store. With IORING_SETUP_SINGLE_ISSUER the kernel
+ * refuses submissions from any other thread (EEXIST); the same rule holds for every path. */
+static bool foreign_thread(const nvme_store *s)
+{
+    return !pthread_equal(pthread_self(), s->owner);
+}
+
+#define FOREIGN_THREAD_MSG "used from a thread other than the one that created it (a store belongs to one thread)"
+
+/* What went wrong with an operation that completed with res < 0. */
+static const char *op_error_text(const nvme_store *s, int res)
+{
+    if (res == RING_FAILED_RES && s->ring_errno)
+        return s->ring_why;
+    return strerror(-res);
+}
+
 /* ---- the request lifecycle ---- */
 
 static void finish(nvme_store *s, uint32_t i)
@@ -232,13 +321,14 @@ static void finish(nvme_store *s, uint32_t i)
     }
     if (r->kind == NVME_OP_WRITE) {
         if (r->status == STRATA_OK) {
+            mark_put(&s->slabs[r->loc.slab], MARK_STORED, r->loc.offset / NVME_PAGE, true);
             s->st.writes++;
             s->st.bytes_written += r->loc.len;
             s->st.blocks_stored++;
             s->st.bytes_stored += r->loc.len;
         } else {
             /* The extent holds nothing valid: give it back. */
-            off_extents_free(&s->slabs[r->loc.slab].ext, r->loc.offset / NVME_PAGE, r->padded / NVME_PAGE);
+            extent_release(&s->slabs[r->loc.slab], r->loc.offset / NVME_PAGE, r->padded / NVME_PAGE);
         }
     } else if (r->status == STRATA_OK) {
         s->st.reads++;
@@ -416,10 +506,18 @@ static void complete_sync(nvme_store *s, uint32_t k, int res)
         code = errno_status(s, -res);
     else
         s->st.fsyncs++;
+    if (code != STRATA_OK) {
+        /* Writes whose data completed while this fdatasync ran may have been written back by
+         * it and lost with its error; the kernel reports that error once, so the next fdatasync
+         * would call them durable. They fail with the batch. */
+        for (uint32_t i = list_pop(s, &sl->waiting); i != NONE; i = list_pop(s, &sl->waiting))
+            list_push(s, &sl->syncing, i);
+        sl->n_waiting = 0;
+    }
     for (uint32_t i = list_pop(s, &sl->syncing); i != NONE; i = list_pop(s, &sl->syncing)) {
         req *r = &s->reqs[i];
         if (code != STRATA_OK) {
-            req_fail(s, r, code, "fdatasync failed, the write is not durable: %s", strerror(-res));
+            req_fail(s, r, code, "fdatasync failed, the write is not durable: %s", op_error_text(s, res));
             finish(s, i);
         } else if (s->opt.verify == NVME_VERIFY_READBACK) {
             r->readback = true;
@@ -456,7 +554,7 @@ static void complete_chunk(nvme_store *s, uint32_t b, int res)
         return;
     } else if (res < 0) {
         req_fail(s, r, errno_status(s, -res), "%s at offset %" PRIu64 " (%" PRIu32 " bytes) failed: %s",
-                 io_name(s, writing), off, want, strerror(-res));
+                 io_name(s, writing), off, want, op_error_text(s, res));
     } else if (res == 0 || (uint32_t)res > want) {
         s->st.err_io++;
         req_fail(s, r, STRATA_EIO, "%s at offset %" PRIu64 " returned %d of %" PRIu32 " bytes%s",
@@ -464,16 +562,21 @@ static void complete_chunk(nvme_store *s, uint32_t b, int res)
                  res == 0 ? (writing ? " (no progress)" : " (end of file)") : "");
     } else if ((uint32_t)res < want) {
         s->st.short_transfers++;
-        if (++op->retries > NVME_MAX_RETRIES) {
+        const uint32_t before = op->done;
+        op->done += (uint32_t)res;
+        /* O_DIRECT needs page-aligned offsets: redo the partial page (rewriting or rereading a
+         * few bytes is harmless). */
+        if (s->direct)
+            op->done &= ~(NVME_PAGE - 1);
+        /* A file system may move a large transfer in many small pieces: only resubmissions that
+         * moved nothing count towards the limit. */
+        if (op->done > before)
+            op->retries = 0;
+        if (op->done == before && ++op->retries > NVME_MAX_RETRIES) {
             s->st.err_io++;
-            req_fail(s, r, STRATA_EIO, "still short after %d resubmissions (last: %d of %" PRIu32 " bytes at offset %" PRIu64 ")",
-                     NVME_MAX_RETRIES, res, want, off);
+            req_fail(s, r, STRATA_EIO, "still short after %d resubmissions that moved nothing (last: %d of %" PRIu32
+                     " bytes at offset %" PRIu64 ")", NVME_MAX_RETRIES, res, want, off);
         } else {
-            op->done += (uint32_t)res;
-            /* O_DIRECT needs page-aligned offsets: redo the partial page (rewriting or
-             * rereading a few bytes is harmless). */
-            if (s->direct)
-                op->done &= ~(NVME_PAGE - 1);
             issue_op(s, b);
             return;  /* the buffer stays with the operation */
         }
@@ -529,6 +632,72 @@ static void dispatch(nvme_store *s, uint64_t ud, int res)
 
 /* ---- backends ---- */
 
+/* Queues a completion that no kernel produced: the sync backend's results, and operations the
+ * ring could not take. The queue has room for every operation that can be outstanding. */
+static void scq_push(nvme_store *s, uint64_t ud, int res)
+{
+    s->scq[(s->scq_head + s->scq_n++) % s->scq_cap] = (sync_cqe){ud, res};
+}
+
+/* io_uring_enter answers these when it may work if asked again later. */
+static bool enter_error_transient(int e)
+{
+    return e == EAGAIN || e == EBUSY || e == EINTR;
+}
+
+/* io_uring_enter failed for good (or refused for the whole retry budget): the operations
+ * prepared but not taken by the kernel are taken back (rewritten as no-ops that are ignored if
+ * they ever run) and fail, as does everything issued from now on; what the kernel already took
+ * still completes normally. New requests are refused. */
+static void ring_fail(nvme_store *s, int e)
+{
+    if (s->ring_errno)
+        return;
+    s->ring_errno = e;
+    snprintf(s->ring_why, sizeof s->ring_why, "io_uring_enter failed (%s); the store's ring is unusable",
+             strerror(e));
+    struct io_uring_sq *sq = &s->ring.sq;
+    for (unsigned j = io_uring_smp_load_acquire(sq->khead); j != sq->sqe_tail; j++) {
+        struct io_uring_sqe *sqe = &sq->sqes[sq->array[j & sq->ring_mask]];
+        const uint64_t ud = sqe->user_data;
+        io_uring_prep_nop(sqe);
+        io_uring_sqe_set_data64(sqe, UD_DISCARD);
+        scq_push(s, ud, RING_FAILED_RES);
+    }
+    s->to_submit = 0;
+}
+
+/* Completions cannot even be waited for: every operation the kernel still holds fails too, and
+ * the ring is no longer read (a late completion would count twice). The kernel may still write
+ * into the staging buffers, so destroy leaves them allocated. */
+static void ring_abandon(nvme_store *s, int e)
+{
+    ring_fail(s, e);
+    if (s->ring_abandoned)
+        return;
+    s->ring_abandoned = true;
+    unsigned kernel = s->k_inflight - s->scq_n;
+    for (unsigned b = 0; b < s->n_bufs && kernel > 0; b++) {
+        bool queued = false;
+        for (unsigned q = 0; q < s->scq_n && !queued; q++)
+            queued = s->scq[(s->scq_head + q) % s->scq_cap].ud == b;
+        if (s->ops[b].busy && !queued) {
+            scq_push(s, b, RING_FAILED_RES);
+            kernel--;
+        }
+    }
+    for (uint32_t k = 0; k < s->n_slabs && kernel > 0; k++) {
+        const uint64_t ud = (uint64_t)s->n_bufs + k;
+        bool queued = false;
+        for (unsigned q = 0; q < s->scq_n && !queued; q++)
+            queued = s->scq[(s->scq_head + q) % s->scq_cap].ud == ud;
+        if (s->slabs[k].sync_inflight && !queued) {
+            scq_push(s, ud, RING_FAILED_RES);
+            kernel--;
+        }
+    }
+}
+
 static bool backend_issue(nvme_store *s, uint64_t ud, nvme_op_kind kind, uint32_t slab_idx, uint8_t *buf,
                           uint32_t len, uint64_t off, int buf_idx)
 {
@@ -544,21 +713,28 @@ static bool backend_issue(nvme_store *s, uint64_t ud, nvme_op_kind kind, uint32_
             else
                 n = fdatasync(fd);
         } while (n < 0 && errno == EINTR);
-        /* The queue is sized for every operation that can be outstanding at once. */
-        unsigned at = (s->scq_head + s->scq_n++) % s->scq_cap;
-        s->scq[at] = (sync_cqe){ud, n < 0 ? -errno : (int)n};
+        scq_push(s, ud, n < 0 ? -errno : (int)n);
         return true;
+    }
+    if (s->ring_errno) {
+        scq_push(s, ud, RING_FAILED_RES);
+        return false;
     }
     struct io_uring_sqe *sqe = io_uring_get_sqe(&s->ring);
     if (!sqe) {
         /* The ring has room for every possible operation, so this only means the prepared SQEs
          * were not submitted yet: submit them and try again. */
-        io_uring_submit(&s->ring);
+        int rc = io_uring_submit(&s->ring);
+        if (rc < 0 && !enter_error_transient(-rc)) {
+            ring_fail(s, -rc);
+            scq_push(s, ud, RING_FAILED_RES);
+            return false;
+        }
         s->to_submit = io_uring_sq_ready(&s->ring);
         sqe = io_uring_get_sqe(&s->ring);
     }
     if (!sqe) {   /* a synthetic completion: dispatch counts it out of k_inflight like any other */
-        s->scq[(s->scq_head + s->scq_n++) % s->scq_cap] = (sync_cqe){ud, -EBUSY};
+        scq_push(s, ud, -EBUSY);
         return false;
     }
     int target = s->reg_files ? (int)slab_idx : fd;
@@ -590,6 +766,8 @@ static void flush_submit(nvme_store *s)
          * the rest stay in the ring and go with the next submit. */
         if (rc >= 0)
             s->to_submit = io_uring_sq_ready(&s->ring);
+        else if (!enter_error_transient(-rc))
+            ring_fail(s, -rc);
     }
 }
 
@@ -605,12 +783,14 @@ static unsigned reap(nvme_store *s)
         dispatch(s, c.ud, c.res);
         n++;
     }
-    if (s->uring) {
+    if (s->uring && !s->ring_abandoned) {
         struct io_uring_cqe *cqe;
         while (io_uring_peek_cqe(&s->ring, &cqe) == 0 && cqe) {
             uint64_t ud = io_uring_cqe_get_data64(cqe);
             int res = cqe->res;
             io_uring_cqe_seen(&s->ring, cqe);
+            if (ud == UD_DISCARD)
+                continue;
             dispatch(s, ud, res);
             n++;
         }
@@ -641,15 +821,16 @@ static void pump(nvme_store *s)
 /* Blocks until at least one completion arrived (or nothing is outstanding). Requests a failed
  * submit left in the ring are submitted here first: waiting alone would never end when they are
  * all that is in flight. A transient refusal (EAGAIN: the kernel is short of memory; EBUSY: the
- * completion queue is full) is retried every millisecond, unless completions are there to reap,
- * for up to 10 s; then it returns with the requests still unsubmitted (to_submit > 0). */
+ * completion queue is full) is retried every millisecond, unless completions are there to reap;
+ * a signal is simply retried. A permanent error, or refusals for 10 s, fail the ring
+ * (ring_fail: what it was not given fails; a wait that keeps failing: ring_abandon). */
 static void block_once(nvme_store *s)
 {
-    if (s->k_inflight == 0 || !s->uring || s->scq_n > 0)
+    if (s->k_inflight == 0 || !s->uring || s->scq_n > 0 || s->ring_abandoned)
         return;
     struct io_uring_cqe *cqe;
-    for (int refused = 0; refused < 10000; refused++) {
-        int rc;
+    int rc = 0;
+    for (int slept = 0; slept < 10000;) {
         if (s->to_submit > 0) {
             rc = io_uring_submit_and_wait(&s->ring, 1);
             if (rc >= 0) {
@@ -659,10 +840,13 @@ static void block_once(nvme_store *s)
                 if (rc > 0 || s->to_submit == 0)
                     return;
                 rc = -EAGAIN;
+            } else if (!enter_error_transient(-rc)) {
+                ring_fail(s, -rc);
+                return;
             }
         } else {
             rc = io_uring_wait_cqe(&s->ring, &cqe);
-            if (rc != -EINTR)
+            if (rc == 0)
                 return;
         }
         if (rc == -EINTR)
@@ -671,7 +855,12 @@ static void block_once(nvme_store *s)
             return;
         const struct timespec ms = {0, 1000000};
         nanosleep(&ms, NULL);
+        slept++;
     }
+    if (s->to_submit > 0)
+        ring_fail(s, -rc);
+    else
+        ring_abandon(s, -rc);
 }
 
 /* ---- public API ---- */
@@ -719,6 +908,13 @@ int nvme_store_submit_write(nvme_store *s, const void *src, size_t len, uint64_t
 {
     if (!s || !src || !ticket)
         return strata_fail(err, STRATA_EINVAL, "nvme tier: write of block %" PRIu64 ": NULL argument", tag);
+    if (foreign_thread(s))
+        return strata_fail(err, STRATA_EINVAL, "nvme tier: write of block %" PRIu64 ": " FOREIGN_THREAD_MSG, tag);
+    if (s->ring_errno)
+        return strata_fail(err, STRATA_EIO, "nvme tier: write of block %" PRIu64 " refused: %s", tag, s->ring_why);
+    if (len > UINT32_MAX - (NVME_PAGE - 1))
+        return strata_fail(err, STRATA_EINVAL, "nvme tier: write of block %" PRIu64 ": %zu bytes, more than a "
+                           "location holds", tag, len);
     kv_block b;
     int rc = kv_block_verify(src, len, &b, err);
     if (rc != STRATA_OK)
@@ -754,6 +950,7 @@ int nvme_store_submit_write(nvme_store *s, const void *src, size_t len, uint64_t
                            " KiB budget, largest hole %" PRIu64 " KiB)",
                            pages * 4, s->dir, free_units * 4, s->page_total * 4, largest * 4);
     }
+    extent_taken(&s->slabs[k], start, pages);
     req *r = &s->reqs[i];
     r->tag = tag;
     r->kind = NVME_OP_WRITE;
@@ -780,11 +977,15 @@ int nvme_store_submit_read(nvme_store *s, const nvme_loc *loc, void *dst, size_t
 {
     if (!s || !loc || !dst || !ticket)
         return strata_fail(err, STRATA_EINVAL, "nvme tier: read of block %" PRIu64 ": NULL argument", tag);
-    if (loc->slab >= s->n_slabs || loc->len == 0 || loc->offset % NVME_PAGE != 0 ||
-        loc->offset + ((uint64_t)loc->len + NVME_PAGE - 1) / NVME_PAGE * NVME_PAGE > s->slabs[loc->slab].bytes)
+    if (foreign_thread(s))
+        return strata_fail(err, STRATA_EINVAL, "nvme tier: read of block %" PRIu64 ": " FOREIGN_THREAD_MSG, tag);
+    if (s->ring_errno)
+        return strata_fail(err, STRATA_EIO, "nvme tier: read of block %" PRIu64 " refused: %s", tag, s->ring_why);
+    if (!is_stored(s, loc))
         return strata_fail(err, STRATA_EINVAL,
-                           "nvme tier: read of block %" PRIu64 ": invalid location slab %" PRIu32 " offset %" PRIu64
-                           " length %" PRIu32, tag, loc->slab, loc->offset, loc->len);
+                           "nvme tier: read of block %" PRIu64 ": slab %" PRIu32 " offset %" PRIu64 " length %" PRIu32
+                           " holds no stored block (never written, still being written, or freed)", tag, loc->slab,
+                           loc->offset, loc->len);
     if (cap < loc->len)
         return strata_fail(err, STRATA_EINVAL,
                            "nvme tier: read of block %" PRIu64 ": destination of %zu bytes for a %" PRIu32 "-byte block",
@@ -831,6 +1032,8 @@ static size_t take_done(nvme_store *s, nvme_completion *out, size_t max)
 
 size_t nvme_store_poll(nvme_store *s, nvme_completion *out, size_t max)
 {
+    if (foreign_thread(s))
+        return 0;
     pump(s);
     return take_done(s, out, max);
 }
@@ -858,7 +1061,7 @@ static bool step(nvme_store *s)
 
 size_t nvme_store_wait(nvme_store *s, nvme_completion *out, size_t max)
 {
-    if (max == 0)
+    if (max == 0 || foreign_thread(s))
         return 0;
     pump(s);
     while (s->done.head == NONE && s->n_pending_reqs > 0)
@@ -869,6 +1072,10 @@ size_t nvme_store_wait(nvme_store *s, nvme_completion *out, size_t max)
 
 int nvme_store_wait_ticket(nvme_store *s, uint64_t ticket, nvme_completion *out)
 {
+    if (foreign_thread(s)) {
+        memset(out, 0, sizeof *out);
+        return strata_fail(&out->err, STRATA_EINVAL, "nvme tier: wait: " FOREIGN_THREAD_MSG);
+    }
     for (;;) {
         for (uint32_t i = s->done.head; i != NONE; i = s->reqs[i].next) {
             if (s->reqs[i].ticket != ticket)
@@ -924,13 +1131,21 @@ int nvme_store_read(nvme_store *s, const nvme_loc *loc, void *dst, size_t cap, u
 
 int nvme_store_free(nvme_store *s, const nvme_loc *loc, strata_error *err)
 {
-    if (!s || !loc || loc->slab >= s->n_slabs || loc->len == 0 || loc->offset % NVME_PAGE != 0)
-        return strata_fail(err, STRATA_EINVAL, "nvme tier: free of an invalid location");
-    uint64_t pages = ((uint64_t)loc->len + NVME_PAGE - 1) / NVME_PAGE;
-    if (off_extents_free(&s->slabs[loc->slab].ext, loc->offset / NVME_PAGE, pages) != STRATA_OK)
+    if (!s || !loc)
+        return strata_fail(err, STRATA_EINVAL, "nvme tier: free: NULL argument");
+    if (foreign_thread(s))
+        return strata_fail(err, STRATA_EINVAL, "nvme tier: free: " FOREIGN_THREAD_MSG);
+    if (!is_stored(s, loc)) {
+        const bool writing = loc->slab < s->n_slabs && loc->len > 0 && loc->offset % NVME_PAGE == 0 &&
+                             is_allocation(&s->slabs[loc->slab], loc->offset / NVME_PAGE,
+                                           ((uint64_t)loc->len + NVME_PAGE - 1) / NVME_PAGE);
         return strata_fail(err, STRATA_EINVAL,
-                           "nvme tier: free of slab %" PRIu32 " offset %" PRIu64 " length %" PRIu32
-                           ": not a stored block (double free?)", loc->slab, loc->offset, loc->len);
+                           "nvme tier: free of slab %" PRIu32 " offset %" PRIu64 " length %" PRIu32 ": %s", loc->slab,
+                           loc->offset, loc->len,
+                           writing ? "its write has not completed (free it after its completion)"
+                                   : "not a stored block (double free, or not a location the store gave)");
+    }
+    extent_release(&s->slabs[loc->slab], loc->offset / NVME_PAGE, ((uint64_t)loc->len + NVME_PAGE - 1) / NVME_PAGE);
     s->st.blocks_stored--;
     s->st.bytes_stored -= loc->len;
     return STRATA_OK;
@@ -986,12 +1201,18 @@ size_t nvme_store_owned_paths(const nvme_store *s, char *paths, size_t path_cap,
 static void close_all(nvme_store *s, bool unlink_files)
 {
     for (uint32_t k = 0; k < s->n_slabs; k++) {
-        if (s->slabs[k].fd >= 0) {
-            close(s->slabs[k].fd);
-            if (unlink_files && s->dirfd >= 0)
-                unlinkat(s->dirfd, s->slabs[k].name, 0);
+        slab *sl = &s->slabs[k];
+        if (sl->fd >= 0) {
+            close(sl->fd);
+            /* Only the file this store created: one put there since under the same name stays. */
+            struct stat now;
+            if (unlink_files && s->dirfd >= 0 && sl->ino != 0 &&
+                fstatat(s->dirfd, sl->name, &now, AT_SYMLINK_NOFOLLOW) == 0 && now.st_dev == sl->dev &&
+                now.st_ino == sl->ino)
+                unlinkat(s->dirfd, sl->name, 0);
         }
-        off_extents_fini(&s->slabs[k].ext);
+        off_extents_fini(&sl->ext);
+        free(sl->marks);
     }
     if (s->uring)
         io_uring_queue_exit(&s->ring);
@@ -1000,7 +1221,8 @@ static void close_all(nvme_store *s, bool unlink_files)
     if (s->created_dir && unlink_files)
         rmdir(s->dir);
     free(s->slabs);
-    free(s->staging);
+    if (!s->ring_abandoned)   /* else the kernel may still write into it */
+        free(s->staging);
     free(s->ops);
     free(s->free_bufs);
     free(s->scq);
@@ -1089,6 +1311,8 @@ static int open_slabs(nvme_store *s, char *why_buffered, size_t why_cap, bool *p
         struct stat st;
         if (fstat(sl->fd, &st) != 0)
             return strata_fail(err, STRATA_EIO, "nvme tier: '%s/%s': %s", s->dir, sl->name, strerror(errno));
+        sl->dev = st.st_dev;
+        sl->ino = st.st_ino;
         if (!S_ISREG(st.st_mode) || st.st_nlink != 1 || st.st_uid != geteuid()) {
             close(sl->fd);
             sl->fd = -1;   /* not ours: destroy must not delete it either */
@@ -1137,6 +1361,11 @@ static int open_slabs(nvme_store *s, char *why_buffered, size_t why_cap, bool *p
         }
         if ((rc = off_extents_init(&sl->ext, sl->bytes / NVME_PAGE, err)) != STRATA_OK)
             return rc;
+        sl->mark_words = (size_t)((sl->bytes / NVME_PAGE + 63) / 64);
+        sl->marks = calloc(N_MARKS * sl->mark_words, sizeof *sl->marks);
+        if (!sl->marks)
+            return strata_fail(err, STRATA_ENOMEM, "nvme tier: out of memory for the block map of '%s/%s'", s->dir,
+                               sl->name);
     }
     return STRATA_OK;
 }
@@ -1153,6 +1382,7 @@ nvme_store *nvme_store_create(const nvme_store_options *o, strata_error *err)
         return NULL;
     }
     s->dirfd = -1;
+    s->owner = pthread_self();
     s->opt = *o;
     s->pending = s->done = (req_list){NONE, NONE};
     s->dir = strdup(o->dir);

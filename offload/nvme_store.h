@@ -20,8 +20,9 @@
  *
  * A write is reported complete (status STRATA_OK) only when all of the following hold:
  *  - written fully: every chunk's completion covered its whole length. A short count is
- *    resubmitted for the remainder (up to NVME_MAX_RETRIES times per chunk, then EIO); 0 bytes
- *    written is an error, never a loop. A transfer that completes with EINTR or EAGAIN is
+ *    resubmitted for the remainder (a chunk fails with EIO after NVME_MAX_RETRIES resubmissions
+ *    in a row that moved nothing: under O_DIRECT a count below one page); 0 bytes written is an
+ *    error, never a loop. A transfer that completes with EINTR or EAGAIN is
  *    issued again (the same count of retries; the synchronous path retries EINTR at once).
  *  - durable: after the data of the write completed, an fdatasync (IORING_OP_FSYNC with
  *    IORING_FSYNC_DATASYNC) of its slab file completed successfully. fdatasyncs are batched: one
@@ -30,6 +31,9 @@
  *    issued again, up to NVME_MAX_RETRIES times, before its writes fail). This was chosen over
  *    RWF_DSYNC per write because preallocated extents are "unwritten" until first written, so
  *    every DSYNC write would commit the journal on its own; a batch commits once.
+ *    Nothing survives a restart (no index; a new store truncates the slabs), so durability is
+ *    not for crash recovery: it is how a write-back error (buffered I/O) reaches the write
+ *    before the host copy is freed.
  *  - verified: see nvme_verify_mode. Only then may the copy in the tier above be freed.
  * A read is complete when all its bytes were read (short reads resubmitted likewise) and
  * kv_block_verify() accepted them: magic, version, block_bytes equal to the location's length,
@@ -52,9 +56,17 @@
  * what failed where (operation, slab, offset, errno text); the store stays usable for other
  * blocks. ENOSPC from the filesystem is STRATA_EFULL, other I/O errors STRATA_EIO, a budget with
  * no extent large enough STRATA_EFULL at submit. A failed write's extent is released by the
- * store (its location must not be used). A failed fdatasync fails every write waiting on it.
+ * store (its location must not be used). A failed fdatasync fails every write waiting on it, and
+ * every write whose data completed while it ran (it may have written them back and lost them; the
+ * kernel reports that error once). io_uring_enter failing for good (any error but EAGAIN, EBUSY
+ * and EINTR, or those for 10 s): the operations the kernel has not taken fail with STRATA_EIO
+ * naming the error, what it took completes as usual, and new requests are refused (STRATA_EIO);
+ * if even waiting for completions keeps failing for 10 s, everything outstanding fails and
+ * destroy leaves the staging buffers allocated (the kernel may still write into them).
  *
- * Thread-safety: none; a store belongs to one thread (one ring per worker, design section 5). */
+ * Thread-safety: none; a store belongs to the thread that created it (one ring per worker, design
+ * section 5; the ring is created single-issuer). Calls from another thread are refused: submit,
+ * free and wait_ticket return STRATA_EINVAL, poll and wait return 0. */
 #ifndef STRATA_OFFLOAD_NVME_STORE_H
 #define STRATA_OFFLOAD_NVME_STORE_H
 
@@ -65,7 +77,8 @@
 #include "kvstore/error.h"
 
 #define NVME_PAGE 4096u
-#define NVME_MAX_RETRIES 8  /* resubmissions of one chunk (short counts, EINTR/EAGAIN) or fdatasync */
+#define NVME_MAX_RETRIES 8  /* resubmissions in a row of one chunk that moved nothing (short counts,
+                             * EINTR/EAGAIN), or of one fdatasync */
 #define NVME_MAX_SLABS 4096  /* slab files of one store (each a registered file of its ring) */
 #define NVME_DEFAULT_SLABS 256 /* the default slab size keeps a budget to this many files */
 
@@ -141,7 +154,8 @@ void nvme_store_options_init(nvme_store_options *o, const char *dir, uint64_t bu
 nvme_store *nvme_store_create(const nvme_store_options *o, strata_error *err);
 
 /* Cancels nothing: waits for the operations in flight (the kernel owns their buffers), then
- * closes everything and deletes the slab files (and the directory if the store created it). */
+ * closes everything and deletes the slab files it created (a file put under a slab's name since
+ * stays) and the directory if the store created it. */
 void nvme_store_destroy(nvme_store *s);
 
 /* The paths destroy removes, for a process that must remove them where destroy cannot run (a
@@ -161,8 +175,8 @@ typedef struct nvme_completion {
     strata_error err;     /* the message when status != STRATA_OK */
 } nvme_completion;
 
-/* Starts writing the len-byte block at src. src must stay valid and unchanged until the
- * request completes. The block is verified first (kv_block_verify; block_bytes must equal len)
+/* Starts writing the len-byte block at src (len at most 4 GiB - 4 KiB, else STRATA_EINVAL). src
+ * must stay valid and unchanged until the request completes. The block is verified first (kv_block_verify; block_bytes must equal len)
  * and an extent allocated: a bad block (STRATA_ECRC / STRATA_EFORMAT) or a full tier
  * (STRATA_EFULL) fails here, synchronously, and nothing is queued. On success *ticket identifies
  * the request and *loc (may be NULL) where the block will live once the write completes OK.
@@ -170,8 +184,9 @@ typedef struct nvme_completion {
 int nvme_store_submit_write(nvme_store *s, const void *src, size_t len, uint64_t tag,
                             uint64_t *ticket, nvme_loc *loc, strata_error *err);
 
-/* Starts reading the block at loc into dst (cap >= loc.len bytes; any alignment). dst must stay
- * valid until the request completes; the location must not be freed before that. When dst is
+/* Starts reading the block at loc into dst (cap >= loc.len bytes; any alignment). STRATA_EINVAL
+ * unless loc is a block whose write completed OK and that was not freed. dst must stay valid until
+ * the request completes; the location must not be freed before that. When dst is
  * 4096-aligned and cap >= loc.len rounded up to 4096 (a host arena extent is), the data is read
  * straight into dst without a staging copy (dst's bytes after loc.len up to that rounded length
  * then receive the on-disk slack, zeros); otherwise it goes through a staging buffer. */
@@ -196,7 +211,9 @@ int nvme_store_write(nvme_store *s, const void *src, size_t len, uint64_t tag, n
 int nvme_store_read(nvme_store *s, const nvme_loc *loc, void *dst, size_t cap, uint64_t tag,
                     strata_error *err);
 
-/* Releases a block's extent. STRATA_EINVAL if loc is not a live extent (double free). */
+/* Releases a block's extent. STRATA_EINVAL, changing nothing, unless loc is exactly a location a
+ * write completed OK with and that was not freed since: a range inside a block or across two,
+ * another length, a write still in flight (free it after its completion), a double free. */
 int nvme_store_free(nvme_store *s, const nvme_loc *loc, strata_error *err);
 
 /* Bytes of free space usable by blocks of block_bytes each: whole blocks per free extent

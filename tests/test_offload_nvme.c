@@ -153,7 +153,7 @@ static nvme_store *open_store(const char *dir, uint64_t budget, bool sync_io, nv
 
 /* ---- fault injection: the nth completion of a kind gets a different result ---- */
 
-enum { INJ_RESULT, INJ_SHORT_ALIGNED, INJ_SHORT_ODD };
+enum { INJ_RESULT, INJ_SHORT_ALIGNED, INJ_SHORT_ODD, INJ_ONE_PAGE };
 
 typedef struct injector {
     nvme_op_kind kind;
@@ -180,6 +180,8 @@ static int inject(void *ctx, const nvme_fault_op *op, int res)
         return in->result;
     if (in->mode == INJ_SHORT_ALIGNED)
         return res > 4096 ? (res / 2) & ~4095 : res;
+    if (in->mode == INJ_ONE_PAGE)
+        return res > 4096 ? 4096 : res;
     return res > 100 ? res - 100 : res;
 }
 
@@ -532,6 +534,10 @@ static void test_fault_short_transfers(void **state)
         fault_run(sync_io, NVME_OP_WRITE, -1, INJ_SHORT_ODD, 0, 5, STRATA_OK, "");
         fault_run(sync_io, NVME_OP_READ, -1, INJ_SHORT_ALIGNED, 0, 5, STRATA_OK, "");
         fault_run(sync_io, NVME_OP_READ, -1, INJ_SHORT_ODD, 0, 5, STRATA_OK, "");
+        /* A file system that moves a page at a time: 16 pieces per 64 KiB chunk, more than the
+         * retry limit, each making progress (only resubmissions that move nothing count). */
+        fault_run(sync_io, NVME_OP_WRITE, -1, INJ_ONE_PAGE, 0, 100000, STRATA_OK, "");
+        fault_run(sync_io, NVME_OP_READ, -1, INJ_ONE_PAGE, 0, 100000, STRATA_OK, "");
         /* A transfer that stays short fails clearly instead of looping. */
         fault_run(sync_io, NVME_OP_WRITE, -1, INJ_SHORT_ODD, 0, 1000, STRATA_EIO, "still short");
         /* 0 bytes written is an error, not a retry. */
@@ -550,6 +556,86 @@ static void test_fault_transient(void **state)
         /* Refused for good: a clear failure after the retries, not a loop. */
         fault_run(sync_io, NVME_OP_WRITE, -1, INJ_RESULT, -EAGAIN, 1000, STRATA_EIO, "Resource temporarily unavailable");
         fault_run(sync_io, NVME_OP_FSYNC, -1, INJ_RESULT, -EINTR, 1000, STRATA_EIO, "Interrupted system call");
+    }
+}
+
+/* The first fdatasync fails. Every write whose data completed before that failure was reported
+ * may have been written back by it and lost, and must fail: also those that completed while it
+ * ran and were waiting for the next one (the kernel reports a writeback error once, so the next
+ * fdatasync would have called them durable). */
+typedef struct sync_watch {
+    uint64_t data_done[24];   /* seq of each write's latest data completion */
+    uint64_t failed_sync;     /* seq of the failed fdatasync */
+} sync_watch;
+
+static int fail_first_sync(void *ctx, const nvme_fault_op *op, int res)
+{
+    sync_watch *w = ctx;
+    if (op->kind == NVME_OP_WRITE && op->tag >= 1000 && op->tag < 1024)
+        w->data_done[op->tag - 1000] = op->seq;
+    if (op->kind == NVME_OP_FSYNC && !w->failed_sync) {
+        w->failed_sync = op->seq;
+        return -EIO;
+    }
+    return res;
+}
+
+static void test_failed_sync_fails_what_it_may_have_flushed(void **state)
+{
+    (void)state;
+    for (int sync_io = 0; sync_io <= 1; sync_io++) {
+        tmp t;
+        tmp_make(&t);
+        sync_watch w = {0};
+        nvme_store_options o;
+        nvme_store_options_init(&o, t.dir, 0);
+        o.fault = fail_first_sync;
+        o.fault_ctx = &w;
+        o.staging_bufs = 8;
+        o.staging_buf_bytes = 64 * 1024;
+        o.sync_batch = 2;   /* an fdatasync while writes are still in flight */
+        nvme_store *st = open_store(t.dir, 16u << 20, sync_io, &o);
+        blockset s;
+        blocks_make(&s, 24, 1);
+        strata_error err = {0};
+        uint64_t tk;
+        for (unsigned i = 0; i < s.n; i++)
+            assert_int_equal(nvme_store_submit_write(st, s.b[i], s.size[i], 1000 + i, &tk, &s.loc[i], &err), STRATA_OK);
+        int status[24];
+        nvme_completion c[8];
+        for (unsigned got = 0; got < s.n;) {
+            size_t k = nvme_store_wait(st, c, 8);
+            assert_true(k > 0);
+            for (size_t j = 0; j < k; j++, got++)
+                status[c[j].tag - 1000] = c[j].status;
+        }
+        assert_true(w.failed_sync > 0);
+        unsigned before = 0;
+        for (unsigned i = 0; i < s.n; i++) {
+            if (w.data_done[i] >= w.failed_sync)
+                continue;
+            before++;
+            if (status[i] != STRATA_EIO)
+                fail_msg("sync_io %d: write %u completed its data before the failed fdatasync (seq %llu < %llu) "
+                         "but ended with status %d", sync_io, i, (unsigned long long)w.data_done[i],
+                         (unsigned long long)w.failed_sync, status[i]);
+        }
+        assert_true(before >= 1);
+        /* The failed writes gave their extents back; the others read back. */
+        nvme_store_stats ss;
+        nvme_store_get_stats(st, &ss);
+        unsigned ok = 0;
+        for (unsigned i = 0; i < s.n; i++) {
+            if (status[i] != STRATA_OK)
+                continue;
+            ok++;
+            assert_int_equal(nvme_store_read(st, &s.loc[i], s.back[i], s.size[i], i, &err), STRATA_OK);
+            assert_memory_equal(s.back[i], s.b[i], s.size[i]);
+        }
+        assert_int_equal(ss.blocks_stored, ok);
+        nvme_store_destroy(st);
+        blocks_free(&s);
+        tmp_clean(&t);
     }
 }
 
@@ -1008,6 +1094,7 @@ int main(void)
         cmocka_unit_test(test_fault_enospc_injected),
         cmocka_unit_test(test_fault_short_transfers),
         cmocka_unit_test(test_fault_transient),
+        cmocka_unit_test(test_failed_sync_fails_what_it_may_have_flushed),
         cmocka_unit_test(test_short_counted),
         cmocka_unit_test(test_corrupted_on_disk),
         cmocka_unit_test(test_refuses_bad_block),
