@@ -90,6 +90,65 @@ static void drop_unknown_fields(ProtobufCMessage *m)
     }
 }
 
+/* Reads a varint at *at (below end); false when it runs past end or beyond 10 bytes. */
+static bool wire_varint(const uint8_t **at, const uint8_t *end, uint64_t *v)
+{
+    *v = 0;
+    for (unsigned shift = 0; shift < 70 && *at < end; shift += 7) {
+        const uint8_t b = *(*at)++;
+        *v |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80))
+            return true;
+    }
+    return false;
+}
+
+/* Finds a string field of desc (or of a message it holds) whose bytes on the wire hold a NUL.
+ * protobuf-c hands strings over NUL-terminated, so such a string would be cut silently where the
+ * NUL is: refused instead. Returns the field's name, or NULL when there is none (or the bytes
+ * do not parse: protobuf-c has accepted them before this runs). depth bounds the recursion. */
+static const char *string_with_nul(const ProtobufCMessageDescriptor *desc, const uint8_t *at, const uint8_t *end,
+                                   int depth)
+{
+    while (at < end && depth < 64) {
+        uint64_t key, n;
+        if (!wire_varint(&at, end, &key))
+            return NULL;
+        switch (key & 7) {
+        case 0:
+            if (!wire_varint(&at, end, &n))
+                return NULL;
+            break;
+        case 1:
+        case 5: {
+            const size_t width = (key & 7) == 1 ? 8 : 4;
+            if ((size_t)(end - at) < width)
+                return NULL;
+            at += width;
+            break;
+        }
+        case 2: {
+            if (!wire_varint(&at, end, &n) || n > (uint64_t)(end - at))
+                return NULL;
+            const ProtobufCFieldDescriptor *fd =
+                key >> 3 <= UINT32_MAX ? protobuf_c_message_descriptor_get_field(desc, (unsigned)(key >> 3)) : NULL;
+            if (fd && fd->type == PROTOBUF_C_TYPE_STRING && memchr(at, 0, (size_t)n))
+                return fd->name;
+            if (fd && fd->type == PROTOBUF_C_TYPE_MESSAGE) {
+                const char *found = string_with_nul(fd->descriptor, at, at + n, depth + 1);
+                if (found)
+                    return found;
+            }
+            at += n;
+            break;
+        }
+        default:
+            return NULL;
+        }
+    }
+    return NULL;
+}
+
 int proto_unpack_bytes(const void *data, size_t len, const ProtobufCMessageDescriptor *desc, size_t max_bytes,
                        ProtobufCMessage **out, strata_error *err)
 {
@@ -109,6 +168,12 @@ int proto_unpack_bytes(const void *data, size_t len, const ProtobufCMessageDescr
         if (st.failed)
             return strata_fail(err, STRATA_ENOMEM, "%s: out of memory decoding %zu bytes", desc->name, len);
         return strata_fail(err, STRATA_EFORMAT, "%s: malformed message (%zu bytes)", desc->name, len);
+    }
+    const char *nul = len ? string_with_nul(desc, data, (const uint8_t *)data + len, 0) : NULL;
+    if (nul) {
+        protobuf_c_message_free_unpacked(m, &alloc);
+        return strata_fail(err, STRATA_EINVAL, "%s: field %s contains a NUL byte (U+0000), which no text field "
+                           "accepts", desc->name, nul);
     }
     drop_unknown_fields(m);
     *out = m;

@@ -40,7 +40,8 @@ int proto_pack(const ProtobufCMessage *msg, size_t max_bytes, grpc_byte_buffer *
  * protobuf_c_message_free_unpacked(*out, NULL). Fails with STRATA_EFULL when the message is larger
  * than max_bytes, STRATA_EFORMAT for bytes that are not a valid encoding (truncated, bad wire
  * type, bad length, bad varint), STRATA_ENOMEM when allocation fails, STRATA_EINVAL for NULL
- * arguments. *out is NULL on failure. bb is not modified or freed. Fields the schema does not know
+ * arguments or a string field (at any depth) holding a NUL byte (the decoded string would end
+ * there). *out is NULL on failure. bb is not modified or freed. Fields the schema does not know
  * are dropped (protobuf-c would keep a copy of each). */
 int proto_unpack(grpc_byte_buffer *bb, const ProtobufCMessageDescriptor *desc, size_t max_bytes,
                  ProtobufCMessage **out, strata_error *err);

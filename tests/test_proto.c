@@ -801,6 +801,45 @@ static void test_unknown_fields_dropped(void **state)
     protobuf_c_message_free_unpacked(m, NULL);
 }
 
+/* protobuf-c hands strings over NUL-terminated: a string holding U+0000 would be cut there without
+ * a word (a prompt losing its end, a stop string never matching). Decoding refuses it, at any
+ * depth, naming the field; zeros elsewhere (ids, numbers) are fine. */
+static void test_nul_in_strings_rejected(void **state)
+{
+    (void)state;
+    static const struct {
+        uint8_t wire[16];
+        size_t len;
+        const char *field;   /* NULL: accepted */
+    } cases[] = {
+        {{0x12, 0x05, 'a', 'b', 0x00, 'c', 'd'}, 7, "text"},
+        {{0x12, 0x01, 0x00}, 3, "text"},
+        {{0x0a, 0x02, 'r', 0x00, 0x12, 0x01, 'x'}, 7, "request_id"},
+        {{0x12, 0x02, 'h', 'i', 0x22, 0x04, 0x32, 0x02, 'x', 0x00}, 10, "stop"},
+        {{0x12, 0x02, 'h', 'i', 0x2a, 0x03, 'k', 0x00, '2'}, 9, "kv_codec"},
+        {{0x12, 0x02, 'h', 'i'}, 4, NULL},
+        {{0x1a, 0x04, 0x0a, 0x02, 0x00, 0x05, 0x22, 0x02, 0x28, 0x00}, 10, NULL},   /* ids 0, 5; max_tokens 0 */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        ProtobufCMessage *m = NULL;
+        strata_error err = {0};
+        int rc = proto_unpack_bytes(cases[i].wire, cases[i].len, &strata__v1__generate_request__descriptor, MAX_MSG,
+                                    &m, &err);
+        if (!cases[i].field) {
+            if (rc != STRATA_OK)
+                fail_msg("case %zu: %s", i, err.msg);
+            protobuf_c_message_free_unpacked(m, NULL);
+            continue;
+        }
+        assert_int_equal(rc, STRATA_EINVAL);
+        assert_null(m);
+        char want[64];
+        snprintf(want, sizeof want, "field %s contains a NUL byte", cases[i].field);
+        if (!strstr(err.msg, want))
+            fail_msg("case %zu: expected '%s' in: %s", i, want, err.msg);
+    }
+}
+
 static void test_truncated_messages_rejected(void **state)
 {
     (void)state;
@@ -1697,6 +1736,7 @@ int main(void)
         cmocka_unit_test(test_roundtrip_covered_every_message),
         cmocka_unit_test(test_pack_limits_and_bad_args),
         cmocka_unit_test(test_unknown_fields_dropped),
+        cmocka_unit_test(test_nul_in_strings_rejected),
         cmocka_unit_test(test_truncated_messages_rejected),
         cmocka_unit_test(test_garbage_rejected),
         cmocka_unit_test(test_status_mapping),

@@ -289,6 +289,11 @@ def test_bad_inputs(c):
     # field 2 (text) = C3 28, field 4 (sampling) = {max_tokens: 5}.
     raw = b"\x12\x02\xc3\x28" + b"\x22\x02\x28\x05"
     expect_status(lambda: c.generate_raw(raw, timeout=T), grpc.StatusCode.INVALID_ARGUMENT, "UTF-8")
+    # U+0000 inside the prompt or a stop string: refused, not cut short at the NUL.
+    expect_status(lambda: c.generate(req("before\x00after", max_tokens=2), timeout=T),
+                  grpc.StatusCode.INVALID_ARGUMENT, "text contains a NUL byte")
+    expect_status(lambda: c.generate(req("x", stop=["a\x00b"], max_tokens=2), timeout=T),
+                  grpc.StatusCode.INVALID_ARGUMENT, "stop contains a NUL byte")
     # Bytes that are not a GenerateRequest at all: INTERNAL, as gRPC reports unparsable messages.
     expect_status(lambda: c.generate_raw(b"\x12\x7f", timeout=T), grpc.StatusCode.INTERNAL)
     # The server keeps serving.
