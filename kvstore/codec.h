@@ -50,8 +50,9 @@ int kv_kivi_decode_sections(const kv_block *b, float *k, float *v, strata_error 
 /* Checks bits (allowed: mask of accepted bit widths, bit b set for b bits), groups and word
  * filling of a KIVI-backbone desc; name is the codec for messages. */
 int kv_kivi_check_backbone(const kv_block_desc *d, unsigned allowed_bits, const char *name, strata_error *err);
-/* Checks an OTT_TOKENS section's entries (in range, in (token, head) order, each once). */
-int kv_ott_entries_check(const kv_block_desc *d, const uint8_t *sec, strata_error *err);
+/* Checks an OTT_TOKENS section's entries of block b (in range, in (token, head) order, each once,
+ * and each one's backbone value row all zero scales and zero points, as attention needs). */
+int kv_ott_entries_check(const kv_block *b, const uint8_t *sec, strata_error *err);
 /* Fails unless the gear/ott header fields (rank, sparse, ott tokens) are zero. */
 int kv_check_no_extras(const kv_block_desc *d, const char *name, strata_error *err);
 

@@ -115,8 +115,15 @@ static int ott_encode(const kv_block_desc *d, const float *k, const float *v, co
     return STRATA_OK;
 }
 
-int kv_ott_entries_check(const kv_block_desc *d, const uint8_t *sec, strata_error *err)
+int kv_ott_entries_check(const kv_block *b, const uint8_t *sec, strata_error *err)
 {
+    const kv_block_desc *d = &b->desc;
+    /* The value pass of attention adds a pooled row on top of its backbone row, which only
+     * counts it once if that row dequantizes to exactly 0: every (scale, zero) of it is +-0. */
+    const uint8_t *vs = kv_block_section_data(b, KV_SEC_V_SCALES, NULL);
+    const size_t v_groups = d->v_group > 0 ? (size_t)d->head_dim / (size_t)d->v_group : 0;
+    if (d->ott_tokens > 0 && !vs)
+        return strata_fail(err, STRATA_EFORMAT, "ott block without its V_SCALES section");
     for (int i = 0; i < d->ott_tokens; i++) {
         unsigned h = kv_ld16(sec + 4 * (size_t)i), t = kv_ld16(sec + 4 * (size_t)i + 2);
         if (h >= (unsigned)d->n_kv_heads || t >= d->n_tokens)
@@ -128,6 +135,12 @@ int kv_ott_entries_check(const kv_block_desc *d, const uint8_t *sec, strata_erro
                 return strata_fail(err, STRATA_EFORMAT, "ott entry %d (head %u token %u) is out of order or repeated",
                                    i, h, t);
         }
+        const uint8_t *row = vs + ((size_t)t * (size_t)d->n_kv_heads + h) * v_groups * 4;
+        for (size_t g = 0; g < 2 * v_groups; g++)
+            if (kv_ld16(row + 2 * g) & 0x7fffu)
+                return strata_fail(err, STRATA_EFORMAT, "ott entry %d (head %u token %u): its backbone value row does "
+                                   "not dequantize to 0 (group %zu's %s is not zero)", i, h, t, g / 2,
+                                   g % 2 ? "zero point" : "scale");
     }
     return STRATA_OK;
 }
@@ -141,7 +154,7 @@ static int ott_decode(const kv_block *b, float *k, float *v, strata_error *err)
     const uint8_t *sec = kv_block_section_data(b, KV_SEC_OTT_TOKENS, NULL);
     if (!sec)
         return strata_fail(err, STRATA_EFORMAT, "ott block without its OTT_TOKENS section");
-    if ((rc = kv_ott_entries_check(d, sec, err)))
+    if ((rc = kv_ott_entries_check(b, sec, err)))
         return rc;
     const size_t n = (size_t)d->ott_tokens, H = (size_t)d->n_kv_heads, D = (size_t)d->head_dim;
     const uint8_t *krows = sec + 4 * n, *vrows = krows + 2 * D * n;

@@ -444,6 +444,24 @@ static void test_malformed_entries_rejected(void **state)
         memcpy(sec, saved, 8);
         restamp(blk);
     }
+    /* A pooled row's backbone value must dequantize to 0 (attention adds the exact row on top of
+     * it): a nonzero zero point in its value scales is refused by decode and attention alike. */
+    uint8_t *vs = (uint8_t *)kv_block_section_data(&b, KV_SEC_V_SCALES, NULL);
+    const size_t v_groups = (size_t)D / (size_t)b.desc.v_group;
+    uint8_t *entry = vs + ((size_t)10 * NKV + 2) * v_groups * 4 + 4 * (v_groups - 1) + 2;   /* (head 2, token 10) */
+    assert_int_equal(entry[0] | entry[1], 0);
+    entry[1] = 0x3c;   /* zero point 1.0 */
+    restamp(blk);
+    assert_int_equal(kv_block_verify(blk, written, &b, &err), STRATA_OK);
+    memset(&err, 0, sizeof err);
+    assert_int_equal(kv_block_decode(&b, dk, dv, &err), STRATA_EFORMAT);
+    assert_non_null(strstr(err.msg, "does not dequantize to 0"));
+    kv_layer_view view = {.layer = 0, .n_kv_heads = NKV, .head_dim = D, .block_tokens = BT, .n_blocks = 1,
+                          .blocks = (const uint8_t *const *)&blk, .block_bytes = written};
+    float q[NQ * D] = {0}, out[NQ * D];
+    void *scratch = aligned_alloc(64, (kern_kv_attention_scratch(&view, NQ) + 63) & ~(size_t)63);
+    assert_int_equal(kern_kv_attention(&view, q, NQ, out, scratch, &err), STRATA_EFORMAT);
+    free(scratch);
     free(blk);
     free(k);
     free(v);

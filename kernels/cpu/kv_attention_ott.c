@@ -12,7 +12,7 @@ static const uint8_t *ott_section(const kv_block *b, strata_error *err)
         strata_fail(err, STRATA_EFORMAT, "ott block without its OTT_TOKENS section");
         return NULL;
     }
-    if (kv_ott_entries_check(&b->desc, sec, err) != STRATA_OK)
+    if (kv_ott_entries_check(b, sec, err) != STRATA_OK)
         return NULL;
     return sec;
 }
