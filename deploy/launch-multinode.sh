@@ -23,7 +23,9 @@ coordinator's status.
 
 Hosts (ssh destinations [user@]host; the host part is also each worker's data-plane address, so
 use names or addresses that the other hosts reach on the private network; no IPv6 literals;
-each host once, whatever the user):
+each host once, whatever the user). Names in --hosts, --host and --control are resolved on this
+host and passed on as addresses (a host's own name often maps to 127.0.1.1 there); one that
+resolves to loopback here is refused, one that does not resolve is passed on as it is:
   --hosts LIST              comma-separated hosts, each with --gpus-per-host or
                             --cpu-workers-per-host workers
   --gpus-per-host N         workers on GPUs 0..N-1 of every --hosts host
@@ -119,6 +121,30 @@ case ${CONTROL_HOST,,} in
     usage_error "--control $control: remote workers need this host's private-network address" ;;
 esac
 [[ $remote_secret == ?* && $remote_secret != */ ]] || usage_error "--remote-secret: '$remote_secret' is not a file path"
+# Remote paths reach the remote shell quoted, so a ~ would name a folder called ~.
+for opt in "--remote-secret:$remote_secret" "--remote-bin-dir:$remote_bin_dir" "--nvme-dir:$nvme_dir"; do
+  [[ ${opt#*:} != '~'* ]] ||
+    usage_error "${opt%%:*}: '${opt#*:}': ~ is not expanded on the hosts; give an absolute path or one relative to the remote home (without ~/)"
+done
+
+# Names become addresses here, where they resolve as the other hosts see them: Debian and Ubuntu
+# map a machine's own name to 127.0.1.1 in /etc/hosts, so a worker (or this coordinator) that
+# resolved its own name would listen on loopback, and its neighbours' connections were refused.
+# A name this host cannot resolve is passed on unchanged (each host resolves it then).
+resolve_v4() { getent ahostsv4 "$1" 2>/dev/null | awk 'NR == 1 { print $1 }' || true; }
+declare -A addr_of=()
+address_of() { # NAME OPTION: sets addr_of[NAME]
+  local a
+  [[ -z ${addr_of[$1]+set} ]] || return 0
+  a=$(resolve_v4 "$1")
+  [[ $a != 127.* ]] ||
+    usage_error "$2: '$1' resolves to $a (loopback) on this host (/etc/hosts?): give its private-network address"
+  addr_of[$1]=${a:-$1}
+}
+if [[ $CONTROL_HOST != '['* ]]; then
+  address_of "$CONTROL_HOST" --control
+  control=${addr_of[$CONTROL_HOST]}:${control##*:}
+fi
 check_coord_args "${coord_args[@]}"
 
 # Every worker as parallel arrays: its ssh destination, its device ('' for CPU) and its index on
@@ -162,6 +188,7 @@ dest_hosts=()
 for d in "${dests[@]}"; do dest_hosts+=("${d#*@}"); done
 dup=$(first_dup "${dest_hosts[@],,}")
 [[ -z $dup ]] || usage_error "host $dup is listed twice (give all its GPUs in one --host)"
+for h in "${dest_hosts[@]}"; do address_of "$h" "host"; done
 ((N_WORKERS % stages == 0)) || usage_error "$N_WORKERS workers do not split into replicas of $stages stages"
 
 coord_bin=$(find_bin strata-coordinator "$bin_dir" "$dry_run")
@@ -192,7 +219,7 @@ worker_command() {
   local k=$1 dest=${w_dest[$1]} slot=${w_slot[$1]} host remote
   host=${dest#*@}
   remote=(exec env "CUDA_VISIBLE_DEVICES=${w_dev[k]}" "$worker_bin" --coordinator "$control"
-    --secret-file "$remote_secret" --name "$host-w$slot" --data "$host:$((data_port + slot))")
+    --secret-file "$remote_secret" --name "$host-w$slot" --data "${addr_of[$host]}:$((data_port + slot))")
   # A GPU worker computes on the one device it sees (its index there is 0); a CPU worker sees none.
   [[ -z ${w_dev[k]} ]] || remote+=(--device cuda:0)
   [[ -z $nvme_dir ]] || remote+=(--nvme-dir "$nvme_dir/worker-$slot")

@@ -319,6 +319,7 @@ static int parse(int argc, char **argv, const char *prog, bool local, serve_opts
                       .ready_timeout_s = local ? 300 : 30, .kv = "kivi4"};
     o->model = getenv("STRATA_MODEL") && *getenv("STRATA_MODEL") ? getenv("STRATA_MODEL") : STRATA_DEFAULT_MODEL;
     *config = NULL;
+    const char *config_path = NULL;
     for (int i = 1; i < argc; i++) {   /* the config file first, so that flags override it */
         const char *path = NULL;
         if (!strcmp(argv[i], "--config") && i + 1 < argc)
@@ -332,6 +333,7 @@ static int parse(int argc, char **argv, const char *prog, bool local, serve_opts
             }
             if (!load_config(prog, path, o, local, config))
                 return EXIT_USAGE;
+            config_path = path;
         }
     }
     optind = 1;
@@ -345,8 +347,16 @@ static int parse(int argc, char **argv, const char *prog, bool local, serve_opts
             o->quiet = true;
             continue;
         }
-        if (c == O_CONFIG)
+        if (c == O_CONFIG) {
+            /* getopt takes any unambiguous prefix (--conf); the file was read above only when
+             * the option was spelled in full, and must not be dropped without a word. */
+            if (optarg != config_path) {
+                fprintf(stderr, "%s: spell --config in full (--config FILE or --config=FILE): the file is read "
+                        "before the other options\n", prog);
+                return EXIT_USAGE;
+            }
             continue;
+        }
         if (c == '?') {
             fprintf(stderr, "%s: try --help\n", prog);
             return EXIT_USAGE;

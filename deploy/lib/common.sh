@@ -7,6 +7,12 @@
 # worker_command K, which fills the array WCMD with worker K's command line (an environment
 # prefix goes through `env`, so the same array can be printed and run).
 
+# A write to a closed pipe must not kill the launcher: under `launch-node.sh ... | tee log`, a
+# Ctrl-C ends tee too, and the first message of the drain then raised SIGPIPE before any child
+# was signalled, leaving the coordinator and workers running without a parent. (The strata
+# binaries ignore SIGPIPE themselves.)
+trap '' PIPE
+
 # A message must never stop the script: under set -e a write to a hung-up terminal (EIO) or a
 # closed stderr would otherwise end the launcher in the middle of a drain.
 log() { printf '%s: %s\n' "$PROG" "$*" >&2 || true; }
@@ -215,6 +221,12 @@ supervise() {
       log "$label: bad usage (exit 2): not restarting it"
       return 2
     fi
+    # 126/127: the command (a remote strata-worker, through env) cannot be run or was not found;
+    # no restart will find it.
+    if ((rc == 126 || rc == 127)); then
+      log "$label: exit $rc: its program could not be run or was not found: not restarting it"
+      return 2
+    fi
     if ! launcher_alive; then
       log "$label exited with status $rc; the launcher is gone: not restarting it"
       return 0
@@ -267,7 +279,7 @@ on_stop() {
 
 # run_cluster: starts the coordinator and one supervised worker per index, waits until the
 # coordinator exits, then stops the workers. Returns the coordinator's exit status (2 when a
-# worker was refused for bad usage).
+# worker was refused for bad usage or its program could not be run: exit 126 or 127).
 run_cluster() {
   local k p rc=0 worker_failed=0
   stopping=0 coord_done=0 sup_pids=()
@@ -289,7 +301,7 @@ run_cluster() {
     if ((!stopping)); then
       for p in "${sup_pids[@]}"; do
         kill -0 "$p" 2>/dev/null && continue
-        log "a worker was refused for bad usage: stopping"
+        log "a worker was refused for bad usage or its program could not be run: stopping"
         worker_failed=1
         on_stop
         break

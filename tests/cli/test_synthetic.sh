@@ -190,6 +190,9 @@ for sig in TERM HUP; do
 done
 expect 2 "has 257 bytes; it must have 16 to 256" timeout 60 "$(dirname "$strata")/strata-coordinator" \
   --secret-file "$tmp/secret257" --listen 127.0.0.1:0 --control 127.0.0.1:0 --model synthetic:tiny
+# An abbreviated --config (getopt takes --conf) was skipped: the server started on its defaults.
+printf '{"listen": "127.0.0.1:0"}\n' >"$tmp/serve.json"
+expect 2 "spell --config in full" timeout 60 "$strata" serve --conf "$tmp/serve.json" --model synthetic:tiny
 expect 2 "unexpected argument 'extra'" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" extra
 for name in "" $'a\tb' "$(printf 'w%.0s' {1..129})"; do
   expect 2 "--name must be 1-128 bytes" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" --name "$name"

@@ -361,6 +361,13 @@ expect 2 'listed twice' "$multi" --dry-run --hosts a --gpus-per-host 1 --host a:
 expect 2 'not an ssh destination' "$multi" --dry-run --hosts 'a;b' --gpus-per-host 1 --control 10.0.0.1:1
 expect 2 "--data-port: '70000'" "$multi" --dry-run --hosts a --gpus-per-host 1 --control 10.0.0.1:1 --data-port 70000
 expect 2 'no workers' "$multi" --dry-run --control 10.0.0.1:1
+# ~ would reach the remote shell quoted; a name that is loopback here would be a worker's
+# data-plane address (Debian maps a host's own name to 127.0.1.1).
+# shellcheck disable=SC2088 # the ~ is meant literally
+expect 2 "--remote-bin-dir: '~/bin': ~ is not expanded" "$multi" --dry-run --hosts a --gpus-per-host 1 --control 10.0.0.1:1 --remote-bin-dir '~/bin'
+# shellcheck disable=SC2088 # the ~ is meant literally
+expect 2 "--nvme-dir: '~/spill'" "$multi" --dry-run --hosts a --gpus-per-host 1 --control 10.0.0.1:1 --nvme-dir '~/spill'
+expect 2 "'localhost' resolves to 127.0.0.1 .loopback. on this host" "$multi" --dry-run --hosts localhost --gpus-per-host 1 --control 10.0.0.1:1
 expect 2 "unknown option '--gpus'" "$multi" --dry-run --gpus 0
 expect 2 'the launcher sets it' "$multi" --dry-run --hosts a --gpus-per-host 1 --control 10.0.0.1:1 -- --secret-file x
 expect 2 '--stage=2 after --: it abbreviates --stages' "$multi" --dry-run --hosts a --gpus-per-host 1 --control 10.0.0.1:1 -- --stage=2
@@ -423,6 +430,21 @@ order=$(grep -E 'TERM|drained' "$STUB_LOG" | awk '{print $1, $NF}' | tr '\n' ' '
 [[ $order == 'coordinator TERM coordinator drained worker TERM ' ]] || fail "node run (SIGHUP): no drain, got: $order"
 compgen -G "$tmp/strata-secret.*" >/dev/null && fail "node run (SIGHUP): the generated secret was left behind"
 no_leftovers "node run (SIGHUP)"
+
+# Output to a pipe whose reader is gone (`launch-node.sh ... | tee log`, tee ended by the same
+# Ctrl-C): the launcher must still drain and stop everything, not die of SIGPIPE at its first
+# message and leave the coordinator and workers running without a parent.
+rm -f "$STUB_LOG"*
+STUB_WORKER_STAY=1 "$node" --cpu-workers 1 --bin-dir "$stubs" --secret-file "$secret" > >(head -c 1 >/dev/null) 2>&1 &
+pid=$!
+wait_for 'worker .* start' "$STUB_LOG" 1 || fail "node run (closed pipe): the worker did not start (launcher gone?)"
+sleep 0.3 # the reader has gone: the next messages meet a closed pipe
+kill -TERM "$pid" 2>/dev/null || fail "node run (closed pipe): the launcher died before the signal"
+finish "$pid"
+[[ $rc == 0 ]] || fail "node run (closed pipe): exit $rc after SIGTERM, expected a drain and 0"
+order=$(grep -E 'TERM|drained' "$STUB_LOG" | awk '{print $1, $NF}' | tr '\n' ' ')
+[[ $order == 'coordinator TERM coordinator drained worker TERM ' ]] || fail "node run (closed pipe): no drain, got: $order"
+no_leftovers "node run (closed pipe)"
 
 # A second signal while the workers stop (one takes a second) must not end the launcher before
 # they have stopped.
@@ -540,6 +562,19 @@ grep -q 'h2: could not copy the cluster secret' "$tmp/run.err" || fail "multinod
 compgen -G "$SSH_HOSTS/h1/.strata/cluster.secret*" >/dev/null && fail "multinode run: a failed copy to h2 left the generated secret on h1"
 compgen -G "$tmp/strata-secret.*" >/dev/null && fail "multinode run (h2 unreachable): the local secret was left behind"
 no_leftovers "multinode run (h2 unreachable)"
+
+# A worker program missing on a host (exit 127 through env) is not restarted for ever: the
+# launcher stops and exits 2, as for bad usage.
+rm -rf "$SSH_HOSTS"
+rm -f "$STUB_LOG"*
+rc=0
+TMPDIR=$tmp PATH="$stubs:$PATH" timeout 30 "$multi" --hosts h1 --cpu-workers-per-host 1 --control 10.9.8.7:50052 \
+  --bin-dir "$stubs" --remote-bin-dir "$tmp/no-such-dir" >"$tmp/run.err" 2>&1 || rc=$?
+[[ $rc == 2 ]] || fail "multinode run (no worker program): exit $rc, expected 2: $(cat "$tmp/run.err")"
+grep -q 'exit 127: its program could not be run or was not found: not restarting it' "$tmp/run.err" ||
+  fail "multinode run (no worker program): no message: $(cat "$tmp/run.err")"
+grep -q 'restarting it in' "$tmp/run.err" && fail "multinode run (no worker program): restarted: $(cat "$tmp/run.err")"
+no_leftovers "multinode run (no worker program)"
 
 # ---- every flag the deploy files give the binaries exists: in their --help when the built
 # binaries are passed (arguments 2 and 3), else in their option tables in the sources.
