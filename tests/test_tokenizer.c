@@ -1041,6 +1041,58 @@ static void test_synthetic_vocab(void **state)
     tokenizer_free(t);
 }
 
+/* User-defined tokens (GGUF type 4: added words, runs of spaces that a converter stores as added
+ * tokens) are text: decoding and streaming print them, as llama.cpp and HF do (they were hidden
+ * with the control tokens: "if x:\n    return 1" came back without its indentation). And a vocabulary
+ * that asks for a BOS it does not name is refused at load (every prompt failed on token -1). */
+static void test_user_defined_tokens_are_text(void **state)
+{
+    (void)state;
+    tokenizer_str toks[259];
+    char store[256][4];
+    for (int b = 0; b < 256; b++)
+        toks[b] = (tokenizer_str){store[b], tokenizer_byte_text((uint8_t)b, store[b])};
+    toks[256] = (tokenizer_str){"<think>", 7};
+    toks[257] = (tokenizer_str){"    ", 4};
+    toks[258] = (tokenizer_str){"<|end|>", 7};
+    uint8_t types[259];
+    memset(types, TOKENIZER_TYPE_NORMAL, sizeof types);
+    types[256] = types[257] = TOKENIZER_TYPE_USER_DEFINED;
+    types[258] = TOKENIZER_TYPE_CONTROL;
+    tokenizer_vocab v = {.pre = {"gpt2", 4}, .tokens = toks, .n_tokens = 259, .types = types, .bos = -1, .eos = -1};
+    strata_error err = {0};
+    tokenizer *t = tokenizer_from_vocab(&v, &err);
+    if (!t)
+        fail_msg("%s", err.msg);
+    const char *in = "<think>if x:\n    return 1<|end|>";
+    int32_t *ids;
+    size_t n;
+    encode_ok(t, in, strlen(in), true, &ids, &n);
+    bool saw_spaces = false;
+    for (size_t i = 0; i < n; i++)
+        saw_spaces |= ids[i] == 257;
+    assert_true(saw_spaces);
+    assert_false(tokenizer_is_control(t, 256));
+    assert_false(tokenizer_is_control(t, 257));
+    assert_true(tokenizer_is_control(t, 258));
+    char *out;
+    size_t len;
+    assert_int_equal(tokenizer_decode(t, ids, n, false, &out, &len, &err), STRATA_OK);
+    assert_string_equal(out, "<think>if x:\n    return 1");
+    free(out);
+    assert_int_equal(tokenizer_decode(t, ids, n, true, &out, &len, &err), STRATA_OK);
+    assert_string_equal(out, in);
+    free(out);
+    assert_true(tokenizer_is_eog(t, 258));
+    free(ids);
+    tokenizer_free(t);
+
+    v.add_bos = true;
+    assert_null(tokenizer_from_vocab(&v, &err));
+    assert_int_equal(err.code, STRATA_EFORMAT);
+    assert_non_null(strstr(err.msg, "add_bos_token is true but the model names no BOS token"));
+}
+
 static void test_malformed_vocab(void **state)
 {
     (void)state;
@@ -1184,6 +1236,7 @@ int main(void)
         cmocka_unit_test(test_bad_arguments),
         cmocka_unit_test(test_chat_template),
         cmocka_unit_test(test_synthetic_vocab),
+        cmocka_unit_test(test_user_defined_tokens_are_text),
         cmocka_unit_test(test_malformed_vocab),
         cmocka_unit_test(test_chat_template_variants),
         cmocka_unit_test(test_speed),

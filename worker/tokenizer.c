@@ -470,6 +470,9 @@ static int build_extras(tokenizer *t, const tokenizer_vocab *v, strata_error *er
     if (v->bos < -1 || v->bos >= t->n_vocab || v->eos < -1 || v->eos >= t->n_vocab)
         return strata_fail(err, STRATA_EFORMAT, "tokenizer: bos %d or eos %d is out of range (vocabulary of %d)",
                            (int)v->bos, (int)v->eos, (int)t->n_vocab);
+    if (v->add_bos && v->bos < 0)
+        return strata_fail(err, STRATA_EFORMAT, "tokenizer: tokenizer.ggml.add_bos_token is true but the model names "
+                           "no BOS token (tokenizer.ggml.bos_token_id)");
     t->bos = v->bos;
     t->eos = v->eos;
     t->add_bos = v->add_bos;
@@ -739,8 +742,7 @@ int tokenizer_token_type(const tokenizer *t, int32_t id)
 
 bool tokenizer_is_control(const tokenizer *t, int32_t id)
 {
-    int ty = tokenizer_token_type(t, id);
-    return ty == TOKENIZER_TYPE_CONTROL || ty == TOKENIZER_TYPE_USER_DEFINED;
+    return tokenizer_token_type(t, id) == TOKENIZER_TYPE_CONTROL;
 }
 
 const char *tokenizer_token_bytes(const tokenizer *t, int32_t id, size_t *len)
@@ -1303,7 +1305,8 @@ bool tokenizer_is_eog(const tokenizer *t, int32_t id)
 {
     if (id == tokenizer_eos(t))
         return true;
-    if (!tokenizer_is_control(t, id))
+    const int ty = tokenizer_token_type(t, id);
+    if (ty != TOKENIZER_TYPE_CONTROL && ty != TOKENIZER_TYPE_USER_DEFINED)
         return false;
     size_t len;
     const char *s = tokenizer_token_bytes(t, id, &len);

@@ -16,8 +16,12 @@
  * Invalid UTF-8: a byte that does not start a well-formed sequence (llama.cpp's lenient decoder:
  * lead byte plus the right number of continuation bytes) is categorized as U+FFFD for the
  * pre-tokenizer, but its original byte is kept and encoded with byte-level tokens, so
- * decode(encode(s)) == s for every byte string. (llama.cpp instead replaces such bytes by the
- * UTF-8 of U+FFFD; for valid UTF-8 the two agree.)
+ * decode(encode(s)) == s for every byte string when the vocabulary has a token for each of the
+ * 256 bytes. (llama.cpp instead replaces such bytes by the UTF-8 of U+FFFD; for valid UTF-8 the
+ * two agree.) A byte the vocabulary has no token for is dropped, as llama.cpp and HF drop it
+ * (SmolLM2 lacks 0x04 0x06 0x13 0x14 0x16 0x1d 0xc0 0xc1 0xf1 0xf2 0xf5-0xff), and, as in
+ * llama.cpp, it still separates its neighbours for merging (HF removes it first, so "!\x04!"
+ * is two tokens here and one there).
  *
  * A tokenizer is immutable after loading; every function taking a const tokenizer is safe to
  * call from several threads at once. There is no global state. */
@@ -95,8 +99,9 @@ int32_t tokenizer_bos(const tokenizer *t);
 int32_t tokenizer_eos(const tokenizer *t);
 /* tokenizer.ggml.add_bos_token (false when absent). tokenizer_encode never adds BOS itself. */
 bool tokenizer_add_bos(const tokenizer *t);
-/* True for control and user-defined tokens (not printed when streaming). False for an
- * out-of-range id. */
+/* True for control tokens (not printed when streaming or decoding without include_control).
+ * User-defined tokens are text (added words, runs of spaces) and print as llama.cpp and HF
+ * print them. False for an out-of-range id. */
 bool tokenizer_is_control(const tokenizer *t, int32_t id);
 /* Token type of id (enum tokenizer_token_type), -1 for an out-of-range id. */
 int tokenizer_token_type(const tokenizer *t, int32_t id);
@@ -120,7 +125,7 @@ int32_t tokenizer_find_token(const tokenizer *t, const char *s, size_t len);
  * valid until tokenizer_free and is not NUL-terminated. */
 const char *tokenizer_token_bytes(const tokenizer *t, int32_t id, size_t *len);
 
-/* Concatenated bytes of ids (control and user-defined tokens included only if include_control).
+/* Concatenated bytes of ids (control tokens included only if include_control).
  * *out is malloc'd, NUL-terminated (the terminator is not counted in *out_len); caller frees.
  * Errors: STRATA_EINVAL for an out-of-range id or NULL arguments, STRATA_ENOMEM. */
 int tokenizer_decode(const tokenizer *t, const int32_t *ids, size_t n, bool include_control,
