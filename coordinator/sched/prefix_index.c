@@ -1,6 +1,7 @@
 /* The coordinator's prefix-cache index (prefix_index.h). Entries live in one array searched
  * linearly: a replica's host budget holds a few hundred prefixes at most, and a lookup or an
- * insert touches each once (an insert that evicts, a few times). Order in the array means
+ * insert touches each once (an insert that evicts also sorts the replica's unpinned entries
+ * once, however many it evicts). Order in the array means
  * nothing; recency is the use stamp, so removal swaps the last entry in. */
 #include "coordinator/sched/prefix_index.h"
 
@@ -17,6 +18,7 @@ typedef struct entry {
     uint64_t bytes;
     uint64_t used;       /* use stamp: larger is more recent (insert and pin) */
     unsigned pins;
+    bool doomed;         /* chosen for eviction by the insert under way */
 } entry;
 
 typedef struct replica {
@@ -101,23 +103,17 @@ static void drop_entry(prefix_index *x, entry *e, bool queue)
     *e = x->ents[--x->n_ents];
 }
 
-/* The least recently used unpinned entry of r, optionally only those redundant under a new
- * entry of plan `plan` and ids tokens[0, n) (their ids a prefix of those); NULL when none. */
-static entry *oldest_evictable(prefix_index *x, int r, bool redundant_only, int plan, const int32_t *tokens,
-                               size_t n)
+/* Whether e is made redundant by a new entry of plan `plan` and ids tokens[0, n): its ids are a
+ * prefix of those. */
+static bool redundant_under(const entry *e, int plan, const int32_t *tokens, size_t n)
 {
-    entry *best = NULL;
-    for (size_t i = 0; i < x->n_ents; i++) {
-        entry *e = &x->ents[i];
-        if (e->replica != r || e->pins > 0)
-            continue;
-        if (redundant_only &&
-            (e->plan != plan || e->n_tokens > n || common_prefix(e->tokens, tokens, e->n_tokens) != e->n_tokens))
-            continue;
-        if (!best || e->used < best->used)
-            best = e;
-    }
-    return best;
+    return e->plan == plan && e->n_tokens <= n && common_prefix(e->tokens, tokens, e->n_tokens) == e->n_tokens;
+}
+
+static int by_use(const void *a, const void *b)
+{
+    const entry *x = *(const entry *const *)a, *y = *(const entry *const *)b;
+    return x->used < y->used ? -1 : x->used > y->used;
 }
 
 bool prefix_index_lookup(const prefix_index *x, int plan, const int32_t *prompt, size_t n_prompt, const bool *usable,
@@ -239,21 +235,46 @@ int prefix_index_insert(prefix_index *x, uint64_t entry_id, int r, int plan, con
     int rc = reserve(x, r, err);
     if (rc != STRATA_OK)
         return rc;
+    replica *p = &x->reps[r];
     int32_t *copy = malloc(n_tokens * sizeof *copy);
-    if (!copy)
+    entry **lru = malloc((p->n_entries ? p->n_entries : 1) * sizeof *lru);
+    if (!copy || !lru) {
+        free(copy);
+        free(lru);
         return strata_fail(err, STRATA_ENOMEM, "prefix index: out of memory");
+    }
     memcpy(copy, tokens, n_tokens * sizeof *copy);
 
-    replica *p = &x->reps[r];
-    entry *e;
-    while ((e = oldest_evictable(x, r, true, plan, tokens, n_tokens))) {
-        drop_entry(x, e, true);
-        p->evictions++;
+    /* The entries the new one makes redundant go first, then the oldest others until it fits
+     * (evicting every unpinned entry fits: checked above), each group least recently used
+     * first. One sort, not a scan per evicted entry: an insert that evicted tens of thousands of
+     * small entries took seconds under the coordinator's lock. */
+    uint64_t kept_bytes = p->bytes;
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1 && kept_bytes <= budget - bytes)
+            break;
+        size_t n_lru = 0;
+        for (size_t i = 0; i < x->n_ents; i++) {
+            entry *e = &x->ents[i];
+            if (e->replica == r && e->pins == 0 && !e->doomed &&
+                (pass == 1 || redundant_under(e, plan, tokens, n_tokens)))
+                lru[n_lru++] = e;
+        }
+        qsort(lru, n_lru, sizeof *lru, by_use);
+        for (size_t k = 0; k < n_lru && (pass == 0 || kept_bytes > budget - bytes); k++) {
+            lru[k]->doomed = true;
+            kept_bytes -= lru[k]->bytes;
+            p->drops[p->n_drops++] = lru[k]->id;   /* room reserved by reserve() */
+        }
     }
-    /* Evicting every unpinned entry fits (checked above), so this always finds one. */
-    while (p->bytes > budget - bytes && (e = oldest_evictable(x, r, false, 0, NULL, 0))) {
-        drop_entry(x, e, true);
-        p->evictions++;
+    free(lru);
+    for (size_t i = 0; i < x->n_ents;) {
+        if (x->ents[i].doomed) {
+            drop_entry(x, &x->ents[i], false);   /* queued above; swaps another entry into i */
+            p->evictions++;
+        } else {
+            i++;
+        }
     }
     x->ents[x->n_ents++] = (entry){.id = entry_id, .replica = r, .plan = plan, .tokens = copy,
                                    .n_tokens = n_tokens, .bytes = bytes, .used = ++x->clock};
