@@ -472,8 +472,12 @@ int cmd_calibrate(int argc, char **argv)
     double plan_bpt = 0;
     for (int l = 0; l < L; l++)
         plan_bpt += (double)cand[choice[l]].block_bytes / bt;
-    char spec[1024], comment[4096];
-    kv_plan_format(plan, L, spec, sizeof spec);
+    char comment[4096];
+    char *spec = kv_plan_name(plan, L);
+    if (!spec) {
+        fprintf(stderr, "strata calibrate: out of memory\n");
+        goto done;
+    }
     snprintf(comment, sizeof comment,
              "strata calibrate: model %s, text %s (prefill %ld, %ld decode steps)\n"
              "budget %.1f bytes/token; this plan %.1f bytes/token (all %s: %.1f, all %s: %.1f)\n"
@@ -483,9 +487,11 @@ int cmd_calibrate(int argc, char **argv)
     eval_result_free(&r);
     if (kv_plan_save(o.out_path, plan, L, comment, &err) != STRATA_OK) {
         fprintf(stderr, "strata calibrate: %s\n", err.msg);
+        free(spec);
         goto done;
     }
     printf("%s\n", spec);
+    free(spec);
     for (const char *c = comment; *c;) {
         size_t n = strcspn(c, "\n");
         printf("# %.*s\n", (int)n, c);

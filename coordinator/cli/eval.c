@@ -40,7 +40,9 @@ static void usage(FILE *out)
             "      --text FILE         the evaluation text (UTF-8; required)\n"
             "      --kv LIST           comma-separated KV settings to evaluate, fp16 always included\n"
             "                          (default fp16,kivi2,kivi4,gear2,gearl2,ott2,tada); each is a\n"
-            "                          codec name, a range list (0-9:tada4,10-29:tada2) or a plan file\n"
+            "                          codec name, a range list (0-9:tada4,10-29:tada2) or a plan file;\n"
+            "                          a range item at a layer not above the one before starts the\n"
+            "                          next setting (0-9:tada4,10-29:tada2,0-29:kivi2 is two)\n"
             "      --kv-plan FILE      the plan that the setting 'tada' stands for (default: 4 bits in\n"
             "                          the lower half of the layers, 2 bits above)\n"
             "      --kv-group G        quantization group for every quantized setting (default: each\n"
@@ -86,12 +88,31 @@ typedef struct eval_opts {
 enum { OPT_TEXT = 1000, OPT_KV, OPT_KV_PLAN, OPT_PREFILL,
        OPT_TOKENS, OPT_JSON, OPT_THREADS };
 
+/* The layers a range item "A-B:codec" or "A:codec" starts and ends at (-1 when not numbers). */
+static void item_layers(const char *p, long *first, long *last)
+{
+    char *end;
+    *first = *last = -1;
+    long a = strtol(p, &end, 10);
+    if (end == p || a < 0)
+        return;
+    *first = *last = a;
+    if (*end == '-') {
+        const char *q = end + 1;
+        long b = strtol(q, &end, 10);
+        if (end != q && b >= 0)
+            *last = b;
+    }
+}
+
 /* Splits a --kv list at commas, keeping a range list ("0-9:tada4,10-29:tada2") in one piece:
- * an item with a ':' continues the previous item if that one also had a ':'. */
+ * an item with a ':' continues the previous item if that one also had a ':' and ended at a lower
+ * layer; one that starts at or below that layer starts another setting. */
 static int split_specs(const char *list, eval_opts *o)
 {
     const char *p = list;
     bool prev_range = false;
+    long prev_last = -1;
     if (!*list) {
         fprintf(stderr, "strata eval: --kv: an empty list\n");
         return EXIT_USAGE;
@@ -103,7 +124,9 @@ static int split_specs(const char *list, eval_opts *o)
             fprintf(stderr, "strata eval: --kv: empty item in \"%s\"\n", list);
             return EXIT_USAGE;
         }
-        if (range && prev_range) {
+        long first, last;
+        item_layers(p, &first, &last);
+        if (range && prev_range && first > prev_last) {
             char *joined = malloc(strlen(o->specs[o->n_specs - 1]) + n + 2);
             if (!joined)
                 return EXIT_RUNTIME;
@@ -121,6 +144,7 @@ static int split_specs(const char *list, eval_opts *o)
             o->n_specs++;
         }
         prev_range = range;
+        prev_last = last;
         p += n + (p[n] ? 1 : 0);
     }
     return 0;
@@ -195,6 +219,14 @@ static int parse_opts(int argc, char **argv, eval_opts *o)
     }
     if ((rc = split_specs(list, o)) != 0)
         return rc;
+    bool has_tada = false;
+    for (size_t i = 0; i < o->n_specs; i++)
+        has_tada |= !strcmp(o->specs[i], "tada");
+    if (o->kv.plan_file && !has_tada) {
+        fprintf(stderr, "strata eval: --kv-plan %s is the plan of the setting 'tada', which --kv does not list "
+                "(add tada to --kv, or give the file itself in --kv)\n", o->kv.plan_file);
+        return EXIT_USAGE;
+    }
     return cli_tier_finish("eval", &o->tiers);
 }
 
@@ -226,8 +258,8 @@ static int on_progress(void *user, size_t step, size_t steps)
 }
 
 typedef struct run {
-    char label[64];
-    char plan[512];
+    const char *label;   /* the --kv setting as given (not owned) */
+    char *plan;          /* its canonical range list (kv_plan_name) */
     size_t device_slots;            /* 0: no tier flags (a pool with room for the context) */
     uint64_t spills, restores;      /* NVMe tier, during this run */
     eval_result r;
@@ -434,7 +466,7 @@ int cmd_eval(int argc, char **argv)
         fprintf(stderr, "strata eval: out of memory\n");
         goto done;
     }
-    snprintf(runs[0].label, sizeof runs[0].label, "fp16");
+    runs[0].label = "fp16";
     n_runs = 1;
     cli_kv_opts fp16 = {.kv = "fp16", .group = -1, .residual = -1, .block_tokens = o.kv.block_tokens};
     if (cli_kv_resolve("eval", "fp16", &fp16, &geo, codecs) != 0)
@@ -448,11 +480,14 @@ int cmd_eval(int argc, char **argv)
             exit_code = EXIT_USAGE;
             goto done;
         }
-        snprintf(runs[n_runs].label, sizeof runs[n_runs].label, "%s", o.specs[i]);
+        runs[n_runs].label = o.specs[i];
         n_runs++;
     }
     for (size_t i = 0; i < n_runs; i++) {
-        kv_plan_format(codecs + i * L, (int)L, runs[i].plan, sizeof runs[i].plan);
+        if (!(runs[i].plan = kv_plan_name(codecs + i * L, (int)L))) {
+            fprintf(stderr, "strata eval: out of memory\n");
+            goto done;
+        }
         if (device_slots_for(&o.tiers, &geo, codecs + i * L, need - 1, runs[i].label, &runs[i].device_slots) != 0) {
             exit_code = EXIT_USAGE;
             goto done;
@@ -521,6 +556,8 @@ int cmd_eval(int argc, char **argv)
 done:
     for (size_t i = 0; runs && i < n_runs; i++)
         eval_result_free(&runs[i].r);
+    for (size_t i = 0; runs && i < o.n_specs + 1; i++)   /* n_runs may have been cut short */
+        free(runs[i].plan);
     free(runs);
     free(codecs);
     eval_reference_free(&ref);

@@ -345,16 +345,17 @@ static void print_stats(const model *m, const kv_seq *seq, const cli_kv_memory *
     const model_config *cfg = model_get_config(m);
     kv_seq_stats st;
     kv_seq_get_stats(seq, &st);
-    char codec[256];
+    char one_codec[64];
+    char *codec = NULL;   /* the whole plan, however long (a fixed buffer cut it mid-name) */
     kv_codec_params *codecs = malloc((size_t)cfg->n_layers * sizeof *codecs);
     if (codecs) {
         for (int l = 0; l < cfg->n_layers; l++)
             codecs[l] = *kv_pool_layer_codec(pool, l);
-        kv_plan_format(codecs, cfg->n_layers, codec, sizeof codec);
+        codec = kv_plan_name(codecs, cfg->n_layers);
         free(codecs);
-    } else {
-        kv_codec_name(kv_pool_codec(pool), codec, sizeof codec);
     }
+    if (!codec)
+        kv_codec_name(kv_pool_codec(pool), one_codec, sizeof one_codec);
     const double per_layer_tokens = st.tokens ? (double)st.tokens / cfg->n_layers : 0.0;
     const double block_tokens = st.block_tokens ? (double)st.block_tokens / cfg->n_layers : 0.0;
     const double fp16_per_token = 2.0 * 2.0 * cfg->n_kv_heads * cfg->head_dim * cfg->n_layers;
@@ -366,8 +367,9 @@ static void print_stats(const model *m, const kv_seq *seq, const cli_kv_memory *
     fprintf(stderr, "finish:  %s after %zu tokens\n", finish_reason_name(r->finish), r->completion_tokens);
     fprintf(stderr, "kv cache (%s, %d layers): %.0f tokens, %zu blocks holding %.0f tokens/layer, "
                     "fp16 tail %.0f tokens/layer\n",
-            codec, cfg->n_layers, per_layer_tokens, st.blocks, block_tokens,
+            codec ? codec : one_codec, cfg->n_layers, per_layer_tokens, st.blocks, block_tokens,
             per_layer_tokens - block_tokens);
+    free(codec);
     if (block_tokens > 0)
         fprintf(stderr, "kv bytes/token in blocks: %.1f (fp16 would be %.0f: %.3fx, %.2fx smaller)\n",
                 (double)st.block_bytes / block_tokens, fp16_per_token,
@@ -465,7 +467,7 @@ int cmd_generate(int argc, char **argv)
     int32_t *ids = NULL, *prompt = NULL;
     size_t n_ids = 0;
     generate_result result = {0};
-    char plan_name[256];
+    char *plan_name = NULL;
 
     kv_geometry geo = model_kv_geometry(m, o.kv.block_tokens);
     codecs = malloc((size_t)geo.n_layers * sizeof *codecs);
@@ -477,7 +479,11 @@ int cmd_generate(int argc, char **argv)
         exit_code = EXIT_USAGE;
         goto done;
     }
-    kv_plan_format(codecs, geo.n_layers, plan_name, sizeof plan_name);
+    plan_name = kv_plan_name(codecs, geo.n_layers);
+    if (!plan_name) {
+        fprintf(stderr, "strata generate: out of memory\n");
+        goto done;
+    }
     const char *text = o.prompt;
     if (o.chat) {
         if (tokenizer_apply_chat(tok, o.system, o.prompt, &chat_text, &err) != STRATA_OK) {
@@ -570,6 +576,7 @@ int cmd_generate(int argc, char **argv)
     }
     exit_code = 0;
 done:
+    free(plan_name);
     generate_result_free(&result);
     free(prompt);
     free(ids);

@@ -38,6 +38,21 @@ int cli_kv_resolve(const char *cmd, const char *kv, const cli_kv_opts *o, const 
         fprintf(stderr, "strata %s: %s: %s\n", cmd, what, err.msg);
         return EXIT_USAGE;
     }
+    /* Whether the plan is one codec, decided before the flags below change it (naming "layer 0"
+     * of a uniform plan would point at the wrong thing). */
+    char first[64], last[64];
+    kv_codec_name(&out[0], first, sizeof first);
+    kv_codec_name(&out[g->n_layers - 1], last, sizeof last);
+    const bool uniform = !strcmp(first, last);
+    /* The shape flags given, which are usually what a failing check is about. */
+    char flags[96] = "";
+    int at = 0;
+    if (o->group >= 0)
+        at += snprintf(flags + at, sizeof flags - (size_t)at, " --kv-group %ld", o->group);
+    if (o->residual >= 0)
+        at += snprintf(flags + at, sizeof flags - (size_t)at, " --kv-residual %ld", o->residual);
+    if (g->block_tokens != 64)
+        snprintf(flags + at, sizeof flags - (size_t)at, " --block-tokens %d", g->block_tokens);
     for (int l = 0; l < g->n_layers; l++) {
         if (out[l].codec == KV_CODEC_FP16)
             continue;
@@ -46,14 +61,11 @@ int cli_kv_resolve(const char *cmd, const char *kv, const cli_kv_opts *o, const 
         if (o->residual >= 0)
             out[l].residual = (int)o->residual;
         if (kv_codec_validate(&out[l], g, &err) != STRATA_OK) {
-            char first[64], last[64];
-            kv_codec_name(&out[0], first, sizeof first);
-            kv_codec_name(&out[g->n_layers - 1], last, sizeof last);
-            if (l > 0 || strcmp(first, last) != 0)
-                fprintf(stderr, "strata %s: %s %s: layer %d: %s\n", cmd, what, o->plan_file ? o->plan_file : kv, l,
-                        err.msg);
-            else
-                fprintf(stderr, "strata %s: %s %s: %s\n", cmd, what, o->plan_file ? o->plan_file : kv, err.msg);
+            char layer[32] = "";
+            if (!uniform)
+                snprintf(layer, sizeof layer, "layer %d: ", l);
+            fprintf(stderr, "strata %s: %s %s%s%s: %s%s\n", cmd, what, o->plan_file ? o->plan_file : kv,
+                    flags[0] ? " with" : "", flags, layer, err.msg);
             return EXIT_USAGE;
         }
     }

@@ -1,4 +1,5 @@
 /* strata: command-line entry point. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,6 +59,39 @@ bool cli_parse_float(const char *flag, const char *s, double min, double max, fl
     return true;
 }
 
+/* A command's output that did not reach stdout (a full disk, /dev/full, an I/O error) is a
+ * failure with a message, whatever the command thought; a reader that left (`| head`) is not. */
+static int stdout_checked(const char *cmd, int rc)
+{
+    errno = 0;
+    const int flushed = fflush(stdout);
+    const int e = errno;
+    if (flushed == 0 && !ferror(stdout))
+        return rc;
+    if (e == EPIPE)
+        return rc;
+    fprintf(stderr, "strata %s: writing to standard output failed%s%s\n", cmd, e ? ": " : "", e ? strerror(e) : "");
+    return rc == 0 ? EXIT_RUNTIME : rc;
+}
+
+static int run_command(const char *cmd, int argc, char **argv)
+{
+    if (!strcmp(cmd, "generate"))
+        return cmd_generate(argc, argv);
+    if (!strcmp(cmd, "eval"))
+        return cmd_eval(argc, argv);
+    if (!strcmp(cmd, "calibrate"))
+        return cmd_calibrate(argc, argv);
+    if (!strcmp(cmd, "serve"))
+        return serve_main(argc, argv, "strata serve", true);
+    if (!strcmp(cmd, "drain"))
+        return cmd_drain(argc, argv);
+    if (!strcmp(cmd, "inspect"))
+        return cmd_inspect(argc, argv);
+    fprintf(stderr, "strata: unknown command '%s' (try strata --help)\n", cmd);
+    return EXIT_USAGE;
+}
+
 int main(int argc, char **argv)
 {
     if (argc < 2) {
@@ -65,35 +99,23 @@ int main(int argc, char **argv)
         return EXIT_USAGE;
     }
     const char *cmd = argv[1];
-    if (!strcmp(cmd, "help") && argc == 3) {
+    if (!strcmp(cmd, "help") && argc == 3 && strcmp(argv[2], "help") && strcmp(argv[2], "-h") &&
+        strcmp(argv[2], "--help")) {
         /* "strata help generate" is "strata generate --help". */
         cmd = argv[2];
         argv[1] = argv[2];
         argv[2] = "--help";
     } else if (!strcmp(cmd, "-h") || !strcmp(cmd, "--help") || !strcmp(cmd, "help")) {
-        if (argc > 2 && !strcmp(cmd, "help")) {
+        if (argc > 3 && !strcmp(cmd, "help")) {
             fprintf(stderr, "strata: usage: strata help [COMMAND]\n");
             return EXIT_USAGE;
         }
         usage(stdout);
-        return 0;
+        return stdout_checked("help", 0);
     }
     if (!strcmp(cmd, "--version")) {
         printf("strata %s\n", STRATA_VERSION);
-        return 0;
+        return stdout_checked("--version", 0);
     }
-    if (!strcmp(cmd, "generate"))
-        return cmd_generate(argc - 1, argv + 1);
-    if (!strcmp(cmd, "eval"))
-        return cmd_eval(argc - 1, argv + 1);
-    if (!strcmp(cmd, "calibrate"))
-        return cmd_calibrate(argc - 1, argv + 1);
-    if (!strcmp(cmd, "serve"))
-        return serve_main(argc - 1, argv + 1, "strata serve", true);
-    if (!strcmp(cmd, "drain"))
-        return cmd_drain(argc - 1, argv + 1);
-    if (!strcmp(cmd, "inspect"))
-        return cmd_inspect(argc - 1, argv + 1);
-    fprintf(stderr, "strata: unknown command '%s' (try strata --help)\n", cmd);
-    return EXIT_USAGE;
+    return stdout_checked(cmd, run_command(cmd, argc - 1, argv + 1));
 }

@@ -50,9 +50,9 @@ bool cli_check_writable(const char *cmd, const char *flag, const char *path, boo
             why = "exists and is not a regular file";
         } else if (access(path, W_OK) != 0) {
             why = strerror(errno);
-        } else if (regular_only) {
+        } else if (S_ISREG(st.st_mode)) {
             /* Replaced by a new file beside it (or beside a link's target): its folder must
-             * take one too. */
+             * take one too. (A device or pipe is written in place.) */
             char *target = realpath(path, NULL);
             why = target ? folder_refuses(target) : strerror(errno);
             free(target);

@@ -166,5 +166,30 @@ expect 0 "finish:  length after 3 tokens" "$strata" generate -p "hello there" --
 grep -q "prompt 2 tokens, context 5" "$tmp/err" || fail "generate --ctx 5: $(head -1 "$tmp/err")"
 expect 0 "warning: --ctx 9000 is beyond the model's trained context of 8192" "$strata" generate -p hi -n 1 --ctx 9000 -q
 
+# Output that cannot be written is a failure with a message, not exit 0 with the text lost; a
+# reader that leaves (| head) is not an error.
+to_full() { "$@" >/dev/full; }
+expect 1 "writing to standard output failed" to_full "$strata" generate -p hi -n 3 -q --ignore-eos
+expect 1 "writing to standard output failed" to_full "$strata" eval --text "$tmp/text.txt" --prefill 64 --tokens 2 --kv kivi2 -q
+"$strata" help help >"$tmp/out" 2>"$tmp/err" && grep -q "^usage: strata <command>" "$tmp/out" ||
+  fail "strata help help: $(cat "$tmp/err")"
+# The shape flags are what a failing check is about: named, not a "layer 0" of --kv.
+expect 2 "--kv kivi4 with --kv-group 7: kivi4-g7 codec: group G=7" "$strata" generate -p hi -n 1 --kv-group 7
+grep -q "layer 0" "$tmp/err" && fail "--kv-group 7 blamed layer 0: $(cat "$tmp/err")"
+# eval --kv-plan belongs to the setting 'tada'; without it in --kv it was silently unused.
+expect 2 "is the plan of the setting 'tada'" "$strata" eval --text "$tmp/text.txt" --kv kivi4 --kv-plan "$tmp/plan.txt" -q
+# Two range lists in a row are two settings; long plan names are printed whole (a 256-byte buffer
+# cut them mid-name).
+long=0-0:gear4-g16-r96-i2; for l in $(seq 1 29); do long+=",$l-$l:gear$((l % 2 * 2 + 2))-g16-r96-i2"; done
+"$strata" eval --text "$tmp/text.txt" --prefill 64 --tokens 2 -q --json --kv "0-14:kivi4,15-29:kivi2,0-29:kivi4,$long" \
+  >"$tmp/out" 2>"$tmp/err" || fail "eval of range lists: $(tail -2 "$tmp/err")"
+python3 - "$tmp/out" <<'PY' || fail "eval of range lists: $(cat "$tmp/out")"
+import json, sys
+r = json.load(open(sys.argv[1]))["results"]
+assert [x["kv"] for x in r][1:3] == ["0-14:kivi4,15-29:kivi2", "0-29:kivi4"], [x["kv"] for x in r]
+assert r[3]["plan"].endswith(",28:gear2-g16-r96-i2,29:gear4-g16-r96-i2") and len(r[3]["plan"]) > 512, r[3]["plan"]
+PY
+expect 0 "kv cache (0-1:gear4-g16-r96-i2,.*,29:gear4-g16-r96-i2, 30 layers)" "$strata" generate -p hi -n 2 --kv "$long" --stats --no-echo
+
 [ "$failures" -eq 0 ] && echo "test_cli: all checks passed"
 exit $((failures > 0))
