@@ -837,6 +837,35 @@ static void test_one_sequence_limit_routes(void **state)
 }
 
 /* A move refused for room keeps the request's cached prefix (it stays where the prefix is). */
+/* A request whose prefix is on a replica that cannot start it (its device is held by a long
+ * decoder) is taken by an idle replica, from position 0, instead of waiting there for as long as
+ * the decoder runs (the scheduler review saw replica 1 idle for 30 steps). */
+static void test_idle_replica_takes_a_blocked_prefix_request(void **state)
+{
+    (void)state;
+    sched_replica_config rc[2] = {{.device_blocks = 6, .total_blocks = 100}, {.device_blocks = 6, .total_blocks = 100}};
+    sched_config c = {.block_tokens = 16, .max_batch_tokens = 64, .max_seqs = 4, .n_replicas = 2, .replicas = rc};
+    strata_error err = {0};
+    scheduler *s = sched_create(&c, &err);
+    assert_non_null(s);
+    int r;
+    assert_int_equal(sched_submit(s, 1, 60, 30, &r, &err), STRATA_OK);
+    assert_int_equal(r, 0);
+    sched_plan p;
+    assert_int_equal(sched_next_step(s, 0, &p, &err), STRATA_OK);
+    sched_outcome o = {1, false};
+    assert_int_equal(sched_step_done(s, 0, p.step, &o, 1, &err), STRATA_OK);
+    assert_int_equal(sched_submit_prefix(s, 2, 40, 10, 0, 32, &r, &err), STRATA_OK);
+    assert_int_equal(r, 0);   /* routed to its prefix */
+    assert_int_equal(sched_next_step(s, 1, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_work, 1);
+    assert_int_equal(p.work[0].id, 2);
+    assert_int_equal(p.work[0].pos0, 0);   /* the prefix stays behind */
+    assert_int_equal(p.work[0].n_tokens, 40);
+    assert_int_equal(sched_get_replica(s, 2), 1);
+    sched_destroy(s);
+}
+
 static void test_refused_move_keeps_prefix(void **state)
 {
     (void)state;
@@ -917,6 +946,7 @@ int main(void)
         cmocka_unit_test(test_chunked_prefill),
         cmocka_unit_test(test_cached_prefix),
         cmocka_unit_test(test_one_sequence_limit_routes),
+        cmocka_unit_test(test_idle_replica_takes_a_blocked_prefix_request),
         cmocka_unit_test(test_refused_move_keeps_prefix),
         cmocka_unit_test(test_idle_replica_takes_waiting),
     };

@@ -469,16 +469,15 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
     size_t n_wait = blocked ? 0 : collect(s, r, SCHED_WAITING, idx);
     /* Routing is by reserved blocks, not by load: a replica with nothing of its own waiting takes
      * the oldest request waiting on another (available) replica that cannot start it now and that
-     * it can start in this very step (a reservation move; one with a cached prefix there stays for
-     * it). Else that request would wait for the other replica's long sequences to end while this
-     * one idles. */
+     * it can start in this very step (a reservation move). One with a cached prefix there moves
+     * too and starts from 0: the prefix saves a part of its prefill, while waiting for the other
+     * replica's long sequences to end has no bound, and this one idles. */
     if (!blocked && n_wait == 0 && !p->not_accepting && !p->unavailable) {
         request *oldest = NULL;
         for (size_t i = 0; i < s->n_reqs; i++) {
             request *q = &s->reqs[i];
             if (q->state == SCHED_WAITING && q->replica >= 0 && q->replica != r && !q->in_step &&
-                !s->reps[q->replica].unavailable && !(q->cached && q->prefer == q->replica) &&
-                (!oldest || q->order < oldest->order))
+                !s->reps[q->replica].unavailable && (!oldest || q->order < oldest->order))
                 oldest = q;
         }
         if (oldest && !blocked_there(s, oldest))

@@ -93,8 +93,8 @@ int sched_submit(scheduler *s, uint64_t id, size_t prompt_tokens, size_t max_tok
 /* sched_submit for a request whose first `cached` prompt tokens are in a prefix entry on replica
  * `prefer` (prefix caching; 0 < cached < prompt_tokens, a multiple of block_tokens; cached 0:
  * sched_submit). It is routed to `prefer` when that replica can take it, and its first work
- * then starts at pos0 = cached; routed elsewhere (prefer has no room when a replica does, or a
- * migration moves it) it starts at 0. Admission and reservations are those of sched_submit: the
+ * then starts at pos0 = cached; routed elsewhere (prefer has no room when a replica does, an idle
+ * replica takes it while prefer cannot start it, or a migration moves it) it starts at 0. Admission and reservations are those of sched_submit: the
  * prefix is copied, not shared. */
 int sched_submit_prefix(scheduler *s, uint64_t id, size_t prompt_tokens, size_t max_tokens, int prefer, size_t cached,
                         int *replica, strata_error *err);
