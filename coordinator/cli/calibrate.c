@@ -502,6 +502,7 @@ int cmd_calibrate(int argc, char **argv)
     goto done;
 run_failed:
     fprintf(stderr, "\nstrata calibrate: %s: %s\n", ps.label, err.msg);
+    cli_tier_room_hint("calibrate", err.code, tiers != NULL);
 done:
     free(plan);
     free(cost);

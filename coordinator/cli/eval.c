@@ -530,6 +530,7 @@ int cmd_eval(int argc, char **argv)
                       &ps, &runs[i].r, &err);
         if (rc != STRATA_OK) {
             fprintf(stderr, "\nstrata eval: %s: %s\n", runs[i].label, err.msg);
+            cli_tier_room_hint("eval", err.code, tiers != NULL);
             n_runs = i;
             goto done;
         }

@@ -559,9 +559,7 @@ int cmd_generate(int argc, char **argv)
         fprintf(stderr, "strata generate: %s\n", err.msg);
         fprintf(stderr, "strata generate: stopped with %zu tokens in the KV cache (prompt %zu, generated %zu)\n",
                 kv_seq_length(seq, 0), result.prompt_tokens, result.completion_tokens);
-        if (err.code == STRATA_EFULL)
-            fprintf(stderr, "strata generate: give the KV cache more room: a larger --device-kv-mib%s\n",
-                    mem.tiers ? ", --host-kv-mib or --nvme-kv-mib" : ", or a tier below it (--host-kv-mib, --nvme-dir)");
+        cli_tier_room_hint("generate", err.code, mem.tiers != NULL);
         goto done;
     }
     if (o.stats)

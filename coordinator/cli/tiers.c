@@ -18,6 +18,13 @@
 #define DEFAULT_HOST_MIB_WITH_NVME 64.0
 #define DEFAULT_NVME_MIB 1024.0
 
+void cli_tier_room_hint(const char *cmd, int code, bool have_tiers)
+{
+    if (code == STRATA_EFULL)
+        fprintf(stderr, "strata %s: give the KV cache more room: a larger --device-kv-mib%s\n", cmd,
+                have_tiers ? ", --host-kv-mib or --nvme-kv-mib" : ", or a tier below it (--host-kv-mib, --nvme-dir)");
+}
+
 void cli_tier_opts_init(cli_tier_opts *o)
 {
     *o = (cli_tier_opts){.device_mib = -1, .host_mib = -1, .nvme_mib = -1};

@@ -33,6 +33,9 @@ typedef struct cli_tier_opts {
 } cli_tier_opts;
 
 void cli_tier_opts_init(cli_tier_opts *o);
+/* After a run failed with code: when the KV memory was full (STRATA_EFULL), tells the user which
+ * flags give it more room (have_tiers: a tier below the device exists). */
+void cli_tier_room_hint(const char *cmd, int code, bool have_tiers);
 void cli_tier_opts_free(cli_tier_opts *o);
 
 /* The help lines of these options. */
