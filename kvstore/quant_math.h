@@ -69,6 +69,12 @@ STRATA_HD static inline void kv_qgroup_from_range(float mn, float mx, int finite
          * (so a fused multiply-add, which a GPU compiler may use, gives the same result). */
         while (kv_half_finite(sh) && zf + qmax * strata_half_to_float(sh) < (double)mx)
             sh = kv_half_step_up(sh);
+        /* Every code must reconstruct within fp16: a reader computing in fp16 (the tensor-core
+         * attention kernel) turned the top code of a group reaching +65504 into inf. There the
+         * scale steps back down; the largest elements then lie at most qmax of the scale's fp16
+         * steps above the grid, far inside the half-step bound. */
+        while (sh != 0 && zf + qmax * strata_half_to_float(sh) > 65504.0)
+            sh = kv_half_step_down(sh);
     }
     g->zero_h = zh;
     g->scale_h = sh;

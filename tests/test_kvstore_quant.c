@@ -3,8 +3,9 @@
  * The bound tested for every element x of a group with stored fp16 scale s and zero z:
  *     |x - (q s + z)| <= s/2 * (1 + 1e-12)      (s > 0),   x == z exactly (s == 0),
  * where the 1e-12 covers only the double evaluation of (x - z)/s inside the quantizer. Because
- * z is rounded down and s up, the stored grid covers the group: z <= min, z + (2^B-1) s >= max,
- * and the rounding costs at most one fp16 step: min - z <= ulp16(min), and
+ * z is rounded down and s up, the stored grid covers the group: z <= min, z + (2^B-1) s >= max
+ * (unless the top code would then reconstruct above +65504: the scale stays below that, a few
+ * fp16 steps short of the maximum), and the rounding costs at most one fp16 step: min - z <= ulp16(min), and
  * s <= (max - z)/(2^B-1) * (1 + 2^-10) + 2^-24. Against the ideal fp32 parameters this gives
  *     |x - x'| <= (max-min)/(2^B-1)/2 * (1 + 2^-10) + ulp16(min)/2 + 2^-25,
  * which is also checked. */
@@ -54,7 +55,9 @@ static void check_group(const float *x, size_t n, int bits, qstats *st)
         mx = fmax(mx, x[i]);
     }
     assert_true(z <= mn);
-    assert_true(z + qmax * s >= mx);
+    /* The grid covers the maximum, except where that would take the top code past +65504: then
+     * one more fp16 step of the scale would cross it. */
+    assert_true(z + qmax * s >= mx || z + qmax * (s + ulp16(s)) > 65504.0);
     assert_true(mn - z <= ulp16(mn));
     assert_true(s <= (mx - z) / qmax * (1.0 + 0x1p-10) + 0x1p-24);
     double ideal = (mx - mn) / qmax;
@@ -106,6 +109,32 @@ static void test_round_trip_distributions(void **state)
                st.worst_ratio);
         assert_true(st.worst_ratio > 0.9);   /* the bound is attained, i.e. tight, not vacuous */
     }
+}
+
+/* Groups reaching the fp16 limits: every code's reconstruction z + code * s stays within
+ * +-65504, so a reader computing in fp16 (the tensor-core kernel) gets no inf, and the half-step
+ * bound still holds (check_group). */
+static void test_fp16_limits_reconstruct_finite(void **state)
+{
+    (void)state;
+    static const float ends[][2] = {{-65504.0f, 65504.0f}, {0.0f, 65504.0f}, {-65504.0f, 0.0f},
+                                    {-1.0f, 65504.0f}, {65000.0f, 65504.0f}, {-3.0f, 65472.0f}};
+    float x[32];
+    for (int bits = 2; bits <= 8; bits *= 2)
+        for (size_t k = 0; k < sizeof ends / sizeof ends[0]; k++) {
+            for (int i = 0; i < 32; i++)
+                x[i] = ends[k][0] + (ends[k][1] - ends[k][0]) * (float)(i % 17) / 16.0f;
+            uint32_t codes[32];
+            kv_qgroup g;
+            kv_quant_group(x, 32, 1, bits, &g, codes);
+            const double top = ref_half(g.zero_h) + (double)((1u << bits) - 1u) * ref_half(g.scale_h);
+            if (!(top <= 65504.0))
+                fail_msg("%d bits, [%g, %g]: the top code reconstructs to %.1f", bits, ends[k][0], ends[k][1], top);
+            if (bits <= 4) {
+                qstats st = {0};
+                check_group(x, 32, bits, &st);
+            }
+        }
 }
 
 static void test_constant_groups_exact(void **state)
@@ -217,6 +246,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_round_trip_distributions),
+        cmocka_unit_test(test_fp16_limits_reconstruct_finite),
         cmocka_unit_test(test_constant_groups_exact),
         cmocka_unit_test(test_strided_fit),
         cmocka_unit_test(test_non_finite_inputs),
