@@ -70,7 +70,9 @@ typedef struct kv_layer {
     uint16_t *tail_v;
     size_t tail_len;
     size_t tail_cap;
-    size_t prompt_end;     /* tokens [0, prompt_end) came in multi-token appends */
+    size_t prompt_end;     /* tokens [0, prompt_end) count as prompt: everything up to the end of
+                            * the latest multi-token append (a second turn's prompt also covers
+                            * decode tokens still in the fp16 tail; GEAR's rank rule, format.md) */
     kv_ott_tracker *ott;   /* ott codec with a pool, else NULL */
     kv_ott_tracker *ott_undo;
     kv_layer_error error;
