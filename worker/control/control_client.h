@@ -86,8 +86,9 @@ int ctl_client_send(ctl_client *c, const Strata__Internal__V1__WorkerMessage *ms
  *   STRATA_OK, *msg != NULL: a message; free it with protobuf_c_message_free_unpacked(&(*msg)->base, NULL).
  *   STRATA_OK, *msg == NULL: nothing arrived within timeout_ms (the stream goes on).
  *   STRATA_EIO: the stream ended (message above); *msg is NULL.
- *   STRATA_EFORMAT / STRATA_EFULL: the coordinator sent bytes that do not decode as a
- *     CoordinatorMessage / are above max_message_bytes; the message is skipped, the stream goes on.
+ *   STRATA_EFORMAT: the coordinator sent bytes that do not decode as a CoordinatorMessage; the
+ *     message is skipped, the stream goes on. A message above max_message_bytes ends the stream
+ *     (gRPC's own receive limit: STRATA_EIO, RESOURCE_EXHAUSTED in ctl_client_status).
  *   STRATA_EINVAL: NULL arguments. */
 int ctl_client_recv(ctl_client *c, int timeout_ms, Strata__Internal__V1__CoordinatorMessage **msg, strata_error *err);
 

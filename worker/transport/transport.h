@@ -118,6 +118,7 @@ typedef struct dp_options {
 #define DP_DEFAULT_MAX_PAYLOAD (256ull << 20)
 #define DP_DEFAULT_IO_TIMEOUT_MS 30000
 #define DP_HANDSHAKE_TIMEOUT_MS 3000
+#define DP_ACCEPT_HANDSHAKES 16   /* handshakes one dp_tcp_accept runs at once */
 
 /* ---- TCP ---- */
 
@@ -130,11 +131,14 @@ uint16_t dp_listener_port(const dp_listener *l);
 int dp_listener_fd(const dp_listener *l);
 void dp_listener_close(dp_listener *l);
 
-/* Accepts one connection and runs the handshake (hello, then mutual HMAC proof) within
- * timeout_ms for both, the handshake itself within DP_HANDSHAKE_TIMEOUT_MS of the accept (a
- * connection that stays silent is dropped then, and the caller accepts again). A peer with the wrong secret: STRATA_EINVAL "data plane: peer ... failed
- * authentication", the connection is closed and the listener stays usable (call again). No
- * connection within the timeout: STRATA_EIO "... timed out". */
+/* Accepts connections arriving within timeout_ms (< 0: no limit; 0: those already pending) and
+ * runs their handshakes (hello, then mutual HMAC proof) concurrently, up to
+ * DP_ACCEPT_HANDSHAKES at a time, each within DP_HANDSHAKE_TIMEOUT_MS of its accept (also past
+ * timeout_ms): silent or slow strangers cannot keep the real peer waiting behind them. Returns
+ * the first connection that authenticates (the others are dropped). When the handshakes under
+ * way have all failed and none succeeded, the last failure: a peer with the wrong secret is
+ * STRATA_EINVAL "data plane: peer ... failed authentication"; the listener stays usable (call
+ * again). No connection within the timeout: STRATA_EIO "... timed out". */
 int dp_tcp_accept(dp_listener *l, const dp_auth *auth, const dp_options *opts, int timeout_ms,
                   dp_link **out, strata_error *err);
 

@@ -8,6 +8,9 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -541,6 +544,50 @@ void dp_listener_close(dp_listener *l)
     free(l);
 }
 
+/* One accepted connection's handshake, run on its own thread so that a peer that stays silent
+ * (or trickles its hello) does not hold the listener: a stranger without the secret could
+ * otherwise keep the real peer waiting in the backlog, 3 s per connection. */
+typedef struct hs_job {
+    pthread_t thread;
+    int fd;
+    const dp_auth *auth;
+    const dp_options *opts;
+    int64_t deadline;
+    dp_link *link;
+    int rc;
+    strata_error err;
+    atomic_bool done;
+} hs_job;
+
+static void *run_handshake(void *arg)
+{
+    hs_job *j = arg;
+    j->rc = make_link(j->fd, ROLE_ACCEPTOR, j->auth, j->opts, j->deadline, &j->link, &j->err);
+    atomic_store(&j->done, true);
+    return NULL;
+}
+
+/* Starts j's handshake on a thread with every signal blocked (signals stay with the caller's
+ * thread, whose waits they must interrupt). Runs it here when no thread can be had. */
+static void start_handshake(hs_job *j)
+{
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    const bool started = pthread_create(&j->thread, NULL, run_handshake, j) == 0;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (!started) {
+        run_handshake(j);
+        j->thread = pthread_self();
+    }
+}
+
+static void finish_handshake(hs_job *j)
+{
+    if (!pthread_equal(j->thread, pthread_self()))
+        pthread_join(j->thread, NULL);
+}
+
 int dp_tcp_accept(dp_listener *l, const dp_auth *auth, const dp_options *opts, int timeout_ms,
                   dp_link **out, strata_error *err)
 {
@@ -550,28 +597,85 @@ int dp_tcp_accept(dp_listener *l, const dp_auth *auth, const dp_options *opts, i
     int rc = check_auth(auth, err);
     if (rc != STRATA_OK)
         return rc;
-    int64_t deadline = dp_deadline(timeout_ms);
-    int fd;
-    for (;;) {
-        fd = accept4(l->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd >= 0)
-            break;
-        if (errno == EINTR || errno == ECONNABORTED)
-            continue;
-        if (errno != EAGAIN && errno != EWOULDBLOCK)
-            return strata_fail(err, STRATA_EIO, "data plane: accept on %s failed: %s", l->addr, strerror(errno));
-        int w = wait_fd(l->fd, POLLIN, deadline);
-        if (w == 0)
+    const int64_t deadline = dp_deadline(timeout_ms);
+    /* Slots stay put while their threads run (a thread writes its result into its slot). */
+    hs_job jobs[DP_ACCEPT_HANDSHAKES];
+    bool busy[DP_ACCEPT_HANDSHAKES] = {false};
+    size_t n_jobs = 0;
+    dp_link *won = NULL;
+    int failed = STRATA_OK;   /* the last failed handshake's code, its message in err */
+    for (bool first = true;; first = false) {
+        /* Collect finished handshakes: the first authenticated one is the link. */
+        for (size_t k = 0; k < DP_ACCEPT_HANDSHAKES; k++) {
+            if (!busy[k] || !atomic_load(&jobs[k].done))
+                continue;
+            finish_handshake(&jobs[k]);
+            busy[k] = false;
+            n_jobs--;
+            if (jobs[k].rc == STRATA_OK && !won) {
+                won = jobs[k].link;
+            } else if (jobs[k].rc == STRATA_OK) {
+                dp_link_close(jobs[k].link);
+            } else {
+                failed = jobs[k].rc;
+                if (err)
+                    *err = jobs[k].err;
+            }
+        }
+        if (won) {
+            /* The others fail at once: their sockets see the end of the stream. */
+            for (size_t k = 0; k < DP_ACCEPT_HANDSHAKES; k++)
+                if (busy[k])
+                    shutdown(jobs[k].fd, SHUT_RDWR);
+            for (size_t k = 0; k < DP_ACCEPT_HANDSHAKES; k++) {
+                if (!busy[k])
+                    continue;
+                finish_handshake(&jobs[k]);
+                if (jobs[k].rc == STRATA_OK)
+                    dp_link_close(jobs[k].link);
+            }
+            *out = won;
+            return STRATA_OK;
+        }
+        if (failed != STRATA_OK && n_jobs == 0)
+            return failed;   /* the caller decides whether to accept again */
+        /* The first pass takes what is pending even with no time left (timeout 0). */
+        const bool open = first || deadline < 0 || dp_now_ms() < deadline;
+        if (!open && n_jobs == 0)
             return strata_fail(err, STRATA_EIO, "data plane: accept on %s timed out after %d ms", l->addr,
                                timeout_ms);
-        if (w < 0)
+        /* Wait a little for a new connection (or for a handshake to end). */
+        struct pollfd pfd = {.fd = l->fd, .events = POLLIN};
+        const bool take = open && n_jobs < DP_ACCEPT_HANDSHAKES;
+        int wait_ms = n_jobs ? 10 : 100;
+        if (take && deadline >= 0 && deadline - dp_now_ms() < wait_ms)
+            wait_ms = (int)(deadline - dp_now_ms() > 0 ? deadline - dp_now_ms() : 0);
+        int w = take ? poll(&pfd, 1, wait_ms) : (poll(NULL, 0, wait_ms), 0);
+        if (w < 0 && errno != EINTR && n_jobs == 0)
             return strata_fail(err, STRATA_EIO, "data plane: poll on %s failed: %s", l->addr, strerror(errno));
+        /* Every connection pending now, each handshake with its own deadline whatever the
+         * caller's window: timeout_ms bounds the wait for connections, not a handshake. */
+        for (size_t k = 0; w > 0 && take && k < DP_ACCEPT_HANDSHAKES; k++) {
+            if (busy[k])
+                continue;
+            int fd = accept4(l->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+            if (fd < 0 && (errno == EINTR || errno == ECONNABORTED)) {
+                k--;   /* this slot is still free: try again */
+                continue;
+            }
+            if (fd < 0) {
+                if (errno != EAGAIN && errno != EWOULDBLOCK && n_jobs == 0)
+                    return strata_fail(err, STRATA_EIO, "data plane: accept on %s failed: %s", l->addr,
+                                       strerror(errno));
+                break;
+            }
+            jobs[k] = (hs_job){.fd = fd, .auth = auth, .opts = opts, .deadline = dp_deadline(DP_HANDSHAKE_TIMEOUT_MS)};
+            atomic_init(&jobs[k].done, false);
+            busy[k] = true;
+            n_jobs++;
+            start_handshake(&jobs[k]);
+        }
     }
-    /* The handshake has its own short deadline: a connection that sends nothing (a port probe, a
-     * stranger without the secret) must not hold the listener for the caller's whole window,
-     * during which the real peer waits in the backlog. */
-    const int64_t handshake = dp_deadline(DP_HANDSHAKE_TIMEOUT_MS);
-    return make_link(fd, ROLE_ACCEPTOR, auth, opts, handshake < deadline ? handshake : deadline, out, err);
 }
 
 /* Non-blocking connect to one address within deadline. Returns the socket or -1 with *e set. */
