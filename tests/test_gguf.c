@@ -46,8 +46,10 @@ static float expected_value(int t, int i)
     case 1: return (float)i * 0.25f - 1.0f;
     case 2: return (float)i * 2.0f - 16.0f;
     case 3: return 0.5f * (float)(i - 16);                   /* d = 0.5, q = i - 16 */
-    case 4: return 0.25f * (float)((i % 16) - 8);            /* d = 0.25, q = i % 16 */
-    case 5: return 2.0f * (float)(i % 16) + 1.5f;            /* d = 2, m = 1.5 */
+    /* ggml's 4-bit blocks: byte j holds element j in its low nibble and element j + 16 in its
+     * high one. The halves differ here (q = i, then 31 - i), so a decoder that swaps them fails. */
+    case 4: return 0.25f * (float)((i < 16 ? i : 31 - i) - 8);   /* d = 0.25 */
+    case 5: return 2.0f * (float)(i < 16 ? i : 31 - i) + 1.5f;   /* d = 2, m = 1.5 */
     default: return 0.0f;
     }
 }
@@ -64,12 +66,12 @@ static void put_tensor_data(buf *b, int t)
         break;
     case 4:
         put_u16(b, 0x3400); /* 0.25 */
-        for (int j = 0; j < 16; j++) { uint8_t q = (uint8_t)((j % 16) | (((j + 16) % 16) << 4)); put(b, &q, 1); }
+        for (int j = 0; j < 16; j++) { uint8_t q = (uint8_t)(j | ((15 - j) << 4)); put(b, &q, 1); }
         break;
     case 5:
         put_u16(b, 0x4000); /* 2.0 */
         put_u16(b, 0x3e00); /* 1.5 */
-        for (int j = 0; j < 16; j++) { uint8_t q = (uint8_t)(j | (j << 4)); put(b, &q, 1); }
+        for (int j = 0; j < 16; j++) { uint8_t q = (uint8_t)(j | ((15 - j) << 4)); put(b, &q, 1); }
         break;
     }
 }
