@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PACKAGES=(build-essential cmake pkg-config python3 python3-pip unzip
+PACKAGES=(build-essential cmake pkg-config python3 python3-pip unzip curl
           libopenblas-dev libutf8proc-dev libcmocka-dev
           libgrpc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libyaml-dev libjansson-dev
           python3-grpcio python3-protobuf protobuf-compiler libssl-dev)

@@ -59,10 +59,10 @@ static void usage(FILE *out, const char *prog, bool local)
     fprintf(out, "usage: %s [options]\n\n", prog);
     if (local)
         fprintf(out, "Starts a coordinator and its local CPU workers (replicas x stages processes of strata-worker)\n"
-                     "and serves the public gRPC API (proto/strata.proto). Ctrl-C or SIGTERM drains and stops.\n\n");
+                     "and serves the public gRPC API (proto/strata.proto). Ctrl-C, SIGTERM or SIGHUP drains and stops.\n\n");
     else
         fprintf(out, "The coordinator: serves the public gRPC API and waits for replicas x stages workers to join\n"
-                     "its control endpoint with the cluster secret. SIGTERM drains and stops.\n\n");
+                     "its control endpoint with the cluster secret. SIGTERM, SIGINT or SIGHUP drains and stops.\n\n");
     fprintf(out,
             "  --config FILE           JSON object whose keys are these options' names with '_' for '-'\n"
             "                          (\"max_seqs\": 16, \"quiet\": true); flags override it\n"
@@ -120,7 +120,8 @@ static void usage(FILE *out, const char *prog, bool local)
             "  --tls-cert FILE         TLS certificate chain (PEM) for the public API; with --tls-key\n"
             "  --tls-key FILE          its private key (PEM)\n"
             "  --token-file FILE       bearer token every API call must carry (authorization: Bearer ...)\n"
-            "  --drain-seconds N       on SIGTERM, let running requests finish for up to N s (default 30)\n"
+            "  --drain-seconds N       on SIGTERM (or SIGINT, SIGHUP), let running requests finish for up to\n"
+            "                          N s (default 30)\n"
             "  --ready-timeout N       %s (default %s)\n"
             "  --step-timeout N        a worker that has not answered a step or a migration in N s is\n"
             "                          ended as lost (a hung device: its process alive, so keepalive\n"
@@ -138,7 +139,7 @@ static void usage(FILE *out, const char *prog, bool local)
             "                          restarted) and go on there; then they end with UNAVAILABLE\n"
             "                          (default 60; 0: at once; new requests meanwhile get\n"
             "                          UNAVAILABLE)\n"
-            "  -q, --quiet             only errors on stderr\n"
+            "  -q, --quiet             only errors and the ready line on stderr\n"
             "  -h, --help              this help\n",
             local ? "give up when the workers are not ready after N s (or a worker exited twice before)" : "report progress while waiting for workers every N s",
             local ? "300" : "30");
