@@ -269,6 +269,9 @@ static int accept_peer(dp_listener *l, const dp_auth *auth, const dp_options *op
         if (rc == STRATA_OK || mono_seconds() >= deadline)
             return rc;
         fprintf(stderr, "strata-worker: data plane: ignored a connection while waiting for %s: %s\n", who, err->msg);
+        /* An accept that fails at once (out of descriptors) must not spin for the whole window. */
+        const struct timespec pause = {0, 50 * 1000 * 1000};
+        nanosleep(&pause, NULL);
     }
 }
 

@@ -78,9 +78,11 @@ struct ctl_client {
 
 static gpr_timespec deadline_ms(int timeout_ms)
 {
+    /* Monotonic: a wall-clock step must not stretch or cut a wait. (Deadlines are compared with
+     * one another: one clock for all of them.) */
     if (timeout_ms < 0)
-        return gpr_inf_future(GPR_CLOCK_REALTIME);
-    return gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
+        return gpr_inf_future(GPR_CLOCK_MONOTONIC);
+    return gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC), gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
 }
 
 static bool is_inf(gpr_timespec t)
