@@ -35,7 +35,15 @@ int cli_kv_resolve(const char *cmd, const char *kv, const cli_kv_opts *o, const 
     else
         rc = kv_plan_parse(kv, g->n_layers, out, &err);
     if (rc) {
-        fprintf(stderr, "strata %s: %s: %s\n", cmd, what, err.msg);
+        /* A name that looks like a path (a slash, or a plan file's extension) is a plan file that
+         * is not there, not an unknown codec. */
+        const size_t n = strlen(kv);
+        const bool path_like = strchr(kv, '/') || (n > 4 && !strcmp(kv + n - 4, ".txt")) ||
+                               (n > 5 && !strcmp(kv + n - 5, ".plan"));
+        if (!o->plan_file && path_like)
+            fprintf(stderr, "strata %s: --kv %s: no such plan file (or not a regular file)\n", cmd, kv);
+        else
+            fprintf(stderr, "strata %s: %s: %s\n", cmd, what, err.msg);
         return EXIT_USAGE;
     }
     /* Whether the plan is one codec, decided before the flags below change it (naming "layer 0"

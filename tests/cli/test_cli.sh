@@ -191,6 +191,9 @@ assert r[3]["plan"].endswith(",28:gear2-g16-r96-i2,29:gear4-g16-r96-i2") and len
 PY
 expect 0 "kv cache (0-1:gear4-g16-r96-i2,.*,29:gear4-g16-r96-i2, 30 layers)" "$strata" generate -p hi -n 2 --kv "$long" --stats --no-echo
 
+# A mistyped plan file's path is a missing file, not an unknown codec.
+expect 2 "--kv $tmp/no-such-plan.txt: no such plan file" "$strata" generate -p hi -n 1 --kv "$tmp/no-such-plan.txt"
+
 # eval out of KV room says which flags give it more, as generate does.
 expect 1 "give the KV cache more room: a larger --device-kv-mib, or a tier below it" \
   "$strata" eval --text "$tmp/text.txt" --prefill 200 --tokens 2 --kv kivi2 --device-kv-mib 0.5 -q
