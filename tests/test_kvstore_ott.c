@@ -395,6 +395,19 @@ static void restamp(uint8_t *b)
     memcpy(b + 60, &hc, 4);
 }
 
+/* The CPU attention kernel refuses the one-block layer blk as malformed. */
+static void attention_refuses(const uint8_t *blk, size_t written)
+{
+    kv_layer_view view = {.layer = 0, .n_kv_heads = NKV, .head_dim = D, .block_tokens = BT, .n_blocks = 1,
+                          .blocks = (const uint8_t *const *)&blk, .block_bytes = written};
+    float q[NQ * D] = {0}, out[NQ * D];
+    void *scratch = aligned_alloc(64, (kern_kv_attention_scratch(&view, NQ) + 63) & ~(size_t)63);
+    assert_non_null(scratch);
+    strata_error err = {0};
+    assert_int_equal(kern_kv_attention(&view, q, NQ, out, scratch, &err), STRATA_EFORMAT);
+    free(scratch);
+}
+
 static void test_malformed_entries_rejected(void **state)
 {
     (void)state;
@@ -435,12 +448,7 @@ static void test_malformed_entries_rejected(void **state)
         memset(&err, 0, sizeof err);
         if (kv_block_decode(&b, dk, dv, &err) != STRATA_EFORMAT)
             fail_msg("%s: decode accepted a bad entry", cases[i].why);
-        kv_layer_view view = {.layer = 0, .n_kv_heads = NKV, .head_dim = D, .block_tokens = BT, .n_blocks = 1,
-                              .blocks = (const uint8_t *const *)&blk, .block_bytes = written};
-        float q[NQ * D] = {0}, out[NQ * D];
-        void *scratch = aligned_alloc(64, (kern_kv_attention_scratch(&view, NQ) + 63) & ~(size_t)63);
-        assert_int_equal(kern_kv_attention(&view, q, NQ, out, scratch, &err), STRATA_EFORMAT);
-        free(scratch);
+        attention_refuses(blk, written);
         memcpy(sec, saved, 8);
         restamp(blk);
     }
@@ -456,12 +464,7 @@ static void test_malformed_entries_rejected(void **state)
     memset(&err, 0, sizeof err);
     assert_int_equal(kv_block_decode(&b, dk, dv, &err), STRATA_EFORMAT);
     assert_non_null(strstr(err.msg, "does not dequantize to 0"));
-    kv_layer_view view = {.layer = 0, .n_kv_heads = NKV, .head_dim = D, .block_tokens = BT, .n_blocks = 1,
-                          .blocks = (const uint8_t *const *)&blk, .block_bytes = written};
-    float q[NQ * D] = {0}, out[NQ * D];
-    void *scratch = aligned_alloc(64, (kern_kv_attention_scratch(&view, NQ) + 63) & ~(size_t)63);
-    assert_int_equal(kern_kv_attention(&view, q, NQ, out, scratch, &err), STRATA_EFORMAT);
-    free(scratch);
+    attention_refuses(blk, written);
     free(blk);
     free(k);
     free(v);
