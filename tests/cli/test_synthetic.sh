@@ -188,6 +188,33 @@ for sig in TERM HUP; do
   grep -q "stopped by a signal while reaching the coordinator" "$tmp/wait.err" ||
     fail "SIG$sig while connecting: $(cat "$tmp/wait.err")"
 done
+# Stopped while it waits on the data plane for its pipeline neighbour (stage 0 joined, then froze
+# before connecting): it leaves within a fraction of a second, not when its 60 s window ends.
+"$(dirname "$strata")/strata-coordinator" --secret-file "$tmp/secret" --listen 127.0.0.1:0 --control 127.0.0.1:0 \
+  --replicas 1 --stages 2 --model synthetic:tiny 2>"$tmp/dp-coord.err" &
+dp_coord=$!
+dp_port=
+for _ in $(seq 300); do
+  dp_port=$(sed -n 's/.*(control port \([0-9]*\)).*/\1/p' "$tmp/dp-coord.err" 2>/dev/null || true)
+  [[ -n $dp_port ]] && break
+  sleep 0.1
+done
+"$worker" --coordinator "127.0.0.1:$dp_port" --secret-file "$tmp/secret" --name dp0 2>"$tmp/dp0.err" &
+dp0=$!
+for _ in $(seq 300); do grep -q "worker dp0 joined" "$tmp/dp-coord.err" && break; sleep 0.1; done
+kill -STOP "$dp0"
+"$worker" --coordinator "127.0.0.1:$dp_port" --secret-file "$tmp/secret" --name dp1 2>"$tmp/dp1.err" &
+dp1=$!
+for _ in $(seq 300); do grep -q "stage 1/2" "$tmp/dp1.err" && break; sleep 0.1; done
+sleep 1   # in its accept by now
+kill -TERM "$dp1"
+stopped_at=$SECONDS
+wait "$dp1" && fail "a worker stopped while waiting for its neighbour exited 0"
+(( SECONDS - stopped_at <= 5 )) || fail "a worker took $((SECONDS - stopped_at)) s to stop while waiting on the data plane"
+grep -q "stopped by a signal while waiting for stage 0" "$tmp/dp1.err" ||
+  fail "SIGTERM while waiting on the data plane: $(cat "$tmp/dp1.err")"
+kill -CONT "$dp0"; kill -TERM "$dp0" "$dp_coord" 2>/dev/null || true
+wait "$dp0" "$dp_coord" 2>/dev/null || true
 expect 2 "has 257 bytes; it must have 16 to 256" timeout 60 "$(dirname "$strata")/strata-coordinator" \
   --secret-file "$tmp/secret257" --listen 127.0.0.1:0 --control 127.0.0.1:0 --model synthetic:tiny
 # An abbreviated --config (getopt takes --conf) was skipped: the server started on its defaults.
