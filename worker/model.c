@@ -30,6 +30,9 @@ struct model {
     tokenizer *tok;
     size_t weight_bytes;
     bool for_device;         /* model_load_for_device: layers and head stay in src */
+    model_progress_fn progress;   /* model_set_progress */
+    void *progress_ctx;
+    size_t progress_min_tokens;
     struct model_source *src;   /* kept open for model_tensor_get (for_device only) */
 };
 
@@ -519,6 +522,13 @@ model *model_load_for_device(const char *path, int layer_begin, int layer_end, s
 
 bool model_is_for_device(const model *m) { return m->for_device; }
 
+void model_set_progress(model *m, model_progress_fn fn, void *ctx, size_t min_tokens)
+{
+    m->progress = fn;
+    m->progress_ctx = ctx;
+    m->progress_min_tokens = min_tokens;
+}
+
 int model_tensor_get(const model *m, model_tensor_role role, int layer, model_tensor *out, strata_error *err)
 {
     if (!m || !out || !m->for_device)
@@ -741,8 +751,11 @@ int model_forward(model *m, kv_seq *seq, const int32_t *tokens, size_t n, size_t
     if (rc != STRATA_OK)
         return rc;
     model_embed_tokens(m, tokens, n, w.x);
-    for (int il = 0; il < c->n_layers && rc == STRATA_OK; il++)
+    for (int il = 0; il < c->n_layers && rc == STRATA_OK; il++) {
         rc = run_layer_batch(m, &item, 1, il, &w, n, err);
+        if (rc == STRATA_OK && m->progress && n >= m->progress_min_tokens)
+            m->progress(m->progress_ctx, il + 1, c->n_layers, n);
+    }
     if (rc == STRATA_OK && logits)
         rc = run_head(m, w.x + (all_logits ? 0 : (n - 1) * e), all_logits ? n : 1, w.xn, logits, err);
     workspace_free(&w);

@@ -152,6 +152,11 @@ kv_geometry model_stage_kv_geometry(const model *m, int block_tokens);
  * logit (a model whose weights overflow fp32) fails the call with STRATA_EFORMAT.
  * On failure (e.g. STRATA_EFULL from the block pool) the layers of seq may hold different
  * lengths: the caller discards the sequence. */
+/* Called by model_forward after each layer of a call of at least min_tokens tokens (a long
+ * prefill takes minutes on a CPU): layers_done of n_layers, for n_tokens. NULL fn: none. */
+typedef void (*model_progress_fn)(void *ctx, int layers_done, int n_layers, size_t n_tokens);
+void model_set_progress(model *m, model_progress_fn fn, void *ctx, size_t min_tokens);
+
 int model_forward(model *m, kv_seq *seq, const int32_t *tokens, size_t n, size_t pos0,
                   float *logits, bool all_logits, strata_error *err);
 

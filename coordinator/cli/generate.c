@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <time.h>
 
 #include "coordinator/cli/cli.h"
@@ -331,6 +332,32 @@ static char *read_stdin(size_t *out_len, int *read_errno)
     return buf;
 }
 
+/* Progress of a long prefill (minutes on a CPU): a line rewritten per layer on a terminal, else
+ * one at each quarter. */
+typedef struct prefill_progress {
+    bool tty;
+    double t0;
+    int last_quarter;
+} prefill_progress;
+
+static void show_prefill_progress(void *ctx, int done, int n_layers, size_t n_tokens)
+{
+    prefill_progress *p = ctx;
+    const double el = cli_now_seconds() - p->t0;
+    if (p->tty) {
+        fprintf(stderr, "\rstrata: prefill of %zu tokens: layer %d of %d, %.0f s", n_tokens, done, n_layers, el);
+        if (done == n_layers)
+            fputc('\n', stderr);
+        return;
+    }
+    const int quarter = done * 4 / n_layers;
+    if (quarter > p->last_quarter) {
+        p->last_quarter = quarter;
+        fprintf(stderr, "strata: prefill of %zu tokens: %d%% (%d of %d layers), %.0f s\n", n_tokens, quarter * 25, done,
+                n_layers, el);
+    }
+}
+
 static int print_text(void *user, const char *text, size_t len)
 {
     (void)user;
@@ -552,7 +579,11 @@ int cmd_generate(int argc, char **argv)
                           .n_stop = o.n_stop, .ignore_eos = o.ignore_eos};
     if (!o.chat && !o.no_echo)
         print_text(NULL, o.prompt, strlen(o.prompt));
+    prefill_progress pp = {.tty = isatty(fileno(stderr)), .t0 = cli_now_seconds()};
+    if (!o.quiet)
+        model_set_progress(m, show_prefill_progress, &pp, 512);
     rc = generate_run(m, seq, ctx, prompt, n_prompt, &gp, print_text, NULL, &result, &err);
+    model_set_progress(m, NULL, NULL, 0);
     printf("\n");
     fflush(stdout);
     if (rc != STRATA_OK) {

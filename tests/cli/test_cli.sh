@@ -191,6 +191,12 @@ assert r[3]["plan"].endswith(",28:gear2-g16-r96-i2,29:gear4-g16-r96-i2") and len
 PY
 expect 0 "kv cache (0-1:gear4-g16-r96-i2,.*,29:gear4-g16-r96-i2, 30 layers)" "$strata" generate -p hi -n 2 --kv "$long" --stats --no-echo
 
+# A long prefill reports its progress (it takes minutes on a CPU; nothing showed before), not with -q.
+head -c 5000 "$here/docs/decisions.md" >"$tmp/long.txt"
+expect 0 "strata: prefill of [0-9]* tokens: 100% (30 of 30 layers)" "$strata" generate -p - -n 1 --no-echo <"$tmp/long.txt"
+"$strata" generate -p - -n 1 --no-echo -q <"$tmp/long.txt" >/dev/null 2>"$tmp/err"
+grep -q "prefill of" "$tmp/err" && fail "-q printed prefill progress"
+
 # A mistyped plan file's path is a missing file, not an unknown codec.
 expect 2 "--kv $tmp/no-such-plan.txt: no such plan file" "$strata" generate -p hi -n 1 --kv "$tmp/no-such-plan.txt"
 
