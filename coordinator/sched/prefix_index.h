@@ -89,8 +89,10 @@ int prefix_index_replica(const prefix_index *x, uint64_t entry);
 typedef struct prefix_index_stats {
     size_t entries;
     uint64_t bytes;           /* summed over the entries */
-    uint64_t hits;            /* pins (requests started from an entry) */
-    uint64_t hit_tokens;      /* tokens those requests did not prefill */
+    uint64_t hits;            /* pins: requests meant to start from an entry (one that an idle
+                               * replica then takes starts from 0 and still counts; the
+                               * coordinator's metrics count the copies made) */
+    uint64_t hit_tokens;      /* tokens those pins covered */
     uint64_t inserts;         /* offers answered keep = true */
     uint64_t evictions;       /* entries evicted (LRU or redundant) or removed */
 } prefix_index_stats;
