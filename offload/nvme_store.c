@@ -676,22 +676,15 @@ static void ring_abandon(nvme_store *s, int e)
     if (s->ring_abandoned)
         return;
     s->ring_abandoned = true;
+    /* Every operation in flight (a chunk's buffer, a slab's fdatasync) whose completion is not
+     * queued already is one the kernel holds. */
     unsigned kernel = s->k_inflight - s->scq_n;
-    for (unsigned b = 0; b < s->n_bufs && kernel > 0; b++) {
-        bool queued = false;
-        for (unsigned q = 0; q < s->scq_n && !queued; q++)
-            queued = s->scq[(s->scq_head + q) % s->scq_cap].ud == b;
-        if (s->ops[b].busy && !queued) {
-            scq_push(s, b, RING_FAILED_RES);
-            kernel--;
-        }
-    }
-    for (uint32_t k = 0; k < s->n_slabs && kernel > 0; k++) {
-        const uint64_t ud = (uint64_t)s->n_bufs + k;
+    for (uint64_t ud = 0; ud < (uint64_t)s->n_bufs + s->n_slabs && kernel > 0; ud++) {
+        const bool inflight = ud < s->n_bufs ? s->ops[ud].busy : s->slabs[ud - s->n_bufs].sync_inflight;
         bool queued = false;
         for (unsigned q = 0; q < s->scq_n && !queued; q++)
             queued = s->scq[(s->scq_head + q) % s->scq_cap].ud == ud;
-        if (s->slabs[k].sync_inflight && !queued) {
+        if (inflight && !queued) {
             scq_push(s, ud, RING_FAILED_RES);
             kernel--;
         }
