@@ -145,6 +145,9 @@ static void test_list(void **state)
     plan_bad(&s, 32, 2, NULL, "add up to 30, but the model has 32 layers");
     parse_ok("4294967295,4294967295", &s);   /* the sum does not wrap */
     plan_bad(&s, 30, 2, NULL, "add up to 8589934590,");
+    /* A spec built in code, not parsed: an empty stage adding up to the model is still refused. */
+    layer_split_spec built = {.mode = LAYER_SPLIT_LIST, .n_counts = 3, .counts = {15, 0, 15}};
+    plan_bad(&built, 30, 3, NULL, "stage 1 has 0 layers");
 }
 
 /* The exhaustive reference: every way to cut n layers into k non-empty runs. */

@@ -98,8 +98,11 @@ int layer_split_plan(const layer_split_spec *spec, uint32_t n_layers, uint32_t s
     if (spec->n_counts != stages)
         return strata_fail(err, STRATA_EINVAL, "the layer counts name %u stages, but there are %u", spec->n_counts, stages);
     uint64_t total = 0;
-    for (uint32_t s = 0; s < stages; s++)
+    for (uint32_t s = 0; s < stages; s++) {
+        if (spec->counts[s] == 0)   /* layer_split_parse refuses it too; a spec built in code may not */
+            return strata_fail(err, STRATA_EINVAL, "stage %u has 0 layers: every stage needs at least 1", s);
         total += spec->counts[s];
+    }
     if (total != n_layers)
         return strata_fail(err, STRATA_EINVAL, "the layer counts add up to %llu, but the model has %u layers",
                            (unsigned long long)total, n_layers);
