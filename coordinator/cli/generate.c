@@ -37,7 +37,7 @@ static void usage(FILE *out)
             "                          %s),\n"
             "                          or synthetic:NAME[:seed=N] (random weights of a known shape:\n"
             "                          tiny, smollm2-135m, llama3.2-1b, llama2-7b, llama3-8b, llama3-70b)\n"
-            "  -p, --prompt TEXT       the prompt (required; '-' reads it from stdin)\n"
+            "  -p, --prompt TEXT       the prompt (required; '-' reads it from stdin, up to 64 MiB)\n"
             "      --chat              wrap the prompt in the model's chat template as a user turn\n"
             "      --system TEXT       system message for --chat (default: the template's own)\n"
             "sampling:\n"
@@ -299,8 +299,13 @@ static double now_seconds(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* All of stdin; NULL with *read_errno 0 when out of memory, else with the read's errno (EISDIR
- * when stdin is a folder). */
+/* A prompt read from stdin longer than this is refused: it is far beyond any model's context
+ * (a 1M-token context is about 4 MiB of English), and reading on would only fill memory
+ * (`strata generate -p - < /dev/zero`). */
+#define STDIN_PROMPT_MAX_BYTES ((size_t)64 << 20)
+
+/* All of stdin; NULL with *read_errno 0 when out of memory, EFBIG past STDIN_PROMPT_MAX_BYTES,
+ * else with the read's errno (EISDIR when stdin is a folder). */
 static char *read_stdin(size_t *out_len, int *read_errno)
 {
     *read_errno = 0;
@@ -311,6 +316,11 @@ static char *read_stdin(size_t *out_len, int *read_errno)
         len += got;
         if (got == 0)
             break;
+        if (len > STDIN_PROMPT_MAX_BYTES) {
+            free(buf);
+            *read_errno = EFBIG;
+            return NULL;
+        }
         if (len + 1 == cap) {
             char *grown = realloc(buf, cap * 2);
             if (!grown) {
@@ -430,6 +440,11 @@ int cmd_generate(int argc, char **argv)
         int read_errno;
         stdin_prompt = read_stdin(&prompt_len, &read_errno);
         if (!stdin_prompt) {
+            if (read_errno == EFBIG) {
+                fprintf(stderr, "strata generate: the prompt read from stdin is over %zu MiB, beyond any model's "
+                        "context\n", STDIN_PROMPT_MAX_BYTES >> 20);
+                return EXIT_USAGE;
+            }
             if (read_errno) {   /* a folder is the user's mistake; an I/O error is not */
                 fprintf(stderr, "strata generate: reading the prompt from stdin: %s\n", strerror(read_errno));
                 return read_errno == EISDIR ? EXIT_USAGE : EXIT_RUNTIME;

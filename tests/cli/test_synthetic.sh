@@ -69,6 +69,7 @@ expect 2 "port in 1..65535" "$strata" generate --server 127.0.0.1 --prompt hi
 syn=("$strata" generate --model synthetic:tiny:seed=4 -n 1 -q)
 expect 2 "the prompt read from stdin contains a NUL byte" bash -c 'printf "ab\0cd" | "$@"' _ "${syn[@]}" -p -
 expect 2 "the prompt read from stdin is empty" bash -c ': | "$@"' _ "${syn[@]}" -p -
+expect 2 "the prompt read from stdin is over 64 MiB" bash -c 'head -c 70000000 /dev/zero | tr "\\0" a | "$@"' _ "${syn[@]}" -p -
 expect 2 "reading the prompt from stdin: Is a directory" bash -c 'dir=$1; shift; "$@" < "$dir"' _ "$tmp" "${syn[@]}" -p -
 expect 2 "the prompt is not valid UTF-8" "${syn[@]}" -p $'\xc3\x28'
 expect 2 "the prompt is not valid UTF-8" bash -c 'printf "\xff" | "$@"' _ "${syn[@]}" -p -
