@@ -170,6 +170,10 @@ typedef struct kv_lower_tier {
     bool get_takes_room;
 } kv_lower_tier;
 
+/* A block of block_bytes as the tiers below store it and as room checks count it: whole 4 KiB
+ * pages (host arena extents, NVMe slab extents). 0 for 0. */
+size_t kv_lower_unit_bytes(size_t block_bytes);
+
 /* One room check's answer from a lower tier, asked at most once per check and block size (the
  * tier may walk its blocks to answer; nothing changes during a check). Zero-initialize. */
 typedef struct kv_lower_room {

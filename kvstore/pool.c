@@ -1086,7 +1086,7 @@ static size_t region_unit(const kv_slabs *b, size_t *max_per)
     size_t unit = 0;
     *max_per = 1;
     for (int c = 0; c < kv_slabs_n_classes(b); c++) {
-        const size_t per = kv_slabs_per_slab(b, c), u = (kv_slabs_slot_bytes(b, c) + 4095) / 4096 * 4096;
+        const size_t per = kv_slabs_per_slab(b, c), u = kv_lower_unit_bytes(kv_slabs_slot_bytes(b, c));
         *max_per = per > *max_per ? per : *max_per;
         unit = u > unit ? u : unit;
     }
@@ -1129,6 +1129,11 @@ static void region_below(kv_room *room, int r, size_t *puts, size_t *fetches, si
     const size_t dirty = region_dirty(room, r) + made;
     *puts = (evicted < dirty ? evicted : dirty) * unit;
     *fetches = (touch - made) * fetch_cost * unit;
+}
+
+size_t kv_lower_unit_bytes(size_t block_bytes)
+{
+    return (block_bytes + 4095) / 4096 * 4096;   /* blocks are far below SIZE_MAX (kv_block_size) */
 }
 
 bool kv_lower_room_fits(const kv_lower_tier *lower, kv_lower_room *cache, size_t unit, size_t puts, size_t fetches)

@@ -480,7 +480,7 @@ static void below_bytes(device_room *r, size_t touch, size_t fetch, size_t made,
                         size_t *unit_out)
 {
     const device_pool *p = r->pool;
-    const size_t unit = (p->slot_bytes + 4095) / 4096 * 4096, fetch_cost = p->lower.get_takes_room ? 1 : 0;
+    const size_t unit = kv_lower_unit_bytes(p->slot_bytes), fetch_cost = p->lower.get_takes_room ? 1 : 0;
     *unit_out = unit;
     if (fetch + made <= p->n_free) {
         *puts = 0;

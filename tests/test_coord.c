@@ -890,9 +890,10 @@ static void test_failed_spill_ends_request(void **state)
 }
 
 /* Admission counts the larger of the host and NVMe tiers, not their sum (a worker's room check
- * counts on no more: offload/kv_tiers.c): 8 block rows on the device, 4 in host memory and 16 on
- * NVMe hold 8 + 90 % of 16 = 22 for one request; 24 are refused at once, where the sum (26)
- * admitted them to fail mid-stream; 22 run to the end. */
+ * counts on no more: offload/kv_tiers.c), and blocks below the device in whole 4 KiB pages: 8
+ * block rows on the device, 4 in host memory and 16 on NVMe (by bytes: fp16 blocks of 16 tokens,
+ * 12,416 bytes, in 16 KiB below) hold 8 + 12 = 20 for one request; 21 are refused at once, where
+ * the sum admitted 26 and counting bytes 22, to fail mid-stream; 20 run to the end. */
 static void test_tiers_counted_by_the_larger(void **state)
 {
     (void)state;
@@ -901,10 +902,10 @@ static void test_tiers_counted_by_the_larger(void **state)
     fake_start(&fx, "w0", MIG_OK);
     wait_ready(&fx);
     gen_job a;
-    gen_run_prompt(&a, fx.ch, 4, 24 * BLOCK_TOKENS - 4);
-    if (a.status != GRPC_STATUS_RESOURCE_EXHAUSTED || !strstr(a.details, "at most 22 blocks"))
-        fail_msg("24 blocks: status %d (%s), %d tokens", a.status, a.details, a.tokens);
-    gen_start_prompt(&a, fx.ch, 4, 22 * BLOCK_TOKENS - 4);
+    gen_run_prompt(&a, fx.ch, 4, 21 * BLOCK_TOKENS - 4);
+    if (a.status != GRPC_STATUS_RESOURCE_EXHAUSTED || !strstr(a.details, "at most 20 blocks"))
+        fail_msg("21 blocks: status %d (%s), %d tokens", a.status, a.details, a.tokens);
+    gen_start_prompt(&a, fx.ch, 4, 20 * BLOCK_TOKENS - 4);
     GEN_COMPLETE(&a, 30000);
     fixture_stop(&fx);
 }

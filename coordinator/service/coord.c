@@ -11,6 +11,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "coordinator/sched/kv_rows.h"
 #include "coordinator/sched/layer_split.h"
 #include "coordinator/sched/prefix_index.h"
 #include "coordinator/sched/scheduler.h"
@@ -399,13 +400,13 @@ static int split_layers(coord *c, strata_error *err)
     return STRATA_OK;
 }
 
-/* Block rows (one block of each of a stage's layers) replica stages hold on the device and in
- * all tiers: the smallest over the stages. The rules mirror worker/stage/stage.c: a layer's slot
- * holds the largest block of the plans a request may use there; with a tier below, the device
- * pool has slots of the largest of them shared by all layers. */
+/* Block rows replica stages hold on the device and in all tiers: the smallest over the stages,
+ * by the workers' rules (kv_rows.h). */
 static int replica_capacity(const coord *c, sched_replica_config *out, strata_error *err)
 {
-    size_t dev_min = SIZE_MAX, stream_min = SIZE_MAX, total_min = SIZE_MAX;
+    const kv_stage_budget budget = {.device_bytes = c->cfg.device_kv_bytes, .host_bytes = c->cfg.host_kv_bytes,
+                                    .nvme_bytes = c->cfg.nvme_kv_bytes};
+    *out = (sched_replica_config){.device_blocks = SIZE_MAX, .stream_blocks = SIZE_MAX, .total_blocks = SIZE_MAX};
     for (uint32_t s = 0; s < c->cfg.stages; s++) {
         uint32_t b = c->layer_begin[s], e = c->layer_begin[s + 1];
         kv_geometry g = {.n_layers = (int)(e - b), .n_kv_heads = c->mc.n_kv_heads, .head_dim = c->mc.head_dim,
@@ -413,37 +414,16 @@ static int replica_capacity(const coord *c, sched_replica_config *out, strata_er
         const kv_codec_params *stage_plans[COORD_MAX_PLANS];   /* each plan's layers of this stage */
         for (int i = 0; i < c->n_plans; i++)
             stage_plans[i] = c->plans[i] + b;
-        size_t row = kv_plans_row_bytes(&g, stage_plans, c->n_plans);
-        if (row == 0)
-            return strata_fail(err, STRATA_EINVAL, "the KV plan does not fit layers %u-%u", b, e - 1);
-        size_t dev, stream, total;
-        if (c->cfg.host_kv_bytes > 0) {
-            /* The workers' pools share slots of the plan's largest block among the stage's layers
-             * (kv_pool_create_shared, cuda_kv_pool_sizing). One layer of a sequence alone may
-             * take every slot but one: a GPU stage keeps one for the block forming. */
-            size_t slots = (size_t)(c->cfg.device_kv_bytes / kv_plans_largest_block(&g, stage_plans, c->n_plans));
-            dev = slots / (size_t)g.n_layers;
-            stream = slots > dev + 1 ? slots - 1 : dev;
-            /* The tiers below hold the larger of their budgets for sure, not the sum: making room
-             * in host memory moves blocks to NVMe, so a worker's room check counts the larger
-             * (offload/kv_tiers.c, lower_room), and admission reserves no more than it will take.
-             * The host arena and the slab files keep some bytes per block: count 90 %. */
-            const uint64_t below = c->cfg.host_kv_bytes > c->cfg.nvme_kv_bytes ? c->cfg.host_kv_bytes
-                                                                              : c->cfg.nvme_kv_bytes;
-            total = dev + (size_t)((double)below * 0.9 / (double)row);
-        } else {
-            dev = stream = total = (size_t)(c->cfg.device_kv_bytes / row);
+        sched_replica_config stage;
+        int rc = kv_stage_rows(&g, stage_plans, c->n_plans, &budget, &stage, err);
+        if (rc != STRATA_OK) {
+            strata_error_prefix(err, "stage %u (layers %u-%u)", s, b, e - 1);
+            return rc;
         }
-        if (dev == 0)
-            return strata_fail(err, STRATA_EINVAL, "a device KV budget of %" PRIu64 " bytes holds no block row of stage "
-                               "%u (layers %u-%u: %zu bytes)", c->cfg.device_kv_bytes, s, b, e - 1, row);
-        dev_min = dev < dev_min ? dev : dev_min;
-        stream_min = stream < stream_min ? stream : stream_min;
-        total_min = total < total_min ? total : total_min;
+        out->device_blocks = stage.device_blocks < out->device_blocks ? stage.device_blocks : out->device_blocks;
+        out->stream_blocks = stage.stream_blocks < out->stream_blocks ? stage.stream_blocks : out->stream_blocks;
+        out->total_blocks = stage.total_blocks < out->total_blocks ? stage.total_blocks : out->total_blocks;
     }
-    out->device_blocks = dev_min;
-    out->stream_blocks = stream_min;
-    out->total_blocks = total_min;
     return STRATA_OK;
 }
 
