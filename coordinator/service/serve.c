@@ -463,7 +463,10 @@ typedef struct local_worker {
 typedef struct supervisor {
     const char *prog;
     char bin[PATH_MAX];
-    char control[64], secret_path[PATH_MAX];
+    char control[300], secret_path[PATH_MAX];
+    /* The secret serve made (empty with --secret-file): written again when it was removed. */
+    char secret_dir[PATH_MAX], secret[CTL_SECRET_MAX_BYTES + 1];
+    size_t secret_len;
     const serve_opts *o;
     long threads;
     local_worker w[MAX_LOCAL_WORKERS];
@@ -471,6 +474,7 @@ typedef struct supervisor {
     pthread_mutex_t mu;
     bool stopping;
     bool served;         /* the server has been ready once */
+    bool thread_started;
     pthread_t thread;
 } supervisor;
 
@@ -511,26 +515,64 @@ static void arm_teardown_limit(const char *prog, const char *secret_path, const 
         alarm(TEARDOWN_LIMIT_S);
 }
 
+/* Whether environment entry e sets variable key (given with its '='). */
+static bool env_sets(const char *e, const char *key)
+{
+    return strncmp(e, key, strlen(key)) == 0;
+}
+
 /* The workers' environment: this process's, with OPENBLAS_NUM_THREADS set to threads (each
- * worker computes on its share of the cores). NULL when out of memory. Free with free(). */
+ * worker computes on its share of the cores) and STRATA_SUPERVISOR_PID to this process (a
+ * worker ends when serve does, strata-worker's end_with_supervisor). NULL when out of memory.
+ * Free with free(). */
 static char **worker_environment(const char *threads)
 {
-    static const char key[] = "OPENBLAS_NUM_THREADS=";
+    static const char blas[] = "OPENBLAS_NUM_THREADS=", sup[] = "STRATA_SUPERVISOR_PID=";
     size_t n = 0;
     while (environ[n])
         n++;
-    char **env = malloc((n + 2) * sizeof *env + sizeof key + strlen(threads));
+    const size_t own_cap = sizeof blas + strlen(threads) + sizeof sup + 24;
+    char **env = malloc((n + 3) * sizeof *env + own_cap);
     if (!env)
         return NULL;
-    char *own = (char *)(env + n + 2);   /* the one string this array adds, stored after it */
-    snprintf(own, sizeof key + strlen(threads), "%s%s", key, threads);
+    char *own = (char *)(env + n + 3);   /* the two strings this array adds, stored after it */
+    int blas_len = snprintf(own, own_cap, "%s%s", blas, threads);
+    snprintf(own + blas_len + 1, own_cap - (size_t)blas_len - 1, "%s%ld", sup, (long)getpid());
     size_t k = 0;
     for (size_t i = 0; i < n; i++)
-        if (strncmp(environ[i], key, sizeof key - 1) != 0)
+        if (!env_sets(environ[i], blas) && !env_sets(environ[i], sup))
             env[k++] = environ[i];
     env[k++] = own;
+    env[k++] = own + blas_len + 1;
     env[k] = NULL;
     return env;
+}
+
+/* A cleanup of TMPDIR (systemd-tmpfiles, an operator) may remove the secret serve made while
+ * it serves: a restarted worker could then never join. Writes the same bytes again, in a
+ * folder made again with the same name; refuses a folder or file that someone else put there
+ * (a link, another owner, other permissions). The folder's name was random, so only a
+ * process that saw it could race for it. */
+static void restore_secret(supervisor *sv)
+{
+    struct stat st;
+    if (!*sv->secret_dir || lstat(sv->secret_path, &st) == 0 || errno != ENOENT)
+        return;
+    if (mkdir(sv->secret_dir, 0700) != 0 &&
+        (errno != EEXIST || lstat(sv->secret_dir, &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != geteuid() ||
+         (st.st_mode & 077))) {
+        fprintf(stderr, "%s: cluster secret %s was removed and its folder cannot be made again safely\n", sv->prog,
+                sv->secret_path);
+        return;
+    }
+    int fd = open(sv->secret_path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    bool ok = fd >= 0 && write(fd, sv->secret, sv->secret_len) == (ssize_t)sv->secret_len;
+    ok = (fd >= 0 && close(fd) == 0) && ok;
+    if (ok)
+        fprintf(stderr, "%s: cluster secret %s was removed; written again\n", sv->prog, sv->secret_path);
+    else
+        fprintf(stderr, "%s: cluster secret %s was removed and cannot be written again: %s\n", sv->prog,
+                sv->secret_path, strerror(errno));
 }
 
 /* Starts worker w. posix_spawn, not fork + exec: between fork and exec a child of this
@@ -578,9 +620,14 @@ static void spawn(supervisor *sv, local_worker *w)
         argv[a++] = "--quiet";
     argv[a] = NULL;
 
+    restore_secret(sv);
     w->started = mono();
     w->restart_at = 0;
-    /* This process blocks SIGTERM, SIGINT and SIGHUP in its threads; the worker must not inherit that. */
+    /* This process blocks SIGTERM, SIGINT and SIGHUP in its threads; the worker must not inherit that.
+     * Each worker leads a process group of its own: a Ctrl-C at the terminal (SIGINT to the
+     * foreground group) reaches serve alone, which drains and then stops the workers; a worker
+     * killed then would fail the requests the drain is finishing. The group also holds what a
+     * --worker-bin wrapper starts, so stopping the group stops it all. */
     sigset_t none;
     sigemptyset(&none);
     posix_spawnattr_t attr;
@@ -588,8 +635,8 @@ static void spawn(supervisor *sv, local_worker *w)
     pid_t pid = -1;
     int rc = posix_spawnattr_init(&attr);
     if (rc == 0) {
-        if ((rc = posix_spawnattr_setsigmask(&attr, &none)) == 0 &&
-            (rc = posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK)) == 0)
+        if ((rc = posix_spawnattr_setsigmask(&attr, &none)) == 0 && (rc = posix_spawnattr_setpgroup(&attr, 0)) == 0 &&
+            (rc = posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETPGROUP)) == 0)
             rc = (env = worker_environment(threads)) ? posix_spawn(&pid, sv->bin, NULL, &attr, (char *const *)argv, env)
                                                      : ENOMEM;
         posix_spawnattr_destroy(&attr);
@@ -627,7 +674,9 @@ static void *supervise(void *arg)
                 w->pid = -1;
                 w->restart_at = t + w->backoff;
                 w->backoff = w->backoff * 2 > 30 ? 30 : w->backoff * 2;
-                w->early_exits += !sv->served;
+                /* Status 0 is a worker the coordinator let go (its pipeline partner failed): only
+                 * a failure of its own counts against it. */
+                w->early_exits += !sv->served && !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
                 w->last_status = status;
             }
             if (w->restart_at != 0 && t >= w->restart_at)
@@ -658,6 +707,26 @@ static bool failed_to_start(supervisor *sv)
     }
     pthread_mutex_unlock(&sv->mu);
     return bad != NULL;
+}
+
+/* The address local workers dial for a control server listening on listen (HOST:PORT as given
+ * to --control, or unix:PATH) on port: the same host, with a wildcard (0.0.0.0, [::], empty)
+ * replaced by its loopback. False when it does not fit in cap. */
+static bool worker_control_addr(const char *listen, int port, char *out, size_t cap)
+{
+    if (!strncmp(listen, "unix:", 5))
+        return (size_t)snprintf(out, cap, "%s", listen) < cap;
+    const char *colon = strrchr(listen, ':');
+    int host_len = colon ? (int)(colon - listen) : 0;
+    const char *host = listen;
+    if (host_len == 0 || (host_len == 7 && !strncmp(listen, "0.0.0.0", 7))) {
+        host = "127.0.0.1";
+        host_len = 9;
+    } else if ((host_len == 4 && !strncmp(listen, "[::]", 4)) || (host_len == 5 && !strncmp(listen, "[::0]", 5))) {
+        host = "[::1]";
+        host_len = 5;
+    }
+    return (size_t)snprintf(out, cap, "%.*s:%d", host_len, host, port) < cap;
 }
 
 static bool find_worker_bin(const char *prog, const serve_opts *o, char *out, size_t cap)
@@ -731,30 +800,51 @@ static bool make_secret(const char *prog, char *dir, size_t dir_cap, char *path,
     return true;
 }
 
+/* Sends sig to the process group worker w leads, while it is unreaped (its pid, so its group's
+ * id, cannot have been taken by another process yet). */
+static void signal_worker_group(const local_worker *w, int sig)
+{
+    if (w->pid > 0 && kill(-w->pid, sig) != 0 && errno == ESRCH)
+        kill(w->pid, sig);   /* not a group leader (it left its group): the worker alone */
+}
+
 static void stop_workers(supervisor *sv)
 {
     pthread_mutex_lock(&sv->mu);
     sv->stopping = true;
     pthread_mutex_unlock(&sv->mu);
-    pthread_join(sv->thread, NULL);
-    /* They were told to shut down: wait a little, then insist. */
-    double until = mono() + 10;
-    for (int i = 0; i < sv->n; i++) {
-        local_worker *w = &sv->w[i];
-        while (w->pid > 0) {
+    if (sv->thread_started)
+        pthread_join(sv->thread, NULL);
+    /* Joined workers were told to shut down and need a moment; one that never joined (still
+     * reaching the coordinator, or a --worker-bin wrapper whose child hangs) was told nothing:
+     * SIGTERM to its group after TERM_AFTER_S, SIGKILL after KILL_AFTER_S. */
+    enum { TERM_AFTER_S = 2, KILL_AFTER_S = 10 };
+    const double start = mono();
+    bool termed = false;
+    for (;;) {
+        const double t = mono() - start;
+        bool left = false;
+        for (int i = 0; i < sv->n; i++) {
+            local_worker *w = &sv->w[i];
             int status;
-            pid_t r = waitpid(w->pid, &status, WNOHANG);
+            pid_t r = w->pid > 0 ? waitpid(w->pid, &status, WNOHANG) : 0;
             if (r == w->pid || (r < 0 && errno == ECHILD)) {
                 w->pid = -1;
-            } else if (mono() > until) {
-                kill(w->pid, SIGKILL);
+            } else if (w->pid > 0 && t > KILL_AFTER_S) {
+                signal_worker_group(w, SIGKILL);
                 waitpid(w->pid, &status, 0);
                 w->pid = -1;
-            } else {
-                struct timespec nap = {0, 50 * 1000000L};
-                nanosleep(&nap, NULL);
+            } else if (w->pid > 0) {
+                if (t > TERM_AFTER_S && !termed)
+                    signal_worker_group(w, SIGTERM);
+                left = true;
             }
         }
+        termed = termed || t > TERM_AFTER_S;
+        if (!left)
+            return;
+        struct timespec nap = {0, 50 * 1000000L};
+        nanosleep(&nap, NULL);
     }
 }
 
@@ -838,6 +928,10 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
         return rc < 0 ? 0 : rc;
     }
     signal(SIGPIPE, SIG_IGN);
+    /* Started with SIGCHLD ignored (a parent's choice the kernel passes on through exec), the
+     * workers' exits would be reaped unseen: none restarted, and waitpid failing as if none ran. */
+    if (local)
+        signal(SIGCHLD, SIG_DFL);
     if (watch_stop_signals(prog) != 0) {
         json_decref(config);
         return EXIT_RUNTIME;
@@ -949,8 +1043,19 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
             exit_code = EXIT_USAGE;
             goto out;
         }
-        snprintf(sv->control, sizeof sv->control, "127.0.0.1:%d", ctl_server_port(ctl));
+        if (!worker_control_addr(co_opts.listen_addr, ctl_server_port(ctl), sv->control, sizeof sv->control)) {
+            fprintf(stderr, "%s: --control %s: too long\n", prog, co_opts.listen_addr);
+            free(sv);
+            sv = NULL;
+            exit_code = EXIT_USAGE;
+            goto out;
+        }
         snprintf(sv->secret_path, sizeof sv->secret_path, "%s", secret_path);
+        if (*secret_dir) {
+            snprintf(sv->secret_dir, sizeof sv->secret_dir, "%s", secret_dir);
+            memcpy(sv->secret, secret, secret_len);
+            sv->secret_len = secret_len;
+        }
         sv->n = (int)(o.replicas * o.stages);
         long cpus = sysconf(_SC_NPROCESSORS_ONLN);
         sv->threads = o.threads ? o.threads : (cpus > sv->n ? cpus / sv->n : 1);
@@ -959,12 +1064,12 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
             sv->w[i].backoff = 1;
             spawn(sv, &sv->w[i]);
         }
-        if (pthread_create(&sv->thread, NULL, supervise, sv) != 0) {
+        sv->thread_started = pthread_create(&sv->thread, NULL, supervise, sv) == 0;
+        if (!sv->thread_started) {
             fprintf(stderr, "%s: cannot start the worker supervisor\n", prog);
             sv->stopping = true;
-            for (int i = 0; i < sv->n; i++)
-                if (sv->w[i].pid > 0)   /* never -1: that would signal every process we may */
-                    kill(sv->w[i].pid, SIGKILL);
+            for (int i = 0; i < sv->n; i++)   /* (pid -1 would signal every process we may) */
+                signal_worker_group(&sv->w[i], SIGKILL);
             goto out;
         }
     }
@@ -1048,6 +1153,7 @@ out:
                 rmdir(dir);
         }
         pthread_mutex_destroy(&sv->mu);
+        explicit_bzero(sv->secret, sizeof sv->secret);
         free(sv);
     }
     if (*secret_dir) {

@@ -53,16 +53,17 @@ serve_bad "steps-in-flight: '0' is not an integer in \[1, 64\]" --steps-in-fligh
 serve_bad "device-kv-mib: '0' is not a number in \[0.00390625, 16777216\]" --device-kv-mib 0
 serve_bad "port in 0..65535" --listen 127.0.0.1:99999
 # A worker that cannot start (here its spill file's name is taken by a user's file) fails the
-# start after its second exit, with its own message, instead of restarting until the timeout.
-mkdir -p "$tmp/spill/local-0" && chmod 700 "$tmp/spill" "$tmp/spill/local-0"
-echo "a user's notes" >"$tmp/spill/local-0/slab-0000.kv"
+# start after its second exit, with its own message, instead of restarting until the timeout;
+# the message names it, not its pipeline partner (which the coordinator lets go, status 0).
+mkdir -p "$tmp/spill/local-1" && chmod 700 "$tmp/spill" "$tmp/spill/local-1"
+echo "a user's notes" >"$tmp/spill/local-1/slab-0000.kv"
 SECONDS=0
-expect 1 "worker local-0 exited 2 times before the server was ready (last: status 1); giving up" \
+expect 1 "worker local-1 exited 2 times before the server was ready (last: status 1); giving up" \
   timeout 120 "$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 --host-kv-mib 1 --nvme-kv-mib 4 \
   --nvme-dir "$tmp/spill" --ready-timeout 100
 [ "$SECONDS" -lt 60 ] || fail "serve took $SECONDS s to give up on a worker that cannot start"
 grep -q "does not look like a slab file" "$tmp/err" || fail "the worker's reason is not in serve's output"
-grep -q "a user's notes" "$tmp/spill/local-0/slab-0000.kv" || fail "the user's file was overwritten"
+grep -q "a user's notes" "$tmp/spill/local-1/slab-0000.kv" || fail "the user's file was overwritten"
 expect 2 "port in 1..65535" "$strata" generate --server 127.0.0.1 --prompt hi
 # Prompts and flags refused before any work: the bytes the server would refuse, two settings of
 # the same thing, output paths that could not be written after a long run.
@@ -327,6 +328,11 @@ PY
   pkill -KILL -f -- "--nvme-dir $tmp/serve-spill/local-0" || fail "no worker local-0 to kill"
   served_again || fail "serve did not serve again after its spill folder was removed: $(tail -n 5 "$tmp/serve.log")"
   [ -d "$tmp/serve-spill/local-0" ] || fail "the restarted worker has no spill folder: $(tail -n 5 "$tmp/serve.log")"
+  # Its cluster secret removed too (a cleanup of TMPDIR): serve writes it again for the restart.
+  rm -rf "${tmp:?}/serve-tmp/"*
+  pkill -KILL -f -- "--nvme-dir $tmp/serve-spill/local-1" || fail "no worker local-1 to kill"
+  served_again || fail "serve did not serve again after its cluster secret was removed: $(tail -n 5 "$tmp/serve.log")"
+  grep -q "cluster secret .* was removed; written again" "$tmp/serve.log" || fail "no word of the secret written again"
 fi
 # A hangup (the terminal it ran in closed) drains and cleans up as SIGTERM does (serve_e2e
 # checks SIGTERM and SIGINT): no cluster secret left behind.
@@ -351,6 +357,73 @@ grep -q "hangup\|exited (" "$tmp/nohup.log" && fail "a hangup reached serve or i
 grep -q "Sanitizer\|runtime error" "$tmp/serve.log" && fail "sanitizer report in the serve log: $(grep -m3 "Sanitizer\|runtime error" "$tmp/serve.log")"
 [ ! -e "$tmp/serve-spill" ] || fail "serve left its spill folder: $(ls -laR "$tmp/serve-spill" 2>&1 | head)"
 serve_bad "--nvme-dir $tmp/none/spill: cannot create it" --host-kv-mib 1 --nvme-kv-mib 8 --nvme-dir "$tmp/none/spill"
+
+# As from a terminal: serve leads its own session and group, with SIGINT and SIGHUP at their
+# defaults, and started with SIGCHLD ignored (which would hide every worker's exit from it). Its
+# control server listens on another loopback address than 127.0.0.1, which the workers dial.
+python3 -c 'import os, signal, sys
+os.setsid()
+for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+    signal.signal(s, signal.SIG_DFL)
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+os.execv(sys.argv[1], sys.argv[1:])' "$strata" serve --listen 127.0.0.1:0 --control 127.0.0.2:0 \
+  --model synthetic:tiny:seed=4 2>"$tmp/tty.log" &
+server=$!
+port=$(serve_port "$tmp/tty.log" "$server")
+if [ -z "$port" ]; then
+  fail "strata serve with --control 127.0.0.2:0 did not become ready: $(tail -n 5 "$tmp/tty.log")"
+else
+  # A worker that exits is restarted although serve was started ignoring SIGCHLD.
+  pkill -KILL -P "$server" -f -- "--name local-0" || fail "no worker local-0 to kill"
+  for _ in $(seq 1 300); do
+    "$strata" generate --server "127.0.0.1:$port" --prompt "served?" --max-tokens 2 >/dev/null 2>&1 && break
+    sleep 0.2
+  done
+  grep -q "worker local-0 exited (signal 9); restarting" "$tmp/tty.log" ||
+    fail "serve started ignoring SIGCHLD did not see its worker exit: $(tail -n 5 "$tmp/tty.log")"
+  # Ctrl-C: SIGINT to the terminal's foreground group, serve's. The workers lead their own
+  # groups, so serve alone gets it and drains: the running request completes.
+  "$strata" generate --server "127.0.0.1:$port" --prompt "drained?" --max-tokens 2000 --ignore-eos --no-echo \
+    >"$tmp/drained.txt" 2>"$tmp/drained.err" &
+  client=$!
+  for _ in $(seq 1 300); do [ -s "$tmp/drained.txt" ] && break; sleep 0.05; done
+  kill -INT -- "-$server"
+  wait "$client" || fail "a request running at Ctrl-C failed: $(tail -2 "$tmp/drained.err"; tail -n 5 "$tmp/tty.log")"
+  wait "$server" || fail "strata serve exited $? after Ctrl-C: $(tail -3 "$tmp/tty.log")"
+  grep -q "interrupted: draining" "$tmp/tty.log" || fail "no drain on Ctrl-C: $(tail -3 "$tmp/tty.log")"
+  grep -q "stopped by a signal" "$tmp/tty.log" && fail "Ctrl-C reached the workers: $(tail -n 5 "$tmp/tty.log")"
+fi
+kill -KILL "$server" 2>/dev/null
+
+# serve SIGKILLed before its workers joined: they end with it (not after their 30 s connect
+# timeout, or their 60 s wait for a pipeline neighbour).
+mkdir "$tmp/killed-tmp"   # where the SIGKILLed serve leaves its cluster secret
+TMPDIR="$tmp/killed-tmp" "$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 -q 2>"$tmp/killed.log" &
+server=$!
+for _ in $(seq 1 200); do [ "$(pgrep -c -P "$server")" -ge 2 ] && break; sleep 0.01; done
+orphans=$(pgrep -P "$server" | tr '\n' ' ')
+[ -n "$orphans" ] || fail "serve started no worker: $(tail -n 3 "$tmp/killed.log")"
+kill -KILL "$server"
+wait "$server" 2>/dev/null
+for _ in $(seq 1 50); do
+  # (an exited worker may stay a zombie a moment: init reaps it)
+  left=$(for p in $orphans; do ps -o stat= -p "$p" 2>/dev/null | grep -qv Z && echo "$p"; done | tr '\n' ' ')
+  [ -z "$left" ] && break
+  sleep 0.1
+done
+[ -z "$left" ] || { fail "workers $left outlived a SIGKILLed serve by 5 s"; kill -KILL $left 2>/dev/null; }
+
+# Giving up on workers that never join (a --worker-bin wrapper whose child sleeps): each worker's
+# process group gets SIGTERM 2 s into the stop, the wrapper's child included, not a SIGKILL of the
+# wrapper alone after 10 s (which left the child running).
+printf '#!/bin/sh\nsleep 1000.%s\n' "$$" >"$tmp/sleeper.sh"   # a command line to find it by
+chmod +x "$tmp/sleeper.sh"
+SECONDS=0
+expect 1 "only 0 of 2 workers ready after 2 s; giving up" env TMPDIR="$tmp/killed-tmp" "$strata" serve \
+  --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 --worker-bin "$tmp/sleeper.sh" --ready-timeout 2
+(( SECONDS <= 8 )) || fail "serve took $SECONDS s to stop workers that never joined"
+sleep 0.5
+pgrep -f "^sleep 1000\.$$\$" >/dev/null && { fail "a worker wrapper's child outlived serve"; pkill -f "^sleep 1000\.$$\$"; }
 
 [ "$failures" -eq 0 ] || { echo "test_synthetic: $failures failure(s)" >&2; exit 1; }
 echo "test_synthetic: ok"

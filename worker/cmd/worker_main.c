@@ -9,6 +9,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -532,6 +533,53 @@ static void on_signal(int sig)
     arm_exit_timeout();
 }
 
+/* Whether `want` is this process's parent or an ancestor a few levels up (through --worker-bin
+ * wrappers): a process whose parent dies is handed to init or a subreaper, so once serve is gone
+ * it is no ancestor, even while it is still a zombie. */
+static bool has_ancestor(pid_t want)
+{
+    pid_t p = getppid();
+    for (int depth = 0; depth < 16 && p > 1; depth++) {
+        if (p == want)
+            return true;
+        char path[64], buf[512];
+        snprintf(path, sizeof path, "/proc/%ld/stat", (long)p);
+        FILE *f = fopen(path, "re");
+        size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+        if (f)
+            fclose(f);
+        buf[n] = '\0';
+        const char *paren = strrchr(buf, ')');   /* after the command name, which may hold anything */
+        int ppid;
+        char state;
+        if (!paren || sscanf(paren + 1, " %c %d", &state, &ppid) != 2)
+            return true;   /* cannot tell: assume it lives, as before this check existed */
+        p = (pid_t)ppid;
+    }
+    return false;
+}
+
+/* Started by `strata serve` (STRATA_SUPERVISOR_PID names it): the worker ends when serve does,
+ * SIGKILLed or not. Serve's workers lead their own process groups, so nothing else would reach
+ * one that has not joined yet (it would wait out its connect timeout) or is stuck in a wait.
+ * The signal is SIGTERM (a clean stop) unless the worker was started ignoring it. Under a
+ * --worker-bin wrapper the parent is the wrapper: no signal then. Returns false when serve has
+ * ended already (before the worker got this far). */
+static bool end_with_supervisor(const char *name, bool term_handled)
+{
+    const char *sup = getenv("STRATA_SUPERVISOR_PID");
+    char *end;
+    long pid = sup ? strtol(sup, &end, 10) : 0;
+    if (!sup || *end || pid <= 1 || pid > INT_MAX)
+        return true;
+    if (getppid() == (pid_t)pid)
+        (void)prctl(PR_SET_PDEATHSIG, term_handled ? SIGTERM : SIGKILL);
+    if (has_ancestor((pid_t)pid))   /* after the prctl: serve may have died just before it */
+        return true;
+    fprintf(stderr, "strata-worker %s: strata serve (pid %ld) has ended; stopping\n", name, pid);
+    return false;
+}
+
 int main(int argc, char **argv)
 {
     worker_opts o;
@@ -560,11 +608,15 @@ int main(int argc, char **argv)
     /* A terminal that goes away (SIGHUP) stops it as SIGTERM does; a signal it was started
      * ignoring (nohup; SIGINT in a script's background job) stays ignored. */
     static const int stop_sigs[] = {SIGTERM, SIGINT, SIGHUP};
+    bool term_handled = false;
     for (size_t i = 0; i < sizeof stop_sigs / sizeof stop_sigs[0]; i++) {
         struct sigaction sa = {.sa_handler = on_signal}, old;
-        if (sigaction(stop_sigs[i], NULL, &old) == 0 && old.sa_handler != SIG_IGN)
-            sigaction(stop_sigs[i], &sa, NULL);
+        if (sigaction(stop_sigs[i], NULL, &old) == 0 && old.sa_handler != SIG_IGN &&
+            sigaction(stop_sigs[i], &sa, NULL) == 0 && stop_sigs[i] == SIGTERM)
+            term_handled = true;
     }
+    if (!end_with_supervisor(o.name, term_handled))
+        return EXIT_RUNTIME;
 
     strata_error err = {0};
     char device[32] = "cpu";
@@ -586,12 +638,12 @@ int main(int argc, char **argv)
              dp_listener_port(listener));
 
     Strata__Internal__V1__Join join = STRATA__INTERNAL__V1__JOIN__INIT;
-    join.cluster_secret = (ProtobufCBinaryData){secret_len, secret};
     join.worker_name = (char *)o.name;
     join.device = device;
     join.device_kv_bytes = strata_mib_bytes(o.device_mib);
     join.host_kv_bytes = strata_mib_bytes(o.host_mib);
     join.nvme_kv_bytes = o.nvme_dir ? strata_mib_bytes(o.nvme_mib) : 0;
+    join.cluster_secret = (ProtobufCBinaryData){secret_len, secret};
     join.data_addr = data_addr;
     ctl_client *cc = NULL;
     /* A stop request ends the wait for the coordinator at once, not after --connect-timeout-ms
