@@ -6,9 +6,9 @@
 #ifndef STRATA_PROTO_CONTROL_PROTOCOL_H
 #define STRATA_PROTO_CONTROL_PROTOCOL_H
 
-#define PROTO_CONTROL_PROTOCOL_VERSION 2u   /* 2: prefix caching (PrefixPark, prefix_entry) */
+#define PROTO_CONTROL_PROTOCOL_VERSION 3u   /* 2: prefix caching; 3: the secret proved, not sent */
 
-/* The cluster secret's length in bytes (Join.secret; a file's trailing newline is not part of
+/* The cluster secret's length in bytes (what Join.secret_proof proves; a file's trailing newline is not part of
  * it): the coordinator refuses a Join outside this range, and both programs refuse such a file. */
 #define PROTO_SECRET_MIN_BYTES 16
 #define PROTO_SECRET_MAX_BYTES 256

@@ -34,6 +34,7 @@
 #include "tests/test_time.h"
 #include "coordinator/control/control_server.h"
 #include "proto/grpc_util.h"
+#include "proto/control_auth.h"
 #include "worker/control/control_client.h"
 
 extern char **environ;
@@ -273,11 +274,9 @@ static ctl_server *start_server(hstate *h, const srv_cfg *cfg)
     return s;
 }
 
-static Strata__Internal__V1__Join make_join(const char *name, const char *secret, uint32_t version)
+static Strata__Internal__V1__Join make_join(const char *name, uint32_t version)
 {
     Strata__Internal__V1__Join j = STRATA__INTERNAL__V1__JOIN__INIT;
-    j.cluster_secret.data = (uint8_t *)secret;
-    j.cluster_secret.len = strlen(secret);
     j.worker_name = (char *)name;
     j.device = (char *)"cuda:1";
     j.device_kv_bytes = 1u << 30;
@@ -291,8 +290,8 @@ static int connect_worker(int port, const char *name, const char *secret, uint32
 {
     char addr[64];
     snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
-    Strata__Internal__V1__Join j = make_join(name, secret, version);
-    return ctl_client_connect(addr, &j, 5000, c, err);
+    Strata__Internal__V1__Join j = make_join(name, version);
+    return ctl_client_connect(addr, secret, strlen(secret), &j, 5000, c, err);
 }
 
 /* Receives one message (waiting up to 5 s); fails the test on anything else. */
@@ -363,6 +362,26 @@ typedef struct raw_result {
     char details[512];
 } raw_result;
 
+static grpc_byte_buffer *raw_recv(grpc_call *c, grpc_completion_queue *cq, bool first)
+{
+    grpc_metadata_array md;
+    grpc_metadata_array_init(&md);
+    grpc_byte_buffer *bb = NULL;
+    grpc_op ops[2];
+    memset(ops, 0, sizeof ops);
+    size_t n = 0;
+    if (first) {
+        ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
+        ops[n++].data.recv_initial_metadata.recv_initial_metadata = &md;
+    }
+    ops[n].op = GRPC_OP_RECV_MESSAGE;
+    ops[n++].data.recv_message.recv_message = &bb;
+    assert_int_equal(grpc_call_start_batch(c, ops, n, (void *)5, NULL), GRPC_CALL_OK);
+    grpc_completion_queue_pluck(cq, (void *)5, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    grpc_metadata_array_destroy(&md);
+    return bb;
+}
+
 /* Calls method with the given raw messages, then half-closes; reads the status. */
 static void raw_call(int port, const char *method, const ProtobufCMessage *const *msgs, size_t n_msgs,
                      const char *garbage, raw_result *r)
@@ -404,24 +423,140 @@ static void raw_call(int port, const char *method, const ProtobufCMessage *const
     op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
     assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)3, NULL), GRPC_CALL_OK);
     grpc_completion_queue_pluck(cq, (void *)3, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-    grpc_metadata_array md, trailing;
-    grpc_metadata_array_init(&md);
+    /* The status comes once the messages before it were read (the Challenge, at least). */
+    grpc_byte_buffer *in;
+    for (bool first = true; (in = raw_recv(c, cq, first)); first = false)
+        grpc_byte_buffer_destroy(in);
+    grpc_metadata_array trailing;
     grpc_metadata_array_init(&trailing);
     grpc_slice details;
-    grpc_op ops[2];
-    memset(ops, 0, sizeof ops);
-    ops[0].op = GRPC_OP_RECV_INITIAL_METADATA;
-    ops[0].data.recv_initial_metadata.recv_initial_metadata = &md;
-    ops[1].op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-    ops[1].data.recv_status_on_client.trailing_metadata = &trailing;
-    ops[1].data.recv_status_on_client.status = &r->status;
-    ops[1].data.recv_status_on_client.status_details = &details;
-    assert_int_equal(grpc_call_start_batch(c, ops, 2, (void *)4, NULL), GRPC_CALL_OK);
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    op.data.recv_status_on_client.trailing_metadata = &trailing;
+    op.data.recv_status_on_client.status = &r->status;
+    op.data.recv_status_on_client.status_details = &details;
+    assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)4, NULL), GRPC_CALL_OK);
     grpc_completion_queue_pluck(cq, (void *)4, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     snprintf(r->details, sizeof r->details, "%.*s", (int)GRPC_SLICE_LENGTH(details),
              (const char *)GRPC_SLICE_START_PTR(details));
     grpc_slice_unref(details);
-    grpc_metadata_array_destroy(&md);
+    grpc_metadata_array_destroy(&trailing);
+    grpc_call_unref(c);
+    grpc_completion_queue_shutdown(cq);
+    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_completion_queue_destroy(cq);
+    grpc_channel_destroy(ch);
+}
+
+/* A raw Attach that answers the Challenge with a Join of its own making: proof NULL computes the
+ * right proof for this call's nonce (proto_control_proof, SECRET) and the name proof_for (NULL:
+ * the Join's name), otherwise proof_len bytes of
+ * proof are sent as they are (a replay, a short one). Reports this call's nonce and the proof
+ * sent (when they are 32 bytes), whether an Admitted came and whether it held the coordinator's
+ * right proof, and the final status (after a half-close). */
+typedef struct raw_attach_result {
+    raw_result st;
+    uint8_t nonce[PROTO_CONTROL_NONCE_BYTES];
+    uint8_t proof_sent[PROTO_CONTROL_PROOF_BYTES];
+    bool admitted, admitted_proof_ok;
+} raw_attach_result;
+
+static Strata__Internal__V1__CoordinatorMessage *raw_unpack(grpc_byte_buffer *bb)
+{
+    ProtobufCMessage *m = NULL;
+    assert_int_equal(proto_unpack(bb, &strata__internal__v1__coordinator_message__descriptor, 1 << 20, &m, NULL),
+                     STRATA_OK);
+    grpc_byte_buffer_destroy(bb);
+    return (Strata__Internal__V1__CoordinatorMessage *)m;
+}
+
+static void raw_attach(int port, const char *name, const char *proof_for, const uint8_t *proof, size_t proof_len,
+                       size_t worker_nonce_len, raw_attach_result *r)
+{
+    memset(r, 0, sizeof *r);
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+    grpc_channel *ch = grpc_channel_create(addr, creds, NULL);
+    grpc_channel_credentials_release(creds);
+    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
+    gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_millis(5000, GPR_TIMESPAN));
+    grpc_call *c = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
+                                            grpc_slice_from_static_string(CTL_ATTACH_METHOD), NULL, deadline, NULL);
+    assert_non_null(c);
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_SEND_INITIAL_METADATA;
+    assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)1, NULL), GRPC_CALL_OK);
+    grpc_completion_queue_pluck(cq, (void *)1, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+
+    grpc_byte_buffer *bb = raw_recv(c, cq, true);
+    assert_non_null(bb);
+    Strata__Internal__V1__CoordinatorMessage *m = raw_unpack(bb);
+    assert_int_equal(m->kind_case, STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_CHALLENGE);
+    assert_int_equal(m->challenge->nonce.len, PROTO_CONTROL_NONCE_BYTES);
+    memcpy(r->nonce, m->challenge->nonce.data, PROTO_CONTROL_NONCE_BYTES);
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+
+    uint8_t worker_nonce[PROTO_CONTROL_NONCE_BYTES] = {7, 7, 7};   /* fixed: a replay reuses it */
+    uint8_t own[PROTO_CONTROL_PROOF_BYTES];
+    if (!proof) {
+        assert_int_equal(proto_control_proof(PROTO_PROOF_WORKER, SECRET, SECRET_LEN, r->nonce, worker_nonce,
+                                             proof_for ? proof_for : name, own, NULL), STRATA_OK);
+        proof = own;
+        proof_len = sizeof own;
+    }
+    if (proof_len == PROTO_CONTROL_PROOF_BYTES)
+        memcpy(r->proof_sent, proof, proof_len);
+    Strata__Internal__V1__Join j = make_join(name, CTL_PROTOCOL_VERSION);
+    j.secret_proof = (ProtobufCBinaryData){proof_len, (uint8_t *)proof};
+    j.worker_nonce = (ProtobufCBinaryData){worker_nonce_len, worker_nonce};
+    Strata__Internal__V1__WorkerMessage wm = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
+    wm.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_JOIN;
+    wm.join = &j;
+    assert_int_equal(proto_pack(&wm.base, 1 << 20, &bb, NULL), STRATA_OK);
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_SEND_MESSAGE;
+    op.data.send_message.send_message = bb;
+    assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)2, NULL), GRPC_CALL_OK);
+    grpc_completion_queue_pluck(cq, (void *)2, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    grpc_byte_buffer_destroy(bb);
+
+    /* The answer: Admitted then the Assignment, or the end of the stream. */
+    if ((bb = raw_recv(c, cq, false))) {
+        m = raw_unpack(bb);
+        r->admitted = m->kind_case == STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ADMITTED;
+        if (r->admitted) {
+            uint8_t want[PROTO_CONTROL_PROOF_BYTES];
+            assert_int_equal(proto_control_proof(PROTO_PROOF_COORDINATOR, SECRET, SECRET_LEN, r->nonce, worker_nonce,
+                                                 name, want, NULL), STRATA_OK);
+            r->admitted_proof_ok = proto_control_proof_equal(m->admitted->secret_proof.data,
+                                                             m->admitted->secret_proof.len, want);
+        }
+        protobuf_c_message_free_unpacked(&m->base, NULL);
+        while ((bb = raw_recv(c, cq, false))) {   /* the Assignment */
+            grpc_byte_buffer_destroy(bb);
+            break;
+        }
+    }
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)3, NULL), GRPC_CALL_OK);
+    grpc_completion_queue_pluck(cq, (void *)3, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    grpc_metadata_array trailing;
+    grpc_metadata_array_init(&trailing);
+    grpc_slice details;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    op.data.recv_status_on_client.trailing_metadata = &trailing;
+    op.data.recv_status_on_client.status = &r->st.status;
+    op.data.recv_status_on_client.status_details = &details;
+    assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)4, NULL), GRPC_CALL_OK);
+    grpc_completion_queue_pluck(cq, (void *)4, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    snprintf(r->st.details, sizeof r->st.details, "%.*s", (int)GRPC_SLICE_LENGTH(details),
+             (const char *)GRPC_SLICE_START_PTR(details));
+    grpc_slice_unref(details);
     grpc_metadata_array_destroy(&trailing);
     grpc_call_unref(c);
     grpc_completion_queue_shutdown(cq);
@@ -527,6 +662,47 @@ static void expect_refused(int port, const char *name, const char *secret, uint3
         fail_msg("got \"%s\", want \"%s\"", msg, full);
 }
 
+/* The secret is proved over each call's nonces, never sent: a proof seen on one call does not
+ * open another (the nonce differs), a proof of the wrong length or a worker nonce of the wrong
+ * length is refused, and the coordinator's Admitted holds its own proof, before the Assignment.
+ * (tests/control/test_worker_auth.py checks both formulas against Python's hmac.) */
+static void test_secret_proofs(void **state)
+{
+    (void)state;
+    hstate h;
+    h_init(&h);
+    ctl_server *s = start_server(&h, NULL);
+    const int port = ctl_server_port(s);
+    raw_attach_result a, b;
+    raw_attach(port, "prover", NULL, NULL, 0, PROTO_CONTROL_NONCE_BYTES, &a);
+    assert_int_equal(a.st.status, GRPC_STATUS_OK);
+    assert_true(a.admitted);
+    assert_true(a.admitted_proof_ok);
+    /* The same proof and worker nonce on a new call: its Challenge differs, so the proof fails. */
+    raw_attach(port, "prover-again", NULL, a.proof_sent, PROTO_CONTROL_PROOF_BYTES, PROTO_CONTROL_NONCE_BYTES, &b);
+    assert_int_equal(b.st.status, GRPC_STATUS_PERMISSION_DENIED);
+    assert_string_equal(b.st.details, "wrong cluster secret");
+    assert_false(b.admitted);
+    assert_memory_not_equal(a.nonce, b.nonce, PROTO_CONTROL_NONCE_BYTES);
+    /* A right proof for another name: the name is part of what is proved. */
+    raw_attach(port, "intruder", "prover", NULL, 0, PROTO_CONTROL_NONCE_BYTES, &b);
+    assert_int_equal(b.st.status, GRPC_STATUS_PERMISSION_DENIED);
+    assert_false(b.admitted);
+    /* A proof one byte short, a worker nonce one byte short. */
+    raw_attach(port, "prover", NULL, a.proof_sent, PROTO_CONTROL_PROOF_BYTES - 1, PROTO_CONTROL_NONCE_BYTES, &b);
+    assert_int_equal(b.st.status, GRPC_STATUS_PERMISSION_DENIED);
+    assert_false(b.admitted);
+    raw_attach(port, "prover", NULL, NULL, 0, PROTO_CONTROL_NONCE_BYTES - 1, &b);
+    assert_int_equal(b.st.status, GRPC_STATUS_INVALID_ARGUMENT);
+    assert_string_equal(b.st.details, "Join.worker_nonce must be 32 bytes (got 31)");
+    assert_false(b.admitted);
+    pthread_mutex_lock(&h.mu);
+    assert_int_equal(h.joins, 1);   /* on_join saw the one that proved the secret only */
+    pthread_mutex_unlock(&h.mu);
+    ctl_server_shutdown(s);
+    h_finish(&h);
+}
+
 static void test_join_refusals(void **state)
 {
     (void)state;
@@ -537,17 +713,17 @@ static void test_join_refusals(void **state)
 
     expect_refused(port, "w", "not-the-cluster-secret-at-all-00000", CTL_PROTOCOL_VERSION, GRPC_STATUS_PERMISSION_DENIED,
                    "wrong cluster secret");
-    expect_refused(port, "w", "short", CTL_PROTOCOL_VERSION, GRPC_STATUS_PERMISSION_DENIED, "wrong cluster secret");
     /* A prefix of the secret is not the secret. */
     char prefix[SECRET_LEN];
     memcpy(prefix, SECRET, SECRET_LEN - 1);
     prefix[SECRET_LEN - 1] = 0;
     expect_refused(port, "w", prefix, CTL_PROTOCOL_VERSION, GRPC_STATUS_PERMISSION_DENIED, "wrong cluster secret");
-    /* The secret is checked before the version: a stranger learns nothing about the build. */
-    expect_refused(port, "w", "wrong-secret-and-wrong-version-0000", 7, GRPC_STATUS_PERMISSION_DENIED,
-                   "wrong cluster secret");
+    /* The version is checked first: a worker of another build cannot prove the secret in this
+     * version's terms, and "wrong cluster secret" would send its operator the wrong way. */
+    expect_refused(port, "w", "wrong-secret-and-wrong-version-0000", 2, GRPC_STATUS_FAILED_PRECONDITION,
+                   "control protocol version mismatch: worker speaks 2, coordinator speaks 3");
     expect_refused(port, "w", SECRET, CTL_PROTOCOL_VERSION + 1, GRPC_STATUS_FAILED_PRECONDITION,
-                   "control protocol version mismatch: worker speaks 3, coordinator speaks 2");
+                   "control protocol version mismatch: worker speaks 4, coordinator speaks 3");
     expect_refused(port, "", SECRET, CTL_PROTOCOL_VERSION, GRPC_STATUS_INVALID_ARGUMENT, "Join.worker_name must be");
     expect_refused(port, "bad\nname", SECRET, CTL_PROTOCOL_VERSION, GRPC_STATUS_INVALID_ARGUMENT, "Join.worker_name must be");
     /* A first message above CTL_MAX_JOIN_BYTES is not decoded: a stranger's 64 MiB costs nothing
@@ -557,19 +733,19 @@ static void test_join_refusals(void **state)
     memset(huge, 'n', CTL_MAX_JOIN_BYTES);
     huge[CTL_MAX_JOIN_BYTES] = 0;
     expect_refused(port, huge, "not-the-cluster-secret-at-all-00000", CTL_PROTOCOL_VERSION, GRPC_STATUS_RESOURCE_EXHAUSTED,
-                   "undecodable WorkerMessage: strata.internal.v1.WorkerMessage: message of 65613 bytes is above "
+                   "undecodable WorkerMessage: strata.internal.v1.WorkerMessage: message of 65644 bytes is above "
                    "the limit of 65536");
     free(huge);
     /* The handler heard of each (for the coordinator's log): the client may see its status
      * before the callback ran, so wait for the count. */
     pthread_mutex_lock(&h.mu);
     assert_int_equal(h.joins, 0);
-    for (int i = 0; i < 500 && h.refused < 8; i++) {
+    for (int i = 0; i < 500 && h.refused < 7; i++) {
         pthread_mutex_unlock(&h.mu);
         sleep_ms(10);
         pthread_mutex_lock(&h.mu);
     }
-    assert_int_equal(h.refused, 8);
+    assert_int_equal(h.refused, 7);
     assert_non_null(strstr(h.refused_why, "undecodable WorkerMessage"));
     assert_non_null(strstr(h.refused_peer, "127.0.0.1"));
     pthread_mutex_unlock(&h.mu);
@@ -581,7 +757,7 @@ static void test_join_refusals(void **state)
     expect_refused(port, "late", SECRET, CTL_PROTOCOL_VERSION, GRPC_STATUS_RESOURCE_EXHAUSTED, "no free worker slot for late");
     pthread_mutex_lock(&h.mu);
     assert_int_equal(h.joins, 1);
-    assert_int_equal(h.refused, 8);   /* on_join's own refusal is not reported back to it */
+    assert_int_equal(h.refused, 7);   /* on_join's own refusal is not reported back to it */
     h.join_rc = STRATA_OK;
     pthread_mutex_unlock(&h.mu);
 
@@ -617,7 +793,7 @@ static void test_join_refusals(void **state)
     assert_int_equal(connect_worker(port, "twice", SECRET, CTL_PROTOCOL_VERSION, &c, &err), STRATA_OK);
     Strata__Internal__V1__CoordinatorMessage *m = recv_one(c);
     protobuf_c_message_free_unpacked(&m->base, NULL);
-    Strata__Internal__V1__Join j = make_join("twice", SECRET, CTL_PROTOCOL_VERSION);
+    Strata__Internal__V1__Join j = make_join("twice", CTL_PROTOCOL_VERSION);
     Strata__Internal__V1__WorkerMessage jm = STRATA__INTERNAL__V1__WORKER_MESSAGE__INIT;
     jm.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_JOIN;
     jm.join = &j;
@@ -904,10 +1080,10 @@ static void test_big_messages(void **state)
 
 static int child_main(const char *addr, const char *mode)
 {
-    Strata__Internal__V1__Join j = make_join(mode, SECRET, CTL_PROTOCOL_VERSION);
+    Strata__Internal__V1__Join j = make_join(mode, CTL_PROTOCOL_VERSION);
     ctl_client *c;
     strata_error err = {0};
-    if (ctl_client_connect(addr, &j, 5000, &c, &err)) {
+    if (ctl_client_connect(addr, SECRET, SECRET_LEN, &j, 5000, &c, &err)) {
         fprintf(stderr, "child: %s\n", err.msg);
         return 2;
     }
@@ -1044,11 +1220,11 @@ static void check_coordinator_lost(bool hang)
     pid_t pid = spawn_coordinator(&port);
     char addr[64];
     snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
-    Strata__Internal__V1__Join j = make_join("orphan", SECRET, CTL_PROTOCOL_VERSION);
+    Strata__Internal__V1__Join j = make_join("orphan", CTL_PROTOCOL_VERSION);
     ctl_client_options co = {.keepalive_time_ms = 500, .keepalive_timeout_ms = 1000};
     ctl_client *c;
     strata_error err = {0};
-    assert_int_equal(ctl_client_connect_opts(addr, &j, 5000, &co, &c, &err), STRATA_OK);
+    assert_int_equal(ctl_client_connect_opts(addr, SECRET, SECRET_LEN, &j, 5000, &co, &c, &err), STRATA_OK);
     Strata__Internal__V1__CoordinatorMessage *m = recv_one(c);
     protobuf_c_message_free_unpacked(&m->base, NULL);
     int st;
@@ -1365,14 +1541,18 @@ static void test_start_errors(void **state)
 
     /* The client: nobody listening (the port of the server just stopped), NULL arguments. */
     ctl_client *c = (ctl_client *)1;
-    Strata__Internal__V1__Join j = make_join("x", SECRET, CTL_PROTOCOL_VERSION);
+    Strata__Internal__V1__Join j = make_join("x", CTL_PROTOCOL_VERSION);
     int64_t t0 = now_ms();
-    assert_int_equal(ctl_client_connect(addr, &j, 300, &c, &err), STRATA_EIO);
+    assert_int_equal(ctl_client_connect(addr, SECRET, SECRET_LEN, &j, 300, &c, &err), STRATA_EIO);
     assert_null(c);
     assert_true(now_ms() - t0 < 3000);
     assert_true(strstr(err.msg, "cannot reach the coordinator at") != NULL);
-    assert_int_equal(ctl_client_connect(NULL, &j, 300, &c, &err), STRATA_EINVAL);
-    assert_int_equal(ctl_client_connect(addr, NULL, 300, &c, &err), STRATA_EINVAL);
+    assert_int_equal(ctl_client_connect(NULL, SECRET, SECRET_LEN, &j, 300, &c, &err), STRATA_EINVAL);
+    assert_int_equal(ctl_client_connect(addr, SECRET, SECRET_LEN, NULL, 300, &c, &err), STRATA_EINVAL);
+    assert_int_equal(ctl_client_connect(addr, NULL, SECRET_LEN, &j, 300, &c, &err), STRATA_EINVAL);
+    /* A secret no coordinator takes is refused before anything is sent. */
+    assert_int_equal(ctl_client_connect(addr, "short", 5, &j, 300, &c, &err), STRATA_EINVAL);
+    assert_true(strstr(err.msg, "cluster secret of 5 bytes (16 to 256 needed)") != NULL);
     ctl_client_close(NULL);
     assert_int_equal(ctl_client_send(NULL, NULL, &err), STRATA_EINVAL);
     Strata__Internal__V1__CoordinatorMessage *m;
@@ -1410,6 +1590,7 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_join_accepted),
         cmocka_unit_test(test_join_refusals),
+        cmocka_unit_test(test_secret_proofs),
         cmocka_unit_test(test_order_two_peers),
         cmocka_unit_test(test_big_messages),
         cmocka_unit_test(test_worker_dies),

@@ -198,8 +198,6 @@ static void *fake_main(void *arg)
     char addr[64];
     snprintf(addr, sizeof addr, "127.0.0.1:%d", f->port);
     Strata__Internal__V1__Join j = STRATA__INTERNAL__V1__JOIN__INIT;
-    j.cluster_secret.data = (uint8_t *)SECRET;
-    j.cluster_secret.len = sizeof SECRET - 1;
     j.worker_name = f->name;
     j.device = (char *)"cpu";
     j.device_kv_bytes = f->device_kv_bytes;
@@ -208,7 +206,7 @@ static void *fake_main(void *arg)
     j.data_addr = (char *)"127.0.0.1:9"; /* never dialled: no block moves between scripted workers */
     ctl_client *cli = NULL;
     strata_error err = {0};
-    if (ctl_client_connect(addr, &j, 5000, &cli, &err) != STRATA_OK) {
+    if (ctl_client_connect(addr, SECRET, sizeof SECRET - 1, &j, 5000, &cli, &err) != STRATA_OK) {
         pthread_mutex_lock(&f->mu);
         snprintf(f->error, sizeof f->error, "connect: %s", err.msg);
         f->ended = true;

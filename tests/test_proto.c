@@ -383,20 +383,23 @@ static void test_roundtrip_public(void **state)
     check_roundtrip(&st.base);
 }
 
-static uint8_t secret_bytes[] = {0x00, 0x01, 's', 'e', 'c', 'r', 'e', 't', 0xff};
+static uint8_t proof_bytes[] = {0x00, 0x01, 'p', 'r', 'o', 'o', 'f', 0xff};
+static uint8_t nonce_bytes[] = {0xfe, 'n', 'o', 'n', 'c', 'e', 0x00};
 
 static void fill_join(Strata__Internal__V1__Join *j)
 {
     strata__internal__v1__join__init(j);
-    j->cluster_secret.len = sizeof secret_bytes;
-    j->cluster_secret.data = secret_bytes;
+    j->secret_proof.len = sizeof proof_bytes;
+    j->secret_proof.data = proof_bytes;
+    j->worker_nonce.len = sizeof nonce_bytes;
+    j->worker_nonce.data = nonce_bytes;
     j->worker_name = "node1-gpu0";
     j->device = "cuda:0";
     j->device_kv_bytes = (uint64_t)60 << 30;
     j->host_kv_bytes = (uint64_t)200 << 30;
     j->nvme_kv_bytes = (uint64_t)1 << 40;
     j->data_addr = "10.0.0.2:7001";
-    j->protocol_version = 1;
+    j->protocol_version = 3;
 }
 
 static uint32_t plan_tokens0[] = {1, 2, 3}, plan_tokens1[] = {5};

@@ -43,6 +43,7 @@
 #include <grpc/grpc.h>
 #include <grpc/support/alloc.h>
 
+#include "proto/control_auth.h"
 #include "proto/grpc_call.h"
 #include "proto/grpc_util.h"
 #include "proto/validate.h"
@@ -74,6 +75,7 @@ struct ctl_peer {
     uint32_t max_queued;
     char name[CTL_MAX_WORKER_NAME + 1]; /* set before on_join, constant after */
     char addr[128];
+    uint8_t nonce[PROTO_CONTROL_NONCE_BYTES]; /* this call's Challenge, constant */
 
     pthread_mutex_t mu;
     /* Under mu. */
@@ -271,9 +273,12 @@ static const char *worker_kind_name(int kind)
     }
 }
 
-/* The Join checks that do not need the handler. GRPC_STATUS_OK when they pass. */
-static grpc_status_code check_join(ctl_server *s, const Strata__Internal__V1__WorkerMessage *m, char *why,
-                                   size_t cap)
+/* The Join checks that do not need the handler. GRPC_STATUS_OK when they pass, with the
+ * coordinator's proof for this worker in admit_proof. The version comes first: a worker of
+ * another version cannot prove anything in this version's terms, and saying which versions
+ * differ tells a stranger nothing it could use. */
+static grpc_status_code check_join(ctl_server *s, const ctl_peer *p, const Strata__Internal__V1__WorkerMessage *m,
+                                   uint8_t admit_proof[PROTO_CONTROL_PROOF_BYTES], char *why, size_t cap)
 {
     if (m->kind_case != STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_JOIN || !m->join) {
         snprintf(why, cap, "the first message of the control stream must be a Join (got %s)",
@@ -281,10 +286,6 @@ static grpc_status_code check_join(ctl_server *s, const Strata__Internal__V1__Wo
         return GRPC_STATUS_INVALID_ARGUMENT;
     }
     const Strata__Internal__V1__Join *j = m->join;
-    if (!proto_secret_equal(j->cluster_secret.data, j->cluster_secret.len, s->secret, s->secret_len)) {
-        snprintf(why, cap, "wrong cluster secret");
-        return GRPC_STATUS_PERMISSION_DENIED;
-    }
     if (j->protocol_version != CTL_PROTOCOL_VERSION) {
         snprintf(why, cap, "control protocol version mismatch: worker speaks %" PRIu32 ", coordinator speaks %u",
                  j->protocol_version, CTL_PROTOCOL_VERSION);
@@ -295,7 +296,38 @@ static grpc_status_code check_join(ctl_server *s, const Strata__Internal__V1__Wo
                  CTL_MAX_WORKER_NAME);
         return GRPC_STATUS_INVALID_ARGUMENT;
     }
+    if (j->worker_nonce.len != PROTO_CONTROL_NONCE_BYTES) {
+        snprintf(why, cap, "Join.worker_nonce must be %d bytes (got %zu)", PROTO_CONTROL_NONCE_BYTES,
+                 j->worker_nonce.len);
+        return GRPC_STATUS_INVALID_ARGUMENT;
+    }
+    uint8_t expected[PROTO_CONTROL_PROOF_BYTES];
+    strata_error err = {0};
+    if (proto_control_proof(PROTO_PROOF_WORKER, s->secret, s->secret_len, p->nonce, j->worker_nonce.data,
+                            j->worker_name, expected, &err) != STRATA_OK ||
+        proto_control_proof(PROTO_PROOF_COORDINATOR, s->secret, s->secret_len, p->nonce, j->worker_nonce.data,
+                            j->worker_name, admit_proof, &err) != STRATA_OK) {
+        snprintf(why, cap, "coordinator error: %s", err.msg);
+        return GRPC_STATUS_INTERNAL;
+    }
+    if (!proto_control_proof_equal(j->secret_proof.data, j->secret_proof.len, expected)) {
+        snprintf(why, cap, "wrong cluster secret");
+        return GRPC_STATUS_PERMISSION_DENIED;
+    }
     return GRPC_STATUS_OK;
+}
+
+/* Under p->mu: packs msg and queues it on the peer's stream. False when it cannot (out of
+ * memory, or the stream is over). */
+static bool peer_queue(ctl_peer *p, const Strata__Internal__V1__CoordinatorMessage *msg)
+{
+    proto_msg *pm;
+    strata_error err = {0};
+    if (p->ended || p->q.dead || p->released || proto_msg_pack(&msg->base, p->max_bytes, &pm, &err) != STRATA_OK)
+        return false;
+    proto_sendq_push(&p->q, pm);
+    peer_pump(p);
+    return true;
 }
 
 /* RECV_MESSAGE completed (server thread). */
@@ -324,8 +356,8 @@ static void peer_recv_done(proto_tag *t, bool success)
         if (p->state == PEER_JOINED) {
             if (peer_end(p, GRPC_STATUS_OK, "worker closed the control stream", true, true))
                 p->gone_provisional = true;
-        } else
-            peer_end(p, GRPC_STATUS_INVALID_ARGUMENT, "control stream closed before a Join", true, true);
+        } else   /* (nothing it needs is queued: the Challenge is dropped, not flushed) */
+            peer_end(p, GRPC_STATUS_INVALID_ARGUMENT, "control stream closed before a Join", true, false);
         pthread_mutex_unlock(&p->mu);
         peer_put(p);
         return;
@@ -343,11 +375,12 @@ static void peer_recv_done(proto_tag *t, bool success)
     Strata__Internal__V1__WorkerMessage *m = (Strata__Internal__V1__WorkerMessage *)pm;
     grpc_status_code refuse = GRPC_STATUS_OK;
     char why[600] = "";
+    uint8_t admit_proof[PROTO_CONTROL_PROOF_BYTES];
     if (rc) {
         refuse = proto_grpc_status(rc);
         snprintf(why, sizeof why, "undecodable WorkerMessage: %s", err.msg);
     } else if (state == PEER_NEW) {
-        refuse = check_join(s, m, why, sizeof why);
+        refuse = check_join(s, p, m, admit_proof, why, sizeof why);
     } else if (m->kind_case == STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_JOIN) {
         refuse = GRPC_STATUS_INVALID_ARGUMENT;
         snprintf(why, sizeof why, "Join sent twice on one control stream");
@@ -374,6 +407,13 @@ static void peer_recv_done(proto_tag *t, bool success)
     } else if (state == PEER_NEW) {
         const Strata__Internal__V1__Join *j = m->join;
         snprintf(p->name, sizeof p->name, "%s", j->worker_name);
+        /* The coordinator's proof goes out before anything on_join sends (the Assignment). */
+        Strata__Internal__V1__Admitted adm = STRATA__INTERNAL__V1__ADMITTED__INIT;
+        adm.secret_proof = (ProtobufCBinaryData){sizeof admit_proof, admit_proof};
+        Strata__Internal__V1__CoordinatorMessage cm = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+        cm.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ADMITTED;
+        cm.admitted = &adm;
+        (void)peer_queue(p, &cm);   /* when it cannot, the stream's end reaches on_join's sends too */
         p->state = PEER_JOINING;
         p->in_cb = true;
         pthread_mutex_unlock(&p->mu);
@@ -459,6 +499,14 @@ static void accept_call(ctl_server *s, grpc_call *call)
     pthread_mutex_init(&p->mu, NULL);
     /* A temporary hold while the first batches start (shutdown may see the peer already). */
     p->busy = 1;
+    strata_error nerr = {0};
+    if (proto_control_nonce(p->nonce, &nerr) != STRATA_OK) {
+        server_log("no nonce for a new control stream: %s", nerr.msg);
+        pthread_mutex_destroy(&p->mu);
+        free(p);
+        reply_error(s, call, GRPC_STATUS_INTERNAL, "coordinator error");
+        return;
+    }
     char *peer = grpc_call_get_peer(call);
     if (peer) {
         snprintf(p->addr, sizeof p->addr, "%s", peer);
@@ -492,7 +540,16 @@ static void accept_call(ctl_server *s, grpc_call *call)
         peer_end(p, GRPC_STATUS_INTERNAL, "coordinator error", false, false);
         grpc_call_cancel_with_status(call, GRPC_STATUS_INTERNAL, "coordinator error", NULL);
     } else {
-        peer_arm_recv(p);
+        /* The worker proves the secret over this nonce (proto/control_auth.h). */
+        Strata__Internal__V1__Challenge ch = STRATA__INTERNAL__V1__CHALLENGE__INIT;
+        ch.nonce = (ProtobufCBinaryData){sizeof p->nonce, p->nonce};
+        Strata__Internal__V1__CoordinatorMessage cm = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+        cm.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_CHALLENGE;
+        cm.challenge = &ch;
+        if (peer_queue(p, &cm))
+            peer_arm_recv(p);
+        else
+            peer_end(p, GRPC_STATUS_RESOURCE_EXHAUSTED, "out of memory", true, false);
     }
     pthread_mutex_unlock(&p->mu);
     peer_put(p);

@@ -20,11 +20,14 @@
  * peer is not read until on_message returns (which is also how per-peer order is kept).
  *
  * Life of a peer (one Attach call):
- *   1. The worker's first message must be a Join. The server checks, in order: it is a Join
- *      (else INVALID_ARGUMENT), the cluster secret (proto_secret_equal; else PERMISSION_DENIED
- *      "wrong cluster secret", on_join is not called), protocol_version == CTL_PROTOCOL_VERSION
- *      (else FAILED_PRECONDITION naming both versions), worker_name is 1-128 bytes without
- *      control characters (else INVALID_ARGUMENT). Then on_join(ctx, peer, join, err).
+ *   1. The server opens the stream with a Challenge (a fresh 32-byte nonce). The worker's first
+ *      message must be a Join. The server checks, in order: it is a Join (else
+ *      INVALID_ARGUMENT), protocol_version == CTL_PROTOCOL_VERSION (else FAILED_PRECONDITION
+ *      naming both versions), worker_name is 1-128 bytes of UTF-8 without control characters
+ *      and worker_nonce 32 bytes (else INVALID_ARGUMENT), secret_proof proves the cluster secret
+ *      over both nonces and the name (proto/control_auth.h, compared in constant time; else
+ *      PERMISSION_DENIED "wrong cluster secret"); on_join is not called for a refused Join.
+ *      Then the server queues Admitted, its own proof, and calls on_join(ctx, peer, join, err).
  *   2. on_join returns STRATA_OK: the peer is joined. It may send (typically the Assignment)
  *      already inside on_join. Any other code refuses the worker: the call ends with
  *      proto_grpc_status(code) and err->msg, on_gone is NOT called for it, and the handler must

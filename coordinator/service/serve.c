@@ -71,7 +71,7 @@ static void usage(FILE *out, const char *prog, bool local)
             "  --control HOST:PORT     worker endpoint (default %s; no TLS: keep it on a private\n"
             "                          network)\n"
             "  --metrics HOST:PORT     Prometheus text metrics at http://HOST:PORT/metrics (default: off)\n"
-            "  --secret-file FILE      cluster secret (16-256 bytes) workers must present (%s)\n"
+            "  --secret-file FILE      cluster secret (16-256 bytes) workers must prove they hold (%s)\n"
             "  --replicas N            data-parallel replicas (default 1)\n"
             "  --stages N              pipeline stages (workers) per replica (default %s)\n"
             "  --stage-layers SPLIT    how the layers split among the stages: even (the default: the\n"

@@ -41,9 +41,9 @@ def messages(pb, ipb):
     out["coordinator_step_plan.bin"] = ipb.CoordinatorMessage(step_plan=plan)
 
     out["worker_join.bin"] = ipb.WorkerMessage(join=ipb.Join(
-        cluster_secret=b"\x00\x01secret\xff", worker_name="node1-gpu0", device="cuda:0",
-        device_kv_bytes=60 << 30, host_kv_bytes=200 << 30, nvme_kv_bytes=1 << 40,
-        data_addr="10.0.0.2:7001", protocol_version=1))
+        secret_proof=b"\x00\x01proof\xff", worker_nonce=b"\xfenonce\x00", worker_name="node1-gpu0",
+        device="cuda:0", device_kv_bytes=60 << 30, host_kv_bytes=200 << 30, nvme_kv_bytes=1 << 40,
+        data_addr="10.0.0.2:7001", protocol_version=3))
     return out
 
 

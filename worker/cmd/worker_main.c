@@ -643,13 +643,12 @@ int main(int argc, char **argv)
     join.device_kv_bytes = strata_mib_bytes(o.device_mib);
     join.host_kv_bytes = strata_mib_bytes(o.host_mib);
     join.nvme_kv_bytes = o.nvme_dir ? strata_mib_bytes(o.nvme_mib) : 0;
-    join.cluster_secret = (ProtobufCBinaryData){secret_len, secret};
     join.data_addr = data_addr;
     ctl_client *cc = NULL;
     /* A stop request ends the wait for the coordinator at once, not after --connect-timeout-ms
      * (a launcher or systemd stopping a worker whose coordinator is gone would wait for it). */
     const ctl_client_options copts = {.cancel = &stop_requested};
-    if (ctl_client_connect_opts(o.coordinator, &join, (int)o.connect_timeout_ms, &copts, &cc, &err) != STRATA_OK) {
+    if (ctl_client_connect_opts(o.coordinator, secret, secret_len, &join, (int)o.connect_timeout_ms, &copts, &cc, &err) != STRATA_OK) {
         if (stop_requested)
             fprintf(stderr, "strata-worker %s: stopped by a signal while reaching the coordinator\n", o.name);
         else

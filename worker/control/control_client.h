@@ -60,22 +60,28 @@ typedef struct ctl_client_options {
     const volatile sig_atomic_t *cancel;
 } ctl_client_options;
 
-/* Connects to the coordinator at coordinator_addr ("host:port"), opens the Attach call and sends
- * join as its first message; a join->protocol_version of 0 is sent as
- * CTL_CLIENT_PROTOCOL_VERSION (join itself is not modified). Waits up to timeout_ms (< 0: no
- * limit; 0: CTL_CLIENT_DEFAULT_CONNECT_TIMEOUT_MS) for the coordinator to be reachable and to
- * take the Join (a coordinator that is not up yet is retried with gRPC's backoff meanwhile).
- * Returning STRATA_OK does not mean the coordinator accepted the worker: its answer (Assignment,
- * or the end of the stream with PERMISSION_DENIED, FAILED_PRECONDITION, ...) comes through
- * ctl_client_recv. Fails with STRATA_EINVAL (NULL arguments, join rejected by protobuf-c or too
- * large), STRATA_EIO ("cannot reach the coordinator at ADDR within N ms", or the stream ended
- * during connect). Calls grpc_init (undone by ctl_client_close). */
-int ctl_client_connect(const char *coordinator_addr, const Strata__Internal__V1__Join *join, int timeout_ms,
-                       ctl_client **out, strata_error *err);
+/* Connects to the coordinator at coordinator_addr ("host:port"), opens the Attach call, waits
+ * for the coordinator's Challenge and sends join as its answer, with Join.secret_proof and
+ * Join.worker_nonce filled in from secret (secret_len bytes, PROTO_SECRET_MIN_BYTES to
+ * PROTO_SECRET_MAX_BYTES; the secret itself is never sent: proto/control_auth.h); a
+ * join->protocol_version of 0 is sent as CTL_CLIENT_PROTOCOL_VERSION (join itself is not
+ * modified). Waits up to timeout_ms (< 0: no limit; 0: CTL_CLIENT_DEFAULT_CONNECT_TIMEOUT_MS) for
+ * the coordinator to be reachable and to send its Challenge (a coordinator that is not up yet is
+ * retried with gRPC's backoff meanwhile). Returning STRATA_OK does not mean the coordinator
+ * accepted the worker: its answer (Assignment, or the end of the stream with PERMISSION_DENIED,
+ * FAILED_PRECONDITION, ...) comes through ctl_client_recv, which first checks the coordinator's
+ * own proof (Admitted) and, when it is wrong or missing, cancels the call and fails every later
+ * call with STRATA_EIO ("... did not prove that it holds the cluster secret ..."). Fails with
+ * STRATA_EINVAL (NULL arguments, a secret of the wrong length, join rejected by protobuf-c or too
+ * large), STRATA_EIO ("cannot reach the coordinator at ADDR within N ms", no Challenge first, or
+ * the stream ended during connect). Calls grpc_init (undone by ctl_client_close). */
+int ctl_client_connect(const char *coordinator_addr, const void *secret, size_t secret_len,
+                       const Strata__Internal__V1__Join *join, int timeout_ms, ctl_client **out, strata_error *err);
 
 /* ctl_client_connect with options (NULL: defaults). */
-int ctl_client_connect_opts(const char *coordinator_addr, const Strata__Internal__V1__Join *join, int timeout_ms,
-                            const ctl_client_options *o, ctl_client **out, strata_error *err);
+int ctl_client_connect_opts(const char *coordinator_addr, const void *secret, size_t secret_len,
+                            const Strata__Internal__V1__Join *join, int timeout_ms, const ctl_client_options *o,
+                            ctl_client **out, strata_error *err);
 
 /* Sends msg (thread-safe; see Flow control). STRATA_OK once gRPC has taken it; STRATA_EINVAL for
  * NULL arguments or a message that cannot be packed or exceeds max_message_bytes (nothing sent,
@@ -83,6 +89,8 @@ int ctl_client_connect_opts(const char *coordinator_addr, const Strata__Internal
 int ctl_client_send(ctl_client *c, const Strata__Internal__V1__WorkerMessage *msg, strata_error *err);
 
 /* Waits up to timeout_ms (< 0: no limit; 0: just poll) for the coordinator's next message.
+ * The coordinator's Challenge and Admitted never come out here (connect and the first receive
+ * take them).
  *   STRATA_OK, *msg != NULL: a message; free it with protobuf_c_message_free_unpacked(&(*msg)->base, NULL).
  *   STRATA_OK, *msg == NULL: nothing arrived within timeout_ms (the stream goes on).
  *   STRATA_EIO: the stream ended (message above); *msg is NULL.
