@@ -1,28 +1,12 @@
 /* Control-plane proofs of the cluster secret (control_auth.h). */
 #include "proto/control_auth.h"
 
-#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
-
-int proto_control_nonce(uint8_t nonce[PROTO_CONTROL_NONCE_BYTES], strata_error *err)
-{
-    size_t got = 0;
-    while (got < PROTO_CONTROL_NONCE_BYTES) {
-        ssize_t r = getrandom(nonce + got, PROTO_CONTROL_NONCE_BYTES - got, 0);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r < 0)
-            return strata_fail(err, STRATA_EIO, "getrandom: %s", strerror(errno));
-        got += (size_t)r;
-    }
-    return STRATA_OK;
-}
 
 int proto_control_proof(proto_proof_role role, const void *secret, size_t secret_len,
                         const uint8_t coordinator_nonce[PROTO_CONTROL_NONCE_BYTES],

@@ -23,10 +23,6 @@
 
 typedef enum { PROTO_PROOF_WORKER, PROTO_PROOF_COORDINATOR } proto_proof_role;
 
-/* Fills nonce with PROTO_CONTROL_NONCE_BYTES bytes from the kernel's random source.
- * STRATA_EIO when it fails. */
-int proto_control_nonce(uint8_t nonce[PROTO_CONTROL_NONCE_BYTES], strata_error *err);
-
 /* The proof of role for one call (the formula above). STRATA_EINVAL for NULL arguments or an
  * empty secret; STRATA_ENOMEM; STRATA_EIO when OpenSSL fails. */
 int proto_control_proof(proto_proof_role role, const void *secret, size_t secret_len,

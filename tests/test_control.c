@@ -382,50 +382,58 @@ static grpc_byte_buffer *raw_recv(grpc_call *c, grpc_completion_queue *cq, bool 
     return bb;
 }
 
-/* Calls method with the given raw messages, then half-closes; reads the status. */
-static void raw_call(int port, const char *method, const ProtobufCMessage *const *msgs, size_t n_msgs,
-                     const char *garbage, raw_result *r)
+/* A call of method on the server at port, its initial metadata sent (5 s deadline). */
+typedef struct raw_conn {
+    grpc_channel *ch;
+    grpc_completion_queue *cq;
+    grpc_call *c;
+} raw_conn;
+
+static raw_conn raw_open(int port, const char *method)
 {
     char addr[64];
     snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+    raw_conn k;
     grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-    grpc_channel *ch = grpc_channel_create(addr, creds, NULL);
+    k.ch = grpc_channel_create(addr, creds, NULL);
     grpc_channel_credentials_release(creds);
-    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
+    k.cq = grpc_completion_queue_create_for_pluck(NULL);
     gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_millis(5000, GPR_TIMESPAN));
-    grpc_call *c = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq, grpc_slice_from_static_string(method),
-                                            NULL, deadline, NULL);
-    assert_non_null(c);
+    k.c = grpc_channel_create_call(k.ch, NULL, GRPC_PROPAGATE_DEFAULTS, k.cq, grpc_slice_from_static_string(method),
+                                   NULL, deadline, NULL);
+    assert_non_null(k.c);
     grpc_op op;
     memset(&op, 0, sizeof op);
     op.op = GRPC_OP_SEND_INITIAL_METADATA;
-    assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)1, NULL), GRPC_CALL_OK);
-    grpc_completion_queue_pluck(cq, (void *)1, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-    for (size_t i = 0; i <= n_msgs; i++) {
-        grpc_byte_buffer *bb = NULL;
-        if (i < n_msgs) {
-            assert_int_equal(proto_pack(msgs[i], 1 << 20, &bb, NULL), STRATA_OK);
-        } else if (garbage) {
-            grpc_slice s = grpc_slice_from_copied_string(garbage);
-            bb = grpc_raw_byte_buffer_create(&s, 1);
-            grpc_slice_unref(s);
-        } else {
-            break;
-        }
-        memset(&op, 0, sizeof op);
-        op.op = GRPC_OP_SEND_MESSAGE;
-        op.data.send_message.send_message = bb;
-        assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)2, NULL), GRPC_CALL_OK);
-        grpc_completion_queue_pluck(cq, (void *)2, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-        grpc_byte_buffer_destroy(bb);
-    }
+    assert_int_equal(grpc_call_start_batch(k.c, &op, 1, (void *)1, NULL), GRPC_CALL_OK);
+    grpc_completion_queue_pluck(k.cq, (void *)1, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    return k;
+}
+
+/* Sends bb (taken) as one message. */
+static void raw_send(raw_conn *k, grpc_byte_buffer *bb)
+{
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_SEND_MESSAGE;
+    op.data.send_message.send_message = bb;
+    assert_int_equal(grpc_call_start_batch(k->c, &op, 1, (void *)2, NULL), GRPC_CALL_OK);
+    grpc_completion_queue_pluck(k->cq, (void *)2, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    grpc_byte_buffer_destroy(bb);
+}
+
+/* Half-closes, reads (and drops) what the server still sends, then its status into r, and frees
+ * the call. md_received: the initial metadata was read already (with a first message). */
+static void raw_finish(raw_conn *k, bool md_received, raw_result *r)
+{
+    grpc_op op;
     memset(&op, 0, sizeof op);
     op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)3, NULL), GRPC_CALL_OK);
-    grpc_completion_queue_pluck(cq, (void *)3, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    assert_int_equal(grpc_call_start_batch(k->c, &op, 1, (void *)3, NULL), GRPC_CALL_OK);
+    grpc_completion_queue_pluck(k->cq, (void *)3, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     /* The status comes once the messages before it were read (the Challenge, at least). */
     grpc_byte_buffer *in;
-    for (bool first = true; (in = raw_recv(c, cq, first)); first = false)
+    for (bool first = !md_received; (in = raw_recv(k->c, k->cq, first)); first = false)
         grpc_byte_buffer_destroy(in);
     grpc_metadata_array trailing;
     grpc_metadata_array_init(&trailing);
@@ -435,32 +443,39 @@ static void raw_call(int port, const char *method, const ProtobufCMessage *const
     op.data.recv_status_on_client.trailing_metadata = &trailing;
     op.data.recv_status_on_client.status = &r->status;
     op.data.recv_status_on_client.status_details = &details;
-    assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)4, NULL), GRPC_CALL_OK);
-    grpc_completion_queue_pluck(cq, (void *)4, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    assert_int_equal(grpc_call_start_batch(k->c, &op, 1, (void *)4, NULL), GRPC_CALL_OK);
+    grpc_completion_queue_pluck(k->cq, (void *)4, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     snprintf(r->details, sizeof r->details, "%.*s", (int)GRPC_SLICE_LENGTH(details),
              (const char *)GRPC_SLICE_START_PTR(details));
     grpc_slice_unref(details);
     grpc_metadata_array_destroy(&trailing);
-    grpc_call_unref(c);
-    grpc_completion_queue_shutdown(cq);
-    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {
+    grpc_call_unref(k->c);
+    grpc_completion_queue_shutdown(k->cq);
+    while (grpc_completion_queue_pluck(k->cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN) {
     }
-    grpc_completion_queue_destroy(cq);
-    grpc_channel_destroy(ch);
+    grpc_completion_queue_destroy(k->cq);
+    grpc_channel_destroy(k->ch);
 }
 
-/* A raw Attach that answers the Challenge with a Join of its own making: proof NULL computes the
- * right proof for this call's nonce (proto_control_proof, SECRET) and the name proof_for (NULL:
- * the Join's name), otherwise proof_len bytes of
- * proof are sent as they are (a replay, a short one). Reports this call's nonce and the proof
- * sent (when they are 32 bytes), whether an Admitted came and whether it held the coordinator's
- * right proof, and the final status (after a half-close). */
-typedef struct raw_attach_result {
-    raw_result st;
-    uint8_t nonce[PROTO_CONTROL_NONCE_BYTES];
-    uint8_t proof_sent[PROTO_CONTROL_PROOF_BYTES];
-    bool admitted, admitted_proof_ok;
-} raw_attach_result;
+/* Calls method with the given raw messages (then garbage bytes, when not NULL), half-closes and
+ * reads the status. */
+static void raw_call(int port, const char *method, const ProtobufCMessage *const *msgs, size_t n_msgs,
+                     const char *garbage, raw_result *r)
+{
+    raw_conn k = raw_open(port, method);
+    for (size_t i = 0; i < n_msgs; i++) {
+        grpc_byte_buffer *bb = NULL;
+        assert_int_equal(proto_pack(msgs[i], 1 << 20, &bb, NULL), STRATA_OK);
+        raw_send(&k, bb);
+    }
+    if (garbage) {
+        grpc_slice sl = grpc_slice_from_copied_string(garbage);
+        raw_send(&k, grpc_raw_byte_buffer_create(&sl, 1));
+        grpc_slice_unref(sl);
+    }
+    raw_finish(&k, false, r);
+}
 
 static Strata__Internal__V1__CoordinatorMessage *raw_unpack(grpc_byte_buffer *bb)
 {
@@ -471,27 +486,24 @@ static Strata__Internal__V1__CoordinatorMessage *raw_unpack(grpc_byte_buffer *bb
     return (Strata__Internal__V1__CoordinatorMessage *)m;
 }
 
+/* A raw Attach that answers the Challenge with a Join of its own making: proof NULL computes the
+ * right proof for this call's nonce (proto_control_proof, SECRET) and the name proof_for (NULL:
+ * the Join's name), otherwise proof_len bytes of proof are sent as they are (a replay, a short
+ * one). Reports this call's nonce and the proof sent (when it is 32 bytes), whether an Admitted
+ * came and whether it held the coordinator's right proof, and the final status. */
+typedef struct raw_attach_result {
+    raw_result st;
+    uint8_t nonce[PROTO_CONTROL_NONCE_BYTES];
+    uint8_t proof_sent[PROTO_CONTROL_PROOF_BYTES];
+    bool admitted, admitted_proof_ok;
+} raw_attach_result;
+
 static void raw_attach(int port, const char *name, const char *proof_for, const uint8_t *proof, size_t proof_len,
                        size_t worker_nonce_len, raw_attach_result *r)
 {
     memset(r, 0, sizeof *r);
-    char addr[64];
-    snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
-    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-    grpc_channel *ch = grpc_channel_create(addr, creds, NULL);
-    grpc_channel_credentials_release(creds);
-    grpc_completion_queue *cq = grpc_completion_queue_create_for_pluck(NULL);
-    gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_millis(5000, GPR_TIMESPAN));
-    grpc_call *c = grpc_channel_create_call(ch, NULL, GRPC_PROPAGATE_DEFAULTS, cq,
-                                            grpc_slice_from_static_string(CTL_ATTACH_METHOD), NULL, deadline, NULL);
-    assert_non_null(c);
-    grpc_op op;
-    memset(&op, 0, sizeof op);
-    op.op = GRPC_OP_SEND_INITIAL_METADATA;
-    assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)1, NULL), GRPC_CALL_OK);
-    grpc_completion_queue_pluck(cq, (void *)1, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-
-    grpc_byte_buffer *bb = raw_recv(c, cq, true);
+    raw_conn k = raw_open(port, CTL_ATTACH_METHOD);
+    grpc_byte_buffer *bb = raw_recv(k.c, k.cq, true);
     assert_non_null(bb);
     Strata__Internal__V1__CoordinatorMessage *m = raw_unpack(bb);
     assert_int_equal(m->kind_case, STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_CHALLENGE);
@@ -516,15 +528,10 @@ static void raw_attach(int port, const char *name, const char *proof_for, const 
     wm.kind_case = STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_JOIN;
     wm.join = &j;
     assert_int_equal(proto_pack(&wm.base, 1 << 20, &bb, NULL), STRATA_OK);
-    memset(&op, 0, sizeof op);
-    op.op = GRPC_OP_SEND_MESSAGE;
-    op.data.send_message.send_message = bb;
-    assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)2, NULL), GRPC_CALL_OK);
-    grpc_completion_queue_pluck(cq, (void *)2, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-    grpc_byte_buffer_destroy(bb);
+    raw_send(&k, bb);
 
-    /* The answer: Admitted then the Assignment, or the end of the stream. */
-    if ((bb = raw_recv(c, cq, false))) {
+    /* The answer: Admitted (then the Assignment), or the end of the stream. */
+    if ((bb = raw_recv(k.c, k.cq, false))) {
         m = raw_unpack(bb);
         r->admitted = m->kind_case == STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ADMITTED;
         if (r->admitted) {
@@ -535,35 +542,8 @@ static void raw_attach(int port, const char *name, const char *proof_for, const 
                                                              m->admitted->secret_proof.len, want);
         }
         protobuf_c_message_free_unpacked(&m->base, NULL);
-        while ((bb = raw_recv(c, cq, false))) {   /* the Assignment */
-            grpc_byte_buffer_destroy(bb);
-            break;
-        }
     }
-    memset(&op, 0, sizeof op);
-    op.op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
-    assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)3, NULL), GRPC_CALL_OK);
-    grpc_completion_queue_pluck(cq, (void *)3, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-    grpc_metadata_array trailing;
-    grpc_metadata_array_init(&trailing);
-    grpc_slice details;
-    memset(&op, 0, sizeof op);
-    op.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
-    op.data.recv_status_on_client.trailing_metadata = &trailing;
-    op.data.recv_status_on_client.status = &r->st.status;
-    op.data.recv_status_on_client.status_details = &details;
-    assert_int_equal(grpc_call_start_batch(c, &op, 1, (void *)4, NULL), GRPC_CALL_OK);
-    grpc_completion_queue_pluck(cq, (void *)4, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
-    snprintf(r->st.details, sizeof r->st.details, "%.*s", (int)GRPC_SLICE_LENGTH(details),
-             (const char *)GRPC_SLICE_START_PTR(details));
-    grpc_slice_unref(details);
-    grpc_metadata_array_destroy(&trailing);
-    grpc_call_unref(c);
-    grpc_completion_queue_shutdown(cq);
-    while (grpc_completion_queue_pluck(cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {
-    }
-    grpc_completion_queue_destroy(cq);
-    grpc_channel_destroy(ch);
+    raw_finish(&k, true, &r->st);
 }
 
 /* ---- tests ---- */

@@ -43,6 +43,7 @@
 #include <grpc/grpc.h>
 #include <grpc/support/alloc.h>
 
+#include "kvstore/random.h"
 #include "proto/control_auth.h"
 #include "proto/grpc_call.h"
 #include "proto/grpc_util.h"
@@ -500,7 +501,7 @@ static void accept_call(ctl_server *s, grpc_call *call)
     /* A temporary hold while the first batches start (shutdown may see the peer already). */
     p->busy = 1;
     strata_error nerr = {0};
-    if (proto_control_nonce(p->nonce, &nerr) != STRATA_OK) {
+    if (strata_random_bytes(p->nonce, sizeof p->nonce, &nerr) != STRATA_OK) {
         server_log("no nonce for a new control stream: %s", nerr.msg);
         pthread_mutex_destroy(&p->mu);
         free(p);

@@ -14,7 +14,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <spawn.h>
-#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -27,6 +26,7 @@
 #include "coordinator/server/api_server.h"
 #include "coordinator/service/coord.h"
 #include "kvstore/numarg.h"
+#include "kvstore/random.h"
 #include "kvstore/sysmem.h"
 #include "proto/credential_file.h"
 #include "worker/synthetic.h"
@@ -771,16 +771,10 @@ static bool make_secret(const char *prog, char *dir, size_t dir_cap, char *path,
         return false;
     }
     unsigned char raw[32];
-    size_t got = 0;
-    while (got < sizeof raw) {
-        ssize_t r = getrandom(raw + got, sizeof raw - got, 0);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r < 0) {
-            fprintf(stderr, "%s: getrandom: %s\n", prog, strerror(errno));
-            return false;
-        }
-        got += (size_t)r;
+    strata_error err = {0};
+    if (strata_random_bytes(raw, sizeof raw, &err) != STRATA_OK) {
+        fprintf(stderr, "%s: %s\n", prog, err.msg);
+        return false;
     }
     snprintf(path, path_cap, "%s/cluster.secret", dir);
     FILE *f = fopen(path, "wx");

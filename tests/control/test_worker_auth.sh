@@ -8,16 +8,10 @@ set -euo pipefail
 
 worker=$1
 src=$2
-py=/usr/bin/python3
-
-if [[ ! -x $py ]] || ! "$py" -c 'import grpc, google.protobuf' 2>/dev/null; then
-    echo "SKIP: $py has no grpc or google.protobuf module"
-    exit 77
-fi
-if ! command -v protoc >/dev/null; then
-    echo "SKIP: protoc is not installed"
-    exit 77
-fi
+# shellcheck source=tests/python_env.sh
+source "$src/tests/python_env.sh"
+require_python grpc google.protobuf
+require_tools protoc
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 mkdir "$tmp/stubs"

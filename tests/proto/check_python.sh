@@ -12,16 +12,10 @@ set -euo pipefail
 
 test_bin=$1
 src=$2
-py=/usr/bin/python3
-
-if [[ ! -x $py ]] || ! "$py" -c 'import google.protobuf' 2>/dev/null; then
-    echo "SKIP: $py has no google.protobuf module"
-    exit 77
-fi
-if ! command -v protoc >/dev/null; then
-    echo "SKIP: protoc is not installed"
-    exit 77
-fi
+# shellcheck source=tests/python_env.sh
+source "$src/tests/python_env.sh"
+require_python google.protobuf
+require_tools protoc
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

@@ -8,18 +8,10 @@ set -euo pipefail
 
 build=$1
 src=$2
-py=/usr/bin/python3
-
-if [[ ! -x $py ]] || ! "$py" -c 'import grpc, google.protobuf' 2>/dev/null; then
-    echo "SKIP: $py has no grpc or google.protobuf module"
-    exit 77
-fi
-for tool in protoc openssl pgrep; do
-    if ! command -v "$tool" >/dev/null; then
-        echo "SKIP: $tool is not installed"
-        exit 77
-    fi
-done
+# shellcheck source=tests/python_env.sh
+source "$src/tests/python_env.sh"
+require_python grpc google.protobuf
+require_tools protoc openssl pgrep
 model=$("$build/strata" --help | sed -n 's/^default model: //p')
 if [[ ! -r $model ]]; then
     echo "SKIP: the default model $model is missing (run scripts/setup.sh)"

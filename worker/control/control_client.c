@@ -31,6 +31,7 @@
 #include <grpc/slice.h>
 #include <grpc/support/time.h>
 
+#include "kvstore/random.h"
 #include "proto/control_auth.h"
 #include "proto/grpc_call.h"
 #include "proto/grpc_util.h"
@@ -400,7 +401,7 @@ int ctl_client_connect_opts(const char *coordinator_addr, const void *secret, si
                          "coordinator of another control protocol version than %u?)", coordinator_addr,
                          CTL_CLIENT_PROTOCOL_VERSION);
     if (rc == STRATA_OK)
-        rc = proto_control_nonce(worker_nonce, err);
+        rc = strata_random_bytes(worker_nonce, sizeof worker_nonce, err);
     if (rc == STRATA_OK)
         rc = proto_control_proof(PROTO_PROOF_WORKER, secret, secret_len, challenge->challenge->nonce.data,
                                  worker_nonce, name, proof, err);

@@ -14,7 +14,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -24,6 +23,7 @@
 
 #include "kvstore/bytes.h"
 #include "kvstore/crc32c.h"
+#include "kvstore/random.h"
 #include "worker/transport/transport.h"
 #include "worker/transport/transport_impl.h"
 
@@ -340,20 +340,6 @@ static int check_auth(const dp_auth *auth, strata_error *err)
     return STRATA_OK;
 }
 
-static int random_bytes(uint8_t *out, size_t n, strata_error *err)
-{
-    size_t done = 0;
-    while (done < n) {
-        ssize_t r = getrandom(out + done, n - done, 0);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r < 0)
-            return strata_fail(err, STRATA_EIO, "data plane: getrandom failed: %s", strerror(errno));
-        done += (size_t)r;
-    }
-    return STRATA_OK;
-}
-
 static int proof(const dp_auth *auth, int role, const uint8_t *hello_c, const uint8_t *hello_a,
                  uint8_t mac[MAC_BYTES], strata_error *err)
 {
@@ -389,9 +375,11 @@ static int handshake(int fd, int role, const dp_auth *auth, uint64_t my_max, int
     kv_st16(mine + 4, DP_FRAME_VERSION);
     mine[6] = (uint8_t)role;
     kv_st64(mine + 8, my_max);
-    int rc = random_bytes(mine + 16, NONCE_BYTES, err);
-    if (rc != STRATA_OK)
+    int rc = strata_random_bytes(mine + 16, NONCE_BYTES, err);
+    if (rc != STRATA_OK) {
+        strata_error_prefix(err, "data plane");
         return rc;
+    }
     size_t done = 0;
     int io = write_full(fd, mine, sizeof mine, 0, &done, -1, deadline);
     if (io != IO_OK)
