@@ -272,14 +272,17 @@ typedef struct sim_step {
 } sim_step;
 
 /* stream: the replicas' stream_blocks (0: none); max_prompt: prompts are 1..max_prompt tokens;
- * depth: steps out at once per replica (the pipeline stages), given back oldest first. */
-static void simulate(size_t stream, size_t max_prompt, size_t depth)
+ * depth: steps out at once per replica (the pipeline stages), given back oldest first; mixed:
+ * replica 0 has no tier to stream from (one sequence holds at most `device` blocks there), so
+ * the longest requests can run on replica 1 only. */
+static void simulate(size_t stream, size_t max_prompt, size_t depth, bool mixed)
 {
     const size_t bt = 16, batch = 128, seqs = 6, device = 24, total = 200;
     const size_t one_seq = stream > device ? stream : device;   /* the most one sequence may hold */
     sched_replica_config caps[2];
     for (int i = 0; i < 2; i++)
-        caps[i] = (sched_replica_config){.device_blocks = device, .stream_blocks = stream, .total_blocks = total};
+        caps[i] = (sched_replica_config){.device_blocks = device, .stream_blocks = mixed && i == 0 ? 0 : stream,
+                                         .total_blocks = total};
     sched_config c = {.block_tokens = bt, .max_batch_tokens = batch, .max_seqs = seqs, .max_steps_in_flight = depth,
                       .n_replicas = 2, .replicas = caps};
     strata_error err = {0};
@@ -416,8 +419,9 @@ static void simulate(size_t stream, size_t max_prompt, size_t depth)
     sched_get_stats(s, -1, &st);
     assert_int_equal(st.reserved_blocks, 0);
     assert_int_equal(st.running + st.waiting + st.preempted, 0);
-    print_message("simulation (stream %zu, depth %zu): %d requests, %zu rejected, %llu preemptions, %llu resumptions, "
-                  "%zu running moved, %zu streamed steps, %zu steps planned beside others\n", stream, depth, SIM_N,
+    print_message("simulation (stream %zu%s, depth %zu): %d requests, %zu rejected, %llu preemptions, %llu resumptions, "
+                  "%zu running moved, %zu streamed steps, %zu steps planned beside others\n", stream,
+                  mixed ? " on replica 1 only" : "", depth, SIM_N,
                   rejected, (unsigned long long)st.preemptions, (unsigned long long)st.resumptions, moved_running,
                   streamed_steps, overlapped);
     assert_true(st.preemptions > 0);
@@ -430,22 +434,26 @@ static void simulate(size_t stream, size_t max_prompt, size_t depth)
 static void test_simulation(void **state)
 {
     (void)state;
-    simulate(0, 300, 1);
+    simulate(0, 300, 1, false);
 }
 
-/* With a tier below: prompts up to 40 blocks, past the device's 24; one sequence may hold 32. */
+/* With a tier below: prompts up to 40 blocks, past the device's 24; one sequence may hold 32.
+ * Then with replicas of different sizes: replica 0 cannot stream, so requests of 25-32 blocks
+ * wait for replica 1 while shorter ones go on on replica 0. */
 static void test_simulation_streaming(void **state)
 {
     (void)state;
-    simulate(32, 640, 1);
+    simulate(32, 640, 1, false);
+    simulate(32, 640, 1, true);
+    simulate(32, 640, 2, true);
 }
 
 /* Pipelined: up to 2 and 3 steps out per replica, with and without streaming. */
 static void test_simulation_pipelined(void **state)
 {
     (void)state;
-    simulate(0, 300, 2);
-    simulate(32, 640, 3);
+    simulate(0, 300, 2, false);
+    simulate(32, 640, 3, false);
 }
 
 /* Two steps out at once (a 2-stage pipeline): the decoders are shared between them, each
@@ -925,11 +933,52 @@ static void test_idle_replica_takes_waiting(void **state)
     sched_destroy(s);
 }
 
+/* A waiting request holds back younger ones only on the replicas it could run on: one that only
+ * the large replica takes does not keep the small one idle, while on the large one the order of
+ * arrival holds (the scheduler review saw the small replica wait behind it). */
+static void test_waiting_request_holds_only_its_replicas(void **state)
+{
+    (void)state;
+    sched_replica_config rc[2] = {{.device_blocks = 4, .total_blocks = 10},     /* at most 4 per sequence */
+                                  {.device_blocks = 40, .total_blocks = 40}};
+    scheduler *s = make_replicas(16, 256, 8, 2, rc);
+    strata_error err = {0};
+    int r = -1;
+    assert_int_equal(sched_submit(s, 1, 400, 240, &r, &err), STRATA_OK);   /* 40 blocks: the large one, full */
+    assert_int_equal(r, 1);
+    assert_int_equal(sched_submit(s, 2, 300, 180, &r, &err), STRATA_OK);   /* 30 blocks: large only, waits */
+    assert_int_equal(r, -1);
+    assert_int_equal(sched_submit(s, 3, 30, 18, &r, &err), STRATA_OK);   /* 3 blocks: the small one, now */
+    assert_int_equal(r, 0);
+    assert_int_equal(sched_submit(s, 4, 30, 18, &r, &err), STRATA_OK);   /* 3 more: the small one has 7 */
+    assert_int_equal(r, 0);
+    assert_int_equal(sched_submit(s, 5, 40, 24, &r, &err), STRATA_OK);   /* 4: the small one has 4 left */
+    assert_int_equal(r, 0);
+    assert_int_equal(sched_submit(s, 6, 10, 6, &r, &err), STRATA_OK);   /* 1: both full, waits */
+    assert_int_equal(r, -1);
+    /* The large replica frees: the oldest waiting request it can take goes first (2, 30 blocks),
+     * then 6 (1 block) in the 10 left. */
+    assert_true(sched_finish(s, 1));
+    assert_int_equal(sched_get_replica(s, 2), 1);
+    assert_int_equal(sched_get_replica(s, 6), 1);
+    /* FIFO on a replica both could use: 7 (30 blocks, large only) waits behind nothing, but 8 (2
+     * blocks) may not take the large replica's room before 7 does. */
+    assert_int_equal(sched_submit(s, 7, 300, 180, &r, &err), STRATA_OK);
+    assert_int_equal(r, -1);
+    assert_int_equal(sched_submit(s, 8, 20, 12, &r, &err), STRATA_OK);   /* the small one is full: waits */
+    assert_int_equal(r, -1);
+    assert_true(sched_finish(s, 3));   /* the small one frees 3: 8 goes there, 7 still waits */
+    assert_int_equal(sched_get_replica(s, 8), 0);
+    assert_int_equal(sched_get_replica(s, 7), -1);
+    sched_destroy(s);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_config_errors),
         cmocka_unit_test(test_admission),
+        cmocka_unit_test(test_waiting_request_holds_only_its_replicas),
         cmocka_unit_test(test_routing_least_loaded),
         cmocka_unit_test(test_step_composition),
         cmocka_unit_test(test_preempt_and_resume),

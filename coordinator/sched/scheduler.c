@@ -38,6 +38,7 @@ typedef struct replica {
     size_t depth;             /* steps it may have out (sched_set_steps_in_flight) */
     bool unavailable;
     bool not_accepting;
+    bool held;             /* route_pending's scratch: an older waiting request may run here */
 } replica;
 
 struct scheduler {
@@ -153,7 +154,8 @@ static request *find(const scheduler *s, uint64_t id)
     return NULL;
 }
 
-/* The replica with the most unreserved block rows that can take `need` (ties: lowest index). */
+/* The replica with the most unreserved block rows that can take `need` (ties: lowest index),
+ * among those no older waiting request holds (replica.held). */
 static int best_replica(const scheduler *s, size_t need)
 {
     int best = -1;
@@ -161,7 +163,7 @@ static int best_replica(const scheduler *s, size_t need)
     for (int r = 0; r < s->cfg.n_replicas; r++) {
         const replica *p = &s->reps[r];
         size_t free_blocks = p->cfg.total_blocks - p->reserved;
-        if (p->unavailable || p->not_accepting || need > one_sequence_blocks(&p->cfg))
+        if (p->unavailable || p->not_accepting || p->held || need > one_sequence_blocks(&p->cfg))
             continue;
         if (need <= free_blocks && (best < 0 || free_blocks > best_free)) {
             best = r;
@@ -179,28 +181,47 @@ static bool replica_takes(const scheduler *s, int r, size_t need)
            need <= p->cfg.total_blocks - p->reserved;
 }
 
-/* Routes unrouted requests, oldest first, while some replica has room (FIFO: a request that
- * does not fit anywhere yet holds back the ones behind it). A request with a cached prefix goes
- * to the replica holding it when that one has room, else where the others would go, without
- * its prefix. */
+/* Routes unrouted requests, oldest first. A request that cannot be routed yet holds back the
+ * younger ones on every replica it could ever run on (its worst case within the replica's limit
+ * for one sequence): they take no room there before it, so requests that compete for a replica
+ * keep their order. A replica it could never run on (a smaller one) is not held: a request that
+ * fits there goes on there instead of waiting behind it. A request with a cached prefix goes to
+ * the replica holding it when that one has room and is not held, else where the others would
+ * go, without its prefix. A pass ends once every replica that takes requests is held. */
 static void route_pending(scheduler *s)
 {
+    for (int r = 0; r < s->cfg.n_replicas; r++)
+        s->reps[r].held = false;
+    const request *prev = NULL;
     for (;;) {
-        request *oldest = NULL;
-        for (size_t i = 0; i < s->n_reqs; i++)
-            if (s->reqs[i].replica < 0 && (!oldest || s->reqs[i].order < oldest->order))
-                oldest = &s->reqs[i];
-        if (!oldest)
+        request *next = NULL;   /* the oldest unrouted request younger than prev */
+        for (size_t i = 0; i < s->n_reqs; i++) {
+            request *q = &s->reqs[i];
+            if (q->replica < 0 && (!prev || q->order > prev->order) && (!next || q->order < next->order))
+                next = q;
+        }
+        if (!next)
             return;
-        size_t need = blocks_for(s, oldest->prompt + oldest->max_tokens);
-        int r = replica_takes(s, oldest->prefer, need) ? oldest->prefer : best_replica(s, need);
-        if (r < 0)
+        prev = next;
+        size_t need = blocks_for(s, next->prompt + next->max_tokens);
+        int r = replica_takes(s, next->prefer, need) && !s->reps[next->prefer].held ? next->prefer
+                                                                                     : best_replica(s, need);
+        if (r >= 0) {
+            if (r != next->prefer)
+                next->cached = 0;
+            next->replica = r;
+            next->reserved = need;
+            s->reps[r].reserved += need;
+            continue;
+        }
+        bool open = false;   /* a replica a younger request might still take */
+        for (int q = 0; q < s->cfg.n_replicas; q++) {
+            replica *p = &s->reps[q];
+            p->held |= need <= one_sequence_blocks(&p->cfg);
+            open |= !p->held && !p->unavailable && !p->not_accepting;
+        }
+        if (!open)
             return;
-        if (r != oldest->prefer)
-            oldest->cached = 0;
-        oldest->replica = r;
-        oldest->reserved = need;
-        s->reps[r].reserved += need;
     }
 }
 

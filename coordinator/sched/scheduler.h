@@ -19,7 +19,9 @@
  * - Admission reserves a request's worst case, prompt + max_tokens, against total_blocks of the
  *   replica it is routed to; a request whose worst case exceeds every replica's total_blocks or
  *   stream_blocks can never run: STRATA_EFULL at submit (RESOURCE_EXHAUSTED to the client).
- *   Otherwise it waits in FIFO order until a replica has room.
+ *   Otherwise it waits in FIFO order until a replica has room. A waiting request holds back
+ *   younger ones only on the replicas it could run on: with replicas of different sizes, one
+ *   that only a larger replica can take does not keep a smaller replica idle.
  * - Routing: the replica with the most unreserved blocks (ties: the lowest index).
  * - Steps in flight: a replica may have up to max_steps_in_flight steps planned whose results
  *   have not come back (a pipeline of that many stages runs one each). A sequence is in at most
