@@ -973,11 +973,40 @@ static void test_waiting_request_holds_only_its_replicas(void **state)
     sched_destroy(s);
 }
 
+/* An unavailable replica (its workers gone) gets only empty plans and takes no moved request. */
+static void test_unavailable_replica_plans_nothing(void **state)
+{
+    (void)state;
+    scheduler *s = make(16, 256, 8, 2, 16, 64);
+    strata_error err = {0};
+    int r;
+    assert_int_equal(sched_submit(s, 1, 20, 10, &r, &err), STRATA_OK);
+    assert_int_equal(r, 0);
+    assert_int_equal(sched_submit(s, 2, 20, 10, &r, &err), STRATA_OK);
+    assert_int_equal(r, 1);
+    /* Gone, with request 2 left on it (the coordinator ends such requests first; a caller that
+     * does not still gets no plan for workers that are not there). */
+    sched_set_available(s, 1, false);
+    sched_plan p;
+    assert_int_equal(sched_next_step(s, 1, &p, &err), STRATA_OK);
+    assert_int_equal(p.step, 0);
+    assert_int_equal(p.n_work, 0);
+    assert_int_equal(sched_move(s, 1, 1, &err), STRATA_EINVAL);
+    assert_non_null(strstr(err.msg, "replica 1 is unavailable"));
+    assert_int_equal(sched_get_replica(s, 1), 0);
+    sched_set_available(s, 1, true);   /* rebuilt: it plans again */
+    assert_int_equal(sched_next_step(s, 1, &p, &err), STRATA_OK);
+    assert_int_equal(p.n_work, 1);
+    assert_int_equal(p.work[0].id, 2);
+    sched_destroy(s);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_config_errors),
         cmocka_unit_test(test_admission),
+        cmocka_unit_test(test_unavailable_replica_plans_nothing),
         cmocka_unit_test(test_waiting_request_holds_only_its_replicas),
         cmocka_unit_test(test_routing_least_loaded),
         cmocka_unit_test(test_step_composition),

@@ -388,6 +388,8 @@ int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err)
         return strata_fail(err, STRATA_EINVAL, "scheduler: bad replica %d", r);
     memset(plan, 0, sizeof *plan);
     replica *p = &s->reps[r];
+    if (p->unavailable)
+        return STRATA_OK;   /* no workers to run it: an empty plan */
     if (p->outstanding >= p->depth)
         return strata_fail(err, STRATA_EINVAL, "scheduler: replica %d's step %" PRIu64 " has no results yet (%zu "
                            "step(s) out, at most %zu)", r, p->step, p->outstanding, p->depth);
@@ -710,6 +712,8 @@ int sched_move(scheduler *s, uint64_t id, int to, strata_error *err)
     if (q->replica == to)
         return STRATA_OK;
     replica *dst = &s->reps[to];
+    if (dst->unavailable)
+        return strata_fail(err, STRATA_EINVAL, "scheduler: replica %d is unavailable (its workers are gone)", to);
     if (q->reserved > one_sequence_blocks(&dst->cfg))
         return strata_fail(err, STRATA_EFULL, "scheduler: replica %d holds at most %zu blocks for one sequence; request %" PRIu64
                            " needs %zu", to, one_sequence_blocks(&dst->cfg), id, q->reserved);

@@ -133,7 +133,9 @@ typedef struct sched_plan {
 } sched_plan;
 
 /* Plans the next step of replica r, from the sequences that are in no step still out. An empty
- * plan (step 0) means nothing to do. STRATA_EINVAL when max_steps_in_flight steps are out. */
+ * plan (step 0) means nothing to do; an unavailable replica (sched_set_available) always gets
+ * one, since it has no workers to run a step. STRATA_EINVAL when max_steps_in_flight steps are
+ * out. */
 int sched_next_step(scheduler *s, int r, sched_plan *plan, strata_error *err);
 
 /* The outcome of one sequence in the step just planned: its work ran (the sequence is n_tokens
@@ -181,7 +183,7 @@ size_t sched_steps_in_flight(const scheduler *s, int r);
 
 /* Moves a request to replica `to` (migration): a request whose prompt has not run yet (WAITING)
  * or a RUNNING one that is not in an outstanding step; its reservation moves with it. STRATA_EFULL
- * when `to` lacks room, STRATA_EINVAL for another state (a RUNNING request still prefilling its
+ * when `to` lacks room, STRATA_EINVAL when `to` is unavailable, for another state (a RUNNING request still prefilling its
  * prompt included: it could not be preempted there) or an unknown id. The caller moves the
  * KV blocks of a RUNNING request first. A RUNNING request may take `to` past max_seqs: its next
  * step preempts the most recently admitted decoders until the count fits. */
