@@ -6,9 +6,10 @@
  * with label "strata-control-v3 worker" in Join.secret_proof and "strata-control-v3
  * coordinator" in Admitted.secret_proof. The nonces are fresh random bytes per call, so a proof
  * seen on the wire answers that call only; the name (last, so no boundary is ambiguous) binds
- * it to the worker that joined. Without TLS an active man in the middle can still relay a whole
- * call: this keeps the secret from a passive listener and a worker from a coordinator that
- * does not hold the secret. */
+ * it to the worker that joined. This keeps the secret from a passive listener (a weak one can
+ * still be guessed offline from a captured proof) and a worker from a coordinator that does
+ * not hold it; it does not protect the messages that follow (no TLS on this port): an attacker
+ * on the path can let the handshake through and then alter them. */
 #ifndef STRATA_PROTO_CONTROL_AUTH_H
 #define STRATA_PROTO_CONTROL_AUTH_H
 

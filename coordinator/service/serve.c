@@ -32,6 +32,7 @@
 #include "worker/synthetic.h"
 
 enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
+#define SECRET_FILE_NAME "cluster.secret"   /* in the private folder serve makes for it */
 #define MAX_LOCAL_WORKERS 64
 
 typedef struct serve_opts {
@@ -558,21 +559,40 @@ static void restore_secret(supervisor *sv)
     struct stat st;
     if (!*sv->secret_dir || lstat(sv->secret_path, &st) == 0 || errno != ENOENT)
         return;
-    if (mkdir(sv->secret_dir, 0700) != 0 &&
-        (errno != EEXIST || lstat(sv->secret_dir, &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != geteuid() ||
-         (st.st_mode & 077))) {
-        fprintf(stderr, "%s: cluster secret %s was removed and its folder cannot be made again safely\n", sv->prog,
-                sv->secret_path);
-        return;
+    const char *why = NULL;
+    int err = 0;
+    if (mkdir(sv->secret_dir, 0700) != 0 && errno != EEXIST) {
+        why = "its folder cannot be made again";
+        err = errno;
     }
-    int fd = open(sv->secret_path, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-    bool ok = fd >= 0 && write(fd, sv->secret, sv->secret_len) == (ssize_t)sv->secret_len;
-    ok = (fd >= 0 && close(fd) == 0) && ok;
-    if (ok)
+    /* The folder checked through the descriptor the file is then made in: no swap in between. */
+    int dir = why ? -1 : open(sv->secret_dir, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (!why && (dir < 0 || fstat(dir, &st) != 0 || st.st_uid != geteuid() || (st.st_mode & 077))) {
+        why = "its folder is not this user's private folder any more";
+        err = dir < 0 ? errno : 0;
+    }
+    int fd = why ? -1 : openat(dir, SECRET_FILE_NAME, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (!why && fd < 0) {
+        why = "it cannot be created again";
+        err = errno;
+    }
+    if (!why) {
+        ssize_t n = write(fd, sv->secret, sv->secret_len);
+        err = n < 0 ? errno : 0;
+        if (close(fd) != 0 && !err)
+            err = errno;
+        if (n != (ssize_t)sv->secret_len || err) {
+            why = "it cannot be written again";
+            unlinkat(dir, SECRET_FILE_NAME, 0);   /* a part of it would keep every worker out for good */
+        }
+    }
+    if (dir >= 0)
+        close(dir);
+    if (!why)
         fprintf(stderr, "%s: cluster secret %s was removed; written again\n", sv->prog, sv->secret_path);
     else
-        fprintf(stderr, "%s: cluster secret %s was removed and cannot be written again: %s\n", sv->prog,
-                sv->secret_path, strerror(errno));
+        fprintf(stderr, "%s: cluster secret %s was removed and %s%s%s\n", sv->prog, sv->secret_path, why,
+                err ? ": " : "", err ? strerror(err) : "");
 }
 
 /* Starts worker w. posix_spawn, not fork + exec: between fork and exec a child of this
@@ -631,14 +651,20 @@ static void spawn(supervisor *sv, local_worker *w)
     sigset_t none;
     sigemptyset(&none);
     posix_spawnattr_t attr;
+    posix_spawn_file_actions_t files;
     char **env = NULL;
     pid_t pid = -1;
     int rc = posix_spawnattr_init(&attr);
+    if (rc == 0 && (rc = posix_spawn_file_actions_init(&files)) != 0)
+        posix_spawnattr_destroy(&attr);
     if (rc == 0) {
+        /* A background group reading the terminal would be stopped (SIGTTIN): workers read nothing. */
         if ((rc = posix_spawnattr_setsigmask(&attr, &none)) == 0 && (rc = posix_spawnattr_setpgroup(&attr, 0)) == 0 &&
-            (rc = posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETPGROUP)) == 0)
-            rc = (env = worker_environment(threads)) ? posix_spawn(&pid, sv->bin, NULL, &attr, (char *const *)argv, env)
+            (rc = posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETPGROUP)) == 0 &&
+            (rc = posix_spawn_file_actions_addopen(&files, STDIN_FILENO, "/dev/null", O_RDONLY, 0)) == 0)
+            rc = (env = worker_environment(threads)) ? posix_spawn(&pid, sv->bin, &files, &attr, (char *const *)argv, env)
                                                      : ENOMEM;
+        posix_spawn_file_actions_destroy(&files);
         posix_spawnattr_destroy(&attr);
     }
     free(env);
@@ -655,6 +681,24 @@ static void spawn(supervisor *sv, local_worker *w)
     w->pid = pid;
 }
 
+/* Whether worker w's process, its group's leader, has exited; if so, SIGKILLs what is left in
+ * its group (what a --worker-bin wrapper started and did not take with it: it would run on
+ * beside the replacement, or after serve) and reaps the leader into *status. The leader is
+ * reaped last because until then its zombie keeps the group's id from being reused. */
+static bool reap_exited(local_worker *w, int *status)
+{
+    siginfo_t info;
+    memset(&info, 0, sizeof info);
+    if (waitid(P_PID, (id_t)w->pid, &info, WEXITED | WNOHANG | WNOWAIT) != 0) {
+        *status = 0;
+        return errno == ECHILD;   /* not ours any more: nothing to wait for */
+    }
+    if (info.si_pid != w->pid)
+        return false;   /* still running */
+    kill(-w->pid, SIGKILL);
+    return waitpid(w->pid, status, 0) == w->pid || errno == ECHILD;
+}
+
 static void *supervise(void *arg)
 {
     supervisor *sv = arg;
@@ -665,7 +709,7 @@ static void *supervise(void *arg)
         for (int i = 0; i < sv->n && !stopping; i++) {
             local_worker *w = &sv->w[i];
             int status;
-            if (w->restart_at == 0 && w->pid > 0 && waitpid(w->pid, &status, WNOHANG) == w->pid) {
+            if (w->restart_at == 0 && w->pid > 0 && reap_exited(w, &status)) {
                 if (t - w->started > 60)
                     w->backoff = 1;   /* it ran a while: a fresh failure, not a crash loop */
                 fprintf(stderr, "%s: worker %s exited (%s %d); restarting in %.0f s\n", sv->prog, w->name,
@@ -776,7 +820,7 @@ static bool make_secret(const char *prog, char *dir, size_t dir_cap, char *path,
         fprintf(stderr, "%s: %s\n", prog, err.msg);
         return false;
     }
-    snprintf(path, path_cap, "%s/cluster.secret", dir);
+    snprintf(path, path_cap, "%s/" SECRET_FILE_NAME, dir);
     FILE *f = fopen(path, "wx");
     if (!f || chmod(path, 0600) != 0) {
         fprintf(stderr, "%s: cannot write %s: %s\n", prog, path, strerror(errno));
@@ -811,7 +855,8 @@ static void stop_workers(supervisor *sv)
         pthread_join(sv->thread, NULL);
     /* Joined workers were told to shut down and need a moment; one that never joined (still
      * reaching the coordinator, or a --worker-bin wrapper whose child hangs) was told nothing:
-     * SIGTERM to its group after TERM_AFTER_S, SIGKILL after KILL_AFTER_S. */
+     * SIGTERM to its group after TERM_AFTER_S, SIGKILL after KILL_AFTER_S. Whatever is left in
+     * a group whose leader exited gets SIGKILL then (reap_exited). */
     enum { TERM_AFTER_S = 2, KILL_AFTER_S = 10 };
     const double start = mono();
     bool termed = false;
@@ -821,8 +866,7 @@ static void stop_workers(supervisor *sv)
         for (int i = 0; i < sv->n; i++) {
             local_worker *w = &sv->w[i];
             int status;
-            pid_t r = w->pid > 0 ? waitpid(w->pid, &status, WNOHANG) : 0;
-            if (r == w->pid || (r < 0 && errno == ECHILD)) {
+            if (w->pid > 0 && reap_exited(w, &status)) {
                 w->pid = -1;
             } else if (w->pid > 0 && t > KILL_AFTER_S) {
                 signal_worker_group(w, SIGKILL);

@@ -415,15 +415,51 @@ done
 
 # Giving up on workers that never join (a --worker-bin wrapper whose child sleeps): each worker's
 # process group gets SIGTERM 2 s into the stop, the wrapper's child included, not a SIGKILL of the
-# wrapper alone after 10 s (which left the child running).
-printf '#!/bin/sh\nsleep 1000.%s\n' "$$" >"$tmp/sleeper.sh"   # a command line to find it by
-chmod +x "$tmp/sleeper.sh"
+# wrapper alone after 10 s (which left the child running). A child that ignores SIGTERM and
+# outlives its wrapper is SIGKILLed with the rest of the group once the wrapper has exited.
+printf '#!/bin/sh\n(trap "" TERM; exec sleep 1001.%s) &\nsleep 1000.%s\n' "$$" "$$" >"$tmp/sleeper.sh"
+chmod +x "$tmp/sleeper.sh"   # (command lines to find them by)
 SECONDS=0
 expect 1 "only 0 of 2 workers ready after 2 s; giving up" env TMPDIR="$tmp/killed-tmp" "$strata" serve \
   --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 --worker-bin "$tmp/sleeper.sh" --ready-timeout 2
 (( SECONDS <= 8 )) || fail "serve took $SECONDS s to stop workers that never joined"
 sleep 0.5
 pgrep -f "^sleep 1000\.$$\$" >/dev/null && { fail "a worker wrapper's child outlived serve"; pkill -f "^sleep 1000\.$$\$"; }
+pgrep -f "^sleep 1001\.$$\$" >/dev/null &&
+  { fail "a wrapper's child ignoring SIGTERM outlived serve"; pkill -KILL -f "^sleep 1001\.$$\$"; }
+
+# With `stty tostop` on serve's terminal, the workers (background groups there) still write to
+# it and join: SIGTTOU stopped each at its first line, and serve gave up on them.
+python3 - "$strata" >"$tmp/tostop.log" 2>&1 <<'PY' || fail "serve under a tostop terminal: $(tail -n 5 "$tmp/tostop.log")"
+import os, pty, select, signal, sys, termios, time
+pid, fd = pty.fork()
+if pid == 0:   # a session of its own, the pty its controlling terminal, in the foreground
+    attrs = termios.tcgetattr(0)
+    attrs[3] |= termios.TOSTOP
+    termios.tcsetattr(0, termios.TCSANOW, attrs)
+    os.execv(sys.argv[1], [sys.argv[1], "serve", "--listen", "127.0.0.1:0", "--model", "synthetic:tiny:seed=4",
+                           "--ready-timeout", "60"])
+out, deadline = b"", time.monotonic() + 90
+while b"ready: serving" not in out and time.monotonic() < deadline:
+    if select.select([fd], [], [], 1)[0]:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        out += chunk
+os.kill(pid, signal.SIGTERM)
+while True:   # let it drain and stop, reading what it writes meanwhile
+    try:
+        if not os.read(fd, 65536):
+            break
+    except OSError:
+        break
+os.waitpid(pid, 0)
+sys.stdout.write(out.decode(errors="replace"))
+sys.exit(0 if b"ready: serving" in out and b"asked 127.0.0.1" in out else 1)
+PY
 
 [ "$failures" -eq 0 ] || { echo "test_synthetic: $failures failure(s)" >&2; exit 1; }
 echo "test_synthetic: ok"

@@ -574,6 +574,9 @@ static bool end_with_supervisor(const char *name, bool term_handled)
         return true;
     if (getppid() == (pid_t)pid)
         (void)prctl(PR_SET_PDEATHSIG, term_handled ? SIGTERM : SIGKILL);
+    /* Its own process group is in the background of serve's terminal: with `stty tostop` its
+     * first message there would stop it (SIGTTOU) for good. Ignored, the write goes through. */
+    signal(SIGTTOU, SIG_IGN);
     if (has_ancestor((pid_t)pid))   /* after the prctl: serve may have died just before it */
         return true;
     fprintf(stderr, "strata-worker %s: strata serve (pid %ld) has ended; stopping\n", name, pid);

@@ -6,7 +6,8 @@
  * its tag. Four tags, one per kind of batch, each with at most one batch in flight:
  *   tag_status  RECV_STATUS_ON_CLIENT, started at connect; plucked by whoever first needs the
  *               status (status_plucking makes the others wait on cond);
- *   tag_send    SEND_MESSAGE (the Join with the initial metadata at connect), under send_mu;
+ *   tag_send    SEND_INITIAL_METADATA at connect, then SEND_MESSAGE (the Join, once the
+ *               Challenge came, and every later message), under send_mu;
  *   tag_recv    RECV_MESSAGE (+ RECV_INITIAL_METADATA the first time), under recv_mu; a
  *               receive that timed out stays in flight and the next ctl_client_recv plucks it;
  *   tag_half    SEND_CLOSE_FROM_CLIENT in ctl_client_close, under send_mu.
