@@ -367,7 +367,7 @@ for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
     signal.signal(s, signal.SIG_DFL)
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)
 os.execv(sys.argv[1], sys.argv[1:])' "$strata" serve --listen 127.0.0.1:0 --control 127.0.0.2:0 \
-  --model synthetic:tiny:seed=4 2>"$tmp/tty.log" &
+  --model synthetic:tiny:seed=4 --drain-seconds 240 2>"$tmp/tty.log" &   # (a slow sanitizer build drains long)
 server=$!
 port=$(serve_port "$tmp/tty.log" "$server")
 if [ -z "$port" ]; then
@@ -383,7 +383,7 @@ else
     fail "serve started ignoring SIGCHLD did not see its worker exit: $(tail -n 5 "$tmp/tty.log")"
   # Ctrl-C: SIGINT to the terminal's foreground group, serve's. The workers lead their own
   # groups, so serve alone gets it and drains: the running request completes.
-  "$strata" generate --server "127.0.0.1:$port" --prompt "drained?" --max-tokens 2000 --ignore-eos --no-echo \
+  "$strata" generate --server "127.0.0.1:$port" --prompt "drained?" --max-tokens 1000 --ignore-eos --no-echo \
     >"$tmp/drained.txt" 2>"$tmp/drained.err" &
   client=$!
   for _ in $(seq 1 300); do [ -s "$tmp/drained.txt" ] && break; sleep 0.05; done
