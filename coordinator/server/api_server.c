@@ -34,6 +34,10 @@
 
 #include <grpc/byte_buffer.h>
 #include <grpc/grpc.h>
+#include <openssl/bio.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 
 #include "proto/credential_file.h"
 #include "proto/grpc_call.h"
@@ -875,6 +879,41 @@ static int read_pem(const char *path, const char *what, char **out, strata_error
     return STRATA_OK;
 }
 
+/* A passphrase callback that has none: an encrypted key fails to load instead of OpenSSL asking
+ * for its passphrase on the terminal. */
+static int no_passphrase(char *buf, int size, int rwflag, void *u)
+{
+    (void)buf, (void)size, (void)rwflag, (void)u;
+    return -1;
+}
+
+/* Whether the PEM texts hold a certificate and a private key that OpenSSL reads and that belong
+ * together, checked here so that a bad pair is named (gRPC's server would only fail to listen,
+ * or fail every handshake). */
+static int check_tls_pair(const char *cert, const char *key, const char *cert_path, const char *key_path,
+                          strata_error *err)
+{
+    BIO *cb = BIO_new_mem_buf(cert, -1), *kb = BIO_new_mem_buf(key, -1);
+    X509 *x = cb ? PEM_read_bio_X509(cb, NULL, no_passphrase, NULL) : NULL;
+    EVP_PKEY *k = kb ? PEM_read_bio_PrivateKey(kb, NULL, no_passphrase, NULL) : NULL;
+    int rc = STRATA_OK;
+    if (!cb || !kb)
+        rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
+    else if (!x)
+        rc = strata_fail(err, STRATA_EINVAL, "the TLS certificate %s holds no certificate OpenSSL can read", cert_path);
+    else if (!k)
+        rc = strata_fail(err, STRATA_EINVAL, "the TLS key %s holds no private key OpenSSL can read (an encrypted "
+                         "key is not taken: no passphrase can be given)", key_path);
+    else if (X509_check_private_key(x, k) != 1)
+        rc = strata_fail(err, STRATA_EINVAL, "the TLS key %s does not belong to the certificate %s", key_path,
+                         cert_path);
+    EVP_PKEY_free(k);
+    X509_free(x);
+    BIO_free(kb);
+    BIO_free(cb);
+    return rc;
+}
+
 static void server_free(api_server *s)
 {
     free(s->hash);
@@ -928,8 +967,13 @@ int api_server_start(const api_server_options *o, const api_backend *b, api_serv
         int rc = read_pem(opt.tls_cert_file, "certificate", &cert, err);
         if (!rc)
             rc = read_pem(opt.tls_key_file, "key", &key, err);
+        if (!rc)
+            rc = check_tls_pair(cert, key, opt.tls_cert_file, opt.tls_key_file, err);
         if (rc) {
             free(cert);
+            if (key)
+                explicit_bzero(key, strlen(key));
+            free(key);
             return rc;
         }
     }

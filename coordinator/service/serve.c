@@ -1067,6 +1067,7 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
     api_backend b = coord_api_backend(co);
     if (api_server_start(&ao, &b, &api, &err) != STRATA_OK) {
         fprintf(stderr, "%s: --listen %s: %s\n", prog, o.listen ? o.listen : API_SERVER_DEFAULT_ADDR, err.msg);
+        exit_code = err.code == STRATA_EINVAL ? EXIT_USAGE : EXIT_RUNTIME;   /* a bad TLS pair: the user's files */
         goto out;
     }
     if (local) {

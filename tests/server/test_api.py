@@ -519,8 +519,8 @@ def _try_generate(c, text, n):
         raise
 
 
-def make_cert():
-    cert, key = os.path.join(WORK, "cert.pem"), os.path.join(WORK, "key.pem")
+def make_cert(name="cert"):
+    cert, key = os.path.join(WORK, name + ".pem"), os.path.join(WORK, name + "-key.pem")
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost",
                     "-addext", "subjectAltName=DNS:localhost", "-days", "1", "-keyout", key, "-out", cert],
                    check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -581,6 +581,23 @@ def test_start_errors():
     r = subprocess.run([SERVER, "--tls-cert", "/nonexistent.pem", "--tls-key", "/nonexistent.pem"],
                        capture_output=True, timeout=20)
     check(r.returncode == 1 and b"cannot read the TLS certificate" in r.stderr, "missing cert: %r" % r.stderr)
+    # PEM files that are not what they say, a key of another certificate, an encrypted key (no
+    # passphrase can be given: refused, not asked for on the terminal): named at start.
+    cert, key = make_cert()
+    _, other_key = make_cert("other")
+    junk = os.path.join(WORK, "junk.pem")
+    with open(junk, "w") as f:
+        f.write("-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydGlmaWNhdGU=\n-----END CERTIFICATE-----\n")
+    locked = os.path.join(WORK, "locked-key.pem")
+    subprocess.run(["openssl", "pkey", "-in", key, "-aes256", "-passout", "pass:secret", "-out", locked],
+                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for c, k, want in [(junk, key, b"holds no certificate OpenSSL can read"),
+                       (cert, junk, b"holds no private key OpenSSL can read"),
+                       (cert, locked, b"an encrypted key is not taken"),
+                       (cert, other_key, b"does not belong to the certificate")]:
+        r = subprocess.run([SERVER, "--tls-cert", c, "--tls-key", k], capture_output=True, timeout=20,
+                           stdin=subprocess.DEVNULL)
+        check(r.returncode == 1 and want in r.stderr, "TLS pair %s + %s: %r" % (c, k, r.stderr))
     s = Server("port_taken")
     try:
         r = subprocess.run([SERVER, "--listen", "127.0.0.1:%d" % s.port], capture_output=True, timeout=20)
