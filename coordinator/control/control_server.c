@@ -318,17 +318,36 @@ static grpc_status_code check_join(ctl_server *s, const ctl_peer *p, const Strat
     return GRPC_STATUS_OK;
 }
 
-/* Under p->mu: packs msg and queues it on the peer's stream. False when it cannot (out of
- * memory, or the stream is over). */
+/* Under p->mu: queues m (taken) on the peer's stream. STRATA_EIO when the stream is over;
+ * STRATA_EFULL when the worker does not read (the queue holds max_queued): the stream is ended
+ * rather than buffered without bound, or a message dropped silently, which would desynchronize
+ * the step protocol (on_gone follows from the cancelled batches' completions). */
+static int peer_push(ctl_peer *p, proto_msg *m, strata_error *err)
+{
+    if (p->ended || p->q.dead || p->released) {
+        proto_msg_free(m);
+        return strata_fail(err, STRATA_EIO, "worker %s: the control stream has ended", p->name);
+    }
+    if (p->q.queued >= p->max_queued) {
+        uint32_t q = p->q.queued;
+        char why[160];
+        snprintf(why, sizeof why, "worker not reading (%" PRIu32 " control messages queued)", q);
+        peer_end(p, GRPC_STATUS_RESOURCE_EXHAUSTED, why, true, false);
+        proto_msg_free(m);
+        return strata_fail(err, STRATA_EFULL, "worker %s: send queue full (%" PRIu32 " messages); stream ended",
+                           p->name, q);
+    }
+    proto_sendq_push(&p->q, m);
+    peer_pump(p);
+    return STRATA_OK;
+}
+
+/* Under p->mu: packs msg and queues it (peer_push). False when it cannot. */
 static bool peer_queue(ctl_peer *p, const Strata__Internal__V1__CoordinatorMessage *msg)
 {
     proto_msg *pm;
     strata_error err = {0};
-    if (p->ended || p->q.dead || p->released || proto_msg_pack(&msg->base, p->max_bytes, &pm, &err) != STRATA_OK)
-        return false;
-    proto_sendq_push(&p->q, pm);
-    peer_pump(p);
-    return true;
+    return proto_msg_pack(&msg->base, p->max_bytes, &pm, &err) == STRATA_OK && peer_push(p, pm, &err) == STRATA_OK;
 }
 
 /* RECV_MESSAGE completed (server thread). */
@@ -584,28 +603,9 @@ int ctl_peer_send(ctl_peer *p, const Strata__Internal__V1__CoordinatorMessage *m
         return rc;
     }
     pthread_mutex_lock(&p->mu);
-    if (p->ended || p->q.dead || p->released) {
-        pthread_mutex_unlock(&p->mu);
-        proto_msg_free(m);
-        return strata_fail(err, STRATA_EIO, "worker %s: the control stream has ended", p->name);
-    }
-    if (p->q.queued >= p->max_queued) {
-        /* The worker does not read: end the stream rather than buffer without bound (or drop a
-         * message silently, which would desynchronize the step protocol). on_gone follows from
-         * the completion of the cancelled batches, on a server thread. */
-        uint32_t q = p->q.queued;
-        char why[160];
-        snprintf(why, sizeof why, "worker not reading (%" PRIu32 " control messages queued)", q);
-        peer_end(p, GRPC_STATUS_RESOURCE_EXHAUSTED, why, true, false);
-        pthread_mutex_unlock(&p->mu);
-        proto_msg_free(m);
-        return strata_fail(err, STRATA_EFULL, "worker %s: send queue full (%" PRIu32 " messages); stream ended",
-                           p->name, q);
-    }
-    proto_sendq_push(&p->q, m);
-    peer_pump(p);
+    rc = peer_push(p, m, err);
     pthread_mutex_unlock(&p->mu);
-    return STRATA_OK;
+    return rc;
 }
 
 void ctl_peer_close(ctl_peer *p, int grpc_status, const char *message)

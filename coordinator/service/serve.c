@@ -549,6 +549,29 @@ static char **worker_environment(const char *threads)
     return env;
 }
 
+/* Writes text and a newline as SECRET_FILE_NAME, a new 0600 file in the folder open as dir,
+ * and removes it again when the write fails (a part of the secret would keep every worker out
+ * for good). 0, or the errno of what failed. */
+static int write_secret_file(int dir, const char *text, size_t len)
+{
+    char line[CTL_SECRET_MAX_BYTES + 2];
+    if (len > CTL_SECRET_MAX_BYTES)
+        return EINVAL;
+    memcpy(line, text, len);
+    line[len++] = '\n';
+    int fd = openat(dir, SECRET_FILE_NAME, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (fd < 0)
+        return errno;
+    ssize_t n = write(fd, line, len);
+    int err = n < 0 ? errno : n != (ssize_t)len ? EIO : 0;
+    if (close(fd) != 0 && !err)
+        err = errno;
+    explicit_bzero(line, sizeof line);
+    if (err)
+        unlinkat(dir, SECRET_FILE_NAME, 0);
+    return err;
+}
+
 /* A cleanup of TMPDIR (systemd-tmpfiles, an operator) may remove the secret serve made while
  * it serves: a restarted worker could then never join. Writes the same bytes again, in a
  * folder made again with the same name; refuses a folder or file that someone else put there
@@ -571,21 +594,8 @@ static void restore_secret(supervisor *sv)
         why = "its folder is not this user's private folder any more";
         err = dir < 0 ? errno : 0;
     }
-    int fd = why ? -1 : openat(dir, SECRET_FILE_NAME, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-    if (!why && fd < 0) {
-        why = "it cannot be created again";
-        err = errno;
-    }
-    if (!why) {
-        ssize_t n = write(fd, sv->secret, sv->secret_len);
-        err = n < 0 ? errno : 0;
-        if (close(fd) != 0 && !err)
-            err = errno;
-        if (n != (ssize_t)sv->secret_len || err) {
-            why = "it cannot be written again";
-            unlinkat(dir, SECRET_FILE_NAME, 0);   /* a part of it would keep every worker out for good */
-        }
-    }
+    if (!why && (err = write_secret_file(dir, sv->secret, sv->secret_len)) != 0)
+        why = "it cannot be written again";
     if (dir >= 0)
         close(dir);
     if (!why)
@@ -820,22 +830,19 @@ static bool make_secret(const char *prog, char *dir, size_t dir_cap, char *path,
         fprintf(stderr, "%s: %s\n", prog, err.msg);
         return false;
     }
-    snprintf(path, path_cap, "%s/" SECRET_FILE_NAME, dir);
-    FILE *f = fopen(path, "wx");
-    if (!f || chmod(path, 0600) != 0) {
-        fprintf(stderr, "%s: cannot write %s: %s\n", prog, path, strerror(errno));
-        if (f)
-            fclose(f);
-        return false;
-    }
+    char hex[2 * sizeof raw + 1];
     for (size_t i = 0; i < sizeof raw; i++)
-        fprintf(f, "%02x", raw[i]);
-    fputc('\n', f);
-    if (fclose(f) != 0) {
-        fprintf(stderr, "%s: cannot write %s: %s\n", prog, path, strerror(errno));
-        return false;
-    }
-    return true;
+        snprintf(hex + 2 * i, 3, "%02x", raw[i]);
+    explicit_bzero(raw, sizeof raw);
+    snprintf(path, path_cap, "%s/" SECRET_FILE_NAME, dir);
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int werr = fd < 0 ? errno : write_secret_file(fd, hex, 2 * sizeof raw);
+    if (fd >= 0)
+        close(fd);
+    explicit_bzero(hex, sizeof hex);
+    if (werr)
+        fprintf(stderr, "%s: cannot write %s: %s\n", prog, path, strerror(werr));
+    return werr == 0;
 }
 
 /* Sends sig to the process group worker w leads, while it is unreaped (its pid, so its group's
