@@ -413,6 +413,33 @@ for _ in $(seq 1 50); do
 done
 [ -z "$left" ] || { fail "workers $left outlived a SIGKILLed serve by 5 s"; kill -KILL $left 2>/dev/null; }
 
+# The same through a --worker-bin wrapper that runs the worker as its child (no exec): serve is
+# then the worker's grandparent, which no death signal covers; the worker watches it by pidfd.
+# The wrapper points the worker at a closed port, so that it is still trying to join (30 s)
+# whenever serve is killed.
+printf '#!/bin/sh\n%s/strata-worker "$@" --coordinator 127.0.0.1:1\n' "$(dirname "$strata")" >"$tmp/wrapper.sh"
+chmod +x "$tmp/wrapper.sh"
+TMPDIR="$tmp/killed-tmp" "$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 -q \
+  --worker-bin "$tmp/wrapper.sh" 2>"$tmp/killed-wrapped.log" &
+server=$!
+wrapped=""
+for _ in $(seq 1 300); do
+  wrapped=$(for w in $(pgrep -P "$server"); do pgrep -P "$w"; done | tr '\n' ' ')
+  [ "$(wc -w <<<"$wrapped")" -ge 2 ] && break
+  sleep 0.01
+done
+[ -n "$wrapped" ] || fail "serve started no wrapped worker: $(tail -n 3 "$tmp/killed-wrapped.log")"
+sleep 0.5   # past the worker's start, where it sets up its watch
+kill -KILL "$server"
+wait "$server" 2>/dev/null
+for _ in $(seq 1 50); do
+  left=$(for p in $wrapped; do ps -o stat= -p "$p" 2>/dev/null | grep -qv Z && echo "$p"; done | tr '\n' ' ')
+  [ -z "$left" ] && break
+  sleep 0.1
+done
+[ -z "$left" ] || { fail "wrapped workers $left outlived a SIGKILLed serve by 5 s"; kill -KILL $left 2>/dev/null; }
+grep -q "cannot watch" "$tmp/killed-wrapped.log" && fail "a wrapped worker could not watch serve: $(cat "$tmp/killed-wrapped.log")"
+
 # Giving up on workers that never join (a --worker-bin wrapper whose child sleeps): each worker's
 # process group gets SIGTERM 2 s into the stop, the wrapper's child included, not a SIGKILL of the
 # wrapper alone after 10 s (which left the child running). A child that ignores SIGTERM and

@@ -9,6 +9,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sys/pidfd.h>
 #include <sys/prctl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -559,12 +560,54 @@ static bool has_ancestor(pid_t want)
     return false;
 }
 
+/* Under a --worker-bin wrapper serve is a grandparent, which no death signal covers: a thread
+ * waits on a pidfd of serve and sends the worker the signal PR_SET_PDEATHSIG would have. */
+typedef struct {
+    int pidfd;
+    int sig;
+} supervisor_watch;
+
+static void *watch_supervisor(void *arg)
+{
+    supervisor_watch w = *(supervisor_watch *)arg;
+    free(arg);
+    struct pollfd p = {.fd = w.pidfd, .events = POLLIN};
+    while (poll(&p, 1, -1) < 0 && errno == EINTR)
+        ;
+    kill(getpid(), w.sig);   /* readable (serve ended) or poll failed: either way, no supervisor to wait on */
+    return NULL;
+}
+
+/* Returns 0, or the errno of why no watch could be set up (the worker then runs without one). */
+static int watch_supervisor_start(pid_t pid, int sig)
+{
+    supervisor_watch *w = malloc(sizeof *w);
+    if (!w)
+        return ENOMEM;
+    w->sig = sig;
+    w->pidfd = pidfd_open(pid, 0);
+    int rc = w->pidfd < 0 ? errno : 0;
+    pthread_attr_t attr;
+    if (!rc && !(rc = pthread_attr_init(&attr))) {
+        pthread_t t;
+        if (!(rc = pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED)))
+            rc = pthread_create(&t, &attr, watch_supervisor, w);
+        pthread_attr_destroy(&attr);
+    }
+    if (rc) {
+        if (w->pidfd >= 0)
+            close(w->pidfd);
+        free(w);
+    }
+    return rc;
+}
+
 /* Started by `strata serve` (STRATA_SUPERVISOR_PID names it): the worker ends when serve does,
  * SIGKILLed or not. Serve's workers lead their own process groups, so nothing else would reach
  * one that has not joined yet (it would wait out its connect timeout) or is stuck in a wait.
- * The signal is SIGTERM (a clean stop) unless the worker was started ignoring it. Under a
- * --worker-bin wrapper the parent is the wrapper: no signal then. Returns false when serve has
- * ended already (before the worker got this far). */
+ * The signal is SIGTERM (a clean stop) unless the worker was started ignoring it. Serve as the
+ * parent: a death signal; further up (a --worker-bin wrapper between them): a pidfd watch.
+ * Returns false when serve has ended already (before the worker got this far). */
 static bool end_with_supervisor(const char *name, bool term_handled)
 {
     const char *sup = getenv("STRATA_SUPERVISOR_PID");
@@ -572,13 +615,22 @@ static bool end_with_supervisor(const char *name, bool term_handled)
     long pid = sup ? strtol(sup, &end, 10) : 0;
     if (!sup || *end || pid <= 1 || pid > INT_MAX)
         return true;
-    if (getppid() == (pid_t)pid)
-        (void)prctl(PR_SET_PDEATHSIG, term_handled ? SIGTERM : SIGKILL);
+    const int sig = term_handled ? SIGTERM : SIGKILL;
+    const bool parent = getppid() == (pid_t)pid;
+    int watch_rc = 0;
+    if (parent)
+        (void)prctl(PR_SET_PDEATHSIG, sig);
+    else   /* the pid is checked as an ancestor below, after the pidfd holds it (no reuse between) */
+        watch_rc = watch_supervisor_start((pid_t)pid, sig);
     /* Its own process group is in the background of serve's terminal: with `stty tostop` its
      * first message there would stop it (SIGTTOU) for good. Ignored, the write goes through. */
     signal(SIGTTOU, SIG_IGN);
-    if (has_ancestor((pid_t)pid))   /* after the prctl: serve may have died just before it */
+    if (has_ancestor((pid_t)pid)) {   /* after the prctl: serve may have died just before it */
+        if (watch_rc)
+            fprintf(stderr, "strata-worker %s: warning: cannot watch strata serve (pid %ld) from under its wrapper "
+                    "(%s); this worker will not end by itself if serve is killed\n", name, pid, strerror(watch_rc));
         return true;
+    }
     fprintf(stderr, "strata-worker %s: strata serve (pid %ld) has ended; stopping\n", name, pid);
     return false;
 }
