@@ -1,6 +1,7 @@
 /* Server-side gRPC C-core plumbing: tags, send queues, server start and shutdown. See
  * grpc_call.h. */
 #include "proto/grpc_call.h"
+#include "proto/grpc_log.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -510,7 +511,7 @@ void proto_server_free(proto_server *ps)
 
 void proto_server_create(proto_server *ps, const grpc_arg *args, size_t n_args)
 {
-    grpc_init();
+    proto_grpc_init();
     grpc_channel_args chargs = {n_args, (grpc_arg *)args};
     ps->server = grpc_server_create(&chargs, NULL);
     ps->cq = grpc_completion_queue_create_for_next(NULL);
@@ -526,7 +527,9 @@ int proto_server_listen(proto_server *ps, const char *addr, const char *cert_pem
     } else {
         creds = grpc_insecure_server_credentials_create();
     }
+    proto_grpc_log_capture_begin();
     ps->port = grpc_server_add_http2_port(ps->server, addr, creds);
+    proto_grpc_log_capture_end(ps->listen_error, sizeof ps->listen_error);
     grpc_server_credentials_release(creds);
     return ps->port;
 }

@@ -117,6 +117,7 @@ typedef struct proto_server {
     grpc_server *server;
     grpc_completion_queue *cq;   /* every tag on it is a proto_tag */
     int port;                    /* proto_server_listen's result */
+    char listen_error[256];      /* when port <= 0: gRPC's reason ("bind: Address already in use") */
     /* The server lock, which the owner uses for its own shared state too; cond is broadcast
      * when shutdown_done changes (the owner broadcasts its own changes). */
     pthread_mutex_t mu;
@@ -153,7 +154,7 @@ typedef struct proto_request {
 
 /* Life of a server:
  *   proto_server_init, then the owner's own allocations (on failure: proto_server_free);
- *   proto_server_create (grpc_init, server, queue), register methods on ps->server,
+ *   proto_server_create (proto_grpc_init, server, queue), register methods on ps->server,
  *   proto_server_listen; on failure proto_server_abandon then proto_server_free;
  *   proto_server_start, proto_server_add_requests per method, proto_server_run (on failure the
  *   server is torn down: proto_server_free is left);
@@ -167,10 +168,11 @@ int proto_server_init(proto_server *ps, const char *name, uint32_t threads);
 /* Frees what proto_server_init made (no gRPC). */
 void proto_server_free(proto_server *ps);
 
-/* grpc_init, the server with these channel arguments, and its completion queue. */
+/* proto_grpc_init, the server with these channel arguments, and its completion queue. */
 void proto_server_create(proto_server *ps, const grpc_arg *args, size_t n_args);
 /* Binds addr: TLS with the PEM certificate chain and private key when cert_pem is set,
- * otherwise plaintext. Returns the port (and sets ps->port); <= 0 when gRPC cannot listen. */
+ * otherwise plaintext. Returns the port (and sets ps->port); <= 0 when gRPC cannot listen, with
+ * gRPC's reason in ps->listen_error (gRPC's own error line is not printed then). */
 int proto_server_listen(proto_server *ps, const char *addr, const char *cert_pem, const char *key_pem);
 /* A server that was created but never started: destroys it and its queue, grpc_shutdown. */
 void proto_server_abandon(proto_server *ps);

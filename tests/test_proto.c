@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,9 +23,11 @@
 #include <grpc/byte_buffer.h>
 #include <grpc/grpc.h>
 #include <grpc/slice.h>
+#include <grpc/support/log.h>
 
 #include "proto/credential_file.h"
 #include "proto/grpc_call.h"
+#include "proto/grpc_log.h"
 #include "proto/grpc_util.h"
 #include "proto/strata.pb-c.h"
 #include "proto/strata_internal.pb-c.h"
@@ -1669,6 +1672,87 @@ static void write_file(const char *path, const char *data, size_t n)
     assert_int_equal(fclose(f), 0);
 }
 
+/* Runs fn with stderr sent to a file; returns what it wrote (static buffer). */
+static const char *stderr_of(void (*fn)(void))
+{
+    static char out[4096];
+    fflush(stderr);
+    FILE *f = tmpfile();
+    assert_non_null(f);
+    const int saved = dup(2);
+    assert_true(saved >= 0);
+    assert_int_equal(dup2(fileno(f), 2), 2);
+    fn();
+    fflush(stderr);
+    assert_int_equal(dup2(saved, 2), 2);
+    close(saved);
+    rewind(f);
+    const size_t n = fread(out, 1, sizeof out - 1, f);
+    out[n] = '\0';
+    fclose(f);
+    return out;
+}
+
+static char captured_reason[256];
+
+static void log_captured(void)
+{
+    proto_grpc_log_capture_begin();
+    gpr_log(GPR_ERROR, "%s", "UNKNOWN:Name or service not known {file:\"error_utils.cc\", grpc_status:2}");
+    gpr_log(GPR_ERROR, "%s", "UNKNOWN:a second line {}");   /* only the first is kept */
+    proto_grpc_log_capture_end(captured_reason, sizeof captured_reason);
+}
+
+static void log_uncaptured(void)
+{
+    gpr_log("src/core/some_file.cc", 42, GPR_LOG_SEVERITY_ERROR, "%s", "a runtime error");
+}
+
+/* gRPC's log sink: the reasons in gRPC 1.51's own error texts (as it logged them for a taken
+ * port, a host that does not resolve, a malformed address), a captured line kept off stderr and
+ * turned into its reason, an uncaptured one printed once in the sink's format. */
+static void test_grpc_log(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *text, *want;
+    } cases[] = {
+        {"UNKNOWN:No address added out of total 1 resolved for '127.0.0.1:35867' {file:\"./src/core/ext/transport/"
+         "chttp2/server/chttp2_server.cc\", file_line:960, children:[UNKNOWN:Unable to configure socket {fd:10, "
+         "file_line:219, children:[UNKNOWN:Address already in use {file_line:193, errno:98, os_error:\"Address "
+         "already in use\", syscall:\"bind\"}]}]}",
+         "bind: Address already in use"},
+        {"UNKNOWN:Name or service not known {file:\"./src/core/lib/transport/error_utils.cc\", file_line:153, "
+         "grpc_status:2}",
+         "Name or service not known"},
+        {"UNKNOWN:unparseable host:port {grpc_status:2, file_line:153}", "unparseable host:port"},
+        {"UNKNOWN:outer {children:[INTERNAL:inner reason {grpc_status:13}]}", "inner reason"},
+        {"{os_error:\"Permission denied\"}", "Permission denied"},
+        {"plain text", "plain text"},
+        {"", ""},
+    };
+    char out[64];
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        proto_grpc_error_reason(cases[i].text, out, sizeof out);
+        assert_string_equal(out, cases[i].want);
+    }
+    proto_grpc_error_reason(NULL, out, sizeof out);
+    assert_string_equal(out, "");
+    proto_grpc_error_reason("UNKNOWN:a reason longer than the room {}", out, 9);
+    assert_string_equal(out, "a reason");
+    proto_grpc_error_reason("x", NULL, 0);   /* no room: nothing written, no crash */
+
+    proto_grpc_init();
+    assert_string_equal(stderr_of(log_captured), "");
+    assert_string_equal(captured_reason, "Name or service not known");
+    char want[256];
+    snprintf(want, sizeof want, "%s: gRPC error (some_file.cc:42): a runtime error\n", program_invocation_short_name);
+    assert_string_equal(stderr_of(log_uncaptured), want);
+    /* Capturing ended: the next line prints again. */
+    assert_string_equal(stderr_of(log_uncaptured), want);
+    grpc_shutdown();
+}
+
 static void test_credential_file(void **state)
 {
     (void)state;
@@ -1751,6 +1835,7 @@ int main(void)
         cmocka_unit_test(test_validate_kv_codec),
         cmocka_unit_test(test_validate_after_unpack),
         cmocka_unit_test(test_credential_file),
+        cmocka_unit_test(test_grpc_log),
     };
     return cmocka_run_group_tests(tests, grpc_setup, grpc_teardown);
 }

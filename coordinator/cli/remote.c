@@ -21,6 +21,7 @@
 
 #include "proto/credential_file.h"
 #include "proto/grpc_call.h"
+#include "proto/grpc_log.h"
 #include "proto/grpc_util.h"
 #include "proto/validate.h"
 #include "proto/strata.pb-c.h"
@@ -119,7 +120,7 @@ static bool conn_open(remote_conn *c, const char *cmd, const char *server, const
         free(c->token);
         return false;
     }
-    grpc_init();
+    proto_grpc_init();
     grpc_channel_credentials *creds = pem ? grpc_ssl_credentials_create(pem, NULL, NULL, NULL)
                                           : grpc_insecure_credentials_create();
     grpc_arg arg = proto_int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, (int)MAX_RESPONSE_BYTES);

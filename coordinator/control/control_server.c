@@ -774,8 +774,8 @@ int ctl_server_start(const ctl_server_options *o, const ctl_handler *h, ctl_serv
     if (!s->method)
         rc = strata_fail(err, STRATA_EINVAL, "cannot register %s", CTL_ATTACH_METHOD);
     else if (s->ps.port <= 0)
-        rc = strata_fail(err, STRATA_EIO, "cannot listen on %s (address malformed or in use; gRPC logs the reason)",
-                         opt.listen_addr);
+        rc = strata_fail(err, STRATA_EIO, "cannot listen on %s: %s", opt.listen_addr,
+                         s->ps.listen_error[0] ? s->ps.listen_error : "gRPC gave no reason");
     if (rc) {
         proto_server_abandon(&s->ps);
         server_free(s);

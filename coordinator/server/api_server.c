@@ -1043,9 +1043,8 @@ int api_server_start(const api_server_options *o, const api_backend *b, api_serv
         if (!s->methods[m])
             rc = strata_fail(err, STRATA_EINVAL, "cannot register %s", method_paths[m]);
     if (!rc && s->ps.port <= 0)
-        rc = strata_fail(err, STRATA_EIO,
-                         "cannot listen on %s (address malformed or in use%s; gRPC logs the reason)",
-                         opt.listen_addr, opt.tls_cert_file ? ", or the TLS certificate/key is invalid" : "");
+        rc = strata_fail(err, STRATA_EIO, "cannot listen on %s: %s", opt.listen_addr,
+                         s->ps.listen_error[0] ? s->ps.listen_error : "gRPC gave no reason");
     if (rc) {
         proto_server_abandon(&s->ps);
         server_free(s);

@@ -35,6 +35,7 @@
 #include "kvstore/random.h"
 #include "proto/control_auth.h"
 #include "proto/grpc_call.h"
+#include "proto/grpc_log.h"
 #include "proto/grpc_util.h"
 #include "proto/validate.h"
 
@@ -302,7 +303,7 @@ int ctl_client_connect_opts(const char *coordinator_addr, const void *secret, si
     if (timeout_ms == 0)
         timeout_ms = CTL_CLIENT_DEFAULT_CONNECT_TIMEOUT_MS;
 
-    grpc_init();
+    proto_grpc_init();
     ctl_client *c = calloc(1, sizeof *c);
     if (!c) {
         grpc_shutdown();

@@ -1,0 +1,105 @@
+/* gRPC's log sink: see grpc_log.h. */
+#include "proto/grpc_log.h"
+
+#include <errno.h>
+#include <grpc/grpc.h>
+#include <grpc/support/log.h>
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <string.h>
+
+/* What one thread keeps while it captures (gRPC logs a failed listen on the caller's thread). */
+static _Thread_local struct {
+    bool on;
+    char first[1024];
+} capture;
+
+static void sink(gpr_log_func_args *a)
+{
+    const char *msg = a->message ? a->message : "";
+    const bool assertion = strncmp(msg, "assertion failed", 16) == 0;
+    if (capture.on && a->severity == GPR_LOG_SEVERITY_ERROR && !assertion) {
+        if (!capture.first[0])
+            snprintf(capture.first, sizeof capture.first, "%s", msg);
+        return;
+    }
+    const char *file = a->file ? strrchr(a->file, '/') : NULL;
+    file = file ? file + 1 : (a->file ? a->file : "?");
+    const char *level = a->severity == GPR_LOG_SEVERITY_ERROR  ? "error"
+                        : a->severity == GPR_LOG_SEVERITY_INFO ? "info"
+                                                               : "debug";
+    fprintf(stderr, "%s: gRPC %s (%s:%d): %s\n", program_invocation_short_name, level, file, a->line, msg);
+}
+
+static void install(void)
+{
+    gpr_set_log_function(sink);
+}
+
+void proto_grpc_init(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    (void)pthread_once(&once, install);
+    grpc_init();
+}
+
+void proto_grpc_log_capture_begin(void)
+{
+    capture.on = true;
+    capture.first[0] = '\0';
+}
+
+void proto_grpc_log_capture_end(char *reason, size_t n)
+{
+    capture.on = false;
+    if (reason && n)
+        proto_grpc_error_reason(capture.first, reason, n);
+    capture.first[0] = '\0';
+}
+
+/* The quoted value of `key:"..."` in text ("" when absent), into out. */
+static bool quoted_field(const char *text, const char *key, char *out, size_t n)
+{
+    char pat[32];
+    snprintf(pat, sizeof pat, "%s:\"", key);
+    const char *at = NULL;
+    for (const char *p = strstr(text, pat); p; p = strstr(p + 1, pat))
+        at = p;   /* the last one: the deepest record */
+    if (!at)
+        return false;
+    at += strlen(pat);
+    const char *end = strchr(at, '"');
+    size_t len = end ? (size_t)(end - at) : strlen(at);
+    snprintf(out, n, "%.*s", (int)len, at);
+    return true;
+}
+
+void proto_grpc_error_reason(const char *text, char *out, size_t n)
+{
+    if (!out || !n)
+        return;
+    out[0] = '\0';
+    if (!text)
+        return;
+    char os_error[256], syscall_name[64];
+    if (quoted_field(text, "os_error", os_error, sizeof os_error)) {
+        if (quoted_field(text, "syscall", syscall_name, sizeof syscall_name))
+            snprintf(out, n, "%s: %s", syscall_name, os_error);
+        else
+            snprintf(out, n, "%s", os_error);
+        return;
+    }
+    const char *rec = text;
+    for (const char *p = strstr(text, "children:["); p; p = strstr(p + 1, "children:["))
+        rec = p + strlen("children:[");
+    /* A record reads STATUS:message {fields}; the status is upper case and underscores. */
+    const char *colon = rec;
+    while ((*colon >= 'A' && *colon <= 'Z') || *colon == '_')
+        colon++;
+    if (colon > rec && *colon == ':')
+        rec = colon + 1;
+    const char *end = strstr(rec, " {");
+    size_t len = end ? (size_t)(end - rec) : strlen(rec);
+    snprintf(out, n, "%.*s", (int)len, rec);
+}
