@@ -511,6 +511,28 @@ static int check_admitted(ctl_client *c, const Strata__Internal__V1__Coordinator
     return strata_fail(err, STRATA_EIO, "%s", c->auth_error);
 }
 
+/* Starts the next receive (the coordinator's initial metadata with the first one), under
+ * recv_mu with none outstanding. False when the call takes no more batches. */
+static bool start_recv(ctl_client *c)
+{
+    grpc_op ops[2];
+    memset(ops, 0, sizeof ops);
+    size_t n = 0;
+    if (!c->md_requested) {
+        ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
+        ops[n].data.recv_initial_metadata.recv_initial_metadata = &c->md_in;
+        n++;
+    }
+    ops[n].op = GRPC_OP_RECV_MESSAGE;
+    ops[n].data.recv_message.recv_message = &c->recv_bb;
+    n++;
+    if (grpc_call_start_batch(c->call, ops, n, &c->tag_recv, NULL) != GRPC_CALL_OK)
+        return false;
+    c->md_requested = true;
+    c->recv_outstanding = true;
+    return true;
+}
+
 /* One message, waiting until deadline (the caller has entered). The contract of ctl_client_recv,
  * except that the coordinator's proof (Admitted), due first after the Join, is checked here and
  * not passed on. */
@@ -518,25 +540,8 @@ static int recv_one(ctl_client *c, gpr_timespec deadline, Strata__Internal__V1__
                     strata_error *err)
 {
     pthread_mutex_lock(&c->recv_mu);
-    if (!c->recv_ended && !c->recv_outstanding) {
-        grpc_op ops[2];
-        memset(ops, 0, sizeof ops);
-        size_t n = 0;
-        if (!c->md_requested) {
-            ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
-            ops[n].data.recv_initial_metadata.recv_initial_metadata = &c->md_in;
-            n++;
-        }
-        ops[n].op = GRPC_OP_RECV_MESSAGE;
-        ops[n].data.recv_message.recv_message = &c->recv_bb;
-        n++;
-        if (grpc_call_start_batch(c->call, ops, n, &c->tag_recv, NULL) != GRPC_CALL_OK) {
-            c->recv_ended = true;
-        } else {
-            c->md_requested = true;
-            c->recv_outstanding = true;
-        }
-    }
+    if (!c->recv_ended && !c->recv_outstanding && !start_recv(c))
+        c->recv_ended = true;
     if (c->recv_ended) {
         pthread_mutex_unlock(&c->recv_mu);
         return ended_error(c, err);
@@ -638,23 +643,8 @@ void ctl_client_close(ctl_client *c)
         pthread_mutex_unlock(&c->send_mu);
         if (half && pthread_mutex_trylock(&c->recv_mu) == 0) {
             while (!c->recv_ended) {
-                if (!c->recv_outstanding) {
-                    grpc_op ops[2];
-                    memset(ops, 0, sizeof ops);
-                    size_t n = 0;
-                    if (!c->md_requested) {
-                        ops[n].op = GRPC_OP_RECV_INITIAL_METADATA;
-                        ops[n].data.recv_initial_metadata.recv_initial_metadata = &c->md_in;
-                        n++;
-                    }
-                    ops[n].op = GRPC_OP_RECV_MESSAGE;
-                    ops[n].data.recv_message.recv_message = &c->recv_bb;
-                    n++;
-                    if (grpc_call_start_batch(c->call, ops, n, &c->tag_recv, NULL) != GRPC_CALL_OK)
-                        break;
-                    c->md_requested = true;
-                    c->recv_outstanding = true;
-                }
+                if (!c->recv_outstanding && !start_recv(c))
+                    break;
                 grpc_event ev = pluck(c, &c->tag_recv, grace);
                 if (ev.type != GRPC_OP_COMPLETE)
                     break;
