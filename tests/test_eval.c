@@ -132,6 +132,27 @@ static void test_evaluation(void **state)
                      kivi4.layers[l].v_rel, kivi2.layers[l].k_rel, kivi2.layers[l].v_rel);
     }
 
+    /* A window wider than the text: no block forms, and the run differs from fp16 by rounding
+     * alone. Its KL is never negative all the same (the float log-probabilities' exp sums to 1
+     * only to rounding: it was -2e-9 and printed as -0.000000). */
+    eval_result window;
+    run("kivi2-r512", &prefix, &ref, NULL, &window);
+    print_message("      KL vs fp16, no block formed: %.3g\n", window.kl);
+    assert_true(window.kl >= 0.0 && window.kl < 1e-6);
+    /* The same made certain: a reference whose probabilities sum to 1 - 1e-6 (every
+     * log-probability 1e-6 low) against the fp16 run itself estimates a KL of -1e-6. */
+    const size_t n_lp = ref.tokens * (size_t)ref.n_vocab;
+    float *exact = malloc(n_lp * sizeof *exact);
+    assert_non_null(exact);
+    memcpy(exact, ref.logprobs, n_lp * sizeof *exact);
+    for (size_t i = 0; i < n_lp; i++)
+        ref.logprobs[i] -= 1e-6f;
+    eval_result low;
+    run("fp16", &prefix, &ref, NULL, &low);
+    assert_true(low.kl == 0.0);
+    memcpy(ref.logprobs, exact, n_lp * sizeof *exact);
+    free(exact);
+
     run("0-14:kivi4,15-29:kivi2-r64", &prefix, &ref, NULL, &mixed);
     assert_true(mixed.kl > 0.0);
     assert_true(mixed.layers[0].k_rel == kivi4.layers[0].k_rel);

@@ -216,7 +216,9 @@ int eval_run(model *m, const kv_codec_params *codecs, const int32_t *ids, size_t
                 double lp = rp[j];
                 k += exp(lp) * (lp - (double)logits[j]);
             }
-            kl += k;
+            /* KL is never negative; below 0 the estimate is rounding (the float log-probabilities'
+             * exp sums to 1 only to ~1e-7), which would print as -0.000000. */
+            kl += k > 0.0 ? k : 0.0;
             agree += best == ref->argmax[i];
         }
         if (keep) {

@@ -42,7 +42,8 @@ static void usage(FILE *out)
             "                          (default fp16,kivi2,kivi4,gear2,gearl2,ott2,tada); each is a\n"
             "                          codec name, a range list (0-9:tada4,10-29:tada2) or a plan file;\n"
             "                          a range item at a layer not above the one before starts the\n"
-            "                          next setting (0-9:tada4,10-29:tada2,0-29:kivi2 is two)\n"
+            "                          next setting (0-9:tada4,10-29:tada2,0-29:kivi2 is two); two\n"
+            "                          that give the same plan are refused\n"
             "      --kv-plan FILE      the plan that the setting 'tada' stands for (default: 4 bits in\n"
             "                          the lower half of the layers, 2 bits above)\n"
             "      --kv-group G        quantization group for every quantized setting (default: each\n"
@@ -488,6 +489,13 @@ int cmd_eval(int argc, char **argv)
             fprintf(stderr, "strata eval: out of memory\n");
             goto done;
         }
+        for (size_t j = 0; j < i; j++)   /* a repeat would cost a whole run to print the same row */
+            if (!strcmp(runs[j].plan, runs[i].plan)) {
+                fprintf(stderr, "strata eval: --kv: '%s' is the same setting as '%s' (%s%s); list it once\n",
+                        runs[i].label, runs[j].label, runs[i].plan, j == 0 ? ", which is always run" : "");
+                exit_code = EXIT_USAGE;
+                goto done;
+            }
         if (device_slots_for(&o.tiers, &geo, codecs + i * L, need - 1, runs[i].label, &runs[i].device_slots) != 0) {
             exit_code = EXIT_USAGE;
             goto done;

@@ -22,6 +22,10 @@ expect 2 "needs" "$strata" eval --text "$tmp/text.txt" --prefill 5000 --tokens 4
 expect 2 "G=48" "$strata" eval --text "$tmp/text.txt" --kv kivi2 --kv-group 48 -q
 expect 2 "layer 10 has no codec" "$strata" eval --text "$tmp/text.txt" --kv 0-9:kivi2 -q
 expect 2 "is not an integer" "$strata" eval --text "$tmp/text.txt" --tokens 0
+# a setting listed twice, under any spelling, is refused (it ran twice and printed the same row)
+expect 2 "'kivi2' is the same setting as 'kivi2' (kivi2); list it once" "$strata" eval --text "$tmp/text.txt" --kv kivi2,kivi2 -q
+expect 2 "'0-29:kivi4' is the same setting as 'kivi4'" "$strata" eval --text "$tmp/text.txt" --kv kivi4,0-29:kivi4 -q
+expect 2 "'0-29:fp16' is the same setting as 'fp16' (fp16, which is always run)" "$strata" eval --text "$tmp/text.txt" --kv 0-29:fp16 -q
 
 # eval: a tiny real run, JSON checked field by field
 "$strata" eval --text "$tmp/text.txt" --prefill 260 --tokens 3 -q --json \
