@@ -1048,18 +1048,22 @@ static void test_synthetic_vocab(void **state)
 static void test_user_defined_tokens_are_text(void **state)
 {
     (void)state;
-    tokenizer_str toks[259];
+    tokenizer_str toks[261];
     char store[256][4];
     for (int b = 0; b < 256; b++)
         toks[b] = (tokenizer_str){store[b], tokenizer_byte_text((uint8_t)b, store[b])};
     toks[256] = (tokenizer_str){"<think>", 7};
     toks[257] = (tokenizer_str){"    ", 4};
     toks[258] = (tokenizer_str){"<|end|>", 7};
-    uint8_t types[259];
+    toks[259] = (tokenizer_str){"<unk>", 5};
+    toks[260] = (tokenizer_str){"<|unused_0|>", 12};
+    uint8_t types[261];
     memset(types, TOKENIZER_TYPE_NORMAL, sizeof types);
     types[256] = types[257] = TOKENIZER_TYPE_USER_DEFINED;
     types[258] = TOKENIZER_TYPE_CONTROL;
-    tokenizer_vocab v = {.pre = {"gpt2", 4}, .tokens = toks, .n_tokens = 259, .types = types, .bos = -1, .eos = -1};
+    types[259] = TOKENIZER_TYPE_UNKNOWN;
+    types[260] = TOKENIZER_TYPE_UNUSED;
+    tokenizer_vocab v = {.pre = {"gpt2", 4}, .tokens = toks, .n_tokens = 261, .types = types, .bos = -1, .eos = -1};
     strata_error err = {0};
     tokenizer *t = tokenizer_from_vocab(&v, &err);
     if (!t)
@@ -1085,6 +1089,18 @@ static void test_user_defined_tokens_are_text(void **state)
     free(out);
     assert_true(tokenizer_is_eog(t, 258));
     free(ids);
+    /* Unknown and unused tokens are not text either (a model that samples one printed
+     * "<|unused_0|>" into its answer): llama.cpp renders them as nothing without "special". */
+    assert_true(tokenizer_is_text(t, 256) && tokenizer_is_text(t, 257) && tokenizer_is_text(t, 'h'));
+    assert_false(tokenizer_is_text(t, 258) || tokenizer_is_text(t, 259) || tokenizer_is_text(t, 260));
+    assert_false(tokenizer_is_text(t, -1) || tokenizer_is_text(t, 261));
+    const int32_t mixed[] = {'h', 259, 'i', 260, 258};
+    assert_int_equal(tokenizer_decode(t, mixed, 5, false, &out, &len, &err), STRATA_OK);
+    assert_string_equal(out, "hi");
+    free(out);
+    assert_int_equal(tokenizer_decode(t, mixed, 5, true, &out, &len, &err), STRATA_OK);
+    assert_string_equal(out, "h<unk>i<|unused_0|><|end|>");
+    free(out);
     tokenizer_free(t);
 
     v.add_bos = true;

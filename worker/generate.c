@@ -110,7 +110,7 @@ int generate_run_with(const model_config *cfg, const tokenizer *tok, generate_st
             break;
         }
         out->tokens[out->completion_tokens++] = next;
-        if (!tokenizer_is_control(tok, next)) {
+        if (tokenizer_is_text(tok, next)) {
             size_t len;
             const char *bytes = tokenizer_token_bytes(tok, next, &len);
             rc = text_stream_push(&ts, bytes, len, err);

@@ -745,6 +745,12 @@ bool tokenizer_is_control(const tokenizer *t, int32_t id)
     return tokenizer_token_type(t, id) == TOKENIZER_TYPE_CONTROL;
 }
 
+bool tokenizer_is_text(const tokenizer *t, int32_t id)
+{
+    const int ty = tokenizer_token_type(t, id);
+    return ty >= 0 && ty != TOKENIZER_TYPE_CONTROL && ty != TOKENIZER_TYPE_UNKNOWN && ty != TOKENIZER_TYPE_UNUSED;
+}
+
 const char *tokenizer_token_bytes(const tokenizer *t, int32_t id, size_t *len)
 {
     if (!t || id < 0 || id >= t->n_vocab) {
@@ -1146,7 +1152,7 @@ int tokenizer_decode(const tokenizer *t, const int32_t *ids, size_t n, bool incl
         if (id < 0 || id >= t->n_vocab)
             return strata_fail(err, STRATA_EINVAL, "tokenizer_decode: token id %d at %zu is out of range (vocabulary of %d)",
                                (int)id, i, (int)t->n_vocab);
-        if (!include_control && tokenizer_is_control(t, id))
+        if (!include_control && !tokenizer_is_text(t, id))
             continue;
         total += t->bytes_off[id + 1] - t->bytes_off[id];   /* bounded by n * max token length */
     }
@@ -1156,7 +1162,7 @@ int tokenizer_decode(const tokenizer *t, const int32_t *ids, size_t n, bool incl
     size_t o = 0;
     for (size_t i = 0; i < n; i++) {
         int32_t id = ids[i];
-        if (!include_control && tokenizer_is_control(t, id))
+        if (!include_control && !tokenizer_is_text(t, id))
             continue;
         size_t k = t->bytes_off[id + 1] - t->bytes_off[id];
         memcpy(buf + o, t->bytes + t->bytes_off[id], k);

@@ -99,10 +99,13 @@ int32_t tokenizer_bos(const tokenizer *t);
 int32_t tokenizer_eos(const tokenizer *t);
 /* tokenizer.ggml.add_bos_token (false when absent). tokenizer_encode never adds BOS itself. */
 bool tokenizer_add_bos(const tokenizer *t);
-/* True for control tokens (not printed when streaming or decoding without include_control).
- * User-defined tokens are text (added words, runs of spaces) and print as llama.cpp and HF
- * print them. False for an out-of-range id. */
+/* True for control tokens. False for an out-of-range id. */
 bool tokenizer_is_control(const tokenizer *t, int32_t id);
+/* True for tokens that are text: normal, byte and user-defined ones (added words, runs of
+ * spaces, printed as llama.cpp and HF print them). Control, unknown and unused tokens are not
+ * printed when streaming or decoding without include_control (as llama.cpp renders them without
+ * its "special" flag: nothing). False for an out-of-range id. */
+bool tokenizer_is_text(const tokenizer *t, int32_t id);
 /* Token type of id (enum tokenizer_token_type), -1 for an out-of-range id. */
 int tokenizer_token_type(const tokenizer *t, int32_t id);
 
@@ -125,7 +128,8 @@ int32_t tokenizer_find_token(const tokenizer *t, const char *s, size_t len);
  * valid until tokenizer_free and is not NUL-terminated. */
 const char *tokenizer_token_bytes(const tokenizer *t, int32_t id, size_t *len);
 
-/* Concatenated bytes of ids (control tokens included only if include_control).
+/* Concatenated bytes of ids (tokens that are not text, tokenizer_is_text, included only if
+ * include_control: then every token's stored text).
  * *out is malloc'd, NUL-terminated (the terminator is not counted in *out_len); caller frees.
  * Errors: STRATA_EINVAL for an out-of-range id or NULL arguments, STRATA_ENOMEM. */
 int tokenizer_decode(const tokenizer *t, const int32_t *ids, size_t n, bool include_control,

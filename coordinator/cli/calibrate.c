@@ -318,7 +318,7 @@ int cmd_calibrate(int argc, char **argv)
     kv_lower_tier lower;
     tier_totals tot = {0};
 
-    if (cli_read_text("calibrate", o.text_path, &text, &text_len) != 0) {
+    if (cli_check_model("calibrate", o.model_path) != 0 || cli_read_text("calibrate", o.text_path, &text, &text_len) != 0) {
         cli_tier_opts_free(&o.tiers);
         return EXIT_USAGE;
     }

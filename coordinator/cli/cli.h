@@ -29,6 +29,11 @@ bool cli_parse_double(const char *flag, const char *s, double min, double max, d
  * installs. */
 const char *cli_default_model(void);
 
+/* Checks a --model argument before anything is loaded: a synthetic:NAME[:seed=N] that parses,
+ * or a file that can be read (not a folder). Prints "strata CMD: ..." (with how to get the
+ * default model when that is the one missing) and returns EXIT_USAGE otherwise, 0 if fine. */
+int cli_check_model(const char *cmd, const char *path);
+
 /* Monotonic clock in seconds. */
 double cli_now_seconds(void);
 

@@ -427,7 +427,8 @@ int cmd_eval(int argc, char **argv)
     kv_lower_tier lower;
 
     size_t text_len = 0;
-    if ((exit_code = cli_read_text("eval", o.text_path, &text, &text_len)) != 0)
+    if ((exit_code = cli_check_model("eval", o.model_path)) != 0 ||
+        (exit_code = cli_read_text("eval", o.text_path, &text, &text_len)) != 0)
         goto done;
     exit_code = EXIT_RUNTIME;
     if (!o.quiet)

@@ -480,6 +480,11 @@ int cmd_generate(int argc, char **argv)
         return rc;
     }
 
+    if ((rc = cli_check_model("generate", o.model_path)) != 0) {
+        cli_tier_opts_free(&o.tiers);
+        free(stdin_prompt);
+        return rc;
+    }
     double t0 = now_seconds();
     if (!o.quiet)
         fprintf(stderr, "strata: loading %s\n", o.model_path);

@@ -1106,7 +1106,7 @@ static bool deliver(coord *c, creq *q, uint32_t tok)
     bool eog = !(sp && sp->ignore_eos) && tokenizer_is_eog(c->tok, (int32_t)tok);
     bool stop_id = is_stop_id(sp, tok);
     strata_error err = {0};
-    if (!tokenizer_is_control(c->tok, (int32_t)tok)) {
+    if (tokenizer_is_text(c->tok, (int32_t)tok)) {
         size_t len;
         const char *bytes = tokenizer_token_bytes(c->tok, (int32_t)tok, &len);
         /* U+0000 is left out of the text: the chunk's string would end at it (protobuf-c strings

@@ -23,9 +23,20 @@ expect 0 "synthetic tiny seed 2" "$strata" generate --model synthetic:tiny:seed=
 cmp -s "$tmp/out" "$tmp/seed1.txt" && fail "seeds 1 and 2 gave the same text"
 expect 0 "synthetic tiny" env STRATA_MODEL=synthetic:tiny "$strata" generate --prompt hi --max-tokens 2 --stats
 
-expect 1 "known: tiny, smollm2-135m" "$strata" generate --model synthetic:llama9 --prompt hi
-expect 1 "seed is not a decimal integer" "$strata" generate --model synthetic:tiny:seed=-3 --prompt hi
-expect 1 "only ':seed=N' may follow" "$strata" generate --model synthetic:tiny:x --prompt hi
+# Unused and unknown tokens are not text: the random weights sample "<|unused_N|>" placeholders,
+# which were printed into the continuation.
+"$strata" generate --model synthetic:tiny --prompt hi --max-tokens 64 --no-echo -q >"$tmp/out" 2>"$tmp/err" ||
+  fail "synthetic:tiny, 64 tokens: $(tail -2 "$tmp/err")"
+grep -q "<|unused_" "$tmp/out" && fail "unused tokens printed as text: $(head -c 120 "$tmp/out")"
+
+# A --model that names no model is bad usage (exit 2, as strata serve has it), found before loading.
+expect 2 "known: tiny, smollm2-135m" "$strata" generate --model synthetic:llama9 --prompt hi
+expect 2 "seed is not a decimal integer" "$strata" generate --model synthetic:tiny:seed=-3 --prompt hi
+expect 2 "only ':seed=N' may follow" "$strata" generate --model synthetic:tiny:x --prompt hi
+expect 2 "^strata generate: model $tmp/none.gguf: No such file or directory" "$strata" generate --model "$tmp/none.gguf" -p hi
+expect 2 "^strata eval: model $tmp: is a directory, not a GGUF file" "$strata" eval --model "$tmp" --text "$0"
+expect 2 "^strata calibrate: unknown synthetic model shape 'x'" "$strata" calibrate --model synthetic:x --text "$0" \
+  --budget 1000 --out "$tmp/never.plan"
 expect 1 "need 29.92 GiB of fp32 weights, but only 4.00 GiB" \
   env STRATA_SYNTHETIC_MEM_LIMIT=4G "$strata" generate --model synthetic:llama3-8b --prompt hi
 
