@@ -14,21 +14,18 @@
 #include <grpc/support/alloc.h>
 #include <grpc/support/string_util.h>
 #include <grpc/support/time.h>
-#include <openssl/bio.h>
-#include <openssl/err.h>
-#include <openssl/pem.h>
-#include <openssl/x509.h>
 
 #include "proto/credential_file.h"
 #include "proto/grpc_call.h"
 #include "proto/grpc_log.h"
 #include "proto/grpc_util.h"
+#include "proto/tls_files.h"
 #include "proto/validate.h"
 #include "proto/strata.pb-c.h"
 
 enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
 #define MAX_RESPONSE_BYTES ((size_t)4 << 20)
-#define MAX_PEM_BYTES ((size_t)1 << 20)
+#define MAX_TOKEN_BYTES ((size_t)1 << 20)
 
 static double now_seconds(void)
 {
@@ -37,14 +34,14 @@ static double now_seconds(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* A whole small file, NUL-terminated, trailing newlines dropped when trim; NULL after a message
+/* A whole small file (a token), NUL-terminated, trailing newlines dropped; NULL after a message
  * that starts with cmd ("strata generate"). */
-static char *read_file(const char *cmd, const char *flag, const char *path, bool trim)
+static char *read_file(const char *cmd, const char *flag, const char *path)
 {
     char *buf = NULL;
     size_t n = 0;
     strata_error err = {0};
-    if (credential_file_read(path, MAX_PEM_BYTES, trim, &buf, &n, &err) != STRATA_OK) {
+    if (credential_file_read(path, MAX_TOKEN_BYTES, true, &buf, &n, &err) != STRATA_OK) {
         fprintf(stderr, "%s: %s %s: %s\n", cmd, flag, path, err.msg);
         return NULL;
     }
@@ -84,39 +81,19 @@ typedef struct remote_conn {
     size_t n_md;
 } remote_conn;
 
-/* How many X.509 certificates in pem parse; -1 when out of memory. */
-static int pem_certificates(const char *pem)
-{
-    BIO *bio = BIO_new_mem_buf(pem, -1);
-    if (!bio)
-        return -1;
-    int n = 0;
-    for (X509 *x; (x = PEM_read_bio_X509(bio, NULL, NULL, NULL)) != NULL; n++)
-        X509_free(x);
-    ERR_clear_error();   /* the read that ended the loop leaves its "no start line" */
-    BIO_free(bio);
-    return n;
-}
-
 /* Reads the token and CA files and opens the channel; false (EXIT_USAGE) after a message. */
 static bool conn_open(remote_conn *c, const char *cmd, const char *server, const char *token_file,
                       const char *tls_ca)
 {
     memset(c, 0, sizeof *c);
     char *pem = NULL;
-    if (token_file && !(c->token = read_file(cmd, "--token-file", token_file, true)))
+    if (token_file && !(c->token = read_file(cmd, "--token-file", token_file)))
         return false;
-    if (tls_ca && !(pem = read_file(cmd, "--tls-ca", tls_ca, false))) {
-        free(c->token);
-        return false;
-    }
     /* gRPC takes anything here and then fails every connection ("empty address list", the
-     * reason only in its own log lines): read the certificates as its TLS stack will. */
-    if (pem && pem_certificates(pem) <= 0) {
-        fprintf(stderr, "%s: --tls-ca %s holds no valid PEM certificate (-----BEGIN CERTIFICATE-----)\n", cmd,
-                tls_ca);
-        explicit_bzero(pem, strlen(pem));   /* perhaps a private key given by mistake */
-        free(pem);
+     * reason only in its own log lines): the certificates are read as its TLS stack will. */
+    strata_error err = {0};
+    if (tls_ca && proto_tls_read_roots(tls_ca, &pem, &err) != STRATA_OK) {
+        fprintf(stderr, "%s: --tls-ca %s\n", cmd, err.msg);
         free(c->token);
         return false;
     }

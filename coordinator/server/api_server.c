@@ -34,13 +34,10 @@
 
 #include <grpc/byte_buffer.h>
 #include <grpc/grpc.h>
-#include <openssl/bio.h>
-#include <openssl/evp.h>
-#include <openssl/pem.h>
-#include <openssl/x509.h>
 
 #include "proto/credential_file.h"
 #include "proto/grpc_call.h"
+#include "proto/tls_files.h"
 #include "proto/grpc_util.h"
 
 /* Responses larger than this are refused when packed (gRPC clients refuse received messages
@@ -49,7 +46,6 @@
 /* Outstanding grpc_server_request_registered_call per method (new calls wait inside gRPC when
  * all are taken, until one is re-armed). */
 #define API_REQUESTS_PER_METHOD 4
-#define API_TLS_FILE_MAX ((size_t)1 << 20)
 
 /* ------------------------------------------------------------------------------------------- */
 /* Objects                                                                                     */
@@ -863,57 +859,6 @@ static void sweep_lingering(void *ctx)
                    API_SERVER_LINGER_MS / 1000);
 }
 
-static int read_pem(const char *path, const char *what, char **out, strata_error *err)
-{
-    size_t n = 0;
-    strata_error why = {0};
-    int rc = credential_file_read(path, API_TLS_FILE_MAX, false, out, &n, &why);
-    if (rc != STRATA_OK)
-        return strata_fail(err, rc, "cannot read the TLS %s %s: %s", what, path, why.msg);
-    if (!strstr(*out, "-----BEGIN ")) {
-        explicit_bzero(*out, n);   /* perhaps a key in another format */
-        free(*out);
-        *out = NULL;
-        return strata_fail(err, STRATA_EINVAL, "the TLS %s %s is not a PEM file", what, path);
-    }
-    return STRATA_OK;
-}
-
-/* A passphrase callback that has none: an encrypted key fails to load instead of OpenSSL asking
- * for its passphrase on the terminal. */
-static int no_passphrase(char *buf, int size, int rwflag, void *u)
-{
-    (void)buf, (void)size, (void)rwflag, (void)u;
-    return -1;
-}
-
-/* Whether the PEM texts hold a certificate and a private key that OpenSSL reads and that belong
- * together, checked here so that a bad pair is named (gRPC's server would only fail to listen,
- * or fail every handshake). */
-static int check_tls_pair(const char *cert, const char *key, const char *cert_path, const char *key_path,
-                          strata_error *err)
-{
-    BIO *cb = BIO_new_mem_buf(cert, -1), *kb = BIO_new_mem_buf(key, -1);
-    X509 *x = cb ? PEM_read_bio_X509(cb, NULL, no_passphrase, NULL) : NULL;
-    EVP_PKEY *k = kb ? PEM_read_bio_PrivateKey(kb, NULL, no_passphrase, NULL) : NULL;
-    int rc = STRATA_OK;
-    if (!cb || !kb)
-        rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
-    else if (!x)
-        rc = strata_fail(err, STRATA_EINVAL, "the TLS certificate %s holds no certificate OpenSSL can read", cert_path);
-    else if (!k)
-        rc = strata_fail(err, STRATA_EINVAL, "the TLS key %s holds no private key OpenSSL can read (an encrypted "
-                         "key is not taken: no passphrase can be given)", key_path);
-    else if (X509_check_private_key(x, k) != 1)
-        rc = strata_fail(err, STRATA_EINVAL, "the TLS key %s does not belong to the certificate %s", key_path,
-                         cert_path);
-    EVP_PKEY_free(k);
-    X509_free(x);
-    BIO_free(kb);
-    BIO_free(cb);
-    return rc;
-}
-
 static void server_free(api_server *s)
 {
     free(s->hash);
@@ -964,18 +909,9 @@ int api_server_start(const api_server_options *o, const api_backend *b, api_serv
 
     char *cert = NULL, *key = NULL;
     if (opt.tls_cert_file) {
-        int rc = read_pem(opt.tls_cert_file, "certificate", &cert, err);
-        if (!rc)
-            rc = read_pem(opt.tls_key_file, "key", &key, err);
-        if (!rc)
-            rc = check_tls_pair(cert, key, opt.tls_cert_file, opt.tls_key_file, err);
-        if (rc) {
-            free(cert);
-            if (key)
-                explicit_bzero(key, strlen(key));
-            free(key);
+        int rc = proto_tls_read_pair(opt.tls_cert_file, opt.tls_key_file, &cert, &key, err);
+        if (rc)
             return rc;
-        }
     }
 
     api_server *s = calloc(1, sizeof *s);
@@ -985,7 +921,7 @@ int api_server_start(const api_server_options *o, const api_backend *b, api_serv
     }
     if (!s) {
         free(cert);
-        free(key);
+        proto_tls_free_key(key);
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
     }
     s->be = *b;
@@ -1003,7 +939,7 @@ int api_server_start(const api_server_options *o, const api_backend *b, api_serv
         s->token = strdup(opt.bearer_token);
     if (!s->hash || (opt.bearer_token && *opt.bearer_token && !s->token)) {
         free(cert);
-        free(key);
+        proto_tls_free_key(key);
         server_free(s);
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
     }
@@ -1034,10 +970,7 @@ int api_server_start(const api_server_options *o, const api_backend *b, api_serv
     }
     proto_server_listen(&s->ps, opt.listen_addr, cert, key);
     free(cert);
-    if (key) {
-        memset(key, 0, strlen(key)); /* do not leave the private key lying around in the heap */
-        free(key);
-    }
+    proto_tls_free_key(key); /* do not leave the private key lying around in the heap */
     int rc = STRATA_OK;
     for (int m = 0; m < M_COUNT; m++)
         if (!s->methods[m])

@@ -1,0 +1,26 @@
+/* TLS files for gRPC, read and checked before gRPC sees them: gRPC takes any text and then fails
+ * to listen, or fails every handshake, with the reason only in its log. Here a bad file is named
+ * with what is wrong with it. Every text is PEM, NUL-terminated, malloc'd. */
+#ifndef STRATA_PROTO_TLS_FILES_H
+#define STRATA_PROTO_TLS_FILES_H
+
+#include "kvstore/error.h"
+
+/* Largest TLS file read (a certificate chain, a key, a CA bundle). */
+#define PROTO_TLS_FILE_MAX ((size_t)1 << 20)
+
+/* A server's certificate chain and private key: both must be PEM that OpenSSL reads (an
+ * encrypted key is refused: nobody could type its passphrase) and the key must be the
+ * certificate's. STRATA_EINVAL for a bad file (message names it), STRATA_EIO for one that cannot
+ * be read, STRATA_ENOMEM. On success free the key with proto_tls_free_key. */
+int proto_tls_read_pair(const char *cert_path, const char *key_path, char **cert, char **key, strata_error *err);
+
+/* Trust roots for a client (a CA bundle, or a self-signed server certificate): at least one
+ * certificate OpenSSL reads. Errors as proto_tls_read_pair, each message starting with path
+ * ("PATH: No such file or directory", "PATH holds no valid PEM certificate ..."). */
+int proto_tls_read_roots(const char *path, char **pem, strata_error *err);
+
+/* Wipes and frees a private key's text (NULL: nothing). */
+void proto_tls_free_key(char *key);
+
+#endif
