@@ -26,8 +26,9 @@ static int read_pem(const char *path, const char *what, char **out, strata_error
     strata_error why = {0};
     *out = NULL;
     int rc = credential_file_read(path, PROTO_TLS_FILE_MAX, false, out, &n, &why);
-    if (rc != STRATA_OK)
-        return strata_fail(err, rc, "cannot read the TLS %s %s: %s", what, path, why.msg);
+    if (rc != STRATA_OK)   /* a file the user named: EINVAL, as a bad one */
+        return strata_fail(err, rc == STRATA_ENOMEM ? rc : STRATA_EINVAL, "cannot read the TLS %s %s: %s", what,
+                           path, why.msg);
     if (!strstr(*out, "-----BEGIN ")) {
         proto_tls_free_key(*out);   /* perhaps a key in another format */
         *out = NULL;
@@ -106,7 +107,7 @@ int proto_tls_read_roots(const char *path, char **pem, strata_error *err)
     *pem = NULL;
     int rc = credential_file_read(path, PROTO_TLS_FILE_MAX, false, pem, &len, &why);
     if (rc != STRATA_OK)
-        return strata_fail(err, rc, "%s: %s", path, why.msg);
+        return strata_fail(err, rc == STRATA_ENOMEM ? rc : STRATA_EINVAL, "%s: %s", path, why.msg);
     const int n = pem_certificates(*pem);
     if (n > 0)
         return STRATA_OK;

@@ -11,8 +11,8 @@
 
 /* A server's certificate chain and private key: both must be PEM that OpenSSL reads (an
  * encrypted key is refused: nobody could type its passphrase) and the key must be the
- * certificate's. STRATA_EINVAL for a bad file (message names it), STRATA_EIO for one that cannot
- * be read, STRATA_ENOMEM. On success free the key with proto_tls_free_key. */
+ * certificate's. STRATA_EINVAL for a file that is bad or cannot be read (the message names it),
+ * STRATA_ENOMEM. On success free the key with proto_tls_free_key. */
 int proto_tls_read_pair(const char *cert_path, const char *key_path, char **cert, char **key, strata_error *err);
 
 /* Trust roots for a client (a CA bundle, or a self-signed server certificate): at least one

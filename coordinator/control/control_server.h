@@ -114,6 +114,11 @@ typedef struct ctl_server_options {
      * (GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS); keep it at most the workers'
      * keepalive time. 0: CTL_SERVER_DEFAULT_MIN_RECV_PING_MS. */
     int min_recv_ping_interval_ms;
+    /* TLS on the control port: a PEM certificate chain and its private key (both or neither;
+     * proto_tls_read_pair checks them). Workers then need the CA that signed it
+     * (ctl_client_options.tls_roots_pem). NULL: plaintext. */
+    const char *tls_cert_file;
+    const char *tls_key_file;
 } ctl_server_options;
 
 typedef struct ctl_handler {

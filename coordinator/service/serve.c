@@ -38,6 +38,7 @@ enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
 typedef struct serve_opts {
     const char *config, *model, *listen, *control, *metrics, *secret_file, *kv, *kv_codecs, *tls_cert, *tls_key;
     const char *token_file, *stage_layers;
+    const char *control_tls_cert, *control_tls_key, *control_tls_ca;
     const char *nvme_dir, *worker_bin;
     long replicas, stages, block_tokens, ctx, max_seqs, max_batch_tokens, steps_in_flight;
     double device_mib, host_mib, nvme_mib;   /* fractions allowed, as for strata generate */
@@ -52,7 +53,7 @@ enum {
     O_CONFIG = 256, O_MODEL, O_LISTEN, O_CONTROL, O_METRICS, O_SECRET, O_REPLICAS, O_STAGES, O_KV, O_KV_CODECS, O_BLOCK, O_CTX,
     O_MAX_SEQS, O_MAX_BATCH, O_DEVICE, O_HOST, O_NVME, O_NVME_DIR, O_TLS_CERT, O_TLS_KEY, O_TOKEN, O_DRAIN,
     O_READY, O_WORKER_BIN, O_THREADS, O_IN_FLIGHT, O_PREFIX, O_STAGE_LAYERS, O_STEP_TIMEOUT,
-    O_MAX_RECOVERIES, O_RECOVERY_WAIT,
+    O_MAX_RECOVERIES, O_RECOVERY_WAIT, O_CONTROL_TLS_CERT, O_CONTROL_TLS_KEY, O_CONTROL_TLS_CA,
 };
 
 static void usage(FILE *out, const char *prog, bool local)
@@ -121,6 +122,12 @@ static void usage(FILE *out, const char *prog, bool local)
             "  --tls-cert FILE         TLS certificate chain (PEM) for the public API; with --tls-key\n"
             "  --tls-key FILE          its private key (PEM)\n"
             "  --token-file FILE       bearer token every API call must carry (authorization: Bearer ...)\n"
+            "  --control-tls-cert FILE TLS on the control port, with --control-tls-key: certificate\n"
+            "                          chain (PEM) naming the host the workers dial\n"
+            "                          (%s); the data\n"
+            "                          plane between workers stays plaintext\n"
+            "  --control-tls-key FILE  its private key (PEM)\n"
+            "%s"
             "  --drain-seconds N       on SIGTERM (or SIGINT, SIGHUP), let running requests finish for up to\n"
             "                          N s (default 30)\n"
             "  --ready-timeout N       %s (default %s)\n"
@@ -142,6 +149,10 @@ static void usage(FILE *out, const char *prog, bool local)
             "                          UNAVAILABLE)\n"
             "  -q, --quiet             only errors and the ready line on stderr\n"
             "  -h, --help              this help\n",
+            local ? "--control's host, 127.0.0.1 for a wildcard" : "their --coordinator host",
+            local ? "  --control-tls-ca FILE   the CA (PEM) the local workers check that certificate with\n"
+                    "                          (default: the certificate itself, as when self-signed)\n"
+                  : "",
             local ? "give up when the workers are not ready after N s (or a worker exited twice before)" : "report progress while waiting for workers every N s",
             local ? "300" : "30");
 }
@@ -165,6 +176,9 @@ static const struct option long_opts[] = {
     {"step-timeout", required_argument, NULL, O_STEP_TIMEOUT},
     {"max-recoveries", required_argument, NULL, O_MAX_RECOVERIES},
     {"recovery-wait", required_argument, NULL, O_RECOVERY_WAIT},
+    {"control-tls-cert", required_argument, NULL, O_CONTROL_TLS_CERT},
+    {"control-tls-key", required_argument, NULL, O_CONTROL_TLS_KEY},
+    {"control-tls-ca", required_argument, NULL, O_CONTROL_TLS_CA},
     {"help", no_argument, NULL, 'h'},                    {NULL, 0, NULL, 0},
 };
 
@@ -182,6 +196,8 @@ static bool apply(const char *prog, serve_opts *o, int id, const char *flag, con
     case O_TLS_CERT: o->tls_cert = v; return true;
     case O_TLS_KEY: o->tls_key = v; return true;
     case O_TOKEN: o->token_file = v; return true;
+    case O_CONTROL_TLS_CERT: o->control_tls_cert = v; return true;
+    case O_CONTROL_TLS_KEY: o->control_tls_key = v; return true;
     case O_REPLICAS: return strata_parse_long(prog, flag, v, 1, 1024, &o->replicas);
     case O_STAGES:
         o->stages_set = true;
@@ -217,6 +233,7 @@ static bool apply(const char *prog, serve_opts *o, int id, const char *flag, con
         case O_NVME_DIR: o->nvme_dir = v; return true;
         case O_WORKER_BIN: o->worker_bin = v; return true;
         case O_THREADS: return strata_parse_long(prog, flag, v, 1, 1024, &o->threads);
+        case O_CONTROL_TLS_CA: o->control_tls_ca = v; return true;
         default: break;
         }
     }
@@ -389,6 +406,15 @@ static int parse(int argc, char **argv, const char *prog, bool local, serve_opts
     }
     if (!o->tls_cert != !o->tls_key) {
         fprintf(stderr, "%s: --tls-cert and --tls-key go together\n", prog);
+        return EXIT_USAGE;
+    }
+    if (!o->control_tls_cert != !o->control_tls_key) {
+        fprintf(stderr, "%s: --control-tls-cert and --control-tls-key go together\n", prog);
+        return EXIT_USAGE;
+    }
+    if (o->control_tls_ca && !o->control_tls_cert) {
+        fprintf(stderr, "%s: --control-tls-ca needs --control-tls-cert (the control port has no TLS without it)\n",
+                prog);
         return EXIT_USAGE;
     }
     if (o->nvme_mib > 0 && o->host_mib == 0) {
@@ -646,6 +672,10 @@ static void spawn(supervisor *sv, local_worker *w)
     }
     argv[a++] = "--threads";
     argv[a++] = threads;
+    if (sv->o->control_tls_cert) {   /* the workers check the control port's certificate */
+        argv[a++] = "--coordinator-ca";
+        argv[a++] = sv->o->control_tls_ca ? sv->o->control_tls_ca : sv->o->control_tls_cert;
+    }
     if (sv->o->quiet)
         argv[a++] = "--quiet";
     argv[a] = NULL;
@@ -1060,9 +1090,12 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
     co_opts.listen_addr = o.control ? o.control : (local ? "127.0.0.1:0" : CTL_SERVER_DEFAULT_ADDR);
     co_opts.cluster_secret = secret;
     co_opts.cluster_secret_len = secret_len;
+    co_opts.tls_cert_file = o.control_tls_cert;
+    co_opts.tls_key_file = o.control_tls_key;
     ctl_handler h = coord_ctl_handler(co);
     if (ctl_server_start(&co_opts, &h, &ctl, &err) != STRATA_OK) {
         fprintf(stderr, "%s: --control %s: %s\n", prog, co_opts.listen_addr, err.msg);
+        exit_code = err.code == STRATA_EINVAL ? EXIT_USAGE : EXIT_RUNTIME;   /* a bad TLS pair: the user's files */
         goto out;
     }
     api_server_options ao = api_server_options_default();
@@ -1122,8 +1155,9 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
     uint32_t ready, total;
     coord_worker_counts(co, &ready, &total);
     if (!o.quiet)
-        fprintf(stderr, "%s: public API on %s port %d; waiting for %u workers (control port %d)\n", prog,
-                o.listen ? o.listen : API_SERVER_DEFAULT_ADDR, api_server_port(api), total, ctl_server_port(ctl));
+        fprintf(stderr, "%s: public API on %s port %d%s; waiting for %u workers (control port %d%s)\n", prog,
+                o.listen ? o.listen : API_SERVER_DEFAULT_ADDR, api_server_port(api), o.tls_cert ? " (TLS)" : "", total,
+                ctl_server_port(ctl), o.control_tls_cert ? ", TLS" : "");
     /* Wait for the workers, a signal, or (strata serve) the ready timeout. */
     double waited = 0;
     int sig = 0;

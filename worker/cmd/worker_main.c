@@ -25,6 +25,7 @@
 #include "kvstore/seq_image.h"
 #include "proto/credential_file.h"
 #include "proto/strata_internal.pb-c.h"
+#include "proto/tls_files.h"
 #include "proto/validate.h"
 #include "worker/control/control_client.h"
 #include "worker/model.h"
@@ -46,6 +47,9 @@ static void usage(FILE *out)
             "  --coordinator HOST:PORT  the coordinator's worker endpoint (required)\n"
             "  --secret-file FILE       file holding the cluster secret, 16-256 bytes (required;\n"
             "                           a trailing newline is ignored)\n"
+            "  --coordinator-ca FILE    TLS to a coordinator whose control port has it: the CA\n"
+            "                           (PEM) that signed its certificate, or that certificate\n"
+            "                           when self-signed; it must name the --coordinator host\n"
             "  --name NAME              worker name in logs and for DrainWorker (default: worker-<pid>)\n"
             "  --data HOST:PORT         data-plane listen address for pipeline neighbours\n"
             "                           (default 127.0.0.1:0, an ephemeral port)\n"
@@ -70,7 +74,7 @@ static void usage(FILE *out)
 }
 
 typedef struct worker_opts {
-    const char *coordinator, *secret_file, *name, *data, *nvme_dir;
+    const char *coordinator, *secret_file, *name, *data, *nvme_dir, *coordinator_ca;
     double device_mib, host_mib, nvme_mib;   /* MiB, fractions allowed; nvme_mib < 0: unset */
     long connect_timeout_ms, exit_timeout_s, threads;
     long cuda_device;   /* -1: the CPU */
@@ -85,7 +89,7 @@ static int parse(int argc, char **argv, worker_opts *o)
         {"device-kv-mib", required_argument, NULL, 'D'}, {"host-kv-mib", required_argument, NULL, 'H'},
         {"nvme-dir", required_argument, NULL, 'N'},    {"nvme-kv-mib", required_argument, NULL, 'M'},
         {"connect-timeout-ms", required_argument, NULL, 'T'}, {"quiet", no_argument, NULL, 'q'},
-        {"exit-timeout", required_argument, NULL, 'X'},
+        {"exit-timeout", required_argument, NULL, 'X'}, {"coordinator-ca", required_argument, NULL, 'C'},
         {"threads", required_argument, NULL, 'P'},     {"device", required_argument, NULL, 'G'},
         {"help", no_argument, NULL, 'h'},              {NULL, 0, NULL, 0},
     };
@@ -100,6 +104,7 @@ static int parse(int argc, char **argv, worker_opts *o)
                 return EXIT_USAGE;
             break;
         case 's': o->secret_file = optarg; break;
+        case 'C': o->coordinator_ca = optarg; break;
         case 'n': o->name = optarg; break;
         case 'd': o->data = optarg; break;
         case 'N': o->nvme_dir = optarg; break;
@@ -647,6 +652,14 @@ int main(int argc, char **argv)
     size_t secret_len = 0;
     if ((rc = read_secret(o.secret_file, secret, PROTO_SECRET_MAX_BYTES, &secret_len)))
         return rc;
+    static char *coordinator_ca;   /* kept until exit (static: still reachable then) */
+    if (o.coordinator_ca) {
+        strata_error ca_err = {0};
+        if (proto_tls_read_roots(o.coordinator_ca, &coordinator_ca, &ca_err) != STRATA_OK) {
+            fprintf(stderr, "strata-worker: --coordinator-ca %s\n", ca_err.msg);
+            return ca_err.code == STRATA_ENOMEM ? EXIT_RUNTIME : EXIT_USAGE;
+        }
+    }
     char name[64];
     snprintf(name, sizeof name, "worker-%ld", (long)getpid());
     if (!o.name)
@@ -702,7 +715,7 @@ int main(int argc, char **argv)
     ctl_client *cc = NULL;
     /* A stop request ends the wait for the coordinator at once, not after --connect-timeout-ms
      * (a launcher or systemd stopping a worker whose coordinator is gone would wait for it). */
-    const ctl_client_options copts = {.cancel = &stop_requested};
+    const ctl_client_options copts = {.cancel = &stop_requested, .tls_roots_pem = coordinator_ca};
     if (ctl_client_connect_opts(o.coordinator, secret, secret_len, &join, (int)o.connect_timeout_ms, &copts, &cc, &err) != STRATA_OK) {
         if (stop_requested)
             fprintf(stderr, "strata-worker %s: stopped by a signal while reaching the coordinator\n", o.name);

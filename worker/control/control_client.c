@@ -330,7 +330,9 @@ int ctl_client_connect_opts(const char *coordinator_addr, const void *secret, si
         proto_int_arg(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0),
     };
     grpc_channel_args chargs = {sizeof args / sizeof args[0], args};
-    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+    const bool tls = o && o->tls_roots_pem;
+    grpc_channel_credentials *creds = tls ? grpc_ssl_credentials_create(o->tls_roots_pem, NULL, NULL, NULL)
+                                          : grpc_insecure_credentials_create();
     c->ch = grpc_channel_create(coordinator_addr, creds, &chargs);
     grpc_channel_credentials_release(creds);
     c->cq = grpc_completion_queue_create_for_pluck(NULL);
@@ -383,8 +385,11 @@ int ctl_client_connect_opts(const char *coordinator_addr, const void *secret, si
             return strata_fail(err, STRATA_EIO, "the coordinator at %s sent no Challenge within %d ms (a "
                                "coordinator of control protocol version 2 or older sends none; this worker "
                                "speaks %u)", coordinator_addr, timeout_ms, CTL_CLIENT_PROTOCOL_VERSION);
-        return strata_fail(err, STRATA_EIO, "cannot reach the coordinator at %s within %d ms", coordinator_addr,
-                           timeout_ms);
+        return strata_fail(err, STRATA_EIO, "cannot reach the coordinator at %s within %d ms%s", coordinator_addr,
+                           timeout_ms,
+                           tls ? " over TLS (a control port without TLS, or a certificate that the CA given does not "
+                                 "sign or that names another host, fails so too: gRPC's lines above say which)"
+                               : " (a control port with TLS fails so too: give the worker its CA)");
     }
     if (!ev.success || rc != STRATA_OK) {
         if (!ev.success)

@@ -58,6 +58,10 @@ typedef struct ctl_client_options {
      * signal handler's flag) the connect gives up with STRATA_EIO ("stopped while ..."), so a
      * stop request is not held up by connect_timeout_ms. NULL: never. */
     const volatile sig_atomic_t *cancel;
+    /* TLS to a coordinator whose control port has it: the PEM trust roots (the CA that signed
+     * its certificate, or the certificate itself when self-signed; proto_tls_read_roots reads
+     * them), checked against the host name of coordinator_addr. NULL: plaintext. */
+    const char *tls_roots_pem;
 } ctl_client_options;
 
 /* Connects to the coordinator at coordinator_addr ("host:port"), opens the Attach call, waits

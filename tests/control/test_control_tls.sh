@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# TLS on the control port (ctest control_tls): strata serve whose local workers check the
+# coordinator's certificate and serve as without TLS; the port speaks TLS to Python's ssl module
+# (an independent client); a worker without the CA, with another CA, or with TLS against a
+# plaintext port does not join, each with its reason; bad files and flag combinations are usage
+# errors. Certificates are made with the openssl command for the run.
+# Usage: test_control_tls.sh BUILD_DIR SOURCE_DIR. Exits 77 (skipped) without openssl.
+set -uo pipefail
+
+build=$1
+src=$2
+strata=$build/strata
+worker=$build/strata-worker
+coordinator=$build/strata-coordinator
+# shellcheck source=tests/python_env.sh
+source "$src/tests/python_env.sh"
+require_tools openssl
+# shellcheck source=tests/cli/lib.sh
+source "$src/tests/cli/lib.sh"
+
+make_cert() {   # NAME: $tmp/NAME.pem and $tmp/NAME-key.pem, self-signed for localhost and 127.0.0.1
+  openssl req -x509 -newkey rsa:2048 -nodes -subj /CN=localhost -days 1 \
+    -addext "subjectAltName=DNS:localhost,IP:127.0.0.1" -keyout "$tmp/$1-key.pem" -out "$tmp/$1.pem" \
+    >/dev/null 2>&1 || { echo "test_control_tls: openssl could not make a certificate"; exit 1; }
+}
+make_cert ctl
+make_cert other
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$tmp/secret"
+
+# Usage errors (exit 2), before anything listens.
+serve=("$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4)
+expect 2 "--control-tls-cert and --control-tls-key go together" "${serve[@]}" --control-tls-cert "$tmp/ctl.pem"
+expect 2 "--control-tls-ca needs --control-tls-cert" "${serve[@]}" --control-tls-ca "$tmp/ctl.pem"
+expect 2 "the TLS key $tmp/other-key.pem does not belong to the certificate $tmp/ctl.pem" "${serve[@]}" \
+  --control-tls-cert "$tmp/ctl.pem" --control-tls-key "$tmp/other-key.pem"
+expect 2 "cannot read the TLS certificate $tmp/none.pem" "${serve[@]}" \
+  --control-tls-cert "$tmp/none.pem" --control-tls-key "$tmp/ctl-key.pem"
+expect 2 "--control-tls-ca is not an option of this command" "$coordinator" --model synthetic:tiny \
+  --secret-file "$tmp/secret" --control-tls-ca "$tmp/ctl.pem"
+expect 2 "--coordinator-ca $tmp/ctl-key.pem holds no valid PEM certificate" "$worker" \
+  --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" --coordinator-ca "$tmp/ctl-key.pem"
+expect 2 "--coordinator-ca $tmp/none.pem: No such file" "$worker" \
+  --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" --coordinator-ca "$tmp/none.pem"
+
+# strata serve with TLS on its control port: its local workers join (they get the certificate as
+# their CA) and it serves what the local program generates.
+"$strata" generate --model synthetic:tiny:seed=4 --prompt "served?" --max-tokens 12 -q >"$tmp/local.txt" ||
+  fail "local generate failed"
+"${serve[@]}" --control-tls-cert "$tmp/ctl.pem" --control-tls-key "$tmp/ctl-key.pem" 2>"$tmp/serve.log" &
+server=$!
+port=$(serve_port "$tmp/serve.log" "$server")
+if [ -z "$port" ]; then
+  fail "strata serve with control TLS did not become ready: $(tail -n 20 "$tmp/serve.log")"
+else
+  "$strata" generate --server "127.0.0.1:$port" --prompt "served?" --max-tokens 12 >"$tmp/served.txt" 2>"$tmp/err" ||
+    fail "generate --server: $(tail -2 "$tmp/err")"
+  # (the server sends UTF-8: each invalid byte of the local program's raw output is U+FFFD there)
+  "$py" - "$tmp/local.txt" "$tmp/served.txt" <<'PY' || fail "served text differs: $(head -c 80 "$tmp/served.txt")"
+import sys
+local, served = (open(f, "rb").read() for f in sys.argv[1:3])
+sys.exit(local.decode("utf-8", "replace").encode() != served)
+PY
+  ctl_port=$(sed -n 's/.*(control port \([0-9]*\), TLS).*/\1/p' "$tmp/serve.log")
+  if [ -z "$ctl_port" ]; then
+    fail "serve did not say its control port has TLS: $(grep 'control port' "$tmp/serve.log")"
+  else
+    # Python's ssl: a TLS handshake with the certificate checked for localhost, and h2 agreed.
+    "$py" - "$ctl_port" "$tmp/ctl.pem" <<'PY' || fail "the control port does not speak TLS with its certificate"
+import socket, ssl, sys
+ctx = ssl.create_default_context(cafile=sys.argv[2])
+ctx.set_alpn_protocols(["h2"])
+with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=10) as raw:
+    with ctx.wrap_socket(raw, server_hostname="localhost") as s:
+        assert s.selected_alpn_protocol() == "h2", s.selected_alpn_protocol()
+        assert s.getpeercert()["subject"] == ((("commonName", "localhost"),),), s.getpeercert()
+PY
+  fi
+fi
+kill "$server" 2>/dev/null
+wait "$server" || fail "serve exited $? after SIGTERM"
+
+# strata-coordinator with TLS, one worker wanted: workers without the right CA do not join.
+"$coordinator" --model synthetic:tiny:seed=4 --secret-file "$tmp/secret" --listen 127.0.0.1:0 \
+  --control 127.0.0.1:0 --replicas 1 --stages 1 --control-tls-cert "$tmp/ctl.pem" \
+  --control-tls-key "$tmp/ctl-key.pem" 2>"$tmp/coord.log" &
+coord=$!
+for _ in $(seq 1 300); do grep -q "control port" "$tmp/coord.log" 2>/dev/null && break; sleep 0.1; done
+cport=$(sed -n 's/.*(control port \([0-9]*\), TLS).*/\1/p' "$tmp/coord.log")
+if [ -z "$cport" ]; then
+  fail "strata-coordinator with control TLS did not start: $(tail -n 5 "$tmp/coord.log")"
+else
+  join=("$worker" --coordinator "127.0.0.1:$cport" --secret-file "$tmp/secret" --connect-timeout-ms 2000)
+  expect 1 "a control port with TLS fails so too: give the worker its CA" "${join[@]}"
+  expect 1 "over TLS" "${join[@]}" --coordinator-ca "$tmp/other.pem"
+  grep -q "gRPC error .*certificate verify failed" "$tmp/err" ||
+    fail "gRPC's reason for another CA is not shown: $(head -3 "$tmp/err")"
+  grep -q "joined" "$tmp/coord.log" && fail "a worker without the right CA joined: $(grep joined "$tmp/coord.log")"
+  # The name checked is the one dialled: localhost is in the certificate too.
+  "$worker" --coordinator "localhost:$cport" --secret-file "$tmp/secret" --coordinator-ca "$tmp/ctl.pem" \
+    --name tls-worker 2>"$tmp/worker.log" &
+  good=$!
+  for _ in $(seq 1 300); do grep -q "is serving" "$tmp/coord.log" && break; sleep 0.1; done
+  grep -q "worker tls-worker joined" "$tmp/coord.log" ||
+    fail "the worker with the CA did not join: $(tail -n 3 "$tmp/worker.log") / $(tail -n 3 "$tmp/coord.log")"
+fi
+kill "$coord" 2>/dev/null
+wait "$coord"
+[ -n "${good:-}" ] && { wait "$good" || true; }
+
+# A worker with a CA against a plaintext control port does not join either.
+"$coordinator" --model synthetic:tiny:seed=4 --secret-file "$tmp/secret" --listen 127.0.0.1:0 \
+  --control 127.0.0.1:0 --replicas 1 --stages 1 2>"$tmp/plain.log" &
+coord=$!
+for _ in $(seq 1 300); do grep -q "control port" "$tmp/plain.log" 2>/dev/null && break; sleep 0.1; done
+pport=$(sed -n 's/.*(control port \([0-9]*\)).*/\1/p' "$tmp/plain.log")
+if [ -z "$pport" ]; then
+  fail "plaintext strata-coordinator did not start: $(tail -n 5 "$tmp/plain.log")"
+else
+  expect 1 "over TLS (a control port without TLS" "$worker" --coordinator "127.0.0.1:$pport" \
+    --secret-file "$tmp/secret" --connect-timeout-ms 2000 --coordinator-ca "$tmp/ctl.pem"
+  grep -q "joined" "$tmp/plain.log" && fail "a TLS worker joined a plaintext port"
+fi
+kill "$coord" 2>/dev/null
+wait "$coord"
+
+[ "$failures" -eq 0 ] || { echo "test_control_tls: $failures failure(s)"; exit 1; }
+echo "test_control_tls: all passed"
