@@ -35,9 +35,17 @@ resolves to loopback here is refused, one that does not resolve is passed on as 
 
 Cluster:
   --control HOST:PORT       required: the address of THIS host on the private network where the
-                            coordinator takes workers (the control port has no TLS: never a
-                            public address; loopback and wildcard addresses are refused; port
-                            1-65535, an IPv6 address in brackets)
+                            coordinator takes workers (never a public address; loopback and
+                            wildcard addresses are refused; port 1-65535, an IPv6 address in
+                            brackets)
+  --control-tls-cert FILE   TLS on the control port: certificate (PEM) naming the address the
+                            workers dial (the --control host as resolved here, which --dry-run
+                            shows: an IP subjectAltName), with --control-tls-key
+  --control-tls-key FILE    its private key (PEM)
+  --control-tls-ca FILE     the CA the workers check that certificate with, copied to each host
+                            (default: the certificate itself, as when self-signed)
+  --remote-ca PATH          where that CA is written on each host (default
+                            .strata/control-ca.pem, relative to the remote home)
   --data-port PORT          first data-plane port on each host (default 50060); worker K of a
                             host listens on PORT+K; workers must reach each other there
   --stages N                pipeline stages per replica (default 1); the workers form
@@ -67,8 +75,8 @@ Supervision:
 
 Arguments after -- go to strata-coordinator unchanged (e.g. --model PATH, which must be the same
 path on every host, --listen, --metrics, --kv, --config, --tls-cert/--tls-key, --token-file);
-the launcher sets --secret-file, --control, --replicas and --stages itself and refuses them after
--- (abbreviated too, as --stage). Options take their value as the next argument. Exit status:
+the launcher sets --secret-file, --control, --replicas, --stages and --control-tls-cert/-key
+itself and refuses them after -- (abbreviated too, as --stage). Options take their value as the next argument. Exit status:
 the coordinator's, 2 for bad usage.
 
 A GPU worker computes on the one GPU it sees (--device cuda:0), a CPU worker on host cores. The
@@ -78,6 +86,7 @@ EOF
 
 control='' data_port=50060 stages=1 secret_file='' remote_secret=.strata/cluster.secret bin_dir=''
 remote_bin_dir='' nvme_dir='' gpus_per_host='' cpu_per_host='' dry_run=0
+tls_cert='' tls_key='' tls_ca='' remote_ca=.strata/control-ca.pem
 RESTART_DELAY=1 MAX_RESTART_DELAY=30
 host_list=() host_specs=() worker_args=() ssh_opts=(-o BatchMode=yes) coord_args=()
 while (($#)); do
@@ -91,6 +100,10 @@ while (($#)); do
     --stages) need_value "$1" $#; stages=$2; shift ;;
     --secret-file) need_value "$1" $#; secret_file=$2; shift ;;
     --remote-secret) need_value "$1" $#; remote_secret=$2; shift ;;
+    --control-tls-cert) need_value "$1" $#; tls_cert=$2; shift ;;
+    --control-tls-key) need_value "$1" $#; tls_key=$2; shift ;;
+    --control-tls-ca) need_value "$1" $#; tls_ca=$2; shift ;;
+    --remote-ca) need_value "$1" $#; remote_ca=$2; shift ;;
     --bin-dir) need_value "$1" $#; bin_dir=$2; shift ;;
     --remote-bin-dir) need_value "$1" $#; remote_bin_dir=$2; shift ;;
     --nvme-dir) need_value "$1" $#; nvme_dir=$2; shift ;;
@@ -121,8 +134,11 @@ case ${CONTROL_HOST,,} in
     usage_error "--control $control: remote workers need this host's private-network address" ;;
 esac
 [[ $remote_secret == ?* && $remote_secret != */ ]] || usage_error "--remote-secret: '$remote_secret' is not a file path"
+[[ $remote_ca == ?* && $remote_ca != */ ]] || usage_error "--remote-ca: '$remote_ca' is not a file path"
+[[ $remote_ca != "$remote_secret" ]] || usage_error "--remote-ca: '$remote_ca' is where the secret goes"
+check_control_tls "$tls_cert" "$tls_key" "$tls_ca"
 # Remote paths reach the remote shell quoted, so a ~ would name a folder called ~.
-for opt in "--remote-secret:$remote_secret" "--remote-bin-dir:$remote_bin_dir" "--nvme-dir:$nvme_dir"; do
+for opt in "--remote-secret:$remote_secret" "--remote-ca:$remote_ca" "--remote-bin-dir:$remote_bin_dir" "--nvme-dir:$nvme_dir"; do
   [[ ${opt#*:} != '~'* ]] ||
     usage_error "${opt%%:*}: '${opt#*:}': ~ is not expanded on the hosts; give an absolute path or one relative to the remote home (without ~/)"
 done
@@ -212,9 +228,13 @@ secret_parent=$(dirname -- "$remote_secret")
 # others, not even for a moment, whatever mode an old copy had.
 copy_cmd="umask 077 && mkdir -p -- $(shq "$secret_parent") && cat > $(shq "$remote_secret.tmp") && chmod 600 -- $(shq "$remote_secret.tmp") && mv -f -- $(shq "$remote_secret.tmp" "$remote_secret")"
 [[ -z $nvme_dir ]] || copy_cmd+=" && mkdir -p -- $(shq "$nvme_dir")"
+# The CA is no secret, but replaced the same way: a worker never reads half a file.
+ca_copy_cmd="mkdir -p -- $(shq "$(dirname -- "$remote_ca")") && cat > $(shq "$remote_ca.tmp") && mv -f -- $(shq "$remote_ca.tmp" "$remote_ca")"
 
 COORD_CMD=("$coord_bin" --secret-file "$secret_file" --control "$control"
-  --replicas "$((N_WORKERS / stages))" --stages "$stages" "${coord_args[@]}")
+  --replicas "$((N_WORKERS / stages))" --stages "$stages")
+[[ -z $tls_cert ]] || COORD_CMD+=(--control-tls-cert "$tls_cert" --control-tls-key "$tls_key")
+COORD_CMD+=("${coord_args[@]}")
 worker_command() {
   local k=$1 dest=${w_dest[$1]} slot=${w_slot[$1]} host remote
   host=${dest#*@}
@@ -223,6 +243,7 @@ worker_command() {
   # A GPU worker computes on the one device it sees (its index there is 0); a CPU worker sees none.
   [[ -z ${w_dev[k]} ]] || remote+=(--device cuda:0)
   [[ -z $nvme_dir ]] || remote+=(--nvme-dir "$nvme_dir/worker-$slot")
+  [[ -z $TLS_CA ]] || remote+=(--coordinator-ca "$remote_ca")
   remote+=("${worker_args[@]}")
   WCMD=(ssh -n "${ssh_opts[@]}" "$dest" "$(shq "${remote[@]}")")
 }
@@ -230,6 +251,7 @@ worker_command() {
 if ((dry_run)); then
   for d in "${dests[@]}"; do
     printf '%s < %s\n' "$(shq ssh "${ssh_opts[@]}" "$d" "$copy_cmd")" "$(shq "$secret_file")"
+    [[ -z $TLS_CA ]] || printf '%s < %s\n' "$(shq ssh "${ssh_opts[@]}" "$d" "$ca_copy_cmd")" "$(shq "$TLS_CA")"
   done
   print_cmd "${COORD_CMD[@]}"
   for ((k = 0; k < N_WORKERS; k++)); do
@@ -264,6 +286,13 @@ for d in "${dests[@]}"; do
     log "$d: could not copy the cluster secret over ssh"
     exit 1
   }
+  if [[ -n $TLS_CA ]]; then
+    # shellcheck disable=SC2029 # ca_copy_cmd is built for the remote shell, its words quoted by shq
+    ssh "${ssh_opts[@]}" "$d" "$ca_copy_cmd" <"$TLS_CA" || {
+      log "$d: could not copy the control port's CA over ssh"
+      exit 1
+    }
+  fi
 done
 rc=0
 run_cluster || rc=$?

@@ -30,8 +30,14 @@ Workers:
 
 Cluster:
   --control HOST:PORT    the coordinator's worker endpoint (default 127.0.0.1:50052; port
-                         1-65535, an IPv6 address in brackets); it has no TLS, so keep it on
+                         1-65535, an IPv6 address in brackets); without TLS keep it on
                          loopback or a private network
+  --control-tls-cert FILE
+                         TLS on the control port: certificate (PEM) naming the --control
+                         host (an IP subjectAltName for an address), with --control-tls-key
+  --control-tls-key FILE its private key (PEM)
+  --control-tls-ca FILE  the CA the workers check that certificate with (default: the
+                         certificate itself, as when self-signed)
   --secret-file FILE     the cluster secret (16-256 bytes, mode 0600); default: 32 random
                          bytes written to a private temporary directory, removed at exit
   --bin-dir DIR          where strata-coordinator and strata-worker are (default: PATH)
@@ -47,8 +53,8 @@ Supervision:
 
 Arguments after -- go to strata-coordinator unchanged (e.g. --model, --listen, --metrics,
 --kv, --config, --tls-cert/--tls-key, --token-file, --drain-seconds); the launcher sets
---secret-file, --control, --replicas and --stages itself and refuses them after -- (abbreviated
-too, as --stage). Options take their value as the next argument. Exit status: the
+--secret-file, --control, --replicas, --stages and --control-tls-cert/--control-tls-key itself
+and refuses them after -- (abbreviated too, as --stage). Options take their value as the next argument. Exit status: the
 coordinator's, 2 for bad usage.
 
 A GPU worker computes on the one GPU it sees (--device cuda:0), a CPU worker on host cores. The
@@ -57,6 +63,7 @@ EOF
 }
 
 gpus='' cpu_workers='' stages=1 nvme_dir='' control=127.0.0.1:50052 secret_file='' bin_dir=''
+tls_cert='' tls_key='' tls_ca=''
 dry_run=0 RESTART_DELAY=1 MAX_RESTART_DELAY=30
 worker_args=() coord_args=()
 while (($#)); do
@@ -68,6 +75,9 @@ while (($#)); do
     --worker-arg) need_value "$1" $#; worker_args+=("$2"); shift ;;
     --control) need_value "$1" $#; control=$2; shift ;;
     --secret-file) need_value "$1" $#; secret_file=$2; shift ;;
+    --control-tls-cert) need_value "$1" $#; tls_cert=$2; shift ;;
+    --control-tls-key) need_value "$1" $#; tls_key=$2; shift ;;
+    --control-tls-ca) need_value "$1" $#; tls_ca=$2; shift ;;
     --bin-dir) need_value "$1" $#; bin_dir=$2; shift ;;
     --restart-delay) need_value "$1" $#; RESTART_DELAY=$2; shift ;;
     --max-restart-delay) need_value "$1" $#; MAX_RESTART_DELAY=$2; shift ;;
@@ -81,6 +91,7 @@ done
 
 check_shared_options "$stages"
 check_control "$control"
+check_control_tls "$tls_cert" "$tls_key" "$tls_ca"
 check_coord_args "${coord_args[@]}"
 
 # The devices: explicit list, CPU workers, or every GPU nvidia-smi reports ("GPU 0: ...").
@@ -116,7 +127,9 @@ else
 fi
 
 COORD_CMD=("$coord_bin" --secret-file "$secret_file" --control "$control"
-  --replicas "$replicas" --stages "$stages" "${coord_args[@]}")
+  --replicas "$replicas" --stages "$stages")
+[[ -z $tls_cert ]] || COORD_CMD+=(--control-tls-cert "$tls_cert" --control-tls-key "$tls_key")
+COORD_CMD+=("${coord_args[@]}")
 host=${HOSTNAME%%.*}
 worker_command() {
   local k=$1
@@ -125,6 +138,7 @@ worker_command() {
   # A GPU worker computes on the one device it sees (its index there is 0).
   [[ -z ${devices[k]} ]] || WCMD+=(--device cuda:0)
   [[ -z $nvme_dir ]] || WCMD+=(--nvme-dir "$nvme_dir/worker-$k")
+  [[ -z $TLS_CA ]] || WCMD+=(--coordinator-ca "$TLS_CA")
   WCMD+=("${worker_args[@]}")
 }
 

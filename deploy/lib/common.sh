@@ -108,12 +108,27 @@ check_coord_args() {
     name=${a#--}
     name=${name%%=*}
     [[ -n $name ]] || continue
-    for r in secret-file control replicas stages; do
+    for r in secret-file control replicas stages control-tls-cert control-tls-key; do
       [[ $r == "$name"* ]] || continue
       [[ $r == "$name" ]] && usage_error "$a after --: the launcher sets it (use its own option)"
       usage_error "$a after --: it abbreviates --$r, which the launcher sets (use its own option)"
     done
   done
+}
+
+# check_control_tls CERT KEY CA: the launchers' --control-tls-* options. Cert and key go
+# together (the coordinator then checks that they belong together); CA needs them. Sets TLS_CA to
+# the file the workers check the coordinator with (CA, else the certificate itself) or ''.
+check_control_tls() {
+  local cert=$1 key=$2 ca=$3 f
+  [[ -z $cert && -z $key ]] || [[ -n $cert && -n $key ]] ||
+    usage_error "--control-tls-cert and --control-tls-key go together"
+  [[ -z $ca || -n $cert ]] || usage_error "--control-tls-ca needs --control-tls-cert"
+  for f in "--control-tls-cert:$cert" "--control-tls-key:$key" "--control-tls-ca:$ca"; do
+    [[ -z ${f#*:} || (-f ${f#*:} && -r ${f#*:}) ]] || usage_error "${f%%:*} ${f#*:}: not a readable file"
+  done
+  # shellcheck disable=SC2034 # for the sourcing script
+  TLS_CA=${ca:-$cert}
 }
 
 # shq WORD...: the words as one line for a POSIX shell (plain words as they are, others in

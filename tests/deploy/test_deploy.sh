@@ -326,6 +326,25 @@ rc=0
 "$node" --dry-run --cpu-workers 1 --secret-file "$tmp/sec/open" >"$out" 2>&- || rc=$?
 if [[ $rc != 0 ]] || ! grep -q 'strata-coordinator ' "$out"; then fail "node dry run with stderr closed: exit $rc after a warning"; fi
 
+# TLS on the control port: the coordinator gets the pair, every worker the CA (the certificate
+# unless --control-tls-ca); the launcher owns those flags.
+printf 'certificate\n' >"$tmp/ctl.pem"
+printf 'key\n' >"$tmp/ctl-key.pem"
+printf 'ca\n' >"$tmp/ca.pem"
+"$node" --dry-run --cpu-workers 2 --secret-file "$secret" --control-tls-cert "$tmp/ctl.pem" \
+  --control-tls-key "$tmp/ctl-key.pem" >"$out" 2>&1 || fail "node dry run with TLS: $(tail -n 2 "$out")"
+grep -q -- "--stages 1 --control-tls-cert $tmp/ctl.pem --control-tls-key $tmp/ctl-key.pem\$" "$out" ||
+  fail "node dry run with TLS: coordinator: $(cat "$out")"
+[[ $(count "strata-worker .* --coordinator-ca $tmp/ctl.pem\$" "$out") == 2 ]] || fail "node dry run with TLS: workers: $(cat "$out")"
+expect 0 "--coordinator-ca $tmp/ca.pem" "$node" --dry-run --cpu-workers 1 --control-tls-cert "$tmp/ctl.pem" \
+  --control-tls-key "$tmp/ctl-key.pem" --control-tls-ca "$tmp/ca.pem"
+expect 2 'go together' "$node" --dry-run --cpu-workers 1 --control-tls-cert "$tmp/ctl.pem"
+expect 2 '--control-tls-ca needs --control-tls-cert' "$node" --dry-run --cpu-workers 1 --control-tls-ca "$tmp/ca.pem"
+expect 2 "--control-tls-key $tmp/none.pem: not a readable file" "$node" --dry-run --cpu-workers 1 \
+  --control-tls-cert "$tmp/ctl.pem" --control-tls-key "$tmp/none.pem"
+expect 2 '--control-tls-cert after --: the launcher sets it' "$node" --dry-run --cpu-workers 1 -- --control-tls-cert x
+expect 2 '--control-tls after --: it abbreviates --control-tls-cert' "$node" --dry-run --cpu-workers 1 -- --control-tls x
+
 # ---- launch-multinode.sh --dry-run
 "$multi" --dry-run --hosts a,u@b --gpus-per-host 2 --control 10.0.0.1:50052 --secret-file "$secret" \
   --remote-bin-dir /opt/strata/bin >"$out" 2>&1 || fail "multinode dry run: $(tail -n 2 "$out")"
@@ -350,6 +369,20 @@ grep -q -- '--replicas 1 --stages 3' "$out" || fail "multinode dry run: replicas
   >"$out" 2>&1 || fail "multinode dry run, CPU workers: $(tail -n 2 "$out")"
 [[ $(count "^ssh -n .*CUDA_VISIBLE_DEVICES= .*strata-worker " "$out") == 2 ]] || fail "multinode dry run: 2 CPU workers: $(cat "$out")"
 grep -q -- '--device' "$out" && fail "multinode dry run: a CPU worker is given --device: $(grep -- --device "$out")"
+
+# With TLS: the CA goes to every host beside the secret (not umask 077: it is no secret), and
+# every worker checks the coordinator with it.
+"$multi" --dry-run --hosts a,b --gpus-per-host 1 --control 10.0.0.1:50052 --secret-file "$secret" \
+  --control-tls-cert "$tmp/ctl.pem" --control-tls-key "$tmp/ctl-key.pem" --control-tls-ca "$tmp/ca.pem" \
+  --remote-ca etc/ca.pem >"$out" 2>&1 || fail "multinode dry run with TLS: $(tail -n 2 "$out")"
+[[ $(count "^ssh -o BatchMode=yes -o ConnectTimeout=10 (a|b) 'mkdir -p -- etc && cat > etc/ca.pem.tmp && mv -f -- etc/ca.pem.tmp etc/ca.pem' < $tmp/ca.pem\$" "$out") == 2 ]] ||
+  fail "multinode dry run with TLS: not one CA copy per host: $(cat "$out")"
+[[ $(count "strata-worker .* --coordinator-ca etc/ca.pem'\$" "$out") == 2 ]] || fail "multinode dry run with TLS: workers: $(cat "$out")"
+grep -q -- "--control-tls-cert $tmp/ctl.pem --control-tls-key $tmp/ctl-key.pem" "$out" || fail "multinode dry run with TLS: coordinator"
+expect 2 "--remote-ca: '.strata/cluster.secret' is where the secret goes" "$multi" --dry-run --host a:0 --control 10.0.0.1:1 \
+  --control-tls-cert "$tmp/ctl.pem" --control-tls-key "$tmp/ctl-key.pem" --remote-ca .strata/cluster.secret
+expect 2 'go together' "$multi" --dry-run --host a:0 --control 10.0.0.1:1 --control-tls-key "$tmp/ctl-key.pem"
+expect 2 '--control-tls-key after --: the launcher sets it' "$multi" --dry-run --host a:0 --control 10.0.0.1:1 -- --control-tls-key k
 
 expect 2 '--control HOST:PORT is required' "$multi" --dry-run --hosts a --gpus-per-host 1
 expect 2 "private-network address" "$multi" --dry-run --hosts a --gpus-per-host 1 --control 127.0.0.1:50052
@@ -533,7 +566,8 @@ no_leftovers "node run (stuck drain)"
 # ---- launch-multinode.sh for real, through the stand-in ssh (generated secret)
 rm -f "$STUB_LOG"*
 TMPDIR=$tmp PATH="$stubs:$PATH" "$multi" --hosts h1,me@h2 --cpu-workers-per-host 1 --control 10.9.8.7:50052 \
-  --bin-dir "$stubs" --remote-bin-dir "$stubs" --restart-delay 1 >"$tmp/run.err" 2>&1 &
+  --bin-dir "$stubs" --remote-bin-dir "$stubs" --restart-delay 1 --control-tls-cert "$tmp/ctl.pem" \
+  --control-tls-key "$tmp/ctl-key.pem" >"$tmp/run.err" 2>&1 &
 pid=$!
 wait_for 'worker .* start' "$STUB_LOG" 4 || fail "multinode run: workers did not start and restart: $(cat "$STUB_LOG" "$tmp/run.err")"
 for h in h1 h2; do
@@ -542,6 +576,9 @@ for h in h1 h2; do
   grep -q "worker $h-w0 start cuda= data=$h:50060 secret_mode=600" "$STUB_LOG" || fail "multinode run: worker on $h: $(cat "$STUB_LOG")"
 done
 [[ $(cat "$SSH_HOSTS/h1/.strata/cluster.secret") == "$(cat "$SSH_HOSTS/h2/.strata/cluster.secret")" ]] || fail "multinode run: hosts got different secrets"
+for h in h1 h2; do
+  cmp -s "$SSH_HOSTS/$h/.strata/control-ca.pem" "$tmp/ctl.pem" || fail "multinode run: the control port's CA is not on $h"
+done
 kill -TERM "$pid"
 rc=0
 wait "$pid" || rc=$?
