@@ -416,12 +416,19 @@ orphans=$(pgrep -P "$server" | tr '\n' ' ')
 [ -n "$orphans" ] || fail "serve started no worker: $(tail -n 3 "$tmp/killed.log")"
 kill -KILL "$server"
 wait "$server" 2>/dev/null
-for _ in $(seq 1 50); do
-  # (an exited worker may stay a zombie a moment: init reaps it)
-  left=$(for p in $orphans; do ps -o stat= -p "$p" 2>/dev/null | grep -qv Z && echo "$p"; done | tr '\n' ' ')
-  [ -z "$left" ] && break
-  sleep 0.1
-done
+# still_running PID...: those of PID still running after up to 5 s (an exited worker may stay a
+# zombie a moment: init reaps it).
+still_running() {
+  local left p
+  for _ in $(seq 1 50); do
+    left=$(for p in "$@"; do ps -o stat= -p "$p" 2>/dev/null | grep -qv Z && echo "$p"; done | tr '\n' ' ')
+    [ -z "$left" ] && break
+    sleep 0.1
+  done
+  echo "$left"
+}
+# shellcheck disable=SC2086 # one word per pid
+left=$(still_running $orphans)
 [ -z "$left" ] || { fail "workers $left outlived a SIGKILLed serve by 5 s"; kill -KILL $left 2>/dev/null; }
 
 # The same through a --worker-bin wrapper that runs the worker as its child (no exec): serve is
@@ -443,11 +450,8 @@ done
 sleep 0.5   # past the worker's start, where it sets up its watch
 kill -KILL "$server"
 wait "$server" 2>/dev/null
-for _ in $(seq 1 50); do
-  left=$(for p in $wrapped; do ps -o stat= -p "$p" 2>/dev/null | grep -qv Z && echo "$p"; done | tr '\n' ' ')
-  [ -z "$left" ] && break
-  sleep 0.1
-done
+# shellcheck disable=SC2086 # one word per pid
+left=$(still_running $wrapped)
 [ -z "$left" ] || { fail "wrapped workers $left outlived a SIGKILLed serve by 5 s"; kill -KILL $left 2>/dev/null; }
 grep -q "cannot watch" "$tmp/killed-wrapped.log" && fail "a wrapped worker could not watch serve: $(cat "$tmp/killed-wrapped.log")"
 

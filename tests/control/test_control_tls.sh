@@ -79,13 +79,22 @@ fi
 kill "$server" 2>/dev/null
 wait "$server" || fail "serve exited $? after SIGTERM"
 
+# start_coordinator LOG ARG...: strata-coordinator for one worker (pid in $coord), waiting up to
+# 30 s for the line that names its control port; prints the port (nothing if it never came).
+start_coordinator() {
+  local log=$1
+  shift
+  "$coordinator" --model synthetic:tiny:seed=4 --secret-file "$tmp/secret" --listen 127.0.0.1:0 \
+    --control 127.0.0.1:0 --replicas 1 --stages 1 "$@" 2>"$log" &
+  coord=$!
+  for _ in $(seq 1 300); do grep -q "control port" "$log" 2>/dev/null && break; sleep 0.1; done
+  sed -n 's/.*(control port \([0-9]*\)\(, TLS\)\{0,1\}).*/\1/p' "$log"
+}
+
 # strata-coordinator with TLS, one worker wanted: workers without the right CA do not join.
-"$coordinator" --model synthetic:tiny:seed=4 --secret-file "$tmp/secret" --listen 127.0.0.1:0 \
-  --control 127.0.0.1:0 --replicas 1 --stages 1 --control-tls-cert "$tmp/ctl.pem" \
-  --control-tls-key "$tmp/ctl-key.pem" 2>"$tmp/coord.log" &
-coord=$!
-for _ in $(seq 1 300); do grep -q "control port" "$tmp/coord.log" 2>/dev/null && break; sleep 0.1; done
-cport=$(sed -n 's/.*(control port \([0-9]*\), TLS).*/\1/p' "$tmp/coord.log")
+start_coordinator "$tmp/coord.log" --control-tls-cert "$tmp/ctl.pem" --control-tls-key "$tmp/ctl-key.pem" >"$tmp/port"
+cport=$(cat "$tmp/port")
+grep -q "(control port $cport, TLS)" "$tmp/coord.log" || fail "the coordinator does not say its control port has TLS"
 if [ -z "$cport" ]; then
   fail "strata-coordinator with control TLS did not start: $(tail -n 5 "$tmp/coord.log")"
 else
@@ -108,11 +117,8 @@ wait "$coord"
 [ -n "${good:-}" ] && { wait "$good" || true; }
 
 # A worker with a CA against a plaintext control port does not join either.
-"$coordinator" --model synthetic:tiny:seed=4 --secret-file "$tmp/secret" --listen 127.0.0.1:0 \
-  --control 127.0.0.1:0 --replicas 1 --stages 1 2>"$tmp/plain.log" &
-coord=$!
-for _ in $(seq 1 300); do grep -q "control port" "$tmp/plain.log" 2>/dev/null && break; sleep 0.1; done
-pport=$(sed -n 's/.*(control port \([0-9]*\)).*/\1/p' "$tmp/plain.log")
+start_coordinator "$tmp/plain.log" >"$tmp/port"
+pport=$(cat "$tmp/port")
 if [ -z "$pport" ]; then
   fail "plaintext strata-coordinator did not start: $(tail -n 5 "$tmp/plain.log")"
 else
