@@ -1332,6 +1332,34 @@ static void test_drained_replica_prefix_not_offered(void **state)
     fixture_stop(&fx);
 }
 
+/* A drained replica's prefix entries go with its workers: GetStats stops counting them when the
+ * drain ends (they stayed in the index, and in prefix_cache_entries/bytes, until workers joined
+ * the replica again), and the other replica's entry still serves. */
+static void test_drained_replica_forgets_prefixes(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start_limits(&fx, 2, 64, 0, (fixture_limits){.prefix_cache_bytes = 64u << 20});
+    fake *w[2] = {fake_start(&fx, "w0", MIG_OK), fake_start(&fx, "w1", MIG_OK)};
+    entry_on_each_replica(&fx, w);
+    Strata__V1__Stats *st = get_stats(&fx);
+    assert_int_equal(st->prefix_cache_entries, 2);
+    const uint64_t one_entry = st->prefix_cache_bytes / 2;
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    (void)drain_until_done(&fx, w[0]->name);
+    WAIT_FOR(fake_bool(w[0], &w[0]->ended), 5000);
+    st = get_stats(&fx);
+    assert_int_equal(st->prefix_cache_entries, 1);
+    assert_int_equal(st->prefix_cache_bytes, one_entry);
+    protobuf_c_message_free_unpacked(&st->base, NULL);
+    gen_job c;
+    gen_run_prompt(&c, fx.ch, 40, 4);
+    assert_complete(&c);
+    assert_int_equal(c.cached, 32);
+    assert_int_equal(fake_int(w[1], &w[1]->prefix_copies), 1);
+    fixture_stop(&fx);
+}
+
 /* A drain whose destination is lost before the move went out (its step never answered): the
  * moving request stays whole on the drained replica, no recovery spent on it; the drain ends,
  * since no replica is left to move to, and the drained replica serves again, taking the lost
@@ -1472,6 +1500,7 @@ int main(void)
         cmocka_unit_test(test_failed_spill_recovers),
         cmocka_unit_test(test_recovery_starts_from_prefix),
         cmocka_unit_test(test_drained_replica_prefix_not_offered),
+        cmocka_unit_test(test_drained_replica_forgets_prefixes),
         cmocka_unit_test(test_lost_replica_takes_no_queued_request),
         cmocka_unit_test(test_drain_target_lost_before_move),
         cmocka_unit_test(test_lone_replica_waits_for_rebuild),

@@ -1510,6 +1510,7 @@ static void drain_progress(coord *c)
                 send_shutdown(rp->stages[s].peer, true);
         rp->tearing_down = true;   /* on_gone rebuilds it from the workers that join next */
         rp->serving = false;
+        forget_prefixes(c, d->replica);   /* they go with its workers (GetStats counted them until a rejoin) */
         sched_set_available(c->sched, (int)d->replica, false);
         sched_set_accepting(c->sched, (int)d->replica, true);
         (void)sched_set_steps_in_flight(c->sched, (int)d->replica, 0);
