@@ -1,5 +1,5 @@
 /* The worker data plane (worker/transport/transport.h) over loopback TCP: messages of every kind
- * and size (0 B, 1 B, 10 MiB) with their contents checked, two-step receives and buffers too
+ * and size (0 B, 1 B, 10 MiB; 300 MiB with max_payload raised) with their contents checked, two-step receives and buffers too
  * small, authentication (wrong secret on both sides, a non-strata peer), forged frames written
  * straight to the socket (peer closing mid-header and mid-payload, a corrupted payload byte, a
  * bad header CRC, garbage magic, a length over the maximum), timeouts (a plain timeout keeps the
@@ -552,6 +552,40 @@ static void test_max_payload(void **state)
     assert_int_equal(dp_recv(server, &got, small, sizeof small, &len, TIMEOUT, &err), STRATA_EFORMAT);
     assert_contains(err.msg, "payload of 2097152 bytes, over this link's maximum of 1048576");
     assert_non_null(dp_link_broken(server));
+    free(p);
+    dp_link_close(server);
+    dp_link_close(client);
+}
+
+/* A frame above DP_DEFAULT_MAX_PAYLOAD, as a long sequence's migration image is (the worker raises
+ * max_payload to its image bound): 300 MiB crosses whole, its CRC checked, its bytes equal. */
+static void test_frame_above_default_limit(void **state)
+{
+    (void)state;
+    const size_t big = (size_t)300 << 20;
+    dp_options sopts = {.max_payload = (uint64_t)512 << 20};
+    dp_link *server, *client;
+    pair(&sopts, &server, &client);
+    assert_true(dp_link_peer_max_payload(client) == sopts.max_payload);
+    uint8_t *p = pattern(big, 21);
+    dp_msg_header h = hdr(DP_MSG_CONTROL, 0, 77, 0);
+    size_t len = big;
+    send_job job = {.link = client, .h = &h, .payloads = &p, .lens = &len, .n = 1};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, send_main, &job), 0);
+    uint8_t *buf = malloc(big);
+    assert_non_null(buf);
+    strata_error err = {0};
+    dp_msg_header got;
+    size_t got_len = 0;
+    int rc = dp_recv(server, &got, buf, big, &got_len, 120000, &err);
+    assert_int_equal(pthread_join(t, NULL), 0);
+    if (rc != STRATA_OK || job.rc != STRATA_OK)
+        fail_msg("300 MiB frame: receive %s (%s), send %s (%s)", strata_status_name(rc), err.msg,
+                 strata_status_name(job.rc), job.err.msg);
+    assert_true(got_len == big && got.payload_len == big && got.seq == 77);
+    assert_true(memcmp(buf, p, big) == 0);
+    free(buf);
     free(p);
     dp_link_close(server);
     dp_link_close(client);
@@ -1173,6 +1207,7 @@ int main(void)
         cmocka_unit_test(test_peer_closes_mid_payload),
         cmocka_unit_test(test_corrupted_frames),
         cmocka_unit_test(test_max_payload),
+        cmocka_unit_test(test_frame_above_default_limit),
         cmocka_unit_test(test_timeouts),
         cmocka_unit_test(test_connect_errors),
         cmocka_unit_test(test_send_to_closed_peer),
