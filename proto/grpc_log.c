@@ -8,6 +8,7 @@
 #include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 /* What one thread keeps while it captures (gRPC logs a failed listen on the caller's thread). */
 static _Thread_local struct {
@@ -29,7 +30,30 @@ static void sink(gpr_log_func_args *a)
     const char *level = a->severity == GPR_LOG_SEVERITY_ERROR  ? "error"
                         : a->severity == GPR_LOG_SEVERITY_INFO ? "info"
                                                                : "debug";
-    fprintf(stderr, "%s: gRPC %s (%s:%d): %s\n", program_invocation_short_name, level, file, a->line, msg);
+    char line[2048];
+    snprintf(line, sizeof line, "gRPC %s (%s:%d): %s", level, file, a->line, msg);
+    /* gRPC retries a failing connection every second or so and logs each try the same way (a
+     * TLS handshake it cannot pass): a line equal to the last one, within a minute of it, is
+     * counted instead of printed, and the count said before the next different line. */
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    static char last[sizeof line];
+    static time_t last_at;
+    static unsigned repeats;
+    const time_t now = time(NULL);
+    pthread_mutex_lock(&mu);
+    if (!assertion && !strcmp(line, last) && now - last_at < PROTO_GRPC_LOG_REPEAT_S) {
+        repeats++;
+        pthread_mutex_unlock(&mu);
+        return;
+    }
+    if (repeats)
+        fprintf(stderr, "%s: gRPC: the line before came %u more time%s\n", program_invocation_short_name, repeats,
+                repeats == 1 ? "" : "s");
+    fprintf(stderr, "%s: %s\n", program_invocation_short_name, line);
+    memcpy(last, line, sizeof line);
+    last_at = now;
+    repeats = 0;
+    pthread_mutex_unlock(&mu);
 }
 
 static void install(void)

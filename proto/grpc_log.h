@@ -7,6 +7,11 @@
 
 #include <stddef.h>
 
+/* A gRPC line equal to the last one printed, within this many seconds of it, is counted rather
+ * than printed again (gRPC logs each retry of a failing connection); the count is printed before
+ * the next different line. */
+#define PROTO_GRPC_LOG_REPEAT_S 60
+
 /* grpc_init, after installing the sink (once per process). Every strata program calls this
  * where it would call grpc_init; pair it with grpc_shutdown as usual. */
 void proto_grpc_init(void);
