@@ -16,9 +16,43 @@ static _Thread_local struct {
     char first[1024];
 } capture;
 
+/* Definitive TLS handshake failures gRPC logged (see proto_grpc_tls_failures). */
+static pthread_mutex_t tls_mu = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t tls_failures;
+static char tls_reason[256];
+
+/* "Handshake failed with fatal error SSL_ERROR_SSL: error:0A000086:SSL routines::certificate
+ * verify failed.": a protocol-level failure (an I/O one is SSL_ERROR_SYSCALL and may pass). */
+static void note_tls_failure(const char *msg)
+{
+    if (!strstr(msg, "Handshake failed") || !strstr(msg, "SSL_ERROR_SSL"))
+        return;
+    const char *why = msg, *p;
+    while ((p = strstr(why, "::")) != NULL)
+        why = p + 2;
+    size_t len = strlen(why);
+    while (len && (why[len - 1] == '.' || why[len - 1] == '\n'))
+        len--;
+    pthread_mutex_lock(&tls_mu);
+    tls_failures++;
+    snprintf(tls_reason, sizeof tls_reason, "%.*s", (int)len, why);
+    pthread_mutex_unlock(&tls_mu);
+}
+
+uint64_t proto_grpc_tls_failures(char *reason, size_t n)
+{
+    pthread_mutex_lock(&tls_mu);
+    const uint64_t count = tls_failures;
+    if (reason && n)
+        snprintf(reason, n, "%s", tls_reason);
+    pthread_mutex_unlock(&tls_mu);
+    return count;
+}
+
 static void sink(gpr_log_func_args *a)
 {
     const char *msg = a->message ? a->message : "";
+    note_tls_failure(msg);
     const bool assertion = strncmp(msg, "assertion failed", 16) == 0;
     if (capture.on && a->severity == GPR_LOG_SEVERITY_ERROR && !assertion) {
         if (!capture.first[0])

@@ -6,6 +6,7 @@
 #define STRATA_PROTO_GRPC_LOG_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 /* A gRPC line equal to the last one printed, within this many seconds of it, is counted rather
  * than printed again (gRPC logs each retry of a failing connection); the count is printed before
@@ -22,6 +23,13 @@ void proto_grpc_init(void);
  * stops keeping. */
 void proto_grpc_log_capture_begin(void);
 void proto_grpc_log_capture_end(char *reason, size_t n);
+
+/* How many TLS handshakes gRPC has logged as failed for good in this process (an SSL protocol
+ * error: a certificate the trust roots do not sign, a peer that speaks no TLS; not an I/O error),
+ * and the last one's reason ("certificate verify failed", "wrong version number") into reason.
+ * gRPC retries such a connection until the caller's deadline; a caller that compares the count
+ * before and after can give up at once, with the reason. */
+uint64_t proto_grpc_tls_failures(char *reason, size_t n);
 
 /* The innermost reason in one of gRPC's error texts: "bind: Address already in use" for a
  * socket error (its syscall and os_error), else the message of the deepest child record

@@ -43,6 +43,8 @@
 
 struct ctl_client {
     grpc_channel *ch;
+    bool tls;                /* the channel has TLS credentials */
+    uint64_t tls_failures;   /* proto_grpc_tls_failures when the connect began */
     grpc_completion_queue *cq;
     grpc_call *call;
     size_t max_bytes;
@@ -238,26 +240,33 @@ int ctl_client_connect(const char *coordinator_addr, const void *secret, size_t 
 
 /* The end of the next wait towards deadline: a slice of CTL_CLIENT_CANCEL_POLL_MS when there is
  * a stop flag to look at in between. */
-static gpr_timespec wait_slice(gpr_timespec deadline, const volatile sig_atomic_t *cancel)
+static gpr_timespec wait_slice(const ctl_client *c, gpr_timespec deadline, const volatile sig_atomic_t *cancel)
 {
-    if (!cancel)
+    if (!cancel && !c->tls)
         return deadline;
     const gpr_timespec slice = deadline_ms(CTL_CLIENT_CANCEL_POLL_MS);
     return gpr_time_cmp(slice, deadline) < 0 ? slice : deadline;
 }
 
-/* Plucks tag until deadline in slices of CTL_CLIENT_CANCEL_POLL_MS while *cancel stays 0.
- * *cancelled says whether a stop request ended the wait. */
+/* Whether gRPC logged a TLS handshake failing for good since the connect began (gRPC would
+ * retry it until the deadline). */
+static bool tls_failed(const ctl_client *c)
+{
+    return c->tls && proto_grpc_tls_failures(NULL, 0) > c->tls_failures;
+}
+
+/* Plucks tag until deadline in slices of CTL_CLIENT_CANCEL_POLL_MS while *cancel stays 0 and no
+ * TLS handshake failed. *cancelled says whether a stop request ended the wait. */
 static grpc_event pluck_cancellable(ctl_client *c, void *tag, gpr_timespec deadline, const volatile sig_atomic_t *cancel,
                                     bool *cancelled)
 {
     *cancelled = false;
     for (;;) {
-        const gpr_timespec until = wait_slice(deadline, cancel);
+        const gpr_timespec until = wait_slice(c, deadline, cancel);
         grpc_event ev = pluck(c, tag, until);
-        if (ev.type != GRPC_QUEUE_TIMEOUT || gpr_time_cmp(until, deadline) == 0)
+        if (ev.type != GRPC_QUEUE_TIMEOUT || gpr_time_cmp(until, deadline) == 0 || tls_failed(c))
             return ev;
-        if ((*cancelled = *cancel != 0))
+        if ((*cancelled = cancel && *cancel != 0))
             return ev;
     }
 }
@@ -270,13 +279,13 @@ static int recv_challenge(ctl_client *c, gpr_timespec deadline, const volatile s
 {
     *cancelled = false;
     for (;;) {
-        const gpr_timespec until = wait_slice(deadline, cancel);
+        const gpr_timespec until = wait_slice(c, deadline, cancel);
         int rc = recv_one(c, until, msg, err);
         if (rc == STRATA_EFORMAT)   /* not even a CoordinatorMessage: no strata coordinator */
             return rc;
         if (rc != STRATA_OK || *msg || gpr_time_cmp(until, deadline) == 0)
             return rc;
-        if ((*cancelled = *cancel != 0))
+        if ((*cancelled = cancel && *cancel != 0))
             return STRATA_OK;
     }
 }
@@ -331,6 +340,8 @@ int ctl_client_connect_opts(const char *coordinator_addr, const void *secret, si
     };
     grpc_channel_args chargs = {sizeof args / sizeof args[0], args};
     const bool tls = o && o->tls_roots_pem;
+    c->tls = tls;
+    c->tls_failures = proto_grpc_tls_failures(NULL, 0);
     grpc_channel_credentials *creds = tls ? grpc_ssl_credentials_create(o->tls_roots_pem, NULL, NULL, NULL)
                                           : grpc_insecure_credentials_create();
     c->ch = grpc_channel_create(coordinator_addr, creds, &chargs);
@@ -374,6 +385,8 @@ int ctl_client_connect_opts(const char *coordinator_addr, const void *secret, si
         rc = recv_challenge(c, deadline, cancel, &cancelled, &challenge, err);
     if (ev.type == GRPC_QUEUE_TIMEOUT || (rc == STRATA_OK && ev.success && !challenge)) {
         const bool reached = ev.type != GRPC_QUEUE_TIMEOUT;   /* the call went out on a connection */
+        char why[256] = "";
+        const bool handshake = !reached && tls_failed(c) && proto_grpc_tls_failures(why, sizeof why);
         if (!reached) {
             grpc_call_cancel(c->call, NULL);
             pluck(c, &c->tag_send, gpr_inf_future(GPR_CLOCK_REALTIME));
@@ -381,14 +394,22 @@ int ctl_client_connect_opts(const char *coordinator_addr, const void *secret, si
         client_teardown(c);
         if (cancelled)
             return strata_fail(err, STRATA_EIO, "stopped while reaching the coordinator at %s", coordinator_addr);
+        if (handshake)
+            return strata_fail(err, STRATA_EIO, "the TLS handshake with the coordinator at %s failed: %s%s",
+                               coordinator_addr, why,
+                               strstr(why, "wrong version number") ? " (its control port has no TLS?)"
+                               : strstr(why, "certificate verify failed")
+                                   ? " (the CA given did not sign the certificate of its control port)"
+                                   : "");
         if (reached)
             return strata_fail(err, STRATA_EIO, "the coordinator at %s sent no Challenge within %d ms (a "
                                "coordinator of control protocol version 2 or older sends none; this worker "
                                "speaks %u)", coordinator_addr, timeout_ms, CTL_CLIENT_PROTOCOL_VERSION);
         return strata_fail(err, STRATA_EIO, "cannot reach the coordinator at %s within %d ms%s", coordinator_addr,
                            timeout_ms,
-                           tls ? " over TLS (a control port without TLS, or a certificate that the CA given does not "
-                                 "sign or that names another host, fails so too: gRPC's lines above say which)"
+                           tls ? " over TLS (nothing listening there, or a certificate that does not name the host "
+                                 "dialled, which gRPC tells only with GRPC_VERBOSITY=DEBUG: 'Peer name ... is not in "
+                                 "peer certificate')"
                                : " (a control port with TLS fails so too: give the worker its CA)");
     }
     if (!ev.success || rc != STRATA_OK) {
