@@ -6,6 +6,7 @@
 #include <openssl/evp.h>
 #include <openssl/pem.h>
 #include <openssl/x509.h>
+#include <openssl/x509v3.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -116,4 +117,27 @@ int proto_tls_read_roots(const char *path, char **pem, strata_error *err)
     if (n < 0)
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
     return strata_fail(err, STRATA_EINVAL, "%s holds no valid PEM certificate (-----BEGIN CERTIFICATE-----)", path);
+}
+
+int proto_tls_cert_names(const char *cert_path, const char *host, strata_error *err)
+{
+    char *pem = NULL;
+    int rc = read_pem(cert_path, "certificate", &pem, err);
+    if (rc)
+        return rc;
+    BIO *b = BIO_new_mem_buf(pem, -1);
+    X509 *x = b ? PEM_read_bio_X509(b, NULL, no_passphrase, NULL) : NULL;
+    if (!b)
+        rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
+    else if (!x)
+        rc = strata_fail(err, STRATA_EINVAL, "the TLS certificate %s holds no certificate OpenSSL can read", cert_path);
+    else if (X509_check_ip_asc(x, host, 0) != 1 && X509_check_host(x, host, 0, 0, NULL) != 1)
+        rc = strata_fail(err, STRATA_EINVAL, "the TLS certificate %s does not name %s (a subjectAltName %s:%s is "
+                         "needed)", cert_path, host, strchr(host, ':') || strspn(host, "0123456789.") == strlen(host)
+                                                       ? "IP" : "DNS", host);
+    X509_free(x);
+    BIO_free(b);
+    free(pem);
+    ERR_clear_error();
+    return rc;
 }

@@ -29,6 +29,7 @@
 #include "kvstore/random.h"
 #include "kvstore/sysmem.h"
 #include "proto/credential_file.h"
+#include "proto/tls_files.h"
 #include "worker/synthetic.h"
 
 enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
@@ -181,6 +182,8 @@ static const struct option long_opts[] = {
     {"control-tls-ca", required_argument, NULL, O_CONTROL_TLS_CA},
     {"help", no_argument, NULL, 'h'},                    {NULL, 0, NULL, 0},
 };
+
+static bool worker_control_addr(const char *listen, int port, char *out, size_t cap);
 
 /* Applies one option (from a flag or the config file); false after printing the problem. */
 static bool apply(const char *prog, serve_opts *o, int id, const char *flag, const char *v, bool local)
@@ -416,6 +419,21 @@ static int parse(int argc, char **argv, const char *prog, bool local, serve_opts
         fprintf(stderr, "%s: --control-tls-ca needs --control-tls-cert (the control port has no TLS without it)\n",
                 prog);
         return EXIT_USAGE;
+    }
+    char dial[300];   /* the local workers would wait out their connect timeout on a name mismatch */
+    if (local && o->control_tls_cert && worker_control_addr(o->control ? o->control : "127.0.0.1:0", 0, dial, sizeof dial) &&
+        strncmp(dial, "unix:", 5) != 0) {
+        char *colon = strrchr(dial, ':'), *host = dial;
+        *colon = '\0';
+        if (*host == '[' && colon > host && colon[-1] == ']') {
+            colon[-1] = '\0';
+            host++;
+        }
+        strata_error err = {0};
+        if (proto_tls_cert_names(o->control_tls_cert, host, &err) != STRATA_OK) {
+            fprintf(stderr, "%s: --control-tls-cert: %s, the host its local workers dial\n", prog, err.msg);
+            return EXIT_USAGE;
+        }
     }
     if (o->nvme_mib > 0 && o->host_mib == 0) {
         fprintf(stderr, "%s: --nvme-kv-mib needs --host-kv-mib (the NVMe tier sits below a host tier)\n", prog);

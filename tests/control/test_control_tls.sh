@@ -37,6 +37,10 @@ expect 2 "the TLS key $tmp/other-key.pem does not belong to the certificate $tmp
   --control-tls-cert "$tmp/ctl.pem" --control-tls-key "$tmp/other-key.pem"
 expect 2 "cannot read the TLS certificate $tmp/none.pem" "${serve[@]}" \
   --control-tls-cert "$tmp/none.pem" --control-tls-key "$tmp/ctl-key.pem"
+# serve knows the host its local workers dial: a certificate without it fails at start, not
+# after the workers' connect timeouts.
+expect 2 "does not name 127.0.0.1 (a subjectAltName IP:127.0.0.1 is needed), the host its local workers dial" \
+  "${serve[@]}" --control-tls-cert "$tmp/named.pem" --control-tls-key "$tmp/named-key.pem"
 expect 2 "--control-tls-ca is not an option of this command" "$coordinator" --model synthetic:tiny \
   --secret-file "$tmp/secret" --control-tls-ca "$tmp/ctl.pem"
 expect 2 "--coordinator-ca $tmp/ctl-key.pem holds no valid PEM certificate" "$worker" \
