@@ -420,19 +420,28 @@ static int parse(int argc, char **argv, const char *prog, bool local, serve_opts
                 prog);
         return EXIT_USAGE;
     }
-    char dial[300];   /* the local workers would wait out their connect timeout on a name mismatch */
-    if (local && o->control_tls_cert && worker_control_addr(o->control ? o->control : "127.0.0.1:0", 0, dial, sizeof dial) &&
-        strncmp(dial, "unix:", 5) != 0) {
+    /* Local workers dial the --control host (127.0.0.1 for a wildcard): a certificate without it
+     * would make each wait out its connect timeout. Remote workers may dial another name of
+     * this host: only a warning then, for a --control that names one address. */
+    char dial[300];
+    const char *control = o->control ? o->control : local ? "127.0.0.1:0" : CTL_SERVER_DEFAULT_ADDR;
+    if (o->control_tls_cert && worker_control_addr(control, 0, dial, sizeof dial) && strncmp(dial, "unix:", 5) != 0) {
         char *colon = strrchr(dial, ':'), *host = dial;
         *colon = '\0';
         if (*host == '[' && colon > host && colon[-1] == ']') {
             colon[-1] = '\0';
             host++;
         }
+        const bool wildcard = strncmp(control, dial, strlen(dial)) != 0;   /* dial holds 127.0.0.1 for it */
         strata_error err = {0};
         if (proto_tls_cert_names(o->control_tls_cert, host, &err) != STRATA_OK) {
-            fprintf(stderr, "%s: --control-tls-cert: %s, the host its local workers dial\n", prog, err.msg);
-            return EXIT_USAGE;
+            if (local) {
+                fprintf(stderr, "%s: --control-tls-cert: %s, the host its local workers dial\n", prog, err.msg);
+                return EXIT_USAGE;
+            }
+            if (!wildcard && err.code == STRATA_EINVAL && strstr(err.msg, "does not name"))
+                fprintf(stderr, "%s: warning: --control-tls-cert: %s, the --control address: workers must dial a "
+                        "name it holds\n", prog, err.msg);
         }
     }
     if (o->nvme_mib > 0 && o->host_mib == 0) {
