@@ -239,7 +239,7 @@ int ctl_client_connect(const char *coordinator_addr, const void *secret, size_t 
 }
 
 /* The end of the next wait towards deadline: a slice of CTL_CLIENT_CANCEL_POLL_MS when there is
- * a stop flag to look at in between. */
+ * a stop flag, or over TLS a handshake's failure (tls_failed), to look at in between. */
 static gpr_timespec wait_slice(const ctl_client *c, gpr_timespec deadline, const volatile sig_atomic_t *cancel)
 {
     if (!cancel && !c->tls)
