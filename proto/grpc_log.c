@@ -49,6 +49,25 @@ uint64_t proto_grpc_tls_failures(char *reason, size_t n)
     return count;
 }
 
+/* line without the values of its created_time:"..." fields (gRPC stamps its error records), so
+ * that two reports of the same failure compare equal. */
+static void without_times(const char *line, char *out, size_t cap)
+{
+    static const char field[] = "created_time:\"";
+    size_t o = 0;
+    for (const char *p = line; *p && o + 1 < cap;) {
+        if (!strncmp(p, field, sizeof field - 1)) {
+            const char *end = strchr(p + sizeof field - 1, '"');
+            if (end) {
+                p = end + 1;
+                continue;
+            }
+        }
+        out[o++] = *p++;
+    }
+    out[o] = '\0';
+}
+
 static void sink(gpr_log_func_args *a)
 {
     const char *msg = a->message ? a->message : "";
@@ -73,9 +92,11 @@ static void sink(gpr_log_func_args *a)
     static char last[sizeof line];
     static time_t last_at;
     static unsigned repeats;
+    char key[sizeof line];
+    without_times(line, key, sizeof key);
     const time_t now = time(NULL);
     pthread_mutex_lock(&mu);
-    if (!assertion && !strcmp(line, last) && now - last_at < PROTO_GRPC_LOG_REPEAT_S) {
+    if (!assertion && !strcmp(key, last) && now - last_at < PROTO_GRPC_LOG_REPEAT_S) {
         repeats++;
         pthread_mutex_unlock(&mu);
         return;
@@ -84,7 +105,7 @@ static void sink(gpr_log_func_args *a)
         fprintf(stderr, "%s: gRPC: the line before came %u more time%s\n", program_invocation_short_name, repeats,
                 repeats == 1 ? "" : "s");
     fprintf(stderr, "%s: %s\n", program_invocation_short_name, line);
-    memcpy(last, line, sizeof line);
+    memcpy(last, key, sizeof key);
     last_at = now;
     repeats = 0;
     pthread_mutex_unlock(&mu);

@@ -1713,6 +1713,13 @@ static void log_other(void)
     gpr_log("src/core/other.cc", 7, GPR_LOG_SEVERITY_ERROR, "%s", "another error");
 }
 
+static void log_stamped(void)   /* the same record, stamped a moment later */
+{
+    static int n;
+    gpr_log("src/core/other.cc", 9, GPR_LOG_SEVERITY_ERROR, "UNKNOWN:failed {created_time:\"2026-12-07T17:24:15.%d\", "
+            "file_line:9}", n++);
+}
+
 /* gRPC's log sink: the reasons in gRPC 1.51's own error texts (as it logged them for a taken
  * port, a host that does not resolve, a malformed address), a captured line kept off stderr and
  * turned into its reason, an uncaptured one printed once in the sink's format. */
@@ -1760,6 +1767,9 @@ static void test_grpc_log(void **state)
     snprintf(want, sizeof want, "%s: gRPC: the line before came 2 more times\n%s: gRPC error (other.cc:7): another error\n",
              program_invocation_short_name, program_invocation_short_name);
     assert_string_equal(stderr_of(log_other), want);
+    /* Error records that differ only in their timestamps are the same line. */
+    assert_non_null(strstr(stderr_of(log_stamped), "UNKNOWN:failed {created_time:\"2026-12-07T17:24:15.0\""));
+    assert_string_equal(stderr_of(log_stamped), "");
     grpc_shutdown();
 }
 
