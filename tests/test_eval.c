@@ -170,7 +170,7 @@ static void test_evaluation(void **state)
                      STRATA_EINVAL);
     assert_non_null(strstr(err.msg, "reference"));
 
-    eval_result *all[] = {&fp16, &self, &kivi2, &kivi2_full, &kivi4, &mixed};
+    eval_result *all[] = {&fp16, &self, &kivi2, &kivi2_full, &kivi4, &mixed, &window, &low};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++)
         eval_result_free(all[i]);
     eval_reference_free(&ref);
