@@ -1,6 +1,9 @@
 /* strata inspect: print and verify a block file. */
+#include <errno.h>
 #include <getopt.h>
 #include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
 
 #include "coordinator/cli/cli.h"
 #include "kvstore/blockfile.h"
@@ -12,7 +15,8 @@ static void usage(FILE *out)
             "\n"
             "Prints every KV block of a block file (written by strata generate --save-kv): header\n"
             "fields, section table and CRC32C status. A corrupted or truncated file is reported\n"
-            "and the command exits with status 1. Format: docs/format.md.\n"
+            "and the command exits with status 1 (2 when BLOCKFILE is missing or a folder).\n"
+            "Format: docs/format.md.\n"
             "\n"
             "options:\n"
             "  -v, --verbose   also print a few dequantized K and V values of each block\n"
@@ -39,6 +43,12 @@ int cmd_inspect(int argc, char **argv)
     if (optind != argc - 1) {
         fprintf(stderr, "strata inspect: expected exactly one BLOCKFILE\n");
         usage(stderr);
+        return EXIT_USAGE;
+    }
+    struct stat st;   /* a file that is not there (or a folder) is bad usage; a bad file is a finding */
+    const char *why = stat(argv[optind], &st) != 0 ? strerror(errno) : S_ISDIR(st.st_mode) ? "is a directory" : NULL;
+    if (why) {
+        fprintf(stderr, "strata inspect: %s: %s\n", argv[optind], why);
         return EXIT_USAGE;
     }
     strata_error err = {0};

@@ -149,6 +149,8 @@ rm -f "$tmp/patched.gguf"
 # Files that are not what they should be: refused at once with the reason, never waited on
 mkfifo "$tmp/fifo"
 expect 1 "not a regular file" timeout 20 "$strata" inspect "$tmp/fifo"
+expect 2 "^strata inspect: $tmp/none.kv: No such file or directory" "$strata" inspect "$tmp/none.kv"
+expect 2 "^strata inspect: $tmp: is a directory" "$strata" inspect "$tmp"
 expect 1 "not a GGUF file (not a regular file)" timeout 20 "$strata" generate -m "$tmp/fifo" -p hi
 truncate -s 4G "$tmp/sparse.kv"
 expect 1 "not a block file (bad magic)" timeout 20 "$strata" inspect "$tmp/sparse.kv"
