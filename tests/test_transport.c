@@ -1,7 +1,7 @@
 /* The worker data plane (worker/transport/transport.h) over loopback TCP: messages of every kind
- * and size (0 B, 1 B, 10 MiB; 300 MiB with max_payload raised) with their contents checked, two-step receives and buffers too
- * small, authentication (wrong secret on both sides, a non-strata peer), forged frames written
- * straight to the socket (peer closing mid-header and mid-payload, a corrupted payload byte, a
+ * and size (0 B, 1 B, 10 MiB; 300 MiB with max_payload raised) with their contents checked,
+ * two-step receives and buffers too small, authentication (wrong secret on both sides, a
+ * non-strata peer, links made for another purpose), forged frames written straight to the socket (peer closing mid-header and mid-payload, a corrupted payload byte, a
  * bad header CRC, garbage magic, a length over the maximum), timeouts (a plain timeout keeps the
  * link usable, a stall mid-frame breaks it), refused connects and sends to a closed peer. The NCCL
  * path runs when the build has NCCL and the host has CUDA devices; otherwise it is skipped with
@@ -319,6 +319,27 @@ static void test_authentication(void **state)
     assert_int_equal(crc, STRATA_OK);
     dp_link_close(client);
     dp_link_close(s.link);
+
+    /* Purposes: a migration's sender at a wait for a pipeline link is refused on both sides
+     * after the proofs, and the listener goes on; the same purpose, or one side naming none,
+     * connects. */
+    const dp_options rows = {.purpose = DP_PURPOSE_ROWS}, migration = {.purpose = DP_PURPOSE_MIGRATION};
+    try_pair(l, addr, &auth_a, &rows, &auth_a, &migration, &s, &crc, &client, &cerr);
+    assert_int_equal(s.rc, STRATA_EINVAL);
+    assert_int_equal(crc, STRATA_EINVAL);
+    assert_null(s.link);
+    assert_null(client);
+    assert_contains(s.err.msg, "connected for a migration, this side waits for a pipeline link");
+    assert_contains(cerr.msg, "connected for a pipeline link, this side asked for a migration");
+    const dp_options *fits[][2] = {{&rows, &rows}, {&migration, &migration}, {&rows, NULL}, {NULL, &migration}};
+    for (size_t i = 0; i < sizeof fits / sizeof fits[0]; i++) {
+        try_pair(l, addr, &auth_a, fits[i][0], &auth_a, fits[i][1], &s, &crc, &client, &cerr);
+        if (s.rc != STRATA_OK || crc != STRATA_OK)
+            fail_msg("purposes %zu: accept %s (%s), connect %s (%s)", i, strata_status_name(s.rc), s.err.msg,
+                     strata_status_name(crc), cerr.msg);
+        dp_link_close(client);
+        dp_link_close(s.link);
+    }
 
     /* No secret, or a short one, is refused before any I/O. */
     strata_error err = {0};

@@ -312,8 +312,9 @@ static data_limits data_limits_for(const Strata__Internal__V1__Assignment *a, co
     const uint64_t rows = (uint64_t)a->max_batch_tokens * (uint64_t)c->n_embd * sizeof(float) + (1u << 20);
     const int wait = !a->step_timeout_ms ? -1 : a->step_timeout_ms > INT_MAX ? INT_MAX : (int)a->step_timeout_ms;
     return (data_limits){.pipeline = {.max_payload = rows > DP_DEFAULT_MAX_PAYLOAD ? rows : DP_DEFAULT_MAX_PAYLOAD,
-                                      .io_timeout_ms = wait},
-                         .migration = {.max_payload = image > DP_DEFAULT_MAX_PAYLOAD ? image : DP_DEFAULT_MAX_PAYLOAD},
+                                      .io_timeout_ms = wait, .purpose = DP_PURPOSE_ROWS},
+                         .migration = {.max_payload = image > DP_DEFAULT_MAX_PAYLOAD ? image : DP_DEFAULT_MAX_PAYLOAD,
+                                       .purpose = DP_PURPOSE_MIGRATION},
                          .rows_wait_ms = wait};
 }
 

@@ -110,10 +110,17 @@ typedef struct dp_auth {
 } dp_auth;
 #define DP_AUTH_MIN_SECRET 16
 
+/* What a TCP link is for, sent in the hello (which the proofs cover). Two sides that both name
+ * one and name different ones fail the handshake with STRATA_EINVAL (dp_tcp_accept drops that
+ * connection and stays usable): a worker waiting for its pipeline neighbour does not take a
+ * migration's sender for it, nor the other way round. */
+enum { DP_PURPOSE_ANY = 0, DP_PURPOSE_ROWS = 1, DP_PURPOSE_MIGRATION = 2 };
+
 /* Per-link limits. A zeroed struct (or NULL) means the defaults. */
 typedef struct dp_options {
     uint64_t max_payload; /* largest payload this side accepts; 0 = DP_DEFAULT_MAX_PAYLOAD */
     int io_timeout_ms;    /* stall limit while sending or mid-frame; 0 = default, < 0 = none */
+    uint8_t purpose;      /* DP_PURPOSE_*; 0: any (TCP only) */
 } dp_options;
 #define DP_DEFAULT_MAX_PAYLOAD (256ull << 20)
 #define DP_DEFAULT_IO_TIMEOUT_MS 30000

@@ -322,8 +322,8 @@ static const dp_ops tcp_ops = {
 
 /* ---- handshake ---- */
 
-/* Hello (48 bytes, little-endian): "SDPH", u16 version, u8 role, u8 0, u64 max_payload,
- * 32-byte nonce. Then each side sends HMAC-SHA256(secret, label || prover role || hello of the
+/* Hello (48 bytes, little-endian): "SDPH", u16 version, u8 role, u8 purpose (DP_PURPOSE_*),
+ * u64 max_payload, 32-byte nonce. Then each side sends HMAC-SHA256(secret, label || prover role || hello of the
  * connector || hello of the acceptor) and checks the peer's. */
 enum { HELLO_BYTES = 48, NONCE_BYTES = 32, MAC_BYTES = 32 };
 enum { ROLE_CONNECTOR = 0, ROLE_ACCEPTOR = 1 };
@@ -367,13 +367,19 @@ static int hs_io_fail(int io, const char *what, const char *peer, size_t done, s
                        strerror(errno));
 }
 
-static int handshake(int fd, int role, const dp_auth *auth, uint64_t my_max, int64_t deadline,
+static const char *purpose_name(unsigned p)
+{
+    return p == DP_PURPOSE_ROWS ? "a pipeline link" : p == DP_PURPOSE_MIGRATION ? "a migration" : "anything";
+}
+
+static int handshake(int fd, int role, const dp_auth *auth, uint64_t my_max, uint8_t purpose, int64_t deadline,
                      const char *peer, uint64_t *peer_max, strata_error *err)
 {
     uint8_t mine[HELLO_BYTES] = {0}, theirs[HELLO_BYTES];
     memcpy(mine, hello_magic, 4);
     kv_st16(mine + 4, DP_FRAME_VERSION);
     mine[6] = (uint8_t)role;
+    mine[7] = purpose;
     kv_st64(mine + 8, my_max);
     int rc = strata_random_bytes(mine + 16, NONCE_BYTES, err);
     if (rc != STRATA_OK) {
@@ -395,8 +401,9 @@ static int handshake(int fd, int role, const dp_auth *auth, uint64_t my_max, int
     if (kv_ld16(theirs + 4) != DP_FRAME_VERSION)
         return strata_fail(err, STRATA_EFORMAT, "data plane: peer %s speaks data-plane version %u, this build %u",
                            peer, (unsigned)kv_ld16(theirs + 4), DP_FRAME_VERSION);
-    if (theirs[6] != 1 - role || theirs[7] != 0)
-        return strata_fail(err, STRATA_EFORMAT, "data plane: peer %s sent a bad hello (role %u)", peer, theirs[6]);
+    if (theirs[6] != 1 - role || theirs[7] > DP_PURPOSE_MIGRATION)
+        return strata_fail(err, STRATA_EFORMAT, "data plane: peer %s sent a bad hello (role %u, purpose %u)", peer,
+                           theirs[6], theirs[7]);
     if (memcmp(theirs + 16, mine + 16, NONCE_BYTES) == 0)
         return strata_fail(err, STRATA_EINVAL, "data plane: peer %s echoed our nonce (reflection)", peer);
     uint64_t pmax = kv_ld64(theirs + 8);
@@ -426,6 +433,11 @@ static int handshake(int fd, int role, const dp_auth *auth, uint64_t my_max, int
                          "data plane: peer %s failed authentication (wrong cluster secret?)", peer);
     OPENSSL_cleanse(my_mac, sizeof my_mac);
     OPENSSL_cleanse(want, sizeof want);
+    /* After the proofs: only a peer holding the secret learns what this side waits for. */
+    if (rc == STRATA_OK && purpose != DP_PURPOSE_ANY && theirs[7] != DP_PURPOSE_ANY && theirs[7] != purpose)
+        rc = strata_fail(err, STRATA_EINVAL, "data plane: peer %s connected for %s, this side %s %s", peer,
+                         purpose_name(theirs[7]), role == ROLE_ACCEPTOR ? "waits for" : "asked for",
+                         purpose_name(purpose));
     if (rc == STRATA_OK)
         *peer_max = pmax;
     return rc;
@@ -452,7 +464,8 @@ static int make_link(int fd, int role, const dp_auth *auth, const dp_options *op
     sock_name(fd, 0, local, sizeof local);
     sock_name(fd, 1, peer, sizeof peer);
     snprintf(link->desc, sizeof link->desc, "tcp %s <-> %s", local, peer);
-    int rc = handshake(fd, role, auth, link->max_payload, deadline, peer, &link->peer_max_payload, err);
+    int rc = handshake(fd, role, auth, link->max_payload, opts ? opts->purpose : DP_PURPOSE_ANY, deadline, peer,
+                       &link->peer_max_payload, err);
     if (rc != STRATA_OK) {
         dp_link_close(link);
         return rc;
