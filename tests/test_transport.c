@@ -1,8 +1,9 @@
 /* The worker data plane (worker/transport/transport.h) over loopback TCP: messages of every kind
  * and size (0 B, 1 B, 10 MiB; 300 MiB with max_payload raised) with their contents checked,
  * two-step receives and buffers too small, authentication (wrong secret on both sides, a
- * non-strata peer, links made for another purpose), forged frames written straight to the socket (peer closing mid-header and mid-payload, a corrupted payload byte, a
- * bad header CRC, garbage magic, a length over the maximum), timeouts (a plain timeout keeps the
+ * non-strata peer, links made for another purpose), forged frames written straight to the socket
+ * (peer closing mid-header and mid-payload, a corrupted payload byte, a bad header CRC, garbage
+ * magic, a length over the maximum), timeouts (a plain timeout keeps the
  * link usable, a stall mid-frame breaks it), refused connects and sends to a closed peer. The NCCL
  * path runs when the build has NCCL and the host has CUDA devices; otherwise it is skipped with
  * the reason printed: the two-rank test needs two GPUs (NCCL refuses two ranks of one communicator
