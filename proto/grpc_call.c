@@ -2,6 +2,7 @@
  * grpc_call.h. */
 #include "proto/grpc_call.h"
 #include "proto/grpc_log.h"
+#include "proto/tls_files.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -518,20 +519,31 @@ void proto_server_create(proto_server *ps, const grpc_arg *args, size_t n_args)
     grpc_server_register_completion_queue(ps->server, ps->cq, NULL);
 }
 
-int proto_server_listen(proto_server *ps, const char *addr, const char *cert_pem, const char *key_pem)
+int proto_server_listen(proto_server *ps, const char *addr, const char *cert_file, const char *key_file,
+                        strata_error *err)
 {
+    ps->port = 0;
     grpc_server_credentials *creds;
-    if (cert_pem) {
-        grpc_ssl_pem_key_cert_pair pair = {key_pem, cert_pem};
-        creds = grpc_ssl_server_credentials_create(NULL, &pair, 1, 0, NULL);
+    if (cert_file) {
+        char *cert, *key;
+        int rc = proto_tls_read_pair(cert_file, key_file, &cert, &key, err);
+        if (rc)
+            return rc;
+        grpc_ssl_pem_key_cert_pair pair = {key, cert};
+        creds = grpc_ssl_server_credentials_create(NULL, &pair, 1, 0, NULL);   /* copies them */
+        free(cert);
+        proto_tls_free_key(key);   /* the private key does not stay in this heap */
     } else {
         creds = grpc_insecure_server_credentials_create();
     }
+    char why[256];
     proto_grpc_log_capture_begin();
     ps->port = grpc_server_add_http2_port(ps->server, addr, creds);
-    proto_grpc_log_capture_end(ps->listen_error, sizeof ps->listen_error);
+    proto_grpc_log_capture_end(why, sizeof why);
     grpc_server_credentials_release(creds);
-    return ps->port;
+    if (ps->port <= 0)
+        return strata_fail(err, STRATA_EIO, "cannot listen on %s: %s", addr, why[0] ? why : "gRPC gave no reason");
+    return STRATA_OK;
 }
 
 void proto_server_abandon(proto_server *ps)

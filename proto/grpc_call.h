@@ -116,8 +116,7 @@ typedef struct proto_server {
     const char *name;            /* log lines: "strata NAME: ..." (a string that outlives it) */
     grpc_server *server;
     grpc_completion_queue *cq;   /* every tag on it is a proto_tag */
-    int port;                    /* proto_server_listen's result */
-    char listen_error[256];      /* when port <= 0: gRPC's reason ("bind: Address already in use") */
+    int port;                    /* the port proto_server_listen bound */
     /* The server lock, which the owner uses for its own shared state too; cond is broadcast
      * when shutdown_done changes (the owner broadcasts its own changes). */
     pthread_mutex_t mu;
@@ -170,10 +169,12 @@ void proto_server_free(proto_server *ps);
 
 /* proto_grpc_init, the server with these channel arguments, and its completion queue. */
 void proto_server_create(proto_server *ps, const grpc_arg *args, size_t n_args);
-/* Binds addr: TLS with the PEM certificate chain and private key when cert_pem is set,
- * otherwise plaintext. Returns the port (and sets ps->port); <= 0 when gRPC cannot listen, with
- * gRPC's reason in ps->listen_error (gRPC's own error line is not printed then). */
-int proto_server_listen(proto_server *ps, const char *addr, const char *cert_pem, const char *key_pem);
+/* Binds addr (ps->port: the port): TLS with the PEM certificate chain and private key in these
+ * files when cert_file is set (proto_tls_read_pair checks them; key_file is then required),
+ * otherwise plaintext. STRATA_EINVAL for bad TLS files, STRATA_EIO "cannot listen on ADDR:
+ * REASON" with gRPC's reason (its own error line is not printed then), STRATA_ENOMEM. */
+int proto_server_listen(proto_server *ps, const char *addr, const char *cert_file, const char *key_file,
+                        strata_error *err);
 /* A server that was created but never started: destroys it and its queue, grpc_shutdown. */
 void proto_server_abandon(proto_server *ps);
 

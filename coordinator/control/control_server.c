@@ -46,7 +46,6 @@
 #include "kvstore/random.h"
 #include "proto/control_auth.h"
 #include "proto/grpc_call.h"
-#include "proto/tls_files.h"
 #include "proto/grpc_util.h"
 #include "proto/validate.h"
 
@@ -732,20 +731,11 @@ int ctl_server_start(const ctl_server_options *o, const ctl_handler *h, ctl_serv
     if (opt.keepalive_time_ms < 0 || opt.keepalive_timeout_ms < 0 || opt.min_recv_ping_interval_ms < 0)
         return strata_fail(err, STRATA_EINVAL, "keepalive times must not be negative");
 
-    char *cert = NULL, *key = NULL;
-    if (opt.tls_cert_file) {
-        int rc = proto_tls_read_pair(opt.tls_cert_file, opt.tls_key_file, &cert, &key, err);
-        if (rc)
-            return rc;
-    }
     ctl_server *s = calloc(1, sizeof *s);
-    if (s && proto_server_init(&s->ps, "control_server", opt.threads)) {
+    if (!s)
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    if (proto_server_init(&s->ps, "control_server", opt.threads)) {
         free(s);
-        s = NULL;
-    }
-    if (!s) {
-        free(cert);
-        proto_tls_free_key(key);
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
     }
     s->h = *h;
@@ -753,8 +743,6 @@ int ctl_server_start(const ctl_server_options *o, const ctl_handler *h, ctl_serv
     s->max_queued = opt.max_queued_messages;
     s->secret = malloc(opt.cluster_secret_len);
     if (!s->secret) {
-        free(cert);
-        proto_tls_free_key(key);
         server_free(s);
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
     }
@@ -785,15 +773,11 @@ int ctl_server_start(const ctl_server_options *o, const ctl_handler *h, ctl_serv
     };
     proto_server_create(&s->ps, args, sizeof args / sizeof args[0]);
     s->method = grpc_server_register_method(s->ps.server, CTL_ATTACH_METHOD, NULL, GRPC_SRM_PAYLOAD_NONE, 0);
-    proto_server_listen(&s->ps, opt.listen_addr, cert, key);
-    free(cert);
-    proto_tls_free_key(key);
     int rc = STRATA_OK;
     if (!s->method)
         rc = strata_fail(err, STRATA_EINVAL, "cannot register %s", CTL_ATTACH_METHOD);
-    else if (s->ps.port <= 0)
-        rc = strata_fail(err, STRATA_EIO, "cannot listen on %s: %s", opt.listen_addr,
-                         s->ps.listen_error[0] ? s->ps.listen_error : "gRPC gave no reason");
+    else
+        rc = proto_server_listen(&s->ps, opt.listen_addr, opt.tls_cert_file, opt.tls_key_file, err);
     if (rc) {
         proto_server_abandon(&s->ps);
         server_free(s);

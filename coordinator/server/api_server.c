@@ -37,7 +37,6 @@
 
 #include "proto/credential_file.h"
 #include "proto/grpc_call.h"
-#include "proto/tls_files.h"
 #include "proto/grpc_util.h"
 
 /* Responses larger than this are refused when packed (gRPC clients refuse received messages
@@ -907,23 +906,13 @@ int api_server_start(const api_server_options *o, const api_backend *b, api_serv
                 return strata_fail(err, STRATA_EINVAL, "the bearer token must be visible ASCII");
     }
 
-    char *cert = NULL, *key = NULL;
-    if (opt.tls_cert_file) {
-        int rc = proto_tls_read_pair(opt.tls_cert_file, opt.tls_key_file, &cert, &key, err);
-        if (rc)
-            return rc;
-    }
-
     api_server *s = calloc(1, sizeof *s);
     if (s && proto_server_init(&s->ps, "api_server", opt.threads)) {
         free(s);
         s = NULL;
     }
-    if (!s) {
-        free(cert);
-        proto_tls_free_key(key);
+    if (!s)
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
-    }
     s->be = *b;
     s->max_streams = opt.max_streams;
     s->max_recv_bytes = opt.max_recv_bytes;
@@ -938,8 +927,6 @@ int api_server_start(const api_server_options *o, const api_backend *b, api_serv
     if (opt.bearer_token && *opt.bearer_token)
         s->token = strdup(opt.bearer_token);
     if (!s->hash || (opt.bearer_token && *opt.bearer_token && !s->token)) {
-        free(cert);
-        proto_tls_free_key(key);
         server_free(s);
         return strata_fail(err, STRATA_ENOMEM, "out of memory");
     }
@@ -968,16 +955,12 @@ int api_server_start(const api_server_options *o, const api_backend *b, api_serv
         s->methods[m] = grpc_server_register_method(s->ps.server, method_paths[m], NULL,
                                                     GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
     }
-    proto_server_listen(&s->ps, opt.listen_addr, cert, key);
-    free(cert);
-    proto_tls_free_key(key); /* do not leave the private key lying around in the heap */
     int rc = STRATA_OK;
     for (int m = 0; m < M_COUNT; m++)
         if (!s->methods[m])
             rc = strata_fail(err, STRATA_EINVAL, "cannot register %s", method_paths[m]);
-    if (!rc && s->ps.port <= 0)
-        rc = strata_fail(err, STRATA_EIO, "cannot listen on %s: %s", opt.listen_addr,
-                         s->ps.listen_error[0] ? s->ps.listen_error : "gRPC gave no reason");
+    if (!rc)
+        rc = proto_server_listen(&s->ps, opt.listen_addr, opt.tls_cert_file, opt.tls_key_file, err);
     if (rc) {
         proto_server_abandon(&s->ps);
         server_free(s);
