@@ -46,17 +46,31 @@ static int no_passphrase(char *buf, int size, int rwflag, void *u)
     return -1;
 }
 
+/* The first certificate of the PEM text (from the file at path, for the message). */
+static int first_cert(const char *pem, const char *path, X509 **out, strata_error *err)
+{
+    BIO *b = BIO_new_mem_buf(pem, -1);
+    *out = b ? PEM_read_bio_X509(b, NULL, no_passphrase, NULL) : NULL;
+    BIO_free(b);
+    ERR_clear_error();
+    if (!b)
+        return strata_fail(err, STRATA_ENOMEM, "out of memory");
+    if (!*out)
+        return strata_fail(err, STRATA_EINVAL, "the TLS certificate %s holds no certificate OpenSSL can read", path);
+    return STRATA_OK;
+}
+
 static int check_pair(const char *cert, const char *key, const char *cert_path, const char *key_path,
                       strata_error *err)
 {
-    BIO *cb = BIO_new_mem_buf(cert, -1), *kb = BIO_new_mem_buf(key, -1);
-    X509 *x = cb ? PEM_read_bio_X509(cb, NULL, no_passphrase, NULL) : NULL;
+    X509 *x;
+    int rc = first_cert(cert, cert_path, &x, err);
+    if (rc)
+        return rc;
+    BIO *kb = BIO_new_mem_buf(key, -1);
     EVP_PKEY *k = kb ? PEM_read_bio_PrivateKey(kb, NULL, no_passphrase, NULL) : NULL;
-    int rc = STRATA_OK;
-    if (!cb || !kb)
+    if (!kb)
         rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
-    else if (!x)
-        rc = strata_fail(err, STRATA_EINVAL, "the TLS certificate %s holds no certificate OpenSSL can read", cert_path);
     else if (!k)
         rc = strata_fail(err, STRATA_EINVAL, "the TLS key %s holds no private key OpenSSL can read (an encrypted "
                          "key is not taken: no passphrase can be given)", key_path);
@@ -66,7 +80,6 @@ static int check_pair(const char *cert, const char *key, const char *cert_path, 
     EVP_PKEY_free(k);
     X509_free(x);
     BIO_free(kb);
-    BIO_free(cb);
     ERR_clear_error();
     return rc;
 }
@@ -119,24 +132,17 @@ int proto_tls_read_roots(const char *path, char **pem, strata_error *err)
     return strata_fail(err, STRATA_EINVAL, "%s holds no valid PEM certificate (-----BEGIN CERTIFICATE-----)", path);
 }
 
-int proto_tls_cert_names(const char *cert_path, const char *host, strata_error *err)
+int proto_tls_cert_names(const char *cert_path, const char *host, bool *named, strata_error *err)
 {
+    *named = false;
     char *pem = NULL;
+    X509 *x = NULL;
     int rc = read_pem(cert_path, "certificate", &pem, err);
-    if (rc)
-        return rc;
-    BIO *b = BIO_new_mem_buf(pem, -1);
-    X509 *x = b ? PEM_read_bio_X509(b, NULL, no_passphrase, NULL) : NULL;
-    if (!b)
-        rc = strata_fail(err, STRATA_ENOMEM, "out of memory");
-    else if (!x)
-        rc = strata_fail(err, STRATA_EINVAL, "the TLS certificate %s holds no certificate OpenSSL can read", cert_path);
-    else if (X509_check_ip_asc(x, host, 0) != 1 && X509_check_host(x, host, 0, 0, NULL) != 1)
-        rc = strata_fail(err, STRATA_EINVAL, "the TLS certificate %s does not name %s (a subjectAltName %s:%s is "
-                         "needed)", cert_path, host, strchr(host, ':') || strspn(host, "0123456789.") == strlen(host)
-                                                       ? "IP" : "DNS", host);
+    if (!rc)
+        rc = first_cert(pem, cert_path, &x, err);
+    if (!rc)
+        *named = X509_check_ip_asc(x, host, 0) == 1 || X509_check_host(x, host, 0, 0, NULL) == 1;
     X509_free(x);
-    BIO_free(b);
     free(pem);
     ERR_clear_error();
     return rc;

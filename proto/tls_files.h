@@ -4,6 +4,8 @@
 #ifndef STRATA_PROTO_TLS_FILES_H
 #define STRATA_PROTO_TLS_FILES_H
 
+#include <stdbool.h>
+
 #include "kvstore/error.h"
 
 /* Largest TLS file read (a certificate chain, a key, a CA bundle). */
@@ -20,10 +22,10 @@ int proto_tls_read_pair(const char *cert_path, const char *key_path, char **cert
  * ("PATH: No such file or directory", "PATH holds no valid PEM certificate ..."). */
 int proto_tls_read_roots(const char *path, char **pem, strata_error *err);
 
-/* Whether the first certificate in the PEM file names host (an IP address against its IP
- * subjectAltNames, a name against its DNS names, as a TLS client checks them). STRATA_EINVAL
- * "the certificate PATH does not name HOST" otherwise, or for a file that cannot be read. */
-int proto_tls_cert_names(const char *cert_path, const char *host, strata_error *err);
+/* Whether the first certificate in the PEM file names host (*named: an IP address against its
+ * IP subjectAltNames, a name against its DNS names, as a TLS client checks them). Errors as
+ * proto_tls_read_pair for a file that cannot be read or holds no certificate. */
+int proto_tls_cert_names(const char *cert_path, const char *host, bool *named, strata_error *err);
 
 /* Wipes and frees a private key's text (NULL: nothing). */
 void proto_tls_free_key(char *key);

@@ -185,6 +185,27 @@ static const struct option long_opts[] = {
 
 static bool worker_control_addr(const char *listen, int port, char *out, size_t cap);
 
+/* The address the control port listens on. */
+static const char *control_listen_addr(const serve_opts *o, bool local)
+{
+    return o->control ? o->control : local ? "127.0.0.1:0" : CTL_SERVER_DEFAULT_ADDR;
+}
+
+/* The host a worker dials for the control port listening on control (as worker_control_addr
+ * gives it, without brackets); *wildcard when control names no one address. False for a unix
+ * socket or a name too long. */
+static bool dial_host(const char *control, char *host, size_t cap, bool *wildcard)
+{
+    char addr[300];
+    if (!worker_control_addr(control, 0, addr, sizeof addr) || !strncmp(addr, "unix:", 5))
+        return false;
+    *strrchr(addr, ':') = '\0';
+    *wildcard = strncmp(control, addr, strlen(addr)) != 0;   /* addr holds 127.0.0.1 or [::1] for it */
+    const size_t len = strlen(addr);
+    const bool bracketed = addr[0] == '[' && len >= 2 && addr[len - 1] == ']';
+    return (size_t)snprintf(host, cap, "%.*s", (int)(bracketed ? len - 2 : len), addr + bracketed) < cap;
+}
+
 /* Applies one option (from a flag or the config file); false after printing the problem. */
 static bool apply(const char *prog, serve_opts *o, int id, const char *flag, const char *v, bool local)
 {
@@ -422,27 +443,20 @@ static int parse(int argc, char **argv, const char *prog, bool local, serve_opts
     }
     /* Local workers dial the --control host (127.0.0.1 for a wildcard): a certificate without it
      * would make each wait out its connect timeout. Remote workers may dial another name of
-     * this host: only a warning then, for a --control that names one address. */
-    char dial[300];
-    const char *control = o->control ? o->control : local ? "127.0.0.1:0" : CTL_SERVER_DEFAULT_ADDR;
-    if (o->control_tls_cert && worker_control_addr(control, 0, dial, sizeof dial) && strncmp(dial, "unix:", 5) != 0) {
-        char *colon = strrchr(dial, ':'), *host = dial;
-        *colon = '\0';
-        if (*host == '[' && colon > host && colon[-1] == ']') {
-            colon[-1] = '\0';
-            host++;
-        }
-        const bool wildcard = strncmp(control, dial, strlen(dial)) != 0;   /* dial holds 127.0.0.1 for it */
-        strata_error err = {0};
-        if (proto_tls_cert_names(o->control_tls_cert, host, &err) != STRATA_OK) {
-            if (local) {
-                fprintf(stderr, "%s: --control-tls-cert: %s, the host its local workers dial\n", prog, err.msg);
-                return EXIT_USAGE;
-            }
-            if (!wildcard && err.code == STRATA_EINVAL && strstr(err.msg, "does not name"))
-                fprintf(stderr, "%s: warning: --control-tls-cert: %s, the --control address: workers must dial a "
-                        "name it holds\n", prog, err.msg);
-        }
+     * this host: only a warning then, for a --control that names one address. A file that
+     * cannot be read is reported when the control port starts. */
+    char host[300];
+    bool wildcard, named;
+    strata_error err = {0};
+    if (o->control_tls_cert && dial_host(control_listen_addr(o, local), host, sizeof host, &wildcard) &&
+        proto_tls_cert_names(o->control_tls_cert, host, &named, &err) == STRATA_OK && !named &&
+        (local || !wildcard)) {
+        const bool ip = strchr(host, ':') || strspn(host, "0123456789.") == strlen(host);
+        fprintf(stderr, "%s: %s--control-tls-cert: the certificate %s does not name %s (a subjectAltName %s:%s is "
+                "needed), %s\n", prog, local ? "" : "warning: ", o->control_tls_cert, host, ip ? "IP" : "DNS", host,
+                local ? "the host its local workers dial" : "the --control address: workers must dial a name it holds");
+        if (local)
+            return EXIT_USAGE;
     }
     if (o->nvme_mib > 0 && o->host_mib == 0) {
         fprintf(stderr, "%s: --nvme-kv-mib needs --host-kv-mib (the NVMe tier sits below a host tier)\n", prog);
@@ -1114,7 +1128,7 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
         goto out;
     }
     ctl_server_options co_opts = ctl_server_options_default();
-    co_opts.listen_addr = o.control ? o.control : (local ? "127.0.0.1:0" : CTL_SERVER_DEFAULT_ADDR);
+    co_opts.listen_addr = control_listen_addr(&o, local);
     co_opts.cluster_secret = secret;
     co_opts.cluster_secret_len = secret_len;
     co_opts.tls_cert_file = o.control_tls_cert;
