@@ -1,9 +1,12 @@
 #include "worker/model.h"
 
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <utf8proc.h>
 
 #include "kernels/kv_attention.h"
@@ -1035,4 +1038,20 @@ int model_forward_batch(model *m, const model_batch_item *items, size_t n_items,
     }
     workspace_free(&w);
     return rc;
+}
+
+int model_check_path(const char *path, strata_error *err)
+{
+    if (!path)
+        return strata_fail(err, STRATA_EINVAL, "model_check_path: NULL path");
+    if (synthetic_is_path(path)) {
+        synthetic_spec spec;
+        return synthetic_parse(path, &spec, err);
+    }
+    struct stat st;
+    const char *why = stat(path, &st) != 0      ? strerror(errno)
+                      : S_ISDIR(st.st_mode)      ? "is a directory, not a GGUF file"
+                      : access(path, R_OK) != 0 ? strerror(errno)
+                                                 : NULL;
+    return why ? strata_fail(err, STRATA_EINVAL, "model %s: %s", path, why) : STRATA_OK;
 }

@@ -46,6 +46,12 @@ typedef struct model model;
  * STRATA_ENOMEM with a message naming both sizes when they cannot fit; a malformed spec or an
  * unknown NAME is STRATA_EINVAL (the message lists the known names). */
 model *model_load(const char *path, int layer_begin, int layer_end, strata_error *err);
+
+/* Checks what a --model argument names before anything is loaded: a synthetic path that parses,
+ * or a file that can be read and is not a folder. STRATA_EINVAL with the reason ("model PATH: No
+ * such file or directory", a synthetic spec's error) otherwise. Whether the file is a model is
+ * for model_load to find. */
+int model_check_path(const char *path, strata_error *err);
 void model_free(model *m);
 
 /* Loads a model for a backend that builds its own copy of the weights (the CUDA forward pass,

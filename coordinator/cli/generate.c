@@ -491,9 +491,7 @@ int cmd_generate(int argc, char **argv)
     /* For a GPU only the embedding is read on the host; the device builds the rest from the file. */
     model *m = o.cuda_device >= 0 ? model_load_for_device(o.model_path, 0, -1, &err) : model_load(o.model_path, 0, -1, &err);
     if (!m) {
-        fprintf(stderr, "strata generate: %s\n", err.msg);
-        if (err.code == STRATA_EIO && !strcmp(o.model_path, STRATA_DEFAULT_MODEL))
-            fprintf(stderr, "strata generate: run scripts/setup.sh to download the default model, or pass --model\n");
+        fprintf(stderr, "strata generate: %s\n", err.msg);   /* a missing file: cli_check_model said so */
         free(stdin_prompt);
         return EXIT_RUNTIME;
     }

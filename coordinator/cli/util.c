@@ -9,7 +9,7 @@
 
 #include "coordinator/cli/cli.h"
 #include "proto/validate.h"
-#include "worker/synthetic.h"
+#include "worker/model.h"
 #include "worker/tokenizer.h"
 
 double cli_now_seconds(void)
@@ -159,22 +159,10 @@ int cli_tokenize_document(const tokenizer *tok, const char *text, size_t len, in
 
 int cli_check_model(const char *cmd, const char *path)
 {
-    if (synthetic_is_path(path)) {
-        synthetic_spec spec;
-        strata_error err = {0};
-        if (synthetic_parse(path, &spec, &err) == STRATA_OK)
-            return 0;
-        fprintf(stderr, "strata %s: %s\n", cmd, err.msg);
-        return EXIT_USAGE;
-    }
-    struct stat st;
-    const char *why = stat(path, &st) != 0 ? strerror(errno)
-                      : S_ISDIR(st.st_mode)  ? "is a directory, not a GGUF file"
-                      : access(path, R_OK) != 0 ? strerror(errno)
-                                             : NULL;
-    if (!why)
+    strata_error err = {0};
+    if (model_check_path(path, &err) == STRATA_OK)
         return 0;
-    fprintf(stderr, "strata %s: model %s: %s\n", cmd, path, why);
+    fprintf(stderr, "strata %s: %s\n", cmd, err.msg);
     if (!strcmp(path, STRATA_DEFAULT_MODEL))
         fprintf(stderr, "strata %s: run scripts/setup.sh to download the default model, or pass --model\n", cmd);
     return EXIT_USAGE;

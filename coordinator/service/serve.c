@@ -30,7 +30,7 @@
 #include "kvstore/sysmem.h"
 #include "proto/credential_file.h"
 #include "proto/tls_files.h"
-#include "worker/synthetic.h"
+#include "worker/model.h"
 
 enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
 #define SECRET_FILE_NAME "cluster.secret"   /* in the private folder serve makes for it */
@@ -485,9 +485,10 @@ static int parse(int argc, char **argv, const char *prog, bool local, serve_opts
             return EXIT_USAGE;
         }
     }
-    if (!synthetic_is_path(o->model) && access(o->model, R_OK) != 0) {
-        fprintf(stderr, "%s: model %s: %s%s\n", prog, o->model, strerror(errno),
-                errno == ENOENT && !strcmp(o->model, STRATA_DEFAULT_MODEL)
+    strata_error merr = {0};
+    if (model_check_path(o->model, &merr) != STRATA_OK) {
+        fprintf(stderr, "%s: %s%s\n", prog, merr.msg,
+                !strcmp(o->model, STRATA_DEFAULT_MODEL)
                     ? " (run scripts/setup.sh to download the default model, or pass --model)"
                     : "");
         return EXIT_USAGE;
