@@ -1,7 +1,9 @@
 /* The worker data plane (worker/transport/transport.h) over loopback TCP: messages of every kind
  * and size (0 B, 1 B, 10 MiB; 300 MiB with max_payload raised) with their contents checked,
  * two-step receives and buffers too small, authentication (wrong secret on both sides, a
- * non-strata peer, links made for another purpose), forged frames written straight to the socket
+ * non-strata peer, a version 1 peer, links made for another purpose), encryption (a relay
+ * records the wire: no plaintext on it, and it decrypts with the link's keys by the README's
+ * description; a bit flipped on the way is refused), forged frames sealed into the stream
  * (peer closing mid-header and mid-payload, a corrupted payload byte, a bad header CRC, garbage
  * magic, a length over the maximum), timeouts (a plain timeout keeps the
  * link usable, a stall mid-frame breaks it), refused connects and sends to a closed peer. The NCCL
@@ -24,9 +26,12 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+#include <inttypes.h>
+#include <openssl/evp.h>
 
 #include "kvstore/crc32c.h"
 #include "worker/transport/transport.h"
+#include "worker/transport/transport_impl.h"
 
 #ifdef STRATA_HAVE_NCCL
 #include <cuda_runtime_api.h>
@@ -115,7 +120,15 @@ static void pair(const dp_options *sopts, dp_link **server, dp_link **client)
     dp_listener_close(l);
 }
 
-/* Writes raw bytes on a link's socket (non-blocking, small writes). */
+/* Writes bytes into a link's sealed stream as they are: a forged frame that decrypts. */
+static void sealed_write(dp_link *link, const void *buf, size_t n)
+{
+    strata_error err = {0};
+    if (dp_tcp_write_sealed(link, buf, n, &err) != STRATA_OK)
+        fail_msg("sealed write: %s", err.msg);
+}
+
+/* Writes raw bytes on a link's socket (non-blocking, small writes), under the encryption. */
 static void raw_write(dp_link *link, const void *buf, size_t n)
 {
     int fd = dp_link_fd(link);
@@ -369,6 +382,20 @@ static void test_authentication(void **state)
     assert_int_equal(s.rc, STRATA_EFORMAT);
     assert_contains(s.err.msg, "not a strata data-plane endpoint");
     close(fd);
+
+    /* A version 1 peer (48-byte hello, no encryption): refused, both versions named, without
+     * waiting for the 32 bytes of a key it never sends. */
+    s = (accept_job){.l = l, .auth = &auth_a, .timeout_ms = TIMEOUT};
+    assert_int_equal(pthread_create(&t, NULL, accept_main, &s), 0);
+    fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    uint8_t v1[48] = {'S', 'D', 'P', 'H', 1, 0, 0, 0, 0, 0, 0, 1};
+    assert_int_equal(send(fd, v1, sizeof v1, MSG_NOSIGNAL), (ssize_t)sizeof v1);
+    assert_int_equal(pthread_join(t, NULL), 0);
+    assert_int_equal(s.rc, STRATA_EFORMAT);
+    assert_contains(s.err.msg, "speaks data-plane version 1, this build 2");
+    close(fd);
     dp_listener_close(l);
 }
 
@@ -461,8 +488,8 @@ static void test_peer_closes_mid_payload(void **state)
     uint8_t frame[DP_FRAME_HEADER_BYTES];
     dp_msg_header h = hdr(DP_MSG_KV_BLOCK, 5, 6, 7);
     assert_int_equal(dp_frame_encode(&h, 1000, kv_crc32c(0, p, 1000), DP_FLAG_PAYLOAD_CRC, frame, &err), STRATA_OK);
-    raw_write(client, frame, sizeof frame);
-    raw_write(client, p, 100);
+    sealed_write(client, frame, sizeof frame);
+    sealed_write(client, p, 100);
     dp_link_close(client);
     uint8_t buf[1000];
     dp_msg_header got;
@@ -480,7 +507,7 @@ static void test_peer_closes_mid_payload(void **state)
 
     /* Mid-header, and between messages. */
     pair(NULL, &server, &client);
-    raw_write(client, frame, 10);
+    sealed_write(client, frame, 10);
     dp_link_close(client);
     assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, TIMEOUT, &err), STRATA_EIO);
     assert_contains(err.msg, "peer closed after 10 of 64 header bytes");
@@ -507,8 +534,8 @@ static void test_corrupted_frames(void **state)
     pair(NULL, &server, &client);
     assert_int_equal(dp_frame_encode(&h, 256, kv_crc32c(0, p, 256), DP_FLAG_PAYLOAD_CRC, frame, &err), STRATA_OK);
     p[77] ^= 0x10;
-    raw_write(client, frame, sizeof frame);
-    raw_write(client, p, 256);
+    sealed_write(client, frame, sizeof frame);
+    sealed_write(client, p, 256);
     assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, TIMEOUT, &err), STRATA_ECRC);
     assert_contains(err.msg, "CRC32C mismatch in the 256-byte payload of a KV_BLOCK message");
     assert_non_null(dp_link_broken(server));
@@ -521,7 +548,7 @@ static void test_corrupted_frames(void **state)
     pair(NULL, &server, &client);
     assert_int_equal(dp_frame_encode(&h, 0, 0, DP_FLAG_PAYLOAD_CRC, frame, &err), STRATA_OK);
     frame[20] ^= 1;
-    raw_write(client, frame, sizeof frame);
+    sealed_write(client, frame, sizeof frame);
     assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, TIMEOUT, &err), STRATA_ECRC);
     assert_contains(err.msg, "header CRC32C mismatch");
     dp_link_close(server);
@@ -530,7 +557,7 @@ static void test_corrupted_frames(void **state)
     /* Garbage. */
     pair(NULL, &server, &client);
     memset(frame, 'Z', sizeof frame);
-    raw_write(client, frame, sizeof frame);
+    sealed_write(client, frame, sizeof frame);
     assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, TIMEOUT, &err), STRATA_EFORMAT);
     assert_contains(err.msg, "bad frame magic 5a 5a 5a 5a");
     assert_non_null(dp_link_broken(server));
@@ -540,11 +567,211 @@ static void test_corrupted_frames(void **state)
     /* A frame without the payload CRC flag is not a TCP frame. */
     pair(NULL, &server, &client);
     assert_int_equal(dp_frame_encode(&h, 0, 0, 0, frame, &err), STRATA_OK);
-    raw_write(client, frame, sizeof frame);
+    sealed_write(client, frame, sizeof frame);
     assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, TIMEOUT, &err), STRATA_EFORMAT);
     assert_contains(err.msg, "without a payload CRC");
     dp_link_close(server);
     dp_link_close(client);
+    free(p);
+}
+
+/* ---- encryption: a relay between the two ends records (and may alter) the wire ---- */
+
+typedef struct relay {
+    int listen_fd;
+    int target_port;
+    uint8_t *seen;       /* the client-to-server bytes, up to cap */
+    size_t cap, n_seen;
+    long flip_at;        /* index in the client-to-server stream to flip one bit of, -1 none */
+} relay;
+
+static void *relay_main(void *p)
+{
+    relay *r = p;
+    int a = accept(r->listen_fd, NULL, NULL);
+    assert_true(a >= 0);
+    int b = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(b >= 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)r->target_port),
+                             .sin_addr.s_addr = htonl(0x7f000001)};
+    assert_int_equal(connect(b, (struct sockaddr *)&sa, sizeof sa), 0);
+    uint8_t buf[65536];
+    for (;;) {
+        struct pollfd pf[2] = {{.fd = a, .events = POLLIN}, {.fd = b, .events = POLLIN}};
+        if (poll(pf, 2, 20000) <= 0)
+            break;
+        int from = pf[0].revents ? 0 : 1;
+        ssize_t n = read(from == 0 ? a : b, buf, sizeof buf);
+        if (n <= 0)
+            break;
+        if (from == 0) {
+            for (ssize_t i = 0; i < n; i++) {
+                if ((long)(r->n_seen + (size_t)i) == r->flip_at)
+                    buf[i] ^= 0x04;
+            }
+            size_t keep = r->cap - r->n_seen < (size_t)n ? r->cap - r->n_seen : (size_t)n;
+            memcpy(r->seen + r->n_seen, buf, keep);
+            r->n_seen += keep;
+        }
+        for (ssize_t off = 0; off < n;) {
+            ssize_t w = send(from == 0 ? b : a, buf + off, (size_t)(n - off), MSG_NOSIGNAL);
+            if (w <= 0)
+                goto done;
+            off += w;
+        }
+    }
+done:
+    close(a);
+    close(b);
+    return NULL;
+}
+
+/* A pair whose client reaches the server through a relay. */
+static void relayed_pair(relay *r, pthread_t *rt, dp_link **server, dp_link **client)
+{
+    dp_listener *l;
+    char addr[64];
+    listen_local(&l, addr, sizeof addr);
+    r->target_port = dp_listener_port(l);
+    r->listen_fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(r->listen_fd >= 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(0x7f000001)};
+    socklen_t slen = sizeof sa;
+    assert_int_equal(bind(r->listen_fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    assert_int_equal(listen(r->listen_fd, 1), 0);
+    assert_int_equal(getsockname(r->listen_fd, (struct sockaddr *)&sa, &slen), 0);
+    char raddr[64];
+    snprintf(raddr, sizeof raddr, "127.0.0.1:%u", (unsigned)ntohs(sa.sin_port));
+    assert_int_equal(pthread_create(rt, NULL, relay_main, r), 0);
+    accept_job s;
+    strata_error cerr = {0};
+    int crc;
+    try_pair(l, raddr, &auth_a, NULL, &auth_a, NULL, &s, &crc, client, &cerr);
+    if (s.rc != STRATA_OK || crc != STRATA_OK)
+        fail_msg("relayed pair: accept %s, connect %s", s.err.msg, cerr.msg);
+    *server = s.link;
+    dp_listener_close(l);
+    close(r->listen_fd);
+}
+
+/* Decrypts the client-to-server records of a recorded stream as README.md describes them (an
+ * 80-byte hello, a 32-byte proof, then u32 length || AES-256-GCM ciphertext || tag, the length
+ * as additional data, nonce 4 zero bytes || u64 record number), independently of the link's
+ * code. Returns the plaintext length. */
+static size_t decrypt_recorded(const uint8_t *wire, size_t n, const uint8_t key[32], uint8_t *out, size_t cap)
+{
+    size_t at = 80 + 32, plain = 0;
+    assert_memory_equal(wire, "SDPH\x02\x00", 6);
+    EVP_CIPHER_CTX *ctx = EVP_CIPHER_CTX_new();
+    assert_non_null(ctx);
+    for (uint64_t rec = 0; at < n; rec++) {
+        assert_true(n - at >= 4);
+        uint32_t len = (uint32_t)wire[at] | (uint32_t)wire[at + 1] << 8 | (uint32_t)wire[at + 2] << 16 |
+                       (uint32_t)wire[at + 3] << 24;
+        assert_true(len >= 1 && len <= 65536 && n - at >= 4 + (size_t)len + 16 && plain + len <= cap);
+        uint8_t nonce[12] = {0};
+        for (int i = 0; i < 8; i++)
+            nonce[4 + i] = (uint8_t)(rec >> (8 * i));
+        int outl = 0;
+        assert_true(EVP_DecryptInit_ex(ctx, EVP_aes_256_gcm(), NULL, key, nonce) > 0);
+        assert_true(EVP_DecryptUpdate(ctx, NULL, &outl, wire + at, 4) > 0);
+        assert_true(EVP_DecryptUpdate(ctx, out + plain, &outl, wire + at + 4, (int)len) > 0);
+        assert_true(EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_SET_TAG, 16, (void *)(wire + at + 4 + len)) > 0);
+        if (EVP_DecryptFinal_ex(ctx, out + plain + len, &outl) <= 0)
+            fail_msg("record %" PRIu64 " at wire offset %zu does not verify", rec, at);
+        plain += len;
+        at += 4 + (size_t)len + 16;
+    }
+    EVP_CIPHER_CTX_free(ctx);
+    return plain;
+}
+
+static void test_encryption(void **state)
+{
+    (void)state;
+    const size_t n = 300000; /* several records */
+    uint8_t *p = pattern(n, 31);
+    dp_msg_header h = hdr(DP_MSG_HIDDEN, 9, 8, 7), got;
+    h.dtype = DP_DTYPE_F32;
+    h.n_rows = 75;
+    h.row_bytes = 4000;
+    strata_error err = {0};
+    size_t len = 0;
+    uint8_t *buf = malloc(n);
+    assert_non_null(buf);
+
+    /* What crosses the wire is not the message, and decrypts to it with the link's key. */
+    relay r = {.cap = 1u << 20, .flip_at = -1};
+    r.seen = malloc(r.cap);
+    assert_non_null(r.seen);
+    pthread_t rt;
+    dp_link *server, *client;
+    relayed_pair(&r, &rt, &server, &client);
+    assert_int_equal(dp_send(client, &h, p, n, &err), STRATA_OK);
+    assert_int_equal(dp_recv(server, &got, buf, n, &len, TIMEOUT, &err), STRATA_OK);
+    assert_true(len == n && memcmp(buf, p, n) == 0);
+    uint8_t ck_send[32], ck_recv[32], sk_send[32], sk_recv[32];
+    assert_int_equal(dp_tcp_link_keys(client, ck_send, ck_recv), STRATA_OK);
+    assert_int_equal(dp_tcp_link_keys(server, sk_send, sk_recv), STRATA_OK);
+    assert_memory_equal(ck_send, sk_recv, 32);
+    assert_memory_equal(ck_recv, sk_send, 32);
+    assert_memory_not_equal(ck_send, ck_recv, 32);
+    dp_link_close(client);
+    dp_link_close(server);
+    assert_int_equal(pthread_join(rt, NULL), 0);
+    assert_true(r.n_seen > n);
+    for (size_t at = 0; at + 16 <= n; at += 4093)
+        assert_null(memmem(r.seen, r.n_seen, p + at, 16));
+    assert_null(memmem(r.seen, r.n_seen, "SDP1", 4)); /* no frame header in clear */
+    uint8_t *plain = malloc(n + 1024);
+    assert_non_null(plain);
+    size_t plain_len = decrypt_recorded(r.seen, r.n_seen, ck_send, plain, n + 1024);
+    assert_int_equal(plain_len, DP_FRAME_HEADER_BYTES + n);
+    dp_msg_header decoded;
+    assert_int_equal(dp_frame_decode(plain, UINT64_MAX, &decoded, &err), STRATA_OK);
+    assert_true(decoded.kind == DP_MSG_HIDDEN && decoded.step == 9 && decoded.seq == 8 && decoded.layer == 7 &&
+                decoded.payload_len == n);
+    assert_memory_equal(plain + DP_FRAME_HEADER_BYTES, p, n);
+
+    /* Every link has its own keys. */
+    dp_link *server2, *client2;
+    pair(NULL, &server2, &client2);
+    uint8_t k2[32], k2r[32];
+    assert_int_equal(dp_tcp_link_keys(client2, k2, k2r), STRATA_OK);
+    assert_memory_not_equal(k2, ck_send, 32);
+    dp_link_close(client2);
+    dp_link_close(server2);
+
+    /* One bit altered in transit, in the payload's ciphertext: refused, the link breaks. */
+    relay t = {.cap = 1u << 20, .flip_at = 80 + 32 + 4 + 70000};
+    t.seen = r.seen;
+    relayed_pair(&t, &rt, &server, &client);
+    assert_int_equal(dp_send(client, &h, p, n, &err), STRATA_OK);
+    assert_int_equal(dp_recv(server, &got, buf, n, &len, TIMEOUT, &err), STRATA_ECRC);
+    assert_contains(err.msg, "failed authentication after 65472 of 300000 payload bytes");
+    assert_non_null(dp_link_broken(server));
+    dp_link_close(client);
+    dp_link_close(server);
+    assert_int_equal(pthread_join(rt, NULL), 0);
+
+    /* Bytes that are no sealed record: an absurd length, then a record that is not sealed. */
+    pair(NULL, &server, &client);
+    raw_write(client, "\xff\xff\xff\x7f", 4);
+    assert_int_equal(dp_recv(server, &got, buf, n, &len, TIMEOUT, &err), STRATA_EFORMAT);
+    assert_contains(err.msg, "a record announces 2147483647 bytes (1..65536) after 0 of 64 header bytes");
+    dp_link_close(client);
+    dp_link_close(server);
+    pair(NULL, &server, &client);
+    uint8_t fake[4 + 64 + 16] = {64};
+    raw_write(client, fake, sizeof fake);
+    assert_int_equal(dp_recv(server, &got, buf, n, &len, TIMEOUT, &err), STRATA_ECRC);
+    assert_contains(err.msg, "failed authentication after 0 of 64 header bytes");
+    dp_link_close(client);
+    dp_link_close(server);
+
+    free(plain);
+    free(r.seen);
+    free(buf);
     free(p);
 }
 
@@ -570,7 +797,7 @@ static void test_max_payload(void **state)
     /* A forged frame over the receiver's limit breaks the link. */
     uint8_t frame[DP_FRAME_HEADER_BYTES];
     assert_int_equal(dp_frame_encode(&h, 2u << 20, 0, DP_FLAG_PAYLOAD_CRC, frame, &err), STRATA_OK);
-    raw_write(client, frame, sizeof frame);
+    sealed_write(client, frame, sizeof frame);
     assert_int_equal(dp_recv(server, &got, small, sizeof small, &len, TIMEOUT, &err), STRATA_EFORMAT);
     assert_contains(err.msg, "payload of 2097152 bytes, over this link's maximum of 1048576");
     assert_non_null(dp_link_broken(server));
@@ -642,7 +869,7 @@ static void test_timeouts(void **state)
     /* A stall in the middle of a frame breaks the link after io_timeout_ms. */
     uint8_t frame[DP_FRAME_HEADER_BYTES];
     assert_int_equal(dp_frame_encode(&h, 0, 0, DP_FLAG_PAYLOAD_CRC, frame, &err), STRATA_OK);
-    raw_write(client, frame, 10);
+    sealed_write(client, frame, 10);
     assert_int_equal(dp_recv(server, &got, buf, sizeof buf, &len, TIMEOUT, &err), STRATA_EIO);
     assert_contains(err.msg, "stalled for 100 ms after 10 of 64 header bytes");
     assert_non_null(dp_link_broken(server));
@@ -1228,6 +1455,7 @@ int main(void)
         cmocka_unit_test(test_silent_connection_first),
         cmocka_unit_test(test_peer_closes_mid_payload),
         cmocka_unit_test(test_corrupted_frames),
+        cmocka_unit_test(test_encryption),
         cmocka_unit_test(test_max_payload),
         cmocka_unit_test(test_frame_above_default_limit),
         cmocka_unit_test(test_timeouts),

@@ -126,7 +126,7 @@ static void usage(FILE *out, const char *prog, bool local)
             "  --control-tls-cert FILE TLS on the control port, with --control-tls-key: certificate\n"
             "                          chain (PEM) naming the host the workers dial\n"
             "                          (%s); the data\n"
-            "                          plane between workers stays plaintext\n"
+            "                          plane between workers is encrypted either way\n"
             "  --control-tls-key FILE  its private key (PEM)\n"
             "%s"
             "  --drain-seconds N       on SIGTERM (or SIGINT, SIGHUP), let running requests finish for up to\n"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CPU benchmark programs still run and print what docs/benchmarks.md reads from them, at tiny
 # sizes (the numbers are not checked here: benchmarks are for a quiet machine): the NVMe tier's
-# io_uring spill/restore on a real file, the pool benches, and prefill on the default model. Also
+# io_uring spill/restore on a real file, the pool benches, prefill on the default model and the
+# TCP data plane over loopback. Also
 # their usage errors (status 2) and --help (status 0).
 # usage: tests/bench/test_bench_smoke.sh BENCH_DIR
 set -uo pipefail
@@ -33,6 +34,15 @@ for mode in whole chunked one-by-one; do
   grep -qE "^$mode +[0-9.]+ s +[0-9.]+ tokens/s .*last logits vs whole" "$tmp/out" || fail "prefill bench lacks $mode: $(cat "$tmp/out")"
 done
 expect 2 "" "$bin/strata-bench-prefill" --prompt-tokens 0
+
+"$bin/strata-bench-transport" --total-mib 8 --rtt-iters 20 --label smoke >"$tmp/out" 2>"$tmp/err" ||
+  fail "transport bench: $(cat "$tmp/err")"
+for what in throughput_4608B throughput_67108864B round_trip_4608B_median; do
+  grep -qE "^smoke	$what	[0-9.]+	(GB/s|us)$" "$tmp/out" || fail "transport bench lacks $what: $(cat "$tmp/out")"
+done
+expect 2 "unknown option --nope" "$bin/strata-bench-transport" --nope
+expect 2 "needs a positive integer" "$bin/strata-bench-transport" --total-mib 0
+"$bin/strata-bench-transport" --help | grep -q -- "--rtt-bytes" || fail "transport bench --help"
 
 if [ "$failures" -ne 0 ]; then
   echo "test_bench_smoke: $failures failure(s)" >&2

@@ -6,8 +6,10 @@
  *
  *   TCP  (CPU-only hosts, or any host without NCCL): a stream socket with fixed 64-byte
  *        little-endian frame headers (format below and in worker/transport/README.md), a CRC32C
- *        of every header and payload, and a mutual HMAC-SHA256 challenge-response on the cluster
- *        secret before any frame is accepted. Payload pointers are host memory.
+ *        of every header and payload, a mutual HMAC-SHA256 challenge-response on the cluster
+ *        secret before any frame is accepted, and every byte after it encrypted and
+ *        authenticated (AES-256-GCM records, keys from an X25519 agreement made for the link:
+ *        a record altered in transit is STRATA_ECRC). Payload pointers are host memory.
  *   NCCL (GPUs): ncclSend/ncclRecv on a dedicated CUDA stream of the link; the same 64-byte
  *        header travels as its own NCCL message before the payload. Payload pointers are DEVICE
  *        memory (cudaMalloc'd on the link's device, or managed memory); host pointers are
@@ -102,7 +104,8 @@ typedef struct dp_msg_header {
 #define DP_FLAG_PAYLOAD_CRC 0x0001u /* payload_crc is the CRC32C of the payload (always on TCP) */
 
 /* The cluster secret shared by every worker of a deployment (required for TCP). It is never sent:
- * each side proves knowledge with HMAC-SHA256 over both sides' random nonces. At least
+ * each side proves knowledge with HMAC-SHA256 over both sides' random nonces, and it salts the
+ * derivation of the link's keys. At least
  * DP_AUTH_MIN_SECRET bytes; use 32 random bytes. */
 typedef struct dp_auth {
     const uint8_t *secret;
@@ -236,8 +239,9 @@ const char *dp_link_describe(const dp_link *link);
 int dp_link_backend(const dp_link *link);
 /* NULL while the link is usable, else why it broke. */
 const char *dp_link_broken(const dp_link *link);
-/* The connected socket (TCP; -1 on NCCL), for an event loop to poll for readability. Reading or
- * writing it directly desynchronises the framing (the tests do exactly that to forge frames). */
+/* The connected socket (TCP; -1 on NCCL), for an event loop to poll for readability (a strata
+ * peer never puts two messages in one record: once a message was received whole, nothing of
+ * the next waits decrypted while the socket is quiet). Reading or writing it directly breaks the link: its bytes are sealed records. */
 int dp_link_fd(const dp_link *link);
 /* The largest payload the peer accepts (TCP: from its hello; NCCL: this side's max). */
 uint64_t dp_link_peer_max_payload(const dp_link *link);

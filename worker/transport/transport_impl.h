@@ -40,7 +40,7 @@ struct dp_link {
     int pending;                /* a header was received, its payload not yet */
     dp_msg_header pending_h;
     int fd;                     /* TCP socket, -1 otherwise */
-    void *impl;                 /* backend state (NCCL) */
+    void *impl;                 /* backend state (TCP: keys and record buffers; NCCL) */
 };
 
 /* Fills a link's common fields from opts (NULL = defaults). */
@@ -52,5 +52,11 @@ int dp_link_break(dp_link *link, strata_error *err);
 /* Monotonic milliseconds; deadline helpers (-1 = none). */
 int64_t dp_now_ms(void);
 int64_t dp_deadline(int timeout_ms);
+
+/* Tests only, TCP links: writes bytes into the link's sealed stream as they are (no framing),
+ * in records as dp_send would, so a test can forge frames that decrypt; and the keys of the
+ * link's two directions (32 bytes each), so a test can decrypt what it recorded on the wire. */
+int dp_tcp_write_sealed(dp_link *link, const void *bytes, size_t n, strata_error *err);
+int dp_tcp_link_keys(const dp_link *link, uint8_t send_key[32], uint8_t recv_key[32]);
 
 #endif

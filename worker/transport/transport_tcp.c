@@ -1,6 +1,7 @@
 /* The TCP backend of the data plane: non-blocking sockets driven by poll() with deadlines,
- * TCP_NODELAY, MSG_NOSIGNAL, CRC32C of every payload, and a mutual HMAC-SHA256
- * challenge-response on the cluster secret before the first frame (README.md). */
+ * TCP_NODELAY, MSG_NOSIGNAL, CRC32C of every payload, a mutual HMAC-SHA256 challenge-response
+ * on the cluster secret before the first frame, and every byte after it in AES-256-GCM records
+ * under keys from an ephemeral X25519 agreement (transport_seal.h; README.md). */
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
@@ -11,6 +12,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,6 +28,7 @@
 #include "kvstore/random.h"
 #include "worker/transport/transport.h"
 #include "worker/transport/transport_impl.h"
+#include "worker/transport/transport_seal.h"
 
 struct dp_listener {
     int fd;
@@ -116,7 +119,8 @@ static void close_fd(int fd)
 
 /* ---- byte moving with deadlines ---- */
 
-enum { IO_OK = 0, IO_EOF = 1, IO_TIMEOUT = 2, IO_ERRNO = 3 };
+enum { IO_OK = 0, IO_EOF = 1, IO_TIMEOUT = 2, IO_ERRNO = 3, IO_BAD_RECORD = 4, IO_FORGED = 5,
+       IO_SEAL_FAILED = 6 /* err says why */ };
 
 /* Waits for events on fd until deadline (-1 none). 1 ready, 0 timeout, -1 error (errno). */
 static int wait_fd(int fd, short events, int64_t deadline)
@@ -207,6 +211,169 @@ static int write_full(int fd, const uint8_t *buf, size_t n, int more, size_t *do
     return IO_OK;
 }
 
+/* ---- the sealed byte stream ---- */
+
+/* A TCP link's state (link->impl): the keys, and one record buffer for each direction (the
+ * sending thread uses only out, the receiving thread only in). */
+typedef struct tcp_state {
+    dp_seal *seal;
+    uint8_t *out;        /* the record being sent */
+    uint8_t *in;         /* the record being received, then its plaintext at in + DP_RECORD_HEAD */
+    size_t in_have;      /* bytes of the record read so far (0 between records) */
+    size_t in_off;       /* plaintext handed out, from in + DP_RECORD_HEAD */
+    size_t in_avail;     /* plaintext not yet handed out */
+    uint32_t bad_length; /* the length a refused record head announced */
+} tcp_state;
+
+static void tcp_state_free(tcp_state *t)
+{
+    if (!t)
+        return;
+    dp_seal_free(t->seal);
+    if (t->in)
+        OPENSSL_cleanse(t->in, DP_RECORD_MAX + DP_RECORD_OVERHEAD);
+    free(t->in);
+    free(t->out);
+    free(t);
+}
+
+/* Reads the peer's next record and opens it: into t->in (its plaintext then handed out from
+ * there), or, when it fits the room left in the caller's buffer, its ciphertext straight into
+ * direct (decrypted there: one copy fewer for large payloads; *direct_len says how much). A
+ * record is read to its end or the link breaks (a timeout inside one is a stall), so nothing of
+ * a partial record needs to survive a call. */
+static int read_record(int fd, tcp_state *t, int64_t first_deadline, int stall_ms, uint8_t *direct, size_t room,
+                       size_t *direct_len)
+{
+    *direct_len = 0;
+    int io = read_full(fd, t->in, DP_RECORD_HEAD, &t->in_have, first_deadline, stall_ms, -1, NULL);
+    if (io != IO_OK)
+        return io;
+    const uint32_t n = dp_record_length(t->in);
+    if (n == 0 || n > DP_RECORD_MAX) {
+        t->bad_length = n;
+        return IO_BAD_RECORD;
+    }
+    if (direct && n <= room) {
+        /* Begun: the stall limit applies from here (read_full counts from 0 in each buffer). */
+        const int64_t stall_deadline = stall_ms < 0 ? -1 : dp_now_ms() + stall_ms;
+        size_t ct_done = 0, tag_done = 0;
+        io = read_full(fd, direct, n, &ct_done, stall_deadline, stall_ms, -1, NULL);
+        if (io == IO_OK)
+            io = read_full(fd, t->in + DP_RECORD_HEAD, DP_RECORD_TAG, &tag_done, stall_deadline, stall_ms, -1,
+                           NULL);
+        if (io != IO_OK)
+            return io;
+        if (dp_seal_open(t->seal, t->in, direct, t->in + DP_RECORD_HEAD) != 0)
+            return IO_FORGED;
+        t->in_have = 0;
+        *direct_len = n;
+        return IO_OK;
+    }
+    io = read_full(fd, t->in, n + DP_RECORD_OVERHEAD, &t->in_have, first_deadline, stall_ms, -1, NULL);
+    if (io != IO_OK)
+        return io;
+    if (dp_seal_open(t->seal, t->in, t->in + DP_RECORD_HEAD, t->in + DP_RECORD_HEAD + n) != 0)
+        return IO_FORGED;
+    t->in_have = 0;
+    t->in_off = 0;
+    t->in_avail = n;
+    return IO_OK;
+}
+
+/* read_full over the sealed stream: n plaintext bytes into buf, continuing *done. A record
+ * begun counts as progress: once its first byte arrived the stall limit applies. */
+static int sealed_read(dp_link *link, uint8_t *buf, size_t n, size_t *done, int64_t first_deadline,
+                       uint32_t *crc)
+{
+    tcp_state *t = link->impl;
+    while (*done < n) {
+        size_t take = 0;
+        if (t->in_avail > 0) {
+            take = n - *done < t->in_avail ? n - *done : t->in_avail;
+            memcpy(buf + *done, t->in + DP_RECORD_HEAD + t->in_off, take);
+            t->in_off += take;
+            t->in_avail -= take;
+        } else {
+            const int stall = link->io_timeout_ms;
+            int64_t first = *done == 0 ? first_deadline : stall < 0 ? -1 : dp_now_ms() + stall;
+            int io = read_record(link->fd, t, first, stall, buf + *done, n - *done, &take);
+            if (io != IO_OK)
+                return io;
+        }
+        if (crc)
+            *crc = kv_crc32c(*crc, buf + *done, take);
+        *done += take;
+    }
+    return IO_OK;
+}
+
+/* Whether anything of the next message has arrived: plaintext, or part of a record. */
+static bool sealed_begun(const dp_link *link, size_t done)
+{
+    const tcp_state *t = link->impl;
+    return done > 0 || t->in_have > 0;
+}
+
+/* Sends the concatenation of a (na bytes) and b (nb bytes) as records. *sent: plaintext bytes
+ * whose records left whole; *any: whether any byte reached the socket. A record that could not
+ * start is taken back, so a send that times out before its first byte leaves the stream in
+ * sync. */
+static int sealed_write(dp_link *link, const uint8_t *a, size_t na, const uint8_t *b, size_t nb, size_t *sent,
+                        bool *any, strata_error *err)
+{
+    tcp_state *t = link->impl;
+    const size_t total = na + nb;
+    *sent = 0;
+    *any = false;
+    while (*sent < total) {
+        size_t n = total - *sent < DP_RECORD_MAX ? total - *sent : DP_RECORD_MAX;
+        size_t from_a = *sent < na ? (na - *sent < n ? na - *sent : n) : 0;
+        const uint8_t *pa = from_a ? a + *sent : NULL;
+        const uint8_t *pb = b ? b + (*sent + from_a - na) : NULL;
+        if (dp_seal_record(t->seal, pa, from_a, pb, n - from_a, t->out, err) != STRATA_OK)
+            return IO_SEAL_FAILED;
+        size_t wdone = 0;
+        int io = write_full(link->fd, t->out, n + DP_RECORD_OVERHEAD, *sent + n < total, &wdone,
+                            link->io_timeout_ms, -1);
+        if (wdone > 0)
+            *any = true;
+        if (io != IO_OK) {
+            if (wdone == 0)
+                dp_seal_unsend(t->seal);
+            return io;
+        }
+        *sent += n;
+    }
+    return IO_OK;
+}
+
+/* The message of a receive that failed with io (not IO_OK), done of n bytes of what ("header",
+ * "payload") read. */
+static int recv_fail(dp_link *link, int io, const char *what, size_t done, uint64_t n, strata_error *err)
+{
+    const tcp_state *t = link->impl;
+    if (io == IO_FORGED)
+        return strata_fail(err, STRATA_ECRC,
+                           "data plane (%s): a record failed authentication after %zu of %" PRIu64
+                           " %s bytes: the bytes were altered in transit or were not sealed by the peer",
+                           link->desc, done, n, what);
+    if (io == IO_BAD_RECORD)
+        return strata_fail(err, STRATA_EFORMAT,
+                           "data plane (%s): a record announces %" PRIu32 " bytes (1..%d) after %zu of %" PRIu64
+                           " %s bytes: not a sealed strata stream",
+                           link->desc, t->bad_length, DP_RECORD_MAX, done, n, what);
+    if (io == IO_TIMEOUT)
+        return strata_fail(err, STRATA_EIO, "data plane (%s): timed out: peer stalled for %d ms after %zu of %" PRIu64
+                                            " %s bytes%s",
+                           link->desc, link->io_timeout_ms, done, n, what, t->in_have ? " (in a record)" : "");
+    if (io == IO_EOF)
+        return strata_fail(err, STRATA_EIO, "data plane (%s): peer closed after %zu of %" PRIu64 " %s bytes%s",
+                           link->desc, done, n, what, t->in_have ? " (in a record)" : "");
+    return strata_fail(err, STRATA_EIO, "data plane (%s): receive failed after %zu of %" PRIu64 " %s bytes: %s",
+                       link->desc, done, n, what, strerror(errno));
+}
+
 /* ---- the link's backend operations ---- */
 
 static int tcp_send(dp_link *link, const dp_msg_header *h, const void *payload, size_t len,
@@ -217,21 +384,22 @@ static int tcp_send(dp_link *link, const dp_msg_header *h, const void *payload, 
     int rc = dp_frame_encode(h, len, crc, DP_FLAG_PAYLOAD_CRC, hdr, err);
     if (rc != STRATA_OK)
         return rc;
-    size_t hdone = 0, pdone = 0;
-    int io = write_full(link->fd, hdr, sizeof hdr, len > 0, &hdone, link->io_timeout_ms, -1);
-    if (io == IO_OK && len > 0)
-        io = write_full(link->fd, payload, len, 0, &pdone, link->io_timeout_ms, -1);
+    size_t sent = 0;
+    bool any = false;
+    int io = sealed_write(link, hdr, sizeof hdr, payload, len, &sent, &any, err);
     if (io == IO_OK)
         return STRATA_OK;
+    if (io == IO_SEAL_FAILED)
+        return any ? dp_link_break(link, err) : err->code;
     int saved = errno;
-    size_t total = sizeof hdr + len, sent = hdone + pdone;
+    size_t total = sizeof hdr + len;
     if (io == IO_TIMEOUT) {
         strata_fail(err, STRATA_EIO,
                     "data plane (%s): send of a %s message timed out: peer read nothing for %d ms "
                     "(%zu of %zu bytes sent)",
                     link->desc, dp_kind_name(h->kind), link->io_timeout_ms, sent, total);
         /* Nothing of the frame left: the stream is still in sync. */
-        return sent == 0 ? err->code : dp_link_break(link, err);
+        return any ? dp_link_break(link, err) : err->code;
     }
     strata_fail(err, STRATA_EIO, "data plane (%s): send of a %s message failed after %zu of %zu bytes: %s",
                 link->desc, dp_kind_name(h->kind), sent, total, strerror(saved));
@@ -242,26 +410,17 @@ static int tcp_recv_header(dp_link *link, uint8_t hdr[DP_FRAME_HEADER_BYTES], in
                            strata_error *err)
 {
     size_t done = 0;
-    int io = read_full(link->fd, hdr, DP_FRAME_HEADER_BYTES, &done, dp_deadline(timeout_ms),
-                       link->io_timeout_ms, -1, NULL);
+    int io = sealed_read(link, hdr, DP_FRAME_HEADER_BYTES, &done, dp_deadline(timeout_ms), NULL);
     if (io == IO_OK)
         return STRATA_OK;
-    if (io == IO_TIMEOUT && done == 0)
+    if (io == IO_TIMEOUT && !sealed_begun(link, done))
         /* A plain timeout: nothing of the next frame was read, the link stays usable. */
         return strata_fail(err, STRATA_EIO, "data plane (%s): timed out after %d ms waiting for a message",
                            link->desc, timeout_ms);
-    if (io == IO_TIMEOUT)
-        strata_fail(err, STRATA_EIO,
-                    "data plane (%s): timed out: peer stalled for %d ms after %zu of %d header bytes",
-                    link->desc, link->io_timeout_ms, done, DP_FRAME_HEADER_BYTES);
-    else if (io == IO_EOF && done == 0)
+    if (io == IO_EOF && !sealed_begun(link, done))
         strata_fail(err, STRATA_EIO, "data plane (%s): peer closed the connection", link->desc);
-    else if (io == IO_EOF)
-        strata_fail(err, STRATA_EIO, "data plane (%s): peer closed after %zu of %d header bytes", link->desc,
-                    done, DP_FRAME_HEADER_BYTES);
     else
-        strata_fail(err, STRATA_EIO, "data plane (%s): receive failed after %zu of %d header bytes: %s",
-                    link->desc, done, DP_FRAME_HEADER_BYTES, strerror(errno));
+        recv_fail(link, io, "header", done, DP_FRAME_HEADER_BYTES, err);
     return dp_link_break(link, err);
 }
 
@@ -273,14 +432,12 @@ static int tcp_recv_payload(dp_link *link, void *buf, strata_error *err)
     size_t done = 0;
     int io = IO_OK;
     if (buf) {
-        io = read_full(link->fd, buf, (size_t)n, &done, dp_deadline(link->io_timeout_ms), link->io_timeout_ms,
-                       -1, &crc);
+        io = sealed_read(link, buf, (size_t)n, &done, dp_deadline(link->io_timeout_ms), &crc);
     } else {
         uint8_t scratch[16384];
         while (io == IO_OK && done < n) {
             size_t chunk = n - done < sizeof scratch ? (size_t)(n - done) : sizeof scratch, got = 0;
-            io = read_full(link->fd, scratch, chunk, &got, dp_deadline(link->io_timeout_ms),
-                           link->io_timeout_ms, -1, &crc);
+            io = sealed_read(link, scratch, chunk, &got, dp_deadline(link->io_timeout_ms), &crc);
             done += got;
         }
     }
@@ -292,17 +449,12 @@ static int tcp_recv_payload(dp_link *link, void *buf, strata_error *err)
                     "(step %" PRIu64 ", seq %" PRIu64 ", layer %u): frame says %08x, bytes give %08x",
                     link->desc, n, dp_kind_name(h->kind), h->step, h->seq, (unsigned)h->layer,
                     h->payload_crc, crc);
-    } else if (io == IO_TIMEOUT) {
-        strata_fail(err, STRATA_EIO,
-                    "data plane (%s): timed out: peer stalled for %d ms after %zu of %" PRIu64 " payload bytes",
-                    link->desc, link->io_timeout_ms, done, n);
     } else if (io == IO_EOF) {
         strata_fail(err, STRATA_EIO,
                     "data plane (%s): peer closed after %zu of %" PRIu64 " payload bytes of a %s message",
                     link->desc, done, n, dp_kind_name(h->kind));
     } else {
-        strata_fail(err, STRATA_EIO, "data plane (%s): receive failed after %zu of %" PRIu64 " payload bytes: %s",
-                    link->desc, done, n, strerror(errno));
+        recv_fail(link, io, "payload", done, n, err);
     }
     return dp_link_break(link, err);
 }
@@ -311,6 +463,8 @@ static void tcp_close(dp_link *link)
 {
     close_fd(link->fd);
     link->fd = -1;
+    tcp_state_free(link->impl);
+    link->impl = NULL;
 }
 
 static const dp_ops tcp_ops = {
@@ -322,13 +476,17 @@ static const dp_ops tcp_ops = {
 
 /* ---- handshake ---- */
 
-/* Hello (48 bytes, little-endian): "SDPH", u16 version, u8 role, u8 purpose (DP_PURPOSE_*),
- * u64 max_payload, 32-byte nonce. Then each side sends HMAC-SHA256(secret, label || prover role || hello of the
- * connector || hello of the acceptor) and checks the peer's. */
-enum { HELLO_BYTES = 48, NONCE_BYTES = 32, MAC_BYTES = 32 };
+/* Hello (80 bytes, little-endian): "SDPH", u16 version, u8 role, u8 purpose (DP_PURPOSE_*),
+ * u64 max_payload, 32-byte nonce, 32-byte X25519 public key. Then each side sends
+ * HMAC-SHA256(secret, label || prover role || hello of the connector || hello of the acceptor)
+ * and checks the peer's; both derive the link's keys from the X25519 agreement (transport_seal.h).
+ * The first 48 bytes kept their place since version 1 (48-byte hellos, no encryption), so a
+ * peer of either version reads the other's version before waiting for bytes that never come. */
+enum { HELLO_BYTES = 48 + DP_KX_PUBLIC_BYTES, HELLO_V1_BYTES = 48, NONCE_BYTES = 32, MAC_BYTES = 32 };
+enum { HELLO_VERSION = 2 };
 enum { ROLE_CONNECTOR = 0, ROLE_ACCEPTOR = 1 };
 static const uint8_t hello_magic[4] = {'S', 'D', 'P', 'H'};
-static const char auth_label[] = "strata data plane auth v1";
+static const char auth_label[] = "strata data plane auth v2";
 
 static int check_auth(const dp_auth *auth, strata_error *err)
 {
@@ -373,51 +531,75 @@ static const char *purpose_name(unsigned p)
 }
 
 static int handshake(int fd, int role, const dp_auth *auth, uint64_t my_max, uint8_t purpose, int64_t deadline,
-                     const char *peer, uint64_t *peer_max, strata_error *err)
+                     const char *peer, uint64_t *peer_max, dp_seal **seal, strata_error *err)
 {
     uint8_t mine[HELLO_BYTES] = {0}, theirs[HELLO_BYTES];
     memcpy(mine, hello_magic, 4);
-    kv_st16(mine + 4, DP_FRAME_VERSION);
+    kv_st16(mine + 4, HELLO_VERSION);
     mine[6] = (uint8_t)role;
     mine[7] = purpose;
     kv_st64(mine + 8, my_max);
+    dp_kx *kx = NULL;
     int rc = strata_random_bytes(mine + 16, NONCE_BYTES, err);
-    if (rc != STRATA_OK) {
+    if (rc != STRATA_OK)
         strata_error_prefix(err, "data plane");
+    else
+        rc = dp_kx_new(&kx, mine + 16 + NONCE_BYTES, err);
+    if (rc != STRATA_OK)
         return rc;
-    }
     size_t done = 0;
     int io = write_full(fd, mine, sizeof mine, 0, &done, -1, deadline);
-    if (io != IO_OK)
-        return hs_io_fail(io, "sending hello", peer, done, sizeof mine, err);
+    if (io != IO_OK) {
+        rc = hs_io_fail(io, "sending hello", peer, done, sizeof mine, err);
+        goto out;
+    }
     done = 0;
+    io = read_full(fd, theirs, HELLO_V1_BYTES, &done, deadline, -1, deadline, NULL);
+    if (io != IO_OK) {
+        rc = hs_io_fail(io, "reading hello", peer, done, sizeof theirs, err);
+        goto out;
+    }
+    rc = STRATA_EFORMAT;
+    if (memcmp(theirs, hello_magic, 4) != 0) {
+        strata_fail(err, rc, "data plane: peer %s is not a strata data-plane endpoint (hello starts %02x %02x %02x %02x)",
+                    peer, theirs[0], theirs[1], theirs[2], theirs[3]);
+        goto out;
+    }
+    if (kv_ld16(theirs + 4) != HELLO_VERSION) {
+        strata_fail(err, rc, "data plane: peer %s speaks data-plane version %u, this build %u", peer,
+                    (unsigned)kv_ld16(theirs + 4), (unsigned)HELLO_VERSION);
+        goto out;
+    }
     io = read_full(fd, theirs, sizeof theirs, &done, deadline, -1, deadline, NULL);
-    if (io != IO_OK)
-        return hs_io_fail(io, "reading hello", peer, done, sizeof theirs, err);
-    if (memcmp(theirs, hello_magic, 4) != 0)
-        return strata_fail(err, STRATA_EFORMAT,
-                           "data plane: peer %s is not a strata data-plane endpoint (hello starts %02x %02x %02x %02x)",
-                           peer, theirs[0], theirs[1], theirs[2], theirs[3]);
-    if (kv_ld16(theirs + 4) != DP_FRAME_VERSION)
-        return strata_fail(err, STRATA_EFORMAT, "data plane: peer %s speaks data-plane version %u, this build %u",
-                           peer, (unsigned)kv_ld16(theirs + 4), DP_FRAME_VERSION);
-    if (theirs[6] != 1 - role || theirs[7] > DP_PURPOSE_MIGRATION)
-        return strata_fail(err, STRATA_EFORMAT, "data plane: peer %s sent a bad hello (role %u, purpose %u)", peer,
-                           theirs[6], theirs[7]);
-    if (memcmp(theirs + 16, mine + 16, NONCE_BYTES) == 0)
-        return strata_fail(err, STRATA_EINVAL, "data plane: peer %s echoed our nonce (reflection)", peer);
-    uint64_t pmax = kv_ld64(theirs + 8);
-    if (pmax == 0)
-        return strata_fail(err, STRATA_EFORMAT, "data plane: peer %s accepts no payload (max 0)", peer);
+    if (io != IO_OK) {
+        rc = hs_io_fail(io, "reading hello", peer, done, sizeof theirs, err);
+        goto out;
+    }
+    if (theirs[6] != 1 - role || theirs[7] > DP_PURPOSE_MIGRATION) {
+        strata_fail(err, rc, "data plane: peer %s sent a bad hello (role %u, purpose %u)", peer, theirs[6],
+                    theirs[7]);
+        goto out;
+    }
+    if (memcmp(theirs + 16, mine + 16, NONCE_BYTES) == 0) {
+        rc = strata_fail(err, STRATA_EINVAL, "data plane: peer %s echoed our nonce (reflection)", peer);
+        goto out;
+    }
+    const uint64_t pmax = kv_ld64(theirs + 8);
+    if (pmax == 0) {
+        strata_fail(err, rc, "data plane: peer %s accepts no payload (max 0)", peer);
+        goto out;
+    }
 
-    const uint8_t *hello_c = role == ROLE_CONNECTOR ? mine : theirs;
-    const uint8_t *hello_a = role == ROLE_CONNECTOR ? theirs : mine;
+    uint8_t transcript[2 * HELLO_BYTES]; /* the connector's hello, then the acceptor's */
+    memcpy(transcript, role == ROLE_CONNECTOR ? mine : theirs, HELLO_BYTES);
+    memcpy(transcript + HELLO_BYTES, role == ROLE_CONNECTOR ? theirs : mine, HELLO_BYTES);
+    const uint8_t *hello_c = transcript, *hello_a = transcript + HELLO_BYTES;
     uint8_t my_mac[MAC_BYTES], want[MAC_BYTES], got[MAC_BYTES];
     rc = proof(auth, role, hello_c, hello_a, my_mac, err);
     if (rc == STRATA_OK)
         rc = proof(auth, 1 - role, hello_c, hello_a, want, err);
     if (rc != STRATA_OK)
-        return rc;
+        goto out;
     done = 0;
     io = write_full(fd, my_mac, sizeof my_mac, 0, &done, -1, deadline);
     if (io == IO_OK) {
@@ -439,7 +621,12 @@ static int handshake(int fd, int role, const dp_auth *auth, uint64_t my_max, uin
                          purpose_name(theirs[7]), role == ROLE_ACCEPTOR ? "waits for" : "asked for",
                          purpose_name(purpose));
     if (rc == STRATA_OK)
+        rc = dp_seal_new(kx, theirs + 16 + NONCE_BYTES, auth->secret, auth->len, transcript, sizeof transcript,
+                         role == ROLE_CONNECTOR, seal, err);
+    if (rc == STRATA_OK)
         *peer_max = pmax;
+out:
+    dp_kx_free(kx);
     return rc;
 }
 
@@ -454,23 +641,53 @@ static int make_link(int fd, int role, const dp_auth *auth, const dp_options *op
         return strata_fail(err, STRATA_EIO, "data plane: setting TCP_NODELAY failed: %s", strerror(e));
     }
     dp_link *link = malloc(sizeof *link);
-    if (!link) {
+    tcp_state *t = calloc(1, sizeof *t);
+    if (t) {
+        t->in = malloc(DP_RECORD_MAX + DP_RECORD_OVERHEAD);
+        t->out = malloc(DP_RECORD_MAX + DP_RECORD_OVERHEAD);
+    }
+    if (!link || !t || !t->in || !t->out) {
+        free(link);
+        tcp_state_free(t);
         close_fd(fd);
         return strata_fail(err, STRATA_ENOMEM, "data plane: out of memory for a link");
     }
     dp_link_init_common(link, DP_BACKEND_TCP, &tcp_ops, opts);
     link->fd = fd;
+    link->impl = t;
     char local[96], peer[96];
     sock_name(fd, 0, local, sizeof local);
     sock_name(fd, 1, peer, sizeof peer);
     snprintf(link->desc, sizeof link->desc, "tcp %s <-> %s", local, peer);
     int rc = handshake(fd, role, auth, link->max_payload, opts ? opts->purpose : DP_PURPOSE_ANY, deadline, peer,
-                       &link->peer_max_payload, err);
+                       &link->peer_max_payload, &t->seal, err);
     if (rc != STRATA_OK) {
         dp_link_close(link);
         return rc;
     }
     *out = link;
+    return STRATA_OK;
+}
+
+/* ---- tests only (transport_impl.h) ---- */
+
+int dp_tcp_write_sealed(dp_link *link, const void *bytes, size_t n, strata_error *err)
+{
+    if (!link || link->backend != DP_BACKEND_TCP || !link->impl)
+        return strata_fail(err, STRATA_EINVAL, "data plane: not a TCP link");
+    size_t sent = 0;
+    bool any = false;
+    int io = sealed_write(link, bytes, n, NULL, 0, &sent, &any, err);
+    if (io == IO_OK || io == IO_SEAL_FAILED)
+        return io == IO_OK ? STRATA_OK : err->code;
+    return strata_fail(err, STRATA_EIO, "data plane: raw sealed write failed after %zu of %zu bytes", sent, n);
+}
+
+int dp_tcp_link_keys(const dp_link *link, uint8_t send_key[32], uint8_t recv_key[32])
+{
+    if (!link || link->backend != DP_BACKEND_TCP || !link->impl)
+        return STRATA_EINVAL;
+    dp_seal_keys(((const tcp_state *)link->impl)->seal, send_key, recv_key);
     return STRATA_OK;
 }
 
