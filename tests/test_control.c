@@ -247,6 +247,7 @@ typedef struct srv_cfg {
     int keepalive_time_ms, keepalive_timeout_ms;
     uint32_t max_queued;
     size_t max_bytes;
+    int join_timeout_ms;
 } srv_cfg;
 
 static ctl_server *start_server(hstate *h, const srv_cfg *cfg)
@@ -261,6 +262,7 @@ static ctl_server *start_server(hstate *h, const srv_cfg *cfg)
         o.keepalive_timeout_ms = cfg->keepalive_timeout_ms;
         o.max_queued_messages = cfg->max_queued;
         o.max_message_bytes = cfg->max_bytes;
+        o.join_timeout_ms = cfg->join_timeout_ms;
     }
     ctl_handler hd = {.ctx = h, .on_join = on_join, .on_message = on_message, .on_gone = on_gone,
                       .on_refused = on_refused};
@@ -791,6 +793,53 @@ static void test_join_refusals(void **state)
 
     ctl_server_shutdown(s);
     assert_int_equal(h.gones, 1); /* only the joined one */
+    h_finish(&h);
+}
+
+/* Strangers that open the stream and say nothing end with DEADLINE_EXCEEDED after the Join
+ * timeout (each reported to on_refused); a worker joins beside them and is not timed out. */
+static void test_join_deadline(void **state)
+{
+    (void)state;
+    hstate h;
+    h_init(&h);
+    const srv_cfg cfg = {.join_timeout_ms = 400};
+    ctl_server *s = start_server(&h, &cfg);
+    int port = ctl_server_port(s);
+
+    raw_conn quiet[2];
+    for (int i = 0; i < 2; i++) {
+        quiet[i] = raw_open(port, CTL_ATTACH_METHOD);
+        grpc_byte_buffer *challenge = raw_recv(quiet[i].c, quiet[i].cq, true);
+        assert_non_null(challenge);
+        grpc_byte_buffer_destroy(challenge);
+    }
+    ctl_client *c;
+    strata_error err = {0};
+    assert_int_equal(connect_worker(port, "prompt", SECRET, CTL_PROTOCOL_VERSION, &c, &err), STRATA_OK);
+
+    sleep_ms(900);
+    for (int i = 0; i < 2; i++) {
+        raw_result late;
+        raw_finish(&quiet[i], true, &late);
+        assert_int_equal(late.status, GRPC_STATUS_DEADLINE_EXCEEDED);
+        assert_string_equal(late.details, "no Join within 400 ms of opening the control stream");
+    }
+    pthread_mutex_lock(&h.mu);
+    assert_true(WAIT_UNTIL(&h, h.refused == 2, 5000));
+    assert_string_equal(h.refused_why, "no Join within 400 ms of opening the control stream");
+    assert_non_null(strstr(h.refused_peer, "127.0.0.1"));
+    assert_int_equal(h.joins, 1);
+    pthread_mutex_unlock(&h.mu);
+    /* The joined worker was not timed out. */
+    Strata__Internal__V1__CoordinatorMessage *m = recv_one(c);   /* its Assignment */
+    assert_int_equal(m->kind_case, STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ASSIGNMENT);
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+    pthread_mutex_lock(&h.mu);
+    assert_int_equal(h.gones, 0);
+    pthread_mutex_unlock(&h.mu);
+    ctl_client_close(c);
+    ctl_server_shutdown(s);
     h_finish(&h);
 }
 
@@ -1572,6 +1621,7 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_join_accepted),
         cmocka_unit_test(test_join_refusals),
+        cmocka_unit_test(test_join_deadline),
         cmocka_unit_test(test_secret_proofs),
         cmocka_unit_test(test_order_two_peers),
         cmocka_unit_test(test_big_messages),

@@ -38,6 +38,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <grpc/byte_buffer.h>
 #include <grpc/grpc.h>
@@ -77,6 +78,7 @@ struct ctl_peer {
     char name[CTL_MAX_WORKER_NAME + 1]; /* set before on_join, constant after */
     char addr[128];
     uint8_t nonce[PROTO_CONTROL_NONCE_BYTES]; /* this call's Challenge, constant */
+    int64_t opened_ms;                        /* monotonic, constant: the Join is due by + join_timeout_ms */
 
     pthread_mutex_t mu;
     /* Under mu. */
@@ -97,6 +99,7 @@ struct ctl_peer {
     /* Under srv->ps.mu. */
     ctl_peer *prev, *next; /* live list (calls not yet released) */
     ctl_peer *snext;       /* shutdown's private list */
+    ctl_peer *lnext;       /* end_late_joins' private list */
 };
 
 struct ctl_server {
@@ -107,6 +110,7 @@ struct ctl_server {
     size_t secret_len;
     size_t max_bytes;
     uint32_t max_queued;
+    int join_timeout_ms;
 
     /* Under ps.mu. */
     uint32_t live; /* peers whose call is not yet released */
@@ -416,9 +420,10 @@ static void peer_recv_done(proto_tag *t, bool success)
             p->state = PEER_REFUSED;
             addr = s->h.on_refused && p->call ? grpc_call_get_peer(p->call) : NULL;
         }
-        peer_end(p, refuse, why, true, false);
+        /* Not ended already (a late Join that end_late_joins refused has been reported). */
+        const bool ended_now = peer_end(p, refuse, why, true, false);
         pthread_mutex_unlock(&p->mu);
-        if (state == PEER_NEW && s->h.on_refused)
+        if (state == PEER_NEW && ended_now && s->h.on_refused)
             s->h.on_refused(s->h.ctx, addr ? addr : "?", (int)refuse, why);
         gpr_free(addr);
     } else if (p->ended) {
@@ -499,6 +504,50 @@ static void peer_close_done(proto_tag *t, bool success)
     peer_put(p);
 }
 
+static int64_t mono_ms(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
+/* Server tick: streams that sent no Join within join_timeout_ms end with DEADLINE_EXCEEDED.
+ * Collected with a hold each under s->ps.mu, ended without it (on_refused may take the
+ * handler's locks), as shutdown does. */
+static void end_late_joins(void *ctx)
+{
+    ctl_server *s = ctx;
+    const int64_t now = mono_ms();
+    ctl_peer *late = NULL;
+    pthread_mutex_lock(&s->ps.mu);
+    for (ctl_peer *p = s->peers; p; p = p->next) {
+        pthread_mutex_lock(&p->mu);
+        const bool due = p->state == PEER_NEW && !p->ended && !p->released && p->busy > 0 &&
+                         now - p->opened_ms >= s->join_timeout_ms;
+        if (due) {
+            p->busy++;
+            p->lnext = late;
+            late = p;
+        }
+        pthread_mutex_unlock(&p->mu);
+    }
+    pthread_mutex_unlock(&s->ps.mu);
+    char why[96];
+    snprintf(why, sizeof why, "no Join within %d ms of opening the control stream", s->join_timeout_ms);
+    while (late) {
+        ctl_peer *p = late;
+        late = p->lnext;
+        pthread_mutex_lock(&p->mu);
+        const bool ended_here = p->state == PEER_NEW && peer_end(p, GRPC_STATUS_DEADLINE_EXCEEDED, why, true, false);
+        if (ended_here)
+            p->state = PEER_REFUSED;
+        pthread_mutex_unlock(&p->mu);
+        if (ended_here && s->h.on_refused)
+            s->h.on_refused(s->h.ctx, p->addr[0] ? p->addr : "?", GRPC_STATUS_DEADLINE_EXCEEDED, why);
+        peer_put(p);
+    }
+}
+
 /* A new Attach call (server thread). */
 static void accept_call(ctl_server *s, grpc_call *call)
 {
@@ -532,6 +581,8 @@ static void accept_call(ctl_server *s, grpc_call *call)
         snprintf(p->addr, sizeof p->addr, "%s", peer);
         gpr_free(peer);
     }
+
+    p->opened_ms = mono_ms();
 
     pthread_mutex_lock(&s->ps.mu);
     bool refuse = s->ps.shutting_down;
@@ -676,6 +727,7 @@ ctl_server_options ctl_server_options_default(void)
     o.keepalive_time_ms = CTL_DEFAULT_KEEPALIVE_TIME_MS;
     o.keepalive_timeout_ms = CTL_DEFAULT_KEEPALIVE_TIMEOUT_MS;
     o.min_recv_ping_interval_ms = CTL_SERVER_DEFAULT_MIN_RECV_PING_MS;
+    o.join_timeout_ms = CTL_DEFAULT_JOIN_TIMEOUT_MS;
     return o;
 }
 
@@ -718,6 +770,10 @@ int ctl_server_start(const ctl_server_options *o, const ctl_handler *h, ctl_serv
         opt.min_recv_ping_interval_ms = o->min_recv_ping_interval_ms;
     opt.tls_cert_file = o->tls_cert_file;
     opt.tls_key_file = o->tls_key_file;
+    if (o->join_timeout_ms)
+        opt.join_timeout_ms = o->join_timeout_ms;
+    if (opt.join_timeout_ms < 0)
+        return strata_fail(err, STRATA_EINVAL, "join_timeout_ms must not be negative");
     if (!opt.tls_cert_file != !opt.tls_key_file)
         return strata_fail(err, STRATA_EINVAL, "TLS needs both a certificate file and a key file");
     if (!opt.cluster_secret || opt.cluster_secret_len < CTL_SECRET_MIN_BYTES ||
@@ -741,6 +797,7 @@ int ctl_server_start(const ctl_server_options *o, const ctl_handler *h, ctl_serv
     s->h = *h;
     s->max_bytes = opt.max_message_bytes;
     s->max_queued = opt.max_queued_messages;
+    s->join_timeout_ms = opt.join_timeout_ms;
     s->secret = malloc(opt.cluster_secret_len);
     if (!s->secret) {
         server_free(s);
@@ -785,6 +842,9 @@ int ctl_server_start(const ctl_server_options *o, const ctl_handler *h, ctl_serv
     }
     proto_server_start(&s->ps);
     proto_server_add_requests(&s->ps, s->method, false, 0, CTL_REQUESTS, request_done);
+    s->ps.tick = end_late_joins;
+    s->ps.tick_ctx = s;
+    s->ps.tick_ms = s->join_timeout_ms / 4 < 10 ? 10 : s->join_timeout_ms / 4 > 1000 ? 1000 : s->join_timeout_ms / 4;
     if (proto_server_run(&s->ps)) {
         server_free(s);
         return strata_fail(err, STRATA_EIO, "cannot start the control server threads");

@@ -80,6 +80,7 @@
 #define CTL_DEFAULT_KEEPALIVE_TIME_MS 2000
 #define CTL_DEFAULT_KEEPALIVE_TIMEOUT_MS 2000
 #define CTL_SERVER_DEFAULT_MIN_RECV_PING_MS 1000
+#define CTL_DEFAULT_JOIN_TIMEOUT_MS 10000
 /* Bounds of the cluster secret (as strata_internal.proto says). */
 #define CTL_SECRET_MIN_BYTES PROTO_SECRET_MIN_BYTES
 #define CTL_SECRET_MAX_BYTES PROTO_SECRET_MAX_BYTES
@@ -119,6 +120,12 @@ typedef struct ctl_server_options {
      * (ctl_client_options.tls_roots_pem). NULL: plaintext. */
     const char *tls_cert_file;
     const char *tls_key_file;
+    /* A stream must send its Join within join_timeout_ms of opening, else it ends with
+     * DEADLINE_EXCEEDED "no Join within N ms of opening the control stream" (reported to
+     * on_refused): a client without the secret cannot hold a peer for long by opening a stream
+     * and saying nothing. A worker sends its Join as soon as it reads the Challenge.
+     * 0: CTL_DEFAULT_JOIN_TIMEOUT_MS. */
+    int join_timeout_ms;
 } ctl_server_options;
 
 typedef struct ctl_handler {
