@@ -442,7 +442,8 @@ static int parse(int argc, char **argv, const char *prog, bool local, serve_opts
         return EXIT_USAGE;
     }
     /* Local workers dial the --control host (127.0.0.1 for a wildcard): a certificate without it
-     * would make each wait out its connect timeout. Remote workers may dial another name of
+     * would turn every one of them away (each saying why, but serve would only see them go).
+     * Remote workers may dial another name of
      * this host: only a warning then, for a --control that names one address. A file that
      * cannot be read is reported when the control port starts. */
     char host[300];

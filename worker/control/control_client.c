@@ -37,6 +37,7 @@
 #include "proto/grpc_call.h"
 #include "proto/grpc_log.h"
 #include "proto/grpc_util.h"
+#include "proto/tls_probe.h"
 #include "proto/validate.h"
 
 #define CTL_CLIENT_ATTACH_METHOD "/strata.internal.v1.WorkerControl/Attach"
@@ -290,6 +291,26 @@ static int recv_challenge(ctl_client *c, gpr_timespec deadline, const volatile s
     }
 }
 
+/* A handshake made by hand before (and after) gRPC's wait, which would retry until the deadline
+ * what cannot get better: STRATA_EIO naming the reason when the control port answers otherwise
+ * than this client expects (TLS against no TLS, the other way round, a certificate the roots do
+ * not accept), STRATA_OK when it agrees or nothing was learnt (nobody listening yet). */
+static int probe_control_port(const char *addr, const char *roots_pem, int ms, strata_error *err)
+{
+    char why[256];
+    if (proto_tls_probe(addr, roots_pem, ms, why, sizeof why) != PROTO_TLS_PROBE_DIFFERS)
+        return STRATA_OK;
+    if (!roots_pem)
+        return strata_fail(err, STRATA_EIO, "the control port of the coordinator at %s speaks TLS: this worker "
+                           "needs the CA of its certificate (strata-worker --coordinator-ca FILE)", addr);
+    return strata_fail(err, STRATA_EIO, "the TLS handshake with the coordinator at %s failed: %s%s", addr, why,
+                       strstr(why, "hostname mismatch") || strstr(why, "IP address mismatch")
+                           ? " (its certificate does not name the host dialled)"
+                       : strstr(why, "certificate verify failed")
+                           ? " (the CA given did not sign the certificate of its control port)"
+                           : " (its control port has no TLS?)");
+}
+
 int ctl_client_connect_opts(const char *coordinator_addr, const void *secret, size_t secret_len,
                             const Strata__Internal__V1__Join *join, int timeout_ms, const ctl_client_options *o,
                             ctl_client **out, strata_error *err)
@@ -311,6 +332,13 @@ int ctl_client_connect_opts(const char *coordinator_addr, const void *secret, si
         return strata_fail(err, STRATA_EINVAL, "keepalive times must not be negative");
     if (timeout_ms == 0)
         timeout_ms = CTL_CLIENT_DEFAULT_CONNECT_TIMEOUT_MS;
+
+    const gpr_timespec deadline = deadline_ms(timeout_ms);
+    const char *roots = o ? o->tls_roots_pem : NULL;
+    int rc = probe_control_port(coordinator_addr, roots,
+                                timeout_ms > 0 && timeout_ms < CTL_CLIENT_PROBE_MS ? timeout_ms : CTL_CLIENT_PROBE_MS, err);
+    if (rc != STRATA_OK)
+        return rc;
 
     proto_grpc_init();
     ctl_client *c = calloc(1, sizeof *c);
@@ -376,11 +404,9 @@ int ctl_client_connect_opts(const char *coordinator_addr, const void *secret, si
         return strata_fail(err, STRATA_EIO, "cannot start the control call: %s", grpc_call_error_to_string(e));
     }
     const volatile sig_atomic_t *cancel = o ? o->cancel : NULL;
-    const gpr_timespec deadline = deadline_ms(timeout_ms);
     bool cancelled;
     grpc_event ev = pluck_cancellable(c, &c->tag_send, deadline, cancel, &cancelled);
     Strata__Internal__V1__CoordinatorMessage *challenge = NULL;
-    int rc = STRATA_OK;
     if (ev.type == GRPC_OP_COMPLETE && ev.success)
         rc = recv_challenge(c, deadline, cancel, &cancelled, &challenge, err);
     if (ev.type == GRPC_QUEUE_TIMEOUT || (rc == STRATA_OK && ev.success && !challenge)) {
@@ -401,16 +427,16 @@ int ctl_client_connect_opts(const char *coordinator_addr, const void *secret, si
                                : strstr(why, "certificate verify failed")
                                    ? " (the CA given did not sign the certificate of its control port)"
                                    : "");
+        /* A coordinator that came up during the wait, answering otherwise than expected. */
+        if (!reached && probe_control_port(coordinator_addr, roots, CTL_CLIENT_PROBE_MS, err) != STRATA_OK)
+            return STRATA_EIO;
         if (reached)
             return strata_fail(err, STRATA_EIO, "the coordinator at %s sent no Challenge within %d ms (a "
                                "coordinator of control protocol version 2 or older sends none; this worker "
                                "speaks %u)", coordinator_addr, timeout_ms, CTL_CLIENT_PROTOCOL_VERSION);
         return strata_fail(err, STRATA_EIO, "cannot reach the coordinator at %s within %d ms%s", coordinator_addr,
                            timeout_ms,
-                           tls ? " over TLS (nothing listening there, or a certificate that does not name the host "
-                                 "dialled, which gRPC tells only with GRPC_VERBOSITY=DEBUG: 'Peer name ... is not in "
-                                 "peer certificate')"
-                               : " (a control port with TLS fails so too: give the worker its CA)");
+                           " (nothing listening there, or no answer)");
     }
     if (!ev.success || rc != STRATA_OK) {
         if (!ev.success)

@@ -40,6 +40,9 @@
 #define CTL_CLIENT_DEFAULT_KEEPALIVE_TIME_MS 2000
 #define CTL_CLIENT_DEFAULT_KEEPALIVE_TIMEOUT_MS 2000
 #define CTL_CLIENT_DEFAULT_CONNECT_TIMEOUT_MS 10000
+/* The longest a handshake made by hand with the control port may take: before gRPC's wait, and
+ * after it when it timed out (see ctl_client_connect). */
+#define CTL_CLIENT_PROBE_MS 2000
 #define CTL_CLIENT_CANCEL_POLL_MS 100
 /* ctl_client_close waits this long for the coordinator's status after half-closing. */
 #define CTL_CLIENT_CLOSE_GRACE_MS 1000
@@ -78,7 +81,12 @@ typedef struct ctl_client_options {
  * call with STRATA_EIO ("... did not prove that it holds the cluster secret ..."). Fails with
  * STRATA_EINVAL (NULL arguments, a secret of the wrong length, join rejected by protobuf-c or too
  * large), STRATA_EIO ("cannot reach the coordinator at ADDR within N ms", no Challenge first, or
- * the stream ended during connect). Calls grpc_init (undone by ctl_client_close). */
+ * the stream ended during connect). Before gRPC's wait (and after it, when it ran out), one TLS
+ * handshake made by hand (proto/tls_probe.h, up to CTL_CLIENT_PROBE_MS) fails the connect at once
+ * with the reason when the port answers otherwise than gRPC would need: a certificate the roots
+ * do not accept or that does not name the host dialled, a port without TLS for a TLS client, a
+ * TLS port for a plaintext one (gRPC itself would retry these until the deadline). Calls
+ * grpc_init (undone by ctl_client_close). */
 int ctl_client_connect(const char *coordinator_addr, const void *secret, size_t secret_len,
                        const Strata__Internal__V1__Join *join, int timeout_ms, ctl_client **out, strata_error *err);
 
