@@ -673,7 +673,7 @@ if /usr/bin/python3 -c 'import yaml' 2>/dev/null; then
 import json, sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
 kinds = sorted(d["kind"] for d in docs)
-want = sorted(["Secret", "ConfigMap", "Deployment", "Service", "Service", "StatefulSet", "NetworkPolicy", "NetworkPolicy"])
+want = sorted(["Secret", "Secret", "ConfigMap", "Deployment", "Service", "Service", "StatefulSet", "NetworkPolicy", "NetworkPolicy"])
 errors = []
 if kinds != want:
     errors.append(f"kinds {kinds}, expected {want}")
@@ -707,6 +707,33 @@ for c, spec in ((coord, by[("Deployment", "strata-coordinator")]["spec"]["templa
     vols = {v["name"]: v for v in spec["volumes"]}
     if not vol or vols[vol].get("secret", {}).get("secretName") != "strata-cluster-secret":
         errors.append(f"{c['name']}: {arg} is not on the cluster secret's volume")
+# Control TLS: the coordinator's pair and the workers' CA come from one Secret, the workers
+# seeing its certificate only; the placeholders are no PEM.
+tls = by[("Secret", "strata-control-tls")]
+if tls.get("type") != "kubernetes.io/tls" or any("BEGIN" in v for v in tls["stringData"].values()):
+    errors.append("the control TLS Secret is not a kubernetes.io/tls placeholder")
+def on_volume(c, spec, flag, keys):
+    arg = next((a for a in c["args"] if a.startswith(flag + "=")), None)
+    if not arg:
+        return f"{c['name']} has no {flag}"
+    path = arg.split("=", 1)[1]
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    vol = {v["name"]: v for v in spec["volumes"]}.get(mounts.get(path.rsplit("/", 1)[0]), {})
+    sec = vol.get("secret", {})
+    files = {i["path"]: i["key"] for i in sec.get("items", [])} or {k: k for k in ("tls.crt", "tls.key")}
+    if sec.get("secretName") != "strata-control-tls" or files.get(path.rsplit("/", 1)[1]) not in keys:
+        return f"{c['name']}: {arg} is not a file of the control TLS Secret"
+    if c is w and set(files.values()) != {"tls.crt"}:
+        return "workers see more of the control TLS Secret than its certificate"
+    return None
+cspec = by[("Deployment", "strata-coordinator")]["spec"]["template"]["spec"]
+for c, spec, flag, keys in ((coord, cspec, "--control-tls-cert", {"tls.crt"}), (coord, cspec, "--control-tls-key", {"tls.key"}),
+                            (w, sts["template"]["spec"], "--coordinator-ca", {"tls.crt"})):
+    e = on_volume(c, spec, flag, keys)
+    if e:
+        errors.append(e)
+if not any(a == "--coordinator=strata-coordinator:50052" for a in w["args"]):
+    errors.append("workers do not dial strata-coordinator:50052, the name the certificate is made for")
 cfg = json.loads(by[("ConfigMap", "strata-coordinator-config")]["data"]["coordinator.json"])
 for tier in ("device", "host", "nvme"):
     offer = next((int(a.split("=")[1]) for a in w["args"] if a.startswith(f"--{tier}-kv-mib=")), 0)
