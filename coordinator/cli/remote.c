@@ -20,6 +20,7 @@
 #include "proto/grpc_log.h"
 #include "proto/grpc_util.h"
 #include "proto/tls_files.h"
+#include "proto/tls_probe.h"
 #include "proto/validate.h"
 #include "proto/strata.pb-c.h"
 
@@ -114,6 +115,18 @@ static bool conn_open(remote_conn *c, const char *cmd, const char *server, const
         c->n_md = 1;
     }
     return true;
+}
+
+/* What to add to an UNAVAILABLE status when the cause is TLS on one side only: gRPC says only
+ * "Socket closed" for a plaintext client at a TLS port. A handshake of our own tells. */
+static const char *tls_hint(const char *server, const char *tls_ca, grpc_status_code status)
+{
+    if (status != GRPC_STATUS_UNAVAILABLE || tls_ca)
+        return "";
+    char why[64];
+    return proto_tls_probe(server, NULL, 2000, why, sizeof why) == PROTO_TLS_PROBE_DIFFERS
+               ? " (the server speaks TLS: give --tls-ca with the CA of its certificate)"
+               : "";
 }
 
 static void conn_close(remote_conn *c)
@@ -250,8 +263,9 @@ int cli_remote_generate(const remote_request *r)
         op.data.recv_status_on_client.status_details = &details;
         if (run_batch(call, cq, &op, 1, &tag_status) && status != GRPC_STATUS_OK) {
             char *msg = grpc_slice_to_c_string(details);
-            fprintf(stderr, "%sstrata generate: %s: %s: %s\n", n_tokens ? "\n" : "", r->server,
-                    proto_grpc_status_name((int)status), msg && *msg ? msg : "(no message)");
+            fprintf(stderr, "%sstrata generate: %s: %s: %s%s\n", n_tokens ? "\n" : "", r->server,
+                    proto_grpc_status_name((int)status), msg && *msg ? msg : "(no message)",
+                    tls_hint(r->server, r->tls_ca, status));
             gpr_free(msg);
             exit_code = EXIT_RUNTIME;
         } else if (status == GRPC_STATUS_OK && !got_end) {
@@ -348,8 +362,8 @@ int cli_remote_drain(const remote_drain *r)
         grpc_status_code st = unary(&conn, "/strata.v1.Strata/DrainWorker", &req.base,
                                     &strata__v1__drain_worker_response__descriptor, (ProtobufCMessage **)&resp, &details);
         if (st != GRPC_STATUS_OK) {
-            fprintf(stderr, "strata drain: %s: %s: %s\n", r->server, proto_grpc_status_name((int)st),
-                    details && *details ? details : "(no message)");
+            fprintf(stderr, "strata drain: %s: %s: %s%s\n", r->server, proto_grpc_status_name((int)st),
+                    details && *details ? details : "(no message)", tls_hint(r->server, r->tls_ca, st));
             gpr_free(details);
             break;
         }

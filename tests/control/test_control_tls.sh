@@ -86,6 +86,10 @@ with socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=10) as ra
         assert s.selected_alpn_protocol() == "h2", s.selected_alpn_protocol()
         assert s.getpeercert()["subject"] == ((("commonName", "localhost"),),), s.getpeercert()
 PY
+    # A plaintext client at a TLS port: gRPC says only "Socket closed"; strata generate's own
+    # handshake with the port adds why.
+    expect 1 "Socket closed (the server speaks TLS: give --tls-ca with the CA of its certificate)" \
+      "$strata" generate --server "127.0.0.1:$ctl_port" --prompt hi
   fi
 fi
 kill "$server" 2>/dev/null
