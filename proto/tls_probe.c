@@ -19,6 +19,8 @@
 #include <openssl/ssl.h>
 #include <openssl/x509v3.h>
 
+#include "kvstore/hostport.h"
+
 static int64_t now_ms(void)
 {
     struct timespec t;
@@ -40,32 +42,6 @@ static int wait_until(int fd, short events, int64_t deadline)
         if (r < 0 && errno != EINTR)
             return 0;
     }
-}
-
-/* "host:port" or "[v6]:port" into host and port; false when it is neither. */
-static bool split(const char *hp, char *host, size_t hcap, char *port, size_t pcap)
-{
-    const char *colon, *h = hp;
-    size_t hlen;
-    if (hp[0] == '[') {
-        const char *close = strchr(hp, ']');
-        if (!close || close[1] != ':')
-            return false;
-        h = hp + 1;
-        hlen = (size_t)(close - h);
-        colon = close + 1;
-    } else {
-        colon = strrchr(hp, ':');
-        if (!colon || strchr(hp, ':') != colon)
-            return false;
-        hlen = (size_t)(colon - hp);
-    }
-    if (hlen == 0 || hlen >= hcap || !colon[1] || strlen(colon + 1) >= pcap)
-        return false;
-    memcpy(host, h, hlen);
-    host[hlen] = '\0';
-    snprintf(port, pcap, "%s", colon + 1);
-    return true;
 }
 
 /* A connected non-blocking socket to host:port within deadline, or -1. */
@@ -136,8 +112,10 @@ int proto_tls_probe(const char *host_port, const char *roots_pem, int timeout_ms
     if (cap)
         why[0] = '\0';
     char host[256], port[16];
-    if (!host_port || !split(host_port, host, sizeof host, port, sizeof port))
+    int port_number = 0;
+    if (strata_split_host_port(host_port, host, sizeof host, &port_number))
         return PROTO_TLS_PROBE_UNKNOWN;
+    snprintf(port, sizeof port, "%d", port_number);
     const int64_t deadline = now_ms() + (timeout_ms > 0 ? timeout_ms : 1);
     int fd = connect_by(host, port, deadline);
     if (fd < 0)

@@ -1,12 +1,14 @@
-/* kvstore/numarg.h: what every program's numeric flags accept and refuse. */
+/* kvstore/numarg.h and kvstore/hostport.h: what every program's numeric flags and TCP addresses accept and refuse. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 
 #include <cmocka.h>
 
+#include "kvstore/hostport.h"
 #include "kvstore/numarg.h"
 
 static void test_integers(void **state)
@@ -62,6 +64,29 @@ static void test_addresses(void **state)
             fail_msg("'%s' accepted", bad[i]);
 }
 
+static void test_split_host_port(void **state)
+{
+    (void)state;
+    char host[16];
+    int port = -1;
+    assert_null(strata_split_host_port("10.0.0.2:7100", host, sizeof host, &port));
+    assert_string_equal(host, "10.0.0.2");
+    assert_int_equal(port, 7100);
+    assert_null(strata_split_host_port("[::1]:0", host, sizeof host, &port));
+    assert_string_equal(host, "::1");
+    assert_int_equal(port, 0);
+    assert_null(strata_split_host_port("localhost:65535", host, sizeof host, &port));
+    assert_int_equal(port, 65535);
+    assert_string_equal(strata_split_host_port("::1:4000", host, sizeof host, &port),
+                        "expected host:port, IPv6 as [addr]:port");
+    assert_string_equal(strata_split_host_port("[::1]4000", host, sizeof host, &port), "expected [v6addr]:port");
+    const char *bad[] = {"localhost", "", ":80", "h:", "h:70000", "h:-1", "h:8x", "[]:80"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        assert_non_null(strata_split_host_port(bad[i], host, sizeof host, &port));
+    assert_non_null(strata_split_host_port(NULL, host, sizeof host, &port));
+    assert_string_equal(strata_split_host_port("a-very-long-host-name:1", host, sizeof host, &port), "host name too long");
+}
+
 static void test_doubles(void **state)
 {
     (void)state;
@@ -85,6 +110,7 @@ int main(void)
         cmocka_unit_test(test_u64),
         cmocka_unit_test(test_doubles),
         cmocka_unit_test(test_addresses),
+        cmocka_unit_test(test_split_host_port),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

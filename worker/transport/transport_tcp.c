@@ -25,6 +25,7 @@
 
 #include "kvstore/bytes.h"
 #include "kvstore/crc32c.h"
+#include "kvstore/hostport.h"
 #include "kvstore/random.h"
 #include "worker/transport/transport.h"
 #include "worker/transport/transport_impl.h"
@@ -38,48 +39,14 @@ struct dp_listener {
 
 /* ---- addresses ---- */
 
-/* Splits "host:port" / "[v6]:port" into host and port strings. */
-static int split_host_port(const char *hp, char *host, size_t hcap, char *port, size_t pcap,
-                           strata_error *err)
-{
-    if (!hp || !*hp)
-        return strata_fail(err, STRATA_EINVAL, "data plane: empty address (expected host:port)");
-    const char *h = hp, *colon;
-    size_t hlen;
-    if (hp[0] == '[') {
-        const char *close = strchr(hp, ']');
-        if (!close || close[1] != ':')
-            return strata_fail(err, STRATA_EINVAL, "data plane: bad address '%s' (expected [v6addr]:port)", hp);
-        h = hp + 1;
-        hlen = (size_t)(close - h);
-        colon = close + 1;
-    } else {
-        colon = strrchr(hp, ':');
-        if (!colon || strchr(hp, ':') != colon)
-            return strata_fail(err, STRATA_EINVAL,
-                               "data plane: bad address '%s' (expected host:port, IPv6 as [addr]:port)", hp);
-        hlen = (size_t)(colon - hp);
-    }
-    const char *p = colon + 1;
-    char *end = NULL;
-    errno = 0;
-    long v = strtol(p, &end, 10);
-    if (hlen == 0 || !*p || *end || errno || v < 0 || v > 65535)
-        return strata_fail(err, STRATA_EINVAL, "data plane: bad address '%s' (host and port 0-65535 needed)", hp);
-    if (hlen >= hcap)
-        return strata_fail(err, STRATA_EINVAL, "data plane: host name too long in '%s'", hp);
-    memcpy(host, h, hlen);
-    host[hlen] = '\0';
-    snprintf(port, pcap, "%ld", v);
-    return STRATA_OK;
-}
-
 static int resolve(const char *hp, int passive, struct addrinfo **res, strata_error *err)
 {
     char host[256], port[16];
-    int rc = split_host_port(hp, host, sizeof host, port, sizeof port, err);
-    if (rc != STRATA_OK)
-        return rc;
+    int port_number = 0;
+    const char *bad = strata_split_host_port(hp, host, sizeof host, &port_number);
+    if (bad)
+        return strata_fail(err, STRATA_EINVAL, "data plane: bad address '%s' (%s)", hp ? hp : "", bad);
+    snprintf(port, sizeof port, "%d", port_number);
     struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
                              .ai_flags = passive ? AI_PASSIVE : 0};
     int g = getaddrinfo(host, port, &hints, res);
