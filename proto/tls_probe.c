@@ -6,6 +6,8 @@
 #include <errno.h>
 #include <netdb.h>
 #include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -107,7 +109,30 @@ static SSL_CTX *make_ctx(const char *roots_pem)
     return ctx;
 }
 
+static int probe(const char *host_port, const char *roots_pem, int timeout_ms, char *why, size_t cap);
+
+/* OpenSSL writes with write(): a peer that closed first would raise SIGPIPE, which kills a
+ * program that did not ignore it. Blocked here for this thread, and one it raised is taken. */
 int proto_tls_probe(const char *host_port, const char *roots_pem, int timeout_ms, char *why, size_t cap)
+{
+    sigset_t pipe_only, old, pending;
+    sigemptyset(&pipe_only);
+    sigaddset(&pipe_only, SIGPIPE);
+    sigemptyset(&pending);
+    const bool was_pending = sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE) == 1;
+    const bool masked = pthread_sigmask(SIG_BLOCK, &pipe_only, &old) == 0;
+    int result = probe(host_port, roots_pem, timeout_ms, why, cap);
+    if (masked) {
+        if (!was_pending && sigpending(&pending) == 0 && sigismember(&pending, SIGPIPE) == 1) {
+            const struct timespec now = {0, 0};
+            sigtimedwait(&pipe_only, NULL, &now);
+        }
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+    }
+    return result;
+}
+
+static int probe(const char *host_port, const char *roots_pem, int timeout_ms, char *why, size_t cap)
 {
     if (cap)
         why[0] = '\0';

@@ -1,4 +1,5 @@
-/* kvstore/numarg.h and kvstore/hostport.h: what every program's numeric flags and TCP addresses accept and refuse. */
+/* kvstore/numarg.h and kvstore/hostport.h: what every program's numeric flags and TCP addresses
+ * accept and refuse. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>

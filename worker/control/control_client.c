@@ -434,9 +434,8 @@ int ctl_client_connect_opts(const char *coordinator_addr, const void *secret, si
             return strata_fail(err, STRATA_EIO, "the coordinator at %s sent no Challenge within %d ms (a "
                                "coordinator of control protocol version 2 or older sends none; this worker "
                                "speaks %u)", coordinator_addr, timeout_ms, CTL_CLIENT_PROTOCOL_VERSION);
-        return strata_fail(err, STRATA_EIO, "cannot reach the coordinator at %s within %d ms%s", coordinator_addr,
-                           timeout_ms,
-                           " (nothing listening there, or no answer)");
+        return strata_fail(err, STRATA_EIO, "cannot reach the coordinator at %s within %d ms (nothing listening "
+                           "there, or no answer)", coordinator_addr, timeout_ms);
     }
     if (!ev.success || rc != STRATA_OK) {
         if (!ev.success)

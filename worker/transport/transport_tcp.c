@@ -297,7 +297,7 @@ static int sealed_write(dp_link *link, const uint8_t *a, size_t na, const uint8_
         size_t n = total - *sent < DP_RECORD_MAX ? total - *sent : DP_RECORD_MAX;
         size_t from_a = *sent < na ? (na - *sent < n ? na - *sent : n) : 0;
         const uint8_t *pa = from_a ? a + *sent : NULL;
-        const uint8_t *pb = b ? b + (*sent + from_a - na) : NULL;
+        const uint8_t *pb = n > from_a ? b + (*sent + from_a - na) : NULL;
         if (dp_seal_record(t->seal, pa, from_a, pb, n - from_a, t->out, err) != STRATA_OK)
             return IO_SEAL_FAILED;
         size_t wdone = 0;
