@@ -118,11 +118,15 @@ static bool conn_open(remote_conn *c, const char *cmd, const char *server, const
 }
 
 /* What to add to an UNAVAILABLE status when the cause is TLS on one side only: gRPC says only
- * "Socket closed" for a plaintext client at a TLS port. A handshake of our own tells. */
-static const char *tls_hint(const char *server, const char *tls_ca, grpc_status_code status)
+ * "Socket closed" for a plaintext client at a TLS port (a handshake of our own tells), and
+ * OpenSSL's "wrong version number" for a TLS client at a plaintext one. */
+static const char *tls_hint(const char *server, const char *tls_ca, grpc_status_code status, const char *details)
 {
-    if (status != GRPC_STATUS_UNAVAILABLE || tls_ca)
+    if (status != GRPC_STATUS_UNAVAILABLE)
         return "";
+    if (tls_ca)
+        return details && strstr(details, "wrong version number") ? " (the server has no TLS? then without --tls-ca)"
+                                                                  : "";
     char why[64];
     return proto_tls_probe(server, NULL, 2000, why, sizeof why) == PROTO_TLS_PROBE_DIFFERS
                ? " (the server speaks TLS: give --tls-ca with the CA of its certificate)"
@@ -265,7 +269,7 @@ int cli_remote_generate(const remote_request *r)
             char *msg = grpc_slice_to_c_string(details);
             fprintf(stderr, "%sstrata generate: %s: %s: %s%s\n", n_tokens ? "\n" : "", r->server,
                     proto_grpc_status_name((int)status), msg && *msg ? msg : "(no message)",
-                    tls_hint(r->server, r->tls_ca, status));
+                    tls_hint(r->server, r->tls_ca, status, msg));
             gpr_free(msg);
             exit_code = EXIT_RUNTIME;
         } else if (status == GRPC_STATUS_OK && !got_end) {
@@ -363,7 +367,7 @@ int cli_remote_drain(const remote_drain *r)
                                     &strata__v1__drain_worker_response__descriptor, (ProtobufCMessage **)&resp, &details);
         if (st != GRPC_STATUS_OK) {
             fprintf(stderr, "strata drain: %s: %s: %s%s\n", r->server, proto_grpc_status_name((int)st),
-                    details && *details ? details : "(no message)", tls_hint(r->server, r->tls_ca, st));
+                    details && *details ? details : "(no message)", tls_hint(r->server, r->tls_ca, st, details));
             gpr_free(details);
             break;
         }

@@ -185,6 +185,9 @@ else
     --secret-file "$tmp/secret" --connect-timeout-ms 30000 --coordinator-ca "$tmp/ctl.pem"
   ((SECONDS < 15)) || fail "a TLS worker at a plaintext port waited $SECONDS s"
   grep -q "joined" "$tmp/plain.log" && fail "a TLS worker joined a plaintext port"
+  # strata generate with --tls-ca at a plaintext port: OpenSSL's reason, and what to do.
+  expect 1 "wrong version number (the server has no TLS? then without --tls-ca)" \
+    "$strata" generate --server "127.0.0.1:$pport" --tls-ca "$tmp/ctl.pem" --prompt hi
 fi
 kill "$coord" 2>/dev/null
 wait "$coord"
