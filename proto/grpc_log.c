@@ -5,6 +5,7 @@
 #include <grpc/grpc.h>
 #include <grpc/support/log.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
@@ -23,10 +24,10 @@ static char tls_reason[256];
 
 /* "Handshake failed with fatal error SSL_ERROR_SSL: error:0A000086:SSL routines::certificate
  * verify failed.": a protocol-level failure (an I/O one is SSL_ERROR_SYSCALL and may pass). */
-static void note_tls_failure(const char *msg)
+static bool note_tls_failure(const char *msg)
 {
     if (!strstr(msg, "Handshake failed") || !strstr(msg, "SSL_ERROR_SSL"))
-        return;
+        return false;
     const char *why = msg, *p;
     while ((p = strstr(why, "::")) != NULL)
         why = p + 2;
@@ -37,7 +38,12 @@ static void note_tls_failure(const char *msg)
     tls_failures++;
     snprintf(tls_reason, sizeof tls_reason, "%.*s", (int)len, why);
     pthread_mutex_unlock(&tls_mu);
+    return true;
 }
+
+static atomic_bool quiet_tls;
+
+void proto_grpc_log_quiet_tls(bool quiet) { atomic_store(&quiet_tls, quiet); }
 
 uint64_t proto_grpc_tls_failures(char *reason, size_t n)
 {
@@ -71,7 +77,8 @@ static void without_times(const char *line, char *out, size_t cap)
 static void sink(gpr_log_func_args *a)
 {
     const char *msg = a->message ? a->message : "";
-    note_tls_failure(msg);
+    if (note_tls_failure(msg) && atomic_load(&quiet_tls))
+        return;
     const bool assertion = strncmp(msg, "assertion failed", 16) == 0;
     if (capture.on && a->severity == GPR_LOG_SEVERITY_ERROR && !assertion) {
         if (!capture.first[0])

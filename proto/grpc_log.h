@@ -5,6 +5,7 @@
 #ifndef STRATA_PROTO_GRPC_LOG_H
 #define STRATA_PROTO_GRPC_LOG_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -30,6 +31,10 @@ void proto_grpc_log_capture_end(char *reason, size_t n);
  * gRPC retries such a connection until the caller's deadline; a caller that compares the count
  * before and after can give up at once, with the reason. */
 uint64_t proto_grpc_tls_failures(char *reason, size_t n);
+
+/* Process-wide: whether those TLS handshake failures are counted only, not printed (for a
+ * program whose calls' statuses already carry the reason, as strata generate --server's do). */
+void proto_grpc_log_quiet_tls(bool quiet);
 
 /* The innermost reason in one of gRPC's error texts: "bind: Address already in use" for a
  * socket error (its syscall and os_error), else the message of the deepest child record

@@ -99,6 +99,7 @@ static bool conn_open(remote_conn *c, const char *cmd, const char *server, const
         return false;
     }
     proto_grpc_init();
+    proto_grpc_log_quiet_tls(true);   /* a failed call's status carries the handshake's reason */
     grpc_channel_credentials *creds = pem ? grpc_ssl_credentials_create(pem, NULL, NULL, NULL)
                                           : grpc_insecure_credentials_create();
     grpc_arg arg = proto_int_arg(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, (int)MAX_RESPONSE_BYTES);

@@ -188,6 +188,8 @@ else
   # strata generate with --tls-ca at a plaintext port: OpenSSL's reason, and what to do.
   expect 1 "wrong version number (the server has no TLS? then without --tls-ca)" \
     "$strata" generate --server "127.0.0.1:$pport" --tls-ca "$tmp/ctl.pem" --prompt hi
+  # Said once: gRPC's own log line of the handshake is not printed beside the status.
+  [ "$(grep -c "wrong version number" "$tmp/err")" = 1 ] || fail "the reason is said more than once: $(cat "$tmp/err")"
 fi
 kill "$coord" 2>/dev/null
 wait "$coord"
