@@ -308,6 +308,18 @@ static void test_two_step_and_small_buffers(void **state)
     dp_link_close(server);
 }
 
+/* Both ends of a try_pair refused the link with STRATA_EINVAL, each with its message. */
+static void refused_both(const accept_job *server, int client_rc, const dp_link *client, const strata_error *cerr,
+                         const char *server_msg, const char *client_msg)
+{
+    assert_int_equal(server->rc, STRATA_EINVAL);
+    assert_int_equal(client_rc, STRATA_EINVAL);
+    assert_null(server->link);
+    assert_null(client);
+    assert_contains(server->err.msg, server_msg);
+    assert_contains(cerr->msg, client_msg);
+}
+
 static void test_authentication(void **state)
 {
     (void)state;
@@ -320,12 +332,7 @@ static void test_authentication(void **state)
     int crc;
     /* Wrong secret: both sides refuse. */
     try_pair(l, addr, &auth_a, NULL, &auth_b, NULL, &s, &crc, &client, &cerr);
-    assert_int_equal(s.rc, STRATA_EINVAL);
-    assert_int_equal(crc, STRATA_EINVAL);
-    assert_null(s.link);
-    assert_null(client);
-    assert_contains(s.err.msg, "failed authentication");
-    assert_contains(cerr.msg, "failed authentication");
+    refused_both(&s, crc, client, &cerr, "failed authentication", "failed authentication");
     assert_contains(cerr.msg, "127.0.0.1:");
     /* The listener is still usable: the right secret gets through. */
     try_pair(l, addr, &auth_a, NULL, &auth_a, NULL, &s, &crc, &client, &cerr);
@@ -339,12 +346,8 @@ static void test_authentication(void **state)
      * connects. */
     const dp_options rows = {.purpose = DP_PURPOSE_ROWS}, migration = {.purpose = DP_PURPOSE_MIGRATION};
     try_pair(l, addr, &auth_a, &rows, &auth_a, &migration, &s, &crc, &client, &cerr);
-    assert_int_equal(s.rc, STRATA_EINVAL);
-    assert_int_equal(crc, STRATA_EINVAL);
-    assert_null(s.link);
-    assert_null(client);
-    assert_contains(s.err.msg, "connected for a migration, this side waits for a pipeline link");
-    assert_contains(cerr.msg, "connected for a pipeline link, this side asked for a migration");
+    refused_both(&s, crc, client, &cerr, "connected for a migration, this side waits for a pipeline link",
+                 "connected for a pipeline link, this side asked for a migration");
     const dp_options *fits[][2] = {{&rows, &rows}, {&migration, &migration}, {&rows, NULL}, {NULL, &migration}};
     for (size_t i = 0; i < sizeof fits / sizeof fits[0]; i++) {
         try_pair(l, addr, &auth_a, fits[i][0], &auth_a, fits[i][1], &s, &crc, &client, &cerr);
