@@ -295,6 +295,18 @@ static int recv_challenge(ctl_client *c, gpr_timespec deadline, const volatile s
  * what cannot get better: STRATA_EIO naming the reason when the control port answers otherwise
  * than this client expects (TLS against no TLS, the other way round, a certificate the roots do
  * not accept), STRATA_OK when it agrees or nothing was learnt (nobody listening yet). */
+/* A TLS handshake with the control port failed for good, why being OpenSSL's reason (from our
+ * own handshake or from gRPC's log line): the message, with what it likely means. */
+static int handshake_failed(const char *addr, const char *why, strata_error *err)
+{
+    return strata_fail(err, STRATA_EIO, "the TLS handshake with the coordinator at %s failed: %s%s", addr, why,
+                       strstr(why, "hostname mismatch") || strstr(why, "IP address mismatch")
+                           ? " (its certificate does not name the host dialled)"
+                       : strstr(why, "certificate verify failed")
+                           ? " (the CA given did not sign the certificate of its control port)"
+                           : " (its control port has no TLS?)");
+}
+
 static int probe_control_port(const char *addr, const char *roots_pem, int ms, strata_error *err)
 {
     char why[256];
@@ -303,12 +315,7 @@ static int probe_control_port(const char *addr, const char *roots_pem, int ms, s
     if (!roots_pem)
         return strata_fail(err, STRATA_EIO, "the control port of the coordinator at %s speaks TLS: this worker "
                            "needs the CA of its certificate (strata-worker --coordinator-ca FILE)", addr);
-    return strata_fail(err, STRATA_EIO, "the TLS handshake with the coordinator at %s failed: %s%s", addr, why,
-                       strstr(why, "hostname mismatch") || strstr(why, "IP address mismatch")
-                           ? " (its certificate does not name the host dialled)"
-                       : strstr(why, "certificate verify failed")
-                           ? " (the CA given did not sign the certificate of its control port)"
-                           : " (its control port has no TLS?)");
+    return handshake_failed(addr, why, err);
 }
 
 int ctl_client_connect_opts(const char *coordinator_addr, const void *secret, size_t secret_len,
@@ -421,12 +428,7 @@ int ctl_client_connect_opts(const char *coordinator_addr, const void *secret, si
         if (cancelled)
             return strata_fail(err, STRATA_EIO, "stopped while reaching the coordinator at %s", coordinator_addr);
         if (handshake)
-            return strata_fail(err, STRATA_EIO, "the TLS handshake with the coordinator at %s failed: %s%s",
-                               coordinator_addr, why,
-                               strstr(why, "wrong version number") ? " (its control port has no TLS?)"
-                               : strstr(why, "certificate verify failed")
-                                   ? " (the CA given did not sign the certificate of its control port)"
-                                   : "");
+            return handshake_failed(coordinator_addr, why, err);
         /* A coordinator that came up during the wait, answering otherwise than expected. */
         if (!reached && probe_control_port(coordinator_addr, roots, CTL_CLIENT_PROBE_MS, err) != STRATA_OK)
             return STRATA_EIO;
