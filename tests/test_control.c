@@ -23,7 +23,9 @@
 #include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
+#include <netinet/in.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -248,6 +250,8 @@ typedef struct srv_cfg {
     uint32_t max_queued;
     size_t max_bytes;
     int join_timeout_ms;
+    uint32_t max_waiting_per_host;
+    const char *listen_addr;   /* NULL: 127.0.0.1:0 */
 } srv_cfg;
 
 static ctl_server *start_server(hstate *h, const srv_cfg *cfg)
@@ -263,6 +267,9 @@ static ctl_server *start_server(hstate *h, const srv_cfg *cfg)
         o.max_queued_messages = cfg->max_queued;
         o.max_message_bytes = cfg->max_bytes;
         o.join_timeout_ms = cfg->join_timeout_ms;
+        o.max_waiting_per_host = cfg->max_waiting_per_host;
+        if (cfg->listen_addr)
+            o.listen_addr = cfg->listen_addr;
     }
     ctl_handler hd = {.ctx = h, .on_join = on_join, .on_message = on_message, .on_gone = on_gone,
                       .on_refused = on_refused};
@@ -391,10 +398,11 @@ typedef struct raw_conn {
     grpc_call *c;
 } raw_conn;
 
-static raw_conn raw_open(int port, const char *method)
+/* A call to method at host:port (host "127.0.0.1", "[::1]"), its initial metadata sent. */
+static raw_conn raw_open_at(const char *host, int port, const char *method)
 {
     char addr[64];
-    snprintf(addr, sizeof addr, "127.0.0.1:%d", port);
+    snprintf(addr, sizeof addr, "%s:%d", host, port);
     raw_conn k;
     grpc_channel_credentials *creds = grpc_insecure_credentials_create();
     k.ch = grpc_channel_create(addr, creds, NULL);
@@ -410,6 +418,11 @@ static raw_conn raw_open(int port, const char *method)
     assert_int_equal(grpc_call_start_batch(k.c, &op, 1, (void *)1, NULL), GRPC_CALL_OK);
     grpc_completion_queue_pluck(k.cq, (void *)1, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
     return k;
+}
+
+static raw_conn raw_open(int port, const char *method)
+{
+    return raw_open_at("127.0.0.1", port, method);
 }
 
 /* Sends bb (taken) as one message. */
@@ -839,6 +852,91 @@ static void test_join_deadline(void **state)
     protobuf_c_message_free_unpacked(&m->base, NULL);
     pthread_mutex_lock(&h.mu);
     assert_int_equal(h.gones, 0);
+    pthread_mutex_unlock(&h.mu);
+    ctl_client_close(c);
+    ctl_server_shutdown(s);
+    h_finish(&h);
+}
+
+/* A raw Attach at host:port that reads the Challenge and then says nothing. */
+static raw_conn quiet_stream(const char *host, int port)
+{
+    raw_conn k = raw_open_at(host, port, CTL_ATTACH_METHOD);
+    grpc_byte_buffer *challenge = raw_recv(k.c, k.cq, true);
+    assert_non_null(challenge);
+    grpc_byte_buffer_destroy(challenge);
+    return k;
+}
+
+static bool ipv6_loopback(void)
+{
+    int fd = socket(AF_INET6, SOCK_STREAM, 0);
+    if (fd < 0)
+        return false;
+    struct sockaddr_in6 a = {.sin6_family = AF_INET6, .sin6_addr = IN6ADDR_LOOPBACK_INIT};
+    bool ok = bind(fd, (struct sockaddr *)&a, sizeof a) == 0;
+    close(fd);
+    return ok;
+}
+
+/* At most 3 streams of one host wait for their Join: a fourth ends that host's oldest with
+ * RESOURCE_EXHAUSTED (reported), a worker still joins past strangers that fill the cap, and the
+ * streams of another host (IPv6 loopback, when there is one) are left alone. */
+static void test_waiting_cap(void **state)
+{
+    (void)state;
+    const bool v6 = ipv6_loopback();
+    if (!v6)
+        fprintf(stderr, "test_waiting_cap: no IPv6 loopback here: the other host's streams are not checked\n");
+    hstate h;
+    h_init(&h);
+    /* Two hosts need one port on both loopbacks: "[::]" (dual stack; every interface, for the
+     * length of this test). The Join deadline stays out of the way. */
+    const srv_cfg cfg = {.join_timeout_ms = 60000, .max_waiting_per_host = 3,
+                         .listen_addr = v6 ? "[::]:0" : "127.0.0.1:0"};
+    ctl_server *s = start_server(&h, &cfg);
+    int port = ctl_server_port(s);
+
+    raw_conn other[3];
+    for (int i = 0; v6 && i < 3; i++)
+        other[i] = quiet_stream("[::1]", port);
+    raw_conn quiet[4];
+    for (int i = 0; i < 4; i++)
+        quiet[i] = quiet_stream("127.0.0.1", port);
+    raw_result r;
+    raw_finish(&quiet[0], true, &r);
+    assert_int_equal(r.status, GRPC_STATUS_RESOURCE_EXHAUSTED);
+    assert_string_equal(r.details, "3 control streams from ipv4:127.0.0.1 were waiting for their Join (the limit): "
+                                   "the oldest gives way");
+    pthread_mutex_lock(&h.mu);
+    assert_true(WAIT_UNTIL(&h, h.refused == 1, 5000));
+    assert_non_null(strstr(h.refused_peer, "127.0.0.1"));
+    pthread_mutex_unlock(&h.mu);
+
+    /* A worker of the same host joins: its stream pushes out the oldest stranger, not itself. */
+    ctl_client *c;
+    strata_error err = {0};
+    assert_int_equal(connect_worker(port, "past-strangers", SECRET, CTL_PROTOCOL_VERSION, &c, &err), STRATA_OK);
+    Strata__Internal__V1__CoordinatorMessage *m = recv_one(c);   /* its Assignment */
+    assert_int_equal(m->kind_case, STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ASSIGNMENT);
+    protobuf_c_message_free_unpacked(&m->base, NULL);
+    raw_finish(&quiet[1], true, &r);
+    assert_int_equal(r.status, GRPC_STATUS_RESOURCE_EXHAUSTED);
+
+    /* The rest were still waiting: half-closing them now is the "closed before a Join" refusal. */
+    for (int i = 2; i < 4; i++) {
+        raw_finish(&quiet[i], true, &r);
+        assert_int_equal(r.status, GRPC_STATUS_INVALID_ARGUMENT);
+        assert_string_equal(r.details, "control stream closed before a Join");
+    }
+    for (int i = 0; v6 && i < 3; i++) {
+        raw_finish(&other[i], true, &r);
+        assert_int_equal(r.status, GRPC_STATUS_INVALID_ARGUMENT);
+        assert_string_equal(r.details, "control stream closed before a Join");
+    }
+    pthread_mutex_lock(&h.mu);
+    assert_int_equal(h.joins, 1);
+    assert_int_equal(h.refused, 2);   /* the two that gave way (a half-close is not reported) */
     pthread_mutex_unlock(&h.mu);
     ctl_client_close(c);
     ctl_server_shutdown(s);
@@ -1624,6 +1722,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_join_accepted),
         cmocka_unit_test(test_join_refusals),
         cmocka_unit_test(test_join_deadline),
+        cmocka_unit_test(test_waiting_cap),
         cmocka_unit_test(test_secret_proofs),
         cmocka_unit_test(test_order_two_peers),
         cmocka_unit_test(test_big_messages),

@@ -77,6 +77,7 @@ struct ctl_peer {
     uint32_t max_queued;
     char name[CTL_MAX_WORKER_NAME + 1]; /* set before on_join, constant after */
     char addr[128];
+    char host[128];                           /* addr without its port: the waiting cap's key */
     uint8_t nonce[PROTO_CONTROL_NONCE_BYTES]; /* this call's Challenge, constant */
     int64_t opened_ms;                        /* monotonic, constant: the Join is due by + join_timeout_ms */
 
@@ -99,7 +100,7 @@ struct ctl_peer {
     /* Under srv->ps.mu. */
     ctl_peer *prev, *next; /* live list (calls not yet released) */
     ctl_peer *snext;       /* shutdown's private list */
-    ctl_peer *lnext;       /* end_late_joins' private list */
+    ctl_peer *lnext;       /* end_late_joins' and accept_call's private lists */
 };
 
 struct ctl_server {
@@ -111,6 +112,7 @@ struct ctl_server {
     size_t max_bytes;
     uint32_t max_queued;
     int join_timeout_ms;
+    uint32_t max_waiting_per_host;
 
     /* Under ps.mu. */
     uint32_t live; /* peers whose call is not yet released */
@@ -511,6 +513,48 @@ static int64_t mono_ms(void)
     return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
 }
 
+/* The host part of a gRPC peer address ("ipv4:10.0.0.7:41234" -> "ipv4:10.0.0.7", "ipv6:[::1]:5"
+ * -> "ipv6:[::1]"): the port differs for every connection of one client. */
+static void host_of(const char *addr, char *out, size_t cap)
+{
+    snprintf(out, cap, "%s", addr);
+    char *colon = strrchr(out, ':');
+    if (!colon || !colon[1])
+        return;
+    for (const char *d = colon + 1; *d; d++)
+        if (*d < '0' || *d > '9')
+            return;
+    if (colon > out && colon[-1] != ':')   /* "ipv4:1.2.3.4:5", "ipv6:[::1]:5"; not "unix:" or "x::5" */
+        *colon = '\0';
+}
+
+/* Under s->ps.mu: whether p is a stream still waiting for its Join whose call is going on, and
+ * if so (and hold) a hold on it (busy) for refuse_waiting. */
+static bool waiting_for_join(ctl_peer *p, bool hold)
+{
+    pthread_mutex_lock(&p->mu);
+    const bool waiting = p->state == PEER_NEW && !p->ended && !p->released && p->busy > 0;
+    if (waiting && hold)
+        p->busy++;
+    pthread_mutex_unlock(&p->mu);
+    return waiting;
+}
+
+/* Ends a stream held by waiting_for_join with this status, unless its Join came meanwhile, reports
+ * it to on_refused, and drops the hold. Without s->ps.mu (on_refused may take the handler's
+ * locks). */
+static void refuse_waiting(ctl_server *s, ctl_peer *p, grpc_status_code code, const char *why)
+{
+    pthread_mutex_lock(&p->mu);
+    const bool ended_here = p->state == PEER_NEW && peer_end(p, code, why, true, false);
+    if (ended_here)
+        p->state = PEER_REFUSED;
+    pthread_mutex_unlock(&p->mu);
+    if (ended_here && s->h.on_refused)
+        s->h.on_refused(s->h.ctx, p->addr[0] ? p->addr : "?", (int)code, why);
+    peer_put(p);
+}
+
 /* Server tick: streams that sent no Join within join_timeout_ms end with DEADLINE_EXCEEDED.
  * Collected with a hold each under s->ps.mu, ended without it (on_refused may take the
  * handler's locks), as shutdown does. */
@@ -520,31 +564,18 @@ static void end_late_joins(void *ctx)
     const int64_t now = mono_ms();
     ctl_peer *late = NULL;
     pthread_mutex_lock(&s->ps.mu);
-    for (ctl_peer *p = s->peers; p; p = p->next) {
-        pthread_mutex_lock(&p->mu);
-        const bool due = p->state == PEER_NEW && !p->ended && !p->released && p->busy > 0 &&
-                         now - p->opened_ms >= s->join_timeout_ms;
-        if (due) {
-            p->busy++;
+    for (ctl_peer *p = s->peers; p; p = p->next)
+        if (now - p->opened_ms >= s->join_timeout_ms && waiting_for_join(p, true)) {
             p->lnext = late;
             late = p;
         }
-        pthread_mutex_unlock(&p->mu);
-    }
     pthread_mutex_unlock(&s->ps.mu);
     char why[96];
     snprintf(why, sizeof why, "no Join within %d ms of opening the control stream", s->join_timeout_ms);
     while (late) {
         ctl_peer *p = late;
         late = p->lnext;
-        pthread_mutex_lock(&p->mu);
-        const bool ended_here = p->state == PEER_NEW && peer_end(p, GRPC_STATUS_DEADLINE_EXCEEDED, why, true, false);
-        if (ended_here)
-            p->state = PEER_REFUSED;
-        pthread_mutex_unlock(&p->mu);
-        if (ended_here && s->h.on_refused)
-            s->h.on_refused(s->h.ctx, p->addr[0] ? p->addr : "?", GRPC_STATUS_DEADLINE_EXCEEDED, why);
-        peer_put(p);
+        refuse_waiting(s, p, GRPC_STATUS_DEADLINE_EXCEEDED, why);
     }
 }
 
@@ -581,12 +612,23 @@ static void accept_call(ctl_server *s, grpc_call *call)
         snprintf(p->addr, sizeof p->addr, "%s", peer);
         gpr_free(peer);
     }
+    host_of(p->addr, p->host, sizeof p->host);
 
     p->opened_ms = mono_ms();
 
     pthread_mutex_lock(&s->ps.mu);
     bool refuse = s->ps.shutting_down;
+    ctl_peer *oldest = NULL;
+    uint32_t waiting = 0;
     if (!refuse) {
+        /* The list runs newest first: the last waiting stream of this host seen is its oldest. */
+        for (ctl_peer *q = s->peers; q; q = q->next)
+            if (!strcmp(q->host, p->host) && waiting_for_join(q, false)) {
+                oldest = q;
+                waiting++;
+            }
+        if (waiting < s->max_waiting_per_host || !waiting_for_join(oldest, true))
+            oldest = NULL;
         p->next = s->peers;
         if (s->peers)
             s->peers->prev = p;
@@ -599,6 +641,13 @@ static void accept_call(ctl_server *s, grpc_call *call)
         free(p);
         reply_error(s, call, GRPC_STATUS_UNAVAILABLE, "coordinator shutting down");
         return;
+    }
+    if (oldest) {
+        char why[320];
+        snprintf(why, sizeof why,
+                 "%" PRIu32 " control streams from %s were waiting for their Join (the limit): the oldest gives way",
+                 waiting, p->host);
+        refuse_waiting(s, oldest, GRPC_STATUS_RESOURCE_EXHAUSTED, why);
     }
 
     pthread_mutex_lock(&p->mu);
@@ -728,6 +777,7 @@ ctl_server_options ctl_server_options_default(void)
     o.keepalive_timeout_ms = CTL_DEFAULT_KEEPALIVE_TIMEOUT_MS;
     o.min_recv_ping_interval_ms = CTL_SERVER_DEFAULT_MIN_RECV_PING_MS;
     o.join_timeout_ms = CTL_DEFAULT_JOIN_TIMEOUT_MS;
+    o.max_waiting_per_host = CTL_DEFAULT_MAX_WAITING_PER_HOST;
     return o;
 }
 
@@ -772,6 +822,8 @@ int ctl_server_start(const ctl_server_options *o, const ctl_handler *h, ctl_serv
     opt.tls_key_file = o->tls_key_file;
     if (o->join_timeout_ms)
         opt.join_timeout_ms = o->join_timeout_ms;
+    if (o->max_waiting_per_host)
+        opt.max_waiting_per_host = o->max_waiting_per_host;
     if (opt.join_timeout_ms < 0)
         return strata_fail(err, STRATA_EINVAL, "join_timeout_ms must not be negative");
     if (!opt.tls_cert_file != !opt.tls_key_file)
@@ -798,6 +850,7 @@ int ctl_server_start(const ctl_server_options *o, const ctl_handler *h, ctl_serv
     s->max_bytes = opt.max_message_bytes;
     s->max_queued = opt.max_queued_messages;
     s->join_timeout_ms = opt.join_timeout_ms;
+    s->max_waiting_per_host = opt.max_waiting_per_host;
     s->secret = malloc(opt.cluster_secret_len);
     if (!s->secret) {
         server_free(s);

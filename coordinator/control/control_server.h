@@ -81,6 +81,7 @@
 #define CTL_DEFAULT_KEEPALIVE_TIMEOUT_MS 2000
 #define CTL_SERVER_DEFAULT_MIN_RECV_PING_MS 1000
 #define CTL_DEFAULT_JOIN_TIMEOUT_MS 10000
+#define CTL_DEFAULT_MAX_WAITING_PER_HOST 32
 /* Bounds of the cluster secret (as strata_internal.proto says). */
 #define CTL_SECRET_MIN_BYTES PROTO_SECRET_MIN_BYTES
 #define CTL_SECRET_MAX_BYTES PROTO_SECRET_MAX_BYTES
@@ -126,6 +127,12 @@ typedef struct ctl_server_options {
      * and saying nothing. A worker sends its Join as soon as it reads the Challenge.
      * 0: CTL_DEFAULT_JOIN_TIMEOUT_MS. */
     int join_timeout_ms;
+    /* At most this many streams from one host (the peer address without its port) wait for
+     * their Join at a time. One more ends the one of that host that has waited longest with
+     * RESOURCE_EXHAUSTED (reported to on_refused) rather than refusing the newcomer: a worker
+     * sends its Join within a round trip, so a stranger who keeps streams open cannot keep it
+     * out, and streams from other hosts are not touched. 0: CTL_DEFAULT_MAX_WAITING_PER_HOST. */
+    uint32_t max_waiting_per_host;
 } ctl_server_options;
 
 typedef struct ctl_handler {
