@@ -100,7 +100,7 @@ struct ctl_peer {
     /* Under srv->ps.mu. */
     ctl_peer *prev, *next; /* live list (calls not yet released) */
     ctl_peer *snext;       /* shutdown's private list */
-    ctl_peer *lnext;       /* end_late_joins' and accept_call's private lists */
+    ctl_peer *lnext;       /* end_late_joins' private list */
 };
 
 struct ctl_server {
@@ -529,7 +529,7 @@ static void host_of(const char *addr, char *out, size_t cap)
 }
 
 /* Under s->ps.mu: whether p is a stream still waiting for its Join whose call is going on, and
- * if so (and hold) a hold on it (busy) for refuse_waiting. */
+ * if so, when hold, takes a hold on it (busy) for refuse_waiting. */
 static bool waiting_for_join(ctl_peer *p, bool hold)
 {
     pthread_mutex_lock(&p->mu);
