@@ -1,4 +1,4 @@
-/* The coordinator's core (coordinator/service/coord.c) with everything real but the workers: the
+/* The coordinator's core (coordinator/service/coord*.c) with everything real but the workers: the
  * real control server and public API server on loopback, a real gRPC client, the real model's
  * configuration and tokenizer; the workers are scripted control-plane peers in this process (a
  * ctl_client each) that answer step plans with a fixed token after a short delay and answer,

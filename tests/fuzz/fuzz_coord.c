@@ -1,4 +1,4 @@
-/* Fuzz target for the coordinator's core (coordinator/service/coord.c): what it does with what
+/* Fuzz target for the coordinator's core (coordinator/service/coord*.c): what it does with what
  * its workers say and its clients ask, in any order. Workers are trusted (they hold the cluster
  * secret) but may be faulty, of another build, or die at any moment; whatever they send, the
  * coordinator must not crash, must end every accepted request exactly once with counts that

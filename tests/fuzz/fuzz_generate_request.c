@@ -1,5 +1,5 @@
 /* Fuzz target for what the server does with a client's Generate request before any model runs
- * (coordinator/service/coord.c, api_generate and check_kv): protobuf-c unpacks any bytes, a
+ * (coordinator/service/coord_api.c, api_generate and check_kv): protobuf-c unpacks any bytes, a
  * request that unpacks is checked by proto_validate_generate (the limits strata.proto documents,
  * SmolLM2's serving context and vocabulary), and the kv_codec of one that passes is parsed as a
  * plan of 30 layers and named canonically (kv_plan_name), as the server compares it with the
