@@ -192,7 +192,7 @@ static int split_layers(coord *c, strata_error *err)
         char counts[LAYER_SPLIT_MAX_STAGES * 11];
         layer_split_format(c->layer_begin, c->cfg.stages, counts, sizeof counts);
         coord_logf(c, "layers per stage: %s (%s)", counts,
-              spec.mode == LAYER_SPLIT_EVEN ? "even" : spec.mode == LAYER_SPLIT_BALANCED ? "balanced" : "as listed");
+                   spec.mode == LAYER_SPLIT_EVEN ? "even" : spec.mode == LAYER_SPLIT_BALANCED ? "balanced" : "as listed");
     }
     return STRATA_OK;
 }
@@ -471,8 +471,8 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
     if (c->n_plans > 1)
         snprintf(others + strlen(others), sizeof others - strlen(others), ")");
     coord_logf(c, "model %s: %d layers in %u stages x %u replicas, KV %s%s, context %u; KV blocks of %u tokens per replica: "
-          "%zu on the device%s, %zu in all tiers", c->model_name, c->mc.n_layers, cfg->stages, cfg->replicas,
-          c->kv_canonical, others, c->cfg.ctx, cfg->block_tokens, cap.device_blocks, streaming, cap.total_blocks);
+               "%zu on the device%s, %zu in all tiers", c->model_name, c->mc.n_layers, cfg->stages, cfg->replicas,
+               c->kv_canonical, others, c->cfg.ctx, cfg->block_tokens, cap.device_blocks, streaming, cap.total_blocks);
     return c;
 }
 

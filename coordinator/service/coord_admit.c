@@ -81,7 +81,7 @@ bool coord_restart_whole(coord *c, creq *q, const char *why)
     strata_error err = {0};
     if (!resubmit(c, q, &err)) {
         coord_logf(c, "request %s: its prefix copy failed (%s) and it cannot start over: %s",
-              api_stream_request_id(q->stream), why, err.msg);
+                   api_stream_request_id(q->stream), why, err.msg);
         return false;
     }
     coord_logf(c, "request %s: its prefix copy failed (%s); prefilling it whole", api_stream_request_id(q->stream), why);
@@ -121,6 +121,6 @@ bool coord_recover(coord *c, creq *q, const char *why)
     if (c->have_metrics)
         metrics_counter_inc(c->m.recovered);
     coord_logf(c, "request %s: %s; it goes on from its %zu tokens (%zu sampled), recomputing their KV (recovery %u of %u)",
-          api_stream_request_id(q->stream), why, tokens, q->n_generated, q->recoveries, c->cfg.max_recoveries);
+               api_stream_request_id(q->stream), why, tokens, q->n_generated, q->recoveries, c->cfg.max_recoveries);
     return true;
 }

@@ -80,7 +80,7 @@ static void migration_finish(coord *c)
         } else if (q) {
             q->stay = true;
             coord_logf(c, "request %s stays on replica %u: migration failed: %s", api_stream_request_id(q->stream),
-                  mg->from, mg->why);
+                       mg->from, mg->why);
         }
     }
     /* Only now: accepting again routes waiting requests at once, which must not take the room
@@ -104,7 +104,7 @@ void coord_take_migrate_done(coord *c, uint32_t r, uint32_t s, const Strata__Int
         return;
     if (d->seq_id != mg->seq) {
         coord_out_of_step(c, r, s, "it answered the migration of sequence %" PRIu64 " as sequence %" PRIu64, mg->seq,
-                    d->seq_id);
+                          d->seq_id);
         return;
     }
     bool ok = d->status == 0;

@@ -18,7 +18,7 @@ void coord_send_shutdown(ctl_peer *p, bool drain)
  * (a step it never runs, a migration it never answers), so that stream is ended: coord_on_gone then
  * treats the worker as lost. STRATA_EIO and STRATA_EFULL mean the stream is already ending. */
 void coord_send_or_end(coord *c, ctl_peer *p, const char *name,
-                        const Strata__Internal__V1__CoordinatorMessage *m, const char *what)
+                       const Strata__Internal__V1__CoordinatorMessage *m, const char *what)
 {
     strata_error err = {0};
     int rc = ctl_peer_send(p, m, &err);
@@ -129,7 +129,7 @@ static int on_join(void *ctx, ctl_peer *peer, const Strata__Internal__V1__Join *
         ctl_peer_set_user(peer, sl);
         rp->joined++;
         coord_logf(c, "worker %s joined as replica %d stage %u (layers %u-%u)", sl->name, best, s, c->layer_begin[s],
-              c->layer_begin[s + 1] - 1);
+                   c->layer_begin[s + 1] - 1);
         if (rp->joined == c->cfg.stages)
             send_assignments(c, (uint32_t)best);
     }
@@ -144,7 +144,7 @@ static void on_refused(void *ctx, const char *peer, int grpc_status, const char 
     unsigned long n = atomic_fetch_add(&c->workers_refused, 1) + 1;
     if (n <= 10 || n % 100 == 0)
         coord_logf(c, "refused a worker from %s: %s (%s; %lu refused so far)", peer, why,
-              proto_grpc_status_name(grpc_status), n);
+                   proto_grpc_status_name(grpc_status), n);
 }
 
 static bool locate(const coord *c, const ctl_peer *peer, uint32_t *r_out, uint32_t *s_out)
@@ -192,8 +192,8 @@ static void take_report(coord *c, uint32_t r, uint32_t s, const Strata__Internal
     /* A tier that stops taking blocks shows no other sign until the host tier fills: say so. */
     if (k->spill_failures > spill_failures_before)
         coord_logf(c, "worker %s: %" PRIu64 " more block(s) could not be spilled to NVMe (they stay in host memory)%s%s",
-              sl->name, k->spill_failures - spill_failures_before, k->spill_error && *k->spill_error ? ": " : "",
-              k->spill_error ? k->spill_error : "");
+                   sl->name, k->spill_failures - spill_failures_before, k->spill_error && *k->spill_error ? ": " : "",
+                   k->spill_error ? k->spill_error : "");
     if (!sl->ready && c->reps[r].assigned) {
         sl->ready = true;
         bool all = true;
@@ -265,20 +265,20 @@ static void take_result(coord *c, uint32_t r, uint32_t s, const Strata__Internal
         const uint64_t last = rp->stages[s].last_answered;
         if (res->step > rp->last_step)
             coord_out_of_step(c, r, s, "it answered step %" PRIu64 ", which was never sent (the last was %" PRIu64 ")",
-                        res->step, rp->last_step);
+                              res->step, rp->last_step);
         else if (res->step == last && last != 0)   /* its last answer again, that step over: a repeat */
             coord_logf(c, "replica %u stage %u (worker %s) answered step %" PRIu64 " again after it ended: ignored", r, s,
-                  rp->stages[s].name, res->step);
+                       rp->stages[s].name, res->step);
         else   /* the step it owes is not this one, and may never come */
             coord_out_of_step(c, r, s, "it answered step %" PRIu64 ", older than the step it owes (its last answer was to step "
-                        "%" PRIu64 ")", res->step, last);
+                              "%" PRIu64 ")", res->step, last);
         return;
     }
     flight *f = &rp->flights[k];
     /* A stage's second answer to one step would end the step before the others answered. */
     if (f->answered >> s & 1) {
         coord_logf(c, "replica %u stage %u (worker %s) answered step %" PRIu64 " twice: the second answer is ignored", r,
-              s, rp->stages[s].name, res->step);
+                   s, rp->stages[s].name, res->step);
         return;
     }
     /* A stage runs its steps in the order they were sent: an answer that skips one means the
@@ -453,7 +453,7 @@ void coord_lose_replica(coord *c, uint32_t r, const char *why)
         if (!c->orphaned_since) {
             c->orphaned_since = now_s();
             coord_logf(c, "no replica is serving: %zu request(s) wait up to %.3g s for one to be rebuilt", c->n_reqs,
-                  c->cfg.recovery_wait_ms / 1e3);
+                       c->cfg.recovery_wait_ms / 1e3);
         }
         pthread_cond_signal(&c->wake);   /* the step thread times the wait */
     }
