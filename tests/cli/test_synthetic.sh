@@ -2,6 +2,7 @@
 # `strata generate` on synthetic models (no model file needed): a tiny shape generates, the same
 # seed gives the same text and another seed other text, and the errors a user meets (unknown
 # shape, malformed spec, a shape too large for the memory) are clear messages with exit status 1.
+# Every usage error strata serve / strata-coordinator give before starting anything (exit 2).
 # Served too: `strata serve --model synthetic:tiny:seed=4` (two pipeline stages, each worker
 # generating only its layers) answers `strata generate --server` with the local program's text
 # (the API's text is UTF-8, so bytes that are not, which random weights produce, arrive as U+FFFD:
@@ -135,6 +136,25 @@ serve_bad "config $tmp/none.json: unable to open" --config "$tmp/none.json"
 printf '{"max_seqs": 4, "max-seqs": 8}' >"$tmp/twice.json"
 serve_bad "key 'max-seqs' sets --max-seqs a second time" --config "$tmp/twice.json"
 serve_bad "--nvme-dir $tmp/twice.json: not a folder" --host-kv-mib 1 --nvme-kv-mib 8 --nvme-dir "$tmp/twice.json"
+# The rest of what serve refuses before it starts anything: each names the file, key or flag.
+printf '{"stages": 2,\n "replicas": }\n' >"$tmp/syntax.json"
+serve_bad "config $tmp/syntax.json: line 2: " --config "$tmp/syntax.json"
+printf '[1, 2]' >"$tmp/array.json"
+serve_bad "config $tmp/array.json: the top level must be a JSON object" --config "$tmp/array.json"
+printf '{"stagse": 2}' >"$tmp/typo.json"
+serve_bad "config $tmp/typo.json: unknown key 'stagse'" --config "$tmp/typo.json"
+printf '{"stages": [2]}' >"$tmp/list.json"
+serve_bad "config $tmp/list.json: key 'stages' must be a string or a number" --config "$tmp/list.json"
+serve_bad "--config given twice" --config "$tmp/one-stage.json" --config "$tmp/one-stage.json"
+serve_bad "unexpected argument 'extra' (try --help)" extra
+serve_bad "--tls-cert and --tls-key go together" --tls-cert "$tmp/one-stage.json"
+serve_bad "--nvme-kv-mib needs --host-kv-mib" --nvme-kv-mib 8 --nvme-dir "$tmp/spill"
+serve_bad "--nvme-kv-mib and --nvme-dir go together" --host-kv-mib 1 --nvme-kv-mib 8
+serve_bad "65 local workers; at most 64" --replicas 65 --stages 1
+: >"$tmp/empty-token"
+serve_bad "--token-file $tmp/empty-token is empty" --token-file "$tmp/empty-token"
+expect 2 "--secret-file is required" timeout 60 "$(dirname "$strata")/strata-coordinator" --listen 127.0.0.1:0 \
+  --model synthetic:tiny
 expect 2 "config $tmp/none.json: unable to open" "$strata" generate --model synthetic:tiny -p hi --config "$tmp/none.json"
 expect 2 "config $tmp: is a directory, not a JSON file" "$strata" generate --model synthetic:tiny -p hi --config "$tmp"
 printf '{"metrics": 9, "quiet": true}' >"$tmp/metrics.json"
