@@ -2,7 +2,7 @@
 # `strata generate` on synthetic models (no model file needed): a tiny shape generates, the same
 # seed gives the same text and another seed other text, and the errors a user meets (unknown
 # shape, malformed spec, a shape too large for the memory) are clear messages with exit status 1.
-# Every usage error strata serve / strata-coordinator give before starting anything (exit 2).
+# The usage errors strata serve and strata-coordinator give before starting anything (exit 2).
 # Served too: `strata serve --model synthetic:tiny:seed=4` (two pipeline stages, each worker
 # generating only its layers) answers `strata generate --server` with the local program's text
 # (the API's text is UTF-8, so bytes that are not, which random weights produce, arrive as U+FFFD:
