@@ -2,7 +2,8 @@
 # `strata generate` on synthetic models (no model file needed): a tiny shape generates, the same
 # seed gives the same text and another seed other text, and the errors a user meets (unknown
 # shape, malformed spec, a shape too large for the memory) are clear messages with exit status 1.
-# The usage errors strata serve and strata-coordinator give before starting anything (exit 2).
+# The usage errors strata generate, strata serve, strata-coordinator and strata-worker give before
+# starting anything (exit 2).
 # Served too: `strata serve --model synthetic:tiny:seed=4` (two pipeline stages, each worker
 # generating only its layers) answers `strata generate --server` with the local program's text
 # (the API's text is UTF-8, so bytes that are not, which random weights produce, arrive as U+FFFD:
@@ -40,6 +41,22 @@ expect 2 "^strata calibrate: unknown synthetic model shape 'x'" "$strata" calibr
   --budget 1000 --out "$tmp/never.plan"
 expect 1 "need 29.92 GiB of fp32 weights, but only 4.00 GiB" \
   env STRATA_SYNTHETIC_MEM_LIMIT=4G "$strata" generate --model synthetic:llama3-8b --prompt hi
+# strata generate's own usage errors (exit 2), each before anything loads.
+gen_bad() { expect 2 "$1" "$strata" generate --model synthetic:tiny "${@:2}"; }
+gen_bad "^strata: --top-k: '-1' is not an integer in \[0, 16777216\]" -p hi --top-k -1
+gen_bad "^strata: --stop needs a non-empty string" -p hi --stop ""
+stops=(); for s in {a..q}; do stops+=(--stop "$s"); done
+gen_bad "^strata: at most 16 --stop strings" -p hi "${stops[@]}"
+gen_bad "^strata: --device cuda:N: 'x' is not an integer in \[0, 1023\]" -p hi --device cuda:x
+gen_bad "^strata generate: unexpected argument 'extra' (the prompt goes after --prompt)" -p hi extra
+gen_bad "^strata generate: --prompt is required" --max-tokens 2
+gen_bad "^strata generate: --token-file and --tls-ca go with --server" -p hi --token-file "$tmp/none"
+gen_bad "^strata generate: the prompt is empty" -p ""
+gen_bad "^strata generate: --system only applies with --chat" -p hi --system "be brief"
+gen_bad "^strata generate: the prompt has 1801 tokens but the context holds 64 (raise --ctx)" \
+  -p "$(printf 'hi %.0s' {1..600})" --ctx 64
+gen_bad "^strata generate: --save-kv $tmp/none/x.kv: its folder does not exist" -p hi --save-kv "$tmp/none/x.kv"
+expect 2 "^strata generate: --ctx does not apply with --server" "$strata" generate --server 127.0.0.1:1 -p hi --ctx 64
 
 # A configuration the coordinator refuses: a message and exit status 2, never a crash (these once
 # segfaulted tearing down the half-made coordinator).
@@ -254,6 +271,12 @@ expect 2 "has 257 bytes; it must have 16 to 256" timeout 60 "$(dirname "$strata"
 printf '{"listen": "127.0.0.1:0"}\n' >"$tmp/serve.json"
 expect 2 "spell --config in full" timeout 60 "$strata" serve --conf "$tmp/serve.json" --model synthetic:tiny
 expect 2 "unexpected argument 'extra'" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" extra
+expect 2 "^strata-worker: --coordinator and --secret-file are required" "$worker" --coordinator 127.0.0.1:1
+expect 2 "^strata-worker: --nvme-kv-mib needs --nvme-dir" "$worker" --coordinator 127.0.0.1:1 \
+  --secret-file "$tmp/secret" --nvme-kv-mib 8
+head -c 5000 /dev/zero | tr '\0' s >"$tmp/secret5000"
+expect 2 "secret5000: larger than 4096 bytes; a secret has at most 256 bytes" "$worker" --coordinator 127.0.0.1:1 \
+  --secret-file "$tmp/secret5000"
 for name in "" $'a\tb' "$(printf 'w%.0s' {1..129})"; do
   expect 2 "--name must be 1-128 bytes" "$worker" --coordinator 127.0.0.1:1 --secret-file "$tmp/secret" --name "$name"
 done
