@@ -320,6 +320,37 @@ static void refused_both(const accept_job *server, int client_rc, const dp_link 
     assert_contains(cerr->msg, client_msg);
 }
 
+/* One connection to l that sends an 80-byte hello (given, or when reflect the acceptor's own
+ * with the role byte turned to a connector's); the accept ends with rc and a message with want. */
+static void raw_hello_refused(dp_listener *l, const uint8_t *hello, bool reflect, int rc, const char *want)
+{
+    accept_job s = {.l = l, .auth = &auth_a, .timeout_ms = TIMEOUT};
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, accept_main, &s), 0);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(dp_listener_port(l)),
+                             .sin_addr.s_addr = htonl(0x7f000001)};
+    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    uint8_t out[80];
+    if (reflect) {
+        size_t got = 0;
+        while (got < sizeof out) {
+            ssize_t r = recv(fd, out + got, sizeof out - got, 0);
+            assert_true(r > 0);
+            got += (size_t)r;
+        }
+        out[6] = 0;
+    } else {
+        memcpy(out, hello, sizeof out);
+    }
+    assert_int_equal(send(fd, out, sizeof out, MSG_NOSIGNAL), (ssize_t)sizeof out);
+    assert_int_equal(pthread_join(t, NULL), 0);
+    if (s.rc != rc || !strstr(s.err.msg, want))
+        fail_msg("expected %d \"%s\", got %d \"%s\"", rc, want, s.rc, s.err.msg);
+    close(fd);
+}
+
 static void test_authentication(void **state)
 {
     (void)state;
@@ -399,6 +430,19 @@ static void test_authentication(void **state)
     assert_int_equal(s.rc, STRATA_EFORMAT);
     assert_contains(s.err.msg, "speaks data-plane version 1, this build 2");
     close(fd);
+
+    /* Hellos of the right version that the acceptor refuses before any proof: another acceptor's
+     * role, a purpose it does not know, room for no payload, and its own hello sent back with
+     * the role turned (a reflection: the nonce is its own). */
+    uint8_t hello[80] = {'S', 'D', 'P', 'H', 2, 0, 1, 0, 0, 0, 1};
+    raw_hello_refused(l, hello, false, STRATA_EFORMAT, "sent a bad hello (role 1, purpose 0)");
+    hello[6] = 0;
+    hello[7] = DP_PURPOSE_MIGRATION + 1;
+    raw_hello_refused(l, hello, false, STRATA_EFORMAT, "sent a bad hello (role 0, purpose 3)");
+    hello[7] = DP_PURPOSE_ROWS;
+    hello[10] = 0;
+    raw_hello_refused(l, hello, false, STRATA_EFORMAT, "accepts no payload (max 0)");
+    raw_hello_refused(l, NULL, true, STRATA_EINVAL, "echoed our nonce (reflection)");
     dp_listener_close(l);
 }
 
