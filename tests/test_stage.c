@@ -3,7 +3,8 @@
  * sequences joining at different steps; the greedy tokens equal each sequence run alone through
  * model_forward on the whole model. Also: one stage with a device budget far below the KV and
  * host/NVMe tiers, a sequence preempted (spilled) and resumed by the plan, same tokens; a
- * sequence the plan gets wrong fails alone on every stage while the others go on. */
+ * sequence the plan gets wrong fails alone on every stage while the others go on; rows of a
+ * sequence the back stage no longer holds are skipped and the others' rows moved up. */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -429,6 +430,77 @@ static void test_unfit_sequence_fails_alone(void **state)
 {
     (void)state;
     unfit_fails_alone(NULL);
+}
+
+/* A sequence the back stage no longer holds (dropped there, as after a fault on that stage only)
+ * while the front stage still runs it: its rows arrive between two others' and are skipped, the
+ * rows after them moved up, and the others' tokens stay the whole model's, at that step and after. */
+static void test_rows_past_a_sequence_missing_here(void **state)
+{
+    (void)state;
+    const char *kv = "kivi4";
+    seq_spec seqs[3] = {{.id = 5, .n_prompt = 9, .join_step = 1},
+                        {.id = 6, .n_prompt = 21, .join_step = 1},
+                        {.id = 7, .n_prompt = 13, .join_step = 1}};
+    for (size_t i = 0; i < 3; i++) {
+        for (size_t k = 0; k < seqs[i].n_prompt; k++)
+            seqs[i].prompt[k] = (int32_t)(3 + (k * 6151 + i * 3119) % 40000);
+        reference(&seqs[i], STEPS, kv);
+    }
+    strata_error err = {0};
+    accept_job aj;
+    dp_link *to_back;
+    link_pair(&aj, &to_back);
+    Strata__Internal__V1__Assignment a0 = assignment(front, kv), a1 = assignment(back, kv);
+    stage *s0 = stage_create(&a0, front, NULL, NULL, to_back, &err);
+    if (!s0)
+        fail_msg("%s", err.msg);
+    stage *s1 = stage_create(&a1, back, NULL, aj.link, NULL, &err);
+    if (!s1)
+        fail_msg("%s", err.msg);
+    plan_buf b;
+    for (int step = 1; step <= STEPS; step++) {
+        if (step == 4)
+            stage_drop_seq(s1, seqs[1].id);
+        build_plan(&b, (uint64_t)step, seqs, 3, step, STEPS);
+        back_job bj = {.st = s1, .plan = &b.plan};
+        pthread_t th;
+        pthread_create(&th, NULL, run_back, &bj);
+        stage_result r0;
+        assert_int_equal(stage_step(s0, &b.plan, &r0, &err), STRATA_OK);
+        pthread_join(th, NULL);
+        if (bj.rc != STRATA_OK)
+            fail_msg("back stage, step %d: %s", step, bj.err.msg);
+        assert_int_equal(r0.n_seqs, 0);
+        if (step == 4) {
+            assert_int_equal(b.plan.n_seqs, 3);
+            assert_int_equal(b.plan.seqs[1]->seq_id, seqs[1].id);   /* its rows sit between the others' */
+            bool missing_failed = false;
+            for (size_t k = 0; k < bj.res.n_seqs; k++)
+                if (bj.res.seqs[k].seq_id == seqs[1].id) {
+                    assert_false(bj.res.seqs[k].sampled);
+                    assert_int_not_equal(bj.res.seqs[k].status, STRATA_OK);
+                    missing_failed = true;
+                }
+            assert_true(missing_failed);
+            b.work[1] = b.work[2];   /* the others' results as usual; the missing one plans no more */
+            b.plan.n_seqs = 2;
+            seqs[1].join_step = STEPS + 100;
+        }
+        apply(&bj.res, seqs, 3, &b);
+    }
+    for (size_t i = 0; i < 3; i += 2) {
+        assert_int_equal(seqs[i].n_got, STEPS);
+        for (int k = 0; k < STEPS; k++)
+            if (seqs[i].got[k] != seqs[i].want[k])
+                fail_msg("sequence %llu token %d: %d past the missing one, %d alone", (unsigned long long)seqs[i].id,
+                         k, seqs[i].got[k], seqs[i].want[k]);
+    }
+    stage_destroy(s0);
+    stage_destroy(s1);
+    dp_link_close(to_back);
+    dp_link_close(aj.link);
+    dp_listener_close(aj.l);
 }
 
 /* A step larger than the machine's memory (--max-batch-tokens at its 4M-token maximum: about
@@ -1146,6 +1218,7 @@ int main(void)
         cmocka_unit_test(test_two_stages_equal_whole_model),
         cmocka_unit_test(test_rows_listed_twice),
         cmocka_unit_test(test_unfit_sequence_fails_alone),
+        cmocka_unit_test(test_rows_past_a_sequence_missing_here),
         cmocka_unit_test(test_step_memory_checked),
         cmocka_unit_test(test_plan_lists_sequence_twice),
         cmocka_unit_test(test_gpu_stage),
