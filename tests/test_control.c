@@ -1655,6 +1655,26 @@ static void test_start_errors(void **state)
     o.threads = 65;
     assert_int_equal(ctl_server_start(&o, &hd, &s, &err), STRATA_EINVAL);
     o.threads = 0;
+    /* Options out of range, each named. */
+    struct {
+        ctl_server_options o;
+        const char *want;
+    } bad_opts[] = {{o, "join_timeout_ms must not be negative"},
+                    {o, "TLS needs both a certificate file and a key file"},
+                    {o, "max_message_bytes 2147483648 is above 2 GiB"},
+                    {o, "keepalive times must not be negative"},
+                    {o, "keepalive times must not be negative"}};
+    bad_opts[0].o.join_timeout_ms = -1;
+    bad_opts[1].o.tls_cert_file = "cert.pem";
+    bad_opts[2].o.max_message_bytes = (size_t)1 << 31;
+    bad_opts[3].o.keepalive_time_ms = -5;
+    bad_opts[4].o.min_recv_ping_interval_ms = -1;
+    for (size_t i = 0; i < sizeof bad_opts / sizeof *bad_opts; i++) {
+        s = (ctl_server *)1;
+        assert_int_equal(ctl_server_start(&bad_opts[i].o, &hd, &s, &err), STRATA_EINVAL);
+        assert_null(s);
+        assert_string_equal(err.msg, bad_opts[i].want);
+    }
     /* Port in use. */
     assert_int_equal(ctl_server_start(&o, &hd, &s, &err), STRATA_OK);
     char addr[64];
