@@ -478,13 +478,13 @@ static bool issue_syncs(nvme_store *s, bool force)
 }
 
 static int fault(nvme_store *s, nvme_op_kind kind, const req *r, uint32_t slab_idx, uint64_t off, uint32_t len,
-                 int res)
+                 uint8_t *data, int res)
 {
     if (!s->opt.fault)
         return res;
     nvme_fault_op f = {
         .kind = kind, .seq = ++s->fault_seq, .tag = r ? r->tag : 0, .slab = slab_idx, .offset = off,
-        .len = len, .readback = r ? r->readback : false,
+        .len = len, .readback = r ? r->readback : false, .data = kind == NVME_OP_READ ? data : NULL,
     };
     return s->opt.fault(s->opt.fault_ctx, &f, res);
 }
@@ -492,7 +492,7 @@ static int fault(nvme_store *s, nvme_op_kind kind, const req *r, uint32_t slab_i
 static void complete_sync(nvme_store *s, uint32_t k, int res)
 {
     slab *sl = &s->slabs[k];
-    res = fault(s, NVME_OP_FSYNC, NULL, k, 0, 0, res);
+    res = fault(s, NVME_OP_FSYNC, NULL, k, 0, 0, NULL, res);
     if ((res == -EINTR || res == -EAGAIN) && ++sl->sync_retries <= NVME_MAX_RETRIES) {
         /* Interrupted or refused for now: the writes it covers are not durable yet, and
          * nothing says they are lost. Ask again; the same requests stay in `syncing`. */
@@ -544,7 +544,9 @@ static void complete_chunk(nvme_store *s, uint32_t b, int res)
     bool writing = r->kind == NVME_OP_WRITE && !r->readback;
     uint64_t off = r->loc.offset + (uint64_t)op->chunk * s->buf_bytes + op->done;
     uint32_t want = op->len - op->done;
-    res = fault(s, writing ? NVME_OP_WRITE : NVME_OP_READ, r, r->loc.slab, off, want, res);
+    uint8_t *at = r->zero_copy ? r->dst + (size_t)op->chunk * s->buf_bytes + op->done
+                               : s->staging + (size_t)b * s->buf_bytes + op->done;
+    res = fault(s, writing ? NVME_OP_WRITE : NVME_OP_READ, r, r->loc.slab, off, want, at, res);
     bool chunk_done = false;
     if ((res == -EINTR || res == -EAGAIN) && ++op->retries <= NVME_MAX_RETRIES) {
         /* Interrupted or refused for now (a signal, a full device queue): nothing was moved,

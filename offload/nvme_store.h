@@ -118,11 +118,14 @@ typedef struct nvme_fault_op {
     uint64_t offset;     /* file offset of this operation */
     uint32_t len;        /* bytes requested by this operation (0 for fsync) */
     bool readback;       /* a read issued by NVME_VERIFY_READBACK */
+    uint8_t *data;       /* a read's bytes as they arrived (res of them when res > 0); NULL for
+                          * writes and fsyncs */
 } nvme_fault_op;
 
 /* Returns the result the store should see instead of res (the real result: bytes or -errno):
  * return res to leave it alone, -EIO / -ENOSPC to fail it, a smaller count for a short
- * transfer. For tests only. */
+ * transfer. A read's data may be changed, as a device returning other bytes than it was given
+ * would. For tests only. */
 typedef int (*nvme_fault_fn)(void *ctx, const nvme_fault_op *op, int res);
 
 typedef struct nvme_store_options {
