@@ -334,6 +334,98 @@ static void test_eviction_against_model(void **state)
     free(rows);
 }
 
+/* A store below that refuses its put from the fail_at-th on (0: never). */
+typedef struct failing_store {
+    heap_store heap;
+    int puts, fail_at;
+} failing_store;
+
+static int failing_put(void *ctx, const uint8_t *block, size_t len, uint64_t seq_id, uint64_t clock,
+                       uint64_t *handle, strata_error *err)
+{
+    failing_store *f = ctx;
+    if (f->fail_at && ++f->puts >= f->fail_at)
+        return strata_fail(err, STRATA_EIO, "test store: write failed");
+    return store_put(&f->heap, block, len, seq_id, clock, handle, err);
+}
+
+static int failing_get(void *ctx, uint64_t handle, uint8_t *dst, size_t cap, uint64_t clock, strata_error *err)
+{
+    return store_get(&((failing_store *)ctx)->heap, handle, dst, cap, clock, err);
+}
+
+static void failing_release(void *ctx, uint64_t handle)
+{
+    store_release(&((failing_store *)ctx)->heap, handle);
+}
+
+static void assert_layer_same(kv_seq *s, const kv_seq *ref, int l);
+
+/* An append that makes three blocks, each slot freed by evicting a block to the store below,
+ * whose second eviction fails: the append fails with the store's error and leaves the sequence
+ * as it was (no block, no length, the outlier pool's state undone, no slot held), so the same
+ * append once the store works again gives the blocks of a sequence that never failed. */
+static void test_append_undone_when_an_eviction_fails(void **state)
+{
+    (void)state;
+    const kv_geometry g = {LAYERS, 2, 64, BT};
+    kv_codec_params plan[LAYERS];
+    strata_error err = {0};
+    for (int l = 0; l < LAYERS; l++)
+        assert_int_equal(kv_codec_parse("ott2-n2-a4-r0", &plan[l], &err), STRATA_OK);
+    kv_pool *pool = kv_pool_create_shared(&g, plan, 4, &err);
+    kv_pool *ref_pool = kv_pool_create_plan(&g, plan, 8, &err);
+    assert_non_null(pool);
+    assert_non_null(ref_pool);
+    static failing_store store;
+    memset(&store, 0, sizeof store);
+    const kv_lower_tier lower = {.ctx = &store, .put = failing_put, .get = failing_get, .release = failing_release};
+    assert_int_equal(kv_pool_set_lower_tier(pool, &lower, &err), STRATA_OK);
+    const size_t row = 2 * 64, n = 3 * BT;
+    float *rows = malloc(2 * n * row * sizeof(float));
+    assert_non_null(rows);
+    uint64_t seed = 5;
+    for (size_t t = 0; t < 2 * n * row; t++)   /* K rows, then V rows */
+        rows[t] = (float)((double)(rng_next(&seed) >> 11) * 0x1p-52 - 0.5);
+    rows[7 * row + 3] = 40.0f;   /* an outlier token for the pool to keep */
+
+    /* Another sequence fills the four slots, then lets them go (unpinned). */
+    kv_seq *other = kv_seq_create(pool, n, &err);
+    assert_non_null(other);
+    for (int l = 0; l < 2; l++)
+        assert_int_equal(kv_seq_append(other, l, rows, rows + n * row, 2 * BT, &err), STRATA_OK);
+    kv_seq_unpin(other);
+    kv_pool_stats st;
+    kv_pool_get_stats(pool, &st);
+    assert_int_equal(st.free_slots, 0);
+
+    kv_seq *s = kv_seq_create(pool, n, &err), *ref = kv_seq_create(ref_pool, n, &err);
+    assert_non_null(s);
+    assert_non_null(ref);
+    store.fail_at = 2;
+    assert_int_equal(kv_seq_append(s, 0, rows, rows + n * row, n, &err), STRATA_EIO);
+    if (!strstr(err.msg, "test store: write failed"))
+        fail_msg("%s", err.msg);
+    assert_int_equal(kv_seq_length(s, 0), 0);
+    kv_seq_unpin(s);
+    kv_pool_get_stats(pool, &st);
+    assert_int_equal(st.free_slots, 1);   /* the one eviction that worked; nothing of s is held */
+
+    store.fail_at = 0;
+    assert_int_equal(kv_seq_append(s, 0, rows, rows + n * row, n, &err), STRATA_OK);
+    assert_int_equal(kv_seq_append(ref, 0, rows, rows + n * row, n, &err), STRATA_OK);
+    assert_int_equal(kv_seq_length(s, 0), n);
+    kv_seq_unpin(s);
+    assert_layer_same(s, ref, 0);
+    kv_seq_destroy(s);
+    kv_seq_destroy(ref);
+    kv_seq_destroy(other);
+    assert_all_returned(pool, &store.heap);
+    free(rows);
+    kv_pool_destroy(pool);
+    kv_pool_destroy(ref_pool);
+}
+
 /* One layer of a sequence against its reference (a pool of its own plan, no tier): acquired
  * (fetched back as needed), every block's stored bytes and the tail equal. */
 static void assert_layer_same(kv_seq *s, const kv_seq *ref, int l)
@@ -460,6 +552,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_eviction_against_model),
         cmocka_unit_test(test_mixed_sizes_over_tier),
+        cmocka_unit_test(test_append_undone_when_an_eviction_fails),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
