@@ -50,9 +50,6 @@ void kern_swiglu(const float *gate, const float *up, size_t n, float *out);
 /* y[i] += x[i] */
 void kern_add(float *y, const float *x, size_t n);
 
-/* In-place softmax over n values (max-subtracted). */
-void kern_softmax(float *x, size_t n);
-
 /* Exact causal attention for a whole prompt (prefill): q [n][n_q_heads][head_dim],
  * k and v [n][n_kv_heads][head_dim], out [n][n_q_heads][head_dim]. Query i attends to keys
  * 0..i. Goes through BLAS in tiles of query rows. scratch: kern_attention_causal_scratch(n)

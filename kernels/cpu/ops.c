@@ -473,29 +473,12 @@ void kern_add(float *y, const float *x, size_t n)
         y[i] += x[i];
 }
 
-void kern_softmax(float *x, size_t n)
-{
-    if (n == 0)
-        return;
-    float mx = x[0];
-    for (size_t i = 1; i < n; i++)
-        if (x[i] > mx)
-            mx = x[i];
-    double sum = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        x[i] = expf(x[i] - mx);
-        sum += x[i];
-    }
-    float inv = (float)(1.0 / sum);
-    for (size_t i = 0; i < n; i++)
-        x[i] *= inv;
-}
-
 /* Query rows per tile: the score block of one tile is ATT_TILE x n floats. */
 #define ATT_TILE 128
 
-/* kern_softmax for one score row, with four independent max and sum chains (the compiler may
- * not reorder float reductions itself). The sum is kept in double. n >= 1. */
+/* An in-place, max-subtracted softmax over one score row, with four independent max and sum
+ * chains (the compiler may not reorder float reductions itself). The sum is kept in double.
+ * n >= 1. */
 static void softmax_row(float *x, size_t n)
 {
     float m[4] = {x[0], x[0], x[0], x[0]};
