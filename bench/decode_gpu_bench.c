@@ -22,6 +22,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "kvstore/clock.h"
 #include "kvstore/kv_cache.h"
 #include "kvstore/numarg.h"
 #include "worker/cuda/model_cuda.h"
@@ -38,13 +39,6 @@ typedef struct options {
     const char *json;
     bool phases;
 } options;
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static void usage(FILE *out)
 {
@@ -210,7 +204,7 @@ static int run_codec(const options *o, cuda_model *cm, const model_config *cfg, 
             (double)per_seq / 1048576.0);
     if (!rc)
         rc = start_phases(o, cm, codec_name);
-    const double t0 = now_s();
+    const double t0 = strata_mono_s();
     for (size_t i = 0; i < b && !rc; i += (size_t)o->prefill_batch) {
         const size_t n = b - i < (size_t)o->prefill_batch ? b - i : (size_t)o->prefill_batch;
         for (size_t k = 0; k < n; k++)
@@ -220,7 +214,7 @@ static int run_codec(const options *o, cuda_model *cm, const model_config *cfg, 
             rc = 1;
         }
     }
-    const double t1 = now_s();
+    const double t1 = strata_mono_s();
     cuda_model_phase_times(cm, &r->prefill_phases);
     if (!rc)
         rc = start_phases(o, cm, codec_name);
@@ -235,7 +229,7 @@ static int run_codec(const options *o, cuda_model *cm, const model_config *cfg, 
             rc = 1;
         }
     }
-    const double t2 = now_s();
+    const double t2 = strata_mono_s();
     cuda_model_phase_times(cm, &r->decode_phases);
     cuda_model_time_phases(cm, false, NULL);
     r->used_gib = (double)used_bytes() / 1073741824.0;
@@ -286,7 +280,7 @@ int main(int argc, char **argv)
         return 2;
     strata_error err = {0};
     fprintf(stderr, "loading %s...\n", o.model);
-    const double t0 = now_s();
+    const double t0 = strata_mono_s();
     model *m = model_load_for_device(o.model, 0, -1, &err);
     if (!m) {
         fprintf(stderr, "strata-bench-decode-gpu: %s\n", err.msg);
@@ -307,7 +301,7 @@ int main(int argc, char **argv)
            "%.0f s\n",
            prop.name, cfg->name, cfg->n_layers, cfg->n_heads, cfg->n_kv_heads, cfg->head_dim,
            o.dtype == CUDA_WEIGHTS_F16 ? "fp16" : "fp32", (double)cuda_model_weight_bytes(cm) / 1073741824.0,
-           now_s() - t0);
+           strata_mono_s() - t0);
     printf("workload: prompt %d + %d generated tokens per sequence, KV budget %.1f GiB, greedy decoding\n", o.prompt,
            o.gen, o.budget_gib);
     printf("%-8s %6s %12s %10s %10s %12s %14s %8s\n", "codec", "batch", "decode_tok/s", "prefill_s", "decode_s",

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "kvstore/clock.h"
 #include "kvstore/numarg.h"
 #include "offload/device_pool.h"
 #include "offload/host_arena.h"
@@ -16,13 +17,6 @@
 #include "tests/offload_blocks.h"
 
 #define PROG "strata-bench-device-pool"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static void *mem_alloc(void *ctx, size_t bytes, strata_error *err)
 {
@@ -83,7 +77,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "%s: %s\n", PROG, p ? "out of memory" : err.msg);
         return 1;
     }
-    const double t0 = now_s();
+    const double t0 = strata_mono_s();
     for (size_t i = 0; i < n; i++) {
         void *addr;
         if (device_pool_alloc(p, 1 + i % 64, &h[i], &addr, &err) != STRATA_OK) {
@@ -93,7 +87,7 @@ int main(int argc, char **argv)
         memcpy(addr, block, block_bytes);
         device_pool_unpin_all(p);
     }
-    const double t1 = now_s();
+    const double t1 = strata_mono_s();
     /* The oldest blocks left; bring them back one a step, oldest first: every step evicts. */
     for (long m = 0; m < moves; m++) {
         void *addr;
@@ -103,7 +97,7 @@ int main(int argc, char **argv)
         }
         device_pool_unpin_all(p);
     }
-    const double t2 = now_s();
+    const double t2 = strata_mono_s();
     device_pool_stats st;
     device_pool_get_stats(p, &st);
     printf("slots=%ld blocks=%zu block_bytes=%zu fill_us_per_block=%.3f move_us_per_step=%.3f evictions=%llu "

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "kvstore/clock.h"
 #include "kvstore/kv_cache.h"
 #include "kvstore/numarg.h"
 #include "offload/host_arena.h"
@@ -17,13 +18,6 @@
 #define PROG "strata-bench-kv-pool"
 
 enum { BLOCK_TOKENS = 32, HEAD_DIM = 64, BLOCKS_PER_SEQ = 16 };
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 int main(int argc, char **argv)
 {
@@ -66,7 +60,7 @@ int main(int argc, char **argv)
     }
     for (size_t i = 0; i < (size_t)BLOCKS_PER_SEQ * BLOCK_TOKENS * HEAD_DIM; i++)
         rows[i] = (float)((i * 2654435761u) % 1000) / 500.0f - 1.0f;
-    const double t0 = now_s();
+    const double t0 = strata_mono_s();
     for (size_t s = 0; s < n_seqs; s++) {
         seqs[s] = kv_seq_create(pool, BLOCKS_PER_SEQ * BLOCK_TOKENS, &err);
         if (!seqs[s] || kv_seq_append(seqs[s], 0, rows, rows, BLOCKS_PER_SEQ * BLOCK_TOKENS, &err) != STRATA_OK) {
@@ -76,7 +70,7 @@ int main(int argc, char **argv)
         kv_seq_unpin(seqs[s]);
         kv_tiers_poll(tiers);
     }
-    const double t1 = now_s();
+    const double t1 = strata_mono_s();
     kv_pool_stats before;
     kv_pool_get_stats(pool, &before);
     /* The first sequences' blocks left first; bring them back in that order: every block evicts. */
@@ -90,7 +84,7 @@ int main(int argc, char **argv)
         kv_seq_unpin(s);
         kv_tiers_poll(tiers);
     }
-    const double t2 = now_s();
+    const double t2 = strata_mono_s();
     kv_pool_stats st;
     kv_pool_get_stats(pool, &st);
     const unsigned long long moved = (unsigned long long)(st.fetches - before.fetches);

@@ -14,17 +14,11 @@
 #include <time.h>
 
 #include "kvstore/block.h"
+#include "kvstore/clock.h"
 #include "kvstore/numarg.h"
 #include "offload/nvme_store.h"
 
 #define PROG "strata-offload-bench"
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* An fp16 block of exactly bytes bytes (a multiple of 128, >= 256): header 128 bytes, K and V
  * sections of (bytes - 128) / 2 each = 32 tokens x 1 head x dim x 2 bytes. */
@@ -177,7 +171,7 @@ int main(int argc, char **argv)
     int status = 0;
 
     /* Spill. */
-    double t0 = now_s();
+    double t0 = strata_mono_s();
     uint64_t next = 0, done = 0;
     while (done < n_blocks) {
         while (next < n_blocks && next - done < window) {
@@ -199,10 +193,10 @@ int main(int argc, char **argv)
             done++;
         }
     }
-    double spill_s = now_s() - t0;
+    double spill_s = strata_mono_s() - t0;
 
     /* Restore, into a ring of window host buffers. */
-    t0 = now_s();
+    t0 = strata_mono_s();
     next = done = 0;
     unsigned free_slots = window;
     unsigned *slots = malloc(window * sizeof *slots);
@@ -234,7 +228,7 @@ int main(int argc, char **argv)
             done++;
         }
     }
-    double restore_s = now_s() - t0;
+    double restore_s = strata_mono_s() - t0;
     nvme_store_stats ss;
     nvme_store_get_stats(st, &ss);
     double bytes = (double)n_blocks * (double)block_bytes;

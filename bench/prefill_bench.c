@@ -18,6 +18,7 @@
 #include <time.h>
 
 #include "kernels/ops.h"
+#include "kvstore/clock.h"
 #include "kvstore/kv_cache.h"
 #include "kvstore/numarg.h"
 #include "worker/model.h"
@@ -27,13 +28,6 @@
 #endif
 
 enum { BLOCK_TOKENS = 64 };
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static void usage(FILE *f)
 {
@@ -74,14 +68,14 @@ static int run_mode(model *m, kv_pool *pool, const int32_t *ids, size_t n, size_
     kv_seq *s = kv_seq_create(pool, n, err);
     if (!s)
         return err->code;
-    const double t0 = now_s();
+    const double t0 = strata_mono_s();
     int rc = STRATA_OK;
     for (size_t at = 0; at < n && rc == STRATA_OK;) {
         size_t len = chunk == 0 ? n : (at > 0 && one_by_one ? 1 : (n - at < chunk ? n - at : chunk));
         rc = model_forward(m, s, ids + at, len, at, at + len == n ? r->last : NULL, false, err);
         at += len;
     }
-    r->seconds = now_s() - t0;
+    r->seconds = strata_mono_s() - t0;
     kv_seq_destroy(s);
     return rc;
 }

@@ -14,17 +14,11 @@
 #include <string.h>
 #include <time.h>
 
+#include "kvstore/clock.h"
 #include "worker/transport/transport.h"
 
 static const uint8_t secret[32] = "strata transport benchmark key!";
 static const dp_auth auth = {secret, sizeof secret};
-
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
 
 static void die(const char *what, const strata_error *err)
 {
@@ -97,7 +91,7 @@ static double throughput(dp_link *server, dp_link *client, uint8_t *src, uint8_t
 {
     send_job j = {.link = client, .payload = src, .len = len, .count = count};
     pthread_t t;
-    double t0 = now_s();
+    double t0 = strata_mono_s();
     if (pthread_create(&t, NULL, send_main, &j) != 0) {
         fprintf(stderr, "strata-bench-transport: pthread_create failed\n");
         exit(1);
@@ -115,7 +109,7 @@ static double throughput(dp_link *server, dp_link *client, uint8_t *src, uint8_t
         }
     }
     pthread_join(t, NULL);
-    double dt = now_s() - t0;
+    double dt = strata_mono_s() - t0;
     if (j.rc != STRATA_OK)
         die("send", &j.err);
     if (memcmp(src, dst, len) != 0) {
@@ -206,13 +200,13 @@ int main(int argc, char **argv)
     dp_msg_header h = {.kind = DP_MSG_CONTROL}, got;
     size_t len;
     for (long i = 0; i < rtt_iters; i++) {
-        double t0 = now_s();
+        double t0 = strata_mono_s();
         if (dp_send(client, &h, src, (size_t)rtt_bytes, &err) != STRATA_OK ||
             dp_recv(server, &got, dst, biggest, &len, 10000, &err) != STRATA_OK ||
             dp_send(server, &h, dst, len, &err) != STRATA_OK ||
             dp_recv(client, &got, dst, biggest, &len, 10000, &err) != STRATA_OK)
             die("round trip", &err);
-        rtt[i] = now_s() - t0;
+        rtt[i] = strata_mono_s() - t0;
     }
     qsort(rtt, (size_t)rtt_iters, sizeof *rtt, cmp_double);
     printf("%s\tround_trip_%ldB_median\t%.1f\tus\n", label, rtt_bytes, rtt[rtt_iters / 2] * 1e6);

@@ -26,6 +26,7 @@
 
 #include "kvstore/block.h"
 #include "kvstore/bytes.h"
+#include "kvstore/clock.h"
 #include "offload/extent.h"
 
 #define NONE UINT32_MAX
@@ -144,13 +145,6 @@ struct nvme_store {
     char describe[512];
 };
 
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 /* ---- lists (indices into s->reqs, linked by req.next) ---- */
 
 static void list_push(nvme_store *s, req_list *l, uint32_t i)
@@ -198,9 +192,9 @@ static void active_change(nvme_store *s, nvme_op_kind kind, int delta)
     uint64_t *t = kind == NVME_OP_WRITE ? &s->t_w : &s->t_r;
     double *busy = kind == NVME_OP_WRITE ? &s->st.write_busy_s : &s->st.read_busy_s;
     if (delta > 0 && (*n)++ == 0)
-        *t = now_ns();
+        *t = strata_mono_ns();
     if (delta < 0 && --(*n) == 0)
-        *busy += (double)(now_ns() - *t) * 1e-9;
+        *busy += (double)(strata_mono_ns() - *t) * 1e-9;
 }
 
 static const char *kind_name(nvme_op_kind k, bool readback)
@@ -1165,7 +1159,7 @@ void nvme_store_get_stats(const nvme_store *s, nvme_store_stats *out)
         free_units += s->slabs[k].ext.free_units;
     out->capacity_bytes = s->page_total * NVME_PAGE;
     out->free_bytes = free_units * NVME_PAGE;
-    uint64_t t = now_ns();
+    uint64_t t = strata_mono_ns();
     if (s->active_w)
         out->write_busy_s += (double)(t - s->t_w) * 1e-9;
     if (s->active_r)

@@ -1,6 +1,7 @@
 /* Server-side gRPC C-core plumbing: tags, send queues, server start and shutdown. See
  * grpc_call.h. */
 #include "proto/grpc_call.h"
+#include "kvstore/clock.h"
 #include "proto/grpc_log.h"
 #include "proto/tls_files.h"
 
@@ -76,19 +77,6 @@ grpc_call_error proto_call_recv_message(grpc_call *call, grpc_byte_buffer **bb, 
     op.op = GRPC_OP_RECV_MESSAGE;
     op.data.recv_message.recv_message = bb;
     return grpc_call_start_batch(call, &op, 1, tag, NULL);
-}
-
-static struct timespec deadline_in_ms(long ms)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_REALTIME, &t);
-    t.tv_sec += ms / 1000;
-    t.tv_nsec += (ms % 1000) * 1000000L;
-    if (t.tv_nsec >= 1000000000L) {
-        t.tv_sec++;
-        t.tv_nsec -= 1000000000L;
-    }
-    return t;
 }
 
 /* ------------------------------------------------------------------------------------------- */
@@ -441,19 +429,10 @@ static void shutdown_done(proto_tag *t, bool success)
     pthread_mutex_unlock(&ps->mu);
 }
 
-/* Takes events until the queue is shut down and drained; failed: report every completion as
- * failed (the inline shutdown of a server that has no thread). */
-static int64_t monotonic_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
-
 /* The owner's tick when it is due, on one thread at a time. */
 static void maybe_tick(proto_server *ps)
 {
-    const int64_t now = monotonic_ms();
+    const int64_t now = strata_mono_ms();
     if (now < atomic_load(&ps->next_tick_ms) || atomic_flag_test_and_set(&ps->ticking))
         return;
     atomic_store(&ps->next_tick_ms, now + ps->tick_ms);
@@ -461,6 +440,8 @@ static void maybe_tick(proto_server *ps)
     atomic_flag_clear(&ps->ticking);
 }
 
+/* Takes events until the queue is shut down and drained; failed: report every completion as
+ * failed (the inline shutdown of a server that has no thread). */
 static void cq_drive(proto_server *ps, bool failed)
 {
     const bool ticks = ps->tick && ps->tick_ms > 0 && !failed;
@@ -610,14 +591,14 @@ void proto_server_shutdown_begin(proto_server *ps)
 void proto_server_wait(proto_server *ps, const uint32_t *count, long ms, const char *what)
 {
     if (ms >= 0) {
-        struct timespec until = deadline_in_ms(ms);
+        struct timespec until = strata_realtime_after_ms(ms);
         while (*count > 0 && pthread_cond_timedwait(&ps->cond, &ps->mu, &until) != ETIMEDOUT) {
         }
         return;
     }
     int waited_s = 0;
     while (*count > 0) {
-        struct timespec until = deadline_in_ms(5000);
+        struct timespec until = strata_realtime_after_ms(5000);
         if (pthread_cond_timedwait(&ps->cond, &ps->mu, &until) == ETIMEDOUT && *count > 0) {
             waited_s += 5;
             proto_log(ps->name, "shutdown: still waiting for %" PRIu32 " %s (%d s)", *count, what, waited_s);
@@ -630,7 +611,7 @@ void proto_server_shutdown_end(proto_server *ps)
     /* The notification follows once every call is gone; unary calls are quick, but a stuck
      * client must not hold shutdown: cancel whatever is left after a grace period. */
     pthread_mutex_lock(&ps->mu);
-    struct timespec until = deadline_in_ms(PROTO_SHUTDOWN_GRACE_MS);
+    struct timespec until = strata_realtime_after_ms(PROTO_SHUTDOWN_GRACE_MS);
     while (!ps->shutdown_done && pthread_cond_timedwait(&ps->cond, &ps->mu, &until) != ETIMEDOUT) {
     }
     if (!ps->shutdown_done) {

@@ -21,20 +21,14 @@
 #include <openssl/ssl.h>
 #include <openssl/x509v3.h>
 
+#include "kvstore/clock.h"
 #include "kvstore/hostport.h"
-
-static int64_t now_ms(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
-}
 
 /* Waits for events on fd until deadline: 1 ready, 0 timed out or failed. */
 static int wait_until(int fd, short events, int64_t deadline)
 {
     for (;;) {
-        int64_t left = deadline - now_ms();
+        int64_t left = deadline - strata_mono_ms();
         if (left <= 0)
             return 0;
         struct pollfd p = {.fd = fd, .events = events};
@@ -141,7 +135,7 @@ static int probe(const char *host_port, const char *roots_pem, int timeout_ms, c
     if (strata_split_host_port(host_port, host, sizeof host, &port_number))
         return PROTO_TLS_PROBE_UNKNOWN;
     snprintf(port, sizeof port, "%d", port_number);
-    const int64_t deadline = now_ms() + (timeout_ms > 0 ? timeout_ms : 1);
+    const int64_t deadline = strata_mono_ms() + (timeout_ms > 0 ? timeout_ms : 1);
     int fd = connect_by(host, port, deadline);
     if (fd < 0)
         return PROTO_TLS_PROBE_UNKNOWN;

@@ -7,6 +7,7 @@
 #include <time.h>
 
 #include "kvstore/block.h"
+#include "kvstore/clock.h"
 #include "kvstore/half.h"
 
 void eval_reference_free(eval_reference *ref)
@@ -87,13 +88,6 @@ int eval_prefix_build(model *m, const int32_t *ids, size_t n, int block_tokens, 
     return rc;
 }
 
-static double now_seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* logits -> log-probabilities in place (fp64 normalizer); returns the argmax. */
 static int32_t log_softmax(float *x, int n)
 {
@@ -139,7 +133,7 @@ int eval_run(model *m, const kv_codec_params *codecs, const int32_t *ids, size_t
         return strata_fail(err, STRATA_EINVAL, "eval: keeping %zu steps of %zu log-probabilities needs over 2 GiB",
                            T, V);
 
-    const double t0 = now_seconds();
+    const double t0 = strata_mono_s();
     kv_geometry geo = model_kv_geometry(m, setup->block_tokens);
     const size_t ctx = N + T, ctx_blocks = (ctx + (size_t)geo.block_tokens - 1) / (size_t)geo.block_tokens;
     kv_pool *pool;
@@ -251,7 +245,7 @@ int eval_run(model *m, const kv_codec_params *codecs, const int32_t *ids, size_t
     kv_pool_get_stats(pool, &ps);
     out->evictions = ps.evictions;
     out->fetches = ps.fetches;
-    out->seconds = now_seconds() - t0;
+    out->seconds = strata_mono_s() - t0;
 done:
     if (rc) {
         eval_result_free(out);

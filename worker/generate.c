@@ -1,5 +1,6 @@
 #include "worker/generate.h"
 
+#include "kvstore/clock.h"
 #include "worker/textstream.h"
 
 #include <stdlib.h>
@@ -21,13 +22,6 @@ void generate_result_free(generate_result *r)
 {
     free(r->tokens);
     r->tokens = NULL;
-}
-
-static double now_seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 /* Hands the text that may be shown now to the callback; returns its verdict (non-zero: stop). */
@@ -98,12 +92,12 @@ int generate_run_with(const model_config *cfg, const tokenizer *tok, generate_st
     out->prompt_tokens = n_prompt;
     out->finish = FINISH_LENGTH;
 
-    double t0 = now_seconds();
+    double t0 = strata_mono_s();
     int32_t next = 0;
     rc = step(step_ctx, prompt, n_prompt, 0, smp, &next, err);
-    out->prefill_seconds = now_seconds() - t0;
+    out->prefill_seconds = strata_mono_s() - t0;
     size_t pos = n_prompt;
-    double t_decode = now_seconds();
+    double t_decode = strata_mono_s();
     while (rc == STRATA_OK) {
         if (!p->ignore_eos && tokenizer_is_eog(tok, next)) {
             out->finish = FINISH_EOS;
@@ -138,7 +132,7 @@ int generate_run_with(const model_config *cfg, const tokenizer *tok, generate_st
         pos++;
         out->decode_steps++;
     }
-    out->decode_seconds = now_seconds() - t_decode;
+    out->decode_seconds = strata_mono_s() - t_decode;
     if (rc == STRATA_OK && out->finish != FINISH_STOP && out->finish != FINISH_ABORT) {
         const char *text;   /* release held-back text that never became a stop */
         size_t len;

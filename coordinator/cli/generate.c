@@ -14,6 +14,7 @@
 #include "coordinator/cli/remote.h"
 #include "coordinator/cli/tiers.h"
 #include "kvstore/blockfile.h"
+#include "kvstore/clock.h"
 #include "kvstore/kv_cache.h"
 #include "kvstore/numarg.h"
 #include "kvstore/plan.h"
@@ -292,13 +293,6 @@ static int parse_opts(int argc, char **argv, gen_opts *o)
     return rc;
 }
 
-static double now_seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* A prompt read from stdin longer than this is refused: it is far beyond any model's context
  * (a 1M-token context is about 4 MiB of English), and reading on would only fill memory
  * (`strata generate -p - < /dev/zero`). */
@@ -485,7 +479,7 @@ int cmd_generate(int argc, char **argv)
         free(stdin_prompt);
         return rc;
     }
-    double t0 = now_seconds();
+    double t0 = strata_mono_s();
     if (!o.quiet)
         fprintf(stderr, "strata: loading %s\n", o.model_path);
     /* For a GPU only the embedding is read on the host; the device builds the rest from the file. */
@@ -502,7 +496,7 @@ int cmd_generate(int argc, char **argv)
                 cfg->name[0] ? cfg->name : cfg->arch, cfg->n_layers, cfg->n_heads, cfg->n_kv_heads,
                 (double)model_weight_bytes(m) / 1048576.0,
                 model_is_for_device(m) ? " on the host (the embedding; the device builds the rest)" : "",
-                now_seconds() - t0);
+                strata_mono_s() - t0);
 
     int exit_code = EXIT_RUNTIME;
     kv_codec_params *codecs = NULL;

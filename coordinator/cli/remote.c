@@ -15,6 +15,7 @@
 #include <grpc/support/string_util.h>
 #include <grpc/support/time.h>
 
+#include "kvstore/clock.h"
 #include "proto/credential_file.h"
 #include "proto/grpc_call.h"
 #include "proto/grpc_log.h"
@@ -27,13 +28,6 @@
 enum { EXIT_RUNTIME = 1, EXIT_USAGE = 2 };
 #define MAX_RESPONSE_BYTES ((size_t)4 << 20)
 #define MAX_TOKEN_BYTES ((size_t)1 << 20)
-
-static double now_seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* A whole small file (a token), NUL-terminated, trailing newlines dropped; NULL after a message
  * that starts with cmd ("strata generate"). */
@@ -205,7 +199,7 @@ int cli_remote_generate(const remote_request *r)
     ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
     ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
     ops[3].data.recv_initial_metadata.recv_initial_metadata = &md_in;
-    double t0 = now_seconds(), t_first = 0;
+    double t0 = strata_mono_s(), t_first = 0;
     bool started = call && run_batch(call, cq, ops, 4, &tag_start);
     grpc_byte_buffer_destroy(send_bb);
 
@@ -235,7 +229,7 @@ int cli_remote_generate(const remote_request *r)
         }
         if (resp->kind_case == STRATA__V1__GENERATE_RESPONSE__KIND_CHUNK) {
             if (!t_first && resp->chunk->n_token_ids)
-                t_first = now_seconds();
+                t_first = strata_mono_s();
             n_tokens += resp->chunk->n_token_ids;
             fputs(resp->chunk->text ? resp->chunk->text : "", stdout);
             fflush(stdout);
@@ -244,7 +238,7 @@ int cli_remote_generate(const remote_request *r)
             got_end = true;
             exit_code = 0;
             if (r->stats) {
-                double t = now_seconds();
+                double t = strata_mono_s();
                 fprintf(stderr, "\nrequest %s: %u prompt tokens (%u from the prefix cache), %u generated, finish: %s\n",
                         resp->request_id, c->prompt_tokens, c->cached_tokens, c->completion_tokens,
                         finish_name(c->finish_reason));
@@ -359,7 +353,7 @@ int cli_remote_drain(const remote_drain *r)
     Strata__V1__DrainWorkerRequest req = STRATA__V1__DRAIN_WORKER_REQUEST__INIT;
     req.worker_name = (char *)r->worker;
     int exit_code = EXIT_RUNTIME;
-    double t0 = now_seconds();
+    double t0 = strata_mono_s();
     uint32_t last_moved = UINT32_MAX, last_remaining = UINT32_MAX;
     for (;;) {
         Strata__V1__DrainWorkerResponse *resp = NULL;
@@ -386,7 +380,7 @@ int cli_remote_drain(const remote_drain *r)
         protobuf_c_message_free_unpacked(&resp->base, NULL);
         if (done)
             break;
-        if (now_seconds() - t0 > r->timeout_s) {
+        if (strata_mono_s() - t0 > r->timeout_s) {
             fprintf(stderr, "strata drain: not done after %d s (the drain goes on in the server; run again to follow "
                     "it)\n", r->timeout_s);
             break;

@@ -44,6 +44,7 @@
 #include <grpc/grpc.h>
 #include <grpc/support/alloc.h>
 
+#include "kvstore/clock.h"
 #include "kvstore/random.h"
 #include "proto/control_auth.h"
 #include "proto/grpc_call.h"
@@ -506,13 +507,6 @@ static void peer_close_done(proto_tag *t, bool success)
     peer_put(p);
 }
 
-static int64_t mono_ms(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000 + t.tv_nsec / 1000000;
-}
-
 /* The host part of a gRPC peer address ("ipv4:10.0.0.7:41234" -> "ipv4:10.0.0.7", "ipv6:[::1]:5"
  * -> "ipv6:[::1]"): the port differs for every connection of one client. */
 static void host_of(const char *addr, char *out, size_t cap)
@@ -561,7 +555,7 @@ static void refuse_waiting(ctl_server *s, ctl_peer *p, grpc_status_code code, co
 static void end_late_joins(void *ctx)
 {
     ctl_server *s = ctx;
-    const int64_t now = mono_ms();
+    const int64_t now = strata_mono_ms();
     ctl_peer *late = NULL;
     pthread_mutex_lock(&s->ps.mu);
     for (ctl_peer *p = s->peers; p; p = p->next)
@@ -614,7 +608,7 @@ static void accept_call(ctl_server *s, grpc_call *call)
     }
     host_of(p->addr, p->host, sizeof p->host);
 
-    p->opened_ms = mono_ms();
+    p->opened_ms = strata_mono_ms();
 
     pthread_mutex_lock(&s->ps.mu);
     bool refuse = s->ps.shutting_down;

@@ -2,6 +2,7 @@
  * socket, the stop pipe and every open connection, each connection a small state machine
  * (reading its head, writing the answer, draining what the client still sends). */
 #include "coordinator/metrics/http.h"
+#include "kvstore/clock.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -51,13 +52,6 @@ struct metrics_http {
     conn conns[METRICS_HTTP_MAX_CONNS];
     int nconns;            /* conns[0, nconns) are open */
 };
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* ---- responses ---- */
 
@@ -115,7 +109,7 @@ static void respond(metrics_http *s, conn *c, int status, const char *reason, co
         c->owned_body = (char *)body;
     c->sent = 0;
     c->phase = CONN_WRITE;
-    c->deadline = now_ms() + s->timeout_ms;
+    c->deadline = strata_mono_ms() + s->timeout_ms;
 }
 
 static void respond_text(metrics_http *s, conn *c, int status, const char *reason,
@@ -138,7 +132,7 @@ static void start_drain(metrics_http *s, conn *c)
     }
     c->phase = CONN_DRAIN;
     c->drained = 0;
-    c->deadline = now_ms() + (s->timeout_ms < DRAIN_MS ? s->timeout_ms : DRAIN_MS);
+    c->deadline = strata_mono_ms() + (s->timeout_ms < DRAIN_MS ? s->timeout_ms : DRAIN_MS);
 }
 
 /* ---- request parsing ---- */
@@ -473,7 +467,7 @@ static bool accept_new(metrics_http *s)
         if (victim)
             conn_close(s, victim);
         conn *c = &s->conns[s->nconns];
-        *c = (conn){.fd = fd, .phase = CONN_READ, .deadline = now_ms() + s->timeout_ms};
+        *c = (conn){.fd = fd, .phase = CONN_READ, .deadline = strata_mono_ms() + s->timeout_ms};
         c->buf = malloc(s->max_head);
         if (!c->buf) {
             close(fd);
@@ -496,7 +490,7 @@ static void *serve_thread(void *arg)
     metrics_http *s = arg;
     struct pollfd p[2 + METRICS_HTTP_MAX_CONNS];
     for (;;) {
-        int64_t now = now_ms(), next = now + 60000;
+        int64_t now = strata_mono_ms(), next = now + 60000;
         p[0] = (struct pollfd){.fd = s->wake_r, .events = POLLIN};
         /* A full table of connections mid-request leaves new clients in the listen backlog
          * until a slot frees; a silent one gives its slot up (accept_new). */
@@ -522,7 +516,7 @@ static void *serve_thread(void *arg)
             break;
         /* Walk backwards: closing a connection moves the last one into its slot, which was
          * already handled (or is handled on the next round). */
-        now = now_ms();
+        now = strata_mono_ms();
         for (int i = nfds - 3; i >= 0; i--) {
             conn *c = &s->conns[i];
             short ev = p[2 + i].revents;

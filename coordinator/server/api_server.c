@@ -35,6 +35,7 @@
 #include <grpc/byte_buffer.h>
 #include <grpc/grpc.h>
 
+#include "kvstore/clock.h"
 #include "proto/credential_file.h"
 #include "proto/grpc_call.h"
 #include "proto/grpc_util.h"
@@ -116,13 +117,6 @@ static void stream_unref(api_stream *st);
 /* Small helpers                                                                               */
 
 #define server_log(...) proto_log("api_server", __VA_ARGS__)
-
-static int64_t now_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
-}
 
 /* A one-batch answer: initial metadata, optional message, status, and RECV_CLOSE_ON_SERVER.
  * Takes ownership of call and msg. */
@@ -364,7 +358,7 @@ static void stream_terminal(api_stream *st, proto_msg *m, grpc_status_code code,
         return;
     }
     st->backend = BK_RELEASED;
-    st->released_ms = now_ms();
+    st->released_ms = strata_mono_ms();
     if (!st->q.dead && !st->q.status_pending) {
         if (m) {
             proto_sendq_push(&st->q, m);
@@ -839,7 +833,7 @@ api_server_options api_server_options_default(void)
 static void sweep_lingering(void *ctx)
 {
     api_server *s = ctx;
-    const int64_t now = now_ms();
+    const int64_t now = strata_mono_ms();
     unsigned n = 0;
     pthread_mutex_lock(&s->ps.mu);
     for (api_stream *st = s->streams; st; st = st->next) {

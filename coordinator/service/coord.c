@@ -478,7 +478,7 @@ coord *coord_create(const coord_config *cfg, strata_error *err)
 
 bool coord_wait_ready(coord *c, int timeout_ms)
 {
-    const struct timespec until = realtime_after_ms(timeout_ms);
+    const struct timespec until = strata_realtime_after_ms(timeout_ms);
     pthread_mutex_lock(&c->mu);
     for (;;) {
         bool all = true;
@@ -501,7 +501,7 @@ void coord_worker_counts(coord *c, uint32_t *ready, uint32_t *total)
 
 int coord_drain(coord *c, int drain_ms)
 {
-    const struct timespec until = realtime_after_ms(drain_ms);
+    const struct timespec until = strata_realtime_after_ms(drain_ms);
     pthread_mutex_lock(&c->mu);
     c->draining = true;
     while (c->n_reqs && pthread_cond_timedwait(&c->changed, &c->mu, &until) != ETIMEDOUT) {

@@ -55,7 +55,7 @@ static int api_generate(void *ctx, const Strata__V1__GenerateRequest *req, api_s
     q->req = req;
     q->plan = plan;
     q->stream = stream;
-    q->t_accept = now_s();
+    q->t_accept = strata_mono_s();
     if (req->input_case == STRATA__V1__GENERATE_REQUEST__INPUT_TEXT) {
         int32_t *ids = NULL;
         size_t n = 0;

@@ -28,6 +28,7 @@
 #include "coordinator/sched/layer_split.h"
 #include "coordinator/sched/prefix_index.h"
 #include "coordinator/sched/scheduler.h"
+#include "kvstore/clock.h"
 #include "kvstore/kv_cache.h"
 #include "kvstore/plan.h"
 #include "proto/grpc_util.h"
@@ -208,27 +209,6 @@ struct coord {
     double orphaned_since;       /* every replica lost with requests left (0: not now): they wait
                                   * recovery_wait_ms for one to serve again */
 };
-
-static inline double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-/* The CLOCK_REALTIME time ms from now (pthread_cond_timedwait's clock). */
-static inline struct timespec realtime_after_ms(int ms)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_REALTIME, &t);
-    t.tv_sec += ms / 1000;
-    t.tv_nsec += (long)(ms % 1000) * 1000000L;
-    if (t.tv_nsec >= 1000000000L) {
-        t.tv_sec++;
-        t.tv_nsec -= 1000000000L;
-    }
-    return t;
-}
 
 static inline uint32_t workers_total(const coord *c) { return c->cfg.replicas * c->cfg.stages; }
 

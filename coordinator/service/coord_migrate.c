@@ -27,7 +27,7 @@ void coord_migration_kick(coord *c)
     for (uint32_t s = 0; s < c->cfg.stages; s++)
         send_migrate(c, mg->from, s, mg->to, true);
     mg->sent = true;
-    mg->t_sent = now_s();
+    mg->t_sent = strata_mono_s();
     mg->overdue = false;
 }
 

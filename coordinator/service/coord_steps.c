@@ -15,7 +15,7 @@ static bool is_stop_id(const Strata__V1__SamplingParams *sp, uint32_t tok)
 static bool deliver(coord *c, creq *q, uint32_t tok)
 {
     const Strata__V1__SamplingParams *sp = q->req->sampling;
-    double t = now_s();
+    double t = strata_mono_s();
     if (c->have_metrics)
         metrics_histogram_observe(q->n_generated == 0 ? c->m.ttft : c->m.itl,
                                   q->n_generated == 0 ? t - q->t_accept : t - q->t_last);
@@ -223,7 +223,7 @@ bool coord_start_step(coord *c, uint32_t r)
     m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_STEP_PLAN;
     m.step_plan = &sp;
     f->step = plan.step;
-    f->t_sent = now_s();
+    f->t_sent = strata_mono_s();
     f->overdue = false;
     rp->last_step = plan.step;
     f->n_work = plan.n_work;
@@ -251,7 +251,7 @@ bool coord_start_step(coord *c, uint32_t r)
  * not notice a worker whose process is alive but stuck (a hung device, a deadlock). */
 static void end_overdue(coord *c)
 {
-    const double limit = c->cfg.step_timeout_ms / 1e3, now = now_s();
+    const double limit = c->cfg.step_timeout_ms / 1e3, now = strata_mono_s();
     char msg[512];
     for (uint32_t r = 0; r < c->cfg.replicas; r++) {
         creplica *rp = &c->reps[r];
@@ -305,7 +305,7 @@ void *coord_step_thread(void *arg)
             uint32_t tick = c->cfg.step_timeout_ms ? c->cfg.step_timeout_ms / 4 : 1000;
             if (c->orphaned_since && c->cfg.recovery_wait_ms / 4 < tick)
                 tick = c->cfg.recovery_wait_ms / 4;
-            const struct timespec until = realtime_after_ms(tick < 10 ? 10 : tick > 1000 ? 1000 : (int)tick);
+            const struct timespec until = strata_realtime_after_ms(tick < 10 ? 10 : tick > 1000 ? 1000 : (int)tick);
             (void)pthread_cond_timedwait(&c->wake, &c->mu, &until);
         }
     }

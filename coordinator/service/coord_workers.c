@@ -451,7 +451,7 @@ void coord_lose_replica(coord *c, uint32_t r, const char *why)
         any |= c->reps[k].serving;
     if (!any && c->n_reqs && may_wait) {
         if (!c->orphaned_since) {
-            c->orphaned_since = now_s();
+            c->orphaned_since = strata_mono_s();
             coord_logf(c, "no replica is serving: %zu request(s) wait up to %.3g s for one to be rebuilt", c->n_reqs,
                        c->cfg.recovery_wait_ms / 1e3);
         }
@@ -464,7 +464,7 @@ void coord_lose_replica(coord *c, uint32_t r, const char *why)
 /* recovery_wait_ms: requests left with no replica serving end once no replica is back in time. */
 void coord_expire_orphans(coord *c)
 {
-    if (!c->orphaned_since || now_s() - c->orphaned_since < c->cfg.recovery_wait_ms / 1e3)
+    if (!c->orphaned_since || strata_mono_s() - c->orphaned_since < c->cfg.recovery_wait_ms / 1e3)
         return;
     char msg[200];
     snprintf(msg, sizeof msg, "no replica is serving: every replica lost a worker, and none served again within %.3g s",

@@ -25,6 +25,7 @@
 #include "coordinator/sched/layer_split.h"
 #include "coordinator/server/api_server.h"
 #include "coordinator/service/coord.h"
+#include "kvstore/clock.h"
 #include "kvstore/numarg.h"
 #include "kvstore/random.h"
 #include "kvstore/sysmem.h"
@@ -548,13 +549,6 @@ typedef struct supervisor {
     pthread_t thread;
 } supervisor;
 
-static double mono(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* Teardown (the servers' shutdown, the workers' exit) takes seconds; under resource exhaustion
  * (a process limit reached) gRPC's shutdown has been seen to block for ever. SIGALRM this long
  * after teardown starts ends the process, with a message and without the cluster secret. */
@@ -724,7 +718,7 @@ static void spawn(supervisor *sv, local_worker *w)
     argv[a] = NULL;
 
     restore_secret(sv);
-    w->started = mono();
+    w->started = strata_mono_s();
     w->restart_at = 0;
     /* This process blocks SIGTERM, SIGINT and SIGHUP in its threads; the worker must not inherit that.
      * Each worker leads a process group of its own: a Ctrl-C at the terminal (SIGINT to the
@@ -788,7 +782,7 @@ static void *supervise(void *arg)
     for (;;) {
         pthread_mutex_lock(&sv->mu);
         bool stopping = sv->stopping;
-        double t = mono();
+        double t = strata_mono_s();
         for (int i = 0; i < sv->n && !stopping; i++) {
             local_worker *w = &sv->w[i];
             int status;
@@ -938,10 +932,10 @@ static void stop_workers(supervisor *sv)
      * SIGTERM to its group after TERM_AFTER_S, SIGKILL after KILL_AFTER_S. Whatever is left in
      * a group whose leader exited gets SIGKILL then (reap_exited). */
     enum { TERM_AFTER_S = 2, KILL_AFTER_S = 10 };
-    const double start = mono();
+    const double start = strata_mono_s();
     bool termed = false;
     for (;;) {
-        const double t = mono() - start;
+        const double t = strata_mono_s() - start;
         bool left = false;
         for (int i = 0; i < sv->n; i++) {
             local_worker *w = &sv->w[i];
@@ -1219,9 +1213,9 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
             else
                 fprintf(stderr, "%s: ready: serving %s on port %d\n", prog, o.model, api_server_port(api));
         }
-        const double before = mono();
+        const double before = strata_mono_s();
         sig = wait_stop_signal(1.0);
-        waited += mono() - before;
+        waited += strata_mono_s() - before;
         if (!is_ready && !sig && sv && failed_to_start(sv))
             break;
         if (!is_ready && !sig && waited >= (double)o.ready_timeout_s) {
@@ -1242,10 +1236,10 @@ int serve_main(int argc, char **argv, const char *prog, bool local)
                     sig == SIGINT ? "interrupted" : sig == SIGHUP ? "hangup" : "terminated", o.drain_s);
         /* In slices, so that a second signal (Ctrl-C again) ends the drain at once; the
          * zero-length wait lets a signal pending on this thread arrive. */
-        const double until = mono() + (double)o.drain_s;
+        const double until = strata_mono_s() + (double)o.drain_s;
         int left;
         bool cut = false;
-        while ((left = coord_drain(co, 100)) > 0 && mono() < until) {
+        while ((left = coord_drain(co, 100)) > 0 && strata_mono_s() < until) {
             (void)wait_stop_signal(0.0);
             if ((cut = stop_signals > 1))
                 break;

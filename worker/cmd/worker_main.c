@@ -20,6 +20,7 @@
 
 #include "kernels/ops.h"
 #include "kvstore/bytes.h"
+#include "kvstore/clock.h"
 #include "kvstore/error.h"
 #include "kvstore/numarg.h"
 #include "kvstore/seq_image.h"
@@ -218,13 +219,6 @@ static int send_step_result(ctl_client *cc, const stage_result *r, strata_error 
     return rc;
 }
 
-static double mono_seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static int send_kv_report(ctl_client *cc, const stage *st, strata_error *err)
 {
     stage_kv_usage u;
@@ -272,11 +266,11 @@ static volatile sig_atomic_t stop_requested;
 static int accept_peer(dp_listener *l, const dp_auth *auth, const dp_options *opts, int timeout_ms, const char *who,
                        dp_link **out, strata_error *err)
 {
-    const double deadline = mono_seconds() + timeout_ms / 1000.0;
+    const double deadline = strata_mono_s() + timeout_ms / 1000.0;
     for (;;) {
         if (stop_requested)
             return strata_fail(err, STRATA_EIO, "data plane: stopped by a signal while waiting for %s", who);
-        const int left_ms = (int)((deadline - mono_seconds()) * 1000.0);
+        const int left_ms = (int)((deadline - strata_mono_s()) * 1000.0);
         if (left_ms <= 0)
             return strata_fail(err, STRATA_EIO, "data plane: %s did not connect within %d s", who, timeout_ms / 1000);
         struct pollfd pending = {.fd = dp_listener_fd(l), .events = POLLIN};
@@ -507,14 +501,7 @@ static void *receive_loop(void *arg)
 /* The next message (STRATA_OK, *msg NULL after timeout_ms), or STRATA_EIO once the stream ended. */
 static int inbox_pop(inbox *in, int timeout_ms, Strata__Internal__V1__CoordinatorMessage **msg, strata_error *err)
 {
-    struct timespec until;
-    clock_gettime(CLOCK_REALTIME, &until);
-    until.tv_sec += timeout_ms / 1000;
-    until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (until.tv_nsec >= 1000000000L) {
-        until.tv_sec++;
-        until.tv_nsec -= 1000000000L;
-    }
+    const struct timespec until = strata_realtime_after_ms(timeout_ms);
     *msg = NULL;
     pthread_mutex_lock(&in->mu);
     while (in->head == in->tail && !in->ended)
@@ -805,7 +792,7 @@ int main(int argc, char **argv)
                 /* KV usage for the coordinator's stats: when sequences left or moved, else at most
                  * twice a second. */
                 const Strata__Internal__V1__StepPlan *p = msg->step_plan;
-                double t = mono_seconds();
+                double t = strata_mono_s();
                 if (p->n_free_seqs || p->n_preempt_seqs || p->n_resume_seqs || t - last_report >= 0.5) {
                     if (send_kv_report(cc, st, &err) != STRATA_OK) {
                         fprintf(stderr, "strata-worker %s: %s\n", o.name, err.msg);

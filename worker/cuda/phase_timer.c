@@ -1,5 +1,6 @@
 /* A forward step's time by phase, from CUDA events (phase_timer.h). */
 #include "worker/cuda/phase_timer.h"
+#include "kvstore/clock.h"
 #include "worker/cuda/cuda_fail.h"
 
 #include <cuda_runtime.h>
@@ -33,13 +34,6 @@ static const char *const phase_names[CUDA_PHASE_COUNT] = {
 const char *cuda_phase_name(cuda_phase p)
 {
     return (unsigned)p < CUDA_PHASE_COUNT ? phase_names[p] : "?";
-}
-
-static double host_now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 cuda_phase_timer *cuda_phase_timer_create(strata_error *err)
@@ -100,7 +94,7 @@ static void record(cuda_phase_timer *t, cuda_phase p)
         return;
     }
     t->phase[t->n] = p;
-    t->host_s[t->n] = host_now_s();
+    t->host_s[t->n] = strata_mono_s();
     t->n++;
 }
 
