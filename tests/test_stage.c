@@ -193,6 +193,24 @@ static void *run_accept(void *arg)
     return NULL;
 }
 
+/* One step of plan through the front stage s0 and the back stage s1 (in a thread of its own),
+ * both of which must run it; the front stage fails and samples nothing. *bj: the back stage's. */
+static void pipeline_step(stage *s0, stage *s1, const Strata__Internal__V1__StepPlan *plan, back_job *bj)
+{
+    *bj = (back_job){.st = s1, .plan = plan};
+    pthread_t th;
+    pthread_create(&th, NULL, run_back, bj);
+    stage_result r0;
+    strata_error err = {0};
+    const int rc = stage_step(s0, plan, &r0, &err);
+    pthread_join(th, NULL);
+    if (rc != STRATA_OK)
+        fail_msg("front stage, step %llu: %s", (unsigned long long)plan->step, err.msg);
+    if (bj->rc != STRATA_OK)
+        fail_msg("back stage, step %llu: %s", (unsigned long long)plan->step, bj->err.msg);
+    assert_int_equal(r0.n_seqs, 0);
+}
+
 /* A real authenticated TCP link on loopback: *to_back sends, aj->link (accepted) receives. */
 static void link_pair(accept_job *aj, dp_link **to_back)
 {
@@ -384,15 +402,8 @@ static void unfit_fails_alone(const stage_options *o)
         build_plan(&b, (uint64_t)step, seqs, 3, step, STEPS);
         if (!b.plan.n_seqs)
             break;
-        back_job bj = {.st = s1, .plan = &b.plan};
-        pthread_t th;
-        pthread_create(&th, NULL, run_back, &bj);
-        stage_result r0;
-        assert_int_equal(stage_step(s0, &b.plan, &r0, &err), STRATA_OK);
-        pthread_join(th, NULL);
-        if (bj.rc != STRATA_OK)
-            fail_msg("back stage, step %d: %s", step, bj.err.msg);
-        assert_int_equal(r0.n_seqs, 0);
+        back_job bj;
+        pipeline_step(s0, s1, &b.plan, &bj);
         if (step == 3) {
             assert_int_equal(b.plan.n_seqs, 3);
             assert_int_equal(b.plan.seqs[1]->seq_id, 2);   /* between the two: its rows sit in the middle */
@@ -463,15 +474,8 @@ static void test_rows_past_a_sequence_missing_here(void **state)
         if (step == 4)
             stage_drop_seq(s1, seqs[1].id);
         build_plan(&b, (uint64_t)step, seqs, 3, step, STEPS);
-        back_job bj = {.st = s1, .plan = &b.plan};
-        pthread_t th;
-        pthread_create(&th, NULL, run_back, &bj);
-        stage_result r0;
-        assert_int_equal(stage_step(s0, &b.plan, &r0, &err), STRATA_OK);
-        pthread_join(th, NULL);
-        if (bj.rc != STRATA_OK)
-            fail_msg("back stage, step %d: %s", step, bj.err.msg);
-        assert_int_equal(r0.n_seqs, 0);
+        back_job bj;
+        pipeline_step(s0, s1, &b.plan, &bj);
         if (step == 4) {
             assert_int_equal(b.plan.n_seqs, 3);
             assert_int_equal(b.plan.seqs[1]->seq_id, seqs[1].id);   /* its rows sit between the others' */

@@ -320,9 +320,9 @@ static void refused_both(const accept_job *server, int client_rc, const dp_link 
     assert_contains(cerr->msg, client_msg);
 }
 
-/* One connection to l that sends an 80-byte hello (given, or when reflect the acceptor's own
+/* One connection to l that sends n bytes (or, when reflect, the acceptor's own 80-byte hello
  * with the role byte turned to a connector's); the accept ends with rc and a message with want. */
-static void raw_hello_refused(dp_listener *l, const uint8_t *hello, bool reflect, int rc, const char *want)
+static void raw_refused(dp_listener *l, const void *bytes, size_t n, bool reflect, int rc, const char *want)
 {
     accept_job s = {.l = l, .auth = &auth_a, .timeout_ms = TIMEOUT};
     pthread_t t;
@@ -332,19 +332,19 @@ static void raw_hello_refused(dp_listener *l, const uint8_t *hello, bool reflect
     struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(dp_listener_port(l)),
                              .sin_addr.s_addr = htonl(0x7f000001)};
     assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
-    uint8_t out[80];
+    uint8_t hello[80];
     if (reflect) {
         size_t got = 0;
-        while (got < sizeof out) {
-            ssize_t r = recv(fd, out + got, sizeof out - got, 0);
+        while (got < sizeof hello) {
+            ssize_t r = recv(fd, hello + got, sizeof hello - got, 0);
             assert_true(r > 0);
             got += (size_t)r;
         }
-        out[6] = 0;
-    } else {
-        memcpy(out, hello, sizeof out);
+        hello[6] = 0;
+        bytes = hello;
+        n = sizeof hello;
     }
-    assert_int_equal(send(fd, out, sizeof out, MSG_NOSIGNAL), (ssize_t)sizeof out);
+    assert_int_equal(send(fd, bytes, n, MSG_NOSIGNAL), (ssize_t)n);
     assert_int_equal(pthread_join(t, NULL), 0);
     if (s.rc != rc || !strstr(s.err.msg, want))
         fail_msg("expected %d \"%s\", got %d \"%s\"", rc, want, s.rc, s.err.msg);
@@ -400,49 +400,28 @@ static void test_authentication(void **state)
     assert_null(link);
 
     /* A peer that is not a strata endpoint. */
-    s = (accept_job){.l = l, .auth = &auth_a, .timeout_ms = TIMEOUT};
-    pthread_t t;
-    assert_int_equal(pthread_create(&t, NULL, accept_main, &s), 0);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    assert_true(fd >= 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(dp_listener_port(l)),
-                             .sin_addr.s_addr = htonl(0x7f000001)};
-    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
     char junk[48];
     memset(junk, 'x', sizeof junk);
     memcpy(junk, "GET / HTTP/1.1\r\n", 16);
-    assert_int_equal(send(fd, junk, sizeof junk, MSG_NOSIGNAL), (ssize_t)sizeof junk);
-    assert_int_equal(pthread_join(t, NULL), 0);
-    assert_int_equal(s.rc, STRATA_EFORMAT);
-    assert_contains(s.err.msg, "not a strata data-plane endpoint");
-    close(fd);
+    raw_refused(l, junk, sizeof junk, false, STRATA_EFORMAT, "not a strata data-plane endpoint");
 
     /* A version 1 peer (48-byte hello, no encryption): refused, both versions named, without
      * waiting for the 32 bytes of a key it never sends. */
-    s = (accept_job){.l = l, .auth = &auth_a, .timeout_ms = TIMEOUT};
-    assert_int_equal(pthread_create(&t, NULL, accept_main, &s), 0);
-    fd = socket(AF_INET, SOCK_STREAM, 0);
-    assert_true(fd >= 0);
-    assert_int_equal(connect(fd, (struct sockaddr *)&sa, sizeof sa), 0);
-    uint8_t v1[48] = {'S', 'D', 'P', 'H', 1, 0, 0, 0, 0, 0, 0, 1};
-    assert_int_equal(send(fd, v1, sizeof v1, MSG_NOSIGNAL), (ssize_t)sizeof v1);
-    assert_int_equal(pthread_join(t, NULL), 0);
-    assert_int_equal(s.rc, STRATA_EFORMAT);
-    assert_contains(s.err.msg, "speaks data-plane version 1, this build 2");
-    close(fd);
+    const uint8_t v1[48] = {'S', 'D', 'P', 'H', 1, 0, 0, 0, 0, 0, 0, 1};
+    raw_refused(l, v1, sizeof v1, false, STRATA_EFORMAT, "speaks data-plane version 1, this build 2");
 
     /* Hellos of the right version that the acceptor refuses before any proof: another acceptor's
      * role, a purpose it does not know, room for no payload, and its own hello sent back with
      * the role turned (a reflection: the nonce is its own). */
     uint8_t hello[80] = {'S', 'D', 'P', 'H', 2, 0, 1, 0, 0, 0, 1};
-    raw_hello_refused(l, hello, false, STRATA_EFORMAT, "sent a bad hello (role 1, purpose 0)");
+    raw_refused(l, hello, sizeof hello, false, STRATA_EFORMAT, "sent a bad hello (role 1, purpose 0)");
     hello[6] = 0;
     hello[7] = DP_PURPOSE_MIGRATION + 1;
-    raw_hello_refused(l, hello, false, STRATA_EFORMAT, "sent a bad hello (role 0, purpose 3)");
+    raw_refused(l, hello, sizeof hello, false, STRATA_EFORMAT, "sent a bad hello (role 0, purpose 3)");
     hello[7] = DP_PURPOSE_ROWS;
     hello[10] = 0;
-    raw_hello_refused(l, hello, false, STRATA_EFORMAT, "accepts no payload (max 0)");
-    raw_hello_refused(l, NULL, true, STRATA_EINVAL, "echoed our nonce (reflection)");
+    raw_refused(l, hello, sizeof hello, false, STRATA_EFORMAT, "accepts no payload (max 0)");
+    raw_refused(l, NULL, 0, true, STRATA_EINVAL, "echoed our nonce (reflection)");
     dp_listener_close(l);
 }
 
