@@ -1127,6 +1127,37 @@ static void test_failed_prefix_copy_starts_over(void **state)
     fixture_stop(&fx);
 }
 
+/* A request waiting to start from a prefix entry (admitted while another request's copy of the
+ * entry is out, the step full) when that copy fails: the entry is gone, and the waiting request
+ * starts from 0 without trying it (one copy seen by the worker, not two); both complete. */
+static void test_lost_prefix_frees_waiting_requests(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start_limits(&fx, 1, 64, 0, (fixture_limits){.prefix_cache_bytes = 64u << 20, .max_batch_tokens = 8});
+    fake *w = fake_start(&fx, "w0", MIG_OK);
+    wait_ready(&fx);
+    gen_job a, b;
+    gen_run_prompt(&a, fx.ch, 40, 4);
+    assert_complete(&a);
+    WAIT_FOR(fake_int(w, &w->parks) == 1, 5000);
+    fake_set(w, &w->fail_prefix_copies);
+    fake_set_step_ms(w, 400);   /* the copy's step stays out while the second request waits */
+    gen_start_prompt(&a, fx.ch, 40, 4);
+    WAIT_FOR(fake_int(w, &w->prefix_copies) == 1, 5000);
+    gen_start_prompt(&b, fx.ch, 40, 4);   /* its 8 uncached tokens fill a step: it waits */
+    sleep_ms(100);
+    fake_set_step_ms(w, 10);
+    GEN_FINISH(&a, 10000);
+    GEN_FINISH(&b, 10000);
+    assert_complete(&a);
+    assert_complete(&b);
+    assert_int_equal(a.cached, 0);
+    assert_int_equal(b.cached, 0);
+    assert_int_equal(fake_int(w, &w->prefix_copies), 1);
+    fixture_stop(&fx);
+}
+
 /* A step that starts from a prefix entry and fails for a reason of its own (no room for the
  * copy: the worker does not set prefix_failed) ends that request with the worker's status, like
  * any request's failed step; the entry is not at fault and stays: the next request with that
@@ -1492,6 +1523,7 @@ int main(void)
         cmocka_unit_test(test_unsendable_step_ends_request),
         cmocka_unit_test(test_tiers_counted_by_the_larger),
         cmocka_unit_test(test_failed_prefix_copy_starts_over),
+        cmocka_unit_test(test_lost_prefix_frees_waiting_requests),
         cmocka_unit_test(test_failed_step_keeps_prefix),
         cmocka_unit_test(test_worker_failure_status),
         cmocka_unit_test(test_worker_bad_answers),
