@@ -538,8 +538,9 @@ static void complete_chunk(nvme_store *s, uint32_t b, int res)
     bool writing = r->kind == NVME_OP_WRITE && !r->readback;
     uint64_t off = r->loc.offset + (uint64_t)op->chunk * s->buf_bytes + op->done;
     uint32_t want = op->len - op->done;
-    uint8_t *at = r->zero_copy ? r->dst + (size_t)op->chunk * s->buf_bytes + op->done
-                               : s->staging + (size_t)b * s->buf_bytes + op->done;
+    uint8_t *at = writing       ? NULL
+                  : r->zero_copy ? r->dst + (size_t)op->chunk * s->buf_bytes + op->done
+                                 : s->staging + (size_t)b * s->buf_bytes + op->done;
     res = fault(s, writing ? NVME_OP_WRITE : NVME_OP_READ, r, r->loc.slab, off, want, at, res);
     bool chunk_done = false;
     if ((res == -EINTR || res == -EAGAIN) && ++op->retries <= NVME_MAX_RETRIES) {
