@@ -1146,7 +1146,7 @@ static void test_lost_prefix_frees_waiting_requests(void **state)
     gen_start_prompt(&a, fx.ch, 40, 4);
     WAIT_FOR(fake_int(w, &w->prefix_copies) == 1, 5000);
     gen_start_prompt(&b, fx.ch, 40, 4);   /* its 8 uncached tokens fill a step: it waits */
-    sleep_ms(100);
+    sleep_ms(100);   /* admitted meanwhile, pinned to the entry (later, it would find none: no failure) */
     fake_set_step_ms(w, 10);
     GEN_FINISH(&a, 10000);
     GEN_FINISH(&b, 10000);

@@ -194,7 +194,8 @@ static void *run_accept(void *arg)
 }
 
 /* One step of plan through the front stage s0 and the back stage s1 (in a thread of its own),
- * both of which must run it; the front stage fails and samples nothing. *bj: the back stage's. */
+ * both of which must run it; the front stage reports nothing (it samples none and fails none).
+ * *bj: the back stage's job, its results in bj->res. */
 static void pipeline_step(stage *s0, stage *s1, const Strata__Internal__V1__StepPlan *plan, back_job *bj)
 {
     *bj = (back_job){.st = s1, .plan = plan};
