@@ -57,7 +57,7 @@ typedef struct creq {
     size_t n_input;
     size_t sampled_before;
     uint32_t recoveries;
-    bool recovering;             /* lose_replica: its old sequence is finished, a new one follows */
+    bool recovering;             /* coord_lose_replica: its old sequence is finished, a new one follows */
     uint32_t last_token;
     text_stream ts;
     double t_accept, t_last;
