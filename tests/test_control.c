@@ -943,6 +943,118 @@ static void test_waiting_cap(void **state)
     h_finish(&h);
 }
 
+/* A server on the control method that is no coordinator of ours: it answers the first Attach
+ * with initial metadata and one message of the given bytes, then waits for the client to end
+ * the call. */
+typedef struct strange_coord {
+    grpc_server *srv;
+    grpc_completion_queue *cq;
+    int port;
+    const uint8_t *first;
+    size_t first_len;
+    pthread_t thread;
+} strange_coord;
+
+static void *strange_main(void *arg)
+{
+    strange_coord *sc = arg;
+    grpc_call *call = NULL;
+    grpc_call_details details;
+    grpc_metadata_array md;
+    grpc_call_details_init(&details);
+    grpc_metadata_array_init(&md);
+    if (grpc_server_request_call(sc->srv, &call, &details, &md, sc->cq, sc->cq, (void *)1) == GRPC_CALL_OK &&
+        grpc_completion_queue_next(sc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).success) {
+        grpc_slice sl = grpc_slice_from_copied_buffer((const char *)sc->first, sc->first_len);
+        grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&sl, 1);
+        int cancelled = 0;
+        grpc_op ops[3];
+        memset(ops, 0, sizeof ops);
+        ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+        ops[1].op = GRPC_OP_SEND_MESSAGE;
+        ops[1].data.send_message.send_message = bb;
+        ops[2].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+        ops[2].data.recv_close_on_server.cancelled = &cancelled;
+        if (grpc_call_start_batch(call, ops, 3, (void *)2, NULL) == GRPC_CALL_OK)
+            grpc_completion_queue_next(sc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);   /* the client ended it */
+        grpc_byte_buffer_destroy(bb);
+        grpc_slice_unref(sl);
+        grpc_call_unref(call);
+    }
+    grpc_call_details_destroy(&details);
+    grpc_metadata_array_destroy(&md);
+    return NULL;
+}
+
+static void strange_start(strange_coord *sc, const uint8_t *first, size_t first_len)
+{
+    memset(sc, 0, sizeof *sc);
+    sc->first = first;
+    sc->first_len = first_len;
+    grpc_init();   /* held until strange_stop: no server of ours holds gRPC meanwhile */
+    sc->cq = grpc_completion_queue_create_for_next(NULL);
+    sc->srv = grpc_server_create(NULL, NULL);
+    grpc_server_register_completion_queue(sc->srv, sc->cq, NULL);
+    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+    sc->port = grpc_server_add_http2_port(sc->srv, "127.0.0.1:0", creds);
+    grpc_server_credentials_release(creds);
+    assert_true(sc->port > 0);
+    grpc_server_start(sc->srv);
+    assert_int_equal(pthread_create(&sc->thread, NULL, strange_main, sc), 0);
+}
+
+static void strange_stop(strange_coord *sc)
+{
+    assert_int_equal(pthread_join(sc->thread, NULL), 0);
+    grpc_server_shutdown_and_notify(sc->srv, sc->cq, (void *)3);
+    grpc_server_cancel_all_calls(sc->srv);
+    grpc_completion_queue_shutdown(sc->cq);
+    while (grpc_completion_queue_next(sc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type != GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_server_destroy(sc->srv);
+    grpc_completion_queue_destroy(sc->cq);
+    grpc_shutdown();
+}
+
+/* A worker meets something other than a coordinator of its protocol at the control port: a
+ * first message that is no Challenge (an Admitted, as an older or foreign server might send),
+ * or bytes that are no CoordinatorMessage. It refuses at once, saying which, and never sends
+ * its Join. */
+static void test_client_refuses_a_strange_coordinator(void **state)
+{
+    (void)state;
+    Strata__Internal__V1__Admitted adm = STRATA__INTERNAL__V1__ADMITTED__INIT;
+    Strata__Internal__V1__CoordinatorMessage cm = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+    cm.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_ADMITTED;
+    cm.admitted = &adm;
+    uint8_t packed[64];
+    const size_t n = strata__internal__v1__coordinator_message__get_packed_size(&cm);
+    assert_true(n <= sizeof packed);
+    strata__internal__v1__coordinator_message__pack(&cm, packed);
+    static const uint8_t garbage[] = {0xff, 0xff, 0xff, 0x01, 0x02};
+    const struct {
+        const uint8_t *bytes;
+        size_t len;
+        const char *want;
+    } cases[] = {{packed, n, "did not open the stream with a Challenge"},
+                 {garbage, sizeof garbage, "undecodable CoordinatorMessage"}};
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        strange_coord sc;
+        strange_start(&sc, cases[i].bytes, cases[i].len);
+        ctl_client *c = NULL;
+        strata_error err = {0};
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        assert_int_equal(connect_worker(sc.port, "careful", SECRET, CTL_PROTOCOL_VERSION, &c, &err), STRATA_EIO);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        assert_null(c);
+        if (!strstr(err.msg, cases[i].want))
+            fail_msg("case %zu: %s", i, err.msg);
+        assert_true(t1.tv_sec - t0.tv_sec < 4);   /* at once, not after the 5 s connect timeout */
+        strange_stop(&sc);
+    }
+}
+
 /* ---- 2000 messages each way, two peers at once ---- */
 
 #define N_ORDER 2000
@@ -1743,6 +1855,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(test_join_refusals),
         cmocka_unit_test(test_join_deadline),
         cmocka_unit_test(test_waiting_cap),
+        cmocka_unit_test(test_client_refuses_a_strange_coordinator),
         cmocka_unit_test(test_secret_proofs),
         cmocka_unit_test(test_order_two_peers),
         cmocka_unit_test(test_big_messages),
