@@ -944,16 +944,32 @@ static void test_waiting_cap(void **state)
 }
 
 /* A server on the control method that is no coordinator of ours: it answers the first Attach
- * with initial metadata and one message of the given bytes, then waits for the client to end
- * the call. */
+ * with initial metadata and one message of the given bytes; with `then`, it reads one message
+ * of the client's (its Join) and sends those bytes next; then it waits for the client to end the
+ * call. */
 typedef struct strange_coord {
     grpc_server *srv;
     grpc_completion_queue *cq;
     int port;
-    const uint8_t *first;
-    size_t first_len;
+    const uint8_t *first, *then;
+    size_t first_len, then_len;
     pthread_t thread;
 } strange_coord;
+
+/* One message of n bytes on call (a batch of its own, waited for). */
+static void strange_send(strange_coord *sc, grpc_call *call, const uint8_t *bytes, size_t n)
+{
+    grpc_slice sl = grpc_slice_from_copied_buffer((const char *)bytes, n);
+    grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&sl, 1);
+    grpc_op op;
+    memset(&op, 0, sizeof op);
+    op.op = GRPC_OP_SEND_MESSAGE;
+    op.data.send_message.send_message = bb;
+    if (grpc_call_start_batch(call, &op, 1, (void *)4, NULL) == GRPC_CALL_OK)
+        grpc_completion_queue_next(sc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+    grpc_byte_buffer_destroy(bb);
+    grpc_slice_unref(sl);
+}
 
 static void *strange_main(void *arg)
 {
@@ -965,20 +981,29 @@ static void *strange_main(void *arg)
     grpc_metadata_array_init(&md);
     if (grpc_server_request_call(sc->srv, &call, &details, &md, sc->cq, sc->cq, (void *)1) == GRPC_CALL_OK &&
         grpc_completion_queue_next(sc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).success) {
-        grpc_slice sl = grpc_slice_from_copied_buffer((const char *)sc->first, sc->first_len);
-        grpc_byte_buffer *bb = grpc_raw_byte_buffer_create(&sl, 1);
+        grpc_op op;
+        memset(&op, 0, sizeof op);
+        op.op = GRPC_OP_SEND_INITIAL_METADATA;
+        if (grpc_call_start_batch(call, &op, 1, (void *)2, NULL) == GRPC_CALL_OK)
+            grpc_completion_queue_next(sc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        strange_send(sc, call, sc->first, sc->first_len);
+        if (sc->then) {
+            grpc_byte_buffer *join = NULL;
+            memset(&op, 0, sizeof op);
+            op.op = GRPC_OP_RECV_MESSAGE;
+            op.data.recv_message.recv_message = &join;
+            if (grpc_call_start_batch(call, &op, 1, (void *)5, NULL) == GRPC_CALL_OK)
+                grpc_completion_queue_next(sc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+            if (join)
+                grpc_byte_buffer_destroy(join);
+            strange_send(sc, call, sc->then, sc->then_len);
+        }
         int cancelled = 0;
-        grpc_op ops[3];
-        memset(ops, 0, sizeof ops);
-        ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
-        ops[1].op = GRPC_OP_SEND_MESSAGE;
-        ops[1].data.send_message.send_message = bb;
-        ops[2].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
-        ops[2].data.recv_close_on_server.cancelled = &cancelled;
-        if (grpc_call_start_batch(call, ops, 3, (void *)2, NULL) == GRPC_CALL_OK)
+        memset(&op, 0, sizeof op);
+        op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+        op.data.recv_close_on_server.cancelled = &cancelled;
+        if (grpc_call_start_batch(call, &op, 1, (void *)3, NULL) == GRPC_CALL_OK)
             grpc_completion_queue_next(sc->cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);   /* the client ended it */
-        grpc_byte_buffer_destroy(bb);
-        grpc_slice_unref(sl);
         grpc_call_unref(call);
     }
     grpc_call_details_destroy(&details);
@@ -986,11 +1011,14 @@ static void *strange_main(void *arg)
     return NULL;
 }
 
-static void strange_start(strange_coord *sc, const uint8_t *first, size_t first_len)
+static void strange_start(strange_coord *sc, const uint8_t *first, size_t first_len, const uint8_t *then,
+                          size_t then_len)
 {
     memset(sc, 0, sizeof *sc);
     sc->first = first;
     sc->first_len = first_len;
+    sc->then = then;
+    sc->then_len = then_len;
     grpc_init();   /* held until strange_stop: no server of ours holds gRPC meanwhile */
     sc->cq = grpc_completion_queue_create_for_next(NULL);
     sc->srv = grpc_server_create(NULL, NULL);
@@ -1040,7 +1068,7 @@ static void test_client_refuses_a_strange_coordinator(void **state)
                  {garbage, sizeof garbage, "undecodable CoordinatorMessage"}};
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         strange_coord sc;
-        strange_start(&sc, cases[i].bytes, cases[i].len);
+        strange_start(&sc, cases[i].bytes, cases[i].len, NULL, 0);
         ctl_client *c = NULL;
         strata_error err = {0};
         struct timespec t0, t1;
@@ -1053,6 +1081,30 @@ static void test_client_refuses_a_strange_coordinator(void **state)
         assert_true(t1.tv_sec - t0.tv_sec < 4);   /* at once, not after the 5 s connect timeout */
         strange_stop(&sc);
     }
+
+    /* A server that sends a Challenge, takes the Join, then bytes that are no message where the
+     * coordinator's proof (Admitted) is due: not trusted, the first receive says so. */
+    uint8_t nonce[PROTO_CONTROL_NONCE_BYTES] = {9};
+    Strata__Internal__V1__Challenge ch = STRATA__INTERNAL__V1__CHALLENGE__INIT;
+    ch.nonce = (ProtobufCBinaryData){sizeof nonce, nonce};
+    cm = (Strata__Internal__V1__CoordinatorMessage)STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+    cm.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_CHALLENGE;
+    cm.challenge = &ch;
+    const size_t nc = strata__internal__v1__coordinator_message__get_packed_size(&cm);
+    assert_true(nc <= sizeof packed);
+    strata__internal__v1__coordinator_message__pack(&cm, packed);
+    strange_coord sc;
+    strange_start(&sc, packed, nc, garbage, sizeof garbage);
+    ctl_client *c = NULL;
+    strata_error err = {0};
+    assert_int_equal(connect_worker(sc.port, "careful", SECRET, CTL_PROTOCOL_VERSION, &c, &err), STRATA_OK);
+    Strata__Internal__V1__CoordinatorMessage *m = NULL;
+    assert_int_equal(ctl_client_recv(c, 5000, &m, &err), STRATA_EIO);
+    assert_null(m);
+    if (!strstr(err.msg, "did not prove that it holds the cluster secret (no Admitted message before others)"))
+        fail_msg("%s", err.msg);
+    ctl_client_close(c);
+    strange_stop(&sc);
 }
 
 /* ---- 2000 messages each way, two peers at once ---- */
