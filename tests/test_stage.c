@@ -193,6 +193,16 @@ static void *run_accept(void *arg)
     return NULL;
 }
 
+/* The two stages and their link (link_pair's ends and listener). */
+static void pipeline_free(stage *s0, stage *s1, dp_link *to_back, accept_job *aj)
+{
+    stage_destroy(s0);
+    stage_destroy(s1);
+    dp_link_close(to_back);
+    dp_link_close(aj->link);
+    dp_listener_close(aj->l);
+}
+
 /* One step of plan through the front stage s0 and the back stage s1 (in a thread of its own),
  * both of which must run it; the front stage reports nothing (it samples none and fails none).
  * *bj: the back stage's job, its results in bj->res. */
@@ -359,11 +369,7 @@ static void two_stages(const stage_options *o)
         other_sampled |= bj.res.seqs[k].seq_id == seqs[1].id && bj.res.seqs[k].sampled;
     assert_true(other_sampled);
 
-    stage_destroy(s0);
-    stage_destroy(s1);
-    dp_link_close(to_back);
-    dp_link_close(aj.link);
-    dp_listener_close(aj.l);
+    pipeline_free(s0, s1, to_back, &aj);
 }
 
 /* One sequence that does not fit the back stage's KV pool (a 150-token prompt joining two short
@@ -431,11 +437,7 @@ static void unfit_fails_alone(const stage_options *o)
                 fail_msg("sequence %llu token %d: %d beside the unfit one, %d alone", (unsigned long long)seqs[i].id, k,
                          seqs[i].got[k], seqs[i].want[k]);
     }
-    stage_destroy(s0);
-    stage_destroy(s1);
-    dp_link_close(to_back);
-    dp_link_close(aj.link);
-    dp_listener_close(aj.l);
+    pipeline_free(s0, s1, to_back, &aj);
 }
 
 static void test_unfit_sequence_fails_alone(void **state)
@@ -486,11 +488,7 @@ static void pipeline_with_drop(const stage_options *o, seq_spec *seqs, int drop_
         }
         apply(&bj.res, seqs, 3, &b);
     }
-    stage_destroy(s0);
-    stage_destroy(s1);
-    dp_link_close(to_back);
-    dp_link_close(aj.link);
-    dp_listener_close(aj.l);
+    pipeline_free(s0, s1, to_back, &aj);
 }
 
 /* The others' tokens past a sequence missing on the back stage are those they have without the
