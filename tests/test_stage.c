@@ -239,6 +239,19 @@ static void link_pair(accept_job *aj, dp_link **to_back)
     assert_int_equal(aj->rc, STRATA_OK);
 }
 
+/* A front stage (assignment a0, sending) and a back stage (a1, receiving) of options o, joined by
+ * link_pair's link. */
+static void pipeline_new(const Strata__Internal__V1__Assignment *a0, const Strata__Internal__V1__Assignment *a1,
+                         const stage_options *o, accept_job *aj, dp_link **to_back, stage **s0, stage **s1)
+{
+    strata_error err = {0};
+    link_pair(aj, to_back);
+    if (!(*s0 = stage_create(a0, pick(front, o), o, NULL, *to_back, &err)))
+        fail_msg("front stage: %s", err.msg);
+    if (!(*s1 = stage_create(a1, pick(back, o), o, aj->link, NULL, &err)))
+        fail_msg("back stage: %s", err.msg);
+}
+
 /* Two stages over a TCP link, with two of the three sequences on plans of their own (one that
  * differs across the stages' layers), each against the whole model on that plan on the CPU.
  * o NULL: the CPU, whose tokens equal the whole model's bit for bit. With o->cuda (a GPU, or the
@@ -259,20 +272,14 @@ static void two_stages(const stage_options *o)
         reference(&seqs[i], STEPS, seqs[i].kv ? seqs[i].kv : kv);
     }
     strata_error err = {0};
-    accept_job aj;
-    dp_link *to_back;
-    link_pair(&aj, &to_back);
     pthread_t th;
-
     Strata__Internal__V1__Assignment a0 = assignment(front, kv), a1 = assignment(back, kv);
     a0.n_kv_plans = a1.n_kv_plans = 2;
     a0.kv_plans = a1.kv_plans = others;
-    stage *s0 = stage_create(&a0, pick(front, o), o, NULL, to_back, &err);
-    if (!s0)
-        fail_msg("%s", err.msg);
-    stage *s1 = stage_create(&a1, pick(back, o), o, aj.link, NULL, &err);
-    if (!s1)
-        fail_msg("%s", err.msg);
+    accept_job aj;
+    dp_link *to_back;
+    stage *s0, *s1;
+    pipeline_new(&a0, &a1, o, &aj, &to_back, &s0, &s1);
     plan_buf b;
     for (int step = 1; step <= STEPS + 3; step++) {
         build_plan(&b, (uint64_t)step, seqs, 3, step, STEPS);
@@ -390,20 +397,14 @@ static void unfit_fails_alone(const stage_options *o)
             seqs[i].prompt[k] = (int32_t)(2 + (k * 4211 + i * 977) % 40000);
     reference(&seqs[0], STEPS, kv);
     reference(&seqs[2], STEPS, kv);
-    strata_error err = {0};
-    accept_job aj;
-    dp_link *to_back;
-    link_pair(&aj, &to_back);
     Strata__Internal__V1__Assignment a0 = assignment(front, kv), a1 = assignment(back, kv);
     a1.device_kv_bytes = 20 * 49280;   /* 20 blocks of 64 fp16 tokens; the long prompt needs 2 x 15 */
     if (gpu)   /* a GPU pool takes a budget below max_seq_tokens only over a tier; this one holds 4 blocks */
         a1.host_kv_bytes = 256 * 1024;
-    stage *s0 = stage_create(&a0, pick(front, o), o, NULL, to_back, &err);
-    if (!s0)
-        fail_msg("%s", err.msg);
-    stage *s1 = stage_create(&a1, pick(back, o), o, aj.link, NULL, &err);
-    if (!s1)
-        fail_msg("%s", err.msg);
+    accept_job aj;
+    dp_link *to_back;
+    stage *s0, *s1;
+    pipeline_new(&a0, &a1, o, &aj, &to_back, &s0, &s1);
     plan_buf b;
     for (int step = 1; step <= STEPS + 2; step++) {
         build_plan(&b, (uint64_t)step, seqs, 3, step, STEPS);
@@ -453,17 +454,11 @@ static void test_unfit_sequence_fails_alone(void **state)
 static void pipeline_with_drop(const stage_options *o, seq_spec *seqs, int drop_step)
 {
     const char *kv = "kivi4";
-    strata_error err = {0};
+    Strata__Internal__V1__Assignment a0 = assignment(front, kv), a1 = assignment(back, kv);
     accept_job aj;
     dp_link *to_back;
-    link_pair(&aj, &to_back);
-    Strata__Internal__V1__Assignment a0 = assignment(front, kv), a1 = assignment(back, kv);
-    stage *s0 = stage_create(&a0, pick(front, o), o, NULL, to_back, &err);
-    if (!s0)
-        fail_msg("%s", err.msg);
-    stage *s1 = stage_create(&a1, pick(back, o), o, aj.link, NULL, &err);
-    if (!s1)
-        fail_msg("%s", err.msg);
+    stage *s0, *s1;
+    pipeline_new(&a0, &a1, o, &aj, &to_back, &s0, &s1);
     plan_buf b;
     for (int step = 1; step <= STEPS; step++) {
         if (step == drop_step)
