@@ -405,7 +405,11 @@ static raw_conn raw_open_at(const char *host, int port, const char *method)
     snprintf(addr, sizeof addr, "%s:%d", host, port);
     raw_conn k;
     grpc_channel_credentials *creds = grpc_insecure_credentials_create();
-    k.ch = grpc_channel_create(addr, creds, NULL);
+    /* A connection of its own (gRPC would otherwise share one among channels to one address):
+     * strangers' streams then come from many client ports, as a stranger's would. */
+    grpc_arg own = {.type = GRPC_ARG_INTEGER, .key = (char *)GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, .value.integer = 1};
+    grpc_channel_args args = {1, &own};
+    k.ch = grpc_channel_create(addr, creds, &args);
     grpc_channel_credentials_release(creds);
     k.cq = grpc_completion_queue_create_for_pluck(NULL);
     gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_REALTIME), gpr_time_from_millis(5000, GPR_TIMESPAN));
@@ -879,9 +883,11 @@ static bool ipv6_loopback(void)
     return ok;
 }
 
-/* At most 3 streams of one host wait for their Join: a fourth ends that host's oldest with
- * RESOURCE_EXHAUSTED (reported), a worker still joins past strangers that fill the cap, and the
- * streams of another host (IPv6 loopback, when there is one) are left alone. */
+/* At most 3 streams of one host wait for their Join, each stream on a connection of its own (the
+ * key is the host, not the client port): a fourth ends that host's oldest with RESOURCE_EXHAUSTED
+ * (reported), a worker still joins past strangers that fill the cap, and the streams of another
+ * host (IPv6 loopback, when there is one, whose address gRPC writes "ipv6:%5B::1%5D:PORT") are
+ * left alone, and capped the same way among themselves. */
 static void test_waiting_cap(void **state)
 {
     (void)state;
@@ -897,13 +903,22 @@ static void test_waiting_cap(void **state)
     ctl_server *s = start_server(&h, &cfg);
     int port = ctl_server_port(s);
 
-    raw_conn other[3];
-    for (int i = 0; v6 && i < 3; i++)
+    raw_conn other[4];
+    for (int i = 0; v6 && i < 4; i++)
         other[i] = quiet_stream("[::1]", port);
+    raw_result r;
+    if (v6) {   /* the fourth of ::1 pushed out the first of ::1 */
+        raw_finish(&other[0], true, &r);
+        assert_int_equal(r.status, GRPC_STATUS_RESOURCE_EXHAUSTED);
+        assert_non_null(strstr(r.details, "3 control streams from ipv6:"));
+        pthread_mutex_lock(&h.mu);
+        assert_true(WAIT_UNTIL(&h, h.refused == 1, 5000));
+        h.refused = 0;
+        pthread_mutex_unlock(&h.mu);
+    }
     raw_conn quiet[4];
     for (int i = 0; i < 4; i++)
         quiet[i] = quiet_stream("127.0.0.1", port);
-    raw_result r;
     raw_finish(&quiet[0], true, &r);
     assert_int_equal(r.status, GRPC_STATUS_RESOURCE_EXHAUSTED);
     assert_string_equal(r.details, "3 control streams from ipv4:127.0.0.1 were waiting for their Join (the limit): "
@@ -929,7 +944,7 @@ static void test_waiting_cap(void **state)
         assert_int_equal(r.status, GRPC_STATUS_INVALID_ARGUMENT);
         assert_string_equal(r.details, "control stream closed before a Join");
     }
-    for (int i = 0; v6 && i < 3; i++) {
+    for (int i = 1; v6 && i < 4; i++) {
         raw_finish(&other[i], true, &r);
         assert_int_equal(r.status, GRPC_STATUS_INVALID_ARGUMENT);
         assert_string_equal(r.details, "control stream closed before a Join");
