@@ -507,8 +507,9 @@ static void peer_close_done(proto_tag *t, bool success)
     peer_put(p);
 }
 
-/* The host part of a gRPC peer address ("ipv4:10.0.0.7:41234" -> "ipv4:10.0.0.7", "ipv6:[::1]:5"
- * -> "ipv6:[::1]"): the port differs for every connection of one client. */
+/* The host part of a gRPC peer address ("ipv4:10.0.0.7:41234" -> "ipv4:10.0.0.7",
+ * "ipv6:%5B::1%5D:5" -> "ipv6:%5B::1%5D", gRPC percent-encoding the brackets): the port differs
+ * for every connection of one client. (kvstore/hostport.h's parser takes "[::1]:5", not this.) */
 static void host_of(const char *addr, char *out, size_t cap)
 {
     snprintf(out, cap, "%s", addr);
@@ -518,7 +519,7 @@ static void host_of(const char *addr, char *out, size_t cap)
     for (const char *d = colon + 1; *d; d++)
         if (*d < '0' || *d > '9')
             return;
-    if (colon > out && colon[-1] != ':')   /* "ipv4:1.2.3.4:5", "ipv6:[::1]:5"; not "unix:" or "x::5" */
+    if (colon > out && colon[-1] != ':')   /* "ipv4:1.2.3.4:5", "ipv6:%5B::1%5D:5"; not "unix:" or "x::5" */
         *colon = '\0';
 }
 
