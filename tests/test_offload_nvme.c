@@ -3,7 +3,9 @@
  * verification, and every fault: injected EIO, ENOSPC and short reads/writes, a failed
  * fdatasync, a real ENOSPC on a 1 MiB tmpfs (skipped when mount is not permitted), corrupted
  * bytes on disk (ECRC naming the block), bad directories, a full budget, bad arguments. After
- * each failure the store keeps serving other blocks. */
+ * each failure the store keeps serving other blocks. And io_uring_enter refusing submissions for
+ * good (a seccomp filter), after which the store fails what the kernel never took and refuses
+ * new work. */
 #include <errno.h>
 #include <fcntl.h>
 #include <setjmp.h>
@@ -13,8 +15,15 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <pthread.h>
 #include <sys/mount.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
@@ -1096,6 +1105,143 @@ static void test_buffered(void **state)
     tmp_clean(&t);
 }
 
+/* ---- io_uring_enter refused for good ---- */
+
+#if defined(__x86_64__)
+#define TEST_AUDIT_ARCH AUDIT_ARCH_X86_64
+#elif defined(__aarch64__)
+#define TEST_AUDIT_ARCH AUDIT_ARCH_AARCH64
+#endif
+
+/* From now on, in the calling thread only, every io_uring_enter that submits (to_submit > 0)
+ * fails with EINVAL, as the kernel's would for good; waits still run. A seccomp filter: the real
+ * system call fails, nothing in the store is replaced. Returns false where filters are not
+ * allowed or the architecture is not known here. */
+static bool refuse_io_uring_submits(void)
+{
+#ifdef TEST_AUDIT_ARCH
+    struct sock_filter code[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, TEST_AUDIT_ARCH, 1, 0),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_enter, 1, 0),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+        /* to_submit is an unsigned int: the low half of the argument (little-endian) */
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, args) + sizeof(uint64_t)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, 0, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EINVAL & SECCOMP_RET_DATA)),
+    };
+    struct sock_fprog prog = {.len = sizeof code / sizeof code[0], .filter = code};
+    return prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) == 0;
+#else
+    return false;
+#endif
+}
+
+typedef struct ring_refused_run {
+    const char *dir;
+    bool filtered;
+    int filter_errno;            /* why not */
+    char setup[600];             /* what failed before the filter, if anything */
+    int write_status;            /* the write submitted after the filter */
+    char write_msg[sizeof((strata_error){0}.msg)];
+    int inflight_read_status;    /* the read the kernel took before the filter */
+    bool inflight_read_equal;
+    int next_submit_status;      /* a write asked for afterwards */
+    char next_submit_msg[sizeof((strata_error){0}.msg)];
+    size_t pending_after;
+} ring_refused_run;
+
+/* The store belongs to one thread, and the filter stays with the thread that installs it: the
+ * whole run is this thread's, the checks the test's (a cmocka failure must not unwind here). */
+static void *ring_refused_thread(void *arg)
+{
+    ring_refused_run *r = arg;
+    nvme_store_options o;
+    nvme_store_options_init(&o, r->dir, 8u << 20);
+    o.staging_buf_bytes = 4096;   /* a block is several operations */
+    strata_error err = {0};
+    nvme_store *st = nvme_store_create(&o, &err);
+    size_t a_size, b_size;
+    uint8_t *a = ob_varied_block(2, 1, &a_size), *b = ob_varied_block(3, 1, &b_size);
+    uint8_t *back = a ? malloc(a_size) : NULL;
+    nvme_loc a_loc, b_loc;
+    uint64_t read_ticket = 0, write_ticket = 0;
+    nvme_completion c;
+    if (!st || !b || !back) {
+        snprintf(r->setup, sizeof r->setup, "setup: %s", st ? "out of memory" : err.msg);
+        goto out;
+    }
+    if (nvme_store_write(st, a, a_size, 1, &a_loc, &err) != STRATA_OK ||
+        nvme_store_submit_read(st, &a_loc, back, a_size, 2, &read_ticket, &err) != STRATA_OK) {
+        snprintf(r->setup, sizeof r->setup, "before the filter: %s", err.msg);
+        goto out;
+    }
+    nvme_store_poll(st, &c, 0);   /* the read's operations go to the kernel */
+    r->filtered = refuse_io_uring_submits();
+    r->filter_errno = errno;
+    if (!r->filtered) {
+        nvme_store_wait_ticket(st, read_ticket, &c);
+        goto out;
+    }
+    if (nvme_store_submit_write(st, b, b_size, 3, &write_ticket, &b_loc, &err) != STRATA_OK) {
+        snprintf(r->setup, sizeof r->setup, "the write was refused at once: %s", err.msg);
+        nvme_store_wait_ticket(st, read_ticket, &c);
+        goto out;
+    }
+    r->write_status = nvme_store_wait_ticket(st, write_ticket, &c);
+    snprintf(r->write_msg, sizeof r->write_msg, "%s", c.err.msg);
+    r->inflight_read_status = nvme_store_wait_ticket(st, read_ticket, &c);
+    r->inflight_read_equal = memcmp(back, a, a_size) == 0;
+    uint64_t t;
+    r->next_submit_status = nvme_store_submit_write(st, b, b_size, 4, &t, &b_loc, &err);
+    snprintf(r->next_submit_msg, sizeof r->next_submit_msg, "%s", err.msg);
+    r->pending_after = nvme_store_pending(st);
+out:
+    if (st)
+        nvme_store_destroy(st);
+    free(a);
+    free(b);
+    free(back);
+    return NULL;
+}
+
+/* io_uring_enter refusing submissions for good (the kernel's EINVAL, by a seccomp filter): the
+ * operations prepared for the kernel are taken back and their write fails saying why, instead of
+ * waiting forever for operations the kernel never took; a read the kernel took before completes
+ * with the right bytes; the store refuses new work at once with the same reason; destroy ends
+ * it cleanly. */
+static void test_ring_refused_for_good(void **state)
+{
+    (void)state;
+    tmp t;
+    tmp_make(&t);
+    ring_refused_run r = {.dir = t.dir};
+    pthread_t th;
+    assert_int_equal(pthread_create(&th, NULL, ring_refused_thread, &r), 0);
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += 60;
+    if (pthread_timedjoin_np(th, NULL, &deadline) != 0)
+        fail_msg("the run did not end in 60 s (the store waits for operations the kernel never took?)");
+    tmp_clean(&t);
+    if (r.setup[0])
+        fail_msg("%s", r.setup);
+    if (!r.filtered) {
+        print_message("skipped: a seccomp filter could not be installed here (%s)\n", strerror(r.filter_errno));
+        skip();
+    }
+    assert_int_equal(r.write_status, STRATA_EIO);
+    assert_non_null(strstr(r.write_msg, "io_uring_enter failed (Invalid argument); the store's ring is unusable"));
+    assert_int_equal(r.inflight_read_status, STRATA_OK);
+    assert_true(r.inflight_read_equal);
+    assert_int_equal(r.next_submit_status, STRATA_EIO);
+    assert_non_null(strstr(r.next_submit_msg, "refused: io_uring_enter failed"));
+    assert_int_equal(r.pending_after, 0);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1121,6 +1267,7 @@ int main(void)
         cmocka_unit_test(test_bad_directories),
         cmocka_unit_test(test_enospc_tmpfs),
         cmocka_unit_test(test_buffered),
+        cmocka_unit_test(test_ring_refused_for_good),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
