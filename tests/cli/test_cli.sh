@@ -100,6 +100,25 @@ a, b = (json.load(open(f))["results"] for f in sys.argv[1:3])
 assert [[r[k] for k in ("kl", "ppl", "top1")] for r in a] == [[r[k] for k in ("kl", "ppl", "top1")] for r in b], (a, b)
 assert b[1]["tier_evictions"] > 0 and b[1]["nvme_spills"] > 0, b[1]
 PY
+# A text whose name is no UTF-8 (jansson refuses such strings, and a refused value drops its key):
+# the JSON still has "text", the byte as U+FFFD
+weird="$tmp/t"$'\xff'".txt"
+cp "$tmp/text.txt" "$weird"
+"$strata" eval --text "$weird" --prefill 260 --tokens 1 -q --json --kv kivi2 --threads 1 >"$tmp/ev-name.json" \
+  2>"$tmp/err" || fail "eval of a text named in no UTF-8: $(cat "$tmp/err")"
+python3 - "$tmp/ev-name.json" <<'PY' || fail "eval JSON of a text named in no UTF-8"
+import json, sys
+ev = json.load(open(sys.argv[1], encoding="utf-8"))
+assert ev["text"].endswith("/t\ufffd.txt"), ev.get("text")
+PY
+# calibrate's help says the plan found does not depend on the tiers: the search above again,
+# its runs' KV through a device pool of a few blocks, host memory and NVMe
+"$strata" calibrate --text "$tmp/text.txt" --budget 5000 --out "$tmp/plan-tiers.txt" --candidates kivi2,kivi4 \
+  --prefill 200 --tokens 2 --device-kv-mib 0.2 --host-kv-mib 0.25 --nvme-dir "$tmp/spill" >/dev/null 2>"$tmp/err" ||
+  fail "calibrate with tiers: $(cat "$tmp/err")"
+cmp -s "$tmp/plan.txt" "$tmp/plan-tiers.txt" || fail "calibrate with tiers: another plan: $(diff "$tmp/plan.txt" "$tmp/plan-tiers.txt")"
+grep -Eq "KV tiers over [0-9]+ runs: [1-9][0-9]* device evictions, .*NVMe: [1-9][0-9]* spills" "$tmp/err" ||
+  fail "calibrate with tiers moved no block: $(cat "$tmp/err")"
 
 # A model that rotates only part of each head with RoPE is refused, not run wrongly: the default
 # model's llama.rope.dimension_count (u32 64) patched to 32 in a copy
