@@ -4,7 +4,8 @@
  * run alone through model_forward in this process. Then a worker is killed mid-generation: the
  * coordinator side sees it gone (UNAVAILABLE) within seconds and the other worker's next step
  * fails cleanly instead of hanging. Also: a worker with the wrong cluster secret is refused, and
- * a worker let go in the middle of a long step exits within --exit-timeout. */
+ * a worker let go in the middle of a long step exits within --exit-timeout, and a worker given its
+ * messages out of order answers or leaves, as each calls for. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
@@ -36,7 +37,7 @@ static const char *model_path(void) { return getenv("STRATA_MODEL") ? getenv("ST
 
 /* What the control server's threads hand to the test thread. */
 typedef struct event {
-    int kind;            /* 1 join, 2 step result, 3 kv report, 4 gone */
+    int kind;            /* 1 join, 2 step result, 3 kv report, 4 gone, 5 migrate done */
     ctl_peer *peer;
     uint64_t step;
     size_t n;
@@ -108,6 +109,11 @@ static void on_message(void *ctx, ctl_peer *peer, const Strata__Internal__V1__Wo
         }
     } else if (msg->kind_case == STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_KV_REPORT) {
         e.kind = 3;
+    } else if (msg->kind_case == STRATA__INTERNAL__V1__WORKER_MESSAGE__KIND_MIGRATE_DONE) {
+        e.kind = 5;
+        e.ids[0] = msg->migrate_done->seq_id;
+        e.status[0] = msg->migrate_done->status;
+        snprintf(e.why, sizeof e.why, "%s", msg->migrate_done->message ? msg->migrate_done->message : "");
     } else {
         return;
     }
@@ -499,12 +505,86 @@ static void test_rows_wait_follows_step_timeout(void **state)
     unlink(secret_file);
 }
 
+/* Waits up to timeout_s for pid to exit; its wait status, or -1 (then it is killed). */
+static int exit_status_within(pid_t pid, double timeout_s)
+{
+    const double t0 = now_s();
+    int status = 0;
+    pid_t got;
+    while ((got = waitpid(pid, &status, WNOHANG)) == 0 && now_s() - t0 < timeout_s)
+        usleep(50 * 1000);
+    if (got == pid)
+        return status;
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    return -1;
+}
+
+static void send_bare(ctl_peer *p, Strata__Internal__V1__CoordinatorMessage *m)
+{
+    strata_error err = {0};
+    if (ctl_peer_send(p, m, &err) != STRATA_OK)
+        fail_msg("send: %s", err.msg);
+}
+
+/* A coordinator that sends its messages out of order (a bug, or a coordinator of another build):
+ * a migration before the assignment is answered with its error and the worker stays; a second
+ * assignment, or a step plan before the first, makes the worker leave (exit status 1) rather
+ * than run a step on no layers or on layers it was not given. */
+static void test_messages_out_of_order(void **state)
+{
+    (void)state;
+    hub h = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    char addr[64], secret_file[] = "/tmp/strata-secret-XXXXXX";
+    ctl_server *srv = start_control(&h, addr, secret_file);
+    event ev;
+
+    pid_t pid = spawn_worker(addr, secret_file, "twice");
+    assert_true(wait_event(&h, 1, 30, &ev));
+    ctl_peer *peer = ev.peer;
+    char data_addr[128];
+    snprintf(data_addr, sizeof data_addr, "%s", ev.data_addr);
+    char *addrs[1] = {data_addr};
+    Strata__Internal__V1__Migrate mg = STRATA__INTERNAL__V1__MIGRATE__INIT;
+    mg.seq_id = 7;
+    Strata__Internal__V1__CoordinatorMessage m = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__INIT;
+    m.kind_case = STRATA__INTERNAL__V1__COORDINATOR_MESSAGE__KIND_MIGRATE;
+    m.migrate = &mg;
+    send_bare(peer, &m);
+    assert_true(wait_event(&h, 5, 30, &ev));
+    assert_int_equal(ev.ids[0], 7);
+    assert_int_equal(ev.status[0], STRATA_EINVAL);
+    assert_string_equal(ev.why, "a migration before the assignment");
+    send_assignment_of(peer, 0, 1, 0, 30, addrs, 256);
+    assert_true(wait_event(&h, 3, 60, &ev));   /* ready: the migration left it serving */
+    send_assignment_of(peer, 0, 1, 0, 30, addrs, 256);
+    assert_true(wait_event(&h, 4, 30, &ev));
+    int status = exit_status_within(pid, 15);
+    assert_true(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 1);
+    ctl_peer_unref(peer);
+
+    pid = spawn_worker(addr, secret_file, "early");
+    assert_true(wait_event(&h, 1, 30, &ev));
+    peer = ev.peer;
+    seq_state one = {.id = 1, .n_prompt = 3, .prompt = {1, 2, 3}};
+    ctl_peer *alone[2] = {peer, NULL};
+    assert_int_equal(send_plan(alone, 1, &one, 1), STRATA_OK);
+    assert_true(wait_event(&h, 4, 30, &ev));
+    assert_false(wait_event(&h, 2, 0, &ev));   /* no step result */
+    status = exit_status_within(pid, 15);
+    assert_true(status != -1 && WIFEXITED(status) && WEXITSTATUS(status) == 1);
+    ctl_peer_unref(peer);
+    ctl_server_shutdown(srv);
+    unlink(secret_file);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_two_worker_processes),
         cmocka_unit_test(test_let_go_mid_step_exits),
         cmocka_unit_test(test_rows_wait_follows_step_timeout),
+        cmocka_unit_test(test_messages_out_of_order),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
