@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "coordinator/cli/cli.h"
+#include "coordinator/config/config_file.h"
 #include "kvstore/numarg.h"
 
 #define DEFAULT_HOST_MIB_WITH_NVME 64.0
@@ -48,8 +49,9 @@ void cli_tier_usage(FILE *out)
             "      --nvme-dir DIR      spill directory of the NVMe tier (created 0700; slab files\n"
             "                          0600, deleted at exit; written and read with io_uring)\n"
             "      --nvme-kv-mib N     NVMe tier budget in MiB (default %g with --nvme-dir)\n"
-            "      --config FILE       JSON object with any of the keys device_kv_mib, host_kv_mib,\n"
-            "                          nvme_dir, nvme_kv_mib (flags win over the file)\n",
+            "      --config FILE       JSON object (a YAML mapping when FILE ends in .yaml or .yml)\n"
+            "                          with any of the keys device_kv_mib, host_kv_mib, nvme_dir,\n"
+            "                          nvme_kv_mib (flags win over the file)\n",
             DEFAULT_HOST_MIB_WITH_NVME, DEFAULT_NVME_MIB);
 }
 
@@ -96,23 +98,16 @@ static int config_mib(const char *cmd, const char *path, json_t *root, const cha
 static int read_config(const char *cmd, cli_tier_opts *o)
 {
     static const char *const known[] = {"device_kv_mib", "host_kv_mib", "nvme_dir", "nvme_kv_mib"};
-    struct stat st;
-    if (stat(o->config, &st) == 0 && S_ISDIR(st.st_mode)) {   /* jansson reads it as empty text */
-        fprintf(stderr, "strata %s: --config %s: is a directory, not a JSON file\n", cmd, o->config);
-        return EXIT_USAGE;
-    }
-    json_error_t jerr;
-    json_t *root = json_load_file(o->config, JSON_REJECT_DUPLICATES, &jerr);
+    char why[300];
+    json_t *root = config_file_load(o->config, why, sizeof why);
     if (!root) {
-        if (jerr.line > 0)
-            fprintf(stderr, "strata %s: --config %s: line %d: %s\n", cmd, o->config, jerr.line, jerr.text);
-        else  /* not a parse error: the file could not be opened or read */
-            fprintf(stderr, "strata %s: --config %s: %s\n", cmd, o->config, jerr.text);
+        fprintf(stderr, "strata %s: --config %s: %s\n", cmd, o->config, why);
         return EXIT_USAGE;
     }
     int rc = 0;
     if (!json_is_object(root)) {
-        fprintf(stderr, "strata %s: --config %s: the file must hold one JSON object\n", cmd, o->config);
+        fprintf(stderr, "strata %s: --config %s: the file must hold one %s\n", cmd, o->config,
+                config_file_is_yaml(o->config) ? "mapping" : "JSON object");
         rc = EXIT_USAGE;
     }
     const char *key;

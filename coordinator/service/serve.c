@@ -19,6 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "coordinator/config/config_file.h"
 #include "coordinator/control/control_server.h"
 #include "coordinator/metrics/http.h"
 #include "coordinator/metrics/metrics.h"
@@ -69,7 +70,8 @@ static void usage(FILE *out, const char *prog, bool local)
                      "its control endpoint with the cluster secret. SIGTERM, SIGINT or SIGHUP drains and stops.\n\n");
     fprintf(out,
             "  --config FILE           JSON object whose keys are these options' names with '_' for '-'\n"
-            "                          (\"max_seqs\": 16, \"quiet\": true); flags override it\n"
+            "                          (\"max_seqs\": 16, \"quiet\": true), or the same as a YAML mapping\n"
+            "                          when FILE ends in .yaml or .yml (max_seqs: 16); flags override it\n"
             "  -m, --model PATH        GGUF model (default: $STRATA_MODEL or %s)\n"
             "  --listen HOST:PORT      public API (default %s; port 0: any free port)\n"
             "  --control HOST:PORT     worker endpoint (default %s; no TLS: keep it on a private\n"
@@ -266,23 +268,15 @@ static bool apply(const char *prog, serve_opts *o, int id, const char *flag, con
     return false;
 }
 
-/* Reads the JSON config: every key must name an option; values are strings or integers ("quiet":
+/* Reads the config (JSON or YAML, config_file.h): every key must name an option; values are strings or integers ("quiet":
  * true or false). *root (kept alive by the caller) owns every string the options point to: the
  * document, and the integers written out as strings. */
 static bool load_config(const char *prog, const char *path, serve_opts *o, bool local, json_t **root)
 {
-    struct stat st;
-    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
-        fprintf(stderr, "%s: --config %s: is a directory, not a JSON file\n", prog, path);
-        return false;
-    }
-    json_error_t je;
-    json_t *doc = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
+    char why[300];
+    json_t *doc = config_file_load(path, why, sizeof why);
     if (!doc) {
-        if (je.line > 0)
-            fprintf(stderr, "%s: --config %s: line %d: %s\n", prog, path, je.line, je.text);
-        else  /* not a parse error: the file could not be opened or read */
-            fprintf(stderr, "%s: --config %s: %s\n", prog, path, je.text);
+        fprintf(stderr, "%s: --config %s: %s\n", prog, path, why);
         return false;
     }
     *root = json_array();
@@ -292,7 +286,8 @@ static bool load_config(const char *prog, const char *path, serve_opts *o, bool 
         return false;
     }
     if (!json_is_object(doc)) {
-        fprintf(stderr, "%s: --config %s: the top level must be a JSON object\n", prog, path);
+        fprintf(stderr, "%s: --config %s: the top level must be %s\n", prog, path,
+                config_file_is_yaml(path) ? "a mapping of option names" : "a JSON object");
         return false;
     }
     const char *key;

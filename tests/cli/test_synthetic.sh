@@ -148,7 +148,7 @@ printf '{"block_tokens": 7, "max_seqs": 4}' >"$tmp/block.json"
 serve_bad "does not divide block_tokens 7" --config "$tmp/block.json"
 printf '{"quiet": 1}' >"$tmp/quiet.json"
 serve_bad "key 'quiet' must be true or false" --config "$tmp/quiet.json"
-serve_bad "is a directory, not a JSON file" --config "$tmp"
+serve_bad "is a directory, not a config file" --config "$tmp"
 serve_bad "config $tmp/none.json: unable to open" --config "$tmp/none.json"
 printf '{"max_seqs": 4, "max-seqs": 8}' >"$tmp/twice.json"
 serve_bad "key 'max-seqs' sets --max-seqs a second time" --config "$tmp/twice.json"
@@ -162,6 +162,20 @@ printf '{"stagse": 2}' >"$tmp/typo.json"
 serve_bad "config $tmp/typo.json: unknown key 'stagse'" --config "$tmp/typo.json"
 printf '{"stages": [2]}' >"$tmp/list.json"
 serve_bad "config $tmp/list.json: key 'stages' must be a string or a number" --config "$tmp/list.json"
+# The same from YAML (a name ending in .yaml or .yml): its values reach the options, its
+# errors name their line
+printf 'block_tokens: 7   # no divisor\nmax_seqs: 4\n' >"$tmp/block.yaml"
+serve_bad "does not divide block_tokens 7" --config "$tmp/block.yaml"
+printf 'stages: 2\nstagse: 2\n' >"$tmp/typo.yaml"
+serve_bad "config $tmp/typo.yaml: unknown key 'stagse'" --config "$tmp/typo.yaml"
+printf 'stages: 2\nstages: 3\n' >"$tmp/dup.yml"
+serve_bad "config $tmp/dup.yml: line 2: duplicate key 'stages'" --config "$tmp/dup.yml"
+printf -- '- stages\n' >"$tmp/list.yaml"
+serve_bad "config $tmp/list.yaml: the top level must be a mapping of option names" --config "$tmp/list.yaml"
+printf 'stages:\n  - 2\n' >"$tmp/seq.yaml"
+serve_bad "config $tmp/seq.yaml: key 'stages' must be a string or a number" --config "$tmp/seq.yaml"
+printf 'quiet: yes\n' >"$tmp/yes.yaml"
+serve_bad "key 'quiet' must be true or false" --config "$tmp/yes.yaml"
 serve_bad "--config given twice" --config "$tmp/one-stage.json" --config "$tmp/one-stage.json"
 serve_bad "unexpected argument 'extra' (try --help)" extra
 serve_bad "--tls-cert and --tls-key go together" --tls-cert "$tmp/one-stage.json"
@@ -173,7 +187,7 @@ serve_bad "--token-file $tmp/empty-token is empty" --token-file "$tmp/empty-toke
 expect 2 "--secret-file is required" timeout 60 "$(dirname "$strata")/strata-coordinator" --listen 127.0.0.1:0 \
   --model synthetic:tiny
 expect 2 "config $tmp/none.json: unable to open" "$strata" generate --model synthetic:tiny -p hi --config "$tmp/none.json"
-expect 2 "config $tmp: is a directory, not a JSON file" "$strata" generate --model synthetic:tiny -p hi --config "$tmp"
+expect 2 "config $tmp: is a directory, not a config file" "$strata" generate --model synthetic:tiny -p hi --config "$tmp"
 printf '{"metrics": 9, "quiet": true}' >"$tmp/metrics.json"
 expect 2 "metrics address '9': expected HOST:PORT" \
   timeout 60 "$strata" serve --listen 127.0.0.1:0 --model synthetic:tiny:seed=4 --config "$tmp/metrics.json"

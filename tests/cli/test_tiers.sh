@@ -37,7 +37,7 @@ grep -q "a larger --device-kv-mib, or a tier below it" "$tmp/err" || fail "no hi
 mib_of() { sed -n 's/.*(total \([0-9.]*\) MiB;.*/\1/p' "$1" | tail -1; }
 
 # Every codec in the normal build; under the sanitizers (about 10x slower here) two that cover the
-# config file and a codec with extra sections: the tier code paths they run are the same, and
+# config files (JSON, YAML) and a codec with extra sections: the tier code paths they run are the same, and
 # the per-codec equality is the normal build's job.
 codecs="fp16 kivi2 kivi4 gear2 ott2 tada"
 [ "${STRATA_SANITIZED:-0}" = 1 ] && codecs="kivi4 gear2"
@@ -49,6 +49,11 @@ for kv in $codecs; do
     # the same budgets through the config file
     printf '{"device_kv_mib": %s, "host_kv_mib": 0.5, "nvme_dir": "%s", "nvme_kv_mib": 64}\n' "$device" "$tmp/spill" > "$tmp/tiers.json"
     tiers=(--config "$tmp/tiers.json")
+  elif [ "$kv" = gear2 ]; then
+    # and through a YAML config file
+    printf '# the tiers of this run\ndevice_kv_mib: %s\nhost_kv_mib: 0.5\nnvme_dir: %s\nnvme_kv_mib: 64\n' \
+      "$device" "$tmp/spill" > "$tmp/tiers.yaml"
+    tiers=(--config "$tmp/tiers.yaml")
   else
     tiers=(--device-kv-mib "$device" --host-kv-mib 0.5 --nvme-dir "$tmp/spill" --nvme-kv-mib 64)
   fi
