@@ -26,6 +26,7 @@ typedef struct yaml_reader {
     size_t cap;
 } yaml_reader;
 
+__attribute__((format(printf, 3, 4)))
 static json_t *refuse(yaml_reader *r, const yaml_node_t *n, const char *fmt, ...)
 {
     char what[200];

@@ -268,9 +268,9 @@ static bool apply(const char *prog, serve_opts *o, int id, const char *flag, con
     return false;
 }
 
-/* Reads the config (JSON or YAML, config_file.h): every key must name an option; values are strings or integers ("quiet":
- * true or false). *root (kept alive by the caller) owns every string the options point to: the
- * document, and the integers written out as strings. */
+/* Reads the config (JSON or YAML, config_file.h): every key must name an option; values are
+ * strings or numbers ("quiet": true or false). *root (kept alive by the caller) owns every string
+ * the options point to: the document, and the numbers written out as strings. */
 static bool load_config(const char *prog, const char *path, serve_opts *o, bool local, json_t **root)
 {
     char why[300];
