@@ -1509,6 +1509,41 @@ static void test_lone_replica_waits_for_rebuild(void **state)
     fixture_stop(&fx);
 }
 
+/* With no wait for a rebuild (recovery_wait_ms 0, the fixture's default) a lone replica that loses
+ * its worker ends its running request (the worker lost) and its queued one (no replica serving)
+ * at once with UNAVAILABLE, each saying why, instead of holding them for a worker that may never
+ * come; a worker joining afterwards serves new requests. */
+static void test_lone_replica_lost_without_wait(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start_limits(&fx, 1, 8, 0, (fixture_limits){.max_recoveries = 1});
+    fake *w = fake_start(&fx, "w0", MIG_OK);
+    wait_ready(&fx);
+    fake_set_step_ms(w, 20);
+    gen_job a, b;
+    gen_start(&a, fx.ch, 60);
+    WAIT_FOR(gen_tokens(&a) >= 3, 10000);
+    gen_start_prompt(&b, fx.ch, PROMPT_TOKENS, 120);   /* does not fit beside a: waits */
+    sleep_ms(100);
+    assert_int_equal(gen_tokens(&b), 0);
+    fake_set(w, &w->kill);
+    const int64_t lost_at = now_ms();
+    GEN_FINISH(&a, 10000);
+    GEN_FINISH(&b, 10000);
+    assert_true(now_ms() - lost_at < 5000);
+    if (!gen_unavailable(&a) || !strstr(a.error_message, "worker w0 (replica 0, stage 0) lost"))
+        fail_msg("running request: status %d (%s), error %u (%s)", a.status, a.details, a.error, a.error_message);
+    if (!gen_unavailable(&b) || !strstr(b.details, "no replica is serving: every replica lost a worker"))
+        fail_msg("queued request: status %d (%s), error %u (%s)", b.status, b.details, b.error, b.error_message);
+    fake_start(&fx, "w0-again", MIG_OK);
+    wait_ready(&fx);   /* the replica rebuilt */
+    gen_job c;
+    gen_start(&c, fx.ch, 8);
+    GEN_COMPLETE(&c, 10000);
+    fixture_stop(&fx);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1536,6 +1571,7 @@ int main(void)
         cmocka_unit_test(test_lost_replica_takes_no_queued_request),
         cmocka_unit_test(test_drain_target_lost_before_move),
         cmocka_unit_test(test_lone_replica_waits_for_rebuild),
+        cmocka_unit_test(test_lone_replica_lost_without_wait),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
