@@ -230,8 +230,12 @@ static void *fake_main(void *arg)
         }
         Strata__Internal__V1__CoordinatorMessage *m = NULL;
         int rc = ctl_client_recv(cli, 20, &m, &err);
-        if (rc == STRATA_EIO)
+        if (rc == STRATA_EIO) {
+            pthread_mutex_lock(&f->mu);
+            snprintf(f->error, sizeof f->error, "recv: %s", err.msg);
+            pthread_mutex_unlock(&f->mu);
             break;
+        }
         if (!m)
             continue;
         bool stop = false;
@@ -433,21 +437,28 @@ static uint64_t fp16_rows_bytes(size_t blocks)
     return (uint64_t)row * blocks;
 }
 
-static fake *fake_start(fixture *fx, const char *name, mig_mode mig)
+/* A scripted worker offering the KV memory given ({0}: what the coordinator grants). */
+static fake *fake_start_offering(fixture *fx, const char *name, mig_mode mig, const uint64_t offer[3])
 {
     assert_true(fx->n_fakes < MAX_FAKES);
     fake *f = &fx->fakes[fx->n_fakes++];
     memset(f, 0, sizeof *f);
     snprintf(f->name, sizeof f->name, "%s", name);
     f->port = ctl_server_port(fx->ctl);
-    f->device_kv_bytes = fx->device_kv_bytes;
-    f->host_kv_bytes = fx->host_kv_bytes;
-    f->nvme_kv_bytes = fx->nvme_kv_bytes;
+    const bool given = offer[0] || offer[1] || offer[2];
+    f->device_kv_bytes = given ? offer[0] : fx->device_kv_bytes;
+    f->host_kv_bytes = given ? offer[1] : fx->host_kv_bytes;
+    f->nvme_kv_bytes = given ? offer[2] : fx->nvme_kv_bytes;
     f->step_ms = 10;
     f->mig = mig;
     pthread_mutex_init(&f->mu, NULL);
     assert_int_equal(pthread_create(&f->thread, NULL, fake_main, f), 0);
     return f;
+}
+
+static fake *fake_start(fixture *fx, const char *name, mig_mode mig)
+{
+    return fake_start_offering(fx, name, mig, (const uint64_t[3]){0, 0, 0});
 }
 
 /* What most tests leave at its default (0). */
@@ -1544,6 +1555,39 @@ static void test_lone_replica_lost_without_wait(void **state)
     fixture_stop(&fx);
 }
 
+/* A worker offering less KV memory of any tier than the coordinator grants every worker is
+ * refused at its Join, the message naming the tier, both sizes and the flag; one offering
+ * enough then joins and serves. */
+static void test_join_refused_for_less_memory(void **state)
+{
+    (void)state;
+    fixture fx;
+    fixture_start_limits(&fx, 1, 8, 4, (fixture_limits){.nvme_blocks = 16});
+    const uint64_t d = fx.device_kv_bytes, h = fx.host_kv_bytes, n = fx.nvme_kv_bytes;
+    static const char *const want[3] = {"of device KV memory; the coordinator grants",
+                                        "of host KV memory; the coordinator grants",
+                                        "of NVMe KV space; the coordinator grants"};
+    static const char *const flag[3] = {"--device-kv-mib", "--host-kv-mib", "--nvme-kv-mib"};
+    const uint64_t offers[3][3] = {{d - 1, h, n}, {d, h - 1, n}, {d, h, n - 1}};
+    for (int t = 0; t < 3; t++) {
+        char name[16];
+        snprintf(name, sizeof name, "short%d", t);
+        fake *f = fake_start_offering(&fx, name, MIG_OK, offers[t]);
+        WAIT_FOR(fake_bool(f, &f->ended), 10000);
+        pthread_mutex_lock(&f->mu);
+        bool ok = strstr(f->error, want[t]) && strstr(f->error, flag[t]);
+        pthread_mutex_unlock(&f->mu);
+        if (!ok)
+            fail_msg("offer %d: \"%s\"", t, f->error);
+    }
+    fake_start(&fx, "enough", MIG_OK);
+    wait_ready(&fx);
+    gen_job a;
+    gen_start(&a, fx.ch, 8);
+    GEN_COMPLETE(&a, 10000);
+    fixture_stop(&fx);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1572,6 +1616,7 @@ int main(void)
         cmocka_unit_test(test_drain_target_lost_before_move),
         cmocka_unit_test(test_lone_replica_waits_for_rebuild),
         cmocka_unit_test(test_lone_replica_lost_without_wait),
+        cmocka_unit_test(test_join_refused_for_less_memory),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
