@@ -1,5 +1,6 @@
 """Every program's --help is true to its parser: each option --help lists is accepted, and each
-option in the program's getopt table is either named by --help or refused by the program.
+option in the program's getopt table is either named by --help or refused by the program. And
+the README's option tables name only options some program's --help lists.
 
 usage: test_help.py BUILD_DIR SOURCE_DIR
 
@@ -77,6 +78,7 @@ def run(argv):
 def main():
     macros = option_macros()
     problems = []
+    everywhere = {}   # every option some program's --help lists
     for argv, sources in PROGRAMS:
         name = " ".join(os.path.basename(a) for a in argv)
         code, out, err = run(argv + ["--help"])
@@ -87,6 +89,7 @@ def main():
         if code_h != 0 or out_h != out:
             problems.append(f"{name} -h: exit {code_h}, not the text of --help")
         listed = {m.group(1): bool(m.group(2)) for m in ENTRY.finditer(out)}
+        everywhere.update(listed)
         accepted = table(sources, macros)
         if not accepted:
             problems.append(f"{name}: no option table found in {sources}")
@@ -107,6 +110,14 @@ def main():
             if not UNKNOWN.search(err):
                 problems.append(f"{name}: --{opt} is accepted but --help does not name it (exit {code})")
         print(f"{name}: {len(listed)} options listed, {len(accepted)} in its table: checked")
+    # The README's option tables (first column) name only options some program lists.
+    named = set()
+    for line in read("README.md").splitlines():
+        if line.startswith("| `-"):
+            named |= set(re.findall(r"--([a-z0-9-]+)", line.split("|")[1]))
+    for opt in sorted(named - set(everywhere)):
+        problems.append(f"README.md's option tables name --{opt}, which no program's --help lists")
+    print(f"README.md: {len(named)} options in its tables: checked")
     problems += SANITIZER_REPORTS
     if problems:
         print("\n".join(problems))
