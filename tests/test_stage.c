@@ -771,6 +771,21 @@ static void test_gpu_stage(void **state)
         assert_int_equal(err.code, STRATA_EINVAL);
         if (!strstr(err.msg, "one slot size") || !strstr(err.msg, "--host-kv-mib"))
             fail_msg("%s", err.msg);
+        /* A budget that cannot hold one sequence of max_seq_tokens (512: 8 blocks a layer) is
+         * refused at the start, saying what it holds and needs: all its blocks without a tier
+         * below, one layer's and the one forming over a host tier. */
+        Strata__Internal__V1__Assignment small = assignment(full, "fp16");
+        small.device_kv_bytes = 100 * 49280;
+        assert_null(stage_create(&small, full_dev, &o, NULL, NULL, &err));
+        if (err.code != STRATA_EINVAL || !strstr(err.msg, "holds 100 blocks of 49280 bytes; a 512-token sequence needs") ||
+            !strstr(err.msg, "without a host tier below"))
+            fail_msg("no tier: %s", err.msg);
+        small.device_kv_bytes = 5 * 49280;
+        small.host_kv_bytes = 8u << 20;
+        assert_null(stage_create(&small, full_dev, &o, NULL, NULL, &err));
+        if (err.code != STRATA_EINVAL || !strstr(err.msg, "holds 5 blocks") ||
+            !strstr(err.msg, "(one layer's blocks and the one forming)"))
+            fail_msg("over a host tier: %s", err.msg);
         het.host_kv_bytes = 8u << 20;
         stage *ok = stage_create(&het, full_dev, &o, NULL, NULL, &err);
         if (!ok)
