@@ -103,7 +103,7 @@ def main():
                 problems.append(f"{name}: --help shows --{opt} {'with' if takes_arg else 'without'} an argument, "
                                 "the parser the other way")
         for opt, takes_arg in sorted(accepted.items()):
-            if re.search(r"--%s\b" % re.escape(opt), out):
+            if re.search(r"--%s(?![a-z0-9-])" % re.escape(opt), out):   # not --kv for --kv-codecs
                 continue
             given = [f"--{opt}"] + (["1"] if takes_arg else [])
             code, _, err = run(argv + given + ["--help"])
