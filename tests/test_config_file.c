@@ -1,8 +1,8 @@
 /* Config files (coordinator/config/config_file.h): a YAML file and the JSON file of the same
  * settings read into equal documents (checked with jansson's own json_equal); how YAML's plain
  * and quoted scalars become values; and each refusal with its line: syntax, a duplicate key, a
- * key that is a list, a second document, nesting too deep, an alias bomb; a directory, a missing
- * file, a JSON syntax error. */
+ * key that is a list, a second document, a NUL inside a value or a key, nesting too deep, an alias bomb;
+ * a directory, a missing file, a JSON syntax error. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -131,6 +131,9 @@ static void test_refusals(void **state)
     load_refused("dup.yaml", "stages: 2\nkv: kivi2\nstages: 3\n", "line 3: duplicate key 'stages'");
     load_refused("listkey.yaml", "? [a, b]\n: 1\n", "line 1: a key must be a plain name");
     load_refused("two.yaml", "stages: 2\n---\nstages: 3\n", "line 3: a second YAML document");
+    /* A double-quoted "\0" is a NUL inside the value: C strings would cut it there, silently. */
+    load_refused("nul.yaml", "kv: kivi2\nnvme_dir: \"/tmp/a\\0b\"\n", "line 2: a value holds a NUL character");
+    load_refused("nulkey.yaml", "kv: kivi2\n\"stages\\0x\": 2\n", "line 2: a key holds a NUL character");
     load_refused("dup.json", "{\"stages\": 2, \"stages\": 3}", "line 1: duplicate object key");
     load_refused("syntax.json", "{\"stages\": 2,\n \"kv\": }", "line 2: ");
 }

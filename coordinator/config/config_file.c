@@ -115,6 +115,10 @@ static json_t *convert(yaml_reader *r, yaml_node_t *n, int depth)
                 return refuse(r, k, "a key must be a plain name, not a list or a mapping");
             }
             const char *key = (const char *)k->data.scalar.value;
+            if (strlen(key) != k->data.scalar.length) {   /* "stages\0x" would read as stages */
+                json_decref(o);
+                return refuse(r, k, "a key holds a NUL character");
+            }
             if (json_object_get(o, key)) {
                 json_decref(o);
                 return refuse(r, k, "duplicate key '%s'", key);

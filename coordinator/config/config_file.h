@@ -6,8 +6,9 @@
  * sequences. A plain scalar becomes true/false, null (null, ~ or nothing), an integer, a finite
  * real or else a string; a quoted scalar is always a string ("8080" stays text). Refused, with
  * the line: a syntax error, a key that is not a scalar, a key given twice (as JSON's duplicate
- * keys are), more than one document, nesting deeper than 64, more than 100,000 values (an alias
- * bomb). An empty file, or one of comments only, sets nothing. */
+ * keys are), a NUL character (a quoted "\0") in a key or value, more than one document, nesting
+ * deeper than 64, more than 100,000 values (an alias bomb). An empty file, or one of comments
+ * only, sets nothing. */
 #ifndef STRATA_COORDINATOR_CONFIG_FILE_H
 #define STRATA_COORDINATOR_CONFIG_FILE_H
 
