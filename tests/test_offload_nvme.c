@@ -23,11 +23,11 @@
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <cmocka.h>
 
+#include "kvstore/clock.h"
 #include "offload/nvme_store.h"
 #include "tests/offload_blocks.h"
 #include "test_dir.h"
@@ -1221,9 +1221,7 @@ static void test_ring_refused_for_good(void **state)
     ring_refused_run r = {.dir = t.dir};
     pthread_t th;
     assert_int_equal(pthread_create(&th, NULL, ring_refused_thread, &r), 0);
-    struct timespec deadline;
-    clock_gettime(CLOCK_REALTIME, &deadline);
-    deadline.tv_sec += 60;
+    const struct timespec deadline = strata_realtime_after_ms(60000);
     if (pthread_timedjoin_np(th, NULL, &deadline) != 0)
         fail_msg("the run did not end in 60 s (the store waits for operations the kernel never took?)");
     tmp_clean(&t);

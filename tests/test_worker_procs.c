@@ -26,6 +26,7 @@
 #include <cmocka.h>
 
 #include "coordinator/control/control_server.h"
+#include "kvstore/clock.h"
 #include "kvstore/plan.h"
 #include "worker/model.h"
 
@@ -392,11 +393,19 @@ static void test_two_worker_processes(void **state)
     unlink(bad_file);
 }
 
-static double now_s(void)
+/* Waits up to timeout_s for pid to exit; its wait status, or -1 (then it is killed). */
+static int exit_status_within(pid_t pid, double timeout_s)
 {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+    const double t0 = strata_mono_s();
+    int status = 0;
+    pid_t got;
+    while ((got = waitpid(pid, &status, WNOHANG)) == 0 && strata_mono_s() - t0 < timeout_s)
+        usleep(50 * 1000);
+    if (got == pid)
+        return status;
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+    return -1;
 }
 
 /* A worker whose coordinator lets it go while it is deep in a step (as when --step-timeout ends a
@@ -442,17 +451,11 @@ static void test_let_go_mid_step_exits(void **state)
     free(toks);
     sleep(1);   /* the step is under way */
     ctl_peer_close(peer, 14, "step timeout of this test");
-    const double closed = now_s();
-    int status = 0;
-    pid_t got = 0;
-    while ((got = waitpid(pid, &status, WNOHANG)) == 0 && now_s() - closed < 15)
-        usleep(50 * 1000);
-    const double took = now_s() - closed;
-    if (got == 0) {
-        kill(pid, SIGKILL);
-        waitpid(pid, &status, 0);
+    const double closed = strata_mono_s();
+    const int status = exit_status_within(pid, 15);
+    const double took = strata_mono_s() - closed;
+    if (status == -1)
         fail_msg("the worker was still running %.1f s after its link was closed", took);
-    }
     assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 1);
     assert_true(took < 10);
     ctl_peer_unref(peer);
@@ -487,10 +490,10 @@ static void test_rows_wait_follows_step_timeout(void **state)
     assert_true(wait_event(&h, 3, 60, &ev));
     seq_state one = {.id = 1, .n_prompt = 5, .prompt = {1, 2, 3, 4, 5}};
     ctl_peer *last_only[2] = {NULL, peers[1]};
-    const double sent = now_s();
+    const double sent = strata_mono_s();
     assert_int_equal(send_plan(last_only, 1, &one, 1), STRATA_OK);
     assert_true(wait_event(&h, 4, 30, &ev));   /* the last stage leaves: no rows came */
-    const double took = now_s() - sent;
+    const double took = strata_mono_s() - sent;
     assert_ptr_equal(ev.peer, peers[1]);
     if (took < 1.5 || took > 10)
         fail_msg("the last stage left %.1f s after the step (its wait: 2 s)", took);
@@ -503,21 +506,6 @@ static void test_rows_wait_follows_step_timeout(void **state)
     ctl_peer_unref(j1.peer);
     ctl_server_shutdown(srv);
     unlink(secret_file);
-}
-
-/* Waits up to timeout_s for pid to exit; its wait status, or -1 (then it is killed). */
-static int exit_status_within(pid_t pid, double timeout_s)
-{
-    const double t0 = now_s();
-    int status = 0;
-    pid_t got;
-    while ((got = waitpid(pid, &status, WNOHANG)) == 0 && now_s() - t0 < timeout_s)
-        usleep(50 * 1000);
-    if (got == pid)
-        return status;
-    kill(pid, SIGKILL);
-    waitpid(pid, &status, 0);
-    return -1;
 }
 
 static void send_bare(ctl_peer *p, Strata__Internal__V1__CoordinatorMessage *m)
